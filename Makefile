@@ -1,0 +1,74 @@
+# memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
+# Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
+# under clang), fuzz (bounded fuzzing of the parsers), bench (benchmark programs), cuda-probe.
+
+CC      ?= cc
+CXX     ?= c++
+CLANG   ?= clang
+OPT     ?= -O2
+WARN    := -Wall -Wextra -Wpedantic -Werror
+CFLAGS  ?= $(OPT) -g
+CSTD    := -std=c99
+LDLIBS  := -lm -lpthread
+HDRS    := memanat.h $(wildcard src/*.h)
+TESTSRC := test/main.c $(wildcard test/test_*.c)
+BENCHES := $(patsubst bench/%.c,build/%,$(wildcard bench/*.c))
+
+# OpenMP when the compiler has it (the reference ops use it; the build works without it).
+OPENMP  := $(shell echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
+NVCC    := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+
+.PHONY: all test sanitize cxx clang fuzz bench cuda-probe check clean
+
+all: memanat cuda-probe
+
+memanat: memanat.c $(HDRS) $(wildcard src/*.c)
+	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ memanat.c $(LDLIBS)
+
+build:
+	@mkdir -p build
+
+build/test_all: $(TESTSRC) test/harness.h $(HDRS) | build
+	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ $(TESTSRC) $(LDLIBS)
+
+test: memanat build/test_all
+	./build/test_all
+
+build/test_asan: $(TESTSRC) test/harness.h $(HDRS) | build
+	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
+
+sanitize: memanat build/test_asan
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/test_asan
+
+# The header compiles as C++ (nvcc compiles the CUDA backend as C++).
+cxx: test/cxx_check.cpp $(HDRS) | build
+	$(CXX) -std=c++11 $(OPT) $(WARN) -o build/cxx_check test/cxx_check.cpp $(LDLIBS)
+	./build/cxx_check
+
+clang: $(TESTSRC) $(HDRS) memanat.c | build
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/test_clang $(TESTSRC) $(LDLIBS)
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/memanat_clang memanat.c $(LDLIBS)
+	./build/test_clang > build/test_clang.log || (tail -n 30 build/test_clang.log; exit 1)
+	@tail -n 1 build/test_clang.log
+
+# Fuzzing the JSON, safetensors and config readers for a bounded time (FUZZ_SECONDS).
+FUZZ_SECONDS ?= 20
+fuzz: test/fuzz.c $(HDRS) | build
+	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined $(WARN) \
+	    -o build/fuzz test/fuzz.c $(LDLIBS)
+	./build/fuzz --seconds $(FUZZ_SECONDS) test/corpus
+
+bench: $(BENCHES)
+
+build/%: bench/%.c $(HDRS) | build
+	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< $(LDLIBS)
+
+cuda-probe:
+	@if [ -n "$(NVCC)" ]; then echo "cuda-probe: nvcc found: $(NVCC) ($$($(NVCC) --version | tail -n 2 | head -n 1))"; \
+	else echo "cuda-probe: nvcc not found; the CUDA backend is not built"; fi
+
+check: test sanitize cxx clang fuzz
+
+clean:
+	rm -rf build memanat

@@ -1,0 +1,1 @@
+// >>cache (decl) -- fragment of memanat.h

@@ -1,0 +1,1 @@
+// >>cache (impl) -- fragment of memanat.h

@@ -1,0 +1,1 @@
+// >>estimate (impl) -- fragment of memanat.h

@@ -1,0 +1,1 @@
+// >>hfconfig (decl) -- fragment of memanat.h

@@ -1,0 +1,1 @@
+// >>hfconfig (impl) -- fragment of memanat.h

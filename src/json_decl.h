@@ -1,0 +1,1 @@
+// >>json (decl) -- fragment of memanat.h

@@ -1,0 +1,1 @@
+// >>json (impl) -- fragment of memanat.h

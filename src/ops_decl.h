@@ -1,0 +1,1 @@
+// >>ops (decl) -- fragment of memanat.h

@@ -1,0 +1,1 @@
+// >>ops (impl) -- fragment of memanat.h
