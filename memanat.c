@@ -1,2 +1,450 @@
+// memanat: the command-line tool over memanat.h.
+//
+//   memanat estimate [options]   where does the memory go, does it fit
+//   memanat fit [options]        largest batch, longest sequence, a plan that fits
+//   memanat models               the model presets and the GPU table
+//   memanat replay FILE          replay an allocation trace through the caching allocator
+//
+// Bad input exits with status 2 and one line on stderr naming the problem.
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
-int main(void){puts("memanat CLI: not yet");return 0;}
+#include <stdlib.h>
+#include <string.h>
+
+#define MEMANAT_IMPLEMENTATION
+#include "memanat.h"
+
+// ---- errors -------------------------------------------------------------------------------------
+
+static char first_error[512];
+
+static void capture_log(void *user, mn_log_level level, const char *msg) {
+    (void)user;
+    if (level == MN_LOG_ERROR && !first_error[0]) snprintf(first_error, sizeof first_error, "%s", msg);
+}
+
+static int fail(const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "memanat: ");
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\n");
+    return 2;
+}
+
+// Reports a failed library call with the logged reason when there is one.
+static int fail_result(const char *what, mn_result r) {
+    if (first_error[0]) return fail("%s", first_error);
+    return fail("%s: %s", what, mn_result_str(r));
+}
+
+// ---- option parsing ----------------------------------------------------------------------------
+
+// A count: digits with an optional fraction and exponent (7.5e9) or suffix K/M/B/T (10^3 steps).
+static int parse_count(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+    char *end;
+    double v;
+    if (!s || !*s || *s == '-' || *s == '+' || *s == ' ') return 0;
+    errno = 0;
+    v = strtod(s, &end);
+    if (end == s || errno) return 0;
+    if (*end == 'K' || *end == 'k') v *= 1e3, end++;
+    else if (*end == 'M' || *end == 'm') v *= 1e6, end++;
+    else if (*end == 'B' || *end == 'b' || *end == 'G' || *end == 'g') v *= 1e9, end++;
+    else if (*end == 'T' || *end == 't') v *= 1e12, end++;
+    if (*end || !(v >= (double)lo) || !(v <= (double)hi) || v != floor(v)) return 0;
+    *out = (uint64_t)v;
+    return 1;
+}
+
+typedef struct cli {
+    mn_model model;
+    mn_setup setup;
+    int have_model, json, verbose;
+    const char *model_src;
+    uint64_t params;
+    int head_set;
+    mn_head head;
+    const char *alloc_conf;
+} cli;
+
+static const char *estimate_usage =
+    "usage: memanat estimate [--model NAME | --config FILE|DIR | --params N] [options]\n"
+    "  model:     --model NAME (see `memanat models`), --config config.json or model folder,\n"
+    "             --params N (count only; shape guessed), --trainable-params N,\n"
+    "             --head lm|classification|none\n"
+    "  step:      --batch N --seq N --accum N --checkpointing none|full|selective\n"
+    "             --precision fp32|fp16|bf16|fp16-pure|bf16-pure\n"
+    "             --optim adamw|adamw-8bit|sgd|sgd-momentum|adafactor|lion|none\n"
+    "             --attention eager|sdpa|flash --lora-rank R --lora-targets q,k,v,o,gate,up,down\n"
+    "             --quant none|int8|nf4\n"
+    "  framework: --framework hf|deepspeed|megatron|memanat --torch 1.10|2 --zero 0..3 --gpus N\n"
+    "             --offload none|optimizer|all --zero-grad keep|none\n"
+    "  device:    --gpu NAME --capacity SIZE --context SIZE --alloc-conf STR\n"
+    "             (SIZE: 512MiB, 16GiB, 80GB; PYTORCH_CUDA_ALLOC_CONF is read when set)\n"
+    "  inference: --infer --prompt N --new-tokens N --beams N\n"
+    "  output:    --json (one JSON object, byte counts as integers)\n";
+
+static const char *fit_usage =
+    "usage: memanat fit [same options as estimate]\n"
+    "  prints the largest micro-batch and the longest sequence that fit the GPU, and a plan:\n"
+    "  the cheapest combination of techniques (mixed precision, 8-bit or factored optimizers,\n"
+    "  accumulation, checkpointing, LoRA/QLoRA, ZeRO offload) that fits, ranked by step time.\n";
+
+static int load_model(cli *c, const char *kind, const char *v) {
+    mn_result r;
+    if (c->have_model) return fail("give one of --model, --config, --params (got %s after %s)", kind, c->model_src);
+    c->have_model = 1, c->model_src = kind;
+    if (!strcmp(kind, "--model")) {
+        if (mn_preset_find(v, &c->model) != MN_OK) return fail("unknown model \"%s\" (see `memanat models`)", v);
+    } else if (!strcmp(kind, "--config")) {
+        mn_hf_desc d;
+        memset(&d, 0, sizeof d);
+        d.logger.log_fn = capture_log;
+        r = mn_hf_config_read(v, &d, &c->model);
+        if (r != MN_OK) {
+            if (first_error[0]) return fail("%s: %s", v, first_error);
+            return fail("%s: %s", v, mn_result_str(r));
+        }
+    } else {
+        memset(&c->model, 0, sizeof c->model);
+        if (!parse_count(v, 1, 1000000000000000000ull, &c->params))
+            return fail("--params \"%s\": want a count such as 7e9 or 350M (1 .. 10^18)", v);
+        c->model.params = c->params;
+    }
+    return 0;
+}
+
+#define ENUM_OPT(flag, fn, field) \
+    if (!strcmp(k, flag)) { \
+        if (fn(v, &field) != MN_OK) return fail("%s \"%s\" is not one of the accepted values (see --help)", flag, v); \
+        continue; \
+    }
+#define COUNT_OPT(flag, lo, hi, field, type) \
+    if (!strcmp(k, flag)) { \
+        uint64_t n_; \
+        if (!parse_count(v, lo, hi, &n_)) return fail("%s \"%s\": want a whole number in %llu..%llu", flag, v, \
+                                                      (unsigned long long)(lo), (unsigned long long)(hi)); \
+        field = (type)n_; \
+        continue; \
+    }
+#define SIZE_OPT(flag, field) \
+    if (!strcmp(k, flag)) { \
+        if (mn_size_parse(v, &field) != MN_OK || field == 0) \
+            return fail("%s \"%s\": want a size such as 16GiB, 80GB or 1343MiB", flag, v); \
+        continue; \
+    }
+
+static int parse_args(cli *c, int argc, char **argv, const char *usage) {
+    int i, rc;
+    memset(c, 0, sizeof *c);
+    c->setup.logger.log_fn = capture_log;
+    for (i = 0; i < argc; i++) {
+        char key[64];
+        const char *k = argv[i], *v = NULL, *eq;
+        if (!strcmp(k, "--help") || !strcmp(k, "-h")) { fputs(usage, stdout); return 1; }
+        if (!strcmp(k, "--json")) { c->json = 1; continue; }
+        if (!strcmp(k, "--infer")) { c->setup.infer = 1; continue; }
+        if (strncmp(k, "--", 2) != 0) return fail("unexpected argument \"%s\" (see --help)", k);
+        eq = strchr(k, '=');
+        if (eq) {
+            size_t n = (size_t)(eq - k);
+            if (n >= sizeof key) return fail("unknown option \"%s\"", k);
+            memcpy(key, k, n), key[n] = 0, k = key, v = eq + 1;
+        } else {
+            if (i + 1 >= argc) return fail("option %s needs a value", k);
+            v = argv[++i];
+        }
+        if (!strcmp(k, "--model") || !strcmp(k, "--config") || !strcmp(k, "--params")) {
+            if ((rc = load_model(c, k, v)) != 0) return rc;
+            continue;
+        }
+        COUNT_OPT("--trainable-params", 1, 1000000000000000000ull, c->setup.trainable_params, uint64_t)
+        COUNT_OPT("--batch", 1, 1ull << 32, c->setup.batch, uint64_t)
+        COUNT_OPT("--seq", 1, 1ull << 26, c->setup.seq, uint64_t)
+        COUNT_OPT("--accum", 1, 1ull << 20, c->setup.accum, uint64_t)
+        COUNT_OPT("--lora-rank", 1, 65536, c->setup.lora_rank, uint32_t)
+        COUNT_OPT("--zero", 0, 3, c->setup.zero_stage, uint32_t)
+        COUNT_OPT("--gpus", 1, 1u << 20, c->setup.gpus, uint32_t)
+        COUNT_OPT("--prompt", 1, 1ull << 26, c->setup.prompt, uint64_t)
+        COUNT_OPT("--new-tokens", 0, 1ull << 26, c->setup.new_tokens, uint64_t)
+        COUNT_OPT("--beams", 1, 4096, c->setup.beams, uint32_t)
+        ENUM_OPT("--precision", mn_precision_parse, c->setup.precision)
+        ENUM_OPT("--optim", mn_optim_parse, c->setup.optim)
+        ENUM_OPT("--checkpointing", mn_ckpt_parse, c->setup.checkpointing)
+        ENUM_OPT("--attention", mn_attn_parse, c->setup.attention)
+        ENUM_OPT("--framework", mn_framework_parse, c->setup.framework)
+        ENUM_OPT("--offload", mn_offload_parse, c->setup.offload)
+        ENUM_OPT("--quant", mn_quant_parse, c->setup.quant)
+        SIZE_OPT("--capacity", c->setup.capacity)
+        SIZE_OPT("--context", c->setup.context)
+        if (!strcmp(k, "--head")) {
+            if (mn_head_parse(v, &c->head) != MN_OK) return fail("--head \"%s\": want lm, classification or none", v);
+            c->head_set = 1;
+            continue;
+        }
+        if (!strcmp(k, "--lora-targets")) {
+            if (mn_lora_targets_parse(v, &c->setup.lora_targets) != MN_OK)
+                return fail("--lora-targets \"%s\": want a comma list of q,k,v,o,gate,up,down (or all)", v);
+            continue;
+        }
+        if (!strcmp(k, "--gpu")) {
+            mn_gpu g;
+            if (mn_gpu_find(v, &g) != MN_OK) return fail("unknown GPU \"%s\" (see `memanat models`)", v);
+            c->setup.gpu = g.name;
+            continue;
+        }
+        if (!strcmp(k, "--torch")) {
+            if (!strcmp(v, "1.10") || !strcmp(v, "1")) c->setup.torch_version = 110;
+            else if (!strcmp(v, "2") || !strncmp(v, "2.", 2)) c->setup.torch_version = 200;
+            else return fail("--torch \"%s\": want 1.10 or 2", v);
+            continue;
+        }
+        if (!strcmp(k, "--zero-grad")) {
+            if (!strcmp(v, "keep")) c->setup.grads = MN_GRADS_KEEP;
+            else if (!strcmp(v, "none")) c->setup.grads = MN_GRADS_RELEASE;
+            else return fail("--zero-grad \"%s\": want keep or none", v);
+            continue;
+        }
+        if (!strcmp(k, "--alloc-conf")) { c->alloc_conf = v; continue; }
+        return fail("unknown option \"%s\" (see --help)", k);
+    }
+    if (!c->have_model) return fail("no model: give --model NAME, --config FILE or --params N (see --help)");
+    if (c->head_set) {
+        c->model.head = c->head;
+        if (c->head == MN_HEAD_CLASSIFICATION) {
+            c->model.lm_transform = 0;
+            if (c->model.arch == MN_ARCH_ENCODER) c->model.pooler = 1;
+        }
+    }
+    if (c->params && c->setup.trainable_params > c->params)
+        return fail("--trainable-params exceeds --params");
+    c->setup.alloc_conf = c->alloc_conf ? c->alloc_conf : getenv("PYTORCH_CUDA_ALLOC_CONF");
+    return 0;
+}
+
+// ---- output -------------------------------------------------------------------------------------
+
+static void put_size(const char *label, uint64_t bytes, uint64_t of) {
+    char buf[32];
+    mn_size_format(bytes, buf, sizeof buf);
+    if (of) printf("  %-18s %12s  %5.1f%%\n", label, buf, 100.0 * (double)bytes / (double)of);
+    else printf("  %-18s %12s\n", label, buf);
+}
+
+static void print_table(const mn_estimate_result *r) {
+    const mn_setup *s = &r->setup;
+    const mn_model *m = &r->model;
+    char cap[32], used[32];
+    printf("%s: %.3g B parameters (%.3g B trainable), %s\n", m->name, (double)r->params / 1e9,
+           (double)r->trainable_params / 1e9, s->infer ? "inference" : "training");
+    if (s->infer)
+        printf("assumed: batch %llu x beams %u, prompt %llu + %llu new tokens, %s, %s attention\n",
+               (unsigned long long)s->batch, s->beams, (unsigned long long)s->prompt,
+               (unsigned long long)s->new_tokens, mn_precision_name(s->precision), mn_attn_name(s->attention));
+    else
+        printf("assumed: batch %llu x seq %llu, accum %llu, %s, %s, checkpointing %s, %s attention,\n"
+               "         framework %s (torch %u.%u), zero %u over %u GPU(s), offload %s%s\n",
+               (unsigned long long)s->batch, (unsigned long long)s->seq, (unsigned long long)s->accum,
+               mn_precision_name(s->precision), mn_optim_name(s->optim), mn_ckpt_name(s->checkpointing),
+               mn_attn_name(s->attention), mn_framework_name(s->framework), s->torch_version / 100,
+               s->torch_version % 100, s->zero_stage, s->gpus, mn_offload_name(s->offload),
+               s->lora_rank ? ", LoRA" : "");
+    printf("device: %s, capacity %.0f MiB, context %.0f MiB\n\n", r->gpu.label, (double)r->capacity / 1048576.0,
+           (double)r->context / 1048576.0);
+    printf("memory per GPU                   size  of device\n");
+    put_size("weights", r->weights, r->capacity);
+    put_size("master_weights", r->master_weights, r->capacity);
+    put_size("gradients", r->gradients, r->capacity);
+    put_size("optimizer", r->optimizer, r->capacity);
+    put_size("= model_states", r->model_states, r->capacity);
+    put_size("activations", r->activations, r->capacity);
+    put_size("temporary", r->temporary, r->capacity);
+    put_size("kv_cache", r->kv_cache, r->capacity);
+    put_size("workspace", r->workspace, r->capacity);
+    put_size("peak_allocated", r->peak_allocated, r->capacity);
+    put_size("allocator slack", r->peak_reserved - r->peak_allocated, r->capacity);
+    put_size("peak_reserved", r->peak_reserved, r->capacity);
+    put_size("context", r->context, r->capacity);
+    put_size("device_used", r->device_used, r->capacity);
+    if (r->cpu_bytes) put_size("host (offloaded)", r->cpu_bytes, 0);
+    mn_size_format(r->capacity, cap, sizeof cap);
+    mn_size_format(r->device_used, used, sizeof used);
+    printf("\npeak during %s; %s of %s: %s\n", mn_phase_name(r->peak_phase), used, cap,
+           r->fits ? "FITS" : "DOES NOT FIT");
+}
+
+static void json_u64(const char *k, uint64_t v, int *first) {
+    printf("%s\"%s\": %llu", *first ? "" : ", ", k, (unsigned long long)v);
+    *first = 0;
+}
+
+static void json_str(const char *k, const char *v, int *first) {
+    printf("%s\"%s\": ", *first ? "" : ", ", k);
+    mn_json_fputs_escaped(stdout, v);
+    *first = 0;
+}
+
+static void print_json_fields(const mn_estimate_result *r, int *f) {
+    const mn_setup *s = &r->setup;
+    json_u64("weights", r->weights, f);
+    json_u64("master_weights", r->master_weights, f);
+    json_u64("gradients", r->gradients, f);
+    json_u64("optimizer", r->optimizer, f);
+    json_u64("model_states", r->model_states, f);
+    json_u64("activations", r->activations, f);
+    json_u64("temporary", r->temporary, f);
+    json_u64("kv_cache", r->kv_cache, f);
+    json_u64("workspace", r->workspace, f);
+    json_u64("peak_allocated", r->peak_allocated, f);
+    json_u64("peak_reserved", r->peak_reserved, f);
+    json_u64("context", r->context, f);
+    json_u64("device_used", r->device_used, f);
+    json_u64("capacity", r->capacity, f);
+    printf(", \"fits\": %s", r->fits ? "true" : "false");
+    json_u64("cpu_bytes", r->cpu_bytes, f);
+    json_u64("params", r->params, f);
+    json_u64("trainable_params", r->trainable_params, f);
+    json_str("peak_phase", mn_phase_name(r->peak_phase), f);
+    json_str("model", r->model.name, f);
+    json_str("gpu", r->gpu.name, f);
+    json_u64("batch", s->batch, f);
+    json_u64("seq", s->seq, f);
+    json_u64("accum", s->accum, f);
+    json_str("precision", mn_precision_name(s->precision), f);
+    json_str("optim", mn_optim_name(s->optim), f);
+    json_str("checkpointing", mn_ckpt_name(s->checkpointing), f);
+    json_str("attention", mn_attn_name(s->attention), f);
+    json_str("framework", mn_framework_name(s->framework), f);
+    json_u64("torch_version", s->torch_version, f);
+    json_u64("zero", s->zero_stage, f);
+    json_u64("gpus", s->gpus, f);
+    json_str("offload", mn_offload_name(s->offload), f);
+    json_u64("lora_rank", s->lora_rank, f);
+    json_str("quant", mn_quant_name(s->quant), f);
+    json_str("head", mn_head_name(r->model.head), f);
+    printf(", \"infer\": %s", s->infer ? "true" : "false");
+    if (s->infer) {
+        json_u64("prompt", s->prompt, f);
+        json_u64("new_tokens", s->new_tokens, f);
+        json_u64("beams", s->beams, f);
+    }
+}
+
+static int cmd_estimate(int argc, char **argv) {
+    cli c;
+    mn_estimate_result r;
+    mn_result res;
+    int rc = parse_args(&c, argc, argv, estimate_usage), f = 1;
+    if (rc) return rc == 1 ? 0 : rc;
+    res = mn_estimate(&c.model, &c.setup, &r);
+    if (res != MN_OK) return fail_result("estimate", res);
+    if (c.json) {
+        printf("{");
+        print_json_fields(&r, &f);
+        printf("}\n");
+    } else {
+        print_table(&r);
+    }
+    return 0;
+}
+
+static int cmd_fit(int argc, char **argv) {
+    cli c;
+    mn_fit_result fr;
+    mn_result res;
+    uint32_t i;
+    int rc = parse_args(&c, argc, argv, fit_usage), f = 1;
+    if (rc) return rc == 1 ? 0 : rc;
+    res = mn_fit(&c.model, &c.setup, &fr);
+    if (res != MN_OK) return fail_result("fit", res);
+    if (c.json) {
+        printf("{\"max_batch\": %llu, \"max_seq\": %llu, \"plan_found\": %s, \"plan_slowdown\": %.3f, \"plan\": [",
+               (unsigned long long)fr.max_batch, (unsigned long long)fr.max_seq, fr.plan_found ? "true" : "false",
+               fr.plan_slowdown);
+        for (i = 0; i < fr.plan_len; i++) {
+            printf("%s{\"what\": ", i ? ", " : "");
+            mn_json_fputs_escaped(stdout, fr.plan[i].what);
+            printf(", \"why\": ");
+            mn_json_fputs_escaped(stdout, fr.plan[i].why);
+            printf("}");
+        }
+        printf("], \"estimate\": {");
+        print_json_fields(&fr.plan_estimate, &f);
+        printf("}}\n");
+        return 0;
+    }
+    printf("%s on %s (%.0f MiB):\n", fr.plan_estimate.model.name, fr.plan_estimate.gpu.label,
+           (double)fr.plan_estimate.capacity / 1048576.0);
+    printf("  largest micro-batch at seq %llu: %llu\n", (unsigned long long)c.setup.seq ? (unsigned long long)c.setup.seq : (unsigned long long)fr.plan_estimate.setup.seq,
+           (unsigned long long)fr.max_batch);
+    printf("  longest sequence at batch %llu: %llu\n", (unsigned long long)(c.setup.batch ? c.setup.batch : 1),
+           (unsigned long long)fr.max_seq);
+    if (fr.plan_len == 0 && fr.plan_found) printf("  the setup fits as given: no change needed\n");
+    else if (fr.plan_len) printf("  plan (cheapest in speed first):\n");
+    for (i = 0; i < fr.plan_len; i++) printf("    %u. %-45s %s\n", i + 1, fr.plan[i].what, fr.plan[i].why);
+    if (!fr.plan_found) printf("  no combination of the techniques fits this device\n");
+    else if (fr.plan_len) printf("  estimated step time x%.2f of the setup as given\n", fr.plan_slowdown);
+    printf("\n");
+    print_table(&fr.plan_estimate);
+    return 0;
+}
+
+static int cmd_models(int argc, char **argv) {
+    uint32_t i;
+    (void)argv;
+    if (argc > 0 && (!strcmp(argv[0], "--help") || !strcmp(argv[0], "-h"))) {
+        printf("usage: memanat models\n  lists the model presets (for --model) and the GPUs (for --gpu)\n");
+        return 0;
+    }
+    if (argc > 0) return fail("models takes no arguments (got \"%s\")", argv[0]);
+    printf("%-20s %-16s %7s %7s %6s %5s %8s %9s\n", "model", "architecture", "params", "layers", "hidden", "heads",
+           "kv_heads", "vocab");
+    for (i = 0; i < mn_preset_count(); i++) {
+        const mn_model *m = mn_preset_get(i);
+        uint64_t n = 0;
+        mn_model_params(m, &n);
+        printf("%-20s %-16s %6.2fB %7llu %6llu %5llu %8llu %9llu\n", m->name, mn_arch_name(m->arch), (double)n / 1e9,
+               (unsigned long long)m->layers, (unsigned long long)m->hidden, (unsigned long long)m->heads,
+               (unsigned long long)(m->kv_heads ? m->kv_heads : m->heads), (unsigned long long)m->vocab);
+    }
+    printf("\n%-12s %-24s %10s %12s %5s\n", "gpu", "name", "capacity", "context", "bf16");
+    for (i = 0; i < mn_gpu_count(); i++) {
+        const mn_gpu *g = mn_gpu_get(i);
+        printf("%-12s %-24s %6.0f MiB %8.0f MiB %5s\n", g->name, g->label, (double)g->capacity / 1048576.0,
+               (double)g->context / 1048576.0, g->bf16 ? "yes" : "no");
+    }
+    return 0;
+}
+
+#include "src/cli_replay.c"
+
+int main(int argc, char **argv) {
+    static const char *usage =
+        "usage: memanat COMMAND [options]   (memanat COMMAND --help for each)\n"
+        "  estimate   memory breakdown of a training step or a generation, and whether it fits\n"
+        "  fit        largest batch, longest sequence, and a plan that fits the GPU\n"
+        "  models     model presets and GPUs\n"
+        "  replay     replay an allocation trace (RMM CSV, PyTorch snapshot) through the allocator\n";
+    if (argc < 2) {
+        fputs(usage, stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        fputs(usage, stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        printf("memanat %s\n", MEMANAT_VERSION);
+        return 0;
+    }
+    if (!strcmp(argv[1], "estimate")) return cmd_estimate(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "fit")) return cmd_fit(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "models")) return cmd_models(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "replay")) return mn_cli_replay(argc - 2, argv + 2);
+    return fail("unknown command \"%s\" (estimate, fit, models, replay)", argv[1]);
+}

@@ -22,6 +22,7 @@ typedef enum mn_act {
     MN_ACT_GELU_TANH,
     MN_ACT_RELU,
     MN_ACT_SILU,
+    MN_ACT_GELU_NEW,     // tanh approximation written as separate ops (HF "gelu_new": GPT-2, T5 v1.1)
     MN_ACT_COUNT
 } mn_act;
 typedef enum mn_posemb {
@@ -85,6 +86,8 @@ typedef struct mn_model {
     int pooler;               // BERT pooler (h x h dense + tanh) before a classification head
     int final_norm;           // a norm after the last block
     int embed_norm;           // a norm right after the embeddings (BERT)
+    int lm_transform;         // the LM head has dense + act + norm before the projection (BERT MLM)
+    int post_norm;            // norms after the residual adds (BERT) instead of before (GPT-2, Llama)
     float dropout;            // hidden dropout probability, 0 = none
     float attn_dropout;       // attention-probability dropout, 0 = none
     mn_dtype dtype;           // dtype of the published checkpoint, 0 = fp32
@@ -165,7 +168,9 @@ typedef struct mn_setup {
     mn_ckpt checkpointing;     // 0 = none
     mn_attn attention;         // 0 = framework default
     mn_framework framework;    // 0 = hf
-    mn_grads grads;            // 0 = framework default
+    mn_grads grads;            // 0 = keep with torch < 2.0, release with torch >= 2.0
+    uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 110 with
+                               // --framework hf (the published HF measurements), 200 otherwise
     uint32_t lora_rank;        // 0 = no LoRA
     uint32_t lora_targets;     // MN_LORA_* bits, 0 = q|v
     mn_quant quant;            // frozen base weights quantized (QLoRA), 0 = none
@@ -184,6 +189,21 @@ typedef struct mn_setup {
     int no_replay;             // 1: skip the allocator replay (peak_reserved = peak_allocated)
     mn_logger logger;
 } mn_setup;
+
+// The simulated step as an allocation trace (for the allocator's replay and benchmarks).
+typedef enum mn_phase {
+    MN_PHASE_DEFAULT = 0, MN_PHASE_LOAD, MN_PHASE_FORWARD, MN_PHASE_BACKWARD, MN_PHASE_OPTIMIZER,
+    MN_PHASE_PREFILL, MN_PHASE_DECODE, MN_PHASE_COUNT
+} mn_phase;
+typedef struct mn_trace_event {
+    uint64_t size;      // bytes
+    uint32_t id;        // tensor id: an allocation and its free share it
+    uint8_t alloc;      // 1 = allocate, 0 = free
+    uint8_t category;   // mn_category
+    uint8_t phase;      // mn_phase
+} mn_trace_event;
+
+MNDEF const char *mn_phase_name(mn_phase p);
 
 typedef struct mn_gpu {
     const char *name;      // "a100-80gb"
@@ -206,7 +226,8 @@ typedef struct mn_estimate_result {
     uint64_t cpu_bytes;         // offloaded states in host memory
     uint64_t params, trainable_params;
     uint64_t at_peak[MN_CAT_COUNT];  // bytes per category at the peak-allocated moment
-    const char *peak_phase;     // "forward", "backward", "optimizer", "load", "prefill", "decode"
+    uint64_t cat_peak[MN_CAT_COUNT]; // the highest bytes of each category at any moment
+    mn_phase peak_phase;        // when peak allocated happens
     uint64_t alloc_events;      // allocations in the simulated step
     // the resolved settings (defaults filled in)
     mn_setup setup;
@@ -214,9 +235,17 @@ typedef struct mn_estimate_result {
     mn_gpu gpu;
 } mn_estimate_result;
 
+
 // Resolve defaults, run the symbolic step, fill out. MN_ERR_INVALID_ARG names the bad field
 // through setup->logger; MN_ERR_OVERFLOW when a size does not fit 64 bits.
 MNDEF mn_result mn_estimate(const mn_model *model, const mn_setup *setup, mn_estimate_result *out);
+
+// The allocation sequence mn_estimate() simulates. *events is allocated with `allocator` (NULL =
+// default) and released with mn_trace_free().
+MNDEF mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
+                                  const mn_allocator *allocator, mn_trace_event **events,
+                                  uint64_t *count);
+MNDEF void mn_trace_free(const mn_allocator *allocator, mn_trace_event *events);
 
 // Parameter count of a model (exact from the shape, or model->params when set).
 MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);

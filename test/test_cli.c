@@ -1,9 +1,230 @@
-// Tests of the cli section.
+// Tests of the memanat CLI: every row of ../shared/validation/dev.tsv through `memanat estimate
+// --json` within the row's tolerance, bad input (one line on stderr, non-zero exit), fit, models.
+// They run ./memanat, which `make test` builds first.
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include "harness.h"
 #include "../memanat.h"
 
+#define DEV_TSV "../shared/validation/dev.tsv"
+
+typedef struct run_out {
+    char out[16384];
+    char err[4096];
+    int status;  // exit status, -1 if it did not exit normally
+} run_out;
+
+// Runs `./memanat ARGS`, capturing stdout and stderr (stderr through a temporary file).
+static int run(const char *args, run_out *r) {
+    char cmd[2048], errpath[] = "/tmp/memanat_cli_XXXXXX";
+    FILE *p, *e;
+    size_t n;
+    int fd = mkstemp(errpath), st;
+    memset(r, 0, sizeof *r);
+    if (fd < 0) return 0;
+    close(fd);
+    snprintf(cmd, sizeof cmd, "./memanat %s 2>%s", args, errpath);
+    p = popen(cmd, "r");
+    if (!p) { remove(errpath); return 0; }
+    n = fread(r->out, 1, sizeof r->out - 1, p);
+    r->out[n] = 0;
+    st = pclose(p);
+    r->status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    e = fopen(errpath, "r");
+    if (e) {
+        n = fread(r->err, 1, sizeof r->err - 1, e);
+        r->err[n] = 0;
+        fclose(e);
+    }
+    remove(errpath);
+    return 1;
+}
+
+static int have_cli(void) { return access("./memanat", X_OK) == 0; }
+
+static int count_lines(const char *s) {
+    int n = 0;
+    for (; *s; s++) n += *s == '\n';
+    return n;
+}
+
+// Value of a numeric key in the CLI's JSON output, parsed with the header's strict reader.
+static int json_number(const char *text, const char *key, double *out) {
+    mn_json_doc doc;
+    const mn_json_value *v;
+    int ok = 0;
+    if (mn_json_parse(text, strlen(text), NULL, &doc) != MN_OK) return 0;
+    v = mn_json_get(doc.root, key);
+    if (v && v->type == MN_JSON_NUMBER) *out = v->num, ok = 1;
+    mn_json_free(&doc);
+    return ok;
+}
+
+static double unit_bytes(const char *u) {
+    if (!strcmp(u, "MiB")) return 1048576.0;
+    if (!strcmp(u, "GiB")) return 1073741824.0;
+    if (!strcmp(u, "GB")) return 1e9;
+    if (!strcmp(u, "MB")) return 1e6;
+    return 0.0;
+}
+
+// Each row: id, metric, unit, value, tol (relative), args, source.
+static void test_dev_tsv(void) {
+    FILE *f;
+    char line[4096];
+    int rows = 0;
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    f = fopen(DEV_TSV, "r");
+    CHECK_MSG(f != NULL, "cannot open %s: the validation set lives in ../shared beside the checkout", DEV_TSV);
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        char *col[7], *p = line, args[2048];
+        int n = 0;
+        double want, tol, got, unit;
+        run_out r;
+        if (line[0] == '#' || line[0] == '\n') continue;
+        line[strcspn(line, "\n")] = 0;
+        while (n < 7 && p) {
+            col[n++] = p;
+            p = strchr(p, '\t');
+            if (p) *p++ = 0;
+        }
+        CHECK_MSG(n >= 6, "malformed row: %s", line);
+        if (n < 6) continue;
+        want = atof(col[3]), tol = atof(col[4]), unit = unit_bytes(col[2]);
+        CHECK_MSG(unit > 0, "row %s: unknown unit %s", col[0], col[2]);
+        snprintf(args, sizeof args, "estimate %s --json", col[5]);
+        CHECK(run(args, &r));
+        CHECK_MSG(r.status == 0, "row %s: exit %d: %s", col[0], r.status, r.err);
+        if (r.status != 0) continue;
+        CHECK_MSG(json_number(r.out, col[1], &got), "row %s: no numeric \"%s\" in the output", col[0], col[1]);
+        got /= unit;
+        printf("       %-22s %-13s want %9.1f got %11.2f %s (%+.2f%%, tol %.0f%%)\n", col[0], col[1], want, got,
+               col[2], 100.0 * (got - want) / want, 100.0 * tol);
+        CHECK_NEAR(got, want, 0.0, tol);
+        rows++;
+    }
+    fclose(f);
+    CHECK_MSG(rows >= 19, "only %d validation rows ran", rows);
+}
+
+// Each bad invocation: non-zero exit, exactly one line on stderr, nothing on stdout.
+static void test_bad_input(void) {
+    static const char *bad[] = {
+        "frobnicate",
+        "estimate",
+        "estimate --model bert-large-uncased --frobnicate 3",
+        "estimate --model no-such-model",
+        "estimate --model gpt2 --batch 0",
+        "estimate --model gpt2 --batch -1",
+        "estimate --model gpt2 --batch 1e30",
+        "estimate --model gpt2 --batch 2.5",
+        "estimate --model gpt2 --batch",
+        "estimate --model gpt2 --seq 4096",
+        "estimate --model gpt2 --precision fp8",
+        "estimate --model gpt2 --gpu tpu",
+        "estimate --model gpt2 --capacity lots",
+        "estimate --model gpt2 --zero 7",
+        "estimate --model gpt2 --lora-targets q,x",
+        "estimate --model gpt2 --quant nf4",
+        "estimate --model gpt2 --params 7e9",
+        "estimate --params 0",
+        "estimate --params 1e19",
+        "estimate --params 7e9 --trainable-params 8e9",
+        "estimate --params 5e18",
+        "estimate --config /nonexistent/config.json",
+        "estimate --config test/data/bad_config.json",
+        "estimate --model gpt2 --context 1TiB",
+        "fit --model gpt2 --torch 3",
+        "models extra",
+    };
+    size_t i;
+    run_out r;
+    FILE *f;
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    f = fopen("test/data/bad_config.json", "w");  // a hostile config: broken JSON
+    CHECK(f != NULL);
+    if (f) {
+        fputs("{\"model_type\": \"llama\", \"hidden_size\": 4096, \"num_hidden_layers\": [}", f);
+        fclose(f);
+    }
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK(run(bad[i], &r));
+        CHECK_MSG(r.status != 0, "`memanat %s` exited 0", bad[i]);
+        CHECK_MSG(count_lines(r.err) == 1,
+                  "`memanat %s` printed %d lines on stderr: %s", bad[i], count_lines(r.err), r.err);
+        CHECK_MSG(r.out[0] == 0, "`memanat %s` printed on stdout: %.80s", bad[i], r.out);
+    }
+    remove("test/data/bad_config.json");
+}
+
+// 10^15 parameters: a real answer (4 PB of fp32 weights) that does not fit, not a wrapped number.
+static void test_huge_model(void) {
+    run_out r;
+    double w = 0, used = 0;
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    CHECK(run("estimate --params 1e15 --seq 16 --json", &r));
+    CHECK_EQ_INT(r.status, 0);
+    CHECK(json_number(r.out, "weights", &w));
+    CHECK_NEAR(w, 4e15, 0, 1e-9);
+    CHECK(json_number(r.out, "device_used", &used));
+    CHECK(used > 4e15);
+    CHECK(strstr(r.out, "\"fits\": false") != NULL);
+}
+
+// fit: the largest batch fits and one more does not, through the CLI.
+static void test_fit_cli(void) {
+    run_out r;
+    double b = 0, used = 0, cap = 0;
+    char args[256];
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    CHECK(run("fit --model gpt2 --seq 1024 --gpu t4 --json", &r));
+    CHECK_EQ_INT(r.status, 0);
+    CHECK(json_number(r.out, "max_batch", &b));
+    CHECK(b >= 1);
+    snprintf(args, sizeof args, "estimate --model gpt2 --seq 1024 --gpu t4 --batch %.0f --json", b);
+    CHECK(run(args, &r));
+    CHECK(strstr(r.out, "\"fits\": true") != NULL);
+    snprintf(args, sizeof args, "estimate --model gpt2 --seq 1024 --gpu t4 --batch %.0f --json", b + 1);
+    CHECK(run(args, &r));
+    CHECK(strstr(r.out, "\"fits\": false") != NULL);
+    CHECK(json_number(r.out, "device_used", &used) && json_number(r.out, "capacity", &cap));
+    CHECK(used > cap);
+    CHECK(run("fit --model llama-2-7b --gpu a10g --batch 4 --seq 1024", &r));
+    CHECK_EQ_INT(r.status, 0);
+    CHECK(strstr(r.out, "plan") != NULL);
+}
+
+static void test_models_and_help(void) {
+    run_out r;
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    CHECK(run("models", &r));
+    CHECK_EQ_INT(r.status, 0);
+    CHECK(strstr(r.out, "llama-3-8b") && strstr(r.out, "bert-large-uncased") && strstr(r.out, "h100-80gb"));
+    CHECK(run("estimate --help", &r));
+    CHECK_EQ_INT(r.status, 0);
+    CHECK(strstr(r.out, "--checkpointing") != NULL);
+    CHECK(run("fit --help", &r));
+    CHECK_EQ_INT(r.status, 0);
+    CHECK(run("estimate --model bert-large-uncased", &r));
+    CHECK_EQ_INT(r.status, 0);
+    CHECK(strstr(r.out, "activations") && strstr(r.out, "FITS"));
+    // the flag=value spelling and PYTORCH_CUDA_ALLOC_CONF-style allocator settings
+    CHECK(run("estimate --model=gpt2 --batch=2 --alloc-conf=expandable_segments:True --json", &r));
+    CHECK_EQ_INT(r.status, 0);
+    CHECK(run("estimate --model gpt2 --alloc-conf bogus_key:1", &r));
+    CHECK(r.status != 0 && count_lines(r.err) == 1);
+}
+
 const mnt_case test_cli_cases[] = {
-    {NULL, NULL},
+    {"dev_tsv", test_dev_tsv},
+    {"bad_input", test_bad_input},
+    {"huge_model", test_huge_model},
+    {"fit", test_fit_cli},
+    {"models_and_help", test_models_and_help},
 };
-const size_t test_cli_count = 0;
+const size_t test_cli_count = sizeof test_cli_cases / sizeof test_cli_cases[0];

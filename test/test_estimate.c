@@ -1,9 +1,482 @@
-// Tests of the estimate section.
+// Tests of the estimator through the public API: exact parameter counts, the seeds' worked
+// numbers, properties (monotonic, checkpointing, accumulation, ZeRO, fit), bad input, failures.
+#include <stdlib.h>
 #include <string.h>
 #include "harness.h"
 #include "../memanat.h"
 
+#define MiB (1024.0 * 1024.0)
+
+static mn_model preset(const char *name) {
+    mn_model m;
+    memset(&m, 0, sizeof m);
+    CHECK_OK(mn_preset_find(name, &m));
+    return m;
+}
+
+static mn_setup setup0(void) {
+    mn_setup s;
+    memset(&s, 0, sizeof s);
+    return s;
+}
+
+// Published parameter counts (the models' own reports / model cards).
+static void test_param_counts(void) {
+    static const struct { const char *name; uint64_t want; } t[] = {
+        {"bert-base-uncased", 109514298ull},   // BertForMaskedLM
+        {"gpt2", 124439808ull},
+        {"gpt2-xl", 1557611200ull},
+        {"t5-base", 222903552ull},
+        {"t5-3b", 2851598336ull},             // DeepSpeed docs: "t5-3b (2851M)"
+        {"llama-2-7b", 6738415616ull},
+        {"llama-3-8b", 8030261248ull},
+        {"mistral-7b", 7241732096ull},
+        {"qwen2-0.5b", 494032768ull},
+        {"llama-3.2-1b", 1235814400ull},
+    };
+    size_t i;
+    uint64_t n;
+    mn_model m;
+    for (i = 0; i < sizeof t / sizeof t[0]; i++) {
+        m = preset(t[i].name);
+        CHECK_OK(mn_model_params(&m, &n));
+        CHECK_MSG(n == t[i].want, "%s: %llu parameters, want %llu", t[i].name, (unsigned long long)n,
+                  (unsigned long long)t[i].want);
+    }
+    // bert-large with the 2-label classification head of the HF series: 335,143,938
+    m = preset("bert-large-uncased");
+    m.head = MN_HEAD_CLASSIFICATION, m.pooler = 1, m.lm_transform = 0;
+    CHECK_OK(mn_model_params(&m, &n));
+    CHECK_EQ_U64(n, 335143938ull);
+}
+
+// Bytes per parameter of the model states (seeds: 18 for mixed AdamW, 6 for mixed inference,
+// 16 = 2 + 2 + 12 for ZeRO's mixed Adam, 16 for fp32 AdamW).
+static void test_bytes_per_param(void) {
+    mn_model m = preset("llama-2-7b");
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    s.no_replay = 1, s.seq = 128;
+    s.precision = MN_PREC_FP16;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.model_states, 18 * r.params);
+    CHECK_EQ_U64(r.weights, 2 * r.params);
+    CHECK_EQ_U64(r.master_weights, 4 * r.params);
+    CHECK_EQ_U64(r.gradients, 4 * r.params);
+    CHECK_EQ_U64(r.optimizer, 8 * r.params);
+    s.infer = 1;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.model_states, 6 * r.params);
+    s.infer = 0, s.framework = MN_FW_DEEPSPEED;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.model_states, 16 * r.params);
+    CHECK_EQ_U64(r.optimizer, 12 * r.params);
+    s.framework = MN_FW_HF, s.precision = MN_PREC_FP32;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.model_states, 16 * r.params);
+    s.precision = MN_PREC_BF16_PURE;  // torch keeps Adam state in the parameter dtype
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.model_states, 8 * r.params);
+    s.precision = MN_PREC_BF16, s.framework = MN_FW_MEGATRON;  // 2 + 4 + 12
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.model_states, 18 * r.params);
+}
+
+// Seeds: AdamW on a 3B model needs 24 GB of state, 8-bit states 2 bytes per parameter (6 GB);
+// the PEFT example: 7B full fine-tune 12 x 7 = 84 GB of optimizer state, 0.2B adapters 2.4 GB.
+static void test_seed_optimizer_figures(void) {
+    mn_model m;
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    memset(&m, 0, sizeof m);
+    m.params = 3000000000ull;
+    s.no_replay = 1;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.params, 3000000000ull);
+    CHECK_EQ_U64(r.optimizer, 24000000000ull);
+    s.optim = MN_OPTIM_ADAMW_8BIT;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_NEAR(r.optimizer, 6e9, 0, 0.02);  // 2 bytes + one fp32 absmax per 256-element block
+    CHECK(r.optimizer > 6000000000ull);
+    m.params = 7000000000ull;
+    s.optim = MN_OPTIM_ADAMW, s.precision = MN_PREC_FP16, s.framework = MN_FW_DEEPSPEED;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.optimizer, 84000000000ull);
+    s.trainable_params = 200000000ull;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.optimizer, 2400000000ull);
+    CHECK_EQ_U64(r.trainable_params, 200000000ull);
+    // Adafactor on t5-3b's real shapes: factored second moments are a tiny fraction of a byte
+    m = preset("t5-3b");
+    s = setup0();
+    s.no_replay = 1, s.optim = MN_OPTIM_ADAFACTOR, s.seq = 64;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK(r.optimizer > 0 && r.optimizer < r.params / 20);
+}
+
+// ZeRO paper figure 1: 7.5B parameters on 64 GPUs: 120 GB, 31.4 GB, 16.6 GB (DeepSpeed's code keeps
+// fp32 gradient partitions in stage 2: 2 + 18/N), 1.9 GB.
+static void test_zero_stages(void) {
+    mn_model m;
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    double want[4] = {120e9, 4 * 7.5e9 + 16 * 7.5e9 / 64, 2 * 7.5e9 + 18 * 7.5e9 / 64, 16 * 7.5e9 / 64};
+    uint32_t z;
+    uint64_t prev = UINT64_MAX;
+    memset(&m, 0, sizeof m);
+    m.params = 7500000000ull;
+    s.no_replay = 1, s.precision = MN_PREC_FP16, s.framework = MN_FW_DEEPSPEED, s.gpus = 64, s.seq = 128;
+    for (z = 0; z <= 3; z++) {
+        s.zero_stage = z;
+        CHECK_OK(mn_estimate(&m, &s, &r));
+        CHECK_NEAR(r.model_states, want[z], 0, 1e-3);
+        CHECK(r.model_states <= prev);
+        prev = r.model_states;
+    }
+}
+
+// Seed 004: one fp16 Linear(1024, 1024, bias=False) applied repeatedly to a 10240 x 1024 input.
+// Weights 2 MiB, input 20 MiB, Adam state 4 MiB (fp16 exp_avg + exp_avg_sq); each application
+// keeps its input for backward and the caller holds the output: 20 MiB per application. The
+// printed run (40 MiB of outputs, 44 MiB after backward) is what two applications give.
+static void live_at_backward(const mn_model *m, const mn_setup *s, uint64_t *cat_live) {
+    mn_trace_event *ev = NULL;
+    uint64_t n = 0, i;
+    memset(cat_live, 0, sizeof(uint64_t) * MN_CAT_COUNT);
+    CHECK_OK(mn_estimate_trace(m, s, NULL, &ev, &n));
+    for (i = 0; i < n && ev[i].phase != MN_PHASE_BACKWARD; i++) {
+        if (ev[i].alloc) cat_live[ev[i].category] += ev[i].size;
+        else cat_live[ev[i].category] -= ev[i].size;
+    }
+    CHECK(i < n);
+    mn_trace_free(NULL, ev);
+}
+
+static void test_seed_linear_stack(void) {
+    mn_layer layers[10];
+    mn_model m;
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    uint64_t live[MN_CAT_COUNT];
+    uint32_t i, apps;
+    memset(layers, 0, sizeof layers);
+    for (i = 0; i < 10; i++) {
+        layers[i].kind = MN_LAYER_LINEAR, layers[i].in = 1024, layers[i].out = 1024;
+        layers[i].shared_with = i ? 1 : 0;
+    }
+    memset(&m, 0, sizeof m);
+    m.arch = MN_ARCH_STACK, m.stack = layers;
+    s.batch = 10240, s.seq = 1, s.precision = MN_PREC_FP16_PURE, s.no_replay = 1;
+    for (apps = 2; apps <= 10; apps += 8) {
+        m.stack_len = apps;
+        CHECK_OK(mn_estimate(&m, &s, &r));
+        CHECK_EQ_U64(r.params, 1048576);
+        CHECK_EQ_U64(r.weights, 2 * 1048576);
+        CHECK_EQ_U64(r.optimizer, 4 * 1048576);
+        CHECK_EQ_U64(r.gradients, 2 * 1048576);
+        live_at_backward(&m, &s, live);
+        CHECK_EQ_U64(live[MN_CAT_WEIGHTS], 2 * 1048576);
+        // input (20 MiB) + one 20 MiB tensor per application + the fp32 loss scalar (the seed's
+        // 62.00048828125 MB is that 4-byte loss after the allocator's 512-byte rounding)
+        CHECK_EQ_U64(live[MN_CAT_ACTIVATIONS], 20ull * 1048576 * (1 + apps) + 4);
+    }
+}
+
+// KV cache per token = 2 (K, V) x layers x kv_heads x head_dim x bytes (Llama-3-8B bf16: 128 KiB).
+static void test_kv_cache(void) {
+    mn_model m = preset("llama-3-8b");
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    s.infer = 1, s.precision = MN_PREC_BF16_PURE, s.prompt = 1000, s.new_tokens = 24, s.batch = 3, s.beams = 2;
+    s.no_replay = 1;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK_EQ_U64(r.kv_cache, 2ull * 32 * 8 * 128 * 2 * 1024 * 6);
+    CHECK_EQ_U64(r.weights, 2 * r.params);
+    CHECK_EQ_U64(r.gradients + r.optimizer, 0);
+    CHECK(r.peak_allocated >= r.weights + r.kv_cache);
+}
+
+static mn_model random_model(void) {
+    static const char *names[] = {"gpt2", "bert-base-uncased", "llama-3.2-1b", "qwen2-0.5b", "t5-small",
+                                  "starcoderbase-1b", "flan-t5-base"};
+    mn_model m = preset(names[mnt_rand_u64() % (sizeof names / sizeof names[0])]);
+    m.layers = 1 + mnt_rand_u64() % 3;
+    if (m.encoder_layers) m.encoder_layers = 1 + mnt_rand_u64() % 2;
+    return m;
+}
+
+static mn_setup random_setup(void) {
+    mn_setup s = setup0();
+    s.batch = 1 + mnt_rand_u64() % 3;
+    s.seq = 16 + mnt_rand_u64() % 100;
+    s.precision = (mn_precision)(1 + mnt_rand_u64() % 5);
+    s.optim = (mn_optim)(1 + mnt_rand_u64() % 6);
+    s.attention = (mn_attn)(1 + mnt_rand_u64() % 3);
+    s.framework = (mn_framework)(1 + mnt_rand_u64() % 4);
+    if (mnt_rand_u64() % 3 == 0) s.lora_rank = 8, s.lora_targets = (uint32_t)(1 + mnt_rand_u64() % 127);
+    return s;
+}
+
+// What a step needs (the bytes it requests) never decreases with batch or sequence; checkpointing
+// never adds activation bytes; accumulation at micro-batch b (gradients kept between micro-batches)
+// never needs more than the batch b x k in one go. These are checked on the requested bytes:
+// what the caching allocator hands out and reserves can dip by its rounding and split decisions,
+// as PyTorch's max_memory_allocated does, so the replayed numbers are only checked to cover the need.
+static void test_properties(void) {
+    int it;
+    for (it = 0; it < 40; it++) {
+        mn_model m = random_model();
+        mn_setup s = random_setup(), t;
+        mn_estimate_result a, b, c;
+        s.no_replay = 1;
+        CHECK_OK(mn_estimate(&m, &s, &a));
+        t = s, t.batch++;
+        CHECK_OK(mn_estimate(&m, &t, &b));
+        CHECK_MSG(b.peak_allocated >= a.peak_allocated, "%s: batch %llu -> %llu lowered the need %llu -> %llu",
+                  m.name, (unsigned long long)s.batch, (unsigned long long)t.batch,
+                  (unsigned long long)a.peak_allocated, (unsigned long long)b.peak_allocated);
+        t = s, t.seq += 1 + mnt_rand_u64() % 50;
+        CHECK_OK(mn_estimate(&m, &t, &b));
+        CHECK_MSG(b.peak_allocated >= a.peak_allocated, "%s: longer sequence lowered the need", m.name);
+        t = s, t.checkpointing = MN_CKPT_FULL;
+        CHECK_OK(mn_estimate(&m, &t, &b));
+        t.checkpointing = MN_CKPT_SELECTIVE;
+        CHECK_OK(mn_estimate(&m, &t, &c));
+        CHECK_MSG(b.cat_peak[MN_CAT_ACTIVATIONS] <= a.cat_peak[MN_CAT_ACTIVATIONS] &&
+                  c.cat_peak[MN_CAT_ACTIVATIONS] <= a.cat_peak[MN_CAT_ACTIVATIONS],
+                  "%s: checkpointing raised activations (full %llu, selective %llu > none %llu) L %llu E %llu b %llu s %llu prec %d optim %d attn %d fw %d lora %u/%u", m.name,
+                  (unsigned long long)b.cat_peak[MN_CAT_ACTIVATIONS], (unsigned long long)c.cat_peak[MN_CAT_ACTIVATIONS],
+                  (unsigned long long)a.cat_peak[MN_CAT_ACTIVATIONS], (unsigned long long)m.layers, (unsigned long long)m.encoder_layers,
+                  (unsigned long long)s.batch, (unsigned long long)s.seq, s.precision, s.optim, s.attention, s.framework, s.lora_rank, s.lora_targets);
+        t = s, t.grads = MN_GRADS_KEEP;
+        CHECK_OK(mn_estimate(&m, &t, &a));
+        t.accum = 2 + mnt_rand_u64() % 3;
+        CHECK_OK(mn_estimate(&m, &t, &b));
+        t.batch *= t.accum, t.accum = 1;
+        CHECK_OK(mn_estimate(&m, &t, &c));
+        CHECK_MSG(b.peak_allocated <= c.peak_allocated, "%s: accumulation needed more than the big batch (%llu > %llu)",
+                  m.name, (unsigned long long)b.peak_allocated, (unsigned long long)c.peak_allocated);
+        CHECK_MSG(b.peak_allocated <= a.peak_allocated + a.peak_allocated / 100,
+                  "%s: accumulation needed more than one micro-batch (%llu > %llu)", m.name,
+                  (unsigned long long)b.peak_allocated, (unsigned long long)a.peak_allocated);
+        s.no_replay = 0;
+        CHECK_OK(mn_estimate(&m, &s, &c));
+        CHECK(c.peak_reserved >= c.peak_allocated);
+        CHECK(c.peak_allocated >= c.cat_peak[MN_CAT_WEIGHTS]);
+        CHECK_EQ_U64(c.device_used, c.context + c.peak_reserved);
+    }
+}
+
+// ZeRO stages never increase per-GPU memory.
+static void test_zero_monotonic(void) {
+    int it;
+    for (it = 0; it < 8; it++) {
+        mn_model m = random_model();
+        mn_setup s = random_setup();
+        mn_estimate_result r;
+        uint64_t prev_states = UINT64_MAX, prev_alloc = UINT64_MAX;
+        uint32_t z;
+        s.gpus = 2 + (uint32_t)(mnt_rand_u64() % 15);
+        s.framework = MN_FW_DEEPSPEED, s.lora_rank = 0;
+        for (z = 0; z <= 3; z++) {
+            s.zero_stage = z;
+            CHECK_OK(mn_estimate(&m, &s, &r));
+            CHECK_MSG(r.model_states <= prev_states, "zero %u raised model states", z);
+            CHECK_MSG(r.peak_allocated <= prev_alloc, "zero %u raised peak allocated", z);
+            prev_states = r.model_states, prev_alloc = r.peak_allocated;
+        }
+    }
+}
+
+// fit's largest batch fits and one more does not; likewise the longest sequence.
+static void test_fit(void) {
+    mn_model m = preset("gpt2-medium");
+    mn_setup s = setup0();
+    mn_fit_result f;
+    mn_estimate_result r;
+    s.seq = 1024, s.gpu = "t4";
+    CHECK_OK(mn_fit(&m, &s, &f));
+    CHECK(f.max_batch >= 1);
+    s.batch = f.max_batch;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK(r.fits);
+    s.batch = f.max_batch + 1;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK(!r.fits);
+    m = preset("llama-2-7b");
+    s = setup0();
+    s.gpu = "a10g", s.batch = 2, s.seq = 512;
+    CHECK_OK(mn_fit(&m, &s, &f));
+    CHECK(f.plan_found && f.plan_len > 0);
+    CHECK(f.plan_estimate.fits);
+    CHECK_OK(mn_estimate(&m, &f.plan_setup, &r));
+    CHECK(r.fits);
+    m = preset("llama-3.2-1b");
+    s = setup0();
+    s.gpu = "a100-40gb", s.precision = MN_PREC_BF16;
+    CHECK_OK(mn_fit(&m, &s, &f));
+    CHECK(f.max_seq > 512);
+    s.seq = f.max_seq;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK(r.fits);
+    s.seq = f.max_seq + 1;
+    CHECK_OK(mn_estimate(&m, &s, &r));
+    CHECK(!r.fits);
+}
+
+static int log_count;
+static void count_log(void *u, mn_log_level l, const char *msg) {
+    (void)u, (void)l;
+    CHECK(msg && msg[0]);
+    log_count++;
+}
+
+// Bad input returns an error code and one log line; huge models report instead of wrapping.
+static void test_bad_input(void) {
+    mn_model m = preset("gpt2"), b;
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    s.logger.log_fn = count_log;
+    b = m, b.heads = 0;
+    log_count = 0;
+    CHECK_ERR(mn_estimate(&b, &s, &r), MN_ERR_INVALID_ARG);
+    CHECK_EQ_INT(log_count, 1);
+    b = m, b.heads = 12, b.kv_heads = 5;
+    CHECK_ERR(mn_estimate(&b, &s, &r), MN_ERR_INVALID_ARG);
+    b = m, b.hidden = 770;
+    CHECK_ERR(mn_estimate(&b, &s, &r), MN_ERR_INVALID_ARG);
+    b = m, b.layers = 1000000;
+    CHECK_ERR(mn_estimate(&b, &s, &r), MN_ERR_INVALID_ARG);
+    s.seq = 4096;  // gpt2 has 1024 positions
+    CHECK_ERR(mn_estimate(&m, &s, &r), MN_ERR_INVALID_ARG);
+    s.seq = 0, s.zero_stage = 4;
+    CHECK_ERR(mn_estimate(&m, &s, &r), MN_ERR_INVALID_ARG);
+    s.zero_stage = 0, s.gpu = "tpu-v9";
+    CHECK_ERR(mn_estimate(&m, &s, &r), MN_ERR_NOT_FOUND);
+    s.gpu = NULL, s.precision = (mn_precision)99;
+    CHECK_ERR(mn_estimate(&m, &s, &r), MN_ERR_INVALID_ARG);
+    s.precision = MN_PREC_DEFAULT, s.quant = MN_QUANT_NF4;
+    CHECK_ERR(mn_estimate(&m, &s, &r), MN_ERR_INVALID_ARG);
+    s.quant = MN_QUANT_DEFAULT, s.context = 1ull << 40;
+    CHECK_ERR(mn_estimate(&m, &s, &r), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_estimate(NULL, &s, &r), MN_ERR_INVALID_ARG);
+    // 10^15 parameters: a real (enormous) answer, no wrap-around
+    memset(&b, 0, sizeof b);
+    b.params = 1000000000000000ull;
+    s = setup0();
+    s.no_replay = 1, s.seq = 8;
+    CHECK_OK(mn_estimate(&b, &s, &r));
+    CHECK_EQ_U64(r.params, 1000000000000000ull);
+    CHECK_EQ_U64(r.weights, 4000000000000000ull);
+    CHECK_EQ_U64(r.model_states, 16000000000000000ull);
+    CHECK(!r.fits);
+    b.params = 5000000000000000000ull;  // 5 * 10^18 x 16 bytes does not fit 64 bits
+    s.logger.log_fn = count_log;
+    log_count = 0;
+    CHECK_ERR(mn_estimate(&b, &s, &r), MN_ERR_OVERFLOW);
+    CHECK_EQ_INT(log_count, 1);
+}
+
+// Random shapes and settings: every call either succeeds with consistent numbers or fails cleanly.
+static void test_random_setups(void) {
+    int it;
+    for (it = 0; it < 60; it++) {
+        mn_model m = random_model();
+        mn_setup s = random_setup();
+        mn_estimate_result r;
+        mn_result res;
+        if (mnt_rand_u64() % 4 == 0) s.checkpointing = (mn_ckpt)(1 + mnt_rand_u64() % 3);
+        if (mnt_rand_u64() % 4 == 0) s.zero_stage = (uint32_t)(mnt_rand_u64() % 4), s.gpus = 4;
+        if (mnt_rand_u64() % 5 == 0) s.infer = 1, s.new_tokens = mnt_rand_u64() % 64;
+        if (mnt_rand_u64() % 6 == 0) s.accum = 1 + mnt_rand_u64() % 4;
+        res = mn_estimate(&m, &s, &r);
+        if (res != MN_OK) {
+            CHECK_ERR(res, MN_ERR_INVALID_ARG);  // e.g. quantization without LoRA
+            continue;
+        }
+        CHECK(r.peak_allocated >= r.weights / 2);
+        CHECK(r.peak_reserved >= r.peak_allocated);
+        CHECK_EQ_U64(r.model_states, r.weights + r.master_weights + r.gradients + r.optimizer);
+    }
+}
+
+// Every allocation of the trace is freed at most once, after it was made.
+static void test_trace_consistency(void) {
+    mn_model m = preset("llama-3.2-1b");
+    mn_setup s = setup0();
+    mn_trace_event *ev = NULL;
+    uint64_t n = 0, i, live = 0, max_id = 0;
+    unsigned char *state;
+    m.layers = 3;
+    s.precision = MN_PREC_BF16, s.checkpointing = MN_CKPT_FULL, s.accum = 2;
+    CHECK_OK(mn_estimate_trace(&m, &s, NULL, &ev, &n));
+    CHECK(n > 100);
+    for (i = 0; i < n; i++) if (ev[i].id > max_id) max_id = ev[i].id;
+    state = (unsigned char *)calloc(max_id + 1, 1);
+    for (i = 0; i < n && state; i++) {
+        if (ev[i].alloc) {
+            CHECK(state[ev[i].id] == 0);
+            state[ev[i].id] = 1, live += ev[i].size;
+        } else {
+            CHECK(state[ev[i].id] == 1);
+            state[ev[i].id] = 2, live -= ev[i].size;
+        }
+    }
+    free(state);
+    mn_trace_free(NULL, ev);
+}
+
+// Host allocation failures: every failing point returns MN_ERR_OUT_OF_MEMORY and leaks nothing.
+static void test_alloc_failures(void) {
+    mn_model m = preset("gpt2");
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    long n;
+    int ok = 0;
+    m.layers = 2, s.seq = 64;
+    for (n = 1; n < 400 && !ok; n++) {
+        mn_result res;
+        mnt_fail_alloc_after(n);
+        res = mn_estimate(&m, &s, &r);
+        mnt_fail_alloc_after(0);
+        if (res == MN_OK) ok = 1;
+        else CHECK_ERR(res, MN_ERR_OUT_OF_MEMORY);
+    }
+    CHECK(ok);
+}
+
+static void test_presets_and_gpus(void) {
+    uint32_t i;
+    mn_gpu g;
+    for (i = 0; i < mn_preset_count(); i++) {
+        mn_model m = *mn_preset_get(i);
+        mn_setup s = setup0();
+        mn_estimate_result r;
+        s.seq = 128, s.precision = MN_PREC_BF16, s.no_replay = 1;
+        CHECK_MSG(mn_estimate(&m, &s, &r) == MN_OK, "preset %s", m.name);
+    }
+    CHECK(mn_preset_count() >= 30);
+    CHECK_OK(mn_gpu_find("h100", &g));
+    CHECK_STR(g.name, "h100-80gb");
+    CHECK_OK(mn_gpu_find("v100-16gb", &g));
+    CHECK_EQ_U64(g.capacity, 16160ull << 20);
+    CHECK_ERR(mn_preset_find("llama-9-900b", NULL), MN_ERR_INVALID_ARG);
+}
+
 const mnt_case test_estimate_cases[] = {
-    {NULL, NULL},
+    {"param_counts", test_param_counts},
+    {"bytes_per_param", test_bytes_per_param},
+    {"seed_optimizer_figures", test_seed_optimizer_figures},
+    {"zero_stages", test_zero_stages},
+    {"seed_linear_stack", test_seed_linear_stack},
+    {"kv_cache", test_kv_cache},
+    {"properties", test_properties},
+    {"zero_monotonic", test_zero_monotonic},
+    {"fit", test_fit},
+    {"bad_input", test_bad_input},
+    {"random_setups", test_random_setups},
+    {"trace_consistency", test_trace_consistency},
+    {"alloc_failures", test_alloc_failures},
+    {"presets_and_gpus", test_presets_and_gpus},
 };
-const size_t test_estimate_count = 0;
+const size_t test_estimate_count = sizeof test_estimate_cases / sizeof test_estimate_cases[0];
