@@ -38,8 +38,12 @@ build/test_asan: $(TESTSRC) test/harness.h $(HDRS) | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
 
-sanitize: memanat build/test_asan
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/test_asan
+build/memanat_asan: memanat.c $(HDRS) $(wildcard src/*.c) | build
+	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	    -fno-omit-frame-pointer $(WARN) -o $@ memanat.c $(LDLIBS)
+
+sanitize: build/memanat_asan build/test_asan
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MEMANAT_BIN=build/memanat_asan ./build/test_asan
 
 # The header compiles as C++ (nvcc compiles the CUDA backend as C++).
 cxx: test/cxx_check.cpp $(HDRS) | build

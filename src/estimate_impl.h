@@ -281,6 +281,7 @@ typedef struct mn__cfg {
     mn_model m;
     mn_setup s;
     uint64_t b, seq, ntok, d, qd, kvd, f, r;  // batch (x beams), tokens, head dim, widths, LoRA rank
+    uint64_t enc_seq;      // encoder tokens per sequence (cross-attention keys)
     uint32_t a_esz;        // activations out of matmuls
     uint32_t w_esz;        // parameters as stored
     uint32_t g_esz;        // parameter gradients
@@ -478,7 +479,7 @@ static uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, in
         xin = mn__alloc_t(S, rows * in, 2, MN_CAT_ACTIVATIONS);
         mn__op_rec(S, xin, &x, 1, NULL, 0, NULL, 0, 0);
     }
-    if (c->amp) {  // autocast caches the 16-bit weight for the rest of the forward
+    if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
         if (P->w16 == MN__NONE) P->w16 = mn__alloc_t(S, P->numel, 2, MN_CAT_WEIGHTS);
         w16 = P->w16;
     }
@@ -746,6 +747,7 @@ static uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64_t sq
         mn__drop(S, q), mn__drop(S, k);
         q = q2, k = k2;
     }
+    if (cross) skv = c->enc_seq;
     ctx = mn__attn_core(S, q, k, v, sq, skv, cross);
     o = mn__linear(S, ctx, c->qd, h, c->m.out_bias, MN_LORA_O, 1, MN__NONE);
     mn__drop(S, ctx), mn__drop(S, q), mn__drop(S, k), mn__drop(S, v);
@@ -1195,7 +1197,7 @@ static uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
 static uint64_t mn__optim_temp(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
     uint64_t e = c->state_half ? 2 : 4;
-    if (!c->hf || c->s.offload > MN_OFFLOAD_NONE) return 0;
+    if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;  // fused optimizers
     switch (c->s.optim) {
     case MN_OPTIM_ADAMW: case MN_OPTIM_LION: return mn__m(S, P->numel, e);
     case MN_OPTIM_ADAFACTOR: return mn__m3(S, P->numel, e, 2);
@@ -1224,7 +1226,8 @@ static void mn__load(mn__sim *S) {
     uint64_t i;
     S->phase = MN_PHASE_LOAD;
     for (i = 0; i < S->np; i++)
-        if (c->s.offload != MN_OFFLOAD_ALL) mn__alloc_t(S, mn__weight_bytes(S, &S->p[i]), 1, c->param_cat);
+        if (c->s.offload != MN_OFFLOAD_ALL)
+            mn__alloc_t(S, mn__weight_bytes(S, &S->p[i]), 1, S->p[i].trainable ? c->param_cat : MN_CAT_WEIGHTS);
     if (c->s.infer) return;
     for (i = 0; i < S->np; i++) {
         mn__param *P = &S->p[i];
@@ -1277,7 +1280,10 @@ static void mn__micro_batch(mn__sim *S) {
     if (c->amp) mn__amp_clear(S);
     if (S->err || loss == MN__NONE) return;
     S->phase = MN_PHASE_BACKWARD;
-    S->t[loss].grad = mn__alloc_t(S, 1, 4, MN_CAT_TEMPORARY);
+    {
+        uint32_t g = mn__alloc_t(S, 1, 4, MN_CAT_TEMPORARY);  // (S->t may move while allocating)
+        if (g != MN__NONE) S->t[loss].grad = g;
+    }
     mn__backward(S, 0);
     mn__drop(S, loss), mn__drop(S, S->hold);
     mn__drop(S, ids), mn__drop(S, labels), mn__drop(S, mask);
@@ -1287,7 +1293,7 @@ static void mn__micro_batch(mn__sim *S) {
 // and the prefill forward without autograd; logits only for the last position.
 static void mn__generate(mn__sim *S) {
     mn__cfg *c = S->c;
-    uint32_t ids, x, y, blk, dec0 = 0;
+    uint32_t ids, x, y, blk, dec0 = 0, mem = MN__NONE;
     uint64_t len, per;
     S->phase = MN_PHASE_PREFILL;
     S->record = 0, S->training = 0;
@@ -1301,10 +1307,16 @@ static void mn__generate(mn__sim *S) {
     ids = mn__alloc_t(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
     x = mn__embeddings(S, ids, 1);
     for (blk = 0; blk < c->nblocks && !S->err; blk++) {
-        y = mn__block(S, x, blk, MN__NONE);
+        if (dec0 && blk == dec0) {  // encoder done: the decoder starts from one token per sequence
+            mem = x;
+            c->seq = 1, c->ntok = c->b;
+            x = mn__embeddings(S, ids, 0);
+        }
+        y = mn__block(S, x, blk, mem);
         mn__drop(S, x);
         x = y;
     }
+    mn__drop(S, mem);
     if (c->amp) mn__amp_clear(S);
     if (c->m.head == MN_HEAD_LM && !S->err) {
         uint32_t lg = mn__alloc_t(S, mn__m(S, c->b, c->m.vocab), c->a_esz, MN_CAT_ACTIVATIONS);
@@ -1455,6 +1467,7 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
     c->b = s->batch * (s->infer ? s->beams : 1);
     c->seq = s->seq;
     c->ntok = c->b * c->seq;
+    c->enc_seq = c->seq;
     if (c->ntok > (1ull << 36)) MN__BAD(lg, "batch x sequence = %llu tokens is absurd", (unsigned long long)c->ntok);
     c->d = m->head_dim, c->qd = m->heads * m->head_dim, c->kvd = m->kv_heads * m->head_dim, c->f = m->ffn;
     c->r = s->lora_rank;
@@ -1548,9 +1561,10 @@ static void mn__states(mn__sim *S, mn_estimate_result *out) {
     for (i = 0; i < S->np; i++) {
         mn__param *P = &S->p[i];
         total += P->numel;
-        if (c->amp) {
-            out->master_weights += mn__weight_bytes(S, P);
-            out->weights += mn__m(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1);
+        if (c->amp) {  // fp32 storage of trained parameters is the master; autocast adds 16-bit casts
+            if (P->trainable) out->master_weights += mn__weight_bytes(S, P);
+            else out->weights += mn__weight_bytes(S, P);
+            if (!P->quant) out->weights += mn__m(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1);
         } else if (c->s.offload != MN_OFFLOAD_ALL) {
             out->weights += mn__weight_bytes(S, P);
         } else {
@@ -1782,105 +1796,160 @@ static uint64_t mn__search(const mn_model *m, mn_setup *s, uint64_t *field, uint
     return lo;
 }
 
-static void mn__plan_add(mn_fit_result *out, const char *what, double factor, const mn_estimate_result *before,
-                         const mn_estimate_result *after, const char *note) {
-    mn_plan_step *p;
-    char a[32], b[32];
-    if (out->plan_len >= sizeof out->plan / sizeof out->plan[0]) return;
-    p = &out->plan[out->plan_len++];
-    mn_size_format(before->device_used, a, sizeof a);
-    mn_size_format(after->device_used, b, sizeof b);
-    snprintf(p->what, sizeof p->what, "%s", what);
-    snprintf(p->why, sizeof p->why, "%s: device %s -> %s, step time x%.2f", note, a, b, factor);
-    out->plan_slowdown *= factor;
+// The techniques of the plan, cheapest in step time first. Step-time factors from the HF
+// bert-large series on a V100 (fp16 0.47x, 8-bit Adam 0.97x, Adafactor 1.11x, batch 4 -> 1 x 4
+// accumulation 1.14x, + checkpointing 1.29x), Korthikanti et al. 2022 (selective recompute
+// 1.03x), and typical LoRA / QLoRA / ZeRO-offload slowdowns.
+typedef enum mn__tech {
+    MN__T_SDPA, MN__T_MIXED, MN__T_ADAM8, MN__T_HALVE, MN__T_SELECTIVE, MN__T_FULL, MN__T_ADAFACTOR,
+    MN__T_LORA, MN__T_NF4, MN__T_OFFLOAD, MN__T_COUNT
+} mn__tech;
+
+static const struct { double factor; const char *note; } mn__techs[MN__T_COUNT] = {
+    {0.85, "fused attention keeps no s x s scores"},
+    {0.50, "16-bit activations, fp32 master weights kept"},
+    {0.97, "Adam states 8 -> 2 bytes per parameter"},
+    {1.07, "same effective batch, half the activations"},
+    {1.03, "recompute the attention scores in backward"},
+    {1.29, "keep block inputs only, recompute each block in backward"},
+    {1.11, "factored second moment, no first moment"},
+    {0.80, "train adapters only: no gradients or optimizer state for the base"},
+    {1.30, "4-bit base weights (QLoRA)"},
+    {2.00, "parameters, gradients and optimizer state in host memory"},
+};
+
+// Applies technique k to s if it applies; 0 when it does not.
+static int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
+    switch (k) {
+    case MN__T_SDPA: if (s->attention != MN_ATTN_EAGER) return 0; s->attention = MN_ATTN_SDPA; return 1;
+    case MN__T_MIXED:
+        if (s->precision != MN_PREC_FP32 || s->infer) return 0;
+        s->precision = bf16 ? MN_PREC_BF16 : MN_PREC_FP16;
+        return 1;
+    case MN__T_ADAM8: if (s->optim != MN_OPTIM_ADAMW || s->infer) return 0; s->optim = MN_OPTIM_ADAMW_8BIT; return 1;
+    case MN__T_HALVE: if (s->batch < 2 || s->infer) return 0; s->batch = (s->batch + 1) / 2, s->accum *= 2; return 1;
+    case MN__T_SELECTIVE:
+        if (s->checkpointing != MN_CKPT_NONE || s->attention != MN_ATTN_EAGER || s->infer) return 0;
+        s->checkpointing = MN_CKPT_SELECTIVE;
+        return 1;
+    case MN__T_FULL: if (s->checkpointing == MN_CKPT_FULL || s->infer) return 0; s->checkpointing = MN_CKPT_FULL; return 1;
+    case MN__T_ADAFACTOR:
+        if (s->optim == MN_OPTIM_ADAFACTOR || s->optim == MN_OPTIM_SGD || s->optim == MN_OPTIM_NONE || s->lora_rank || s->infer) return 0;
+        s->optim = MN_OPTIM_ADAFACTOR;
+        return 1;
+    case MN__T_LORA:
+        if (s->lora_rank || s->infer) return 0;
+        s->lora_rank = 16, s->lora_targets = MN_LORA_ALL;
+        return 1;
+    case MN__T_NF4: if (s->quant > MN_QUANT_NONE || (!s->lora_rank && !s->infer)) return 0; s->quant = MN_QUANT_NF4; return 1;
+    case MN__T_OFFLOAD:
+        if (s->zero_stage >= 3 || s->infer) return 0;
+        s->framework = MN_FW_DEEPSPEED, s->zero_stage = 3, s->offload = MN_OFFLOAD_ALL;
+        return 1;
+    case MN__T_COUNT: break;
+    }
+    return 0;
+}
+
+static void mn__tech_describe(mn__tech k, const mn_setup *s, char *buf, size_t cap) {
+    switch (k) {
+    case MN__T_SDPA: snprintf(buf, cap, "--attention sdpa"); break;
+    case MN__T_MIXED: snprintf(buf, cap, "--precision %s", mn_precision_name(s->precision)); break;
+    case MN__T_ADAM8: snprintf(buf, cap, "--optim adamw-8bit"); break;
+    case MN__T_HALVE:
+        snprintf(buf, cap, "--batch %llu --accum %llu", (unsigned long long)s->batch, (unsigned long long)s->accum);
+        break;
+    case MN__T_SELECTIVE: snprintf(buf, cap, "--checkpointing selective"); break;
+    case MN__T_FULL: snprintf(buf, cap, "--checkpointing full"); break;
+    case MN__T_ADAFACTOR: snprintf(buf, cap, "--optim adafactor"); break;
+    case MN__T_LORA: snprintf(buf, cap, "--lora-rank 16 --lora-targets all"); break;
+    case MN__T_NF4: snprintf(buf, cap, "--quant nf4"); break;
+    case MN__T_OFFLOAD: snprintf(buf, cap, "--framework deepspeed --zero 3 --offload all"); break;
+    case MN__T_COUNT: buf[0] = 0; break;
+    }
+}
+
+// The setup after applying steps[0..n) to base, skipping index `skip`.
+static mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, uint32_t n, uint32_t skip, int bf16) {
+    mn_setup s = *base;
+    uint32_t i;
+    for (i = 0; i < n; i++)
+        if (i != skip) mn__tech_apply((mn__tech)steps[i], &s, bf16);
+    return s;
 }
 
 MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out) {
     mn_estimate_result cur, next;
-    mn_setup s, t;
+    mn_setup base, s, t;
     mn_result err = MN_OK;
     uint64_t cap_seq;
-    unsigned tried = 0;
-    int step;
+    uint8_t steps[32];
+    uint32_t n = 0, i, k;
+    int bf16, progress = 1;
     if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
     memset(out, 0, sizeof *out);
     out->plan_slowdown = 1.0;
     err = mn_estimate(model, setup, &cur);
     if (err != MN_OK) return err;
     out->estimates_run = 1;
-    s = cur.setup;
-    s.logger = setup->logger;
-    t = s;
+    base = cur.setup;
+    base.logger = setup->logger;
+    bf16 = cur.gpu.bf16;
+    t = base;
     out->max_batch = mn__search(model, &t, &t.batch, 1ull << 20, out, &err);
     if (err != MN_OK) return err;
-    t = s;
+    t = base;
     cap_seq = cur.model.posemb == MN_POS_LEARNED && cur.model.arch != MN_ARCH_STACK ? cur.model.max_positions : (1ull << 22);
-    if (s.infer) out->max_seq = mn__search(model, &t, &t.prompt, cap_seq, out, &err);
+    if (base.infer) out->max_seq = mn__search(model, &t, &t.prompt, cap_seq, out, &err);
     else out->max_seq = mn__search(model, &t, &t.seq, cap_seq, out, &err);
     if (err != MN_OK) return err;
 
-    // The plan: the seeds' techniques, cheapest in speed first, until the setup fits. Step-time
-    // factors from the HF bert-large series on a V100 (fp16 0.47x, 8-bit Adam 0.97x, Adafactor
-    // 1.11x, batch 4 -> 1x4 accumulation 1.14x, + checkpointing 1.29x), Korthikanti et al. 2022
-    // (selective recompute ~1.03x), and typical LoRA/QLoRA/offload slowdowns.
-    for (step = 0; !cur.fits && step < 24; step++) {
-        const char *what = NULL, *note = NULL;
-        char buf[64];
-        double f = 1.0;
-        t = s;
-        if (t.attention == MN_ATTN_EAGER && !(tried & 1u)) {
-            tried |= 1u;
-            t.attention = MN_ATTN_SDPA, what = "--attention sdpa", f = 0.85;
-            note = "fused attention keeps no s x s scores";
-        } else if (t.precision == MN_PREC_FP32 && !t.infer && !(tried & 2u)) {
-            tried |= 2u;
-            t.precision = cur.gpu.bf16 ? MN_PREC_BF16 : MN_PREC_FP16;
-            what = cur.gpu.bf16 ? "--precision bf16" : "--precision fp16", f = 0.5;
-            note = "16-bit activations (fp32 master weights kept)";
-        } else if (t.optim == MN_OPTIM_ADAMW && !t.infer && !(tried & 4u)) {
-            tried |= 4u;
-            t.optim = MN_OPTIM_ADAMW_8BIT, what = "--optim adamw-8bit", f = 0.97;
-            note = "Adam states 8 -> 2 bytes per parameter";
-        } else if (t.batch > 1 && !t.infer) {
-            t.batch = (t.batch + 1) / 2, t.accum *= 2, f = 1.07;
-            snprintf(buf, sizeof buf, "--batch %llu --accum %llu", (unsigned long long)t.batch, (unsigned long long)t.accum);
-            what = buf, note = "same effective batch, half the activations";
-        } else if (t.checkpointing == MN_CKPT_NONE && t.attention == MN_ATTN_EAGER && !t.infer && !(tried & 8u)) {
-            tried |= 8u;
-            t.checkpointing = MN_CKPT_SELECTIVE, what = "--checkpointing selective", f = 1.03;
-            note = "recompute the attention scores in backward";
-        } else if (t.checkpointing != MN_CKPT_FULL && !t.infer && !(tried & 16u)) {
-            tried |= 16u;
-            t.checkpointing = MN_CKPT_FULL, what = "--checkpointing full", f = 1.29;
-            note = "keep block inputs only, recompute each block in backward";
-        } else if (t.optim != MN_OPTIM_ADAFACTOR && t.optim != MN_OPTIM_SGD && !t.lora_rank && !t.infer &&
-                   !(tried & 32u)) {
-            tried |= 32u;
-            t.optim = MN_OPTIM_ADAFACTOR, what = "--optim adafactor", f = 1.11;
-            note = "factored second moment, no first moment";
-        } else if (!t.lora_rank && !t.infer && !(tried & 64u)) {
-            tried |= 64u;
-            t.lora_rank = 16, t.lora_targets = MN_LORA_ALL, t.optim = MN_OPTIM_ADAMW;
-            what = "--lora-rank 16 --lora-targets all", f = 0.8;
-            note = "train adapters only: no gradients or optimizer state for the base";
-        } else if (t.quant <= MN_QUANT_NONE && (t.lora_rank || t.infer) && !(tried & 128u)) {
-            tried |= 128u;
-            t.quant = MN_QUANT_NF4, what = "--quant nf4", f = 1.3;
-            note = "4-bit base weights (QLoRA)";
-        } else if (t.zero_stage < 3 && !t.infer && !(tried & 256u)) {
-            tried |= 256u;
-            t.framework = MN_FW_DEEPSPEED, t.zero_stage = 3, t.offload = MN_OFFLOAD_ALL;
-            what = "--framework deepspeed --zero 3 --offload all", f = 2.0;
-            note = "parameters, gradients and optimizer state in host memory";
-        } else {
-            break;
+    // Greedy: add the cheapest technique that lowers the device memory until the setup fits.
+    s = base;
+    while (!cur.fits && progress && n < sizeof steps) {
+        progress = 0;
+        for (k = 0; k < MN__T_COUNT && !progress; k++) {
+            t = s;
+            if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
+            err = mn_estimate(model, &t, &next);
+            out->estimates_run++;
+            if (err != MN_OK) return err;
+            if (next.device_used >= cur.device_used) continue;  // no help here
+            steps[n++] = (uint8_t)k, s = t, cur = next, progress = 1;
         }
-        err = mn_estimate(model, &t, &next);
+    }
+    // Prune: drop each step, the slowest first, whose removal still fits.
+    for (k = MN__T_COUNT; cur.fits && k-- > 0;) {
+        for (i = n; i-- > 0;) {
+            if (steps[i] != k) continue;
+            t = mn__plan_setup(&base, steps, n, i, bf16);
+            err = mn_estimate(model, &t, &next);
+            out->estimates_run++;
+            if (err != MN_OK) return err;
+            if (!next.fits) continue;
+            memmove(&steps[i], &steps[i + 1], (n - i - 1) * sizeof steps[0]);
+            n--, s = t, cur = next;
+        }
+    }
+    // Report the kept steps with the memory each one saves.
+    t = base;
+    err = mn_estimate(model, &t, &next);
+    if (err != MN_OK) return err;
+    for (i = 0; i < n && out->plan_len < sizeof out->plan / sizeof out->plan[0]; i++) {
+        mn_estimate_result after;
+        mn_plan_step *p = &out->plan[out->plan_len++];
+        char a[32], b[32];
+        mn__tech_apply((mn__tech)steps[i], &t, bf16);
+        err = mn_estimate(model, &t, &after);
         out->estimates_run++;
         if (err != MN_OK) return err;
-        if (next.device_used >= cur.device_used && !next.fits) continue;  // no help: skip it
-        mn__plan_add(out, what, f, &cur, &next, note);
-        s = t, cur = next;
+        mn__tech_describe((mn__tech)steps[i], &t, p->what, sizeof p->what);
+        mn_size_format(next.device_used, a, sizeof a);
+        mn_size_format(after.device_used, b, sizeof b);
+        snprintf(p->why, sizeof p->why, "%s: device %s -> %s, step time x%.2f", mn__techs[steps[i]].note, a, b,
+                 mn__techs[steps[i]].factor);
+        out->plan_slowdown *= mn__techs[steps[i]].factor;
+        next = after;
     }
     out->plan_found = cur.fits;
     out->plan_setup = s;

@@ -1,0 +1,89 @@
+// Speed of the estimator: one estimate (symbolic step alone, and with the allocator replay) and
+// one fit, for models from 0.1B to 70B parameters. Prints medians of repeated runs.
+//   make bench && ./build/bench_estimate
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MEMANAT_IMPLEMENTATION
+#include "../memanat.h"
+
+static double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void cpu_name(char *buf, size_t cap) {
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[256];
+    snprintf(buf, cap, "unknown CPU");
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        char *c = strchr(line, ':');
+        if (!strncmp(line, "model name", 10) && c) {
+            snprintf(buf, cap, "%s", c + 2);
+            buf[strcspn(buf, "\n")] = 0;
+            break;
+        }
+    }
+    fclose(f);
+}
+
+int main(void) {
+    static const struct { const char *model, *gpu; mn_precision prec; uint64_t batch, seq; } cases[] = {
+        {"bert-large-uncased", "v100-16gb", MN_PREC_FP32, 4, 512},
+        {"gpt2-xl", "a100-40gb", MN_PREC_FP16, 8, 1024},
+        {"llama-3-8b", "h100-80gb", MN_PREC_BF16, 2, 4096},
+        {"llama-3-70b", "h100-80gb", MN_PREC_BF16, 1, 8192},
+    };
+    enum { REPS = 15 };
+    char cpu[128];
+    size_t c;
+    cpu_name(cpu, sizeof cpu);
+    printf("memanat %s estimator speed on %s (medians of %d runs)\n\n", MEMANAT_VERSION, cpu, REPS);
+    printf("%-20s %8s %10s %14s %14s %12s %8s\n", "model", "params", "events", "step only us", "with replay us",
+           "fit ms", "fit runs");
+    for (c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        mn_model m;
+        mn_setup s;
+        mn_estimate_result r;
+        mn_fit_result f;
+        double t_sim[REPS], t_rep[REPS], t_fit[5], t0;
+        int i;
+        memset(&s, 0, sizeof s);
+        if (mn_preset_find(cases[c].model, &m) != MN_OK) return 1;
+        s.gpu = cases[c].gpu, s.precision = cases[c].prec, s.batch = cases[c].batch, s.seq = cases[c].seq;
+        for (i = 0; i < REPS; i++) {
+            s.no_replay = 1;
+            t0 = now_us();
+            if (mn_estimate(&m, &s, &r) != MN_OK) return 1;
+            t_sim[i] = now_us() - t0;
+            s.no_replay = 0;
+            t0 = now_us();
+            if (mn_estimate(&m, &s, &r) != MN_OK) return 1;
+            t_rep[i] = now_us() - t0;
+        }
+        for (i = 0; i < 5; i++) {
+            t0 = now_us();
+            if (mn_fit(&m, &s, &f) != MN_OK) return 1;
+            t_fit[i] = (now_us() - t0) / 1e3;
+        }
+        printf("%-20s %7.2fB %10llu %14.0f %14.0f %12.1f %8llu\n", cases[c].model, (double)r.params / 1e9,
+               (unsigned long long)r.alloc_events, median(t_sim, REPS), median(t_rep, REPS), median(t_fit, 5),
+               (unsigned long long)f.estimates_run);
+    }
+    return 0;
+}
