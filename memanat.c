@@ -70,6 +70,7 @@ typedef struct cli {
     int head_set;
     mn_head head;
     const char *alloc_conf;
+    const char *svg, *snapshot;  // estimate: write the predicted step's timeline / memory_viz JSON
 } cli;
 
 static const char *estimate_usage =
@@ -87,7 +88,9 @@ static const char *estimate_usage =
     "  device:    --gpu NAME --capacity SIZE --context SIZE --alloc-conf STR\n"
     "             (SIZE: 512MiB, 16GiB, 80GB; PYTORCH_CUDA_ALLOC_CONF is read when set)\n"
     "  inference: --infer --prompt N --new-tokens N --beams N\n"
-    "  output:    --json (one JSON object, byte counts as integers)\n";
+    "  output:    --json (one JSON object, byte counts as integers)\n"
+    "             --svg OUT (timeline of the predicted step, stacked by category)\n"
+    "             --snapshot OUT (allocator snapshot for pytorch.org/memory_viz)\n";
 
 static const char *fit_usage =
     "usage: memanat fit [same options as estimate]\n"
@@ -211,6 +214,8 @@ static int parse_args(cli *c, int argc, char **argv, const char *usage) {
             continue;
         }
         if (!strcmp(k, "--alloc-conf")) { c->alloc_conf = v; continue; }
+        if (!strcmp(k, "--svg")) { c->svg = v; continue; }
+        if (!strcmp(k, "--snapshot")) { c->snapshot = v; continue; }
         return fail("unknown option \"%s\" (see --help)", k);
     }
     if (!c->have_model) return fail("no model: give --model NAME, --config FILE or --params N (see --help)");
@@ -335,6 +340,59 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     }
 }
 
+static mn_result write_file(void *user, const char *data, size_t len) {
+    return fwrite(data, 1, len, (FILE *)user) == len ? MN_OK : MN_ERR_IO;
+}
+
+// Replays the predicted step through the allocator with its history on, then writes the
+// timeline picture and/or the snapshot. Files are written to a temporary name and renamed.
+static int write_pictures(const cli *c, const mn_estimate_result *r) {
+    const char *paths[2] = {c->svg, c->snapshot};
+    mn_simdev dev;
+    mn_simdev_desc dd;
+    mn_cache cache;
+    mn_cache_desc cd;
+    mn_cache_snapshot snap;
+    mn_result res;
+    int i, rc = 0, have_snap = 0;
+    char title[160], tmp[4096];
+    memset(&dd, 0, sizeof dd);
+    memset(&cd, 0, sizeof cd);
+    if ((res = mn_simdev_init(&dev, &dd)) != MN_OK) return fail_result("simulated device", res);
+    cd.device = mn_simdev_device(&dev);
+    cd.config = c->setup.alloc_conf;
+    cd.trace_entries = (uint32_t)(r->alloc_events * 6 + 64 < 8000000 ? r->alloc_events * 6 + 64 : 8000000);
+    cd.logger.log_fn = capture_log;
+    if ((res = mn_cache_init(&cache, &cd)) != MN_OK) {
+        mn_simdev_free(&dev);
+        return fail_result("allocator", res);
+    }
+    res = mn_estimate_replay(&c->model, &c->setup, NULL, &cache);
+    if (res == MN_OK) res = mn_cache_snapshot_take(&cache, &snap);
+    if (res == MN_OK) have_snap = 1;
+    else rc = fail_result("replay", res);
+    snprintf(title, sizeof title, "%s: batch %llu x seq %llu, %s, %s (predicted)", r->model.name,
+             (unsigned long long)r->setup.batch, (unsigned long long)r->setup.seq,
+             mn_precision_name(r->setup.precision), mn_optim_name(r->setup.optim));
+    for (i = 0; i < 2 && rc == 0; i++) {
+        FILE *f;
+        if (!paths[i]) continue;
+        snprintf(tmp, sizeof tmp, "%s.tmp", paths[i]);
+        f = fopen(tmp, "wb");
+        if (!f) { rc = fail("cannot write %s: %s", tmp, strerror(errno)); break; }
+        res = i == 0 ? mn_cache_timeline_svg(&snap, title, write_file, f) : mn_cache_snapshot_write_json(&snap, write_file, f);
+        if (fclose(f) != 0 && res == MN_OK) res = MN_ERR_IO;
+        if (res != MN_OK || rename(tmp, paths[i]) != 0) {
+            remove(tmp);
+            rc = fail("cannot write %s: %s", paths[i], mn_result_str(res == MN_OK ? MN_ERR_IO : res));
+        }
+    }
+    if (have_snap) mn_cache_snapshot_free(&snap);
+    mn_cache_free(&cache);
+    mn_simdev_free(&dev);
+    return rc;
+}
+
 static int cmd_estimate(int argc, char **argv) {
     cli c;
     mn_estimate_result r;
@@ -343,6 +401,7 @@ static int cmd_estimate(int argc, char **argv) {
     if (rc) return rc == 1 ? 0 : rc;
     res = mn_estimate(&c.model, &c.setup, &r);
     if (res != MN_OK) return fail_result("estimate", res);
+    if ((c.svg || c.snapshot) && (rc = write_pictures(&c, &r)) != 0) return rc;
     if (c.json) {
         printf("{");
         print_json_fields(&r, &f);

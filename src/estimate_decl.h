@@ -246,6 +246,11 @@ MNDEF mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
                                   const mn_allocator *allocator, mn_trace_event **events,
                                   uint64_t *count);
 MNDEF void mn_trace_free(const mn_allocator *allocator, mn_trace_event *events);
+// Replays the simulated step through a caching allocator the caller set up (any configuration,
+// a history ring for snapshots and timelines). Each block is labelled with its phase.
+struct mn_cache;
+MNDEF mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup,
+                                   const mn_allocator *allocator, struct mn_cache *cache);
 
 // Parameter count of a model (exact from the shape, or model->params when set).
 MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);

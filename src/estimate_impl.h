@@ -989,7 +989,7 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     mn__op_rec(S, lsm, &l32, 1, &lsm, 1, NULL, 0, 0);
     loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
     sv[0] = lsm, sv[1] = labels;
-    mn__op_rec(S, loss, &lsm, 1, sv, 2, NULL, 0, mn__tnumel(S, lsm) * 4);
+    mn__op_rec(S, loss, &lsm, 1, sv, 2, NULL, 0, 0);  // nll backward: the dense grad of lsm
     mn__drop(S, lsm);
     if (l32 != lg) mn__drop(S, l32);
     mn__drop(S, lg);
@@ -1617,43 +1617,54 @@ static void mn__run(mn__sim *S) {
     }
 }
 
+// Feeds recorded events to a caching allocator. An allocation that fails even after the OOM
+// ladder is counted by the allocator (num_ooms) and its free is skipped.
+static mn_result mn__replay_into(const mn_allocator *al, const mn_trace_event *ev, uint64_t n, uint64_t ntensors,
+                                 mn_cache *cache) {
+    void **ptr = (void **)mn__alloc_array(al, (size_t)ntensors + 1, sizeof *ptr);
+    uint64_t i;
+    mn_result r = MN_OK;
+    if (!ptr) return MN_ERR_OUT_OF_MEMORY;
+    memset(ptr, 0, ((size_t)ntensors + 1) * sizeof *ptr);
+    for (i = 0; i < n && r == MN_OK; i++) {
+        const mn_trace_event *e = &ev[i];
+        if (e->id > ntensors) { r = MN_ERR_INVALID_ARG; break; }
+        if (e->alloc) {
+            ptr[e->id] = NULL;
+            r = mn_cache_alloc(cache, e->size, 0, (mn_category)e->category, mn_phase_name((mn_phase)e->phase), &ptr[e->id]);
+            if (r == MN_ERR_DEVICE_OOM) r = MN_OK;
+        } else if (ptr[e->id]) {
+            r = mn_cache_release(cache, ptr[e->id]);
+            ptr[e->id] = NULL;
+        }
+    }
+    mn__free(al, ptr);
+    return r;
+}
+
 // Replays the events through the caching allocator on a simulated device. capacity 0 = unlimited.
 static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *st) {
     mn_simdev dev;
     mn_simdev_desc dd;
     mn_cache cache;
     mn_cache_desc cd;
-    void **ptr;
-    uint64_t i;
     mn_result r;
-    ptr = (void **)mn__alloc_array(S->al, (size_t)S->nt + 1, sizeof *ptr);
-    if (!ptr) return MN_ERR_OUT_OF_MEMORY;
     memset(&dd, 0, sizeof dd);
     dd.capacity = capacity;
     if (S->al) dd.allocator = *S->al;
     r = mn_simdev_init(&dev, &dd);
-    if (r != MN_OK) { mn__free(S->al, ptr); return r; }
+    if (r != MN_OK) return r;
     memset(&cd, 0, sizeof cd);
     cd.device = mn_simdev_device(&dev);
     cd.config = S->c->s.alloc_conf;
     cd.logger = S->c->s.logger;
     if (S->al) cd.allocator = *S->al;
     r = mn_cache_init(&cache, &cd);
-    if (r != MN_OK) { mn_simdev_free(&dev); mn__free(S->al, ptr); return r; }
-    for (i = 0; i < S->nev && r == MN_OK; i++) {
-        const mn_trace_event *e = &S->ev[i];
-        if (e->alloc) {
-            ptr[e->id] = NULL;
-            r = mn_cache_alloc(&cache, e->size, 0, (mn_category)e->category, NULL, &ptr[e->id]);
-            if (r == MN_ERR_DEVICE_OOM) r = MN_OK;  // counted in num_ooms; its free is skipped
-        } else if (ptr[e->id]) {
-            r = mn_cache_release(&cache, ptr[e->id]);
-        }
-    }
+    if (r != MN_OK) { mn_simdev_free(&dev); return r; }
+    r = mn__replay_into(S->al, S->ev, S->nev, S->nt, &cache);
     if (r == MN_OK) r = mn_cache_stats(&cache, st);
     mn_cache_free(&cache);
     mn_simdev_free(&dev);
-    mn__free(S->al, ptr);
     return r;
 }
 
@@ -1742,6 +1753,21 @@ MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
 }
 
 MNIMPL void mn_trace_free(const mn_allocator *allocator, mn_trace_event *events) { mn__free(allocator, events); }
+
+MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup, const mn_allocator *allocator,
+                                    mn_cache *cache) {
+    mn__sim S;
+    mn_estimate_result res;
+    mn_setup s2;
+    mn_result r;
+    if (!setup || !cache) return MN_ERR_INVALID_ARG;
+    s2 = *setup;
+    s2.no_replay = 1;
+    r = mn__estimate(model, &s2, allocator, &res, &S, 1);
+    if (r == MN_OK) r = mn__replay_into(allocator, S.ev, S.nev, S.nt, cache);
+    mn__sim_free(&S);
+    return r;
+}
 
 MNIMPL mn_result mn_model_params(const mn_model *model, uint64_t *out) {
     mn__sim S;

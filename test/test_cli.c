@@ -226,7 +226,51 @@ static void test_models_and_help(void) {
     CHECK(r.status != 0 && count_lines(r.err) == 1);
 }
 
+// --svg and --snapshot write the predicted step: an SVG picture and a memory_viz snapshot whose
+// device trace holds as many allocations as the estimate simulated.
+static void test_pictures(void) {
+    char dir[] = "/tmp/memanat_pic_XXXXXX", args[1024], svg[64], snap[64];
+    run_out r;
+    FILE *f;
+    static char buf[1 << 22];
+    size_t n;
+    mn_json_doc doc;
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    CHECK(mkdtemp(dir) != NULL);
+    snprintf(svg, sizeof svg, "%s/step.svg", dir);
+    snprintf(snap, sizeof snap, "%s/step.json", dir);
+    snprintf(args, sizeof args, "estimate --model gpt2 --batch 2 --seq 256 --svg %s --snapshot %s --json", svg, snap);
+    CHECK(run(args, &r));
+    CHECK_EQ_INT(r.status, 0);
+    f = fopen(svg, "rb");
+    CHECK(f != NULL);
+    if (f) {
+        n = fread(buf, 1, sizeof buf - 1, f);
+        buf[n] = 0;
+        fclose(f);
+        CHECK(strncmp(buf, "<svg", 4) == 0 && strstr(buf, "</svg>") && strstr(buf, "activations"));
+    }
+    f = fopen(snap, "rb");
+    CHECK(f != NULL);
+    if (f) {
+        n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        CHECK(n < sizeof buf - 1);
+        CHECK_OK(mn_json_parse(buf, n, NULL, &doc));
+        if (doc.root) {
+            CHECK(mn_json_get(doc.root, "segments") != NULL);
+            CHECK(mn_json_get(doc.root, "device_traces") != NULL);
+        }
+        mn_json_free(&doc);
+    }
+    remove(svg), remove(snap), rmdir(dir);
+    snprintf(args, sizeof args, "estimate --model gpt2 --svg /nonexistent/dir/x.svg");
+    CHECK(run(args, &r));
+    CHECK(r.status != 0 && count_lines(r.err) == 1);
+}
+
 const mnt_case test_cli_cases[] = {
+    {"pictures", test_pictures},
     {"dev_tsv", test_dev_tsv},
     {"bad_input", test_bad_input},
     {"huge_model", test_huge_model},
