@@ -1,9 +1,1290 @@
-// Tests of the cache section.
+// Tests of the cache section: PyTorch's policy on worked examples, the consistency invariant on
+// random workloads, failure injection (device and host), threads, outputs, and `memanat replay`.
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#include <pthread.h>
 #include "harness.h"
 #include "../memanat.h"
 
+#define MIB (1024ull * 1024ull)
+#define KIB 1024ull
+
+// ---- helpers -------------------------------------------------------------------------------------
+
+typedef struct tc_env {
+    mn_simdev dev;
+    mn_cache cache;
+} tc_env;
+
+static char tc_last_log[512];
+
+static void tc_log(void *ud, mn_log_level level, const char *msg) {
+    (void)ud, (void)level;
+    snprintf(tc_last_log, sizeof tc_last_log, "%s", msg);
+}
+
+static mn_result tc_open(tc_env *e, uint64_t capacity, const char *config, uint32_t trace) {
+    mn_simdev_desc dd;
+    mn_cache_desc cd;
+    mn_result r;
+    memset(&dd, 0, sizeof dd);
+    dd.capacity = capacity;
+    r = mn_simdev_init(&e->dev, &dd);
+    if (r != MN_OK) return r;
+    memset(&cd, 0, sizeof cd);
+    cd.device = mn_simdev_device(&e->dev);
+    cd.config = config;
+    cd.trace_entries = trace;
+    cd.logger.log_fn = tc_log;
+    r = mn_cache_init(&e->cache, &cd);
+    if (r != MN_OK) mn_simdev_free(&e->dev);
+    return r;
+}
+
+static void tc_close(tc_env *e) {
+    mn_cache_free(&e->cache);
+    CHECK_EQ_U64(e->dev.used, 0);  // every segment went back to the device
+    CHECK_EQ_U64(e->dev.live, 0);
+    mn_simdev_free(&e->dev);
+}
+
+static struct mn_cache_stats tc_stats(tc_env *e) {
+    struct mn_cache_stats s;
+    CHECK_OK(mn_cache_stats(&e->cache, &s));
+    return s;
+}
+
+static void *tc_alloc(tc_env *e, uint64_t size, mn_stream stream) {
+    void *p = NULL;
+    CHECK_OK(mn_cache_alloc(&e->cache, size, stream, MN_CAT_ACTIVATIONS, "t", &p));
+    return p;
+}
+
+static uint64_t tc_u(void *p) { return (uint64_t)(uintptr_t)p; }
+
+// PyTorch's _check_memory_stat_consistency: statistics rebuilt from a snapshot equal the live
+// ones; every byte of a segment belongs to exactly one block; segments do not overlap.
+static void tc_consistent(tc_env *e) {
+    mn_cache_snapshot s;
+    struct mn_cache_stats w;
+    uint64_t i, j;
+    int t;
+    CHECK_OK(mn_cache_check(&e->cache));
+    if (mn_cache_snapshot_take(&e->cache, &s) != MN_OK) {
+        CHECK(0);
+        return;
+    }
+    memset(&w, 0, sizeof w);
+    for (i = 0; i < s.segment_count; i++) {
+        const mn_segment_info *g = &s.segments[i];
+        uint64_t at = g->addr, sum = 0;
+        t = g->is_small ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL;
+        if (i + 1 < s.segment_count)
+            CHECK_MSG(g->addr + g->total_size <= s.segments[i + 1].addr, "segments overlap");
+        if (!g->is_expandable) w.segment[t].current++;
+        w.reserved_bytes[t].current += g->total_size;
+        for (j = 0; j < g->block_count; j++) {
+            const mn_block_info *b = &s.blocks[g->first_block + j];
+            CHECK_MSG(b->addr == at, "block %llx is not where the previous one ends",
+                      (unsigned long long)b->addr);
+            at += b->size, sum += b->size;
+            if (b->state == MN_BLOCK_ACTIVE_ALLOCATED) {
+                w.allocation[t].current++;
+                w.allocated_bytes[t].current += b->size;
+            }
+            if (b->state != MN_BLOCK_INACTIVE) {
+                w.active[t].current++;
+                w.active_bytes[t].current += b->size;
+                w.requested_bytes[t].current += b->requested;
+            } else if (!g->is_expandable && g->block_count > 1) {
+                w.inactive_split[t].current++;
+                w.inactive_split_bytes[t].current += b->size;
+            }
+        }
+        CHECK_EQ_U64(sum, g->total_size);
+    }
+    for (t = MN_STAT_SMALL_POOL; t < MN_STAT_TYPE_COUNT; t++) {
+#define TC_CMP(f) do { CHECK_EQ_U64(s.stats.f[t].current, w.f[t].current); \
+        w.f[MN_STAT_ALL].current += w.f[t].current; } while (0)
+        TC_CMP(allocation); TC_CMP(segment); TC_CMP(active); TC_CMP(inactive_split);
+        TC_CMP(allocated_bytes); TC_CMP(reserved_bytes); TC_CMP(active_bytes);
+        TC_CMP(inactive_split_bytes); TC_CMP(requested_bytes);
+#undef TC_CMP
+    }
+    CHECK_EQ_U64(s.stats.allocated_bytes[MN_STAT_ALL].current, w.allocated_bytes[MN_STAT_ALL].current);
+    CHECK_EQ_U64(s.stats.reserved_bytes[MN_STAT_ALL].current, w.reserved_bytes[MN_STAT_ALL].current);
+    CHECK_EQ_U64(s.stats.active_bytes[MN_STAT_ALL].current, w.active_bytes[MN_STAT_ALL].current);
+    CHECK_EQ_U64(s.stats.allocation[MN_STAT_ALL].current, w.allocation[MN_STAT_ALL].current);
+    CHECK_EQ_U64(s.stats.segment[MN_STAT_ALL].current, w.segment[MN_STAT_ALL].current);
+    CHECK_EQ_U64(s.stats.requested_bytes[MN_STAT_ALL].current, w.requested_bytes[MN_STAT_ALL].current);
+    CHECK_EQ_U64(s.stats.inactive_split_bytes[MN_STAT_ALL].current,
+                 w.inactive_split_bytes[MN_STAT_ALL].current);
+    if (s.trace_count || s.trace_dropped) {  // the history replays to the present state
+        uint64_t cat[MN_CAT_COUNT], res = s.base_reserved, alloc = 0;
+        memcpy(cat, s.base_cat_allocated, sizeof cat);
+        for (i = 0; i < s.trace_count; i++) {
+            const mn_trace_entry *te = &s.trace[i];
+            if (te->action == MN_TRACE_ALLOC) cat[te->category] += te->block_size;
+            if (te->action == MN_TRACE_FREE_REQUESTED) cat[te->category] -= te->block_size;
+            if (te->action == MN_TRACE_SEGMENT_ALLOC || te->action == MN_TRACE_SEGMENT_MAP)
+                res += te->size;
+            if (te->action == MN_TRACE_SEGMENT_FREE || te->action == MN_TRACE_SEGMENT_UNMAP)
+                res -= te->size;
+        }
+        for (t = 0; t < MN_CAT_COUNT; t++) {
+            alloc += cat[t];
+            CHECK_EQ_U64(cat[t], s.stats.cat_allocated_bytes[t].current);
+        }
+        CHECK_EQ_U64(alloc, s.stats.allocated_bytes[MN_STAT_ALL].current);
+        CHECK_EQ_U64(res, s.stats.reserved_bytes[MN_STAT_ALL].current);
+    }
+    CHECK(s.stats.reserved_bytes[MN_STAT_ALL].current <= s.stats.reserved_bytes[MN_STAT_ALL].peak);
+    CHECK(s.stats.allocated_bytes[MN_STAT_ALL].current <= s.stats.allocated_bytes[MN_STAT_ALL].peak);
+    mn_cache_snapshot_free(&s);
+}
+
+typedef struct tc_buf {
+    char *p;
+    size_t n, cap;
+} tc_buf;
+
+static mn_result tc_write(void *ud, const char *data, size_t len) {
+    tc_buf *b = (tc_buf *)ud;
+    if (b->n + len + 1 > b->cap) {
+        size_t cap = (b->n + len + 1) * 2;
+        char *q = (char *)realloc(b->p, cap);
+        if (!q) return MN_ERR_OUT_OF_MEMORY;
+        b->p = q, b->cap = cap;
+    }
+    memcpy(b->p + b->n, data, len);
+    b->n += len;
+    b->p[b->n] = 0;
+    return MN_OK;
+}
+
+// ---- the policy on worked examples ---------------------------------------------------------------
+
+static void test_rounding_table(void) {
+    // reference/allocator.md 1.2 and 1.3
+    static const struct { uint64_t req, rounded, segment; } rows[] = {
+        {1, 512, 2 * MIB}, {513, 1024, 2 * MIB}, {MIB, MIB, 2 * MIB},
+        {MIB + 1, 1049088, 20 * MIB}, {5 * MIB, 5 * MIB, 20 * MIB}, {10 * MIB, 10 * MIB, 10 * MIB},
+        {10 * MIB + 1, 10486272, 12 * MIB}, {512, 512, 2 * MIB}, {0, 512, 2 * MIB},
+    };
+    mn_cache_config cfg;
+    size_t i;
+    for (i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        uint64_t r = mn_cache_round_size(NULL, rows[i].req);
+        CHECK_EQ_U64(r, rows[i].rounded);
+        CHECK_EQ_U64(mn_cache_segment_size(NULL, r), rows[i].segment);
+    }
+    CHECK_OK(mn_cache_config_parse("roundup_power2_divisions:4", &cfg, NULL));
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 84 * MIB), 96 * MIB);  // 21M floats
+    CHECK_EQ_U64(mn_cache_segment_size(&cfg, 96 * MIB), 96 * MIB);
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 1200), 1536);  // not 1280: needs size > 512 * 4
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 64 * MIB), 64 * MIB);  // powers of two stay
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 3000), 3072);
+    CHECK_OK(mn_cache_config_parse("roundup_power2_divisions:[64:8,>:2]", &cfg, NULL));
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 84 * MIB), 88 * MIB);   // 64-128 MiB in 8 steps
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 40 * MIB), 40 * MIB);   // below 64: the first value too
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 400 * MIB), 512 * MIB); // ">" = 2 divisions
+    CHECK_OK(mn_cache_config_parse("roundup_power2_divisions:2", &cfg, NULL));
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 400 * MIB), 512 * MIB);
+    CHECK_OK(mn_cache_config_parse("roundup_power2_divisions:1", &cfg, NULL));
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 84 * MIB + 3), 84 * MIB + 512);  // 1 = plain 512
+    CHECK_OK(mn_cache_config_parse("roundup_power2_divisions:0", &cfg, NULL));
+    CHECK_EQ_U64(mn_cache_round_size(&cfg, 84 * MIB + 3), 84 * MIB + 512);
+    for (i = 0; i < 2000; i++) {  // random sizes: multiple of 512, not below, less than 512 above
+        uint64_t sz = mnt_rand_u64() >> (mnt_rand_u64() % 60 + 4), r = mn_cache_round_size(NULL, sz);
+        CHECK(r % 512 == 0 && r >= sz && r - sz < 512 + (sz < 512 ? 512 : 0));
+    }
+}
+
+static void test_config_parse(void) {
+    static const char *const bad[] = {
+        "foo:1,bar:2", "garbage_collection_threshold:1.2", "garbage_collection_threshold:0",
+        "max_split_size_mb:2", "max_split_size_mb:20", "max_split_size_mb:x",
+        "expandable_segments:yes", "expandable_segments:true", "roundup_power2_divisions:3",
+        "roundup_power2_divisions:[3:4]", "roundup_power2_divisions:[64:3]",
+        "roundup_power2_divisions:[64:4", "max_split_size_mb", "max_split_size_mb:", ":3",
+        "max_split_size_mb:100 200", "backend:magic", "max_non_split_rounding_mb:10",
+        "pinned_num_register_threads:3",
+    };
+    mn_cache_config cfg;
+    mn_logger lg = {tc_log, NULL};
+    size_t i;
+    CHECK_OK(mn_cache_config_parse(NULL, &cfg, &lg));
+    CHECK_EQ_U64(cfg.max_split_size, 0);
+    CHECK_OK(mn_cache_config_parse("", &cfg, &lg));
+    CHECK_OK(mn_cache_config_parse(" max_split_size_mb : 128 , garbage_collection_threshold:0.6,"
+                                   "expandable_segments:True,roundup_power2_divisions:[256:1,"
+                                   "512:2,1024:4,>:8],release_lock_on_cudamalloc:False,"
+                                   "max_non_split_rounding_mb:64,backend:native", &cfg, &lg));
+    CHECK_EQ_U64(cfg.max_split_size, 128 * MIB);
+    CHECK_EQ_U64(cfg.max_non_split_rounding, 64 * MIB);
+    CHECK_NEAR(cfg.garbage_collection_threshold, 0.6, 1e-12, 0);
+    CHECK_EQ_INT(cfg.expandable_segments, 1);
+    CHECK_EQ_INT(cfg.roundup_power2_divisions[0], 1);   // below 256 MB: the first value
+    CHECK_EQ_INT(cfg.roundup_power2_divisions[8], 1);   // 256 MB
+    CHECK_EQ_INT(cfg.roundup_power2_divisions[9], 2);   // 512 MB
+    CHECK_EQ_INT(cfg.roundup_power2_divisions[10], 4);  // 1 GB
+    CHECK_EQ_INT(cfg.roundup_power2_divisions[15], 8);  // the rest
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        tc_last_log[0] = 0;
+        CHECK_MSG(mn_cache_config_parse(bad[i], &cfg, &lg) == MN_ERR_CONFIG,
+                  "\"%s\" was accepted", bad[i]);
+        CHECK_MSG(tc_last_log[0] != 0, "no message for \"%s\"", bad[i]);
+    }
+    CHECK_ERR(mn_cache_config_parse("foo:1,bar:2", &cfg, &lg), MN_ERR_CONFIG);
+    CHECK(strstr(tc_last_log, "'foo'") != NULL);  // the message names the key
+    CHECK_ERR(mn_cache_config_parse("max_split_size_mb:2", &cfg, &lg), MN_ERR_CONFIG);
+    CHECK(strstr(tc_last_log, "max_split_size_mb") != NULL);
+    CHECK_ERR(mn_cache_config_parse("backend:cudaMallocAsync", &cfg, &lg), MN_ERR_UNSUPPORTED);
+    for (i = 0; i < 3000; i++) {  // fuzz: random bytes from the grammar's alphabet never crash
+        static const char alpha[] = "max_split_size_mb:,[]>0123456789 .roundup_power2_divisionsTF";
+        char s[40];
+        size_t n = (size_t)(mnt_rand_u64() % 39), k;
+        for (k = 0; k < n; k++) s[k] = alpha[mnt_rand_u64() % (sizeof alpha - 1)];
+        s[n] = 0;
+        (void)mn_cache_config_parse(s, &cfg, NULL);
+    }
+}
+
+static void test_small_and_large_pools(void) {
+    tc_env e;
+    struct mn_cache_stats s;
+    void *a, *b, *c2, *d;
+    if (tc_open(&e, 0, NULL, 0) != MN_OK) { CHECK(0); return; }
+    a = tc_alloc(&e, 1, 0);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.allocated_bytes[MN_STAT_ALL].current, 512);
+    CHECK_EQ_U64(s.requested_bytes[MN_STAT_ALL].current, 1);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_SMALL_POOL].current, 2 * MIB);
+    CHECK_EQ_U64(s.segment[MN_STAT_SMALL_POOL].current, 1);
+    CHECK_EQ_U64(s.inactive_split[MN_STAT_SMALL_POOL].current, 1);  // the rest of the 2 MiB
+    CHECK_EQ_U64(s.inactive_split_bytes[MN_STAT_SMALL_POOL].current, 2 * MIB - 512);
+    b = tc_alloc(&e, MIB, 0);  // 1 MiB exactly is small: same segment, right after a
+    CHECK_EQ_U64(tc_u(b), tc_u(a) + 512);
+    c2 = tc_alloc(&e, MIB + 1, 0);  // large: a 20 MiB segment, split
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_LARGE_POOL].current, 20 * MIB);
+    CHECK_EQ_U64(s.allocated_bytes[MN_STAT_LARGE_POOL].current, 1049088);
+    CHECK_EQ_U64(s.inactive_split_bytes[MN_STAT_LARGE_POOL].current, 20 * MIB - 1049088);
+    d = tc_alloc(&e, 10 * MIB + 1, 0);  // best fit: the rest of c2's segment, split again
+    CHECK_EQ_U64(tc_u(d), tc_u(c2) + 1049088);
+    CHECK_OK(mn_cache_release(&e.cache, d));
+    d = tc_alloc(&e, 19 * MIB + 1, 0);  // >= 10 MiB: own 20 MiB segment, the < 1 MiB rest kept
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_LARGE_POOL].current, 40 * MIB);
+    CHECK_EQ_U64(s.allocated_bytes[MN_STAT_LARGE_POOL].current, 1049088 + 20 * MIB);
+    CHECK_EQ_U64(s.requested_bytes[MN_STAT_LARGE_POOL].current, MIB + 1 + 19 * MIB + 1);
+    CHECK_EQ_U64(s.segment[MN_STAT_ALL].current, 3);
+    tc_consistent(&e);
+    CHECK_OK(mn_cache_release(&e.cache, c2));  // merges back: the segment is whole again
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.inactive_split[MN_STAT_LARGE_POOL].current, 0);
+    CHECK_EQ_U64(s.active[MN_STAT_ALL].current, 3);
+    // a cached block is reused at the same address on the same stream, not on another one
+    c2 = tc_alloc(&e, 2 * MIB, 0);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.segment[MN_STAT_ALL].current, 3);
+    CHECK_OK(mn_cache_release(&e.cache, c2));
+    c2 = tc_alloc(&e, 2 * MIB, 1);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.segment[MN_STAT_ALL].current, 4);
+    tc_consistent(&e);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    CHECK_OK(mn_cache_release(&e.cache, c2));
+    CHECK_OK(mn_cache_release(&e.cache, d));
+    CHECK_ERR(mn_cache_release(&e.cache, d), MN_ERR_INVALID_ARG);  // double free
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.allocated_bytes[MN_STAT_ALL].current, 0);
+    CHECK_EQ_U64(s.allocated_bytes[MN_STAT_ALL].peak, 512 + MIB + 2 * MIB + 20 * MIB);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 2 * MIB + 20 * MIB + 20 * MIB + 20 * MIB);
+    CHECK_OK(mn_cache_empty(&e.cache));
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 0);
+    CHECK_EQ_U64(s.num_device_alloc, 4);
+    CHECK_EQ_U64(s.num_device_free, 4);
+    CHECK_EQ_U64(s.allocation[MN_STAT_ALL].allocated, 7);
+    CHECK_EQ_U64(s.allocation[MN_STAT_ALL].freed, 7);
+    CHECK_EQ_U64(s.num_sync_all_streams, 1);
+    CHECK_EQ_U64(e.dev.used, 0);
+    {  // size 0 gives NULL without touching anything, as PyTorch
+        void *z = &e;
+        CHECK_OK(mn_cache_alloc(&e.cache, 0, 0, MN_CAT_OTHER, NULL, &z));
+        CHECK(z == NULL);
+        CHECK_OK(mn_cache_release(&e.cache, NULL));
+    }
+    tc_close(&e);
+}
+
+static void test_best_fit_and_split_rules(void) {
+    tc_env e;
+    void *p[8];
+    struct mn_cache_stats s;
+    if (tc_open(&e, 0, NULL, 0) != MN_OK) { CHECK(0); return; }
+    // carve a 20 MiB segment into 3, 5, 7 MiB (+5 MiB rest), free 3 and 7: a 3 MiB request takes
+    // the 3 MiB hole (best fit by size, then address), a 4 MiB request the 5 MiB rest
+    p[0] = tc_alloc(&e, 3 * MIB, 0);
+    p[1] = tc_alloc(&e, 5 * MIB, 0);
+    p[2] = tc_alloc(&e, 7 * MIB, 0);
+    CHECK_EQ_U64(tc_u(p[1]), tc_u(p[0]) + 3 * MIB);
+    CHECK_EQ_U64(tc_u(p[2]), tc_u(p[0]) + 8 * MIB);
+    CHECK_OK(mn_cache_release(&e.cache, p[0]));
+    CHECK_OK(mn_cache_release(&e.cache, p[2]));  // merges with the 5 MiB rest: 12 MiB hole
+    p[3] = tc_alloc(&e, 3 * MIB, 0);
+    CHECK_EQ_U64(tc_u(p[3]), tc_u(p[0]));
+    p[4] = tc_alloc(&e, 4 * MIB, 0);
+    CHECK_EQ_U64(tc_u(p[4]), tc_u(p[0]) + 8 * MIB);
+    tc_consistent(&e);
+    // large pool: a remainder of exactly 1 MiB is not split off (needs > 1 MiB)
+    CHECK_OK(mn_cache_release(&e.cache, p[3]));
+    p[5] = tc_alloc(&e, 2 * MIB, 0);  // takes the 3 MiB hole whole
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.allocated_bytes[MN_STAT_LARGE_POOL].current, 3 * MIB + 5 * MIB + 4 * MIB);
+    CHECK_EQ_U64(s.requested_bytes[MN_STAT_LARGE_POOL].current, 2 * MIB + 5 * MIB + 4 * MIB);
+    tc_consistent(&e);
+    CHECK_OK(mn_cache_release(&e.cache, p[1]));
+    CHECK_OK(mn_cache_release(&e.cache, p[4]));
+    CHECK_OK(mn_cache_release(&e.cache, p[5]));
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.inactive_split[MN_STAT_ALL].current, 0);
+    CHECK_EQ_U64(s.segment[MN_STAT_ALL].current, 1);
+    tc_consistent(&e);
+    tc_close(&e);
+}
+
+static void test_oversize_rules(void) {
+    tc_env e;
+    void *a, *b;
+    struct mn_cache_stats s;
+    if (tc_open(&e, 0, "max_split_size_mb:100", 0) != MN_OK) { CHECK(0); return; }
+    a = tc_alloc(&e, 150 * MIB, 0);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.oversize_allocations.current, 1);
+    CHECK_EQ_U64(s.oversize_segments.current, 1);
+    CHECK_EQ_U64(s.max_split_size, 100 * MIB);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    b = tc_alloc(&e, 50 * MIB, 0);  // an oversize block never serves a small request
+    CHECK(tc_u(b) != tc_u(a));
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    b = tc_alloc(&e, 120 * MIB, 0);  // 150 >= 120 + 20: too large to hand out
+    CHECK(tc_u(b) != tc_u(a));
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    b = tc_alloc(&e, 140 * MIB, 0);  // within 20 MiB: reused whole, not split
+    CHECK_EQ_U64(tc_u(b), tc_u(a));
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.allocated_bytes[MN_STAT_ALL].current, 150 * MIB);
+    CHECK_EQ_U64(s.oversize_allocations.current, 1);
+    CHECK_EQ_U64(s.oversize_allocations.peak, 1);
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    tc_consistent(&e);
+    tc_close(&e);
+}
+
+static void test_oom_ladder(void) {
+    tc_env e;
+    void *a, *b, *c2;
+    struct mn_cache_stats s;
+    char msg[1024];
+    // 1. a miss that fails frees every unsplit cached segment and retries (num_alloc_retries)
+    if (tc_open(&e, 100 * MIB, NULL, 64) != MN_OK) { CHECK(0); return; }
+    a = tc_alloc(&e, 60 * MIB, 0);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    b = tc_alloc(&e, 60 * MIB, 1);  // other stream: the cached block is not usable
+    s = tc_stats(&e);
+    CHECK(b != NULL);
+    CHECK_EQ_U64(s.num_alloc_retries, 1);
+    CHECK_EQ_U64(s.num_ooms, 0);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 60 * MIB);
+    // 2. nothing to free: OOM with PyTorch's message, the allocator stays consistent
+    c2 = &e;
+    CHECK_ERR(mn_cache_alloc(&e.cache, 50 * MIB, 1, MN_CAT_ACTIVATIONS, NULL, &c2),
+              MN_ERR_DEVICE_OOM);
+    CHECK(c2 == NULL);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.num_ooms, 1);
+    CHECK_EQ_U64(s.num_alloc_retries, 2);
+    mn_cache_oom_message(&e.cache, msg, sizeof msg);
+    CHECK_STR(msg, "CUDA out of memory. Tried to allocate 50.00 MiB. GPU 0 has a total capacity "
+              "of 100.00 MiB of which 40.00 MiB is free. Of the allocated memory 60.00 MiB is "
+              "allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If "
+              "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF="
+              "expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+              "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)");
+    // "Tried to allocate" is the segment size: a 4 MiB miss asks for 20 MiB
+    c2 = tc_alloc(&e, 30 * MIB, 1);
+    CHECK_ERR(mn_cache_alloc(&e.cache, 4 * MIB, 1, MN_CAT_OTHER, NULL, &a), MN_ERR_DEVICE_OOM);
+    mn_cache_oom_message(&e.cache, msg, sizeof msg);
+    CHECK(strstr(msg, "Tried to allocate 20.00 MiB. GPU 0 ") != NULL);
+    CHECK(strstr(msg, "of which 10.00 MiB is free") != NULL);
+    CHECK_ERR(mn_cache_alloc(&e.cache, 1ull << 60, 0, MN_CAT_OTHER, NULL, &a), MN_ERR_DEVICE_OOM);
+    mn_cache_oom_message(&e.cache, msg, sizeof msg);
+    CHECK_STR(msg, "Tried to allocate more than 1EB memory.");
+    tc_consistent(&e);
+    {  // the OOM entry is in the history with the free device bytes
+        mn_cache_snapshot snap;
+        uint64_t i, ooms = 0;
+        CHECK_OK(mn_cache_snapshot_take(&e.cache, &snap));
+        for (i = 0; i < snap.trace_count; i++)
+            if (snap.trace[i].action == MN_TRACE_OOM) ooms++;
+        CHECK_EQ_U64(ooms, 2);
+        mn_cache_snapshot_free(&snap);
+    }
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    CHECK_OK(mn_cache_release(&e.cache, c2));
+    tc_close(&e);
+    // 3. with max_split_size: the smallest large-enough oversize block goes first, no full flush
+    if (tc_open(&e, 300 * MIB, "max_split_size_mb:40", 0) != MN_OK) { CHECK(0); return; }
+    a = tc_alloc(&e, 100 * MIB, 0);
+    b = tc_alloc(&e, 120 * MIB, 0);
+    c2 = tc_alloc(&e, 50 * MIB, 0);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    a = tc_alloc(&e, 160 * MIB, 0);  // frees 120 (smallest oversize >= 160? none) -> largest first
+    s = tc_stats(&e);
+    CHECK(a != NULL);
+    CHECK_EQ_U64(s.num_alloc_retries, 0);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 50 * MIB + 160 * MIB);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_OK(mn_cache_release(&e.cache, c2));
+    tc_consistent(&e);
+    tc_close(&e);
+}
+
+static void test_record_stream_events(void) {
+    tc_env e;
+    void *a, *b;
+    struct mn_cache_stats s;
+    mn_cache_snapshot snap;
+    if (tc_open(&e, 0, NULL, 0) != MN_OK) { CHECK(0); return; }
+    a = tc_alloc(&e, 4 * MIB, 0);
+    CHECK_OK(mn_cache_record_stream(&e.cache, a, 0));  // the allocation stream: ignored
+    CHECK_OK(mn_cache_record_stream(&e.cache, a, 1));
+    CHECK_OK(mn_cache_record_stream(&e.cache, a, 1));
+    CHECK_OK(mn_cache_record_stream(&e.cache, a, 2));
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_EQ_U64(mn_simdev_pending_events(&e.dev), 2);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.allocation[MN_STAT_ALL].current, 0);  // free requested
+    CHECK_EQ_U64(s.active[MN_STAT_ALL].current, 1);      // not completed
+    CHECK_OK(mn_cache_snapshot_take(&e.cache, &snap));
+    CHECK_EQ_INT(snap.blocks[0].state, MN_BLOCK_ACTIVE_PENDING_FREE);
+    mn_cache_snapshot_free(&snap);
+    tc_consistent(&e);
+    b = tc_alloc(&e, 4 * MIB, 0);  // the pending block is not reused
+    CHECK(tc_u(b) != tc_u(a));
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    mn_simdev_sync_stream(&e.dev, 1);
+    b = tc_alloc(&e, 4 * MIB, 0);  // one event still pending
+    CHECK(tc_u(b) != tc_u(a));
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    mn_simdev_sync_stream(&e.dev, 2);
+    b = tc_alloc(&e, 4 * MIB, 0);  // both done: the next malloc processes them; best fit by addr
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.active[MN_STAT_ALL].current, 1);
+    CHECK_EQ_U64(mn_simdev_pending_events(&e.dev), 0);
+    CHECK_EQ_U64(e.dev.event_count, 0);  // events were freed
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    // empty_cache waits for outstanding events (synchronize_and_free_events)
+    a = tc_alloc(&e, 4 * MIB, 0);
+    CHECK_OK(mn_cache_record_stream(&e.cache, a, 3));
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_OK(mn_cache_empty(&e.cache));
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.active[MN_STAT_ALL].current, 0);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 0);
+    CHECK_EQ_U64(s.num_sync_all_streams, 1);
+    // record_stream's delayed frees are reclaimed by the OOM ladder too
+    a = tc_alloc(&e, 30 * MIB, 0);
+    CHECK_OK(mn_cache_record_stream(&e.cache, a, 1));
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_ERR(mn_cache_record_stream(&e.cache, a, 1), MN_ERR_INVALID_ARG);  // not allocated
+    tc_consistent(&e);
+    tc_close(&e);
+    if (tc_open(&e, 40 * MIB, NULL, 0) != MN_OK) { CHECK(0); return; }
+    a = tc_alloc(&e, 30 * MIB, 0);
+    CHECK_OK(mn_cache_record_stream(&e.cache, a, 1));
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    b = tc_alloc(&e, 30 * MIB, 1);  // needs the pending block's memory: ladder syncs and frees
+    CHECK(b != NULL);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.num_alloc_retries, 1);
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    tc_consistent(&e);
+    tc_close(&e);
+}
+
+static void test_fraction_and_gc(void) {
+    tc_env e;
+    void *a, *b;
+    struct mn_cache_stats s;
+    char msg[1024];
+    if (tc_open(&e, 1000 * MIB, NULL, 0) != MN_OK) { CHECK(0); return; }
+    CHECK_OK(mn_cache_set_memory_fraction(&e.cache, 0.5));
+    CHECK_ERR(mn_cache_set_memory_fraction(&e.cache, 1.5), MN_ERR_INVALID_ARG);
+    a = tc_alloc(&e, 400 * MIB, 0);  // 0.4 of the device fits, 0.5 more does not
+    CHECK_ERR(mn_cache_alloc(&e.cache, 200 * MIB, 0, MN_CAT_OTHER, NULL, &b), MN_ERR_DEVICE_OOM);
+    mn_cache_oom_message(&e.cache, msg, sizeof msg);
+    CHECK(strstr(msg, "500.00 MiB allowed; Of the allocated memory") != NULL);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    tc_close(&e);
+    // garbage collection: above threshold * allowed, old unsplit large blocks are freed
+    if (tc_open(&e, 1000 * MIB, "garbage_collection_threshold:0.5", 0) != MN_OK) { CHECK(0); return; }
+    a = tc_alloc(&e, 200 * MIB, 0);
+    b = tc_alloc(&e, 200 * MIB, 0);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    a = tc_alloc(&e, 300 * MIB, 0);  // no fraction set: GC does nothing (PyTorch issue 106660)
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 700 * MIB);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_OK(mn_cache_set_memory_fraction(&e.cache, 1.0));
+    a = tc_alloc(&e, 30 * MIB, 0);  // a hit: split from the cached 200 MiB block, no GC
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 700 * MIB);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    // a miss above 0.5 * 1000 MiB: blocks at least as old as the average go first. Ages count
+    // get_free_block calls since caching: the 200 MiB block just used is 1, the others 2.
+    a = tc_alloc(&e, 350 * MIB, 0);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 200 * MIB + 350 * MIB);
+    CHECK_EQ_U64(s.num_alloc_retries, 0);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    tc_consistent(&e);
+    tc_close(&e);
+}
+
+static void test_summary_layout(void) {
+    struct mn_cache_stats s;
+    tc_buf out = {NULL, 0, 0};
+    const char *line;
+    int lines = 0;
+    memset(&s, 0, sizeof s);
+    // the hand-made stats of reference/allocator.md 1.12
+    s.allocated_bytes[0].current = s.allocated_bytes[0].peak = s.allocated_bytes[0].allocated =
+        86017 * KIB;
+    s.allocated_bytes[2].current = s.allocated_bytes[2].peak = s.allocated_bytes[2].allocated =
+        86016 * KIB;
+    s.allocated_bytes[1].current = s.allocated_bytes[1].peak = s.allocated_bytes[1].allocated = KIB;
+    s.allocation[0].current = s.allocation[0].peak = s.allocation[0].allocated = 2;
+    s.allocation[1].current = s.allocation[2].current = 1;
+    s.active[0].current = 2000000;  // count prefixes: K from 750,000
+    s.reserved_bytes[0].current = 3ull << 30;
+    CHECK_OK(mn_cache_summary_write(&s, 0, 0, tc_write, &out));
+    if (!out.p) { CHECK(0); return; }
+    CHECK(strncmp(out.p,
+        "|===========================================================================|\n"
+        "|                  PyTorch CUDA memory summary, device ID 0                 |\n"
+        "|---------------------------------------------------------------------------|\n"
+        "|            CUDA OOMs: 0            |        cudaMalloc retries: 0         |\n"
+        "|===========================================================================|\n"
+        "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |\n"
+        "|---------------------------------------------------------------------------|\n"
+        "| Allocated memory      |  86017 KiB |  86017 KiB |  86017 KiB |      0 B   |\n"
+        "|       from large pool |  86016 KiB |  86016 KiB |  86016 KiB |      0 B   |\n"
+        "|       from small pool |      1 KiB |      1 KiB |      1 KiB |      0 B   |\n", 
+        77 * 10) == 0);
+    CHECK(strstr(out.p, "| Allocations           |       2    |       2    |       2    |"
+                        "       0    |\n") != NULL);
+    CHECK(strstr(out.p, "| Active allocs         |    2000 K  |") != NULL);
+    CHECK(strstr(out.p, "| GPU reserved memory   |   3072 MiB |") != NULL);
+    CHECK(strstr(out.p, "| Oversize GPU segments |       0    |       0    |       0    |"
+                        "       0    |\n|==================================================="
+                        "========================|\n") != NULL);
+    for (line = out.p; *line; lines++) {
+        const char *nl = strchr(line, '\n');
+        if (!nl) break;
+        CHECK_EQ_INT(nl - line, 77);
+        line = nl + 1;
+    }
+    CHECK_EQ_INT(lines, 6 + 9 * 4 + 4 + 1);
+    free(out.p);
+    out.p = NULL, out.n = out.cap = 0;
+    CHECK_OK(mn_cache_summary_write(&s, 3, 1, tc_write, &out));  // abbreviated: no pool rows
+    CHECK(out.p && strstr(out.p, "from large pool") == NULL);
+    CHECK(out.p && strstr(out.p, "device ID 3   ") != NULL);
+    free(out.p);
+    {
+        char buf[32];
+        mn_cache_format_size(1024, buf, sizeof buf);
+        CHECK_STR(buf, "1024 bytes");
+        mn_cache_format_size(1025, buf, sizeof buf);
+        CHECK_STR(buf, "1.00 KiB");
+        mn_cache_format_size(MIB, buf, sizeof buf);
+        CHECK_STR(buf, "1024.00 KiB");
+        mn_cache_format_size(500ull << 30, buf, sizeof buf);
+        CHECK_STR(buf, "500.00 GiB");
+    }
+}
+
+// ---- random workloads: the invariant after every operation -----------------------------------
+
+static uint64_t tc_rand_size(void) {
+    uint64_t r = mnt_rand_u64() % 100;
+    if (r < 55) return 1 + mnt_rand_u64() % (r < 30 ? 64 * KIB : MIB);
+    if (r < 93) return MIB + 1 + mnt_rand_u64() % (24 * MIB);
+    return 24 * MIB + mnt_rand_u64() % (160 * MIB);
+}
+
+static void tc_random_run(const char *config, uint64_t capacity, int steps, int check_every) {
+    enum { LIVE = 96 };
+    tc_env e;
+    void *live[LIVE];
+    int n = 0, i, ooms = 0;
+    if (tc_open(&e, capacity, config, 256) != MN_OK) { CHECK_MSG(0, "open %s", config); return; }
+    if (config && strstr(config, "garbage_collection_threshold"))  // GC acts only with a fraction
+        CHECK_OK(mn_cache_set_memory_fraction(&e.cache, 0.9));
+    for (i = 0; i < steps && !mnt_failed(); i++) {
+        uint64_t op = mnt_rand_u64() % 100;
+        if (op < 52 && n < LIVE) {
+            void *p = NULL;
+            mn_result r = mn_cache_alloc(&e.cache, tc_rand_size(), (mn_stream)(mnt_rand_u64() % 3),
+                                         (mn_category)(mnt_rand_u64() % MN_CAT_COUNT), "r", &p);
+            if (r == MN_OK) live[n++] = p;
+            else {
+                CHECK_ERR(r, MN_ERR_DEVICE_OOM);
+                ooms++;
+            }
+        } else if (op < 95 && n > 0) {
+            int k = (int)(mnt_rand_u64() % (uint64_t)n);
+            if (mnt_rand_u64() % 8 == 0)
+                CHECK_OK(mn_cache_record_stream(&e.cache, live[k],
+                                                1 + (mn_stream)(mnt_rand_u64() % 3)));
+            CHECK_OK(mn_cache_release(&e.cache, live[k]));
+            live[k] = live[--n];
+        } else if (op < 97) {
+            mn_simdev_sync_stream(&e.dev, (mn_stream)(mnt_rand_u64() % 4));
+        } else if (op < 98) {
+            CHECK_OK(mn_cache_empty(&e.cache));
+        } else if (op < 99) {
+            mn_cache_reset_peak_stats(&e.cache);
+        } else if (n > 0) {
+            CHECK_OK(mn_cache_record_stream(&e.cache, live[0], 2));
+        }
+        if (i % check_every == 0) tc_consistent(&e);
+    }
+    tc_consistent(&e);
+    while (n > 0) CHECK_OK(mn_cache_release(&e.cache, live[--n]));
+    mn_simdev_sync(&e.dev);
+    CHECK_OK(mn_cache_empty(&e.cache));
+    {
+        struct mn_cache_stats s = tc_stats(&e);
+        CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 0);
+        CHECK_EQ_U64(s.active[MN_STAT_ALL].current, 0);
+        CHECK_EQ_U64(s.num_ooms, (uint64_t)ooms);
+    }
+    tc_close(&e);
+}
+
+static void test_random_invariant(void) {
+    static const char *const configs[] = {
+        NULL, "max_split_size_mb:40", "roundup_power2_divisions:4", "max_split_size_mb:64,"
+        "roundup_power2_divisions:[1:2,16:4,>:8],max_non_split_rounding_mb:30",
+        "garbage_collection_threshold:0.6"};
+    size_t k;
+    int seed;
+    for (seed = 0; seed < 4; seed++)
+        for (k = 0; k < sizeof configs / sizeof configs[0]; k++) {
+            tc_random_run(configs[k], 0, 2000, 1);              // unlimited device
+            tc_random_run(configs[k], 600 * MIB, 2000, 1);      // tight: OOM ladder often
+        }
+}
+
+static void test_expandable_segments(void) {
+    tc_env e;
+    void *a, *b, *c2;
+    struct mn_cache_stats s;
+    mn_cache_snapshot snap;
+    uint64_t i, maps = 0;
+    int seed;
+    if (tc_open(&e, 0, "expandable_segments:True", 64) != MN_OK) { CHECK(0); return; }
+    a = tc_alloc(&e, 5 * MIB, 0);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 20 * MIB);  // one 20 MiB page mapped
+    CHECK_EQ_U64(s.segment[MN_STAT_ALL].current, 0);               // maps are not segments
+    CHECK_EQ_U64(s.num_device_alloc, 1);
+    b = tc_alloc(&e, 30 * MIB, 0);  // grows the same segment: contiguous with a
+    CHECK_EQ_U64(tc_u(b), tc_u(a) + 5 * MIB);
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 40 * MIB);
+    c2 = tc_alloc(&e, 100, 0);  // small pool: its own segment with 2 MiB pages
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_SMALL_POOL].current, 2 * MIB);
+    tc_consistent(&e);
+    CHECK_OK(mn_cache_snapshot_take(&e.cache, &snap));
+    CHECK_EQ_U64(snap.segment_count, 2);
+    CHECK_EQ_INT(snap.segments[0].is_expandable, 1);
+    for (i = 0; i < snap.trace_count; i++) maps += snap.trace[i].action == MN_TRACE_SEGMENT_MAP;
+    CHECK_EQ_U64(maps, 3);
+    mn_cache_snapshot_free(&snap);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_OK(mn_cache_empty(&e.cache));  // only whole free pages unmap: a's page holds b's start
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_LARGE_POOL].current, 40 * MIB);
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    CHECK_OK(mn_cache_release(&e.cache, c2));
+    CHECK_OK(mn_cache_empty(&e.cache));
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.reserved_bytes[MN_STAT_ALL].current, 0);
+    CHECK_EQ_U64(s.num_device_free, 2);  // one unmap per free range
+    tc_consistent(&e);
+    tc_close(&e);
+    for (seed = 0; seed < 3; seed++) {
+        tc_random_run("expandable_segments:True", 0, 1500, 1);
+        tc_random_run("expandable_segments:True", 700 * MIB, 1500, 1);
+    }
+}
+
+// ---- failure injection -----------------------------------------------------------------------
+
+// A scripted workload; returns the number of device allocations it made.
+static uint64_t tc_script(tc_env *e, int *ooms) {
+    static const uint64_t sizes[] = {100, 3 * MIB, 200 * KIB, 25 * MIB, MIB, 12 * MIB, 700,
+                                     5 * MIB, 90 * MIB, 64 * KIB, 2 * MIB, 40 * MIB};
+    void *live[32];
+    int n = 0, i;
+    for (i = 0; i < 48; i++) {
+        void *p = NULL;
+        mn_result r = mn_cache_alloc(&e->cache, sizes[i % 12] + (uint64_t)i * 4096,
+                                     (mn_stream)(i % 5 == 0), MN_CAT_WEIGHTS, "w", &p);
+        if (r == MN_OK) {
+            live[n++] = p;
+        } else {
+            char msg[1024];
+            CHECK_ERR(r, MN_ERR_DEVICE_OOM);
+            mn_cache_oom_message(&e->cache, msg, sizeof msg);
+            CHECK(strncmp(msg, "CUDA out of memory. Tried to allocate ", 38) == 0);
+            (*ooms)++;
+        }
+        if (i % 3 == 2 && n > 0) {
+            CHECK_OK(mn_cache_release(&e->cache, live[0]));
+            live[0] = live[--n];
+        }
+        if (i == 30) CHECK_OK(mn_cache_empty(&e->cache));
+        tc_consistent(e);
+        if (n == 32) break;
+    }
+    {
+        struct mn_cache_stats s = tc_stats(e);
+        CHECK_EQ_U64(s.allocation[MN_STAT_ALL].current, (uint64_t)n);  // no live block lost
+        CHECK_EQ_U64(s.num_ooms, (uint64_t)*ooms);
+    }
+    while (n > 0) CHECK_OK(mn_cache_release(&e->cache, live[--n]));
+    tc_consistent(e);
+    return e->dev.alloc_calls + e->dev.map_calls;
+}
+
+static void test_device_failure_injection(void) {
+    static const char *const configs[] = {NULL, "max_split_size_mb:30", "expandable_segments:True"};
+    size_t k;
+    for (k = 0; k < 3; k++) {
+        tc_env e;
+        int ooms = 0;
+        uint64_t calls, n;
+        if (tc_open(&e, 0, configs[k], 0) != MN_OK) { CHECK(0); return; }
+        calls = tc_script(&e, &ooms);
+        CHECK_EQ_INT(ooms, 0);
+        tc_close(&e);
+        for (n = 1; n <= calls + 1 && !mnt_failed(); n++) {
+            if (tc_open(&e, 0, configs[k], 0) != MN_OK) { CHECK(0); return; }
+            mn_simdev_fail_alloc_at(&e.dev, n);
+            ooms = 0;
+            tc_script(&e, &ooms);
+            // the ladder's retry succeeds unless the retry is the failing call itself
+            CHECK(ooms <= 1);
+            tc_close(&e);
+        }
+    }
+}
+
+static void test_host_failure_injection(void) {
+    long n;
+    int done = 0;
+    for (n = 1; !done && n < 400 && !mnt_failed(); n++) {
+        tc_env e;
+        void *p[40];
+        int k, got = 0;
+        mn_result r;
+        mnt_fail_alloc_after(n);
+        r = tc_open(&e, 0, "expandable_segments:False", 16);
+        if (r != MN_OK) {
+            CHECK_ERR(r, MN_ERR_OUT_OF_MEMORY);
+            continue;
+        }
+        for (k = 0; k < 40; k++) {
+            r = mn_cache_alloc(&e.cache, (uint64_t)(k + 1) * 300 * KIB, (mn_stream)(k % 2),
+                               MN_CAT_OTHER, NULL, &p[got]);
+            if (r == MN_OK) {
+                if (k % 4 == 0) {
+                    r = mn_cache_record_stream(&e.cache, p[got], 7);
+                    if (r != MN_OK) CHECK_ERR(r, MN_ERR_OUT_OF_MEMORY);
+                }
+                got++;
+            } else {
+                CHECK_ERR(r, MN_ERR_OUT_OF_MEMORY);
+            }
+            if (k % 3 == 0 && got) {
+                r = mn_cache_release(&e.cache, p[--got]);
+                if (r != MN_OK) {  // recording the event failed: still allocated
+                    CHECK_ERR(r, MN_ERR_OUT_OF_MEMORY);
+                    got++;
+                }
+            }
+        }
+        {
+            mn_cache_snapshot s;
+            r = mn_cache_snapshot_take(&e.cache, &s);
+            if (r == MN_OK) mn_cache_snapshot_free(&s);
+            else CHECK_ERR(r, MN_ERR_OUT_OF_MEMORY);
+        }
+        mnt_fail_alloc_after(0);
+        CHECK_OK(mn_cache_check(&e.cache));
+        tc_consistent(&e);
+        while (got > 0) CHECK_OK(mn_cache_release(&e.cache, p[--got]));
+        mn_simdev_sync(&e.dev);
+        done = mnt_total_allocs() > 0 && n > 60;
+        tc_close(&e);
+    }
+    mnt_fail_alloc_after(0);
+}
+
+// ---- threads -----------------------------------------------------------------------------------
+
+typedef struct tc_thread {
+    mn_cache *cache;
+    mn_stream stream;
+    uint64_t seed;
+    int errors;
+} tc_thread;
+
+static void *tc_thread_main(void *arg) {
+    tc_thread *t = (tc_thread *)arg;
+    void *live[16] = {0};
+    uint64_t x = t->seed;
+    int i, k;
+    for (i = 0; i < 4000; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        k = (int)(x % 16);
+        if (live[k]) {
+            t->errors += mn_cache_release(t->cache, live[k]) != MN_OK;
+            live[k] = NULL;
+        } else {
+            t->errors += mn_cache_alloc(t->cache, 1 + (x >> 20) % (3 * MIB), t->stream,
+                                        MN_CAT_TEMPORARY, NULL, &live[k]) != MN_OK;
+        }
+    }
+    for (k = 0; k < 16; k++) t->errors += mn_cache_release(t->cache, live[k]) != MN_OK;
+    return NULL;
+}
+
+// Observes while the others allocate: statistics, invariants, empty_cache, snapshots.
+static void *tc_observer_main(void *arg) {
+    tc_thread *t = (tc_thread *)arg;
+    int i;
+    for (i = 0; i < 200; i++) {
+        struct mn_cache_stats s;
+        mn_cache_snapshot snap;
+        t->errors += mn_cache_stats(t->cache, &s) != MN_OK;
+        t->errors += s.allocated_bytes[MN_STAT_ALL].current > s.reserved_bytes[MN_STAT_ALL].current;
+        t->errors += mn_cache_check(t->cache) != MN_OK;
+        if (i % 10 == 0) t->errors += mn_cache_empty(t->cache) != MN_OK;
+        if (i % 25 == 0 && mn_cache_snapshot_take(t->cache, &snap) == MN_OK)
+            mn_cache_snapshot_free(&snap);
+    }
+    return NULL;
+}
+
+static void test_threads(void) {
+    tc_env e;
+    pthread_t th[5];
+    tc_thread arg[5];
+    int i;
+    struct mn_cache_stats s;
+    if (tc_open(&e, 0, NULL, 128) != MN_OK) { CHECK(0); return; }
+    arg[4].cache = &e.cache, arg[4].errors = 0;
+    CHECK(pthread_create(&th[4], NULL, tc_observer_main, &arg[4]) == 0);
+    for (i = 0; i < 4; i++) {
+        arg[i].cache = &e.cache, arg[i].stream = (mn_stream)(i % 2), arg[i].errors = 0;
+        arg[i].seed = mnt_rand_u64() | 1;
+        CHECK(pthread_create(&th[i], NULL, tc_thread_main, &arg[i]) == 0);
+    }
+    for (i = 0; i < 5; i++) {
+        pthread_join(th[i], NULL);
+        CHECK_EQ_INT(arg[i].errors, 0);
+    }
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.allocation[MN_STAT_ALL].current, 0);
+    CHECK_EQ_U64(s.allocation[MN_STAT_ALL].allocated, s.allocation[MN_STAT_ALL].freed);
+    tc_consistent(&e);
+    tc_close(&e);
+}
+
+// ---- outputs -----------------------------------------------------------------------------------
+
+static void test_snapshot_json_and_svg(void) {
+    tc_env e;
+    void *a, *b, *c2;
+    tc_buf out = {NULL, 0, 0};
+    mn_cache_snapshot s;
+    struct mn_cache_stats st;
+    if (tc_open(&e, 0, NULL, 8) != MN_OK) { CHECK(0); return; }
+    a = NULL;
+    CHECK_OK(mn_cache_alloc(&e.cache, 311 * 411 * 4, 0, MN_CAT_WEIGHTS, "wte \"q\"", &a));
+    b = tc_alloc(&e, 3000, 0);
+    c2 = tc_alloc(&e, 25 * MIB, 0);
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    b = tc_alloc(&e, 5 * MIB, 0);
+    CHECK_OK(mn_cache_release(&e.cache, c2));
+    CHECK_OK(mn_cache_snapshot_take(&e.cache, &s));
+    CHECK_EQ_U64(s.trace_count, 8);  // ring buffer keeps the newest 8 entries
+    CHECK_EQ_U64(s.trace_dropped, 3);
+    CHECK_EQ_INT(s.trace[7].action, MN_TRACE_FREE_COMPLETED);
+    CHECK_EQ_U64(s.blocks[0].requested, 311 * 411 * 4);  // the tensor's block, at its address
+    CHECK_EQ_U64(s.blocks[0].addr, tc_u(a));
+    CHECK_STR(s.blocks[0].label, "wte \"q\"");
+    CHECK_OK(mn_cache_snapshot_write_json(&s, tc_write, &out));
+    CHECK(out.p && strncmp(out.p, "{\"segments\":[", 13) == 0);
+    CHECK(out.p && strstr(out.p, "\"name\":\"wte \\\"q\\\"\"") != NULL);
+    CHECK(out.p && strstr(out.p, "\"device_traces\":[[") != NULL);
+    CHECK(out.p && strstr(out.p, "\"state\":\"active_allocated\"") != NULL);
+    CHECK(out.p && strstr(out.p, "\"action\":\"free_completed\"") != NULL);
+    {
+        mn_json_doc doc;
+        const mn_json_value *segs, *tr;
+        if (out.p && mn_json_parse(out.p, out.n, NULL, &doc) == MN_OK) {
+            segs = mn_json_get(doc.root, "segments");
+            tr = mn_json_get(doc.root, "device_traces");
+            CHECK(segs && segs->type == MN_JSON_ARRAY && segs->len == s.segment_count);
+            CHECK(tr && tr->type == MN_JSON_ARRAY && tr->len == 1 && tr->items[0].len == 8);
+            mn_json_free(&doc);
+        } else {
+            CHECK_MSG(0, "snapshot JSON does not parse");
+        }
+    }
+    free(out.p);
+    out.p = NULL, out.n = out.cap = 0;
+    CHECK_OK(mn_cache_timeline_svg(&s, "test <timeline>", tc_write, &out));
+    CHECK(out.p && strncmp(out.p, "<svg ", 5) == 0);
+    CHECK(out.p && strstr(out.p, "weights") && strstr(out.p, "activations"));
+    CHECK(out.p && strstr(out.p, "test &lt;timeline&gt;") != NULL);
+    CHECK(out.p && strstr(out.p, "</svg>\n") != NULL);
+    free(out.p);
+    mn_cache_snapshot_free(&s);
+    // per-category statistics and the breakdown at the allocated peak
+    st = tc_stats(&e);
+    CHECK_EQ_U64(st.cat_allocated_bytes[MN_CAT_WEIGHTS].current, 311 * 411 * 4 / 512 * 512 + 512);
+    CHECK_EQ_U64(st.cat_allocated_bytes[MN_CAT_ACTIVATIONS].current, 5 * MIB);
+    CHECK_EQ_U64(st.cat_at_peak[MN_CAT_ACTIVATIONS], 26 * MIB + 5 * MIB);  // 25 MiB -> 26 whole
+    CHECK_EQ_U64(st.cat_allocation[MN_CAT_ACTIVATIONS].allocated, 3);
+    {
+        tc_buf tab = {NULL, 0, 0};
+        CHECK_OK(mn_cache_category_summary_write(&st, tc_write, &tab));
+        CHECK(tab.p && strstr(tab.p, "activations") && strstr(tab.p, "31.00 MiB"));
+        CHECK(tab.p && strstr(tab.p, "gradients") == NULL);  // unused categories are left out
+        free(tab.p);
+    }
+    mn_cache_reset_peak_stats(&e.cache);
+    st = tc_stats(&e);
+    CHECK_EQ_U64(st.allocated_bytes[MN_STAT_ALL].peak, st.allocated_bytes[MN_STAT_ALL].current);
+    CHECK_EQ_U64(st.cat_at_peak[MN_CAT_ACTIVATIONS], 5 * MIB);
+    mn_cache_reset_accumulated_stats(&e.cache);
+    st = tc_stats(&e);
+    CHECK_EQ_U64(st.allocation[MN_STAT_ALL].allocated, 0);
+    CHECK_EQ_U64(st.num_device_alloc, 0);
+    CHECK_OK(mn_cache_release(&e.cache, a));
+    CHECK_OK(mn_cache_release(&e.cache, b));
+    tc_close(&e);
+}
+
+static void test_many_blocks_and_plain_device(void) {
+    enum { N = 3000 };
+    tc_env e;
+    void **p = (void **)malloc(N * sizeof *p);
+    mn_cache c2;
+    mn_cache_desc cd;
+    mn_cache_config cfg;
+    mn_cache_snapshot snap;
+    struct mn_cache_stats s;
+    void *a, *b;
+    int i;
+    mn_event ev = 0;
+    if (!p || tc_open(&e, 0, "max_split_size_mb:200", 16) != MN_OK) { free(p); CHECK(0); return; }
+    for (i = 0; i < N; i++) p[i] = tc_alloc(&e, 512 + (mnt_rand_u64() % 16) * 512, 0);  // map grows
+    tc_consistent(&e);
+    for (i = N - 1; i > 0; i--) {  // free in random order
+        int k = (int)(mnt_rand_u64() % (uint64_t)(i + 1));
+        void *t = p[k];
+        p[k] = p[i], p[i] = t;
+    }
+    for (i = 0; i < N; i++) CHECK_OK(mn_cache_release(&e.cache, p[i]));
+    s = tc_stats(&e);
+    CHECK_EQ_U64(s.inactive_split[MN_STAT_ALL].current, 0);  // every segment merged back whole
+    tc_consistent(&e);
+    CHECK_OK(mn_cache_config_get(&e.cache, &cfg));
+    CHECK_EQ_U64(cfg.max_split_size, 200 * MIB);
+    mnt_fail_alloc_after(1);  // a snapshot without host memory fails cleanly
+    CHECK_ERR(mn_cache_snapshot_take(&e.cache, &snap), MN_ERR_OUT_OF_MEMORY);
+    mnt_fail_alloc_after(0);
+    CHECK_OK(mn_cache_snapshot_take(&e.cache, &snap));
+    {
+        tc_buf out = {NULL, 0, 0};
+        CHECK_OK(mn_cache_snapshot_write_json(&snap, tc_write, &out));
+        CHECK(out.p && strstr(out.p, "\"max_split_size\":209715200") != NULL);
+        free(out.p);
+    }
+    mn_cache_snapshot_free(&snap);
+    // events completed one by one by hand
+    CHECK_OK(mn_simdev_device(&e.dev).event_record_fn(&e.dev, 5, &ev));
+    CHECK_EQ_U64(mn_simdev_pending_events(&e.dev), 1);
+    mn_simdev_complete_event(&e.dev, ev);
+    CHECK_EQ_U64(mn_simdev_pending_events(&e.dev), 0);
+    mn_simdev_device(&e.dev).event_free_fn(&e.dev, ev);
+    tc_close(&e);
+    free(p);
+    // a device without events: a block used on another stream is reusable at once
+    {
+        mn_simdev_desc dd;
+        memset(&dd, 0, sizeof dd);
+        dd.capacity = 30 * MIB;
+        CHECK_OK(mn_simdev_init(&e.dev, &dd));
+    }
+    memset(&cd, 0, sizeof cd);
+    cd.device = mn_simdev_device(&e.dev);
+    cd.device.event_record_fn = NULL, cd.device.event_query_fn = NULL;
+    cd.device.event_sync_fn = NULL, cd.device.event_free_fn = NULL;
+    cd.device.mem_info_fn = NULL;
+    CHECK_OK(mn_cache_init(&c2, &cd));
+    CHECK_OK(mn_cache_alloc(&c2, 4 * MIB, 0, MN_CAT_OTHER, NULL, &a));
+    CHECK_OK(mn_cache_record_stream(&c2, a, 1));
+    CHECK_OK(mn_cache_release(&c2, a));
+    CHECK_OK(mn_cache_alloc(&c2, 4 * MIB, 0, MN_CAT_OTHER, NULL, &b));
+    CHECK(a == b);
+    CHECK_ERR(mn_cache_set_memory_fraction(&c2, 0.5), MN_ERR_UNSUPPORTED);  // no mem_info
+    CHECK_ERR(mn_cache_alloc(&c2, 40 * MIB, 0, MN_CAT_OTHER, NULL, &a), MN_ERR_DEVICE_OOM);
+    {
+        char msg[1024];
+        mn_cache_oom_message(&c2, msg, sizeof msg);  // no mem_info: zeros, still the wording
+        CHECK(strstr(msg, "has a total capacity of 0 bytes of which 0 bytes is free") != NULL);
+    }
+    CHECK_OK(mn_cache_release(&c2, b));
+    CHECK_OK(mn_cache_check(&c2));
+    mn_cache_free(&c2);
+    CHECK_EQ_U64(e.dev.used, 0);
+    mn_simdev_free(&e.dev);
+}
+
+static void test_bad_arguments(void) {
+    mn_cache c;
+    mn_cache_desc d;
+    mn_simdev dev;
+    void *p;
+    memset(&d, 0, sizeof d);
+    CHECK_ERR(mn_cache_init(&c, &d), MN_ERR_INVALID_ARG);  // no device
+    CHECK_ERR(mn_cache_init(&c, NULL), MN_ERR_INVALID_ARG);
+    CHECK_OK(mn_simdev_init(&dev, NULL));
+    d.device = mn_simdev_device(&dev);
+    d.config = "bogus:1";
+    CHECK_ERR(mn_cache_init(&c, &d), MN_ERR_CONFIG);
+    d.device.map_fn = NULL;
+    d.config = "expandable_segments:True";
+    CHECK_ERR(mn_cache_init(&c, &d), MN_ERR_UNSUPPORTED);
+    d.device = mn_simdev_device(&dev);
+    d.config = NULL;
+    CHECK_OK(mn_cache_init(&c, &d));
+    CHECK_ERR(mn_cache_alloc(&c, 10, 0, MN_CAT_COUNT, NULL, &p), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_cache_release(&c, (void *)(uintptr_t)0x1234), MN_ERR_INVALID_ARG);
+    mn_cache_free(&c);
+    mn_cache_free(&c);  // twice is harmless
+    mn_simdev_free(&dev);
+}
+
+// ---- memanat replay, end to end ---------------------------------------------------------------
+
+static int tc_run(const char *cmd, char *out, size_t cap) {
+    FILE *f = popen(cmd, "r");
+    size_t n = 0;
+    int st;
+    if (!f) return -1;
+    while (n + 1 < cap) {
+        size_t k = fread(out + n, 1, cap - 1 - n, f);
+        if (k == 0) break;
+        n += k;
+    }
+    out[n] = 0;
+    st = pclose(f);
+    return st;
+}
+
+static void test_replay_cli(void) {
+    char dir[] = "/tmp/memanat_cache_XXXXXX", path[128], jpath[128], spath[128], cmd[512];
+    static char out[65536], out_big[65536];
+    FILE *f;
+    int i;
+    if (access("./memanat", X_OK) != 0) SKIP("./memanat not built");
+    {
+        FILE *probe = popen("./memanat replay 2>&1", "r");
+        char buf[256] = {0};
+        if (!probe) SKIP("popen failed");
+        if (!fgets(buf, sizeof buf, probe)) buf[0] = 0;
+        pclose(probe);
+        if (!strstr(buf, "memanat replay FILE")) SKIP("this ./memanat has no replay command yet");
+    }
+    if (access("test/data/cache_rmm_sample.csv", R_OK) == 0) {  // the samples in the repository
+        CHECK_EQ_INT(tc_run("./memanat replay test/data/cache_rmm_sample.csv --json 2>&1", out,
+                            sizeof out), 0);
+        // 4 MiB and 12 MiB share one 20 MiB segment, 1000 B a small one, stream 0x55d0c0a0 its own
+        CHECK(strstr(out, "\"allocated_bytes.all.peak\": 19923968,") != NULL);
+        CHECK(strstr(out, "\"reserved_bytes.all.peak\": 44040192,") != NULL);
+        CHECK(strstr(out, "\"segment.all.current\": 3,") != NULL);
+        CHECK(strstr(out, "\"replay.allocations\": 5, \"replay.frees\": 5, "
+                          "\"replay.unmatched_frees\": 0}") != NULL);
+        CHECK_EQ_INT(tc_run("./memanat replay test/data/cache_snapshot_sample.json --capacity 40MiB"
+                            " 2>&1", out, sizeof out), 0);
+        CHECK(strstr(out, "CUDA OOMs: 1 ") != NULL);
+        CHECK(strstr(out, "Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 40.00 MiB of "
+                          "which 0 bytes is free.") != NULL);
+        CHECK(strstr(out, "peak allocated: 20971520 B") != NULL);  // the 128 KiB one failed
+    }
+    if (!mkdtemp(dir)) SKIP("mkdtemp failed");
+    snprintf(path, sizeof path, "%s/trace.csv", dir);
+    f = fopen(path, "w");
+    if (!f) SKIP("cannot write a temporary file");
+    fprintf(f, "Thread,Time,Action,Pointer,Size,Stream\n");
+    // 10 x 5 MiB live at once in a 20 MiB-segment world: peaks known exactly
+    for (i = 0; i < 10; i++)
+        fprintf(f, "140,10:00:00.%06d,allocate,0x7f00%04x0000,%llu,0x0\n", i, i,
+                (unsigned long long)(5 * MIB));
+    for (i = 0; i < 10; i++) fprintf(f, "140,10:00:01.%06d,free,0x7f00%04x0000,%llu,0x0\n", i, i,
+                                     (unsigned long long)(5 * MIB));
+    fprintf(f, "140,10:00:02.000000,allocate failure,(nil),123,0x0\n");
+    fprintf(f, "140,10:00:02.000001,allocate,0x1000,100,0x0\n");
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "./memanat replay %s --json 2>&1", path);
+    CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
+    CHECK(strstr(out, "\"allocated_bytes.all.peak\": 52428800") != NULL);
+    CHECK(strstr(out, "\"reserved_bytes.large_pool.peak\": 62914560") != NULL);  // 3 x 20 MiB
+    CHECK(strstr(out, "\"reserved_bytes.all.peak\": 65011712") != NULL);  // + 2 MiB small
+    CHECK(strstr(out, "\"segment.all.peak\": 4") != NULL);
+    CHECK(strstr(out, "\"num_ooms\": 0") != NULL);
+    // with a capacity of 50 MiB only two segments fit: OOMs are counted and the replay goes on
+    snprintf(spath, sizeof spath, "%s/t.svg", dir);
+    snprintf(cmd, sizeof cmd, "./memanat replay %s --capacity 50MiB --svg %s 2>&1", path, spath);
+    CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
+    CHECK(strstr(out, "PyTorch CUDA memory summary") != NULL);
+    CHECK(strstr(out, "CUDA OOMs: 2 ") != NULL);
+    f = fopen(spath, "r");
+    CHECK(f != NULL);
+    if (f) fclose(f);
+    remove(spath);
+    // PyTorch snapshot JSON device_traces
+    snprintf(jpath, sizeof jpath, "%s/snap.json", dir);
+    f = fopen(jpath, "w");
+    if (f) {
+        fprintf(f, "{\"segments\": [], \"device_traces\": [[\n"
+                   "{\"action\": \"segment_alloc\", \"addr\": 1000, \"size\": 2097152, \"stream\": 0},\n"
+                   "{\"action\": \"alloc\", \"addr\": 1000, \"size\": 4000, \"stream\": 0},\n"
+                   "{\"action\": \"alloc\", \"addr\": 5096, \"size\": 3000000, \"stream\": 7},\n"
+                   "{\"action\": \"free_requested\", \"addr\": 1000, \"size\": 4000, \"stream\": 0},\n"
+                   "{\"action\": \"free_completed\", \"addr\": 1000, \"size\": 4000, \"stream\": 0}\n"
+                   "]]}\n");
+        fclose(f);
+        snprintf(cmd, sizeof cmd, "./memanat replay %s --json --config max_split_size_mb:64 2>&1",
+                 jpath);
+        CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
+        CHECK(strstr(out, "\"allocated_bytes.all.peak\": 3004416") != NULL);  // 4096 + 3000320
+        CHECK(strstr(out, "\"reserved_bytes.all.current\": 23068672") != NULL);
+        CHECK(strstr(out, "\"max_split_size\": 67108864") != NULL);
+        remove(jpath);
+    }
+    {  // round trip: our own snapshot's device_traces replay to the same peaks
+        tc_env e;
+        void *live[64];
+        int n = 0, k;
+        struct mn_cache_stats st;
+        mn_cache_snapshot snap;
+        char want[96];
+        if (tc_open(&e, 0, NULL, 4096) == MN_OK) {
+            for (k = 0; k < 600; k++) {
+                if (n < 64 && mnt_rand_u64() % 2) {
+                    CHECK_OK(mn_cache_alloc(&e.cache, tc_rand_size(), (mn_stream)(mnt_rand_u64() % 2),
+                                            MN_CAT_OTHER, NULL, &live[n]));
+                    n++;
+                } else if (n > 0) {
+                    int j = (int)(mnt_rand_u64() % (uint64_t)n);
+                    CHECK_OK(mn_cache_release(&e.cache, live[j]));
+                    live[j] = live[--n];
+                }
+            }
+            st = tc_stats(&e);
+            CHECK_OK(mn_cache_snapshot_take(&e.cache, &snap));
+            CHECK_EQ_U64(snap.trace_dropped, 0);
+            f = fopen(jpath, "w");
+            if (f) {
+                tc_buf out = {NULL, 0, 0};
+                CHECK_OK(mn_cache_snapshot_write_json(&snap, tc_write, &out));
+                if (out.p) fwrite(out.p, 1, out.n, f);
+                fclose(f);
+                free(out.p);
+                snprintf(cmd, sizeof cmd, "./memanat replay %s --json 2>&1", jpath);
+                CHECK_EQ_INT(tc_run(cmd, out_big, sizeof out_big), 0);
+                snprintf(want, sizeof want, "\"allocated_bytes.all.peak\": %llu,",
+                         (unsigned long long)st.allocated_bytes[MN_STAT_ALL].peak);
+                CHECK_MSG(strstr(out_big, want) != NULL, "replay lacks %s", want);
+                snprintf(want, sizeof want, "\"reserved_bytes.all.peak\": %llu,",
+                         (unsigned long long)st.reserved_bytes[MN_STAT_ALL].peak);
+                CHECK_MSG(strstr(out_big, want) != NULL, "replay lacks %s", want);
+                snprintf(want, sizeof want, "\"requested_bytes.all.current\": %llu,",
+                         (unsigned long long)st.requested_bytes[MN_STAT_ALL].current);
+                CHECK_MSG(strstr(out_big, want) != NULL, "replay lacks %s", want);
+                remove(jpath);
+            }
+            mn_cache_snapshot_free(&snap);
+            while (n > 0) CHECK_OK(mn_cache_release(&e.cache, live[--n]));
+            tc_close(&e);
+        }
+    }
+    // bad input: one line on stderr, non-zero exit
+    snprintf(cmd, sizeof cmd, "./memanat replay %s --config bogus:1 2>&1", path);
+    CHECK(tc_run(cmd, out, sizeof out) != 0);
+    CHECK(strstr(out, "bogus") != NULL);
+    snprintf(cmd, sizeof cmd, "./memanat replay %s/missing.csv 2>&1", dir);
+    CHECK(tc_run(cmd, out, sizeof out) != 0);
+    f = fopen(path, "w");
+    if (f) {
+        fprintf(f, "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,12x,0x0\n");
+        fclose(f);
+    }
+    snprintf(cmd, sizeof cmd, "./memanat replay %s 2>&1", path);
+    CHECK(tc_run(cmd, out, sizeof out) != 0);
+    CHECK(strstr(out, "line 2") != NULL);
+    remove(path);
+    rmdir(dir);
+}
+
 const mnt_case test_cache_cases[] = {
-    {NULL, NULL},
+    {"rounding_table", test_rounding_table},
+    {"config_parse", test_config_parse},
+    {"small_and_large_pools", test_small_and_large_pools},
+    {"best_fit_and_split_rules", test_best_fit_and_split_rules},
+    {"oversize_rules", test_oversize_rules},
+    {"oom_ladder", test_oom_ladder},
+    {"record_stream_events", test_record_stream_events},
+    {"fraction_and_gc", test_fraction_and_gc},
+    {"summary_layout", test_summary_layout},
+    {"random_invariant", test_random_invariant},
+    {"expandable_segments", test_expandable_segments},
+    {"device_failure_injection", test_device_failure_injection},
+    {"host_failure_injection", test_host_failure_injection},
+    {"threads", test_threads},
+    {"snapshot_json_and_svg", test_snapshot_json_and_svg},
+    {"many_blocks_and_plain_device", test_many_blocks_and_plain_device},
+    {"bad_arguments", test_bad_arguments},
+    {"replay_cli", test_replay_cli},
 };
-const size_t test_cache_count = 0;
+const size_t test_cache_count = sizeof test_cache_cases / sizeof test_cache_cases[0];
