@@ -1,6 +1,7 @@
 // Tests of the hfconfig section: config.json of each supported family -> mn_model, model
 // folders with safetensors headers, and every error path. The sample configs in test/data/hf/
-// are the published ones; the tiny model folders there are safetensors files of zeros whose headers are the test inputs.
+// are the published ones; the tiny model folders hold safetensors files of zeros whose headers
+// are the test inputs.
 #include <string.h>
 #include "harness.h"
 #include "../memanat.h"
