@@ -403,6 +403,52 @@ static void bench_frag(void) {
     printf("cells: peak reserved / peak allocated (peak reserved, ns per replayed event)\n");
 }
 
+// The same comparison on the allocation sequences the estimator simulates for real models
+// (mn_estimate_trace: load + two training steps, HF conventions, bf16 autocast, AdamW).
+static void bench_frag_estimator(void) {
+    static const struct { const char *model; uint64_t batch, seq; mn_attn attn; } cases[] = {
+        {"gpt2", 8, 1024, MN_ATTN_SDPA},
+        {"bert-large-uncased", 4, 512, MN_ATTN_EAGER},
+        {"gpt2-xl", 4, 1024, MN_ATTN_SDPA},
+        {"llama-3.2-1b", 4, 2048, MN_ATTN_SDPA},
+        {"llama-2-7b", 1, 2048, MN_ATTN_SDPA},
+    };
+    size_t ci, pi, i;
+    printf("\nthe estimator's traces (memanat estimate --precision bf16; 2 steps)\n");
+    printf("%-20s %9s %10s", "model", "events", "peak alloc");
+    for (pi = 0; pi < sizeof policies / sizeof policies[0]; pi++) printf(" %26s", policies[pi].label);
+    printf("\n");
+    for (ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        mn_model m;
+        mn_setup su;
+        mn_trace_event *te = NULL;
+        uint64_t n = 0;
+        trace t;
+        memset(&su, 0, sizeof su);
+        memset(&t, 0, sizeof t);
+        su.batch = cases[ci].batch, su.seq = cases[ci].seq, su.attention = cases[ci].attn;
+        su.precision = MN_PREC_BF16;
+        if (mn_preset_find(cases[ci].model, &m) != MN_OK || mn_estimate_trace(&m, &su, NULL, &te, &n) != MN_OK) exit(1);
+        t.cap = (size_t)n, t.e = (ev *)malloc((size_t)n * sizeof *t.e);
+        if (!t.e) exit(1);
+        for (i = 0; i < (size_t)n; i++) {
+            t.e[i].id = te[i].id + 1, t.e[i].size = te[i].alloc ? te[i].size : 0, t.e[i].cat = te[i].category;
+            if (te[i].id + 1 > t.next_id) t.next_id = te[i].id + 1;
+        }
+        t.n = (size_t)n;
+        mn_trace_free(NULL, te);
+        printf("%-20s %9zu", cases[ci].model, t.n);
+        for (pi = 0; pi < sizeof policies / sizeof policies[0]; pi++) {
+            replay_result r = replay(&t, policies[pi].config);
+            if (pi == 0) printf(" %7.2f GiB", (double)r.peak_alloc / 1073741824.0);
+            printf("   %6.3f (%7.2f GiB, %3.0f ns)", (double)r.peak_reserved / (double)r.peak_alloc,
+                   (double)r.peak_reserved / 1073741824.0, r.ns_per_event);
+        }
+        printf("\n");
+        free(t.e);
+    }
+}
+
 static int write_csv(const char *name, const char *path) {
     size_t mi, i;
     for (mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
@@ -492,6 +538,6 @@ int main(int argc, char **argv) {
     if (strcmp(what, "csv") == 0) return argc == 4 ? write_csv(argv[2], argv[3]) : 2;
     if (strcmp(what, "svg") == 0) return argc == 5 ? write_svg(argv[2], argv[3], argv[4]) : 2;
     if (strcmp(what, "speed") == 0 || strcmp(what, "all") == 0) bench_speed();
-    if (strcmp(what, "frag") == 0 || strcmp(what, "all") == 0) bench_frag();
+    if (strcmp(what, "frag") == 0 || strcmp(what, "all") == 0) bench_frag(), bench_frag_estimator();
     return 0;
 }
