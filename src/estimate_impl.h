@@ -1791,35 +1791,69 @@ MNIMPL mn_result mn_model_params(const mn_model *model, uint64_t *out) {
 
 // ---- fit: the largest micro-batch, the longest sequence, and a plan ---------------------------
 
-static int mn__fits(const mn_model *m, const mn_setup *s, mn_fit_result *out, mn_estimate_result *r, mn_result *err) {
-    mn_result e = mn_estimate(m, s, r);
+// The step alone (no allocator replay): microseconds. Its device_used counts peak allocated.
+static mn_result mn__quick(const mn_model *m, const mn_setup *s, mn_fit_result *out, mn_estimate_result *r) {
+    mn_setup q = *s;
+    q.no_replay = 1;
     out->estimates_run++;
+    return mn_estimate(m, &q, r);
+}
+
+// Fits the device? The replay never lowers the peak below what is allocated, so a setup whose
+// allocated peak does not fit is rejected without replaying it.
+static int mn__fits(const mn_model *m, const mn_setup *s, mn_fit_result *out, mn_estimate_result *r, mn_result *err) {
+    mn_result e = mn__quick(m, s, out, r);
+    if (e == MN_OK && r->fits && !s->no_replay) {
+        e = mn_estimate(m, s, r);
+        out->estimates_run++;
+    }
     if (e != MN_OK) { *err = e; return 0; }
     return r->fits;
 }
 
-// Largest value of *field in [1, cap] for which the setup fits (0 if none). Doubling, then
-// bisection: memory grows with batch and sequence, so fitting is monotonic in both.
+// Largest value in [1, cap] for which fits(value) holds, 0 if none: doubling, then bisection
+// (memory grows with batch and sequence, so fitting is monotonic in both). quick: judge by the
+// step alone (peak allocated), else with the allocator replay.
+static uint64_t mn__bisect(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t lo, uint64_t hi, int quick,
+                           mn_fit_result *out, mn_result *err) {
+    mn_estimate_result r;
+    while (hi - lo > 1 && *err == MN_OK) {  // fits(lo) (or lo == 0), !fits(hi)
+        uint64_t mid = lo + (hi - lo) / 2;
+        int ok;
+        *field = mid;
+        ok = quick ? (mn__quick(m, s, out, &r) == MN_OK && r.fits) : mn__fits(m, s, out, &r, err);
+        if (ok) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
 static uint64_t mn__search(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t cap, mn_fit_result *out,
                            mn_result *err) {
     mn_estimate_result r;
-    uint64_t lo = 0, hi = 1;
+    uint64_t hi = 1, lo = 0, bound, step;
+    // 1. the bound from the step alone (reserved >= allocated, so nothing above it fits)
     for (;;) {
         *field = hi;
-        if (!mn__fits(m, s, out, &r, err)) break;
+        if ((*err = mn__quick(m, s, out, &r)) != MN_OK) return 0;
+        if (!r.fits) break;
         lo = hi;
-        if (hi >= cap) return cap;
+        if (hi >= cap) break;
         hi = hi * 2 > cap ? cap : hi * 2;
     }
-    if (*err != MN_OK) return 0;
-    while (hi - lo > 1) {
-        uint64_t mid = lo + (hi - lo) / 2;
-        *field = mid;
-        if (mn__fits(m, s, out, &r, err)) lo = mid;
-        else hi = mid;
-        if (*err != MN_OK) return 0;
+    bound = lo == cap ? cap : mn__bisect(m, s, field, lo, hi, 1, out, err);
+    if (bound == 0 || *err != MN_OK) return 0;
+    // 2. with the allocator: gallop down from the bound, then bisect
+    *field = bound;
+    if (mn__fits(m, s, out, &r, err)) return bound;
+    hi = bound, step = 1;
+    for (;;) {
+        uint64_t cand = bound > step ? bound - step : 0;
+        if (cand == 0 || *err != MN_OK) return 0;
+        *field = cand;
+        if (mn__fits(m, s, out, &r, err)) return mn__bisect(m, s, field, cand, hi, 0, out, err);
+        hi = cand, step *= 2;
     }
-    return lo;
 }
 
 // The techniques of the plan, cheapest in step time first. Step-time factors from the HF
@@ -1930,18 +1964,23 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     else out->max_seq = mn__search(model, &t, &t.seq, cap_seq, out, &err);
     if (err != MN_OK) return err;
 
-    // Greedy: add the cheapest technique that lowers the device memory until the setup fits.
+    // Greedy: add the cheapest technique that lowers the memory need until the setup fits
+    // (compared on the step alone, confirmed with the allocator replay).
     s = base;
-    while (!cur.fits && progress && n < sizeof steps) {
-        progress = 0;
-        for (k = 0; k < MN__T_COUNT && !progress; k++) {
-            t = s;
-            if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
-            err = mn_estimate(model, &t, &next);
-            out->estimates_run++;
-            if (err != MN_OK) return err;
-            if (next.device_used >= cur.device_used) continue;  // no help here
-            steps[n++] = (uint8_t)k, s = t, cur = next, progress = 1;
+    if (!cur.fits) {
+        mn_estimate_result q, qn;
+        if ((err = mn__quick(model, &s, out, &q)) != MN_OK) return err;
+        while (!cur.fits && progress && n < sizeof steps) {
+            progress = 0;
+            for (k = 0; k < MN__T_COUNT && !progress; k++) {
+                t = s;
+                if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
+                if ((err = mn__quick(model, &t, out, &qn)) != MN_OK) return err;
+                if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
+                steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1;
+                mn__fits(model, &s, out, &cur, &err);
+                if (err != MN_OK) return err;
+            }
         }
     }
     // Prune: drop each step, the slowest first, whose removal still fits.
@@ -1949,30 +1988,27 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
         for (i = n; i-- > 0;) {
             if (steps[i] != k) continue;
             t = mn__plan_setup(&base, steps, n, i, bf16);
-            err = mn_estimate(model, &t, &next);
-            out->estimates_run++;
-            if (err != MN_OK) return err;
-            if (!next.fits) continue;
+            if (!mn__fits(model, &t, out, &next, &err)) {
+                if (err != MN_OK) return err;
+                continue;
+            }
             memmove(&steps[i], &steps[i + 1], (n - i - 1) * sizeof steps[0]);
             n--, s = t, cur = next;
         }
     }
-    // Report the kept steps with the memory each one saves.
+    // Report the kept steps with the peak each one saves (the step alone: what is allocated).
     t = base;
-    err = mn_estimate(model, &t, &next);
-    if (err != MN_OK) return err;
+    if ((err = mn__quick(model, &t, out, &next)) != MN_OK) return err;
     for (i = 0; i < n && out->plan_len < sizeof out->plan / sizeof out->plan[0]; i++) {
         mn_estimate_result after;
         mn_plan_step *p = &out->plan[out->plan_len++];
         char a[32], b[32];
         mn__tech_apply((mn__tech)steps[i], &t, bf16);
-        err = mn_estimate(model, &t, &after);
-        out->estimates_run++;
-        if (err != MN_OK) return err;
+        if ((err = mn__quick(model, &t, out, &after)) != MN_OK) return err;
         mn__tech_describe((mn__tech)steps[i], &t, p->what, sizeof p->what);
-        mn_size_format(next.device_used, a, sizeof a);
-        mn_size_format(after.device_used, b, sizeof b);
-        snprintf(p->why, sizeof p->why, "%s: device %s -> %s, step time x%.2f", mn__techs[steps[i]].note, a, b,
+        mn_size_format(next.peak_allocated, a, sizeof a);
+        mn_size_format(after.peak_allocated, b, sizeof b);
+        snprintf(p->why, sizeof p->why, "%s: peak %s -> %s, step time x%.2f", mn__techs[steps[i]].note, a, b,
                  mn__techs[steps[i]].factor);
         out->plan_slowdown *= mn__techs[steps[i]].factor;
         next = after;
