@@ -1,9 +1,877 @@
-// Tests of the ops section.
+// Tests of the >>ops section: every forward against a plain double-precision loop written here,
+// every backward against central finite differences of L = sum(out * w) taken through that double
+// forward, on fresh random inputs of several shapes (odd sizes included). Set MN_OPS_VERBOSE=1 to
+// print the error of every comparison.
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include "harness.h"
 #include "../memanat.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// ---- helpers -------------------------------------------------------------------------------------
+
+static float *falloc(size_t n) { return (float *)calloc(n ? n : 1, sizeof(float)); }
+static double *dalloc(size_t n) { return (double *)calloc(n ? n : 1, sizeof(double)); }
+
+static void fill_normal(float *x, size_t n, double scale) {
+    size_t i;
+    for (i = 0; i < n; i++) x[i] = (float)(scale * mnt_rand_normal());
+}
+
+static int verbose(void) {
+    const char *v = getenv("MN_OPS_VERBOSE");
+    return v && *v && *v != '0';
+}
+
+// |got - want| <= tol * max(1, max |want|) for every element; the failure message reports the
+// worst absolute error, its index and the error relative to the largest reference value.
+#define EXPECT_CLOSE(what, got, want, n, tol) \
+    expect_close(__FILE__, __LINE__, what, got, want, n, tol)
+static void expect_close(const char *file, int line, const char *what, const float *got,
+                         const double *want, size_t n, double tol) {
+    double ref = 0.0, worst = 0.0, scale;
+    size_t i, at = 0;
+    int nonfinite = 0;
+    for (i = 0; i < n; i++) ref = fabs(want[i]) > ref ? fabs(want[i]) : ref;
+    scale = ref > 1.0 ? ref : 1.0;
+    for (i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - want[i]);
+        if (!(d == d)) nonfinite = 1, at = i;
+        if (d > worst) worst = d, at = i;
+    }
+    if (verbose())
+        printf("  %-34s n=%-5zu max abs err %.3g, rel to max|ref| %.3g (max|ref| %.3g)\n", what, n,
+               worst, worst / scale, ref);
+    if (nonfinite || worst > tol * scale)
+        mnt_fail(file, line, "%s: got %.9g want %.9g at [%zu]: max abs err %.3g, rel %.3g, tol %.3g",
+                 what, n ? got[at] : 0.0, n ? want[at] : 0.0, at, worst, worst / scale, tol);
+}
+
+// Bitwise equality of two float arrays.
+#define EXPECT_SAME(what, a, b, n) expect_same(__FILE__, __LINE__, what, a, b, n)
+static void expect_same(const char *file, int line, const char *what, const float *a,
+                        const float *b, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        if (memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+            mnt_fail(file, line, "%s: differ at [%zu]: %.9g vs %.9g", what, i, a[i], b[i]);
+            return;
+        }
+    }
+}
+
+// A double-precision reference forward: y = f(x) with every differentiable input concatenated in
+// x; the rest of the op's arguments in ctx.
+typedef void (*ref_fn)(const void *ctx, const double *x, double *y);
+
+// grad[i] = dL/dx[i] for L = sum_j w[j] y[j], central differences in double.
+static void fd_grad(ref_fn f, const void *ctx, const float *x0, size_t nx, const float *w,
+                    size_t ny, double *grad) {
+    double *x = dalloc(nx), *y = dalloc(ny);
+    size_t i, j;
+    for (i = 0; i < nx; i++) x[i] = x0[i];
+    for (i = 0; i < nx; i++) {
+        double h = 1e-5 * (1.0 + fabs(x[i])), xp = x[i] + h, xm = x[i] - h, lp = 0.0, lm = 0.0;
+        x[i] = xp;
+        f(ctx, x, y);
+        for (j = 0; j < ny; j++) lp += (double)w[j] * y[j];
+        x[i] = xm;
+        f(ctx, x, y);
+        for (j = 0; j < ny; j++) lm += (double)w[j] * y[j];
+        x[i] = x0[i];
+        grad[i] = (lp - lm) / (xp - xm);
+    }
+    free(x);
+    free(y);
+}
+
+// Forward of the fp32 op (out, ny values) against the reference at x (nx values).
+static void check_forward(const char *what, ref_fn f, const void *ctx, const float *x, size_t nx,
+                          const float *out, size_t ny, double tol) {
+    double *xd = dalloc(nx), *y = dalloc(ny);
+    size_t i;
+    for (i = 0; i < nx; i++) xd[i] = x[i];
+    f(ctx, xd, y);
+    EXPECT_CLOSE(what, out, y, ny, tol);
+    free(xd);
+    free(y);
+}
+
+// Gradient check: g1 - g0 (what the backward added) against finite differences, per input segment.
+typedef struct seg {
+    const char *name;
+    size_t off, n;
+} seg;
+
+static void check_grad(const char *what, ref_fn f, const void *ctx, const float *x, size_t nx,
+                       const float *w, size_t ny, const float *g0, const float *g1,
+                       const seg *segs, int nseg, double tol) {
+    double *fd = dalloc(nx);
+    float *added = falloc(nx);
+    char name[128];
+    size_t i;
+    int s;
+    fd_grad(f, ctx, x, nx, w, ny, fd);
+    for (i = 0; i < nx; i++) added[i] = (float)((double)g1[i] - g0[i]);
+    for (s = 0; s < nseg; s++) {
+        snprintf(name, sizeof name, "%s d%s", what, segs[s].name);
+        EXPECT_CLOSE(name, added + segs[s].off, fd + segs[s].off, segs[s].n, tol);
+    }
+    free(fd);
+    free(added);
+}
+
+// Tolerances (relative to max(1, max |reference|)). fp32 has eps 6e-8; forwards of these sizes
+// stay below ~1e-6 and so do the gradients (over many seeds: 8e-7 and 7e-7), so the bounds
+// leave a margin of about 5x.
+#define TOL_FWD 4e-6
+#define TOL_GRAD 5e-6
+
+static double gelu_tanh_d(double x) {
+    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+}
+
+// ---- matmul --------------------------------------------------------------------------------------
+
+typedef struct mm_ctx {
+    int N, C, OC, bias, gelu;
+} mm_ctx;
+
+static void ref_matmul(const void *vctx, const double *x, double *y) {
+    const mm_ctx *c = (const mm_ctx *)vctx;
+    const double *inp = x, *w = x + (size_t)c->N * c->C, *b = w + (size_t)c->OC * c->C;
+    int n, o, i;
+    for (n = 0; n < c->N; n++)
+        for (o = 0; o < c->OC; o++) {
+            double s = c->bias ? b[o] : 0.0;
+            for (i = 0; i < c->C; i++) s += inp[(size_t)n * c->C + i] * w[(size_t)o * c->C + i];
+            y[(size_t)n * c->OC + o] = c->gelu ? gelu_tanh_d(s) : s;
+        }
+}
+
+static void run_matmul(int N, int C, int OC, int bias, int gelu, int fd) {
+    mm_ctx ctx;
+    size_t ni = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC;
+    size_t nx = ni + nw + (size_t)OC;
+    float *x = falloc(nx), *g0 = falloc(nx), *g1 = falloc(nx), *w = falloc(ny);
+    float *out = falloc(ny), *pre = gelu ? falloc(ny) : NULL, *dout = falloc(ny);
+    char what[96];
+    seg segs[3];
+    ctx.N = N, ctx.C = C, ctx.OC = OC, ctx.bias = bias, ctx.gelu = gelu;
+    fill_normal(x, nx, 1.0);
+    if (!bias) memset(x + ni + nw, 0, (size_t)OC * sizeof(float));
+    fill_normal(w, ny, 1.0);
+    fill_normal(g0, nx, 1.0);
+    memcpy(g1, g0, nx * sizeof(float));
+    snprintf(what, sizeof what, "matmul N=%d C=%d OC=%d bias=%d gelu=%d", N, C, OC, bias, gelu);
+    mn_matmul_forward(out, pre, x, x + ni, bias ? x + ni + nw : NULL, N, C, OC);
+    check_forward(what, ref_matmul, &ctx, x, nx, out, ny, TOL_FWD);
+    if (gelu) {  // the kept pre-activation is the plain matmul
+        ctx.gelu = 0;
+        check_forward("matmul pre_gelu", ref_matmul, &ctx, x, nx, pre, ny, TOL_FWD);
+        ctx.gelu = 1;
+    }
+    memcpy(dout, w, ny * sizeof(float));
+    mn_matmul_backward(g1, g1 + ni, bias ? g1 + ni + nw : NULL, dout, x, x + ni, pre, N, C, OC);
+    segs[0].name = "inp", segs[0].off = 0, segs[0].n = ni;
+    segs[1].name = "weight", segs[1].off = ni, segs[1].n = nw;
+    segs[2].name = "bias", segs[2].off = ni + nw, segs[2].n = (size_t)OC;
+    if (fd) {
+        check_grad(what, ref_matmul, &ctx, x, nx, w, ny, g0, g1, segs, bias ? 3 : 2, TOL_GRAD);
+    } else {
+        // larger shapes: the analytic gradient formulas in double instead of finite differences
+        double *want = dalloc(nx), *dpre = dalloc(ny);
+        float *added = falloc(nx);
+        int n, o, i;
+        size_t k;
+        for (k = 0; k < ny; k++) dpre[k] = w[k];
+        if (gelu) {
+            for (k = 0; k < ny; k++) {  // d gelu / d pre through the double reference, centrally
+                double p = pre[k], h = 1e-6 * (1.0 + fabs(p));
+                dpre[k] *= (gelu_tanh_d(p + h) - gelu_tanh_d(p - h)) / (2 * h);
+            }
+        }
+        for (n = 0; n < N; n++)
+            for (o = 0; o < OC; o++) {
+                double d = dpre[(size_t)n * OC + o];
+                for (i = 0; i < C; i++) {
+                    want[(size_t)n * C + i] += d * x[ni + (size_t)o * C + i];
+                    want[ni + (size_t)o * C + i] += d * x[(size_t)n * C + i];
+                }
+                want[ni + nw + o] += d;
+            }
+        for (k = 0; k < nx; k++) added[k] = (float)((double)g1[k] - g0[k]);
+        snprintf(what, sizeof what, "matmul N=%d C=%d OC=%d dinp", N, C, OC);
+        EXPECT_CLOSE(what, added, want, ni, TOL_GRAD);
+        snprintf(what, sizeof what, "matmul N=%d C=%d OC=%d dweight", N, C, OC);
+        EXPECT_CLOSE(what, added + ni, want + ni, nw, TOL_GRAD);
+        if (bias) {
+            snprintf(what, sizeof what, "matmul N=%d C=%d OC=%d dbias", N, C, OC);
+            EXPECT_CLOSE(what, added + ni + nw, want + ni + nw, (size_t)OC, TOL_GRAD);
+        }
+        free(want), free(dpre), free(added);
+    }
+    free(x), free(g0), free(g1), free(w), free(out), free(pre), free(dout);
+}
+
+static void test_matmul(void) {
+    run_matmul(5, 7, 9, 1, 0, 1);
+    run_matmul(4, 3, 2, 0, 0, 1);
+    run_matmul(1, 1, 1, 1, 0, 1);
+    run_matmul(13, 17, 19, 1, 0, 1);
+}
+
+static void test_matmul_gelu(void) {
+    run_matmul(5, 7, 9, 1, 1, 1);
+    run_matmul(6, 11, 4, 0, 1, 1);
+}
+
+static void test_matmul_blocked(void) {
+    // shapes that cross every block edge: rows past a task, depth past a packed block, columns
+    // past a task and not a multiple of the register tile
+    run_matmul(101, 300, 150, 1, 0, 0);
+    run_matmul(64, 64, 64, 0, 1, 0);
+    run_matmul(7, 513, 33, 1, 1, 0);
+}
+
+// ---- layernorm, RMSNorm -------------------------------------------------------------------------
+
+typedef struct ln_ctx {
+    int N, C, bias;
+    double eps;
+} ln_ctx;
+
+static void ref_layernorm(const void *vctx, const double *x, double *y) {
+    const ln_ctx *c = (const ln_ctx *)vctx;
+    const double *w = x + (size_t)c->N * c->C, *b = w + c->C;
+    int n, i;
+    for (n = 0; n < c->N; n++) {
+        const double *r = x + (size_t)n * c->C;
+        double m = 0.0, v = 0.0, s;
+        for (i = 0; i < c->C; i++) m += r[i];
+        m /= c->C;
+        for (i = 0; i < c->C; i++) v += (r[i] - m) * (r[i] - m);
+        v /= c->C;
+        s = 1.0 / sqrt(v + c->eps);
+        for (i = 0; i < c->C; i++)
+            y[(size_t)n * c->C + i] = (r[i] - m) * s * w[i] + (c->bias ? b[i] : 0.0);
+    }
+}
+
+static void run_layernorm(int N, int C, int bias) {
+    ln_ctx ctx;
+    size_t ni = (size_t)N * C, nx = ni + 2 * (size_t)C, ny = ni;
+    float *x = falloc(nx), *g0 = falloc(nx), *g1 = falloc(nx), *w = falloc(ny), *out = falloc(ny);
+    float *mean = falloc((size_t)N), *rstd = falloc((size_t)N);
+    double *want = dalloc((size_t)N);
+    char what[80];
+    seg segs[3];
+    int n, i;
+    ctx.N = N, ctx.C = C, ctx.bias = bias, ctx.eps = 1e-5;
+    fill_normal(x, nx, 1.0);
+    for (n = 0; n < N; n++)  // a per-row offset, as real activations have
+        for (i = 0; i < C; i++) x[(size_t)n * C + i] += (float)(n - N / 2);
+    if (!bias) memset(x + ni + C, 0, (size_t)C * sizeof(float));
+    fill_normal(w, ny, 1.0);
+    fill_normal(g0, nx, 1.0);
+    memcpy(g1, g0, nx * sizeof(float));
+    snprintf(what, sizeof what, "layernorm N=%d C=%d bias=%d", N, C, bias);
+    mn_layernorm_forward(out, mean, rstd, x, x + ni, bias ? x + ni + C : NULL, N, C, 1e-5f);
+    check_forward(what, ref_layernorm, &ctx, x, nx, out, ny, TOL_FWD);
+    for (n = 0; n < N; n++) {
+        double m = 0.0;
+        for (i = 0; i < C; i++) m += x[(size_t)n * C + i];
+        want[n] = m / C;
+    }
+    EXPECT_CLOSE("layernorm mean", mean, want, (size_t)N, TOL_FWD);
+    mn_layernorm_backward(g1, g1 + ni, bias ? g1 + ni + C : NULL, w, x, x + ni, mean, rstd, N, C);
+    segs[0].name = "inp", segs[0].off = 0, segs[0].n = ni;
+    segs[1].name = "weight", segs[1].off = ni, segs[1].n = (size_t)C;
+    segs[2].name = "bias", segs[2].off = ni + C, segs[2].n = (size_t)C;
+    check_grad(what, ref_layernorm, &ctx, x, nx, w, ny, g0, g1, segs, bias ? 3 : 2, TOL_GRAD);
+    free(x), free(g0), free(g1), free(w), free(out), free(mean), free(rstd), free(want);
+}
+
+static void test_layernorm(void) {
+    run_layernorm(5, 7, 1);
+    run_layernorm(3, 16, 0);
+    run_layernorm(4, 1, 1);
+    run_layernorm(2, 129, 1);
+}
+
+static void ref_rmsnorm(const void *vctx, const double *x, double *y) {
+    const ln_ctx *c = (const ln_ctx *)vctx;
+    const double *w = x + (size_t)c->N * c->C;
+    int n, i;
+    for (n = 0; n < c->N; n++) {
+        const double *r = x + (size_t)n * c->C;
+        double ss = 0.0, s;
+        for (i = 0; i < c->C; i++) ss += r[i] * r[i];
+        s = 1.0 / sqrt(ss / c->C + c->eps);
+        for (i = 0; i < c->C; i++) y[(size_t)n * c->C + i] = r[i] * s * w[i];
+    }
+}
+
+static void run_rmsnorm(int N, int C) {
+    ln_ctx ctx;
+    size_t ni = (size_t)N * C, nx = ni + (size_t)C, ny = ni;
+    float *x = falloc(nx), *g0 = falloc(nx), *g1 = falloc(nx), *w = falloc(ny), *out = falloc(ny);
+    float *rstd = falloc((size_t)N);
+    char what[64];
+    seg segs[2];
+    ctx.N = N, ctx.C = C, ctx.bias = 0, ctx.eps = 1e-6;
+    fill_normal(x, nx, 1.0);
+    fill_normal(w, ny, 1.0);
+    fill_normal(g0, nx, 1.0);
+    memcpy(g1, g0, nx * sizeof(float));
+    snprintf(what, sizeof what, "rmsnorm N=%d C=%d", N, C);
+    mn_rmsnorm_forward(out, rstd, x, x + ni, N, C, 1e-6f);
+    check_forward(what, ref_rmsnorm, &ctx, x, nx, out, ny, TOL_FWD);
+    mn_rmsnorm_backward(g1, g1 + ni, w, x, x + ni, rstd, N, C);
+    segs[0].name = "inp", segs[0].off = 0, segs[0].n = ni;
+    segs[1].name = "weight", segs[1].off = ni, segs[1].n = (size_t)C;
+    check_grad(what, ref_rmsnorm, &ctx, x, nx, w, ny, g0, g1, segs, 2, TOL_GRAD);
+    free(x), free(g0), free(g1), free(w), free(out), free(rstd);
+}
+
+static void test_rmsnorm(void) {
+    run_rmsnorm(5, 7);
+    run_rmsnorm(3, 32);
+    run_rmsnorm(4, 3);
+}
+
+// ---- softmax ------------------------------------------------------------------------------------
+
+typedef struct sm_ctx {
+    int N, L, causal;
+    double scale;
+} sm_ctx;
+
+static void ref_softmax(const void *vctx, const double *x, double *y) {
+    const sm_ctx *c = (const sm_ctx *)vctx;
+    int n, j;
+    for (n = 0; n < c->N; n++) {
+        int len = c->causal ? n % c->L + 1 : c->L;
+        double mx = -1e300, s = 0.0;
+        for (j = 0; j < len; j++) mx = fmax(mx, c->scale * x[(size_t)n * c->L + j]);
+        for (j = 0; j < len; j++) s += exp(c->scale * x[(size_t)n * c->L + j] - mx);
+        for (j = 0; j < c->L; j++)
+            y[(size_t)n * c->L + j] =
+                j < len ? exp(c->scale * x[(size_t)n * c->L + j] - mx) / s : 0.0;
+    }
+}
+
+static void run_softmax(int N, int L, double scale, int causal) {
+    sm_ctx ctx;
+    size_t nx = (size_t)N * L;
+    float *x = falloc(nx), *g0 = falloc(nx), *g1 = falloc(nx), *w = falloc(nx), *out = falloc(nx);
+    char what[80];
+    seg s0;
+    int n, j;
+    ctx.N = N, ctx.L = L, ctx.causal = causal, ctx.scale = scale;
+    fill_normal(x, nx, 2.0);
+    x[0] += 50.0f;  // a large logit: the max subtraction has to work
+    fill_normal(w, nx, 1.0);
+    fill_normal(g0, nx, 1.0);
+    memcpy(g1, g0, nx * sizeof(float));
+    snprintf(what, sizeof what, "softmax N=%d L=%d scale=%g causal=%d", N, L, scale, causal);
+    mn_softmax_forward(out, x, N, L, (float)scale, causal);
+    check_forward(what, ref_softmax, &ctx, x, nx, out, nx, TOL_FWD);
+    if (causal)
+        for (n = 0; n < N; n++)
+            for (j = n % L + 1; j < L; j++) CHECK(out[(size_t)n * L + j] == 0.0f);
+    mn_softmax_backward(g1, w, out, N, L, (float)scale, causal);
+    s0.name = "inp", s0.off = 0, s0.n = nx;
+    check_grad(what, ref_softmax, &ctx, x, nx, w, nx, g0, g1, &s0, 1, TOL_GRAD);
+    free(x), free(g0), free(g1), free(w), free(out);
+}
+
+static void test_softmax(void) {
+    run_softmax(5, 7, 1.0, 0);
+    run_softmax(10, 5, 0.37, 1);
+    run_softmax(3, 1, 1.0, 1);
+    run_softmax(4, 33, 0.125, 0);
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+
+typedef struct at_ctx {
+    int B, T, C, NH, causal;
+} at_ctx;
+
+static void ref_attention(const void *vctx, const double *x, double *y) {
+    const at_ctx *c = (const at_ctx *)vctx;
+    int hs = c->C / c->NH, b, h, t, j, i;
+    size_t C3 = (size_t)3 * c->C;
+    double *s = dalloc((size_t)c->T);
+    for (b = 0; b < c->B; b++)
+        for (h = 0; h < c->NH; h++)
+            for (t = 0; t < c->T; t++) {
+                const double *q = x + ((size_t)b * c->T + t) * C3 + (size_t)h * hs;
+                double *o = y + ((size_t)b * c->T + t) * c->C + (size_t)h * hs;
+                int len = c->causal ? t + 1 : c->T;
+                double mx = -1e300, sum = 0.0;
+                for (j = 0; j < len; j++) {
+                    const double *k = x + ((size_t)b * c->T + j) * C3 + c->C + (size_t)h * hs;
+                    double d = 0.0;
+                    for (i = 0; i < hs; i++) d += q[i] * k[i];
+                    s[j] = d / sqrt((double)hs);
+                    mx = fmax(mx, s[j]);
+                }
+                for (j = 0; j < len; j++) sum += exp(s[j] - mx);
+                for (i = 0; i < hs; i++) o[i] = 0.0;
+                for (j = 0; j < len; j++) {
+                    const double *v = x + ((size_t)b * c->T + j) * C3 + 2 * c->C + (size_t)h * hs;
+                    double p = exp(s[j] - mx) / sum;
+                    for (i = 0; i < hs; i++) o[i] += p * v[i];
+                }
+            }
+    free(s);
+}
+
+static void run_attention(int B, int T, int C, int NH, int causal) {
+    at_ctx ctx;
+    size_t nx = (size_t)B * T * 3 * C, ny = (size_t)B * T * C, na = (size_t)B * NH * T * T;
+    float *x = falloc(nx), *g0 = falloc(nx), *g1 = falloc(nx), *g2 = falloc(nx), *w = falloc(ny);
+    float *out = falloc(ny), *out2 = falloc(ny), *att = falloc(na);
+    char what[80];
+    seg s0;
+    int b, h, t, j;
+    ctx.B = B, ctx.T = T, ctx.C = C, ctx.NH = NH, ctx.causal = causal;
+    fill_normal(x, nx, 1.0);
+    fill_normal(w, ny, 1.0);
+    fill_normal(g0, nx, 1.0);
+    memcpy(g1, g0, nx * sizeof(float));
+    memcpy(g2, g0, nx * sizeof(float));
+    snprintf(what, sizeof what, "attention B=%d T=%d C=%d NH=%d causal=%d", B, T, C, NH, causal);
+    mn_attention_forward(out, att, x, B, T, C, NH, causal);
+    check_forward(what, ref_attention, &ctx, x, nx, out, ny, TOL_FWD);
+    mn_attention_forward(out2, NULL, x, B, T, C, NH, causal);
+    EXPECT_SAME("attention out, kept vs recomputed", out, out2, ny);
+    for (b = 0; b < B; b++)  // rows of probabilities sum to 1; causal entries are exactly 0
+        for (h = 0; h < NH; h++)
+            for (t = 0; t < T; t++) {
+                const float *row = att + (((size_t)b * NH + h) * T + t) * T;
+                double s = 0.0;
+                for (j = 0; j < T; j++) s += row[j];
+                CHECK_NEAR(s, 1.0, 1e-6, 0.0);
+                if (causal)
+                    for (j = t + 1; j < T; j++) CHECK(row[j] == 0.0f);
+            }
+    mn_attention_backward(g1, w, x, att, B, T, C, NH, causal);
+    mn_attention_backward(g2, w, x, NULL, B, T, C, NH, causal);
+    EXPECT_SAME("attention dqkv, kept vs recomputed", g1, g2, nx);
+    s0.name = "qkv", s0.off = 0, s0.n = nx;
+    check_grad(what, ref_attention, &ctx, x, nx, w, ny, g0, g1, &s0, 1, TOL_GRAD);
+    if (causal && T > 1) {
+        // changing the last position's k and v leaves every earlier output bit for bit
+        for (b = 0; b < B; b++)
+            for (j = C; j < 3 * C; j++) x[((size_t)b * T + T - 1) * 3 * C + j] += 1.0f;
+        mn_attention_forward(out2, NULL, x, B, T, C, NH, causal);
+        for (b = 0; b < B; b++)
+            EXPECT_SAME("causal: earlier outputs", out + (size_t)b * T * C,
+                        out2 + (size_t)b * T * C, (size_t)(T - 1) * C);
+    }
+    free(x), free(g0), free(g1), free(g2), free(w), free(out), free(out2), free(att);
+}
+
+static void test_attention(void) {
+    run_attention(2, 5, 9, 3, 1);  // head size 3
+    run_attention(2, 5, 9, 3, 0);
+    run_attention(1, 7, 8, 2, 1);
+    run_attention(3, 4, 5, 1, 1);
+    run_attention(1, 1, 4, 4, 1);  // head size 1, one position
+    run_attention(1, 12, 32, 2, 1);  // head size 16
+    run_attention(1, 70, 6, 2, 1);   // more queries and keys than one tile holds
+    run_attention(1, 70, 6, 2, 0);
+    run_attention(1, 20, 66, 1, 0);  // head size past one packed channel chunk
+}
+
+// ---- elementwise --------------------------------------------------------------------------------
+
+typedef struct uni_ctx {
+    int kind;  // 0 gelu tanh, 1 gelu erf, 2 silu, 3 swiglu, 4 residual
+    size_t n;
+} uni_ctx;
+
+static void ref_unary(const void *vctx, const double *x, double *y) {
+    const uni_ctx *c = (const uni_ctx *)vctx;
+    size_t i;
+    for (i = 0; i < c->n; i++) {
+        double v = x[i], sg = 1.0 / (1.0 + exp(-v));
+        switch (c->kind) {
+        case 0: y[i] = gelu_tanh_d(v); break;
+        case 1: y[i] = 0.5 * v * (1.0 + erf(v / sqrt(2.0))); break;
+        case 2: y[i] = v * sg; break;
+        case 3: y[i] = v * sg * x[c->n + i]; break;
+        default: y[i] = v + x[c->n + i]; break;
+        }
+    }
+}
+
+static void run_elementwise(int kind, size_t n) {
+    static const char *const names[] = {"gelu", "gelu_erf", "silu", "swiglu", "residual"};
+    uni_ctx ctx;
+    size_t nx = kind >= 3 ? 2 * n : n, i;
+    float *x = falloc(nx), *g0 = falloc(nx), *g1 = falloc(nx), *w = falloc(n), *out = falloc(n);
+    char what[64];
+    seg segs[2];
+    ctx.kind = kind, ctx.n = n;
+    fill_normal(x, nx, 2.0);
+    if (n > 4) x[0] = 9.0f, x[1] = -9.0f, x[2] = 0.0f, x[3] = -30.0f;  // tails and zero
+    fill_normal(w, n, 1.0);
+    fill_normal(g0, nx, 1.0);
+    memcpy(g1, g0, nx * sizeof(float));
+    switch (kind) {
+    case 0: mn_gelu_forward(out, x, n), mn_gelu_backward(g1, w, x, n); break;
+    case 1: mn_gelu_erf_forward(out, x, n), mn_gelu_erf_backward(g1, w, x, n); break;
+    case 2: mn_silu_forward(out, x, n), mn_silu_backward(g1, w, x, n); break;
+    case 3:
+        mn_swiglu_forward(out, x, x + n, n), mn_swiglu_backward(g1, g1 + n, w, x, x + n, n);
+        break;
+    default: mn_residual_forward(out, x, x + n, n), mn_residual_backward(g1, g1 + n, w, n); break;
+    }
+    snprintf(what, sizeof what, "%s n=%zu", names[kind], n);
+    check_forward(what, ref_unary, &ctx, x, nx, out, n, TOL_FWD);
+    segs[0].name = kind >= 3 ? (kind == 3 ? "gate" : "a") : "inp", segs[0].off = 0, segs[0].n = n;
+    segs[1].name = kind == 3 ? "up" : "b", segs[1].off = n, segs[1].n = n;
+    check_grad(what, ref_unary, &ctx, x, nx, w, n, g0, g1, segs, kind >= 3 ? 2 : 1, TOL_GRAD);
+    if (kind <= 2) {  // in place: out may equal inp
+        float *y = falloc(n);
+        memcpy(y, x, n * sizeof(float));
+        if (kind == 0) mn_gelu_forward(y, y, n);
+        else if (kind == 1) mn_gelu_erf_forward(y, y, n);
+        else mn_silu_forward(y, y, n);
+        EXPECT_SAME("in place", y, out, n);
+        free(y);
+    }
+    for (i = 0; i < n; i++) CHECK(out[i] == out[i]);
+    free(x), free(g0), free(g1), free(w), free(out);
+}
+
+static void test_elementwise(void) {
+    int k;
+    for (k = 0; k < 5; k++) {
+        run_elementwise(k, 37);
+        run_elementwise(k, 1);
+    }
+}
+
+// Activations on a dense grid over their whole range, element by element against double. The
+// bound is relative, a few ulp plus the conditioning of exp(z) in its argument (|z| ulp: the
+// float argument itself is rounded), measured against |want| + 1e-30 (exp underflow flushes
+// values far below fp32 resolution to zero).
+static void test_activation_grid(void) {
+    enum { n = 15360 };
+    float *x = falloc(n), *y = falloc(n), *g = falloc(n), *one = falloc(n);
+    double worst_f[3] = {0, 0, 0}, worst_b[3] = {0, 0, 0};
+    const double S = 0.7978845608028654, A = 0.044715, ulp = 5.96e-8;
+    int i, k;
+    for (i = 0; i < n; i++) x[i] = (float)(-110.0 + 210.0 * i / (n - 1)), one[i] = 1.0f;
+    x[n / 2] = 0.0f;
+    for (k = 0; k < 3; k++) {
+        int fails = 0;
+        memset(g, 0, n * sizeof(float));
+        if (k == 0) mn_gelu_forward(y, x, n), mn_gelu_backward(g, one, x, n);
+        else if (k == 1) mn_gelu_erf_forward(y, x, n), mn_gelu_erf_backward(g, one, x, n);
+        else mn_silu_forward(y, x, n), mn_silu_backward(g, one, x, n);
+        for (i = 0; i < n; i++) {
+            double v = x[i], f, d, da, db, z, ef, eb;  // d = da + db
+            if (k == 0) {  // 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)), which does not cancel
+                double u = S * (v + A * v * v * v), s = 1.0 / (1.0 + exp(-2.0 * u));
+                f = v * s;
+                da = s, db = 2.0 * v * s * (1.0 / (1.0 + exp(2.0 * u))) * S * (1.0 + 3.0 * A * v * v);
+                z = fabs(2.0 * u);
+            } else if (k == 1) {
+                f = 0.5 * v * erfc(-v / sqrt(2.0));
+                da = 0.5 * erfc(-v / sqrt(2.0));
+                db = v * exp(-0.5 * v * v) / sqrt(2.0 * 3.141592653589793);
+                z = 0.5 * v * v;
+            } else {
+                double s = 1.0 / (1.0 + exp(-v));
+                f = v * s;
+                da = s, db = v * s * (1.0 / (1.0 + exp(v)));
+                z = fabs(v);
+            }
+            // error in units of ulp * (1 + |z|), relative to the value (the derivative: to the sum
+            // of its two terms' magnitudes, since they cancel where it crosses zero)
+            d = da + db;
+            ef = fabs(y[i] - f) / (fabs(f) + 1e-30) / (ulp * (1.0 + z));
+            eb = fabs(g[i] - d) / (fabs(da) + fabs(db) + 1e-30) / (ulp * (1.0 + z));
+            if (ef > worst_f[k]) worst_f[k] = ef;
+            if (eb > worst_b[k]) worst_b[k] = eb;
+            if (!(ef < 8.0 && eb < 8.0) && fails++ < 4)
+                mnt_fail(__FILE__, __LINE__, "activation %d at x=%.9g: y %.9g want %.9g, dy %.9g "
+                         "want %.9g", k, v, y[i], f, g[i], d);
+        }
+        if (verbose())
+            printf("  %-34s n=%-5d max err fwd %.3g, bwd %.3g ulp*(1+|z|)\n",
+                   k == 0 ? "gelu grid" : k == 1 ? "gelu_erf grid" : "silu grid", n, worst_f[k],
+                   worst_b[k]);
+    }
+    free(x), free(y), free(g), free(one);
+}
+
+// ---- embedding ----------------------------------------------------------------------------------
+
+typedef struct emb_ctx {
+    int B, T, C, V, pos;
+    const int *tok;
+} emb_ctx;
+
+static void ref_embedding(const void *vctx, const double *x, double *y) {
+    const emb_ctx *c = (const emb_ctx *)vctx;
+    const double *wpe = x + (size_t)c->V * c->C;
+    int n, i;
+    for (n = 0; n < c->B * c->T; n++)
+        for (i = 0; i < c->C; i++)
+            y[(size_t)n * c->C + i] = x[(size_t)c->tok[n] * c->C + i] +
+                                      (c->pos ? wpe[(size_t)(n % c->T) * c->C + i] : 0.0);
+}
+
+static void run_embedding(int B, int T, int C, int V, int pos) {
+    emb_ctx ctx;
+    size_t nte = (size_t)V * C, nx = nte + (size_t)T * C, ny = (size_t)B * T * C;
+    float *x = falloc(nx), *g0 = falloc(nx), *g1 = falloc(nx), *w = falloc(ny), *out = falloc(ny);
+    int *tok = (int *)calloc((size_t)B * T, sizeof(int));
+    char what[64];
+    seg segs[2];
+    int n;
+    for (n = 0; n < B * T; n++) tok[n] = (int)(mnt_rand_u64() % (uint64_t)V);
+    tok[0] = V - 1;
+    if (B * T > 1) tok[B * T - 1] = tok[0];  // a repeated token: the scatter-add must add up
+    ctx.B = B, ctx.T = T, ctx.C = C, ctx.V = V, ctx.pos = pos, ctx.tok = tok;
+    fill_normal(x, nx, 1.0);
+    if (!pos) memset(x + nte, 0, (size_t)T * C * sizeof(float));
+    fill_normal(w, ny, 1.0);
+    fill_normal(g0, nx, 1.0);
+    memcpy(g1, g0, nx * sizeof(float));
+    snprintf(what, sizeof what, "embedding B=%d T=%d C=%d V=%d pos=%d", B, T, C, V, pos);
+    CHECK_OK(mn_embedding_forward(out, tok, x, pos ? x + nte : NULL, B, T, C, V));
+    check_forward(what, ref_embedding, &ctx, x, nx, out, ny, TOL_FWD);
+    CHECK_OK(mn_embedding_backward(g1, pos ? g1 + nte : NULL, w, tok, B, T, C, V));
+    segs[0].name = "wte", segs[0].off = 0, segs[0].n = nte;
+    segs[1].name = "wpe", segs[1].off = nte, segs[1].n = (size_t)T * C;
+    check_grad(what, ref_embedding, &ctx, x, nx, w, ny, g0, g1, segs, pos ? 2 : 1, TOL_GRAD);
+    // a token outside [0, V) is refused and nothing is written
+    memcpy(g1, g0, nx * sizeof(float));
+    memset(out, 0, ny * sizeof(float));
+    tok[B * T - 1] = V;
+    CHECK_ERR(mn_embedding_forward(out, tok, x, NULL, B, T, C, V), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_embedding_backward(g1, NULL, w, tok, B, T, C, V), MN_ERR_INVALID_ARG);
+    tok[B * T - 1] = -1;
+    CHECK_ERR(mn_embedding_forward(out, tok, x, NULL, B, T, C, V), MN_ERR_INVALID_ARG);
+    CHECK(out[0] == 0.0f);
+    EXPECT_SAME("embedding: nothing written on error", g1, g0, nx);
+    free(x), free(g0), free(g1), free(w), free(out), free(tok);
+}
+
+static void test_embedding(void) {
+    run_embedding(2, 5, 7, 11, 1);
+    run_embedding(3, 4, 3, 2, 0);
+    run_embedding(1, 1, 70, 3, 1);
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------------
+
+typedef struct ce_ctx {
+    int N, V;
+    const int *tgt;
+} ce_ctx;
+
+static void ref_ce(const void *vctx, const double *x, double *y) {
+    const ce_ctx *c = (const ce_ctx *)vctx;
+    int n, j;
+    for (n = 0; n < c->N; n++) {
+        const double *r = x + (size_t)n * c->V;
+        double mx = -1e300, s = 0.0;
+        for (j = 0; j < c->V; j++) mx = fmax(mx, r[j]);
+        for (j = 0; j < c->V; j++) s += exp(r[j] - mx);
+        y[n] = c->tgt[n] < 0 ? 0.0 : mx + log(s) - r[c->tgt[n]];
+    }
+}
+
+static void run_ce(int N, int V) {
+    ce_ctx ctx;
+    size_t nx = (size_t)N * V, j;
+    float *x = falloc(nx), *g0 = falloc(nx), *g1 = falloc(nx), *g2 = falloc(nx);
+    float *w = falloc((size_t)N);
+    float *loss = falloc((size_t)N), *probs = falloc(nx);
+    double *pwant = dalloc(nx);
+    int *tgt = (int *)calloc((size_t)N, sizeof(int));
+    char what[64];
+    seg s0;
+    int n;
+    for (n = 0; n < N; n++) tgt[n] = (int)(mnt_rand_u64() % (uint64_t)V);
+    if (N > 2) tgt[1] = -1;  // an ignored row
+    ctx.N = N, ctx.V = V, ctx.tgt = tgt;
+    fill_normal(x, nx, 3.0);
+    x[0] = 80.0f;  // exp(80) overflows fp32 without the max subtraction
+    fill_normal(w, (size_t)N, 1.0);
+    fill_normal(g0, nx, 1.0);
+    memcpy(g1, g0, nx * sizeof(float));
+    memcpy(g2, g0, nx * sizeof(float));
+    snprintf(what, sizeof what, "crossentropy N=%d V=%d", N, V);
+    CHECK_OK(mn_crossentropy_forward(loss, probs, x, tgt, N, V));
+    check_forward(what, ref_ce, &ctx, x, nx, loss, (size_t)N, TOL_FWD);
+    for (n = 0; n < N; n++) {
+        double mx = -1e300, s = 0.0;
+        for (j = 0; j < (size_t)V; j++) mx = fmax(mx, x[(size_t)n * V + j]);
+        for (j = 0; j < (size_t)V; j++) s += exp(x[(size_t)n * V + j] - mx);
+        for (j = 0; j < (size_t)V; j++) pwant[(size_t)n * V + j] = exp(x[(size_t)n * V + j] - mx) / s;
+    }
+    EXPECT_CLOSE("crossentropy probs", probs, pwant, nx, TOL_FWD);
+    CHECK_OK(mn_crossentropy_backward(g1, w, probs, x, tgt, N, V));
+    CHECK_OK(mn_crossentropy_backward(g2, w, NULL, x, tgt, N, V));
+    s0.name = "logits", s0.off = 0, s0.n = nx;
+    check_grad(what, ref_ce, &ctx, x, nx, w, (size_t)N, g0, g1, &s0, 1, TOL_GRAD);
+    check_grad("crossentropy (recomputed probs)", ref_ce, &ctx, x, nx, w, (size_t)N, g0, g2, &s0, 1,
+               TOL_GRAD);
+    // a target >= V is refused and nothing is written
+    memcpy(g1, g0, nx * sizeof(float));
+    tgt[N - 1] = V;
+    CHECK_ERR(mn_crossentropy_forward(loss, probs, x, tgt, N, V), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_crossentropy_backward(g1, w, probs, x, tgt, N, V), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_crossentropy_backward(g1, w, NULL, NULL, tgt, N, V), MN_ERR_INVALID_ARG);
+    EXPECT_SAME("crossentropy: nothing written on error", g1, g0, nx);
+    free(x), free(g0), free(g1), free(g2), free(w), free(loss), free(probs), free(pwant), free(tgt);
+}
+
+static void test_crossentropy(void) {
+    run_ce(5, 7);
+    run_ce(4, 256);
+    run_ce(1, 1);
+}
+
+// ---- dropout ------------------------------------------------------------------------------------
+
+static void test_philox(void) {
+    // known-answer vectors of Random123 (kat_vectors, philox4x32_10)
+    static const struct { uint32_t ctr[4]; uint64_t key; uint32_t want[4]; } kat[] = {
+        {{0, 0, 0, 0}, 0, {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}},
+        {{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, 0xffffffffffffffffull,
+         {0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}},
+        {{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, 0x299f31d0a4093822ull,
+         {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}},
+    };
+    uint32_t out[4];
+    size_t i;
+    int j;
+    for (i = 0; i < sizeof kat / sizeof kat[0]; i++) {
+        mn_philox4x32(kat[i].ctr, kat[i].key, out);
+        for (j = 0; j < 4; j++) CHECK_EQ_U64(out[j], kat[i].want[j]);
+    }
+}
+
+static void test_dropout(void) {
+    enum { n = 100003 };
+    const float p = 0.1f;
+    uint64_t seed = mnt_rand_u64(), off = mnt_rand_u64() >> 20;
+    uint8_t *m1 = (uint8_t *)malloc(n), *m2 = (uint8_t *)malloc(n), *m3 = (uint8_t *)malloc(n);
+    float *x = falloc(n), *y = falloc(n), *g1 = falloc(n), *g2 = falloc(n), *dy = falloc(n);
+    size_t i, kept = 0, differ = 0;
+    double mean, sd;
+    fill_normal(x, n, 1.0);
+    fill_normal(dy, n, 1.0);
+    // same seed and offset, same mask; the mask of a slice is the slice of the mask
+    CHECK_OK(mn_dropout_mask(m1, n, p, seed, off));
+    CHECK_OK(mn_dropout_mask(m2, 777, p, seed, off));
+    CHECK_OK(mn_dropout_mask(m2 + 777, n - 777, p, seed, off + 777));
+    CHECK(memcmp(m1, m2, n) == 0);
+    CHECK_OK(mn_dropout_mask(m3, n, p, seed + 1, off));
+    for (i = 0; i < n; i++) kept += m1[i], differ += m1[i] != m3[i];
+    // kept ~ Binomial(n, 1 - p): within 6 standard deviations
+    mean = n * (1.0 - p), sd = sqrt(n * p * (1.0 - p));
+    CHECK_MSG(fabs((double)kept - mean) < 6.0 * sd, "kept %zu of %d, want %.0f +- %.0f", kept, n, mean,
+              6.0 * sd);
+    // another seed: masks independent, disagreement ~ 2 p (1 - p)
+    mean = n * 2.0 * p * (1.0 - p), sd = sqrt(mean);
+    CHECK_MSG(fabs((double)differ - mean) < 8.0 * sd, "seeds differ at %zu, want %.0f", differ, mean);
+    // forward: y = x mask / (1 - p), its mask output equals the recomputed mask
+    memset(m2, 7, n);
+    CHECK_OK(mn_dropout_forward(y, m2, x, n, p, seed, off));
+    CHECK(memcmp(m1, m2, n) == 0);
+    for (i = 0; i < n; i++)
+        if (y[i] != (m1[i] ? x[i] * (1.0f / (1.0f - p)) : 0.0f)) break;
+    CHECK_EQ_U64(i, n);
+    // backward with the stored mask equals backward regenerating it, and both add dy mask/(1-p)
+    memcpy(g2, g1, n * sizeof(float));
+    CHECK_OK(mn_dropout_backward(g1, dy, m2, n, p, seed, off));
+    CHECK_OK(mn_dropout_backward(g2, dy, NULL, n, p, seed, off));
+    EXPECT_SAME("dropout backward, stored vs regenerated mask", g1, g2, n);
+    for (i = 0; i < n; i++)
+        if (g1[i] != (m1[i] ? dy[i] * (1.0f / (1.0f - p)) : 0.0f)) break;
+    CHECK_EQ_U64(i, n);
+    // in place, p = 0 keeps everything, p = 1 drops everything, other p refused
+    memcpy(g1, x, n * sizeof(float));
+    CHECK_OK(mn_dropout_forward(g1, NULL, g1, n, p, seed, off));
+    EXPECT_SAME("dropout in place", g1, y, n);
+    CHECK_OK(mn_dropout_forward(y, m2, x, n, 0.0f, seed, off));
+    EXPECT_SAME("dropout p=0", y, x, n);
+    for (i = 0; i < n; i++) CHECK(m2[i] == 1);
+    CHECK_OK(mn_dropout_forward(y, m2, x, n, 1.0f, seed, off));
+    for (i = 0; i < n; i++) CHECK(y[i] == 0.0f && m2[i] == 0);
+    CHECK_ERR(mn_dropout_forward(y, NULL, x, n, -0.1f, seed, off), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_dropout_forward(y, NULL, x, n, 1.5f, seed, off), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_dropout_mask(m1, n, (float)NAN, seed, off), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_dropout_backward(g1, dy, NULL, n, 2.0f, seed, off), MN_ERR_INVALID_ARG);
+    free(m1), free(m2), free(m3), free(x), free(y), free(g1), free(g2), free(dy);
+}
+
+// With OpenMP, one thread and two threads give the same bits (threads own disjoint outputs and
+// every sum keeps its order).
+static void test_thread_invariance(void) {
+#ifdef _OPENMP
+    enum { N = 70, C = 300, OC = 150, B = 2, T = 40, CA = 48, NH = 3 };
+    size_t nx = (size_t)N * C + (size_t)OC * C + OC, nq = (size_t)B * T * 3 * CA;
+    float *x = falloc(nx), *w = falloc((size_t)N * OC), *out[2], *g[2], *d[2];
+    int saved = omp_get_max_threads(), r;
+    fill_normal(x, nx, 1.0);
+    fill_normal(w, (size_t)N * OC, 1.0);
+    for (r = 0; r < 2; r++) {
+        float *mean = falloc(N), *rstd = falloc(N);
+        omp_set_num_threads(r + 1);
+        out[r] = falloc((size_t)N * OC), g[r] = falloc(nx), d[r] = falloc((size_t)N * OC);
+        memcpy(d[r], w, (size_t)N * OC * sizeof(float));
+        mn_matmul_forward(out[r], NULL, x, x + (size_t)N * C, x + nx - OC, N, C, OC);
+        mn_matmul_backward(g[r], g[r] + (size_t)N * C, g[r] + nx - OC, d[r], x, x + (size_t)N * C,
+                           NULL, N, C, OC);
+        mn_layernorm_forward(d[r], mean, rstd, x, x + (size_t)N * C, x + nx - OC, N, OC, 1e-5f);
+        mn_layernorm_backward(g[r], g[r] + (size_t)N * C, g[r] + nx - OC, w, x, x + (size_t)N * C,
+                              mean, rstd, N, OC);
+        mn_attention_forward(out[r], NULL, x, B, T, CA, NH, 1);
+        mn_attention_backward(g[r] + 1000, w, x, NULL, B, T, CA, NH, 1);
+        free(mean), free(rstd);
+    }
+    omp_set_num_threads(saved);
+    EXPECT_SAME("one vs two threads: outputs", out[0], out[1], (size_t)N * OC);
+    EXPECT_SAME("one vs two threads: gradients", g[0], g[1], nx);
+    EXPECT_SAME("one vs two threads: layernorm", d[0], d[1], (size_t)N * OC);
+    CHECK(nq + 1000 < nx);
+    free(x), free(w);
+    for (r = 0; r < 2; r++) free(out[r]), free(g[r]), free(d[r]);
+#else
+    SKIP("built without OpenMP");
+#endif
+}
 
 const mnt_case test_ops_cases[] = {
-    {NULL, NULL},
+    {"matmul", test_matmul},
+    {"matmul_gelu_epilogue", test_matmul_gelu},
+    {"matmul_blocked_shapes", test_matmul_blocked},
+    {"layernorm", test_layernorm},
+    {"rmsnorm", test_rmsnorm},
+    {"softmax", test_softmax},
+    {"attention", test_attention},
+    {"elementwise", test_elementwise},
+    {"activation_grid", test_activation_grid},
+    {"embedding", test_embedding},
+    {"crossentropy", test_crossentropy},
+    {"philox_known_answers", test_philox},
+    {"dropout", test_dropout},
+    {"thread_count_invariance", test_thread_invariance},
 };
-const size_t test_ops_count = 0;
+const size_t test_ops_count = sizeof test_ops_cases / sizeof test_ops_cases[0];

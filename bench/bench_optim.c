@@ -1,6 +1,6 @@
-// optim_bench: host speed of the optimizer steps and the fp16/bf16 conversions (section >>optim).
+// bench_optim: host speed of the optimizer steps and the fp16/bf16 conversions (section >>optim).
 //
-//   make bench && ./build/optim_bench [elements]      default 4M elements (16 MiB of fp32)
+//   make bench && ./build/bench_optim [elements]      default 4M elements (16 MiB of fp32)
 //
 // Each optimizer steps one fp32 tensor of n elements shaped [n/1024, 1024] (Adafactor factors it)
 // with fresh gradients; the table gives the median of 7 timed steps after one warm-up step, in ns
@@ -67,7 +67,7 @@ static double time_optimizer(opt_kind k, uint64_t rows, uint64_t cols, float *p,
     default: r = mn_lion_init(&li, dims, 2, NULL, NULL), *state = li.state_bytes; break;
     }
     if (r != MN_OK) {
-        fprintf(stderr, "optim_bench: %s init: %s\n", opt_names[k], mn_result_str(r));
+        fprintf(stderr, "bench_optim: %s init: %s\n", opt_names[k], mn_result_str(r));
         return -1.0;
     }
     for (rep = -1; rep < REPS; rep++) {
@@ -137,11 +137,11 @@ int main(int argc, char **argv) {
     p = (float *)malloc(n * sizeof(float)), g = (float *)malloc(n * sizeof(float));
     back = (float *)malloc(n * sizeof(float)), h = (uint16_t *)malloc(n * sizeof(uint16_t));
     if (!p || !g || !back || !h) {
-        fprintf(stderr, "optim_bench: out of memory for %llu elements\n", (unsigned long long)n);
+        fprintf(stderr, "bench_optim: out of memory for %llu elements\n", (unsigned long long)n);
         return 1;
     }
     for (i = 0; i < n; i++) p[i] = rnd_normalish(), g[i] = rnd_normalish();
-    printf("optim_bench: %llu elements [%llu, %llu], one thread, %s\n", (unsigned long long)n,
+    printf("bench_optim: %llu elements [%llu, %llu], one thread, %s\n", (unsigned long long)n,
            (unsigned long long)rows, (unsigned long long)cols, cpu);
     printf("%-14s %12s %10s %10s\n", "step", "state bytes", "ns/elem", "GB/s");
     for (k = 0; k < OPT_COUNT; k++) {
