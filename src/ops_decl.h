@@ -17,7 +17,8 @@
 //     targets, probabilities) return mn_result and write nothing when they fail.
 //   - With OpenMP (-fopenmp) the heavy loops run in parallel; threads own disjoint outputs and
 //     every sum runs in a fixed order, so results do not depend on the thread count. Every op
-//     also builds and runs without OpenMP. No op allocates memory.
+//     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
+//     their packed tiles on the stack (about 160 KiB per thread).
 //   - exp (softmax, attention, cross-entropy, GELU, SiLU) is computed inline to about 1 ulp so the
 //     loops vectorize; results below ~1e-38 may flush to zero.
 

@@ -9,11 +9,9 @@
 
 #define MN__PRAGMA(x) _Pragma(#x)
 #ifdef _OPENMP
-#define MN__OMP_FOR MN__PRAGMA(omp parallel for schedule(static))
 #define MN__OMP_FOR_DYNAMIC MN__PRAGMA(omp parallel for schedule(dynamic, 1))
 #define MN__OMP_FOR_IF(cond) MN__PRAGMA(omp parallel for schedule(static) if (cond))
 #else
-#define MN__OMP_FOR
 #define MN__OMP_FOR_DYNAMIC
 #define MN__OMP_FOR_IF(cond)
 #endif
@@ -49,8 +47,7 @@ MN__PRIVATE float mn__sum(const float *x, int n) {
     return (float)s;
 }
 
-// sum_i x[i] * y[i] in eight lanes, folded pairwise in float (the attention inner product: short
-// vectors, so the fold has to be cheap).
+// sum_i x[i] * y[i] in eight lanes, folded pairwise in float.
 MN__PRIVATE float mn__dot(const float *x, const float *y, int n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s = 0.0f;
     int i = 0, l;
