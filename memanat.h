@@ -15,10 +15,12 @@
 //   MN_MALLOC(sz), MN_FREE(p)   host allocation used when a descriptor gives no allocator
 //                          (define both or neither; default malloc/free)
 //   MN_ASSERT(c)           programmer-error check (default assert)
+//   MEMANAT_NO_THREADS     build the caching allocator without its mutex (one thread per cache)
+// Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops.
 //
 // QUICK START
 //   mn_model model;  mn_setup setup = {0};  mn_estimate_result r;
-//   mn_preset_find("llama-3-8b", &model);        // or mn_model_transformer(), mn_hf_config_read()
+//   mn_preset_find("llama-3-8b", &model);        // or a shape in mn_model, or mn_hf_config_read()
 //   setup.batch = 4; setup.seq = 2048;           // zero means default everywhere
 //   setup.precision = MN_PREC_BF16;  setup.optim = MN_OPTIM_ADAMW;
 //   setup.gpu = "h100-80gb";
@@ -28,7 +30,7 @@
 //
 // CONTENTS (grep for the tag; the implementation repeats this order)
 //   >>types      results, dtypes, memory categories, host allocator, logger, checked arithmetic
-//   >>json       strict JSON reader (DOM), JSON writer helpers, safetensors header reader
+//   >>json       strict JSON reader (DOM), JSON writing helper, safetensors header reader
 //   >>estimate   model description, training/inference setup, estimate, fit, presets, GPUs
 //   >>hfconfig   Hugging Face config.json and model-folder reader
 //   >>cache      caching allocator (PyTorch policy), simulated device, stats, summary, snapshot
@@ -45,6 +47,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>  // FILE, for the JSON writing helper
 
 #ifdef MEMANAT_STATIC
 #define MNDEF static
@@ -130,12 +133,1170 @@ MNDEF mn_result mn_add_u64(uint64_t a, uint64_t b, uint64_t *out);
 MNDEF mn_result mn_size_parse(const char *s, uint64_t *out);
 MNDEF void mn_size_format(uint64_t bytes, char *buf, size_t cap);  // "1.25 GiB", "512 B"
 
-#include "src/json_decl.h"
-#include "src/estimate_decl.h"
-#include "src/hfconfig_decl.h"
-#include "src/cache_decl.h"
-#include "src/optim_decl.h"
-#include "src/ops_decl.h"
+// >>json ----------------------------------------------------------------------------------------
+//
+// A strict JSON reader (RFC 8259) that builds a read-only tree in one arena, small JSON-writing
+// helpers, and a reader for safetensors headers. Both readers take untrusted files: every rule of
+// the grammar is enforced, every size is checked, and the fuzz driver (test/fuzz.c) runs them.
+
+typedef enum mn_json_type {
+    MN_JSON_INVALID = 0,
+    MN_JSON_NULL,
+    MN_JSON_FALSE,
+    MN_JSON_TRUE,
+    MN_JSON_NUMBER,
+    MN_JSON_STRING,
+    MN_JSON_ARRAY,
+    MN_JSON_OBJECT,
+    MN_JSON_TYPE_COUNT
+} mn_json_type;
+
+typedef struct mn_json_value {
+    mn_json_type type;
+    uint32_t len;                       // STRING: bytes; ARRAY: elements; OBJECT: members
+    const char *str;                    // STRING: unescaped UTF-8, NUL-terminated (a \u0000
+                                        // escape gives an inner NUL: use len);
+                                        // NUMBER: the literal text, NUL-terminated
+    double num;                         // NUMBER
+    const struct mn_json_value *items;  // ARRAY: len values; OBJECT: 2*len values, key then value
+} mn_json_value;
+
+typedef struct mn_json_desc {
+    mn_allocator allocator;
+    uint32_t max_depth;  // nesting of arrays and objects, 0 = 128, at most 4096
+    uint64_t max_bytes;  // longest accepted document, 0 = 256 MiB
+} mn_json_desc;
+
+typedef struct mn_json_doc {
+    const mn_json_value *root;  // NULL after a failure
+    char error[160];            // what went wrong and where ("" on success)
+    uint64_t error_offset;      // byte offset of the error in the text
+    void *mem_;                 // private: the arena
+    mn_allocator alloc_;        // private: the allocator that made it
+} mn_json_doc;
+
+// Parses len bytes of text (no NUL terminator needed). Rejects, with MN_ERR_PARSE and doc->error
+// naming what and where: trailing commas, comments, leading zeros, NaN/Infinity, control
+// characters in strings, bad escapes, lone surrogates, invalid UTF-8, duplicate keys (named),
+// nesting deeper than max_depth, trailing garbage, NUL bytes, a byte order mark, numbers outside
+// the double range. MN_ERR_OUT_OF_MEMORY when an allocation fails. Free with mn_json_free (also
+// safe after a failure).
+MNDEF mn_result mn_json_parse(const char *text, size_t len, const mn_json_desc *desc,
+                              mn_json_doc *doc);
+MNDEF void mn_json_free(mn_json_doc *doc);
+
+// The member value of an object, NULL if absent or obj is not an object.
+MNDEF const mn_json_value *mn_json_get(const mn_json_value *obj, const char *key);
+// Exact non-negative integer from the literal: "4096", "4.096e3" and "-0" are accepted, "2.5"
+// and "-1" give MN_ERR_INVALID_ARG, values above 2^64-1 MN_ERR_OVERFLOW, non-numbers
+// MN_ERR_INVALID_ARG.
+MNDEF mn_result mn_json_u64(const mn_json_value *v, uint64_t *out);
+MNDEF mn_result mn_json_f64(const mn_json_value *v, double *out);  // INVALID_ARG: not a number
+MNDEF const char *mn_json_type_name(mn_json_type t);               // "null", "number", ...
+
+// Writing. Both emit s as a quoted JSON string: '"' '\\' and control characters escaped
+// (\n \t ... or \u00XX), well-formed UTF-8 copied, each ill-formed byte written as \ufffd (the
+// output is always valid JSON). mn_json_escape works like snprintf: it writes at
+// most cap bytes including the NUL and returns the length of the full escaped text.
+MNDEF size_t mn_json_escape(char *buf, size_t cap, const char *s);
+MNDEF void mn_json_fputs_escaped(FILE *f, const char *s);
+
+// >>safetensors header reader
+//
+// File layout (safetensors format spec, huggingface/safetensors README "Format"): 8 bytes
+// little-endian header length N, N bytes of UTF-8 JSON, then the data section. The JSON maps
+// each tensor name to {"dtype", "shape", "data_offsets": [begin, end]} with offsets relative to
+// the data section, plus an optional "__metadata__" object of string values.
+
+typedef enum mn_st_dtype {
+    MN_ST_UNKNOWN = 0,
+    MN_ST_BOOL,
+    MN_ST_U8,
+    MN_ST_I8,
+    MN_ST_F8_E4M3,
+    MN_ST_F8_E5M2,
+    MN_ST_F8_E8M0,
+    MN_ST_I16,
+    MN_ST_U16,
+    MN_ST_F16,
+    MN_ST_BF16,
+    MN_ST_I32,
+    MN_ST_U32,
+    MN_ST_F32,
+    MN_ST_I64,
+    MN_ST_U64,
+    MN_ST_F64,
+    MN_ST_DTYPE_COUNT
+} mn_st_dtype;
+
+MNDEF const char *mn_st_dtype_name(mn_st_dtype t);  // "F32", "BF16", ...; "unknown"
+MNDEF uint32_t mn_st_dtype_bytes(mn_st_dtype t);    // 0 for MN_ST_UNKNOWN
+MNDEF mn_dtype mn_st_dtype_to_dtype(mn_st_dtype t); // F32 -> MN_FP32, I8/U8 -> MN_INT8, else 0
+
+typedef struct mn_safetensors_tensor {
+    const char *name;        // NUL-terminated
+    mn_st_dtype dtype;
+    uint32_t rank;
+    const uint64_t *shape;   // rank dimensions
+    uint64_t elements;       // product of shape (1 for rank 0)
+    uint64_t begin, end;     // data_offsets, relative to the data section
+} mn_safetensors_tensor;
+
+typedef struct mn_safetensors_desc {
+    mn_allocator allocator;
+    mn_logger logger;        // errors and warnings, silent without one
+    int keep_tensors;        // 1 = fill info->tensor (single files only)
+    uint64_t max_header;     // largest header length N accepted, 0 = 100,000,000 (the spec's)
+} mn_safetensors_desc;
+
+typedef struct mn_safetensors_info {
+    uint32_t files;                              // shards read
+    uint64_t header_bytes;                       // N, summed over shards
+    uint64_t data_bytes;                         // data sections, summed over shards
+    uint64_t tensors;                            // tensor count
+    uint64_t params;                             // sum of elements, buffers excluded
+    uint64_t buffers;                            // elements of saved non-parameter buffers
+                                                 // (names ending in "position_ids",
+                                                 // "rotary_emb.inv_freq", ".attn.bias",
+                                                 // ".attn.masked_bias": masks and tables)
+    uint64_t params_by_dtype[MN_ST_DTYPE_COUNT];
+    uint64_t bytes_by_dtype[MN_ST_DTYPE_COUNT];
+    mn_st_dtype st_dtype;                        // dtype holding the most parameters
+    mn_dtype dtype;                              // the same mapped, 0 when it has no mn_dtype
+    uint32_t metadata_count;                     // "__metadata__" entries
+    const mn_safetensors_tensor *tensor;         // keep_tensors: the tensors in offset order
+    char error[160];                             // what went wrong ("" on success)
+    void *mem_;                                  // private
+    mn_allocator alloc_;                         // private
+} mn_safetensors_info;
+
+// Parses the header in data[0..len) (the first 8 + N bytes of the file at least) and validates
+// it against file_size (0 = len): N within limits and the file, offsets inside the data section,
+// begin <= end, byte length == elements * dtype size (overflow-checked), tensors covering the
+// data section exactly, without gaps or overlaps (as the reference implementation requires).
+// MN_ERR_PARSE names the problem in out->error; MN_ERR_UNSUPPORTED for a dtype this reader does
+// not size (F4, F6_*, C64); MN_ERR_OVERFLOW for a shape whose size overflows 64 bits.
+// Free with mn_safetensors_free (also safe after a failure).
+MNDEF mn_result mn_safetensors_parse(const uint8_t *data, size_t len, uint64_t file_size,
+                                     const mn_safetensors_desc *desc, mn_safetensors_info *out);
+// Reads only the header of one file. MN_ERR_IO when it cannot be opened or read.
+MNDEF mn_result mn_safetensors_read_file(const char *path, const mn_safetensors_desc *desc,
+                                         mn_safetensors_info *out);
+// Sums the shards of a model folder: the files named in model.safetensors.index.json
+// ("weight_map") when present, else model.safetensors. MN_ERR_NOT_FOUND (not logged) when
+// neither exists; MN_ERR_IO when a shard the index names is missing.
+MNDEF mn_result mn_safetensors_read_dir(const char *dir, const mn_safetensors_desc *desc,
+                                        mn_safetensors_info *out);
+MNDEF void mn_safetensors_free(mn_safetensors_info *info);
+// >>estimate ------------------------------------------------------------------------------------
+//
+// A model is a list of layers; a transformer is built into that list from its shape. The
+// estimator runs one training step (or a generation) symbolically, the way autograd runs it:
+// every op allocates its output, keeps what its backward needs, and frees the rest. The
+// resulting allocation sequence gives the peak allocated bytes and, replayed through the caching
+// allocator on a simulated device, the peak reserved bytes.
+
+typedef enum mn_arch {
+    MN_ARCH_DEFAULT = 0,       // decoder
+    MN_ARCH_DECODER,           // GPT-2, Llama, Mistral, Qwen, StarCoder
+    MN_ARCH_ENCODER,           // BERT
+    MN_ARCH_ENCODER_DECODER,   // T5
+    MN_ARCH_STACK,             // a custom list of layers (mn_model.stack)
+    MN_ARCH_COUNT
+} mn_arch;
+
+typedef enum mn_norm { MN_NORM_DEFAULT = 0, MN_NORM_LAYERNORM, MN_NORM_RMSNORM, MN_NORM_COUNT } mn_norm;
+typedef enum mn_act {
+    MN_ACT_DEFAULT = 0,  // gelu, or silu with a gated MLP
+    MN_ACT_GELU,
+    MN_ACT_GELU_TANH,
+    MN_ACT_RELU,
+    MN_ACT_SILU,
+    MN_ACT_GELU_NEW,     // tanh approximation written as separate ops (HF "gelu_new": GPT-2, T5 v1.1)
+    MN_ACT_COUNT
+} mn_act;
+typedef enum mn_posemb {
+    MN_POS_DEFAULT = 0,  // learned
+    MN_POS_LEARNED,      // absolute position table (BERT, GPT-2, StarCoder)
+    MN_POS_ROPE,         // rotary, no parameters (Llama, Mistral, Qwen)
+    MN_POS_RELATIVE,     // T5 relative attention bias (buckets x heads, first block of each stack)
+    MN_POS_NONE,
+    MN_POS_COUNT
+} mn_posemb;
+typedef enum mn_head {
+    MN_HEAD_DEFAULT = 0,     // lm
+    MN_HEAD_LM,              // vocabulary projection + cross-entropy over every token
+    MN_HEAD_CLASSIFICATION,  // (pooler) + num_labels classifier on the first token
+    MN_HEAD_NONE,            // bare model, loss on the hidden states
+    MN_HEAD_COUNT
+} mn_head;
+
+// One layer of a custom stack.
+typedef enum mn_layer_kind {
+    MN_LAYER_DEFAULT = 0,
+    MN_LAYER_LINEAR,      // y = x W^T (+ b): in -> out features
+    MN_LAYER_EMBEDDING,   // rows = in, width = out
+    MN_LAYER_NORM,        // layernorm over out features
+    MN_LAYER_ACTIVATION,  // gelu over out features
+    MN_LAYER_DROPOUT,     // keeps a 1-byte mask
+    MN_LAYER_COUNT
+} mn_layer_kind;
+
+typedef struct mn_layer {
+    mn_layer_kind kind;
+    uint64_t in, out;      // features
+    int bias;              // linear: has a bias
+    uint32_t shared_with;  // 1-based index of an earlier layer whose weights this one reuses, 0 = own
+} mn_layer;
+
+typedef struct mn_model {
+    char name[64];
+    mn_arch arch;             // 0 = decoder
+    uint64_t layers;          // transformer blocks (decoder blocks of an encoder-decoder)
+    uint64_t encoder_layers;  // encoder-decoder: encoder blocks, 0 = layers
+    uint64_t hidden;          // model width h
+    uint64_t heads;           // attention heads a
+    uint64_t kv_heads;        // key/value heads (GQA/MQA), 0 = heads
+    uint64_t head_dim;        // 0 = hidden / heads
+    uint64_t ffn;             // MLP inner width, 0 = 4 * hidden
+    uint64_t vocab;
+    uint64_t max_positions;   // rows of a learned position table
+    uint64_t type_vocab;      // token-type embeddings (BERT), 0 = none
+    uint64_t rel_buckets;     // T5 relative attention buckets, 0 = 32
+    uint64_t num_labels;      // classification classes, 0 = 2
+    mn_norm norm;             // 0 = layernorm
+    mn_act act;               // 0 = gelu (silu when gated)
+    mn_posemb posemb;         // 0 = learned
+    mn_head head;             // 0 = lm
+    int gated_mlp;            // gate, up and down projections (SwiGLU/GeGLU)
+    int tie_embeddings;       // the LM head reuses the input embedding
+    int qkv_bias;             // biases on q, k, v
+    int out_bias;             // bias on the attention output projection
+    int mlp_bias;             // biases on the MLP projections
+    int pooler;               // BERT pooler (h x h dense + tanh) before a classification head
+    int final_norm;           // a norm after the last block
+    int embed_norm;           // a norm right after the embeddings (BERT)
+    int lm_transform;         // the LM head has dense + act + norm before the projection (BERT MLM)
+    int post_norm;            // norms after the residual adds (BERT) instead of before (GPT-2, Llama)
+    float dropout;            // hidden dropout probability, 0 = none
+    float attn_dropout;       // attention-probability dropout, 0 = none
+    mn_dtype dtype;           // dtype of the published checkpoint, 0 = fp32
+    uint64_t params;          // exact parameter count when known (--params, safetensors); 0 = shape
+    const mn_layer *stack;    // MN_ARCH_STACK: the layers, applied in order
+    uint32_t stack_len;
+    uint64_t stack_in;        // MN_ARCH_STACK: input features per token (0 = first layer's in)
+} mn_model;
+
+typedef enum mn_precision {
+    MN_PREC_DEFAULT = 0,  // fp32
+    MN_PREC_FP32,
+    MN_PREC_FP16,         // mixed: autocast fp16 compute, fp32 weights/master, loss scaling
+    MN_PREC_BF16,         // mixed: autocast bf16 compute, fp32 weights/master
+    MN_PREC_FP16_PURE,    // weights, grads and activations in fp16
+    MN_PREC_BF16_PURE,    // weights, grads and activations in bf16
+    MN_PREC_COUNT
+} mn_precision;
+
+typedef enum mn_optim {
+    MN_OPTIM_DEFAULT = 0,  // adamw
+    MN_OPTIM_ADAMW,
+    MN_OPTIM_ADAMW_8BIT,
+    MN_OPTIM_SGD,
+    MN_OPTIM_SGD_MOMENTUM,
+    MN_OPTIM_ADAFACTOR,
+    MN_OPTIM_LION,
+    MN_OPTIM_NONE,         // no optimizer (frozen model, or inference)
+    MN_OPTIM_COUNT
+} mn_optim;
+
+typedef enum mn_ckpt {
+    MN_CKPT_DEFAULT = 0,  // none
+    MN_CKPT_NONE,
+    MN_CKPT_FULL,         // keep each block's input, recompute the block in backward
+    MN_CKPT_SELECTIVE,    // recompute only the attention core (scores, softmax, dropout)
+    MN_CKPT_COUNT
+} mn_ckpt;
+
+typedef enum mn_attn {
+    MN_ATTN_DEFAULT = 0,  // the framework's default (hf: eager for encoders, sdpa otherwise)
+    MN_ATTN_EAGER,        // scores (s x s per head) are materialised and kept for backward
+    MN_ATTN_SDPA,         // fused attention (memory-efficient / flash): no s x s tensor kept
+    MN_ATTN_FLASH,
+    MN_ATTN_COUNT
+} mn_attn;
+
+// Memory conventions of the frameworks people train with (see mn_framework_describe()).
+typedef enum mn_framework {
+    MN_FW_DEFAULT = 0,  // hf
+    MN_FW_HF,           // HF Trainer + torch autocast: fp32 params are the master, fp16 casts cached
+    MN_FW_DEEPSPEED,    // 16-bit params and grads, fp32 master inside the optimizer (ZeRO's K = 12)
+    MN_FW_MEGATRON,     // 16-bit params, fp32 main grads, fp32 master + Adam (18 B/param)
+    MN_FW_MEMANAT,      // this project's trainer
+    MN_FW_COUNT
+} mn_framework;
+
+typedef enum mn_offload { MN_OFFLOAD_DEFAULT = 0, MN_OFFLOAD_NONE, MN_OFFLOAD_OPTIMIZER, MN_OFFLOAD_ALL, MN_OFFLOAD_COUNT } mn_offload;
+typedef enum mn_quant { MN_QUANT_DEFAULT = 0, MN_QUANT_NONE, MN_QUANT_INT8, MN_QUANT_NF4, MN_QUANT_COUNT } mn_quant;
+
+// When gradients are released: kept between steps and zeroed in place (torch < 2.0 zero_grad)
+// or set to None after each optimizer step (torch >= 2.0 default).
+typedef enum mn_grads { MN_GRADS_DEFAULT = 0, MN_GRADS_KEEP, MN_GRADS_RELEASE, MN_GRADS_COUNT } mn_grads;
+
+// LoRA target modules (bit set).
+enum {
+    MN_LORA_Q = 1u << 0, MN_LORA_K = 1u << 1, MN_LORA_V = 1u << 2, MN_LORA_O = 1u << 3,
+    MN_LORA_GATE = 1u << 4, MN_LORA_UP = 1u << 5, MN_LORA_DOWN = 1u << 6,
+    MN_LORA_ALL = 0x7f
+};
+
+typedef struct mn_setup {
+    uint64_t batch;            // micro-batch per GPU, 0 = 1
+    uint64_t seq;              // tokens per sequence, 0 = min(512, max_positions) or 512
+    uint64_t accum;            // gradient accumulation steps, 0 = 1
+    mn_precision precision;    // 0 = fp32
+    mn_optim optim;            // 0 = adamw
+    mn_ckpt checkpointing;     // 0 = none
+    mn_attn attention;         // 0 = framework default
+    mn_framework framework;    // 0 = hf
+    mn_grads grads;            // 0 = keep with torch < 2.0, release with torch >= 2.0
+    uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 110 with
+                               // --framework hf (the published HF measurements), 200 otherwise
+    uint32_t lora_rank;        // 0 = no LoRA
+    uint32_t lora_targets;     // MN_LORA_* bits, 0 = q|v
+    mn_quant quant;            // frozen base weights quantized (QLoRA), 0 = none
+    uint32_t zero_stage;       // 0..3
+    uint32_t gpus;             // data-parallel GPUs, 0 = 1
+    mn_offload offload;        // 0 = none
+    uint64_t trainable_params; // only this many parameters train (adapters), 0 = all / LoRA's
+    const char *gpu;           // GPU table name, NULL = "a100-80gb"
+    uint64_t capacity;         // device bytes, 0 = the GPU's
+    uint64_t context;          // CUDA context bytes, 0 = the GPU's typical value
+    int infer;                 // inference (generation) instead of training
+    uint64_t prompt;           // inference: prompt tokens, 0 = seq
+    uint64_t new_tokens;       // inference: generated tokens, 0 = 0
+    uint32_t beams;            // inference: beam width, 0 = 1
+    const char *alloc_conf;    // PYTORCH_CUDA_ALLOC_CONF for the allocator replay, NULL = defaults
+    int no_replay;             // 1: skip the allocator replay (peak_reserved = peak_allocated)
+    mn_logger logger;
+} mn_setup;
+
+// The simulated step as an allocation trace (for the allocator's replay and benchmarks).
+typedef enum mn_phase {
+    MN_PHASE_DEFAULT = 0, MN_PHASE_LOAD, MN_PHASE_FORWARD, MN_PHASE_BACKWARD, MN_PHASE_OPTIMIZER,
+    MN_PHASE_PREFILL, MN_PHASE_DECODE, MN_PHASE_COUNT
+} mn_phase;
+typedef struct mn_trace_event {
+    uint64_t size;      // bytes
+    uint32_t id;        // tensor id: an allocation and its free share it
+    uint8_t alloc;      // 1 = allocate, 0 = free
+    uint8_t category;   // mn_category
+    uint8_t phase;      // mn_phase
+} mn_trace_event;
+
+MNDEF const char *mn_phase_name(mn_phase p);
+
+typedef struct mn_gpu {
+    const char *name;      // "a100-80gb"
+    const char *label;     // "NVIDIA A100 80GB"
+    uint64_t capacity;     // bytes the driver reports as total
+    uint64_t context;      // typical CUDA context + kernels (torch 2.x, lazy loading)
+    int bf16;              // supports bf16
+} mn_gpu;
+
+typedef struct mn_estimate_result {
+    // bytes per GPU, in the shared vocabulary of categories
+    uint64_t weights, master_weights, gradients, optimizer, model_states;
+    uint64_t activations;       // kept for backward at the peak
+    uint64_t temporary;         // transient buffers live at the peak
+    uint64_t kv_cache, workspace;
+    uint64_t peak_allocated;    // what torch.cuda.max_memory_allocated() would report
+    uint64_t peak_reserved;     // what torch.cuda.max_memory_reserved() would report
+    uint64_t context, device_used, capacity;  // device_used = context + peak_reserved
+    int fits;
+    uint64_t cpu_bytes;         // offloaded states in host memory
+    uint64_t params, trainable_params;
+    uint64_t at_peak[MN_CAT_COUNT];  // bytes per category at the peak-allocated moment
+    uint64_t cat_peak[MN_CAT_COUNT]; // the highest bytes of each category at any moment
+    mn_phase peak_phase;        // when peak allocated happens
+    uint64_t alloc_events;      // allocations in the simulated step
+    // the resolved settings (defaults filled in)
+    mn_setup setup;
+    mn_model model;
+    mn_gpu gpu;
+} mn_estimate_result;
+
+
+// Resolve defaults, run the symbolic step, fill out. MN_ERR_INVALID_ARG names the bad field
+// through setup->logger; MN_ERR_OVERFLOW when a size does not fit 64 bits.
+MNDEF mn_result mn_estimate(const mn_model *model, const mn_setup *setup, mn_estimate_result *out);
+
+// The allocation sequence mn_estimate() simulates. *events is allocated with `allocator` (NULL =
+// default) and released with mn_trace_free().
+MNDEF mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
+                                  const mn_allocator *allocator, mn_trace_event **events,
+                                  uint64_t *count);
+MNDEF void mn_trace_free(const mn_allocator *allocator, mn_trace_event *events);
+// Replays the simulated step through a caching allocator the caller set up (any configuration,
+// a history ring for snapshots and timelines). Each block is labelled with its phase.
+struct mn_cache;
+MNDEF mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup,
+                                   const mn_allocator *allocator, struct mn_cache *cache);
+
+// Parameter count of a model (exact from the shape, or model->params when set).
+MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);
+
+// A plan step: one technique applied to reach the budget, in order of its cost in speed.
+typedef struct mn_plan_step {
+    char what[64];     // "--checkpointing full"
+    char why[160];     // "keeps one block's activations: -6.1 GiB, about +33% compute"
+} mn_plan_step;
+
+typedef struct mn_fit_result {
+    uint64_t max_batch;     // largest micro-batch that fits at setup->seq, 0 = none
+    uint64_t max_seq;       // longest sequence that fits at setup->batch, 0 = none
+    int plan_found;         // a plan reaches the budget
+    uint32_t plan_len;
+    mn_plan_step plan[12];
+    double plan_slowdown;   // estimated step time relative to the setup as given
+    mn_setup plan_setup;    // the setup the plan arrives at
+    mn_estimate_result plan_estimate;
+    uint64_t estimates_run;
+} mn_fit_result;
+
+MNDEF mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out);
+
+// Presets and GPUs.
+MNDEF uint32_t mn_preset_count(void);
+MNDEF const mn_model *mn_preset_get(uint32_t i);
+MNDEF mn_result mn_preset_find(const char *name, mn_model *out);
+MNDEF uint32_t mn_gpu_count(void);
+MNDEF const mn_gpu *mn_gpu_get(uint32_t i);
+MNDEF mn_result mn_gpu_find(const char *name, mn_gpu *out);
+
+// Names used by the CLI and the JSON output, and their inverse (MN_ERR_NOT_FOUND).
+MNDEF const char *mn_precision_name(mn_precision p);
+MNDEF const char *mn_optim_name(mn_optim o);
+MNDEF const char *mn_ckpt_name(mn_ckpt c);
+MNDEF const char *mn_attn_name(mn_attn a);
+MNDEF const char *mn_framework_name(mn_framework f);
+MNDEF const char *mn_framework_describe(mn_framework f);
+MNDEF const char *mn_offload_name(mn_offload o);
+MNDEF const char *mn_quant_name(mn_quant q);
+MNDEF const char *mn_head_name(mn_head h);
+MNDEF const char *mn_arch_name(mn_arch a);
+MNDEF mn_result mn_precision_parse(const char *s, mn_precision *out);
+MNDEF mn_result mn_optim_parse(const char *s, mn_optim *out);
+MNDEF mn_result mn_ckpt_parse(const char *s, mn_ckpt *out);
+MNDEF mn_result mn_attn_parse(const char *s, mn_attn *out);
+MNDEF mn_result mn_framework_parse(const char *s, mn_framework *out);
+MNDEF mn_result mn_offload_parse(const char *s, mn_offload *out);
+MNDEF mn_result mn_quant_parse(const char *s, mn_quant *out);
+MNDEF mn_result mn_head_parse(const char *s, mn_head *out);
+MNDEF mn_result mn_lora_targets_parse(const char *s, uint32_t *out);  // "q,k,v,o,gate,up,down"
+// >>hfconfig ------------------------------------------------------------------------------------
+//
+// Hugging Face config.json -> mn_model. Each supported model_type is mapped with the defaults of
+// its transformers configuration class (configuration_<type>.py) for absent keys, so a config
+// that relies on a default reads the same as the Python library builds it. Supported types:
+// bert, roberta, xlm-roberta, distilbert, gpt2, gpt_bigcode, llama, mistral, qwen2, qwen3,
+// gemma, gemma2, phi3, starcoder2, t5, mt5. Mixture-of-experts types (mixtral, qwen2_moe, ...)
+// give MN_ERR_UNSUPPORTED.
+
+typedef struct mn_hf_desc {
+    mn_allocator allocator;
+    mn_logger logger;      // errors name the key and the value; warnings for approximations
+    int no_safetensors;    // 1 = a model folder's safetensors headers are not read
+} mn_hf_desc;
+
+// out->name is "_name_or_path" when the config has one, else the file or folder name
+// (mn_hf_config_read), else model_type. Heads come from architectures[0]: *ForCausalLM,
+// *LMHeadModel, *ForConditionalGeneration, *ForMaskedLM -> MN_HEAD_LM, *ForSequenceClassification
+// -> MN_HEAD_CLASSIFICATION (num_labels from id2label or num_labels, default 2), *Model ->
+// MN_HEAD_NONE; no architectures -> MN_HEAD_LM.
+//
+// mn_hf_config_parse maps the text of a config.json. Unknown model_type or MoE:
+// MN_ERR_UNSUPPORTED; missing or mistyped keys, zero/negative/absurd values: MN_ERR_INVALID_ARG;
+// broken JSON: MN_ERR_PARSE; each with one logger line naming the problem. out is written only
+// on success.
+MNDEF mn_result mn_hf_config_parse(const char *text, size_t len, const mn_hf_desc *desc,
+                                   mn_model *out);
+// path is a config.json file or a model folder. A folder gives its config.json, and when
+// safetensors headers are present (model.safetensors.index.json or model.safetensors), the exact
+// parameter count (out->params) and the dominant dtype (out->dtype). MN_ERR_NOT_FOUND /
+// MN_ERR_IO when the config cannot be read.
+MNDEF mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_model *out);
+// >>cache ---------------------------------------------------------------------------------------
+//
+// A caching allocator for device memory whose default policy is PyTorch's native CUDA caching
+// allocator (c10/cuda/CUDACachingAllocator.cpp), block for block: requests are rounded to 512 B
+// (or to power-of-two divisions), served best-fit by (stream, size, address) from a small pool
+// (<= 1 MiB, 2 MiB segments) or a large pool (20 MiB segments below 10 MiB, 2 MiB-rounded above),
+// split and merged inside segments, and the device is asked for a new segment only on a miss,
+// after which the out-of-memory ladder frees cached segments and retries.
+//
+// It runs over a device interface (mn_device). The header ships a simulated device (mn_simdev):
+// deterministic fake addresses, a capacity, events completed by hand, injectable failures, and
+// virtual-address reservation mapped in granules (for expandable segments), so every path is
+// testable on the CPU.
+//
+// Observability: PyTorch's full statistics set plus statistics per memory category, the
+// memory_summary() table, the OOM message, a history ring buffer, a snapshot whose JSON
+// pytorch.org/memory_viz opens, and an SVG memory timeline stacked by category. Writers send
+// their text to a callback (mn_cache_write_fn); pass fwrite-like glue to write to a FILE*.
+//
+// Thread safety: one mutex per allocator (pthreads). Define MEMANAT_NO_THREADS before the
+// implementation to build without locking (then one thread at a time per allocator).
+//
+// Quick start (simulated 80 GiB device, PyTorch's defaults):
+//   mn_simdev dev;  mn_simdev_desc dd = {0};  mn_cache cache;  mn_cache_desc cd = {0};
+//   struct mn_cache_stats st;  void *p;
+//   dd.capacity = 80ull << 30;  mn_simdev_init(&dev, &dd);
+//   cd.device = mn_simdev_device(&dev);  cd.config = "expandable_segments:True";  // or NULL
+//   mn_cache_init(&cache, &cd);
+//   mn_cache_alloc(&cache, 4 << 20, 0, MN_CAT_ACTIVATIONS, "attn.qkv", &p);
+//   mn_cache_release(&cache, p);
+//   mn_cache_stats(&cache, &st);   // st.reserved_bytes[MN_STAT_ALL].peak, ...
+//   mn_cache_free(&cache);  mn_simdev_free(&dev);
+
+typedef uint32_t mn_stream;  // a device stream; 0 = the default stream
+typedef uint64_t mn_event;   // a device event handle; 0 = none
+
+// Device interface. Addresses are opaque; the allocator never dereferences them.
+typedef struct mn_device {
+    // Required. MN_ERR_DEVICE_OOM when the device is out of memory (the allocator then frees
+    // cached segments and retries); any other error is returned to the caller at once.
+    mn_result (*alloc_fn)(void *user_data, uint64_t size, void **ptr_out);
+    mn_result (*free_fn)(void *user_data, void *ptr, uint64_t size);
+    // Optional: free and total device bytes (the OOM message, the memory fraction).
+    mn_result (*mem_info_fn)(void *user_data, uint64_t *free_out, uint64_t *total_out);
+    // Optional events. Without them a cross-stream use needs no waiting and a block freed after
+    // mn_cache_record_stream() is reusable at once.
+    mn_result (*event_record_fn)(void *user_data, mn_stream stream, mn_event *event_out);
+    int (*event_query_fn)(void *user_data, mn_event event);       // 1 = the work before it is done
+    mn_result (*event_sync_fn)(void *user_data, mn_event event);  // waits until it is done
+    void (*event_free_fn)(void *user_data, mn_event event);
+    // Optional virtual memory, needed by expandable_segments:True (cuMemAddressReserve/cuMemMap).
+    mn_result (*reserve_fn)(void *user_data, uint64_t size, void **base_out);
+    mn_result (*unreserve_fn)(void *user_data, void *base, uint64_t size);
+    mn_result (*map_fn)(void *user_data, void *addr, uint64_t size);  // MN_ERR_DEVICE_OOM if full
+    mn_result (*unmap_fn)(void *user_data, void *addr, uint64_t size);
+    void *user_data;
+} mn_device;
+
+// ---- simulated device ----
+// A bump allocator of fake addresses that are never reused (RMM's simulated_memory_resource
+// does the same), a capacity in bytes, events that complete only when told to, and failure
+// injection. Not thread-safe by itself: the allocator calls it under its own lock.
+typedef struct mn_simdev_desc {
+    uint64_t capacity;       // bytes, 0 = unlimited (mem_info then reports 1 PiB total)
+    uint64_t base;           // first fake address, 0 = 0x7f0000000000
+    uint64_t fail_alloc_at;  // the N-th device allocation (alloc or map) fails, 0 = never
+    int events_complete;     // 1: events complete as soon as recorded, 0 = when completed by hand
+    mn_allocator allocator;  // host memory for the event table
+} mn_simdev_desc;
+
+typedef struct mn_simdev_event {
+    mn_event id;
+    mn_stream stream;
+    int done;
+} mn_simdev_event;
+
+typedef struct mn_simdev {  // fields are read-only for callers
+    mn_simdev_desc desc;     // resolved
+    uint64_t used, peak_used;                // bytes allocated or mapped
+    uint64_t next_addr, next_va;             // bump pointers (physical, reserved ranges)
+    uint64_t alloc_calls, free_calls, map_calls, unmap_calls, failed_calls;
+    uint64_t live;                           // live device allocations (not maps)
+    uint64_t fail_at;                        // alloc_calls + map_calls value that fails, 0 = none
+    mn_event next_event;
+    mn_simdev_event *events;                 // recorded and not yet freed
+    uint32_t event_count, event_cap;
+} mn_simdev;
+
+MNDEF mn_result mn_simdev_init(mn_simdev *dev, const mn_simdev_desc *desc);
+MNDEF void mn_simdev_free(mn_simdev *dev);
+MNDEF mn_device mn_simdev_device(mn_simdev *dev);
+// The n-th device allocation (alloc or map) from now on fails with MN_ERR_DEVICE_OOM; 0 = never.
+MNDEF void mn_simdev_fail_alloc_at(mn_simdev *dev, uint64_t n);
+MNDEF void mn_simdev_complete_event(mn_simdev *dev, mn_event event);
+MNDEF void mn_simdev_sync_stream(mn_simdev *dev, mn_stream stream);  // completes its events
+MNDEF void mn_simdev_sync(mn_simdev *dev);                           // completes every event
+MNDEF uint32_t mn_simdev_pending_events(const mn_simdev *dev);
+
+// ---- configuration (PYTORCH_CUDA_ALLOC_CONF) ----
+#define MN_CACHE_ROUNDUP_INTERVALS 16  // power-of-two intervals from 1 MiB to 64 GiB
+
+typedef struct mn_cache_config {
+    uint64_t max_split_size;          // bytes, 0 = unlimited (max_split_size_mb, must be > 20 MiB)
+    uint64_t max_non_split_rounding;  // bytes, 0 = 20 MiB (max_non_split_rounding_mb)
+    uint64_t large_segment_size;      // bytes, 0 = 20 MiB (large_segment_size_mb)
+    uint32_t roundup_power2_divisions[MN_CACHE_ROUNDUP_INTERVALS];  // 0 = plain 512 B rounding
+    double garbage_collection_threshold;  // (0, 1), 0 = off; acts only with a memory fraction
+    int expandable_segments;          // 1 = one growing segment per (stream, pool)
+    int release_lock_on_cudamalloc;   // accepted; the simulated device is synchronous anyway
+} mn_cache_config;
+
+// Parses "<key>:<value>,<key>:<value>..." as PyTorch does (CUDAAllocatorConfig::parseArgs);
+// NULL or "" gives the defaults (all zero). Unknown keys and bad values: MN_ERR_CONFIG and one
+// message through the logger naming the key; backend:cudaMallocAsync is MN_ERR_UNSUPPORTED.
+MNDEF mn_result mn_cache_config_parse(const char *text, mn_cache_config *out, const mn_logger *lg);
+
+// The policy as pure functions (PyTorch round_size, get_allocation_size). cfg NULL = defaults.
+MNDEF uint64_t mn_cache_round_size(const mn_cache_config *cfg, uint64_t size);
+MNDEF uint64_t mn_cache_segment_size(const mn_cache_config *cfg, uint64_t rounded_size);
+
+// ---- the allocator ----
+typedef struct mn_cache_desc {
+    mn_device device;        // required: alloc_fn and free_fn
+    const char *config;      // PYTORCH_CUDA_ALLOC_CONF grammar, NULL or "" = defaults
+    const mn_cache_config *settings;  // already parsed settings, NULL = parse config
+    uint32_t trace_entries;  // history ring buffer (snapshot device_traces, SVG), 0 = no history
+    int device_index;        // the "GPU N" / "device ID N" printed in messages, 0 = 0
+    mn_allocator allocator;  // host memory
+    mn_logger logger;
+} mn_cache_desc;
+
+typedef struct mn_cache {
+    struct mn__c_cache *p;  // private state; the caller owns this struct
+} mn_cache;
+
+typedef struct mn_stat {
+    uint64_t current, peak, allocated, freed;
+} mn_stat;
+
+typedef enum mn_stat_type {  // PyTorch StatType
+    MN_STAT_ALL = 0,         // aggregate
+    MN_STAT_SMALL_POOL,
+    MN_STAT_LARGE_POOL,
+    MN_STAT_TYPE_COUNT
+} mn_stat_type;
+
+// PyTorch's DeviceStats (c10/cuda/CUDACachingAllocator.h), plus statistics per category.
+// The typedef name differs from the tag so that mn_cache_stats() can keep its name, like
+// POSIX struct stat and stat().
+typedef struct mn_cache_stats {
+    mn_stat allocation[MN_STAT_TYPE_COUNT];      // blocks handed to callers
+    mn_stat segment[MN_STAT_TYPE_COUNT];         // device allocations (not expandable maps)
+    mn_stat active[MN_STAT_TYPE_COUNT];          // allocated or waiting for stream events
+    mn_stat inactive_split[MN_STAT_TYPE_COUNT];  // free blocks inside split segments
+    mn_stat allocated_bytes[MN_STAT_TYPE_COUNT]; // rounded block sizes
+    mn_stat reserved_bytes[MN_STAT_TYPE_COUNT];  // device bytes held (free and used)
+    mn_stat active_bytes[MN_STAT_TYPE_COUNT];
+    mn_stat inactive_split_bytes[MN_STAT_TYPE_COUNT];  // "non-releasable memory"
+    mn_stat requested_bytes[MN_STAT_TYPE_COUNT];       // unrounded sizes asked for
+    uint64_t num_alloc_retries;   // cache flushes after a failed device allocation
+    uint64_t num_ooms;            // allocations that failed after the whole ladder
+    uint64_t num_sync_all_streams;
+    uint64_t num_device_alloc;    // device allocations + maps
+    uint64_t num_device_free;     // device frees + unmaps
+    mn_stat oversize_allocations; // blocks >= max_split_size handed out
+    mn_stat oversize_segments;    // segments >= max_split_size allocated
+    uint64_t max_split_size;      // UINT64_MAX = unlimited
+    // per memory category (memanat)
+    mn_stat cat_allocation[MN_CAT_COUNT];
+    mn_stat cat_allocated_bytes[MN_CAT_COUNT];
+    mn_stat cat_requested_bytes[MN_CAT_COUNT];
+    uint64_t cat_at_peak[MN_CAT_COUNT];  // allocated bytes per category at the allocated peak
+} mn_cache_statistics;
+
+MNDEF mn_result mn_cache_init(mn_cache *c, const mn_cache_desc *desc);
+MNDEF void mn_cache_free(mn_cache *c);  // returns every segment to the device
+// Allocates size bytes for use on stream. size 0 gives NULL and MN_OK (as PyTorch). label is an
+// optional short name kept with the block (truncated to MN_CACHE_LABEL_MAX - 1 bytes).
+// MN_ERR_DEVICE_OOM after the whole out-of-memory ladder; mn_cache_oom_message() explains it.
+MNDEF mn_result mn_cache_alloc(mn_cache *c, uint64_t size, mn_stream stream, mn_category cat,
+                               const char *label, void **ptr_out);
+MNDEF mn_result mn_cache_release(mn_cache *c, void *ptr);  // NULL is a no-op
+// The block is used on another stream (PyTorch recordStream): its memory is not reused until
+// an event recorded on that stream at release time has completed.
+MNDEF mn_result mn_cache_record_stream(mn_cache *c, void *ptr, mn_stream stream);
+MNDEF mn_result mn_cache_empty(mn_cache *c);  // torch.cuda.empty_cache()
+// torch.cuda.set_per_process_memory_fraction: the device's total (mem_info_fn) times fraction
+// (0, 1] bounds the reserved bytes. Needed for garbage_collection_threshold to act.
+MNDEF mn_result mn_cache_set_memory_fraction(mn_cache *c, double fraction);
+MNDEF mn_result mn_cache_stats(mn_cache *c, struct mn_cache_stats *out);
+MNDEF void mn_cache_reset_peak_stats(mn_cache *c);         // peak = current
+MNDEF void mn_cache_reset_accumulated_stats(mn_cache *c);  // allocated = freed = 0, counters 0
+MNDEF mn_result mn_cache_config_get(mn_cache *c, mn_cache_config *out);
+// Copies the message of the last out-of-memory failure ("" if none) into buf.
+MNDEF void mn_cache_oom_message(mn_cache *c, char *buf, size_t cap);
+// Checks the internal invariants (block lists tile segments, pools hold exactly the free
+// blocks, statistics equal the sums over blocks). MN_OK or MN_ERR_STATE, reason to the logger.
+MNDEF mn_result mn_cache_check(mn_cache *c);
+
+// ---- observability ----
+typedef mn_result (*mn_cache_write_fn)(void *user_data, const char *data, size_t len);
+
+#define MN_CACHE_LABEL_MAX 24
+
+typedef enum mn_trace_action {  // snapshot device_traces "action"
+    MN_TRACE_DEFAULT = 0,
+    MN_TRACE_ALLOC,
+    MN_TRACE_FREE_REQUESTED,
+    MN_TRACE_FREE_COMPLETED,
+    MN_TRACE_SEGMENT_ALLOC,
+    MN_TRACE_SEGMENT_FREE,
+    MN_TRACE_SEGMENT_MAP,
+    MN_TRACE_SEGMENT_UNMAP,
+    MN_TRACE_OOM,
+    MN_TRACE_ACTION_COUNT
+} mn_trace_action;
+
+typedef struct mn_trace_entry {
+    mn_trace_action action;
+    mn_category category;
+    mn_stream stream;
+    uint64_t addr;        // oom: free device bytes (PyTorch "device_free")
+    uint64_t size;        // as PyTorch: requested size for alloc/free, segment size, oom: rounded
+    uint64_t block_size;  // rounded block size for alloc/free entries
+    uint64_t time;        // operation counter of the allocator
+} mn_trace_entry;
+
+typedef enum mn_block_state {
+    MN_BLOCK_DEFAULT = 0,
+    MN_BLOCK_ACTIVE_ALLOCATED,
+    MN_BLOCK_ACTIVE_PENDING_FREE,  // released, waiting for stream events
+    MN_BLOCK_INACTIVE,
+    MN_BLOCK_STATE_COUNT
+} mn_block_state;
+
+typedef struct mn_block_info {
+    uint64_t addr, size, requested;
+    mn_block_state state;
+    mn_category category;
+    char label[MN_CACHE_LABEL_MAX];
+} mn_block_info;
+
+typedef struct mn_segment_info {
+    uint64_t addr, total_size, allocated_size, active_size, requested_size;
+    mn_stream stream;
+    int is_small, is_expandable;
+    uint64_t first_block, block_count;  // range in mn_cache_snapshot.blocks
+} mn_segment_info;
+
+typedef struct mn_cache_snapshot {
+    mn_segment_info *segments;  // sorted by address; an expandable segment gives one entry per
+    uint64_t segment_count;     // mapped range (unmapped address space is not listed)
+    mn_block_info *blocks;
+    uint64_t block_count;
+    mn_trace_entry *trace;      // oldest first
+    uint64_t trace_count;
+    uint64_t trace_dropped;     // entries overwritten in the ring buffer
+    uint64_t base_cat_allocated[MN_CAT_COUNT];  // state before trace[0]: allocated per category
+    uint64_t base_reserved;                     // and reserved bytes
+    mn_cache_config config;
+    int device_index;
+    struct mn_cache_stats stats;
+    mn_allocator allocator;
+} mn_cache_snapshot;
+
+MNDEF mn_result mn_cache_snapshot_take(mn_cache *c, mn_cache_snapshot *out);
+MNDEF void mn_cache_snapshot_free(mn_cache_snapshot *s);
+MNDEF const char *mn_trace_action_name(mn_trace_action a);   // "alloc", "free_requested", ...
+MNDEF const char *mn_block_state_name(mn_block_state s);     // "active_allocated", ...
+
+// torch.cuda.memory_summary(): PyTorch's table, byte for byte.
+MNDEF mn_result mn_cache_summary_write(const struct mn_cache_stats *s, int device_index,
+                                       int abbreviated, mn_cache_write_fn fn, void *user_data);
+// memanat's table per memory category: current, peak and at-the-allocated-peak bytes, and
+// allocation counts, for the categories that were used.
+MNDEF mn_result mn_cache_category_summary_write(const struct mn_cache_stats *s,
+                                                mn_cache_write_fn fn, void *user_data);
+// Snapshot in the JSON form of torch.cuda.memory._snapshot() (segments, device_traces,
+// allocator_settings); blocks and trace entries carry their category and label as a frame.
+MNDEF mn_result mn_cache_snapshot_write_json(const mn_cache_snapshot *s, mn_cache_write_fn fn,
+                                             void *user_data);
+// SVG picture: allocated bytes over time stacked by category, reserved bytes as a line.
+MNDEF mn_result mn_cache_timeline_svg(const mn_cache_snapshot *s, const char *title,
+                                      mn_cache_write_fn fn, void *user_data);
+// PyTorch's format_size(): "512 bytes", "1.50 KiB", "20.00 MiB", "1.25 GiB".
+MNDEF void mn_cache_format_size(uint64_t bytes, char *buf, size_t cap);
+// >>optim ---------------------------------------------------------------------------------------
+//
+// Optimizers on host arrays, one state struct per parameter tensor (init / step / free), the state
+// sizes the estimator uses, gradient clipping by global norm, dynamic loss scaling, and fp16/bf16
+// conversion. The state an optimizer allocates is exactly what its *_state_bytes function reports
+// for the same shape and settings, so predicted and real state sizes are one number.
+//
+// Conventions shared by every optimizer:
+//   - param [n] is fp32 and updated in place; grad [n] is fp32 and read only. With a 16-bit model
+//     (params.dtype MN_FP16 or MN_BF16) param is the fp32 master copy and step also rewrites the
+//     16-bit tensor param16 [n] from it, rounding to nearest even.
+//   - Hyperparameters: zero selects the default written beside the field. A field marked [z]
+//     accepts MN_OPTIM_ZERO to request a real zero where zero itself means "default". After init,
+//     s->params holds the resolved values; s->params.lr may be changed between steps (schedules).
+//   - s->step counts the steps taken; the bias corrections use t = s->step after the increment.
+//   - State memory comes from the allocator given to init (NULL = MN_MALLOC/MN_FREE) in a single
+//     block of s->state_bytes bytes; free releases it and zeroes the struct.
+
+// Value for a [z] field: "exactly zero", where 0 selects the default.
+#define MN_OPTIM_ZERO (-1.0f)
+
+typedef struct mn_optim_desc {
+    mn_optim kind;            // 0 = adamw
+    int adafactor_beta1;      // Adafactor keeps a first moment (beta1 set), 0 = no (transformers)
+    uint32_t block_size;      // 8-bit: elements per absmax block, 0 = 256 (bitsandbytes blockwise)
+    uint64_t min_8bit_size;   // 8-bit: tensors with fewer elements keep 32-bit state, 0 = 4096
+    int amsgrad;              // AdamW keeps the running max of v (one more fp32 array), 0 = no
+} mn_optim_desc;
+
+// Bytes of optimizer state kept for one parameter tensor of the given shape (dims[0..ndim-1],
+// ndim 1..8, the last dimension the fastest), for 32-bit master parameters.
+MNDEF mn_result mn_optim_state_bytes(const mn_optim_desc *d, const uint64_t *dims, uint32_t ndim,
+                                     uint64_t *out);
+MNDEF mn_result mn_sgd_state_bytes(const uint64_t *dims, uint32_t ndim, int momentum,
+                                   uint64_t *out);
+MNDEF mn_result mn_adamw_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out);
+MNDEF mn_result mn_adamw8bit_state_bytes(const uint64_t *dims, uint32_t ndim, uint32_t block_size,
+                                         uint64_t min_8bit_size, uint64_t *out);
+MNDEF mn_result mn_adafactor_state_bytes(const uint64_t *dims, uint32_t ndim, int beta1,
+                                         uint64_t *out);
+MNDEF mn_result mn_lion_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out);
+
+// --- SGD (torch.optim.SGD) ---------------------------------------------------------------------
+typedef struct mn_sgd_params {
+    float lr;             // 0 = 1e-3 [z]
+    float momentum;       // 0 = none: plain SGD, no state [z]
+    float dampening;      // 0 = 0 [z]
+    float weight_decay;   // L2 penalty added to the gradient, 0 = none [z]
+    int nesterov;         // Nesterov momentum; needs momentum > 0 and dampening 0
+    int maximize;         // ascend the objective
+    mn_dtype dtype;       // parameter tensor type: 0 = fp32, MN_FP16/MN_BF16 = param16 written
+} mn_sgd_params;
+
+typedef struct mn_sgd {
+    mn_sgd_params params;     // resolved
+    uint64_t n;               // elements
+    uint64_t step;            // steps taken
+    float *momentum_buffer;   // [n], NULL without momentum
+    uint64_t state_bytes;     // == mn_sgd_state_bytes(dims, ndim, momentum != 0)
+    mn_allocator alloc;
+} mn_sgd;
+
+MNDEF mn_result mn_sgd_init(mn_sgd *s, const uint64_t *dims, uint32_t ndim, const mn_sgd_params *p,
+                            const mn_allocator *alloc);
+MNDEF mn_result mn_sgd_step(mn_sgd *s, float *param, const float *grad, uint16_t *param16);
+MNDEF void mn_sgd_free(mn_sgd *s);
+
+// --- AdamW (torch.optim.AdamW) -----------------------------------------------------------------
+typedef struct mn_adamw_params {
+    float lr;             // 0 = 1e-3 [z]
+    float beta1;          // 0 = 0.9 [z]
+    float beta2;          // 0 = 0.999 [z]
+    float eps;            // added to sqrt(v_hat), 0 = 1e-8 [z]
+    float weight_decay;   // decoupled: param *= 1 - lr * weight_decay, 0 = 1e-2 [z]
+    int amsgrad;          // use the running max of v (one more [n] fp32 array)
+    int maximize;         // ascend the objective
+    mn_dtype dtype;       // parameter tensor type: 0 = fp32, MN_FP16/MN_BF16 = param16 written
+} mn_adamw_params;
+
+typedef struct mn_adamw {
+    mn_adamw_params params;   // resolved
+    uint64_t n, step;
+    float *exp_avg;           // [n] m
+    float *exp_avg_sq;        // [n] v
+    float *max_exp_avg_sq;    // [n] amsgrad only, else NULL
+    uint64_t state_bytes;     // == mn_optim_state_bytes({ADAMW, .amsgrad}, dims, ndim)
+    mn_allocator alloc;
+} mn_adamw;
+
+MNDEF mn_result mn_adamw_init(mn_adamw *s, const uint64_t *dims, uint32_t ndim,
+                              const mn_adamw_params *p, const mn_allocator *alloc);
+MNDEF mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uint16_t *param16);
+MNDEF void mn_adamw_free(mn_adamw *s);
+
+// --- 8-bit AdamW (bitsandbytes AdamW8bit, block-wise dynamic quantization) ----------------------
+typedef struct mn_adamw8bit_params {
+    float lr;               // 0 = 1e-3 [z]
+    float beta1;            // 0 = 0.9 [z]
+    float beta2;            // 0 = 0.999 [z]
+    float eps;              // 0 = 1e-8 [z]
+    float weight_decay;     // param *= 1 - lr * weight_decay after the Adam step, 0 = 1e-2 [z]
+    uint32_t block_size;    // elements per absmax block, 1..4096, 0 = 256 (step: 32 KiB stack)
+    uint64_t min_8bit_size; // tensors with fewer elements keep fp32 m and v, 0 = 4096
+    mn_dtype dtype;         // parameter tensor type: 0 = fp32, MN_FP16/MN_BF16 = param16 written
+} mn_adamw8bit_params;
+
+typedef struct mn_adamw8bit {
+    mn_adamw8bit_params params;  // resolved
+    uint64_t n, step;
+    uint64_t blocks;             // ceil(n / block_size) when quantized, else 0
+    int quantized;               // n >= min_8bit_size: m and v are 8-bit codes
+    uint8_t *code1;              // [n] m as indices into the signed dynamic map
+    uint8_t *code2;              // [n] v as indices into the unsigned dynamic map
+    float *absmax1, *absmax2;    // [blocks] per-block scale of m and v
+    float *exp_avg, *exp_avg_sq; // [n] fp32 m and v of a small tensor (quantized == 0)
+    uint64_t state_bytes;        // == mn_adamw8bit_state_bytes(dims, ndim, block, min_8bit)
+    mn_allocator alloc;
+} mn_adamw8bit;
+
+MNDEF mn_result mn_adamw8bit_init(mn_adamw8bit *s, const uint64_t *dims, uint32_t ndim,
+                                  const mn_adamw8bit_params *p, const mn_allocator *alloc);
+MNDEF mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *grad,
+                                  uint16_t *param16);
+MNDEF void mn_adamw8bit_free(mn_adamw8bit *s);
+
+// The 256-entry dynamic quantization map of bitsandbytes create_dynamic_map(signed, 7, 8), sorted
+// ascending: signed = 127 negatives down to -0.993, 0, 128 positives up to 1.0 (smallest
+// magnitude 5.5e-7); unsigned = 0 and 255 positives up to 1.0 (smallest 3.25e-7).
+MNDEF void mn_dynamic_map(int is_signed, float map[256]);
+// Block-wise quantization: absmax[b] = max |x| over block b, codes[i] = index of the map entry
+// nearest to x[i] / absmax[b]. map [256] ascending, x [n], codes [n], absmax [ceil(n/block)].
+MNDEF mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_t n,
+                                      uint32_t block_size, uint8_t *codes, float *absmax);
+// x[i] = map[codes[i]] * absmax[i / block_size].
+MNDEF mn_result mn_dequantize_blockwise(const float *map, const uint8_t *codes,
+                                        const float *absmax, uint64_t n, uint32_t block_size,
+                                        float *x);
+
+// --- Adafactor (transformers.optimization.Adafactor) -------------------------------------------
+typedef struct mn_adafactor_params {
+    float lr;               // > 0: fixed step (relative_step=False); 0 = relative step
+    float eps1;             // added to g^2, 0 = 1e-30
+    float eps2;             // floor of the parameter scale RMS(param), 0 = 1e-3
+    float clip_threshold;   // update clipping threshold d, 0 = 1.0
+    float decay_rate;       // beta2_t = 1 - t^decay_rate, 0 = -0.8
+    float beta1;            // first moment decay, 0 = no first moment (transformers beta1=None)
+    float weight_decay;     // param -= weight_decay * alpha_t * param, 0 = none
+    int no_scale_parameter; // 1: alpha_t = rho_t (transformers scale_parameter=False)
+    int warmup_init;        // relative step min(1e-6 t, 1/sqrt t) instead of min(1e-2, 1/sqrt t)
+    mn_dtype dtype;         // parameter tensor type: 0 = fp32, MN_FP16/MN_BF16 = param16 written
+} mn_adafactor_params;
+
+typedef struct mn_adafactor {
+    mn_adafactor_params params;  // resolved
+    uint64_t n, step;
+    int factored;                // ndim >= 2: second moment kept as row and column means
+    uint64_t batch, rows, cols;  // factored [batch, rows, cols] = [prod(dims[:-2]), d[-2], d[-1]]
+    float *exp_avg_sq_row;       // [batch, rows] factored
+    float *exp_avg_sq_col;       // [batch, cols] factored
+    float *exp_avg_sq;           // [n] not factored
+    float *exp_avg;              // [n] with beta1
+    float rms;                   // RMS(param) before the last step (transformers state["RMS"])
+    float alpha;                 // step size alpha_t of the last step
+    uint64_t state_bytes;        // == mn_adafactor_state_bytes(dims, ndim, beta1 != 0)
+    mn_allocator alloc;
+} mn_adafactor;
+
+MNDEF mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
+                                  const mn_adafactor_params *p, const mn_allocator *alloc);
+MNDEF mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *grad,
+                                  uint16_t *param16);
+MNDEF void mn_adafactor_free(mn_adafactor *s);
+
+// --- Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") -------------------
+typedef struct mn_lion_params {
+    float lr;             // 0 = 1e-4 [z]
+    float beta1;          // interpolation for the update sign, 0 = 0.9 [z]
+    float beta2;          // momentum decay, 0 = 0.99 [z]
+    float weight_decay;   // decoupled: param *= 1 - lr * weight_decay, 0 = none [z]
+    mn_dtype dtype;       // parameter tensor type: 0 = fp32, MN_FP16/MN_BF16 = param16 written
+} mn_lion_params;
+
+typedef struct mn_lion {
+    mn_lion_params params;  // resolved
+    uint64_t n, step;
+    float *exp_avg;         // [n] momentum m
+    uint64_t state_bytes;   // == mn_lion_state_bytes(dims, ndim)
+    mn_allocator alloc;
+} mn_lion;
+
+MNDEF mn_result mn_lion_init(mn_lion *s, const uint64_t *dims, uint32_t ndim,
+                             const mn_lion_params *p, const mn_allocator *alloc);
+MNDEF mn_result mn_lion_step(mn_lion *s, float *param, const float *grad, uint16_t *param16);
+MNDEF void mn_lion_free(mn_lion *s);
+
+// --- Gradient clipping by global norm (torch.nn.utils.clip_grad_norm_) --------------------------
+// grads[k] [sizes[k]] for k < count. total = (sum over all elements |g|^p)^(1/p) (max |g| for
+// p = INFINITY); every gradient is multiplied by min(1, max_norm / (total + 1e-6)).
+// norm_type 0 = 2.
+// *total_norm (may be NULL) receives the norm before clipping; a non-finite norm makes the
+// gradients non-finite, as in torch.
+MNDEF mn_result mn_clip_grad_norm(float *const *grads, const uint64_t *sizes, uint32_t count,
+                                  float max_norm, float norm_type, float *total_norm);
+
+// --- Dynamic loss scaling (torch.amp.GradScaler) -----------------------------------------------
+typedef struct mn_loss_scaler_params {
+    float init_scale;          // 0 = 65536 (2^16)
+    float growth_factor;       // > 1, 0 = 2.0
+    float backoff_factor;      // in (0, 1), 0 = 0.5
+    uint32_t growth_interval;  // clean steps before growth, 0 = 2000
+} mn_loss_scaler_params;
+
+typedef struct mn_loss_scaler {
+    mn_loss_scaler_params params;  // resolved
+    float scale;                   // multiply the loss by this before backward
+    uint32_t growth_tracker;       // consecutive clean steps since the last change
+    uint64_t steps, skipped;       // updates seen, steps skipped for inf/NaN gradients
+} mn_loss_scaler;
+
+MNDEF mn_result mn_loss_scaler_init(mn_loss_scaler *s, const mn_loss_scaler_params *p);
+// 1 / scale, rounded to fp32 from double as GradScaler does; the argument of the unscale calls.
+MNDEF float mn_loss_scaler_inv_scale(const mn_loss_scaler *s);
+// Once per step, after the found-inf check: found_inf -> scale *= backoff, tracker = 0, skip the
+// step; else tracker += 1 and at growth_interval scale *= growth (when finite), tracker = 0.
+// *skip_step (may be NULL) is 1 when the optimizer step must be skipped.
+MNDEF mn_result mn_loss_scaler_update(mn_loss_scaler *s, int found_inf, int *skip_step);
+
+// Unscale in place: grad [n] of dtype (0/MN_FP32, MN_FP16, MN_BF16) *= inv_scale, computed in fp32.
+// *found_inf is set to 1 when any input is inf or NaN and left as it was otherwise, so one flag
+// can collect every tensor of a step (zero it once per step).
+MNDEF mn_result mn_unscale_grads(mn_dtype dtype, void *grad, uint64_t n, float inv_scale,
+                                 int *found_inf);
+// The same into an fp32 array: dst [n] = src [n] (dtype) * inv_scale.
+MNDEF mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float *dst, uint64_t n,
+                                         float inv_scale, int *found_inf);
+
+// --- fp16 / bf16 conversion --------------------------------------------------------------------
+// fp32 -> 16 bits rounds to nearest even, overflows to inf, keeps subnormals; NaN stays NaN with
+// its sign and top payload bits, quieted. 16 bits -> fp32 is exact (NaN quieted).
+MNDEF uint16_t mn_fp32_to_fp16(float f);
+MNDEF float mn_fp16_to_fp32(uint16_t h);
+MNDEF uint16_t mn_fp32_to_bf16(float f);
+MNDEF float mn_bf16_to_fp32(uint16_t b);
+// Bulk versions: src [n] -> dst [n].
+MNDEF void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n);
+MNDEF void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
+MNDEF void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n);
+MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
+// >>ops -----------------------------------------------------------------------------------------
+//
+// CPU reference ops, forward and backward, on caller-owned fp32 host arrays with fp32 (or double)
+// accumulation. They are the ground truth for the CUDA kernels and the compute of the CPU trainer.
+// The layout follows llm.c's train_gpt2.c: row-major, the last dimension the fastest.
+//
+// Shapes used in the comments below:
+//   B batch, T sequence length, C channels, OC output channels, NH heads, hs = C / NH head size,
+//   V vocabulary, N = B * T rows (any number of rows for the row-wise ops), n elements.
+//
+// Conventions:
+//   - Every backward ACCUMULATES (+=) into its gradient buffers, as llm.c does, so gradients of a
+//     tensor used twice add up and gradient accumulation over micro-batches needs no extra pass.
+//     Zero the gradient buffers before the first backward.
+//   - Output buffers do not alias inputs unless a comment says so.
+//   - Ops that only compute on caller buffers return void; ops that validate data (token ids,
+//     targets, probabilities) return mn_result and write nothing when they fail.
+//   - With OpenMP (-fopenmp) the heavy loops run in parallel; threads own disjoint outputs and
+//     every sum runs in a fixed order, so results do not depend on the thread count. Every op
+//     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
+//     their packed tiles on the stack (about 160 KiB per thread).
+//   - exp (softmax, attention, cross-entropy, GELU, SiLU) is computed inline to about 1 ulp so the
+//     loops vectorize; results below ~1e-38 may flush to zero.
+
+// Matmul: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC], cache-blocked and register-tiled.
+// pre_gelu: [N,OC] or NULL. Non-NULL selects the fused GELU (tanh) epilogue: pre_gelu receives
+//   inp @ weight^T + bias and out = gelu(pre_gelu). bias may be NULL.
+MNDEF void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, const float *weight,
+                             const float *bias, int N, int C, int OC);
+// dinp[N,C] += dpre @ weight;  dweight[OC,C] += dpre^T @ inp;  dbias[OC] += sum_n dpre[n,:],
+// where dpre = dout, or dout * gelu'(pre_gelu) when pre_gelu is non-NULL. In that case dout [N,OC]
+// is overwritten in place with dpre (as cuBLASLt's DGELU epilogue does). dinp, dweight and dbias
+// may each be NULL to skip that gradient.
+MNDEF void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
+                              const float *inp, const float *weight, const float *pre_gelu,
+                              int N, int C, int OC);
+
+// LayerNorm over the last dimension (Ba, Kiros & Hinton 2016), biased variance, eps e.g. 1e-5.
+// out[N,C], mean[N] and rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C],
+// bias[C] or NULL.
+MNDEF void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                const float *weight, const float *bias, int N, int C, float eps);
+// dinp[N,C] +=, dweight[C] +=, dbias[C] += (or NULL); dout[N,C], inp[N,C], weight[C],
+// mean[N] and rstd[N] from the forward.
+MNDEF void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                                 const float *inp, const float *weight, const float *mean,
+                                 const float *rstd, int N, int C);
+
+// RMSNorm (Zhang & Sennrich 2019): out = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps).
+// out[N,C], rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C].
+MNDEF void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                              int N, int C, float eps);
+// dinp[N,C] +=, dweight[C] +=; dout[N,C], inp[N,C], weight[C], rstd[N] from the forward.
+MNDEF void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
+                               const float *weight, const float *rstd, int N, int C);
+
+// Softmax over rows of length L: out[n,:] = softmax(scale * inp[n,:]). With causal non-zero the
+// rows form square [L,L] blocks (row n is query position t = n % L) and columns j > t are masked:
+// their probability is exactly 0. out[N,L], inp[N,L].
+MNDEF void mn_softmax_forward(float *out, const float *inp, int N, int L, float scale, int causal);
+// dinp[N,L] += scale * out * (dout - sum_j out_j * dout_j); dout[N,L], out[N,L] from the forward.
+MNDEF void mn_softmax_backward(float *dinp, const float *dout, const float *out, int N, int L,
+                               float scale, int causal);
+
+// Multi-head scaled dot-product attention (Vaswani et al. 2017) over a fused qkv buffer
+// [B,T,3C]: q = qkv[..., 0:C], k = qkv[..., C:2C], v = qkv[..., 2C:3C], head h uses channels
+// h*hs .. h*hs+hs-1 of each; scores are scaled by 1/sqrt(hs); causal non-zero masks keys after
+// the query. out[B,T,C]. att [B,NH,T,T] receives the probabilities (masked entries 0) for the
+// backward, or is NULL to keep nothing: the backward then recomputes them (no O(T^2) activation,
+// like FlashAttention; the same gradients, bit for bit). Either way the work is tiled and needs
+// no T x T scratch.
+MNDEF void mn_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+                                int NH, int causal);
+// dqkv[B,T,3C] +=; dout[B,T,C], qkv[B,T,3C], att [B,NH,T,T] from the forward or NULL.
+MNDEF void mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                 const float *att, int B, int T, int C, int NH, int causal);
+
+// GELU, tanh approximation (Hendrycks & Gimpel 2016; GPT-2, llm.c, cuBLASLt's GELU epilogue):
+// out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). out[n], inp[n]; out may equal inp.
+MNDEF void mn_gelu_forward(float *out, const float *inp, size_t n);
+// dinp[n] += dout * gelu'(inp).
+MNDEF void mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n);
+// Exact GELU (Hendrycks & Gimpel 2016; torch.nn.GELU() default): out = 0.5 x (1 + erf(x/sqrt 2)).
+MNDEF void mn_gelu_erf_forward(float *out, const float *inp, size_t n);
+MNDEF void mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n);
+
+// SiLU / swish (Elfwing, Uchibe & Doya 2018; Ramachandran et al. 2017): out = x * sigmoid(x).
+// out[n], inp[n]; out may equal inp. Backward: dinp[n] += dout * silu'(inp).
+MNDEF void mn_silu_forward(float *out, const float *inp, size_t n);
+MNDEF void mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n);
+// SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): out = silu(gate) * up.
+// out[n], gate[n], up[n]. Backward: dgate[n] +=, dup[n] += (either may be NULL).
+MNDEF void mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n);
+MNDEF void mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
+                              const float *up, size_t n);
+
+// Residual add: out[n] = a[n] + b[n] (out may equal a or b). Backward: da[n] += dout,
+// db[n] += dout (either may be NULL).
+MNDEF void mn_residual_forward(float *out, const float *a, const float *b, size_t n);
+MNDEF void mn_residual_backward(float *da, float *db, const float *dout, size_t n);
+
+// Embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]. out[B,T,C], tokens[B,T] in [0,V),
+// wte[V,C], wpe[T,C] or NULL (no position embedding). MN_ERR_INVALID_ARG for a token outside
+// [0,V) (nothing written).
+MNDEF mn_result mn_embedding_forward(float *out, const int *tokens, const float *wte,
+                                     const float *wpe, int B, int T, int C, int V);
+// Scatter-add: dwte[tokens[b,t],:] += dout[b,t,:], dwpe[t,:] += dout[b,t,:] (either may be NULL).
+MNDEF mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *dout,
+                                      const int *tokens, int B, int T, int C, int V);
+
+// Cross-entropy fused with softmax: losses[n] = -log softmax(logits[n,:])[targets[n]].
+// losses[N], probs[N,V] (kept for the backward, or NULL), logits[N,V], targets[N].
+// A negative target marks an ignored row (loss 0, no gradient), like PyTorch's ignore_index;
+// a target >= V is MN_ERR_INVALID_ARG (nothing written).
+MNDEF mn_result mn_crossentropy_forward(float *losses, float *probs, const float *logits,
+                                        const int *targets, int N, int V);
+// dlogits[N,V] += (probs - onehot(targets)) * dlosses[n]; dlosses[N] (e.g. 1/N for a mean loss).
+// probs [N,V] from the forward, or NULL to recompute them from logits[N,V] (then logits is
+// read; otherwise it may be NULL).
+MNDEF mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, const float *probs,
+                                         const float *logits, const int *targets, int N, int V);
+
+// Dropout (Srivastava et al. 2014), inverted: out = inp * keep / (1 - p), keep with probability
+// 1 - p. The decision for element i is a function of (seed, offset + i) only, drawn from the
+// counter-based Philox-4x32-10 generator (Salmon et al. 2011, Random123; the generator of
+// PyTorch's CUDA dropout): no mask has to be stored, the backward and a recompute agree with the
+// forward. Split a tensor across calls by advancing offset by the elements already done.
+// p in [0,1], p = 1 drops everything; anything else is MN_ERR_INVALID_ARG.
+// out[n] (may equal inp), mask[n] or NULL: receives 1 (kept) or 0 (dropped), inp[n].
+MNDEF mn_result mn_dropout_forward(float *out, uint8_t *mask, const float *inp, size_t n,
+                                   float p, uint64_t seed, uint64_t offset);
+// dinp[n] += dout * keep / (1 - p); mask [n] from the forward or NULL to regenerate it.
+MNDEF mn_result mn_dropout_backward(float *dinp, const float *dout, const uint8_t *mask, size_t n,
+                                    float p, uint64_t seed, uint64_t offset);
+// The keep mask alone: mask[n] = 1 where element offset + i is kept.
+MNDEF mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed, uint64_t offset);
+// Philox-4x32-10 block: four 32-bit words for a 128-bit counter and a 64-bit key.
+MNDEF void mn_philox4x32(const uint32_t ctr[4], uint64_t key, uint32_t out[4]);
 
 #ifdef __cplusplus
 }
@@ -150,11 +1311,19 @@ MNDEF void mn_size_format(uint64_t bytes, char *buf, size_t cap);  // "1.25 GiB"
 #include <errno.h>
 #include <float.h>
 #include <limits.h>
+#include <locale.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifndef MEMANAT_NO_THREADS
+#if defined(_WIN32) && !defined(__CYGWIN__)
+// define MEMANAT_NO_THREADS to build the caching allocator without locking
+#error "memanat: the caching allocator locks with pthreads (or define MEMANAT_NO_THREADS)"
+#endif
+#include <pthread.h>
+#endif
 
 #if defined(MN_MALLOC) && !defined(MN_FREE) || !defined(MN_MALLOC) && defined(MN_FREE)
 #error "memanat: define both MN_MALLOC and MN_FREE, or neither"
@@ -310,12 +1479,8503 @@ MNIMPL void mn_size_format(uint64_t bytes, char *buf, size_t cap) {
     else snprintf(buf, cap, "%.2f %s", v, u[i]);
 }
 
-#include "src/json_impl.h"
-#include "src/estimate_impl.h"
-#include "src/hfconfig_impl.h"
-#include "src/cache_impl.h"
-#include "src/optim_impl.h"
-#include "src/ops_impl.h"
+// >>json implementation --------------------------------------------------------------------------
+//
+// The reader makes three passes over the text with one iterative walker (no recursion, so a
+// hostile document cannot exhaust the C stack):
+//   pass 0 validates the grammar (RFC 8259) and counts values, containers and arena bytes;
+//   pass 1 counts the direct children of every container (in pre-order);
+//   pass 2 builds: each container reserves its children as one contiguous run of the value pool,
+//          strings are unescaped and number literals copied into the byte arena, object keys are
+//          sorted to find duplicates.
+// Memory: one block (values, frames, child counts, bytes) plus one buffer for the key sort.
+
+#define MN__JSON_DEPTH_CAP 4096u
+#define MN__JSON_DEFAULT_DEPTH 128u
+#define MN__JSON_DEFAULT_BYTES (256ull << 20)
+
+typedef struct mn__jframe {
+    uint64_t cidx;          // pass 1: pre-order index of the container
+    mn_json_value *self;    // pass 2: the container's value
+    mn_json_value *next;    // pass 2: slot of its next child
+} mn__jframe;
+
+typedef struct mn__jp {
+    const char *s;
+    size_t n, i;
+    int pass;
+    uint32_t max_depth, depth;
+    uint64_t nvalues, ncontainers, nbytes;
+    uint64_t max_members;     // largest object, in members (pass 1)
+    mn_json_value *pool;
+    uint64_t pool_next;
+    uint64_t *counts;
+    uint64_t cidx;
+    mn__jframe *frames;
+    char *arena;
+    uint64_t arena_next;
+    uint32_t *sortbuf;
+    mn_json_doc *doc;
+    unsigned char is_obj[MN__JSON_DEPTH_CAP / 8];
+} mn__jp;
+
+MN__PRIVATE mn_result mn__json_fail(mn__jp *p, size_t at, const char *fmt, ...) {
+    va_list ap;
+    char what[112];
+    uint64_t line = 1, col = 1;
+    size_t k;
+    if (p->doc->error[0]) return MN_ERR_PARSE;  // keep the first error
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    if (at > p->n) at = p->n;
+    for (k = 0; k < at; k++) {
+        if (p->s[k] == '\n') line++, col = 1;
+        else col++;
+    }
+    snprintf(p->doc->error, sizeof p->doc->error, "%s at line %llu, column %llu", what,
+             (unsigned long long)line, (unsigned long long)col);
+    p->doc->error_offset = at;
+    return MN_ERR_PARSE;
+}
+
+MN__PRIVATE void mn__json_ws(mn__jp *p) {
+    while (p->i < p->n) {
+        char c = p->s[p->i];
+        if (c != ' ' && c != '\t' && c != '\n' && c != '\r') break;
+        p->i++;
+    }
+}
+
+// Describes the byte at i for an error message.
+MN__PRIVATE const char *mn__json_what(mn__jp *p, size_t i, char *buf, size_t cap) {
+    unsigned char c;
+    if (i >= p->n) return "end of input";
+    c = (unsigned char)p->s[i];
+    if (c == 0) return "NUL byte";
+    if (c == '/') return "'/' (comments are not JSON)";
+    if (c >= 0x21 && c < 0x7f) snprintf(buf, cap, "'%c'", c);
+    else snprintf(buf, cap, "byte 0x%02x", c);
+    return buf;
+}
+
+MN__PRIVATE int mn__json_hex(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+// Length of a well-formed UTF-8 sequence at s[0..n) (Unicode 15, table 3-7), 0 if ill-formed.
+MN__PRIVATE size_t mn__utf8_len(const unsigned char *s, size_t n) {
+    unsigned char c = s[0], lo = 0x80, hi = 0xbf;
+    size_t len, k;
+    if (c < 0x80) return 1;
+    if (c >= 0xc2 && c <= 0xdf) len = 2;
+    else if (c >= 0xe0 && c <= 0xef) len = 3;
+    else if (c >= 0xf0 && c <= 0xf4) len = 4;
+    else return 0;
+    if (c == 0xe0) lo = 0xa0;
+    if (c == 0xed) hi = 0x9f;  // no UTF-16 surrogates
+    if (c == 0xf0) lo = 0x90;
+    if (c == 0xf4) hi = 0x8f;  // nothing above U+10FFFF
+    if (n < len) return 0;
+    if (s[1] < lo || s[1] > hi) return 0;
+    for (k = 2; k < len; k++)
+        if (s[k] < 0x80 || s[k] > 0xbf) return 0;
+    return len;
+}
+
+MN__PRIVATE size_t mn__utf8_put(uint32_t cp, char *out) {
+    if (cp < 0x80) {
+        if (out) out[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        if (out) out[0] = (char)(0xc0 | (cp >> 6)), out[1] = (char)(0x80 | (cp & 0x3f));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        if (out) {
+            out[0] = (char)(0xe0 | (cp >> 12));
+            out[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+            out[2] = (char)(0x80 | (cp & 0x3f));
+        }
+        return 3;
+    }
+    if (out) {
+        out[0] = (char)(0xf0 | (cp >> 18));
+        out[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+        out[2] = (char)(0x80 | ((cp >> 6) & 0x3f));
+        out[3] = (char)(0x80 | (cp & 0x3f));
+    }
+    return 4;
+}
+
+MN__PRIVATE mn_result mn__json_u4(mn__jp *p, size_t at, uint32_t *cp) {
+    int k, h;
+    *cp = 0;
+    if (p->n - at < 6) return mn__json_fail(p, at, "truncated \\u escape");
+    for (k = 2; k < 6; k++) {
+        h = mn__json_hex(p->s[at + (size_t)k]);
+        if (h < 0) return mn__json_fail(p, at, "\\u escape needs four hex digits");
+        *cp = *cp * 16 + (uint32_t)h;
+    }
+    return MN_OK;
+}
+
+// String at p->i (the opening quote). Writes the unescaped bytes to out when out is not NULL;
+// *len receives their count. Leaves p->i after the closing quote.
+MN__PRIVATE mn_result mn__json_string(mn__jp *p, char *out, uint64_t *len) {
+    size_t start = p->i;
+    uint64_t n = 0;
+    p->i++;
+    for (;;) {
+        unsigned char c;
+        if (p->i >= p->n) return mn__json_fail(p, start, "unterminated string");
+        c = (unsigned char)p->s[p->i];
+        if (c == '"') break;
+        if (c < 0x20) {
+            return mn__json_fail(p, p->i, c == 0 ? "NUL byte in string"
+                                              : "unescaped control character 0x%02x in string", c);
+        }
+        if (c == '\\') {
+            char e;
+            uint32_t cp;
+            if (p->i + 1 >= p->n) return mn__json_fail(p, start, "unterminated string");
+            e = p->s[p->i + 1];
+            if (e == 'u') {
+                if (mn__json_u4(p, p->i, &cp) != MN_OK) return MN_ERR_PARSE;
+                if (cp >= 0xdc00 && cp <= 0xdfff)
+                    return mn__json_fail(p, p->i, "lone low surrogate \\u%04X", (unsigned)cp);
+                if (cp >= 0xd800 && cp <= 0xdbff) {
+                    uint32_t lo;
+                    if (p->n - p->i < 12 || p->s[p->i + 6] != '\\' || p->s[p->i + 7] != 'u')
+                        return mn__json_fail(p, p->i, "lone high surrogate \\u%04X", (unsigned)cp);
+                    if (mn__json_u4(p, p->i + 6, &lo) != MN_OK) return MN_ERR_PARSE;
+                    if (lo < 0xdc00 || lo > 0xdfff)
+                        return mn__json_fail(p, p->i, "high surrogate \\u%04X without a low one",
+                                             (unsigned)cp);
+                    cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+                    p->i += 6;
+                }
+                n += mn__utf8_put(cp, out ? out + n : NULL);
+                p->i += 6;
+                continue;
+            }
+            switch (e) {
+            case '"': c = '"'; break;
+            case '\\': c = '\\'; break;
+            case '/': c = '/'; break;
+            case 'b': c = '\b'; break;
+            case 'f': c = '\f'; break;
+            case 'n': c = '\n'; break;
+            case 'r': c = '\r'; break;
+            case 't': c = '\t'; break;
+            default: {
+                char buf[16];
+                return mn__json_fail(p, p->i, "invalid escape \\%s",
+                                     mn__json_what(p, p->i + 1, buf, sizeof buf));
+            }
+            }
+            if (out) out[n] = (char)c;
+            n++;
+            p->i += 2;
+            continue;
+        }
+        if (c < 0x80) {
+            if (out) out[n] = (char)c;
+            n++;
+            p->i++;
+        } else {
+            size_t k = mn__utf8_len((const unsigned char *)p->s + p->i, p->n - p->i);
+            if (k == 0) return mn__json_fail(p, p->i, "invalid UTF-8 in string");
+            if (out) memcpy(out + n, p->s + p->i, k);
+            n += k;
+            p->i += k;
+        }
+    }
+    p->i++;
+    if (n > UINT32_MAX - 1) return mn__json_fail(p, start, "string longer than 4 GiB");
+    *len = n;
+    return MN_OK;
+}
+
+// Number at p->i: -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)? (RFC 8259 section 6).
+MN__PRIVATE mn_result mn__json_number(mn__jp *p, size_t *start) {
+    const char *s = p->s;
+    size_t i = p->i;
+    *start = i;
+    if (i < p->n && s[i] == '-') i++;
+    if (i >= p->n || s[i] < '0' || s[i] > '9') {
+        if (i < p->n && (s[i] == 'I' || s[i] == 'N'))
+            return mn__json_fail(p, *start, "NaN and Infinity are not JSON");
+        return mn__json_fail(p, *start, "'-' must be followed by a digit");
+    }
+    if (s[i] == '0') {
+        i++;
+        if (i < p->n && s[i] >= '0' && s[i] <= '9')
+            return mn__json_fail(p, *start, "leading zero in number");
+    } else {
+        while (i < p->n && s[i] >= '0' && s[i] <= '9') i++;
+    }
+    if (i < p->n && s[i] == '.') {
+        i++;
+        if (i >= p->n || s[i] < '0' || s[i] > '9')
+            return mn__json_fail(p, i, "digit expected after '.'");
+        while (i < p->n && s[i] >= '0' && s[i] <= '9') i++;
+    }
+    if (i < p->n && (s[i] == 'e' || s[i] == 'E')) {
+        i++;
+        if (i < p->n && (s[i] == '+' || s[i] == '-')) i++;
+        if (i >= p->n || s[i] < '0' || s[i] > '9')
+            return mn__json_fail(p, i, "digit expected in exponent");
+        while (i < p->n && s[i] >= '0' && s[i] <= '9') i++;
+    }
+    p->i = i;
+    return MN_OK;
+}
+
+// strtod on a NUL-terminated, validated literal; tolerates a locale whose decimal point is not '.'.
+MN__PRIVATE int mn__json_strtod(const char *lit, size_t n, double *out) {
+    char buf[512], *end = NULL;
+    size_t k;
+    const struct lconv *lc;
+    *out = strtod(lit, &end);
+    if (end == lit + n) return 1;
+    lc = localeconv();
+    if (n >= sizeof buf || !lc || !lc->decimal_point || !lc->decimal_point[0]) return 0;
+    for (k = 0; k < n; k++) buf[k] = lit[k] == '.' ? lc->decimal_point[0] : lit[k];
+    buf[n] = 0;
+    *out = strtod(buf, &end);
+    return end == buf + n;
+}
+
+// Adds one value: counts it (pass 0), counts it as a child (pass 1) or returns its slot (pass 2).
+MN__PRIVATE mn_json_value *mn__json_emit(mn__jp *p) {
+    if (p->pass == 0) {
+        p->nvalues++;
+        return NULL;
+    }
+    if (p->pass == 1) {
+        if (p->depth > 0) p->counts[p->frames[p->depth - 1].cidx]++;
+        return NULL;
+    }
+    if (p->depth == 0) return &p->pool[p->pool_next++];
+    return p->frames[p->depth - 1].next++;
+}
+
+MN__PRIVATE int mn__json_key_cmp(const mn_json_value *a, const mn_json_value *b) {
+    uint32_t n = a->len < b->len ? a->len : b->len;
+    int c = memcmp(a->str, b->str, n);
+    if (c != 0) return c;
+    return a->len < b->len ? -1 : a->len > b->len ? 1 : 0;
+}
+
+// Heap sort of member indices by key (no recursion, O(n log n)), then adjacent keys compared.
+MN__PRIVATE mn_result mn__json_dupkeys(mn__jp *p, const mn_json_value *obj, size_t at) {
+    const mn_json_value *it = obj->items;
+    uint32_t *a = p->sortbuf, n = obj->len, k, end, root, child, t;
+    if (n < 2) return MN_OK;
+    for (k = 0; k < n; k++) a[k] = k;
+    for (k = n / 2; k-- > 0;) {
+        for (root = k; (child = 2 * root + 1) < n; root = child) {
+            if (child + 1 < n && mn__json_key_cmp(&it[2 * a[child]], &it[2 * a[child + 1]]) < 0)
+                child++;
+            if (mn__json_key_cmp(&it[2 * a[root]], &it[2 * a[child]]) >= 0) break;
+            t = a[root], a[root] = a[child], a[child] = t;
+        }
+    }
+    for (end = n - 1; end > 0; end--) {
+        t = a[0], a[0] = a[end], a[end] = t;
+        for (root = 0; (child = 2 * root + 1) < end; root = child) {
+            if (child + 1 < end && mn__json_key_cmp(&it[2 * a[child]], &it[2 * a[child + 1]]) < 0)
+                child++;
+            if (mn__json_key_cmp(&it[2 * a[root]], &it[2 * a[child]]) >= 0) break;
+            t = a[root], a[root] = a[child], a[child] = t;
+        }
+    }
+    for (k = 1; k < n; k++) {
+        if (mn__json_key_cmp(&it[2 * a[k - 1]], &it[2 * a[k]]) == 0)
+            return mn__json_fail(p, at, "duplicate key \"%.60s\" in the object ending here",
+                                 it[2 * a[k]].str);
+    }
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__json_open(mn__jp *p, int obj) {
+    mn_json_value *v = mn__json_emit(p);
+    uint32_t d = p->depth;
+    if (d >= p->max_depth)
+        return mn__json_fail(p, p->i, "nesting deeper than %u", (unsigned)p->max_depth);
+    if (obj) p->is_obj[d / 8] |= (unsigned char)(1u << (d % 8));
+    else p->is_obj[d / 8] &= (unsigned char)~(1u << (d % 8));
+    if (p->pass == 0) {
+        p->ncontainers++;
+    } else if (p->pass == 1) {
+        p->frames[d].cidx = p->cidx++;
+    } else {
+        uint32_t c = (uint32_t)p->counts[p->cidx++];
+        v->type = obj ? MN_JSON_OBJECT : MN_JSON_ARRAY;
+        v->len = obj ? c / 2 : c;
+        v->items = p->pool + p->pool_next;
+        p->frames[d].self = v;
+        p->frames[d].next = p->pool + p->pool_next;
+        p->pool_next += c;
+    }
+    p->depth++;
+    p->i++;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__json_close(mn__jp *p) {
+    uint32_t d = --p->depth;
+    int obj = (p->is_obj[d / 8] >> (d % 8)) & 1;
+    if (p->pass == 1) {
+        uint64_t c = p->counts[p->frames[d].cidx];
+        if (c > UINT32_MAX - 1) return mn__json_fail(p, p->i, "container with over 2^32 items");
+        if (obj && c / 2 > p->max_members) p->max_members = c / 2;
+    } else if (p->pass == 2 && obj) {
+        if (mn__json_dupkeys(p, p->frames[d].self, p->i) != MN_OK) return MN_ERR_PARSE;
+    }
+    p->i++;
+    return MN_OK;
+}
+
+// A string value (or key) at p->i.
+MN__PRIVATE mn_result mn__json_str_value(mn__jp *p) {
+    mn_json_value *v = mn__json_emit(p);
+    uint64_t len = 0;
+    if (p->pass == 2) {
+        char *out = p->arena + p->arena_next;
+        if (mn__json_string(p, out, &len) != MN_OK) return MN_ERR_PARSE;
+        out[len] = 0;
+        v->type = MN_JSON_STRING;
+        v->len = (uint32_t)len;
+        v->str = out;
+        p->arena_next += len + 1;
+        return MN_OK;
+    }
+    if (mn__json_string(p, NULL, &len) != MN_OK) return MN_ERR_PARSE;
+    if (p->pass == 0) p->nbytes += len + 1;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__json_key(mn__jp *p) {
+    char buf[16];
+    mn__json_ws(p);
+    if (p->i >= p->n || p->s[p->i] != '"')
+        return mn__json_fail(p, p->i, "expected a string key, found %s",
+                             mn__json_what(p, p->i, buf, sizeof buf));
+    if (mn__json_str_value(p) != MN_OK) return MN_ERR_PARSE;
+    mn__json_ws(p);
+    if (p->i >= p->n || p->s[p->i] != ':')
+        return mn__json_fail(p, p->i, "expected ':' after key, found %s",
+                             mn__json_what(p, p->i, buf, sizeof buf));
+    p->i++;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__json_scalar(mn__jp *p) {
+    static const struct { const char *lit; size_t n; mn_json_type t; } lits[] = {
+        {"null", 4, MN_JSON_NULL}, {"true", 4, MN_JSON_TRUE}, {"false", 5, MN_JSON_FALSE}};
+    char c = p->s[p->i], buf[16];
+    size_t k, start;
+    if (c == '"') return mn__json_str_value(p);
+    for (k = 0; k < 3; k++) {
+        if (c != lits[k].lit[0]) continue;
+        if (p->n - p->i < lits[k].n || memcmp(p->s + p->i, lits[k].lit, lits[k].n) != 0)
+            return mn__json_fail(p, p->i, "invalid literal (expected %s)", lits[k].lit);
+        {
+            mn_json_value *v = mn__json_emit(p);
+            if (v) v->type = lits[k].t;
+        }
+        p->i += lits[k].n;
+        return MN_OK;
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) {
+        mn_json_value *v;
+        size_t n;
+        if (mn__json_number(p, &start) != MN_OK) return MN_ERR_PARSE;
+        n = p->i - start;
+        v = mn__json_emit(p);
+        if (p->pass == 0) p->nbytes += n + 1;
+        if (p->pass == 2) {
+            char *out = p->arena + p->arena_next;
+            memcpy(out, p->s + start, n);
+            out[n] = 0;
+            p->arena_next += n + 1;
+            v->type = MN_JSON_NUMBER;
+            v->len = 0;
+            v->str = out;
+            if (!mn__json_strtod(out, n, &v->num) || v->num > DBL_MAX || v->num < -DBL_MAX)
+                return mn__json_fail(p, start, "number %.40s out of the double range", out);
+        }
+        return MN_OK;
+    }
+    if (c == 'N' || c == 'I') return mn__json_fail(p, p->i, "NaN and Infinity are not JSON");
+    return mn__json_fail(p, p->i, "expected a value, found %s",
+                         mn__json_what(p, p->i, buf, sizeof buf));
+}
+
+// One pass over the whole text.
+MN__PRIVATE mn_result mn__json_walk(mn__jp *p) {
+    char buf[16];
+    p->i = 0;
+    p->depth = 0;
+    p->cidx = 0;
+    for (;;) {
+        // a value is expected
+        mn__json_ws(p);
+        if (p->i >= p->n) {
+            if (p->depth == 0 && p->nvalues == 0 && p->pass == 0)
+                return mn__json_fail(p, p->i, "empty document");
+            return mn__json_fail(p, p->i, "unexpected end of input, expected a value");
+        }
+        if (p->s[p->i] == '[' || p->s[p->i] == '{') {
+            int obj = p->s[p->i] == '{';
+            if (mn__json_open(p, obj) != MN_OK) return MN_ERR_PARSE;
+            mn__json_ws(p);
+            if (p->i < p->n && p->s[p->i] == (obj ? '}' : ']')) {
+                if (mn__json_close(p) != MN_OK) return MN_ERR_PARSE;
+            } else {
+                if (obj && mn__json_key(p) != MN_OK) return MN_ERR_PARSE;
+                continue;
+            }
+        } else if (mn__json_scalar(p) != MN_OK) {
+            return MN_ERR_PARSE;
+        }
+        // after a value: ',' or a closing bracket, or the end of the document
+        for (;;) {
+            int obj;
+            char c;
+            mn__json_ws(p);
+            if (p->depth == 0) {
+                if (p->i < p->n)
+                    return mn__json_fail(p, p->i, "trailing %s after the document",
+                                         mn__json_what(p, p->i, buf, sizeof buf));
+                return MN_OK;
+            }
+            obj = (p->is_obj[(p->depth - 1) / 8] >> ((p->depth - 1) % 8)) & 1;
+            c = p->i < p->n ? p->s[p->i] : 0;
+            if (c == ',') {
+                p->i++;
+                mn__json_ws(p);
+                if (p->i < p->n && (p->s[p->i] == ']' || p->s[p->i] == '}'))
+                    return mn__json_fail(p, p->i, "trailing comma");
+                if (obj && mn__json_key(p) != MN_OK) return MN_ERR_PARSE;
+                break;
+            }
+            if (c == (obj ? '}' : ']') && p->i < p->n) {
+                if (mn__json_close(p) != MN_OK) return MN_ERR_PARSE;
+                continue;
+            }
+            return mn__json_fail(p, p->i, obj ? "expected ',' or '}', found %s"
+                                              : "expected ',' or ']', found %s",
+                                 mn__json_what(p, p->i, buf, sizeof buf));
+        }
+    }
+}
+
+MNIMPL mn_result mn_json_parse(const char *text, size_t len, const mn_json_desc *desc,
+                               mn_json_doc *doc) {
+    mn__jp p;
+    mn_json_desc d;
+    uint64_t sz_values, sz_frames, sz_counts, total;
+    unsigned char *block;
+    mn_result r;
+    if (!doc) return MN_ERR_INVALID_ARG;
+    memset(doc, 0, sizeof *doc);
+    if (!text && len) return MN_ERR_INVALID_ARG;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
+    if (d.max_depth == 0) d.max_depth = MN__JSON_DEFAULT_DEPTH;
+    if (d.max_depth > MN__JSON_DEPTH_CAP) d.max_depth = MN__JSON_DEPTH_CAP;
+    if (d.max_bytes == 0) d.max_bytes = MN__JSON_DEFAULT_BYTES;
+    doc->alloc_ = d.allocator;
+    memset(&p, 0, sizeof p);
+    p.s = text ? text : "";
+    p.n = len;
+    p.doc = doc;
+    p.max_depth = d.max_depth;
+    if ((uint64_t)len > d.max_bytes) {
+        snprintf(doc->error, sizeof doc->error,
+                 "document of %llu bytes exceeds the %llu-byte limit", (unsigned long long)len,
+                 (unsigned long long)d.max_bytes);
+        return MN_ERR_PARSE;
+    }
+    if (len >= 3 && (unsigned char)text[0] == 0xef && (unsigned char)text[1] == 0xbb &&
+        (unsigned char)text[2] == 0xbf)
+        return mn__json_fail(&p, 0, "byte order mark before the document");
+    // pass 0: validate and count
+    if (mn__json_walk(&p) != MN_OK) return MN_ERR_PARSE;
+    // one block: values | frames | child counts | bytes
+    sz_frames = (uint64_t)(p.max_depth + 1) * sizeof(mn__jframe);
+    if (mn_mul_u64(p.nvalues, sizeof(mn_json_value), &sz_values) != MN_OK ||
+        mn_mul_u64(p.ncontainers, sizeof(uint64_t), &sz_counts) != MN_OK ||
+        mn_add_u64(sz_values, sz_frames, &total) != MN_OK ||
+        mn_add_u64(total, sz_counts, &total) != MN_OK ||
+        mn_add_u64(total, p.nbytes, &total) != MN_OK || total > (uint64_t)SIZE_MAX) {
+        snprintf(doc->error, sizeof doc->error, "document too large for this host");
+        return MN_ERR_OUT_OF_MEMORY;
+    }
+    block = (unsigned char *)mn__alloc(&d.allocator, (size_t)total);
+    if (!block) {
+        snprintf(doc->error, sizeof doc->error, "out of memory (%llu bytes for the tree)",
+                 (unsigned long long)total);
+        return MN_ERR_OUT_OF_MEMORY;
+    }
+    memset(block, 0, (size_t)(sz_values + sz_frames + sz_counts));
+    doc->mem_ = block;
+    p.pool = (mn_json_value *)(void *)block;
+    p.frames = (mn__jframe *)(void *)(block + sz_values);
+    p.counts = (uint64_t *)(void *)(block + sz_values + sz_frames);
+    p.arena = (char *)(block + sz_values + sz_frames + sz_counts);
+    // pass 1: children per container
+    p.pass = 1;
+    if (mn__json_walk(&p) != MN_OK) goto fail_parse;
+    // pass 2: build
+    if (p.max_members > 1) {
+        p.sortbuf = (uint32_t *)mn__alloc_array(&d.allocator, (size_t)p.max_members,
+                                                sizeof(uint32_t));
+        if (!p.sortbuf) {
+            snprintf(doc->error, sizeof doc->error, "out of memory (key sort)");
+            r = MN_ERR_OUT_OF_MEMORY;
+            goto fail;
+        }
+    }
+    p.pass = 2;
+    r = mn__json_walk(&p);
+    mn__free(&d.allocator, p.sortbuf);
+    if (r != MN_OK) goto fail_parse;
+    doc->root = p.pool;
+    return MN_OK;
+fail_parse:
+    r = MN_ERR_PARSE;
+fail:
+    mn__free(&d.allocator, block);
+    doc->mem_ = NULL;
+    doc->root = NULL;
+    return r;
+}
+
+MNIMPL void mn_json_free(mn_json_doc *doc) {
+    if (!doc) return;
+    mn__free(&doc->alloc_, doc->mem_);
+    doc->mem_ = NULL;
+    doc->root = NULL;
+}
+
+MNIMPL const mn_json_value *mn_json_get(const mn_json_value *obj, const char *key) {
+    size_t n;
+    uint32_t k;
+    if (!obj || !key || obj->type != MN_JSON_OBJECT) return NULL;
+    n = strlen(key);
+    for (k = 0; k < obj->len; k++) {
+        const mn_json_value *kv = &obj->items[2 * k];
+        if (kv->len == n && memcmp(kv->str, key, n) == 0) return &obj->items[2 * k + 1];
+    }
+    return NULL;
+}
+
+MNIMPL mn_result mn_json_u64(const mn_json_value *v, uint64_t *out) {
+    // value = digits * 10^(exp - fraction digits), computed exactly on the literal's digits
+    const char *s, *digits, *p;
+    int neg = 0, nonzero = 0, seen_dot = 0;
+    uint64_t ndig = 0, nfrac = 0, exp = 0, acc = 0, k;
+    int exp_neg = 0;
+    int64_t shift;
+    if (!v || !out || v->type != MN_JSON_NUMBER || !v->str) return MN_ERR_INVALID_ARG;
+    s = v->str;
+    if (*s == '-') neg = 1, s++;
+    digits = s;
+    for (p = s; *p && *p != 'e' && *p != 'E'; p++) {
+        if (*p == '.') {
+            seen_dot = 1;
+            continue;
+        }
+        if (*p < '0' || *p > '9') return MN_ERR_INVALID_ARG;
+        if (*p != '0') nonzero = 1;
+        ndig++;
+        if (seen_dot) nfrac++;
+    }
+    if (ndig == 0) return MN_ERR_INVALID_ARG;
+    if (*p == 'e' || *p == 'E') {
+        p++;
+        if (*p == '+' || *p == '-') exp_neg = *p == '-', p++;
+        for (; *p >= '0' && *p <= '9'; p++) {
+            if (exp < 100000000) exp = exp * 10 + (uint64_t)(*p - '0');
+        }
+    }
+    if (!nonzero) {
+        *out = 0;
+        return MN_OK;
+    }
+    if (neg) return MN_ERR_INVALID_ARG;
+    // shift = exponent - fraction digits (both bounded by 10^8 and the document size)
+    shift = (exp_neg ? -(int64_t)exp : (int64_t)exp) - (int64_t)nfrac;
+    // digits dropped by a negative shift must be zeros
+    k = 0;
+    for (p = digits; *p && *p != 'e' && *p != 'E'; p++) {
+        if (*p == '.') continue;
+        k++;
+        if (shift < 0 && (int64_t)(ndig - k) < -shift) {
+            if (*p != '0') return MN_ERR_INVALID_ARG;
+            continue;
+        }
+        if (acc > (UINT64_MAX - (uint64_t)(*p - '0')) / 10) return MN_ERR_OVERFLOW;
+        acc = acc * 10 + (uint64_t)(*p - '0');
+    }
+    for (; shift > 0; shift--) {
+        if (acc > UINT64_MAX / 10) return MN_ERR_OVERFLOW;
+        acc *= 10;
+    }
+    *out = acc;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_json_f64(const mn_json_value *v, double *out) {
+    if (!v || !out || v->type != MN_JSON_NUMBER) return MN_ERR_INVALID_ARG;
+    *out = v->num;
+    return MN_OK;
+}
+
+MNIMPL const char *mn_json_type_name(mn_json_type t) {
+    static const char *const names[MN_JSON_TYPE_COUNT] = {"invalid", "null", "false", "true",
+                                                          "number", "string", "array", "object"};
+    return (unsigned)t < MN_JSON_TYPE_COUNT ? names[t] : "invalid";
+}
+
+// Escape of the character at *u into e (at most 6 bytes); returns its length and advances *u.
+// A well-formed UTF-8 sequence is copied whole, an ill-formed byte becomes \ufffd, so the output
+// is always valid JSON.
+MN__PRIVATE size_t mn__json_esc(const unsigned char **u, char *e) {
+    static const char hex[] = "0123456789abcdef";
+    unsigned char c = **u;
+    size_t n, k;
+    switch (c) {
+    case '"': e[0] = '\\', e[1] = '"'; break;
+    case '\\': e[0] = '\\', e[1] = '\\'; break;
+    case '\b': e[0] = '\\', e[1] = 'b'; break;
+    case '\f': e[0] = '\\', e[1] = 'f'; break;
+    case '\n': e[0] = '\\', e[1] = 'n'; break;
+    case '\r': e[0] = '\\', e[1] = 'r'; break;
+    case '\t': e[0] = '\\', e[1] = 't'; break;
+    default:
+        if (c < 0x20 || c == 0x7f) {
+            e[0] = '\\', e[1] = 'u', e[2] = '0', e[3] = '0', e[4] = hex[c >> 4];
+            e[5] = hex[c & 15];
+            (*u)++;
+            return 6;
+        }
+        for (n = 0; n < 4 && (*u)[n]; n++) {}  // bytes available before the NUL
+        k = mn__utf8_len(*u, n);
+        if (k == 0) {
+            memcpy(e, "\\ufffd", 6);
+            (*u)++;
+            return 6;
+        }
+        memcpy(e, *u, k);
+        *u += k;
+        return k;
+    }
+    (*u)++;
+    return 2;
+}
+
+MNIMPL size_t mn_json_escape(char *buf, size_t cap, const char *s) {
+    // pieces are written whole while they fit; the returned length counts them all
+    size_t n = 0, w = 0, m;
+    int full = buf == NULL || cap == 0, state = 0;  // 0 opening quote, 1 body, 2 done
+    char e[8];
+    const unsigned char *u = (const unsigned char *)(s ? s : "");
+    while (state < 2) {
+        if (state == 0) e[0] = '"', m = 1, state = 1;
+        else if (*u) m = mn__json_esc(&u, e);
+        else e[0] = '"', m = 1, state = 2;
+        if (!full && w + m < cap) memcpy(buf + w, e, m), w += m;
+        else full = 1;
+        n += m;
+    }
+    if (buf && cap) buf[w] = 0;
+    return n;
+}
+
+MNIMPL void mn_json_fputs_escaped(FILE *f, const char *s) {
+    char e[8];
+    const unsigned char *u = (const unsigned char *)(s ? s : "");
+    if (!f) return;
+    fputc('"', f);
+    while (*u) {
+        size_t m = mn__json_esc(&u, e);
+        fwrite(e, 1, m, f);
+    }
+    fputc('"', f);
+}
+
+// Size of an open file from its end (64-bit offsets on Windows, where long has 32 bits).
+MN__PRIVATE int mn__file_size(FILE *f, uint64_t *size) {
+#if defined(_WIN32) && defined(_MSC_VER)
+    __int64 n;
+    if (_fseeki64(f, 0, SEEK_END) != 0 || (n = _ftelli64(f)) < 0 || _fseeki64(f, 0, SEEK_SET) != 0)
+        return 0;
+#else
+    long n;
+    if (fseek(f, 0, SEEK_END) != 0 || (n = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) return 0;
+#endif
+    *size = (uint64_t)n;
+    return 1;
+}
+
+// Reads a whole file of at most max bytes into a fresh buffer (NUL-terminated for convenience).
+// MN_ERR_NOT_FOUND when it does not exist, MN_ERR_IO when it cannot be read or is too long.
+MN__PRIVATE mn_result mn__read_file(const mn_allocator *a, const char *path, uint64_t max,
+                                    char **data, size_t *len) {
+    FILE *f;
+    uint64_t size;
+    char *buf;
+    *data = NULL, *len = 0;
+    f = fopen(path, "rb");
+    if (!f) return errno == ENOENT ? MN_ERR_NOT_FOUND : MN_ERR_IO;
+    if (!mn__file_size(f, &size) || size > max || size >= (uint64_t)SIZE_MAX) {
+        fclose(f);
+        return MN_ERR_IO;
+    }
+    buf = (char *)mn__alloc(a, (size_t)size + 1);
+    if (!buf) {
+        fclose(f);
+        return MN_ERR_OUT_OF_MEMORY;
+    }
+    if (fread(buf, 1, (size_t)size, f) != (size_t)size || ferror(f)) {
+        mn__free(a, buf);
+        fclose(f);
+        return MN_ERR_IO;
+    }
+    fclose(f);
+    buf[size] = 0;
+    *data = buf, *len = (size_t)size;
+    return MN_OK;
+}
+
+// >>safetensors implementation
+//
+// Invariants checked (safetensors format spec and the reference crate's validate()): the header
+// length N is at most 100,000,000 and 8 + N <= file size; the header is a JSON object starting
+// with '{'; each tensor's byte length equals prod(shape) * dtype size; sorted by offsets, the
+// tensors tile the data section [0, file size - 8 - N) exactly: the first begins at 0, each
+// begins where the previous ends, the last ends at the end of the file.
+
+#define MN__ST_MAX_HEADER 100000000ull
+
+static const struct {
+    const char *name;
+    uint32_t bytes;
+    mn_dtype dtype;
+} mn__st_dtypes[MN_ST_DTYPE_COUNT] = {
+    {"unknown", 0, MN_DTYPE_DEFAULT}, {"BOOL", 1, MN_DTYPE_DEFAULT}, {"U8", 1, MN_INT8},
+    {"I8", 1, MN_INT8}, {"F8_E4M3", 1, MN_DTYPE_DEFAULT}, {"F8_E5M2", 1, MN_DTYPE_DEFAULT},
+    {"F8_E8M0", 1, MN_DTYPE_DEFAULT}, {"I16", 2, MN_DTYPE_DEFAULT}, {"U16", 2, MN_DTYPE_DEFAULT},
+    {"F16", 2, MN_FP16}, {"BF16", 2, MN_BF16}, {"I32", 4, MN_DTYPE_DEFAULT},
+    {"U32", 4, MN_DTYPE_DEFAULT}, {"F32", 4, MN_FP32}, {"I64", 8, MN_DTYPE_DEFAULT},
+    {"U64", 8, MN_DTYPE_DEFAULT}, {"F64", 8, MN_DTYPE_DEFAULT}};
+
+MNIMPL const char *mn_st_dtype_name(mn_st_dtype t) {
+    return (unsigned)t < MN_ST_DTYPE_COUNT ? mn__st_dtypes[t].name : "unknown";
+}
+
+MNIMPL uint32_t mn_st_dtype_bytes(mn_st_dtype t) {
+    return (unsigned)t < MN_ST_DTYPE_COUNT ? mn__st_dtypes[t].bytes : 0;
+}
+
+MNIMPL mn_dtype mn_st_dtype_to_dtype(mn_st_dtype t) {
+    return (unsigned)t < MN_ST_DTYPE_COUNT ? mn__st_dtypes[t].dtype : MN_DTYPE_DEFAULT;
+}
+
+MN__PRIVATE mn_result mn__st_fail(mn_safetensors_info *out, const mn_logger *lg, mn_result r,
+                                  const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(out->error, sizeof out->error, fmt, ap);
+    va_end(ap);
+    mn__log(lg, MN_LOG_ERROR, "safetensors: %s", out->error);
+    return r;
+}
+
+typedef struct mn__st_range {
+    uint64_t begin, end;
+    uint32_t member;  // index of the tensor in the header object
+} mn__st_range;
+
+MN__PRIVATE int mn__st_less(const mn__st_range *a, const mn__st_range *b) {
+    return a->begin < b->begin || (a->begin == b->begin && a->end < b->end);
+}
+
+MN__PRIVATE void mn__st_sort(mn__st_range *r, uint64_t n) {  // heap sort by (begin, end)
+    uint64_t k, end, root, child;
+    mn__st_range t;
+    if (n < 2) return;
+    for (k = n / 2; k-- > 0;) {
+        for (root = k; (child = 2 * root + 1) < n; root = child) {
+            if (child + 1 < n && mn__st_less(&r[child], &r[child + 1])) child++;
+            if (!mn__st_less(&r[root], &r[child])) break;
+            t = r[root], r[root] = r[child], r[child] = t;
+        }
+    }
+    for (end = n - 1; end > 0; end--) {
+        t = r[0], r[0] = r[end], r[end] = t;
+        for (root = 0; (child = 2 * root + 1) < end; root = child) {
+            if (child + 1 < end && mn__st_less(&r[child], &r[child + 1])) child++;
+            if (!mn__st_less(&r[root], &r[child])) break;
+            t = r[root], r[root] = r[child], r[child] = t;
+        }
+    }
+}
+
+// One tensor entry: dtype, element count and offsets, validated against the data section.
+MN__PRIVATE mn_result mn__st_tensor(mn_safetensors_info *out, const mn_logger *lg,
+                                    const mn_json_value *key, const mn_json_value *v,
+                                    uint64_t data_bytes, mn_st_dtype *dt, uint64_t *elements,
+                                    mn__st_range *range) {
+    static const char *const unsized[] = {"F4", "F6_E2M3", "F6_E3M2", "C64"};
+    const mn_json_value *dtype = mn_json_get(v, "dtype"), *shape = mn_json_get(v, "shape");
+    const mn_json_value *offs = mn_json_get(v, "data_offsets");
+    const char *name = key->str;
+    uint64_t n = 1, bytes, b, e;
+    uint32_t k;
+    int t;
+    if (v->type != MN_JSON_OBJECT)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "tensor \"%.60s\" is not an object", name);
+    if (!dtype || dtype->type != MN_JSON_STRING)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "tensor \"%.60s\" has no \"dtype\" string", name);
+    if (!shape || shape->type != MN_JSON_ARRAY)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "tensor \"%.60s\" has no \"shape\" array", name);
+    if (!offs || offs->type != MN_JSON_ARRAY || offs->len != 2)
+        return mn__st_fail(out, lg, MN_ERR_PARSE,
+                           "tensor \"%.60s\" needs \"data_offsets\": [begin, end]", name);
+    *dt = MN_ST_UNKNOWN;
+    for (t = 1; t < MN_ST_DTYPE_COUNT; t++)
+        if (strcmp(dtype->str, mn__st_dtypes[t].name) == 0) *dt = (mn_st_dtype)t;
+    if (*dt == MN_ST_UNKNOWN) {
+        for (k = 0; k < sizeof unsized / sizeof unsized[0]; k++) {
+            if (strcmp(dtype->str, unsized[k]) == 0)
+                return mn__st_fail(out, lg, MN_ERR_UNSUPPORTED,
+                                   "tensor \"%.60s\": dtype %s is not supported", name, unsized[k]);
+        }
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "tensor \"%.60s\": unknown dtype \"%.20s\"", name,
+                           dtype->str);
+    }
+    for (k = 0; k < shape->len; k++) {
+        uint64_t d;
+        mn_result r = mn_json_u64(&shape->items[k], &d);
+        if (r == MN_ERR_OVERFLOW || (r == MN_OK && mn_mul_u64(n, d, &n) != MN_OK))
+            return mn__st_fail(out, lg, MN_ERR_OVERFLOW,
+                               "tensor \"%.60s\": shape overflows 64 bits", name);
+        if (r != MN_OK)
+            return mn__st_fail(out, lg, MN_ERR_PARSE,
+                               "tensor \"%.60s\": shape[%u] is not a non-negative integer", name,
+                               (unsigned)k);
+    }
+    if (mn_mul_u64(n, mn__st_dtypes[*dt].bytes, &bytes) != MN_OK)
+        return mn__st_fail(out, lg, MN_ERR_OVERFLOW, "tensor \"%.60s\": size overflows 64 bits",
+                           name);
+    if (mn_json_u64(&offs->items[0], &b) != MN_OK || mn_json_u64(&offs->items[1], &e) != MN_OK)
+        return mn__st_fail(out, lg, MN_ERR_PARSE,
+                           "tensor \"%.60s\": data_offsets are not non-negative integers", name);
+    if (b > e)
+        return mn__st_fail(out, lg, MN_ERR_PARSE,
+                           "tensor \"%.60s\": data_offsets begin %llu > end %llu", name,
+                           (unsigned long long)b, (unsigned long long)e);
+    if (e > data_bytes)
+        return mn__st_fail(out, lg, MN_ERR_PARSE,
+                           "tensor \"%.60s\": data_offsets end %llu past the %llu-byte data",
+                           name, (unsigned long long)e, (unsigned long long)data_bytes);
+    if (e - b != bytes)
+        return mn__st_fail(out, lg, MN_ERR_PARSE,
+                           "tensor \"%.60s\": data_offsets span %llu bytes, shape needs %llu",
+                           name, (unsigned long long)(e - b), (unsigned long long)bytes);
+    *elements = n;
+    range->begin = b, range->end = e;
+    return MN_OK;
+}
+
+// Tensors that checkpoints save but that are not parameters: position-id tables, rotary
+// frequency tables and GPT-2's causal-mask buffers.
+MN__PRIVATE int mn__st_is_buffer(const mn_json_value *key) {
+    static const char *const suffix[] = {"position_ids", "rotary_emb.inv_freq", ".attn.bias",
+                                         ".attn.masked_bias"};
+    size_t k, n;
+    for (k = 0; k < sizeof suffix / sizeof suffix[0]; k++) {
+        n = strlen(suffix[k]);
+        if (key->len >= n && memcmp(key->str + key->len - n, suffix[k], n) == 0) return 1;
+    }
+    return 0;
+}
+
+MNIMPL mn_result mn_safetensors_parse(const uint8_t *data, size_t len, uint64_t file_size,
+                                      const mn_safetensors_desc *desc, mn_safetensors_info *out) {
+    mn_safetensors_desc d;
+    mn_json_desc jd;
+    mn_json_doc doc;
+    const mn_json_value *root;
+    mn__st_range *ranges = NULL;
+    uint64_t n_header, data_bytes, ntensors = 0, best = 0, prev_end = 0, k;
+    uint32_t m;
+    mn_result r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
+    if (d.max_header == 0) d.max_header = MN__ST_MAX_HEADER;
+    out->alloc_ = d.allocator;
+    if (!data && len) return MN_ERR_INVALID_ARG;
+    if (file_size == 0) file_size = len;
+    if (file_size < len)
+        return mn__st_fail(out, &d.logger, MN_ERR_INVALID_ARG, "file_size %llu < %llu bytes given",
+                           (unsigned long long)file_size, (unsigned long long)len);
+    if (len < 8)
+        return mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                           "%llu bytes: shorter than the 8-byte header length",
+                           (unsigned long long)len);
+    n_header = 0;
+    for (k = 0; k < 8; k++) n_header |= (uint64_t)data[k] << (8 * k);
+    if (n_header > d.max_header)
+        return mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                           "header length %llu exceeds the limit %llu",
+                           (unsigned long long)n_header, (unsigned long long)d.max_header);
+    if (n_header > file_size - 8)
+        return mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                           "header length %llu runs past the end of the %llu-byte file",
+                           (unsigned long long)n_header, (unsigned long long)file_size);
+    if (n_header > len - 8)
+        return mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                           "header truncated: %llu of %llu bytes given",
+                           (unsigned long long)(len - 8), (unsigned long long)n_header);
+    if (n_header < 2 || data[8] != '{')
+        return mn__st_fail(out, &d.logger, MN_ERR_PARSE, "header does not start with '{'");
+    data_bytes = file_size - 8 - n_header;
+    memset(&jd, 0, sizeof jd);
+    jd.allocator = d.allocator;
+    jd.max_bytes = n_header;
+    r = mn_json_parse((const char *)data + 8, (size_t)n_header, &jd, &doc);
+    if (r != MN_OK) {
+        mn__st_fail(out, &d.logger, r, "header JSON: %s", doc.error);
+        goto done;
+    }
+    root = doc.root;
+    if (root->type != MN_JSON_OBJECT) {
+        r = mn__st_fail(out, &d.logger, MN_ERR_PARSE, "header is not a JSON object");
+        goto done;
+    }
+    ranges = (mn__st_range *)mn__alloc_array(&d.allocator, root->len, sizeof *ranges);
+    if (!ranges) {
+        r = mn__st_fail(out, &d.logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
+        goto done;
+    }
+    for (m = 0; m < root->len; m++) {
+        const mn_json_value *key = &root->items[2 * m], *v = &root->items[2 * m + 1];
+        mn_st_dtype dt = MN_ST_UNKNOWN;
+        uint64_t elements = 0, nbytes;
+        if (strcmp(key->str, "__metadata__") == 0 && key->len == 12) {
+            uint32_t j;
+            if (v->type != MN_JSON_OBJECT) {
+                r = mn__st_fail(out, &d.logger, MN_ERR_PARSE, "__metadata__ is not an object");
+                goto done;
+            }
+            for (j = 0; j < v->len; j++) {
+                if (v->items[2 * j + 1].type != MN_JSON_STRING) {
+                    r = mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                                    "__metadata__ value \"%.60s\" is not a string",
+                                    v->items[2 * j].str);
+                    goto done;
+                }
+            }
+            out->metadata_count = v->len;
+            continue;
+        }
+        r = mn__st_tensor(out, &d.logger, key, v, data_bytes, &dt, &elements, &ranges[ntensors]);
+        if (r != MN_OK) goto done;
+        ranges[ntensors++].member = m;
+        nbytes = mn_st_dtype_bytes(dt) * elements;  // checked in mn__st_tensor
+        if (mn__st_is_buffer(key)) {
+            if (mn_add_u64(out->buffers, elements, &out->buffers) != MN_OK) {
+                r = mn__st_fail(out, &d.logger, MN_ERR_OVERFLOW, "buffer count overflows 64 bits");
+                goto done;
+            }
+            continue;
+        }
+        if (mn_add_u64(out->params, elements, &out->params) != MN_OK ||
+            mn_add_u64(out->params_by_dtype[dt], elements, &out->params_by_dtype[dt]) != MN_OK ||
+            mn_add_u64(out->bytes_by_dtype[dt], nbytes, &out->bytes_by_dtype[dt]) != MN_OK) {
+            r = mn__st_fail(out, &d.logger, MN_ERR_OVERFLOW, "parameter count overflows 64 bits");
+            goto done;
+        }
+    }
+    // the tensors tile the data section: no gap, no overlap, nothing after the last
+    mn__st_sort(ranges, ntensors);
+    for (k = 0; k < ntensors; k++) {
+        const char *name = root->items[2 * ranges[k].member].str;
+        if (ranges[k].begin != prev_end) {
+            r = mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                            ranges[k].begin < prev_end
+                                ? "tensor \"%.60s\" at offset %llu overlaps the previous one"
+                                : "tensor \"%.60s\" at offset %llu leaves a gap before it",
+                            name, (unsigned long long)ranges[k].begin);
+            goto done;
+        }
+        prev_end = ranges[k].end;
+    }
+    if (prev_end != data_bytes) {
+        r = mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                        "tensors cover %llu of the %llu bytes of the data section",
+                        (unsigned long long)prev_end, (unsigned long long)data_bytes);
+        goto done;
+    }
+    if (d.keep_tensors && ntensors > 0) {
+        // one block: tensors | shapes | names
+        uint64_t dims = 0, names = 0, total;
+        unsigned char *block;
+        mn_safetensors_tensor *t;
+        uint64_t *shape;
+        char *name;
+        for (k = 0; k < ntensors; k++) {
+            const mn_json_value *v = &root->items[2 * ranges[k].member + 1];
+            dims += mn_json_get(v, "shape")->len;
+            names += root->items[2 * ranges[k].member].len + 1;
+        }
+        total = ntensors * sizeof(mn_safetensors_tensor) + dims * sizeof(uint64_t) + names;
+        block = (unsigned char *)mn__alloc(&d.allocator, (size_t)total);  // < 50 * n_header
+        if (!block) {
+            r = mn__st_fail(out, &d.logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
+            goto done;
+        }
+        t = (mn_safetensors_tensor *)(void *)block;
+        shape = (uint64_t *)(void *)(block + ntensors * sizeof(mn_safetensors_tensor));
+        name = (char *)(shape + dims);
+        for (k = 0; k < ntensors; k++) {
+            const mn_json_value *key = &root->items[2 * ranges[k].member];
+            const mn_json_value *v = key + 1, *sh = mn_json_get(v, "shape");
+            const mn_json_value *dt = mn_json_get(v, "dtype");
+            uint32_t j;
+            int s;
+            memcpy(name, key->str, (size_t)key->len + 1);
+            t[k].name = name;
+            name += key->len + 1;
+            t[k].rank = sh->len;
+            t[k].shape = shape;
+            t[k].elements = 1;
+            for (j = 0; j < sh->len; j++) {
+                mn_json_u64(&sh->items[j], &shape[j]);
+                t[k].elements *= shape[j];  // checked above
+            }
+            shape += sh->len;
+            t[k].dtype = MN_ST_UNKNOWN;
+            for (s = 1; s < MN_ST_DTYPE_COUNT; s++)
+                if (strcmp(dt->str, mn__st_dtypes[s].name) == 0) t[k].dtype = (mn_st_dtype)s;
+            t[k].begin = ranges[k].begin, t[k].end = ranges[k].end;
+        }
+        out->mem_ = block;
+        out->tensor = t;
+    }
+    out->files = 1;
+    out->header_bytes = n_header;
+    out->data_bytes = data_bytes;
+    out->tensors = ntensors;
+    for (m = 1; m < MN_ST_DTYPE_COUNT; m++) {
+        if (out->params_by_dtype[m] > best)
+            best = out->params_by_dtype[m], out->st_dtype = (mn_st_dtype)m;
+    }
+    out->dtype = mn_st_dtype_to_dtype(out->st_dtype);
+    r = MN_OK;
+done:
+    mn__free(&d.allocator, ranges);
+    mn_json_free(&doc);
+    return r;
+}
+
+MNIMPL void mn_safetensors_free(mn_safetensors_info *info) {
+    if (!info) return;
+    mn__free(&info->alloc_, info->mem_);
+    info->mem_ = NULL;
+    info->tensor = NULL;
+}
+
+MNIMPL mn_result mn_safetensors_read_file(const char *path, const mn_safetensors_desc *desc,
+                                          mn_safetensors_info *out) {
+    mn_safetensors_desc d;
+    FILE *f;
+    uint64_t size;
+    unsigned char pre[8];
+    uint8_t *buf;
+    uint64_t n = 0, max;
+    size_t want;
+    int k;
+    mn_result r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
+    out->alloc_ = d.allocator;
+    if (!path) return MN_ERR_INVALID_ARG;
+    max = d.max_header ? d.max_header : MN__ST_MAX_HEADER;
+    f = fopen(path, "rb");
+    if (!f)
+        return mn__st_fail(out, &d.logger, errno == ENOENT ? MN_ERR_NOT_FOUND : MN_ERR_IO,
+                           "%.100s: cannot open", path);
+    if (!mn__file_size(f, &size) || fread(pre, 1, 8, f) != 8) {
+        fclose(f);
+        return mn__st_fail(out, &d.logger, MN_ERR_IO, "%.100s: cannot read the header length",
+                           path);
+    }
+    for (k = 0; k < 8; k++) n |= (uint64_t)pre[k] << (8 * k);
+    if (n > max || n > size - 8 || n > (uint64_t)SIZE_MAX - 8) {
+        fclose(f);
+        return mn_safetensors_parse(pre, 8, size, &d, out);  // reports the bad length
+    }
+    want = (size_t)(8 + n);
+    buf = (uint8_t *)mn__alloc(&d.allocator, want);
+    if (!buf) {
+        fclose(f);
+        return mn__st_fail(out, &d.logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    memcpy(buf, pre, 8);
+    if (fread(buf + 8, 1, (size_t)n, f) != (size_t)n) {
+        fclose(f);
+        mn__free(&d.allocator, buf);
+        return mn__st_fail(out, &d.logger, MN_ERR_IO, "%.100s: cannot read the header", path);
+    }
+    fclose(f);
+    r = mn_safetensors_parse(buf, want, size, &d, out);
+    mn__free(&d.allocator, buf);
+    return r;
+}
+
+// Heap sort of strings (no recursion, O(n log n) even on hostile input).
+MN__PRIVATE void mn__sort_strs(const char **a, size_t n) {
+    size_t k, end, root, child;
+    const char *t;
+    if (n < 2) return;
+    for (k = n / 2; k-- > 0;) {
+        for (root = k; (child = 2 * root + 1) < n; root = child) {
+            if (child + 1 < n && strcmp(a[child], a[child + 1]) < 0) child++;
+            if (strcmp(a[root], a[child]) >= 0) break;
+            t = a[root], a[root] = a[child], a[child] = t;
+        }
+    }
+    for (end = n - 1; end > 0; end--) {
+        t = a[0], a[0] = a[end], a[end] = t;
+        for (root = 0; (child = 2 * root + 1) < end; root = child) {
+            if (child + 1 < end && strcmp(a[child], a[child + 1]) < 0) child++;
+            if (strcmp(a[root], a[child]) >= 0) break;
+            t = a[root], a[root] = a[child], a[child] = t;
+        }
+    }
+}
+
+// "dir/name" in a fresh buffer.
+MN__PRIVATE char *mn__path_join(const mn_allocator *a, const char *dir, const char *name) {
+    size_t nd = strlen(dir), nn = strlen(name);
+    char *p = (char *)mn__alloc(a, nd + nn + 2);
+    if (!p) return NULL;
+    memcpy(p, dir, nd);
+    p[nd] = '/';
+    memcpy(p + nd + 1, name, nn + 1);
+    return p;
+}
+
+MN__PRIVATE mn_result mn__st_add_shard(const char *dir, const char *name,
+                                       const mn_safetensors_desc *d, mn_safetensors_info *out) {
+    mn_safetensors_info one;
+    mn_safetensors_desc d1 = *d;
+    char *path = mn__path_join(&d->allocator, dir, name);
+    mn_result r;
+    int t;
+    if (!path) return mn__st_fail(out, &d->logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
+    d1.keep_tensors = 0;
+    d1.logger.log_fn = NULL;
+    r = mn_safetensors_read_file(path, &d1, &one);
+    mn__free(&d->allocator, path);
+    if (r != MN_OK) {
+        // a missing file is the caller's to judge (no weights at all, or a missing shard)
+        if (r == MN_ERR_NOT_FOUND) snprintf(out->error, sizeof out->error, "%.60s: missing", name);
+        else r = mn__st_fail(out, &d->logger, r, "%.60s: %s", name, one.error);
+        mn_safetensors_free(&one);
+        return r;
+    }
+    out->files++;
+    if (mn_add_u64(out->header_bytes, one.header_bytes, &out->header_bytes) != MN_OK ||
+        mn_add_u64(out->data_bytes, one.data_bytes, &out->data_bytes) != MN_OK ||
+        mn_add_u64(out->tensors, one.tensors, &out->tensors) != MN_OK ||
+        mn_add_u64(out->params, one.params, &out->params) != MN_OK ||
+        mn_add_u64(out->buffers, one.buffers, &out->buffers) != MN_OK)
+        return mn__st_fail(out, &d->logger, MN_ERR_OVERFLOW, "totals overflow 64 bits");
+    for (t = 0; t < MN_ST_DTYPE_COUNT; t++) {
+        if (mn_add_u64(out->params_by_dtype[t], one.params_by_dtype[t], &out->params_by_dtype[t]) ||
+            mn_add_u64(out->bytes_by_dtype[t], one.bytes_by_dtype[t], &out->bytes_by_dtype[t]))
+            return mn__st_fail(out, &d->logger, MN_ERR_OVERFLOW, "totals overflow 64 bits");
+    }
+    out->metadata_count += one.metadata_count;
+    mn_safetensors_free(&one);
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_safetensors_read_dir(const char *dir, const mn_safetensors_desc *desc,
+                                         mn_safetensors_info *out) {
+    mn_safetensors_desc d;
+    mn_json_desc jd;
+    mn_json_doc doc;
+    const mn_json_value *map;
+    const char **shards = NULL;
+    char *path, *text = NULL;
+    size_t len;
+    uint32_t k, j, nshards = 0;
+    uint64_t best = 0;
+    int t;
+    mn_result r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    memset(&doc, 0, sizeof doc);
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
+    out->alloc_ = d.allocator;
+    if (!dir) return MN_ERR_INVALID_ARG;
+    path = mn__path_join(&d.allocator, dir, "model.safetensors.index.json");
+    if (!path) return mn__st_fail(out, &d.logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
+    r = mn__read_file(&d.allocator, path, 256ull << 20, &text, &len);
+    mn__free(&d.allocator, path);
+    if (r == MN_ERR_NOT_FOUND) {
+        r = mn__st_add_shard(dir, "model.safetensors", &d, out);
+        if (r == MN_ERR_NOT_FOUND)  // not an error in itself: logged by callers that need weights
+            snprintf(out->error, sizeof out->error, "%.100s: no model.safetensors[.index.json]",
+                     dir);
+        goto totals;
+    }
+    if (r != MN_OK) {
+        return mn__st_fail(out, &d.logger, r, "%.100s: cannot read model.safetensors.index.json",
+                           dir);
+    }
+    memset(&jd, 0, sizeof jd);
+    jd.allocator = d.allocator;
+    r = mn_json_parse(text, len, &jd, &doc);
+    if (r != MN_OK) {
+        mn__st_fail(out, &d.logger, r, "model.safetensors.index.json: %s", doc.error);
+        goto done;
+    }
+    map = mn_json_get(doc.root, "weight_map");
+    if (!map || map->type != MN_JSON_OBJECT) {
+        r = mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                        "model.safetensors.index.json has no \"weight_map\" object");
+        goto done;
+    }
+    shards = (const char **)mn__alloc_array(&d.allocator, map->len, sizeof *shards);
+    if (!shards) {
+        r = mn__st_fail(out, &d.logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
+        goto done;
+    }
+    for (k = 0; k < map->len; k++) {
+        const mn_json_value *v = &map->items[2 * k + 1];
+        if (v->type != MN_JSON_STRING || v->len == 0 || strlen(v->str) != v->len ||
+            strchr(v->str, '/') || strchr(v->str, '\\') || v->str[0] == '.') {
+            r = mn__st_fail(out, &d.logger, MN_ERR_PARSE,
+                            "weight_map: \"%.60s\" does not name a file in the folder",
+                            map->items[2 * k].str);
+            goto done;
+        }
+        shards[k] = v->str;
+    }
+    // the distinct shard names, in order
+    mn__sort_strs(shards, map->len);
+    for (k = 0; k < map->len; k++) {
+        if (nshards == 0 || strcmp(shards[nshards - 1], shards[k]) != 0)
+            shards[nshards++] = shards[k];
+    }
+    for (j = 0; j < nshards; j++) {
+        r = mn__st_add_shard(dir, shards[j], &d, out);
+        if (r == MN_ERR_NOT_FOUND)  // named by the index: missing is an error, not "no weights"
+            r = mn__st_fail(out, &d.logger, MN_ERR_IO, "%.60s: listed in the index, missing",
+                            shards[j]);
+        if (r != MN_OK) goto done;
+    }
+    if (out->tensors != map->len)
+        mn__log(&d.logger, MN_LOG_WARN,
+                "safetensors: weight_map lists %u tensors, shards hold %llu", (unsigned)map->len,
+                (unsigned long long)out->tensors);
+totals:
+    if (r == MN_OK) {
+        for (t = 1; t < MN_ST_DTYPE_COUNT; t++) {
+            if (out->params_by_dtype[t] > best)
+                best = out->params_by_dtype[t], out->st_dtype = (mn_st_dtype)t;
+        }
+        out->dtype = mn_st_dtype_to_dtype(out->st_dtype);
+    }
+done:
+    mn__free(&d.allocator, (void *)shards);
+    mn_json_free(&doc);
+    mn__free(&d.allocator, text);
+    return r;
+}
+// >>estimate implementation ---------------------------------------------------------------------
+//
+// The estimator runs a training step symbolically, as autograd runs it:
+//   - every op allocates its output; a tensor lives while a Python-level reference or a saved-for-
+//     backward reference holds it (reference counts), so forward frees exactly what eager
+//     PyTorch frees;
+//   - backward walks the tape in reverse: each op allocates the gradients of its inputs, the
+//     gradients of its parameters (kept, or added and freed when they already exist), its own
+//     transient buffers, then frees its gradient of the output and drops what it saved;
+//   - checkpointed blocks keep only their input and are re-run (recorded) when backward reaches them;
+//   - the optimizer allocates its state lazily at the first step, through the same
+//     mn_optim_state_bytes() the optimizers use.
+// Two steps are simulated (the first creates the optimizer state, the second is the steady state).
+// The allocation sequence gives peak allocated; replayed through the caching allocator on a
+// simulated device it gives peak reserved. Sources for the per-op rules are cited where they are
+// used (PyTorch derivatives.yaml for what each op saves, autocast's op lists for dtypes).
+
+// ---- names --------------------------------------------------------------------------------------
+
+typedef struct mn__name { const char *name; int value; } mn__name;
+
+static const mn__name mn__precision_names[] = {
+    {"fp32", MN_PREC_FP32}, {"fp16", MN_PREC_FP16}, {"bf16", MN_PREC_BF16},
+    {"fp16-pure", MN_PREC_FP16_PURE}, {"bf16-pure", MN_PREC_BF16_PURE}, {NULL, 0}};
+static const mn__name mn__optim_names[] = {
+    {"adamw", MN_OPTIM_ADAMW}, {"adamw-8bit", MN_OPTIM_ADAMW_8BIT}, {"sgd", MN_OPTIM_SGD},
+    {"sgd-momentum", MN_OPTIM_SGD_MOMENTUM}, {"adafactor", MN_OPTIM_ADAFACTOR}, {"lion", MN_OPTIM_LION},
+    {"none", MN_OPTIM_NONE}, {NULL, 0}};
+static const mn__name mn__ckpt_names[] = {
+    {"none", MN_CKPT_NONE}, {"full", MN_CKPT_FULL}, {"selective", MN_CKPT_SELECTIVE}, {NULL, 0}};
+static const mn__name mn__attn_names[] = {
+    {"eager", MN_ATTN_EAGER}, {"sdpa", MN_ATTN_SDPA}, {"flash", MN_ATTN_FLASH}, {NULL, 0}};
+static const mn__name mn__framework_names[] = {
+    {"hf", MN_FW_HF}, {"deepspeed", MN_FW_DEEPSPEED}, {"megatron", MN_FW_MEGATRON},
+    {"memanat", MN_FW_MEMANAT}, {NULL, 0}};
+static const mn__name mn__offload_names[] = {
+    {"none", MN_OFFLOAD_NONE}, {"optimizer", MN_OFFLOAD_OPTIMIZER}, {"all", MN_OFFLOAD_ALL}, {NULL, 0}};
+static const mn__name mn__quant_names[] = {
+    {"none", MN_QUANT_NONE}, {"int8", MN_QUANT_INT8}, {"nf4", MN_QUANT_NF4}, {NULL, 0}};
+static const mn__name mn__head_names[] = {
+    {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE}, {NULL, 0}};
+static const mn__name mn__arch_names[] = {
+    {"decoder", MN_ARCH_DECODER}, {"encoder", MN_ARCH_ENCODER},
+    {"encoder-decoder", MN_ARCH_ENCODER_DECODER}, {"stack", MN_ARCH_STACK}, {NULL, 0}};
+
+static const char *mn__name_of(const mn__name *t, int v, int dflt) {
+    int i;
+    if (v == 0) v = dflt;
+    for (i = 0; t[i].name; i++)
+        if (t[i].value == v) return t[i].name;
+    return "unknown";
+}
+
+static mn_result mn__parse_name(const mn__name *t, const char *s, int *out) {
+    int i;
+    if (!s || !out) return MN_ERR_INVALID_ARG;
+    for (i = 0; t[i].name; i++)
+        if (mn__streq_nocase(s, t[i].name)) { *out = t[i].value; return MN_OK; }
+    return MN_ERR_NOT_FOUND;
+}
+
+#define MN__NAMES(fn, type, table, dflt)                                                        \
+    MNIMPL const char *mn_##fn##_name(type v) { return mn__name_of(table, (int)v, dflt); }        \
+    MNIMPL mn_result mn_##fn##_parse(const char *s, type *out) {                                 \
+        int v = 0;                                                                              \
+        mn_result r = mn__parse_name(table, s, &v);                                             \
+        if (r == MN_OK) *out = (type)v;                                                         \
+        return r;                                                                               \
+    }
+MN__NAMES(precision, mn_precision, mn__precision_names, MN_PREC_FP32)
+MN__NAMES(optim, mn_optim, mn__optim_names, MN_OPTIM_ADAMW)
+MN__NAMES(ckpt, mn_ckpt, mn__ckpt_names, MN_CKPT_NONE)
+MN__NAMES(attn, mn_attn, mn__attn_names, MN_ATTN_SDPA)
+MN__NAMES(framework, mn_framework, mn__framework_names, MN_FW_HF)
+MN__NAMES(offload, mn_offload, mn__offload_names, MN_OFFLOAD_NONE)
+MN__NAMES(quant, mn_quant, mn__quant_names, MN_QUANT_NONE)
+MN__NAMES(head, mn_head, mn__head_names, MN_HEAD_LM)
+#undef MN__NAMES
+
+MNIMPL const char *mn_arch_name(mn_arch a) { return mn__name_of(mn__arch_names, (int)a, MN_ARCH_DECODER); }
+
+MNIMPL const char *mn_framework_describe(mn_framework f) {
+    switch (f) {
+    case MN_FW_DEFAULT:
+    case MN_FW_HF:
+        return "hf: HF Trainer + torch autocast. Parameters stay fp32 (they are the master weights); "
+               "autocast caches 16-bit weight copies for the step; gradients fp32; optimizer state "
+               "in the parameter dtype; gradients kept between steps (zero_grad in place); eager "
+               "attention for encoders, sdpa otherwise; loss on fp32-upcast logits";
+    case MN_FW_DEEPSPEED:
+        return "deepspeed: 16-bit parameters and gradients; the fp32 master copy lives in the "
+               "optimizer (ZeRO's K = 12: master + m + v), ZeRO-2 keeps fp16 and fp32 gradient "
+               "partitions (2 + 18/N bytes per parameter), ZeRO-3 shards parameters too";
+    case MN_FW_MEGATRON:
+        return "megatron: 16-bit parameters, fp32 main gradients, fp32 master + Adam in the "
+               "optimizer (18 bytes per parameter; 6 + 12/N with the distributed optimizer, "
+               "--zero 1); flash attention, fused kernels";
+    case MN_FW_MEMANAT:
+        return "memanat: this project's trainer: 16-bit weights with fp32 master weights, fp32 "
+               "gradients, fp32 optimizer state, flash-style attention";
+    case MN_FW_COUNT: break;
+    }
+    return "unknown framework";
+}
+
+MNIMPL mn_result mn_lora_targets_parse(const char *s, uint32_t *out) {
+    static const mn__name t[] = {{"q", MN_LORA_Q}, {"k", MN_LORA_K}, {"v", MN_LORA_V}, {"o", MN_LORA_O},
+                                 {"gate", MN_LORA_GATE}, {"up", MN_LORA_UP}, {"down", MN_LORA_DOWN},
+                                 {"all", MN_LORA_ALL}, {NULL, 0}};
+    char word[16];
+    uint32_t bits = 0;
+    size_t n;
+    int v;
+    if (!s || !out || !*s) return MN_ERR_INVALID_ARG;
+    while (*s) {
+        n = strcspn(s, ",");
+        if (n == 0 || n >= sizeof word) return MN_ERR_NOT_FOUND;
+        memcpy(word, s, n);
+        word[n] = 0;
+        if (mn__parse_name(t, word, &v) != MN_OK) return MN_ERR_NOT_FOUND;
+        bits |= (uint32_t)v;
+        s += n;
+        if (*s == ',') s++;
+    }
+    *out = bits;
+    return MN_OK;
+}
+
+// ---- presets (shapes from the published config.json files) --------------------------------------
+
+#define MN__KB(x) ((uint64_t)(x) << 10)
+#define MN__MIB(x) ((uint64_t)(x) << 20)
+
+// name, arch, layers, enc, hidden, heads, kv, head_dim, ffn, vocab, maxpos, types, buckets, labels,
+// norm, act, pos, head, gated, tie, qkv_b, out_b, mlp_b, pooler, final_norm, embed_norm,
+// dropout, attn_dropout, dtype
+#define MN__BERT(nm, L, h, a, f) {nm, MN_ARCH_ENCODER, L, 0, h, a, 0, 0, f, 30522, 512, 2, 0, 0, \
+    MN_NORM_LAYERNORM, MN_ACT_GELU, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0.1f, 0.1f, \
+    MN_FP32, 0, NULL, 0, 0}
+#define MN__GPT2(nm, L, h, a) {nm, MN_ARCH_DECODER, L, 0, h, a, 0, 0, 0, 50257, 1024, 0, 0, 0, \
+    MN_NORM_LAYERNORM, MN_ACT_GELU_NEW, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0.1f, \
+    0.1f, MN_FP32, 0, NULL, 0, 0}
+#define MN__T5(nm, L, h, a, d, f, gated, tie) {nm, MN_ARCH_ENCODER_DECODER, L, L, h, a, 0, d, f, 32128, \
+    0, 0, 32, 0, MN_NORM_RMSNORM, (gated) ? MN_ACT_GELU_NEW : MN_ACT_RELU, MN_POS_RELATIVE, MN_HEAD_LM, \
+    gated, tie, 0, 0, 0, 0, 1, 0, 0, 0, 0.1f, 0.1f, (gated) ? MN_BF16 : MN_FP32, 0, NULL, 0, 0}
+#define MN__LLAMA(nm, L, h, a, kv, d, f, V, tie, qkvb, dt) {nm, MN_ARCH_DECODER, L, 0, h, a, kv, d, f, V, \
+    0, 0, 0, 0, MN_NORM_RMSNORM, MN_ACT_SILU, MN_POS_ROPE, MN_HEAD_LM, 1, tie, qkvb, 0, 0, 0, 1, 0, 0, 0, \
+    0.0f, 0.0f, dt, 0, NULL, 0, 0}
+#define MN__BIGCODE(nm, L, h, a, f) {nm, MN_ARCH_DECODER, L, 0, h, a, 1, 0, f, 49152, 8192, 0, 0, 0, \
+    MN_NORM_LAYERNORM, MN_ACT_GELU_TANH, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0.1f, \
+    0.1f, MN_FP32, 0, NULL, 0, 0}
+
+static const mn_model mn__presets[] = {
+    MN__BERT("bert-base-uncased", 12, 768, 12, 3072),
+    MN__BERT("bert-large-uncased", 24, 1024, 16, 4096),
+    MN__GPT2("gpt2", 12, 768, 12),
+    MN__GPT2("gpt2-medium", 24, 1024, 16),
+    MN__GPT2("gpt2-large", 36, 1280, 20),
+    MN__GPT2("gpt2-xl", 48, 1600, 25),
+    MN__T5("t5-small", 6, 512, 8, 64, 2048, 0, 1),
+    MN__T5("t5-base", 12, 768, 12, 64, 3072, 0, 1),
+    MN__T5("t5-large", 24, 1024, 16, 64, 4096, 0, 1),
+    MN__T5("t5-3b", 24, 1024, 32, 128, 16384, 0, 1),
+    MN__T5("t5-11b", 24, 1024, 128, 128, 65536, 0, 1),
+    MN__T5("flan-t5-base", 12, 768, 12, 64, 2048, 1, 0),
+    MN__T5("flan-t5-large", 24, 1024, 16, 64, 2816, 1, 0),
+    MN__T5("flan-t5-xl", 24, 2048, 32, 64, 5120, 1, 0),
+    MN__LLAMA("llama-2-7b", 32, 4096, 32, 32, 0, 11008, 32000, 0, 0, MN_FP16),
+    MN__LLAMA("llama-2-13b", 40, 5120, 40, 40, 0, 13824, 32000, 0, 0, MN_FP16),
+    MN__LLAMA("llama-2-70b", 80, 8192, 64, 8, 0, 28672, 32000, 0, 0, MN_FP16),
+    MN__LLAMA("llama-3-8b", 32, 4096, 32, 8, 0, 14336, 128256, 0, 0, MN_BF16),
+    MN__LLAMA("llama-3-70b", 80, 8192, 64, 8, 0, 28672, 128256, 0, 0, MN_BF16),
+    MN__LLAMA("llama-3.1-8b", 32, 4096, 32, 8, 0, 14336, 128256, 0, 0, MN_BF16),
+    MN__LLAMA("llama-3.1-70b", 80, 8192, 64, 8, 0, 28672, 128256, 0, 0, MN_BF16),
+    MN__LLAMA("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, 1, 0, MN_BF16),
+    MN__LLAMA("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, 1, 0, MN_BF16),
+    MN__LLAMA("mistral-7b", 32, 4096, 32, 8, 0, 14336, 32000, 0, 0, MN_BF16),
+    MN__LLAMA("mistral-7b-v0.3", 32, 4096, 32, 8, 0, 14336, 32768, 0, 0, MN_BF16),
+    MN__LLAMA("qwen2-0.5b", 24, 896, 14, 2, 0, 4864, 151936, 1, 1, MN_BF16),
+    MN__LLAMA("qwen2-1.5b", 28, 1536, 12, 2, 0, 8960, 151936, 1, 1, MN_BF16),
+    MN__LLAMA("qwen2-7b", 28, 3584, 28, 4, 0, 18944, 152064, 0, 1, MN_BF16),
+    MN__LLAMA("qwen2.5-0.5b", 24, 896, 14, 2, 0, 4864, 151936, 1, 1, MN_BF16),
+    MN__LLAMA("qwen2.5-7b", 28, 3584, 28, 4, 0, 18944, 152064, 0, 1, MN_BF16),
+    MN__LLAMA("qwen2.5-14b", 48, 5120, 40, 8, 0, 13824, 152064, 0, 1, MN_BF16),
+    MN__BIGCODE("starcoderbase-1b", 24, 2048, 16, 8192),
+    MN__BIGCODE("starcoderbase-7b", 42, 4096, 32, 16384),
+    MN__BIGCODE("starcoder", 40, 6144, 48, 24576),
+};
+
+MNIMPL uint32_t mn_preset_count(void) { return (uint32_t)(sizeof mn__presets / sizeof mn__presets[0]); }
+
+MNIMPL const mn_model *mn_preset_get(uint32_t i) { return i < mn_preset_count() ? &mn__presets[i] : NULL; }
+
+MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
+    uint32_t i;
+    const char *slash;
+    if (!name || !out) return MN_ERR_INVALID_ARG;
+    slash = strrchr(name, '/');  // accept hub ids such as "meta-llama/llama-2-7b"
+    if (slash) name = slash + 1;
+    for (i = 0; i < mn_preset_count(); i++) {
+        if (mn__streq_nocase(name, mn__presets[i].name)) {
+            *out = mn__presets[i];
+            return MN_OK;
+        }
+    }
+    return MN_ERR_NOT_FOUND;
+}
+
+// Capacity as nvidia-smi reports the total; context = CUDA context + kernels of a torch 2.x
+// process with lazy module loading (ml-engineering measured 0.47 GiB on an A100; older torch
+// with eager loading takes 0.9-1.8 GiB, e.g. the HF V100 runs' 1343 MiB: pass --context).
+static const mn_gpu mn__gpus[] = {
+    {"v100-16gb", "Tesla V100 16GB", MN__MIB(16160), MN__MIB(600), 0},
+    {"v100-32gb", "Tesla V100 32GB", MN__MIB(32510), MN__MIB(600), 0},
+    {"t4", "Tesla T4 16GB", MN__MIB(15360), MN__MIB(500), 0},
+    {"a10g", "NVIDIA A10G 24GB", MN__MIB(23028), MN__MIB(500), 1},
+    {"a10", "NVIDIA A10 24GB", MN__MIB(23028), MN__MIB(500), 1},
+    {"l4", "NVIDIA L4 24GB", MN__MIB(23034), MN__MIB(500), 1},
+    {"l40s", "NVIDIA L40S 48GB", MN__MIB(46068), MN__MIB(520), 1},
+    {"rtx3090", "GeForce RTX 3090 24GB", MN__MIB(24576), MN__MIB(520), 1},
+    {"rtx4090", "GeForce RTX 4090 24GB", MN__MIB(24564), MN__MIB(520), 1},
+    {"a100-40gb", "NVIDIA A100 40GB", MN__MIB(40960), MN__MIB(481), 1},
+    {"a100-80gb", "NVIDIA A100 80GB", MN__MIB(81920), MN__MIB(481), 1},
+    {"h100-80gb", "NVIDIA H100 80GB", MN__MIB(81559), MN__MIB(530), 1},
+    {"h200", "NVIDIA H200 141GB", MN__MIB(143771), MN__MIB(540), 1},
+};
+
+MNIMPL uint32_t mn_gpu_count(void) { return (uint32_t)(sizeof mn__gpus / sizeof mn__gpus[0]); }
+
+MNIMPL const mn_gpu *mn_gpu_get(uint32_t i) { return i < mn_gpu_count() ? &mn__gpus[i] : NULL; }
+
+MNIMPL mn_result mn_gpu_find(const char *name, mn_gpu *out) {
+    static const mn__name alias[] = {{"v100", 0}, {"a100", 10}, {"h100", 11}, {"3090", 7},
+                                     {"4090", 8}, {"h200-141gb", 12}, {NULL, 0}};
+    uint32_t i;
+    int v;
+    if (!name || !out) return MN_ERR_INVALID_ARG;
+    for (i = 0; i < mn_gpu_count(); i++)
+        if (mn__streq_nocase(name, mn__gpus[i].name)) { *out = mn__gpus[i]; return MN_OK; }
+    if (mn__parse_name(alias, name, &v) == MN_OK) { *out = mn__gpus[v]; return MN_OK; }
+    return MN_ERR_NOT_FOUND;
+}
+
+MNIMPL const char *mn_phase_name(mn_phase p) {
+    static const char *const n[MN_PHASE_COUNT] = {"none", "load", "forward", "backward", "optimizer",
+                                                  "prefill", "decode"};
+    return (unsigned)p < MN_PHASE_COUNT ? n[p] : "unknown";
+}
+
+// ---- the simulation state ----------------------------------------------------------------------
+
+#define MN__NONE 0xffffffffu
+
+typedef struct mn__ten {
+    uint64_t bytes;
+    uint32_t refs;   // Python-level references + saved-for-backward references
+    uint32_t grad;   // tensor id of its gradient, MN__NONE
+    uint8_t cat, rg, live, esz;
+} mn__ten;
+
+typedef struct mn__op {
+    uint64_t bwd_temp;      // transient bytes of the backward beyond input gradients
+    uint32_t in[3];         // activation inputs (gradients flow to those that require grad)
+    uint32_t saved[8];      // tensors kept for backward
+    uint32_t param[3];      // parameters whose gradients this op produces
+    uint32_t out;           // output tensor
+    uint32_t block;         // full checkpointing: block to re-run (MN__NONE otherwise)
+    uint32_t recomp_block;  // the op is a checkpoint of this block
+    uint8_t nin, nsaved, nparam, cast16;  // cast16: weight gradient first made in 16-bit (autocast)
+} mn__op;
+
+typedef struct mn__param {
+    uint64_t numel, dims[2];
+    uint32_t ndim, block;
+    uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward
+    uint32_t grad;           // gradient tensor id
+    uint8_t trainable, quant, is_embed, has_state;
+} mn__param;
+
+typedef struct mn__cfg {
+    mn_model m;
+    mn_setup s;
+    uint64_t b, seq, ntok, d, qd, kvd, f, r;  // batch (x beams), tokens, head dim, widths, LoRA rank
+    uint64_t enc_seq;      // encoder tokens per sequence (cross-attention keys)
+    uint32_t a_esz;        // activations out of matmuls
+    uint32_t w_esz;        // parameters as stored
+    uint32_t g_esz;        // parameter gradients
+    uint32_t n_esz;        // norm / residual stream outputs
+    uint32_t kv_esz;
+    int amp;               // torch autocast (casts per linear, cached 16-bit weights)
+    int hf;                // HF modelling code (composite RMSNorm, upcast logits, ...)
+    int fw_master;         // separate fp32 master copy: 1 = counted in optimizer, 2 = master_weights
+    int grads_keep, grads_prealloc, state_half;
+    mn_category param_cat; // category of the stored parameters
+    mn_attn attn;
+    uint32_t nblocks;      // encoder + decoder blocks
+    uint32_t gpus, zero;
+    int gpu_is_hopper;     // cuBLAS takes a 32 MiB workspace on sm90, 4 MiB before
+} mn__cfg;
+
+typedef struct mn__sim {
+    const mn_allocator *al;
+    mn__cfg *c;
+    mn__ten *t;
+    mn__op *ops;
+    mn__param *p;
+    mn_trace_event *ev;
+    uint32_t *bstart;        // first parameter of each block
+    uint64_t nt, ct, nops, cops, np, cp, nev, cev;
+    uint64_t cur[MN_CAT_COUNT], total, peak, at_peak[MN_CAT_COUNT], cat_peak[MN_CAT_COUNT];
+    mn_phase phase, peak_phase;
+    int record, counting, events, training;
+    uint32_t cursor, block;  // parameter cursor; block being built (counting pass)
+    uint32_t cursor_emb;     // the word embedding (shared by a T5 decoder and tied heads)
+    uint32_t hold;           // a tensor the caller holds until the end of the micro-batch
+    uint32_t blk;            // block being run
+    mn_result err;
+} mn__sim;
+
+// Grows *arr (elem bytes each) to hold at least need elements.
+static int mn__grow(mn__sim *S, void **arr, uint64_t *cap, uint64_t need, size_t elem) {
+    uint64_t nc;
+    void *n;
+    if (need <= *cap) return 1;
+    nc = *cap ? *cap * 2 : 256;
+    while (nc < need) nc *= 2;
+    if (nc > (uint64_t)(SIZE_MAX / elem) || nc > 0xfffffff0u) { S->err = MN_ERR_OVERFLOW; return 0; }
+    n = mn__alloc(S->al, (size_t)nc * elem);
+    if (!n) { S->err = MN_ERR_OUT_OF_MEMORY; return 0; }
+    if (*arr) memcpy(n, *arr, (size_t)*cap * elem);
+    mn__free(S->al, *arr);
+    *arr = n;
+    *cap = nc;
+    return 1;
+}
+
+// Checked product; an overflow sticks in S->err and yields 0.
+static uint64_t mn__m(mn__sim *S, uint64_t a, uint64_t b) {
+    uint64_t r;
+    if (mn_mul_u64(a, b, &r) != MN_OK) { S->err = MN_ERR_OVERFLOW; return 0; }
+    return r;
+}
+
+static uint64_t mn__m3(mn__sim *S, uint64_t a, uint64_t b, uint64_t c) { return mn__m(S, mn__m(S, a, b), c); }
+
+static void mn__event(mn__sim *S, uint32_t id, int alloc) {
+    mn_trace_event *e;
+    if (!S->events) return;
+    if (!mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev)) return;
+    e = &S->ev[S->nev++];
+    e->size = S->t[id].bytes;
+    e->id = id;
+    e->alloc = (uint8_t)alloc;
+    e->category = S->t[id].cat;
+    e->phase = (uint8_t)S->phase;
+}
+
+static uint32_t mn__alloc_t(mn__sim *S, uint64_t numel, uint32_t esz, mn_category cat) {
+    mn__ten *t;
+    uint32_t id;
+    uint64_t bytes;
+    int k;
+    if (S->counting || S->err) return MN__NONE;
+    bytes = mn__m(S, numel, esz);
+    if (S->err) return MN__NONE;
+    if (bytes == 0) bytes = 1;
+    if (!mn__grow(S, (void **)&S->t, &S->ct, S->nt + 1, sizeof *S->t)) return MN__NONE;
+    id = (uint32_t)S->nt++;
+    t = &S->t[id];
+    t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->cat = (uint8_t)cat, t->rg = 0, t->live = 1;
+    t->esz = (uint8_t)esz;
+    S->cur[cat] += bytes;
+    if (S->cur[cat] > S->cat_peak[cat]) S->cat_peak[cat] = S->cur[cat];
+    if (mn_add_u64(S->total, bytes, &S->total) != MN_OK) { S->err = MN_ERR_OVERFLOW; return MN__NONE; }
+    if (S->total > S->peak) {
+        S->peak = S->total, S->peak_phase = S->phase;
+        for (k = 0; k < MN_CAT_COUNT; k++) S->at_peak[k] = S->cur[k];
+    }
+    mn__event(S, id, 1);
+    return id;
+}
+
+static void mn__drop(mn__sim *S, uint32_t id) {
+    mn__ten *t;
+    if (id == MN__NONE || S->counting || S->err) return;
+    t = &S->t[id];
+    MN_ASSERT(t->live && t->refs > 0);
+    if (--t->refs) return;
+    t->live = 0;
+    S->cur[t->cat] -= t->bytes;
+    S->total -= t->bytes;
+    mn__event(S, id, 0);
+}
+
+static void mn__ref(mn__sim *S, uint32_t id) {
+    if (id != MN__NONE && !S->counting && !S->err) S->t[id].refs++;
+}
+
+// A transient buffer: allocated and freed at once (its peak contribution is what counts).
+static void mn__transient(mn__sim *S, uint64_t bytes, mn_category cat) {
+    if (bytes) mn__drop(S, mn__alloc_t(S, bytes, 1, cat));
+}
+
+static uint64_t mn__tnumel(mn__sim *S, uint32_t id) {
+    return (id == MN__NONE || S->counting || S->err) ? 0 : S->t[id].bytes / S->t[id].esz;
+}
+
+static uint32_t mn__esz(mn__sim *S, uint32_t id) {
+    return (id == MN__NONE || S->counting || S->err) ? 4 : S->t[id].esz;
+}
+
+static int mn__rg(mn__sim *S, uint32_t id) { return id != MN__NONE && !S->counting && S->t[id].rg; }
+
+// Records an op on the tape when autograd records (grad mode and something requires grad).
+// saved[] gain a reference; the op's output must exist.
+static void mn__op_rec(mn__sim *S, uint32_t out, const uint32_t *in, int nin, const uint32_t *saved,
+                       int nsaved, const uint32_t *param, int nparam, uint64_t bwd_temp) {
+    mn__op *o;
+    int i, any = 0;
+    if (S->counting || S->err || !S->record || out == MN__NONE) return;
+    for (i = 0; i < nin; i++) any |= mn__rg(S, in[i]);
+    for (i = 0; i < nparam; i++) any |= param[i] != MN__NONE && S->p[param[i]].trainable;
+    if (!any) return;
+    S->t[out].rg = 1;
+    if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return;
+    o = &S->ops[S->nops++];
+    memset(o, 0, sizeof *o);
+    o->out = out, o->block = MN__NONE, o->recomp_block = MN__NONE, o->bwd_temp = bwd_temp;
+    for (i = 0; i < nin && i < 3; i++) if (in[i] != MN__NONE) o->in[o->nin++] = in[i];
+    for (i = 0; i < nsaved && i < 8; i++)
+        if (saved[i] != MN__NONE) { o->saved[o->nsaved++] = saved[i]; mn__ref(S, saved[i]); }
+    for (i = 0; i < nparam && i < 3; i++) if (param[i] != MN__NONE) o->param[o->nparam++] = param[i];
+}
+
+// ---- parameters --------------------------------------------------------------------------------
+
+// Counting pass: registers the next parameter tensor (cols 0 = a vector). Forward pass: returns the
+// next parameter in the same order, so both passes walk one description of the model.
+static uint32_t mn__w(mn__sim *S, uint64_t rows, uint64_t cols, int trainable, int quant, int embed) {
+    mn__param *p;
+    if (S->err) return MN__NONE;
+    if (!S->counting) return S->cursor < S->np ? S->cursor++ : MN__NONE;
+    if (!mn__grow(S, (void **)&S->p, &S->cp, S->np + 1, sizeof *S->p)) return MN__NONE;
+    p = &S->p[S->np];
+    memset(p, 0, sizeof *p);
+    p->dims[0] = rows, p->dims[1] = cols, p->ndim = cols ? 2 : 1;
+    p->numel = cols ? mn__m(S, rows, cols) : rows;
+    p->block = S->block, p->trainable = (uint8_t)trainable, p->quant = (uint8_t)quant;
+    p->is_embed = (uint8_t)embed, p->w16 = MN__NONE, p->grad = MN__NONE;
+    return (uint32_t)S->np++;
+}
+
+static int mn__base_trainable(const mn__cfg *c) { return c->r == 0 && c->s.trainable_params == 0; }
+
+// ---- layers ------------------------------------------------------------------------------------
+// Each returns a new tensor holding one Python reference that the caller drops.
+
+static uint32_t mn__identity(mn__sim *S, uint32_t x) { mn__ref(S, x); return x; }
+
+// y = x W^T (+ b) [+ LoRA: y += (x A^T) B^T * scale]. x: [rows, in] -> y: [rows, out].
+// Saves x when W trains (mm saves self for mat2's gradient, derivatives.yaml) and, under autocast,
+// the cached 16-bit weight (for the input gradient). Autocast casts a fp32 input per call.
+static uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, int bias,
+                           uint32_t lora_bit, int quantizable, uint32_t shared) {
+    mn__cfg *c = S->c;
+    int tr = mn__base_trainable(c), lora = c->r && (c->s.lora_targets & lora_bit);
+    int quant = quantizable && c->s.quant > MN_QUANT_NONE;
+    uint32_t w = shared != MN__NONE ? shared : mn__w(S, out, in, tr, quant, 0);
+    uint32_t bb = bias ? mn__w(S, out, 0, tr, 0, 0) : MN__NONE;
+    uint32_t la = lora ? mn__w(S, c->r, in, 1, 0, 0) : MN__NONE;
+    uint32_t lb = lora ? mn__w(S, out, c->r, 1, 0, 0) : MN__NONE;
+    uint32_t xin = x, w16 = MN__NONE, tmp = MN__NONE, y, sv[2], pr[2];
+    uint64_t rows, bwd = 0;
+    mn__param *P;
+    if (S->counting || S->err || w == MN__NONE) return MN__NONE;
+    P = &S->p[w];
+    rows = mn__tnumel(S, x) / in;
+    if (c->amp && mn__esz(S, x) == 4) {  // autocast: a fresh 16-bit copy of the input per linear
+        xin = mn__alloc_t(S, rows * in, 2, MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, xin, &x, 1, NULL, 0, NULL, 0, 0);
+    }
+    if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
+        if (P->w16 == MN__NONE) P->w16 = mn__alloc_t(S, P->numel, 2, MN_CAT_WEIGHTS);
+        w16 = P->w16;
+    }
+    if (P->quant || c->zero >= 3) {  // dequantized / gathered full weight, for the matmul only
+        tmp = mn__alloc_t(S, P->numel, 2, MN_CAT_TEMPORARY);
+        bwd = P->numel * 2;
+    }
+    y = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
+    sv[0] = P->trainable ? xin : MN__NONE;
+    sv[1] = mn__rg(S, xin) ? w16 : MN__NONE;
+    pr[0] = w, pr[1] = bb;
+    mn__op_rec(S, y, &xin, 1, sv, 2, pr, 2, bwd);
+    if (S->nops && S->record && S->ops[S->nops - 1].out == y) S->ops[S->nops - 1].cast16 = (uint8_t)c->amp;
+    mn__drop(S, tmp);
+    if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
+        uint32_t h = mn__alloc_t(S, mn__m(S, rows, c->r), c->a_esz, MN_CAT_ACTIVATIONS), z, z2, y2, two[2];
+        mn__op_rec(S, h, &xin, 1, &xin, 1, &la, 1, 0);
+        z = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, z, &h, 1, &h, 1, &lb, 1, 0);
+        mn__drop(S, h);
+        z2 = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, z2, &z, 1, NULL, 0, NULL, 0, 0);
+        mn__drop(S, z);
+        y2 = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
+        two[0] = y, two[1] = z2;
+        mn__op_rec(S, y2, two, 2, NULL, 0, NULL, 0, 0);
+        mn__drop(S, y), mn__drop(S, z2);
+        y = y2;
+    }
+    if (xin != x) mn__drop(S, xin);
+    return y;
+}
+
+// Dropout keeps a 1-byte mask (native_dropout, derivatives.yaml) and allocates its output.
+static uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
+    uint32_t mask, y;
+    uint64_t n;
+    if (p <= 0.0f || !S->training) return mn__identity(S, x);
+    if (S->counting || S->err) return MN__NONE;
+    n = mn__tnumel(S, x);
+    mask = mn__alloc_t(S, n, 1, MN_CAT_ACTIVATIONS);
+    y = mn__alloc_t(S, n, mn__esz(S, x), MN_CAT_ACTIVATIONS);
+    mn__op_rec(S, y, &x, 1, &mask, 1, NULL, 0, 0);
+    mn__drop(S, mask);
+    return y;
+}
+
+// Elementwise a + b; the result takes the wider dtype (type promotion); saves nothing.
+static uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
+    uint32_t y, in[2];
+    uint32_t ea = mn__esz(S, a), eb = mn__esz(S, b);
+    if (S->counting || S->err) return MN__NONE;
+    y = mn__alloc_t(S, mn__tnumel(S, a), ea > eb ? ea : eb, MN_CAT_ACTIVATIONS);
+    in[0] = a, in[1] = b;
+    mn__op_rec(S, y, in, 2, NULL, 0, NULL, 0, 0);
+    return y;
+}
+
+// Layernorm / RMSNorm over the last `width` features.
+// Fused kernels (native_layer_norm, apex) save the input and per-row statistics. HF's RMSNorm is
+// written in Python ops: an fp32 copy of the input (saved by pow and mul), the normalized values
+// cast back to the input dtype (saved by the weight multiply when the weight trains).
+static uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
+    mn__cfg *c = S->c;
+    int tr = mn__base_trainable(c), ln = c->m.norm != MN_NORM_RMSNORM;
+    uint32_t w = mn__w(S, width, 0, tr, 0, 0);
+    uint32_t bb = ln ? mn__w(S, width, 0, tr, 0, 0) : MN__NONE;
+    uint32_t y, st, sv[2], pr[2], ex = mn__esz(S, x);
+    uint64_t n, rows;
+    if (S->counting || S->err) return MN__NONE;
+    n = mn__tnumel(S, x), rows = n / width;
+    pr[0] = w, pr[1] = bb;
+    if (ln || !c->hf) {
+        uint32_t oe = c->amp ? 4 : ex;  // autocast runs layer_norm in fp32
+        st = mn__alloc_t(S, rows * 2, 4, MN_CAT_ACTIVATIONS);
+        y = mn__alloc_t(S, n, oe, MN_CAT_ACTIVATIONS);
+        sv[0] = x, sv[1] = st;
+        mn__op_rec(S, y, &x, 1, sv, 2, pr, 2, 0);
+        mn__drop(S, st);
+        return y;
+    } else {
+        uint32_t x32 = x, rs, h1, h16, out_e = ex;
+        if (ex != 4) {
+            x32 = mn__alloc_t(S, n, 4, MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, x32, &x, 1, NULL, 0, NULL, 0, 0);
+        }
+        mn__transient(S, n * 4, MN_CAT_ACTIVATIONS);  // x32.pow(2) before the mean
+        rs = mn__alloc_t(S, rows, 4, MN_CAT_ACTIVATIONS);
+        sv[0] = x32, sv[1] = rs;
+        mn__op_rec(S, rs, &x32, 1, sv, 2, NULL, 0, 0);
+        h1 = mn__alloc_t(S, n, 4, MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, h1, &x32, 1, sv, 2, NULL, 0, 0);
+        h16 = h1;
+        if (ex != 4) {
+            h16 = mn__alloc_t(S, n, ex, MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, h16, &h1, 1, NULL, 0, NULL, 0, 0);
+            mn__drop(S, h1);
+        }
+        if (c->w_esz == 4 && ex != 4) out_e = 4;  // fp32 weight * 16-bit values promotes
+        y = mn__alloc_t(S, n, out_e, MN_CAT_ACTIVATIONS);
+        sv[0] = tr ? h16 : MN__NONE;
+        mn__op_rec(S, y, &h16, 1, sv, 1, &w, 1, 0);
+        mn__drop(S, h16), mn__drop(S, rs);
+        if (x32 != x) mn__drop(S, x32);
+        return y;
+    }
+}
+
+// Activations: relu/gelu/silu kernels save their input (derivatives.yaml). HF's "gelu_new" is
+// 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3))) in separate ops: it also keeps the tanh output,
+// 0.5 x and 1 + tanh, and makes four more transient copies on the way.
+static uint32_t mn__act(mn__sim *S, uint32_t x) {
+    uint32_t y, e, sv[4];
+    uint64_t n;
+    if (S->counting || S->err) return MN__NONE;
+    n = mn__tnumel(S, x), e = mn__esz(S, x);
+    if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf) {
+        uint32_t a1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS), a2, th, op1, half;
+        a2 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, a1);
+        a1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, a2);
+        th = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, a1);
+        op1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        half = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        sv[0] = x, sv[1] = th, sv[2] = op1, sv[3] = half;
+        mn__op_rec(S, y, &x, 1, sv, 4, NULL, 0, 3 * n * e);
+        mn__drop(S, th), mn__drop(S, op1), mn__drop(S, half);
+        return y;
+    }
+    y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+    mn__op_rec(S, y, &x, 1, &x, 1, NULL, 0, 0);
+    return y;
+}
+
+// a * b, saving both operands (mul's gradient needs the other factor).
+static uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
+    uint32_t y, in[2];
+    if (S->counting || S->err) return MN__NONE;
+    y = mn__alloc_t(S, mn__tnumel(S, a), mn__esz(S, a), MN_CAT_ACTIVATIONS);
+    in[0] = a, in[1] = b;
+    mn__op_rec(S, y, in, 2, in, 2, NULL, 0, 0);
+    return y;
+}
+
+// Rotary embedding as HF writes it: q*cos + rotate_half(q)*sin (three transients, one result).
+// Fused kernels (megatron, flash) write one output.
+static uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
+    uint32_t e = mn__esz(S, x), y, t1 = MN__NONE, t2, t3 = MN__NONE;
+    if (S->counting || S->err) return MN__NONE;
+    if (S->c->hf) {
+        t1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        t2 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        t3 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, t2);
+    }
+    y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+    mn__op_rec(S, y, &x, 1, NULL, 0, NULL, 0, 0);
+    mn__drop(S, t1), mn__drop(S, t3);
+    return y;
+}
+
+// The attention core softmax(q k^T * scale + mask) v for b sequences, sq queries, skv keys.
+// Eager (HF modelling code): bmm copies of q, k (repeated to all heads for GQA) and v are saved,
+// the scores pass through scale and mask ops (new tensors), softmax saves its output (fp32 under
+// autocast and in the Llama/T5 code), dropout saves a 1-byte mask and its output, a cast back to
+// the value dtype is saved by the second bmm. Fused attention (sdpa, flash) saves q, k, v, the
+// output and the log-sum-exp per row (FlashAttention-2 paper, backward pass).
+// Selective checkpointing (Korthikanti et al. 2022) keeps only q, k, v and recomputes the rest.
+static uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq,
+                              uint64_t skv, int cross) {
+    mn__cfg *c = S->c;
+    uint32_t e = mn__esz(S, q), in[3], sv[8], y;
+    uint64_t nq = mn__m3(S, c->b, sq, c->qd), nkv = mn__m3(S, c->b, skv, c->kvd);
+    uint64_t ns = mn__m(S, mn__m3(S, c->b, c->m.heads, sq), skv);
+    int sel = c->s.checkpointing == MN_CKPT_SELECTIVE && S->record;
+    int nsv = 0, i;
+    (void)cross;
+    if (S->counting || S->err) return MN__NONE;
+    in[0] = q, in[1] = k, in[2] = v;
+    if (c->attn == MN_ATTN_EAGER) {
+        int t5 = c->m.posemb == MN_POS_RELATIVE;
+        uint32_t sm_e = (c->amp || t5 || c->m.posemb == MN_POS_ROPE) ? 4 : e;
+        uint32_t mask_e = (c->amp && c->m.arch == MN_ARCH_ENCODER) ? 4 : e;  // fp32 extended mask
+        uint64_t nrep = c->hf ? mn__m3(S, c->b, skv, c->qd) : nkv;         // repeat_kv for GQA
+        uint32_t qc, kc, vc, s0, s1, P, mk = MN__NONE, Pd, P16, C, Cc;
+        uint64_t kept = 0;
+        qc = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
+        kc = mn__alloc_t(S, nrep, e, MN_CAT_ACTIVATIONS);
+        s0 = mn__alloc_t(S, ns, e, MN_CAT_ACTIVATIONS);
+        if (!t5) {  // scores * scale, then + mask: two new tensors (T5 adds its bias in place)
+            s1 = mn__alloc_t(S, ns, e, MN_CAT_ACTIVATIONS), mn__drop(S, s0), s0 = s1;
+            s1 = mn__alloc_t(S, ns, mask_e, MN_CAT_ACTIVATIONS), mn__drop(S, s0), s0 = s1;
+        }
+        P = mn__alloc_t(S, ns, sm_e, MN_CAT_ACTIVATIONS);
+        // torch <= 1.10: _softmax_backward_data took the softmax input, so autograd kept it too
+        if (c->s.torch_version >= 111) mn__drop(S, s0), s0 = MN__NONE;
+        Pd = P;
+        if (c->m.attn_dropout > 0.0f && S->training) {
+            mk = mn__alloc_t(S, ns, 1, MN_CAT_ACTIVATIONS);
+            Pd = mn__alloc_t(S, ns, sm_e, MN_CAT_ACTIVATIONS);
+        }
+        P16 = Pd;
+        if (sm_e != e) P16 = mn__alloc_t(S, ns, e, MN_CAT_ACTIVATIONS);
+        vc = mn__alloc_t(S, nrep, e, MN_CAT_ACTIVATIONS);
+        C = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
+        Cc = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, C);
+        sv[0] = qc, sv[1] = kc, sv[2] = P, sv[3] = mk, sv[4] = P16, sv[5] = vc, sv[6] = s0;
+        for (i = 0; i < 7; i++) {
+            int dup = 0, j;
+            for (j = 0; j < i; j++) dup |= sv[j] == sv[i];
+            if (sv[i] != MN__NONE && !dup) kept += S->t[sv[i]].bytes;
+        }
+        if (sel) {
+            sv[0] = q, sv[1] = k, sv[2] = v, nsv = 3;
+            mn__op_rec(S, Cc, in, 3, sv, nsv, NULL, 0, kept + 2 * ns * sm_e + 3 * nq * e);
+        } else {
+            nsv = 7;
+            mn__op_rec(S, Cc, in, 3, sv, nsv, NULL, 0, 2 * ns * sm_e + 3 * nq * e);
+        }
+        mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, vc), mn__drop(S, P), mn__drop(S, s0);
+        if (Pd != P) mn__drop(S, Pd);
+        if (P16 != Pd) mn__drop(S, P16);
+        mn__drop(S, mk);
+        y = Cc;
+    } else {
+        uint32_t O = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
+        uint32_t lse = mn__alloc_t(S, mn__m3(S, c->b, c->m.heads, sq), 4, MN_CAT_ACTIVATIONS);
+        sv[0] = q, sv[1] = k, sv[2] = v, sv[3] = O, sv[4] = lse;
+        y = O;
+        if (c->hf) {  // attn_output.transpose(1, 2).contiguous()
+            y = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, O, in, 3, sv, 5, NULL, 0, nq * 4);
+            mn__op_rec(S, y, &O, 1, NULL, 0, NULL, 0, 0);
+            mn__drop(S, O);
+        } else {
+            mn__op_rec(S, O, in, 3, sv, 5, NULL, 0, nq * 4);
+        }
+        mn__drop(S, lse);
+    }
+    return y;
+}
+
+static uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64_t sq, uint64_t skv, int cross) {
+    mn__cfg *c = S->c;
+    uint64_t h = c->m.hidden;
+    int fused = c->m.posemb == MN_POS_LEARNED && c->m.arch == MN_ARCH_DECODER;  // GPT-2 c_attn
+    uint32_t q, k, v, ctx, o;
+    if (c->m.posemb == MN_POS_RELATIVE && !cross &&
+        (S->blk == 0 || (c->m.arch == MN_ARCH_ENCODER_DECODER && S->blk == c->m.encoder_layers)))
+        mn__w(S, c->m.rel_buckets, c->m.heads, mn__base_trainable(c), 0, 1);  // T5 relative bias
+    if (fused && !cross) {
+        q = mn__linear(S, xq, h, c->qd + 2 * c->kvd, c->m.qkv_bias, MN_LORA_Q | MN_LORA_K | MN_LORA_V, 1, MN__NONE);
+        k = mn__identity(S, q), v = mn__identity(S, q);
+    } else {
+        q = mn__linear(S, xq, h, c->qd, c->m.qkv_bias, MN_LORA_Q, 1, MN__NONE);
+        k = mn__linear(S, xkv, h, c->kvd, c->m.qkv_bias, MN_LORA_K, 1, MN__NONE);
+        v = mn__linear(S, xkv, h, c->kvd, c->m.qkv_bias, MN_LORA_V, 1, MN__NONE);
+    }
+    if (c->m.posemb == MN_POS_ROPE && !S->counting) {
+        uint32_t q2 = mn__rope(S, q, mn__m3(S, c->b, sq, c->qd)), k2 = mn__rope(S, k, mn__m3(S, c->b, skv, c->kvd));
+        mn__drop(S, q), mn__drop(S, k);
+        q = q2, k = k2;
+    }
+    if (cross) skv = c->enc_seq;
+    ctx = mn__attn_core(S, q, k, v, sq, skv, cross);
+    o = mn__linear(S, ctx, c->qd, h, c->m.out_bias, MN_LORA_O, 1, MN__NONE);
+    mn__drop(S, ctx), mn__drop(S, q), mn__drop(S, k), mn__drop(S, v);
+    return o;
+}
+
+// MLP: act(x W1) W2, or act(x Wg) * (x Wu) Wd when gated; T5 applies dropout inside.
+static uint32_t mn__mlp(mn__sim *S, uint32_t x) {
+    mn__cfg *c = S->c;
+    uint64_t h = c->m.hidden, f = c->f;
+    uint32_t u, a, d, y, g;
+    int t5 = c->m.posemb == MN_POS_RELATIVE;
+    if (c->m.gated_mlp) {
+        g = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_GATE, 1, MN__NONE);
+        u = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
+        a = mn__act(S, g);
+        mn__drop(S, g);
+        y = mn__mul(S, a, u);
+        mn__drop(S, a), mn__drop(S, u);
+    } else {
+        u = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
+        y = mn__act(S, u);
+        mn__drop(S, u);
+    }
+    if (t5) {
+        d = mn__dropout(S, y, c->m.dropout);
+        mn__drop(S, y);
+        y = d;
+    }
+    d = mn__linear(S, y, f, h, c->m.mlp_bias, MN_LORA_DOWN, 1, MN__NONE);
+    mn__drop(S, y);
+    return d;
+}
+
+// Residual: x + dropout(y); drops y.
+static uint32_t mn__residual(mn__sim *S, uint32_t x, uint32_t y) {
+    uint32_t d = mn__dropout(S, y, S->c->m.dropout), r;
+    mn__drop(S, y);
+    r = mn__add(S, d, x);
+    mn__drop(S, d);
+    return r;
+}
+
+static int mn__block_is_decoder(const mn__cfg *c, uint32_t blk) {
+    return c->m.arch == MN_ARCH_DECODER || (c->m.arch == MN_ARCH_ENCODER_DECODER && blk >= c->m.encoder_layers);
+}
+
+// One transformer block: pre-norm (GPT-2, Llama, T5) or post-norm (BERT). mem: encoder output
+// for the cross-attention of an encoder-decoder's decoder blocks.
+static uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
+    mn__cfg *c = S->c;
+    uint64_t h = c->m.hidden, s = c->seq;
+    uint32_t n, a, x1, x2;
+    int cross = c->m.arch == MN_ARCH_ENCODER_DECODER && mn__block_is_decoder(c, blk);
+    if (S->counting) S->block = blk + 1, S->bstart[blk] = (uint32_t)S->np;
+    else S->cursor = S->bstart[blk];
+    S->blk = blk;
+    if (c->m.post_norm) {
+        a = mn__attention(S, x, x, s, s, 0);
+        x1 = mn__residual(S, x, a);
+        n = mn__norm(S, x1, h);
+        mn__drop(S, x1);
+        a = mn__mlp(S, n);
+        x2 = mn__residual(S, n, a);
+        mn__drop(S, n);
+        n = mn__norm(S, x2, h);
+        mn__drop(S, x2);
+        return n;
+    }
+    n = mn__norm(S, x, h);
+    a = mn__attention(S, n, n, s, s, 0);
+    mn__drop(S, n);
+    x1 = mn__residual(S, x, a);
+    if (cross) {
+        n = mn__norm(S, x1, h);
+        a = mn__attention(S, n, mem, s, s, 1);
+        mn__drop(S, n);
+        x2 = mn__residual(S, x1, a);
+        mn__drop(S, x1);
+        x1 = x2;
+    }
+    n = mn__norm(S, x1, h);
+    a = mn__mlp(S, n);
+    mn__drop(S, n);
+    x2 = mn__residual(S, x1, a);
+    mn__drop(S, x1);
+    return x2;
+}
+
+// Drops the autocast weight cache (autocast exit); tensors saved for backward stay.
+static void mn__amp_clear(mn__sim *S) {
+    uint64_t i;
+    if (S->counting) return;
+    for (i = 0; i < S->np; i++)
+        if (S->p[i].w16 != MN__NONE) mn__drop(S, S->p[i].w16), S->p[i].w16 = MN__NONE;
+}
+
+// A block under full checkpointing: run without recording, keep its input (and the encoder
+// output), and record one op that re-runs the block when backward reaches it
+// (torch.utils.checkpoint).
+static uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
+    uint32_t y, sv[2];
+    mn__op *o;
+    if (S->counting || !S->record || S->c->s.checkpointing != MN_CKPT_FULL) return mn__block(S, x, blk, mem);
+    S->record = 0;
+    y = mn__block(S, x, blk, mem);
+    S->record = 1;
+    if (S->err || y == MN__NONE) return y;
+    {  // autograd records the checkpoint only when something in it needs a gradient
+        uint64_t i, end = blk + 1 < S->c->nblocks ? S->bstart[blk + 1] : S->np;
+        int any = mn__rg(S, x) || mn__rg(S, mem);
+        for (i = S->bstart[blk]; i < end && !any; i++) any = S->p[i].trainable;
+        if (!any) return y;
+    }
+    if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return y;
+    o = &S->ops[S->nops++];
+    memset(o, 0, sizeof *o);
+    o->out = y, o->block = MN__NONE, o->recomp_block = blk;
+    sv[0] = x, sv[1] = mem;
+    o->in[o->nin++] = x;
+    o->saved[o->nsaved++] = x, mn__ref(S, x);
+    if (mem != MN__NONE) o->in[o->nin++] = mem, o->saved[o->nsaved++] = mem, mn__ref(S, mem);
+    (void)sv;
+    S->t[y].rg = 1;
+    return y;
+}
+
+// Token (+ position, + token type) embeddings, optional norm, dropout. ids: [ntok] int64.
+static uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
+    mn__cfg *c = S->c;
+    uint64_t h = c->m.hidden;
+    int tr = mn__base_trainable(c);
+    uint32_t w, y, e2, sum, pw, tw;
+    if (first) S->block = 0;
+    w = first ? mn__w(S, c->m.vocab, h, tr, 0, 1) : 0;
+    if (first) S->cursor_emb = w;
+    else w = S->cursor_emb;
+    pw = (first && c->m.posemb == MN_POS_LEARNED) ? mn__w(S, c->m.max_positions, h, tr, 0, 1) : MN__NONE;
+    tw = (first && c->m.type_vocab) ? mn__w(S, c->m.type_vocab, h, tr, 0, 1) : MN__NONE;
+    if (S->counting || S->err) {
+        if (first && c->m.embed_norm) mn__norm(S, MN__NONE, h);
+        return MN__NONE;
+    }
+    y = mn__alloc_t(S, c->ntok * h, c->w_esz == 1 ? 2 : c->w_esz, MN_CAT_ACTIVATIONS);
+    mn__op_rec(S, y, NULL, 0, &ids, 1, &w, 1, 0);
+    if (pw != MN__NONE) {  // position_ids [1, s]: one row per position, broadcast over the batch
+        e2 = mn__alloc_t(S, c->seq * h, mn__esz(S, y), MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, e2, NULL, 0, NULL, 0, &pw, 1, 0);
+        sum = mn__add(S, y, e2);
+        mn__drop(S, y), mn__drop(S, e2);
+        y = sum;
+    }
+    if (tw != MN__NONE) {
+        e2 = mn__alloc_t(S, c->ntok * h, mn__esz(S, y), MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, e2, NULL, 0, &ids, 1, &tw, 1, 0);
+        sum = mn__add(S, y, e2);
+        mn__drop(S, y), mn__drop(S, e2);
+        y = sum;
+    }
+    if (first && c->m.embed_norm) {
+        e2 = mn__norm(S, y, h);
+        mn__drop(S, y);
+        y = e2;
+    }
+    e2 = mn__dropout(S, y, c->m.dropout);
+    mn__drop(S, y);
+    return e2;
+}
+
+// Loss heads. LM (HF): logits in the compute dtype, upcast to fp32 (`logits.float()`), then
+// cross_entropy = log_softmax (saves its fp32 output) + nll_loss, whose backward makes a dense
+// [tokens, vocab] gradient. Classification: pooler + classifier on the first token (BERT), or a
+// score layer on every token (decoders); both tiny, but the pooler keeps the last hidden states.
+static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
+    mn__cfg *c = S->c;
+    uint64_t h = c->m.hidden, V = c->m.vocab;
+    int tr = mn__base_trainable(c);
+    uint32_t y, t, lg, l32, lsm, loss, sv[2], pw, pb, cw, cb;
+    if (c->m.head == MN_HEAD_CLASSIFICATION) {
+        uint64_t L = c->m.num_labels;
+        if (c->m.pooler) {
+            pw = mn__w(S, h, h, tr, 0, 0), pb = mn__w(S, h, 0, tr, 0, 0);
+            cw = mn__w(S, L, h, tr || c->r, 0, 0), cb = mn__w(S, L, 0, tr || c->r, 0, 0);
+            if (S->counting || S->err) return MN__NONE;
+            sv[0] = pw, sv[1] = pb;
+            y = mn__alloc_t(S, c->b * h, c->a_esz, MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, y, &x, 1, &x, 1, sv, 2, 0);  // the first-token view keeps x alive
+            t = mn__act(S, y);
+            mn__drop(S, y);
+            y = mn__dropout(S, t, c->m.dropout);
+            mn__drop(S, t);
+            sv[0] = cw, sv[1] = cb;
+            lg = mn__alloc_t(S, c->b * L, c->a_esz, MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, lg, &y, 1, &y, 1, sv, 2, 0);
+            mn__drop(S, y);
+        } else {
+            cw = mn__w(S, L, h, tr || c->r, 0, 0);
+            if (S->counting || S->err) return MN__NONE;
+            lg = mn__alloc_t(S, c->ntok * L, c->a_esz, MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, lg, &x, 1, &x, 1, &cw, 1, 0);
+        }
+        loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, loss, &lg, 1, &lg, 1, NULL, 0, 0);
+        mn__drop(S, lg);
+        return loss;
+    }
+    if (c->m.head == MN_HEAD_NONE) {
+        if (S->counting || S->err) return MN__NONE;
+        loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, loss, &x, 1, NULL, 0, NULL, 0, 0);
+        return loss;
+    }
+    y = mn__identity(S, x);
+    if (c->m.lm_transform) {  // BERT MLM: dense + act + layernorm before the decoder
+        t = mn__linear(S, y, h, h, 1, 0, 0, MN__NONE);
+        mn__drop(S, y);
+        y = mn__act(S, t);
+        mn__drop(S, t);
+        t = mn__norm(S, y, h);
+        mn__drop(S, y);
+        y = t;
+    }
+    if (c->m.tie_embeddings && c->m.posemb == MN_POS_RELATIVE && !S->counting) {  // T5: x * d^-0.5
+        t = mn__alloc_t(S, mn__tnumel(S, y), mn__esz(S, y), MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, t, &y, 1, NULL, 0, NULL, 0, 0);
+        mn__drop(S, y);
+        y = t;
+    }
+    lg = mn__linear(S, y, h, V, 0, 0, 0, c->m.tie_embeddings ? S->cursor_emb : MN__NONE);
+    if (c->m.lm_transform) cb = mn__w(S, V, 0, tr, 0, 0);  // decoder bias
+    mn__drop(S, y);
+    if (S->counting || S->err) return MN__NONE;
+    l32 = lg;
+    if (mn__esz(S, lg) != 4) {
+        l32 = mn__alloc_t(S, mn__tnumel(S, lg), 4, MN_CAT_ACTIVATIONS);
+        mn__op_rec(S, l32, &lg, 1, NULL, 0, NULL, 0, 0);
+    }
+    lsm = mn__alloc_t(S, mn__tnumel(S, l32), 4, MN_CAT_ACTIVATIONS);
+    mn__op_rec(S, lsm, &l32, 1, &lsm, 1, NULL, 0, 0);
+    loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
+    sv[0] = lsm, sv[1] = labels;
+    mn__op_rec(S, loss, &lsm, 1, sv, 2, NULL, 0, 0);  // nll backward: the dense grad of lsm
+    mn__drop(S, lsm);
+    if (l32 != lg) mn__drop(S, l32);
+    mn__drop(S, lg);
+    return loss;
+}
+
+// The whole forward of one micro-batch. Returns the loss tensor.
+static uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
+    mn__cfg *c = S->c;
+    uint32_t x, y, mem = MN__NONE, blk, L = c->nblocks, E = 0;
+    if (c->m.arch == MN_ARCH_STACK) return MN__NONE;  // handled by mn__stack_forward
+    if (c->m.arch == MN_ARCH_ENCODER_DECODER) E = (uint32_t)c->m.encoder_layers;
+    x = mn__embeddings(S, ids, 1);
+    for (blk = 0; blk < L; blk++) {
+        if (E && blk == E) {  // encoder done: final norm, then the decoder's embeddings
+            if (c->m.final_norm) {
+                y = mn__norm(S, x, c->m.hidden);
+                mn__drop(S, x);
+                x = y;
+            }
+            if (!S->counting) {
+                y = mn__dropout(S, x, c->m.dropout);
+                mn__drop(S, x);
+                x = y;
+            }
+            mem = x;
+            x = mn__embeddings(S, ids, 0);
+        }
+        y = mn__block_ckpt(S, x, blk, mem);
+        mn__drop(S, x);
+        x = y;
+    }
+    mn__drop(S, mem);
+    if (c->m.final_norm) {
+        y = mn__norm(S, x, c->m.hidden);
+        mn__drop(S, x);
+        x = y;
+    }
+    y = mn__head(S, x, labels);
+    mn__drop(S, x);
+    return y;
+}
+
+// A custom stack: layers applied in order to [tokens, stack_in] inputs (which do not require
+// grad, like data). Shared layers reuse an earlier layer's parameters.
+static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
+    mn__cfg *c = S->c;
+    const mn_layer *ly = c->m.stack;
+    uint32_t i, y, *pidx = NULL, loss;
+    if (!S->counting) pidx = S->bstart;  // parameter index of each layer, filled while counting
+    mn__ref(S, x);                       // the caller keeps its reference to the input
+    for (i = 0; i < c->m.stack_len && !S->err; i++) {
+        uint32_t w = MN__NONE;
+        if (S->counting) {
+            if (ly[i].shared_with) w = S->bstart[ly[i].shared_with - 1];
+            else if (ly[i].kind == MN_LAYER_LINEAR) {
+                w = mn__w(S, ly[i].out, ly[i].in, 1, 0, 0);
+                if (ly[i].bias) mn__w(S, ly[i].out, 0, 1, 0, 0);
+            } else if (ly[i].kind == MN_LAYER_EMBEDDING) {
+                w = mn__w(S, ly[i].in, ly[i].out, 1, 0, 1);
+            } else if (ly[i].kind == MN_LAYER_NORM) {
+                w = mn__w(S, ly[i].out, 0, 1, 0, 0);
+                mn__w(S, ly[i].out, 0, 1, 0, 0);
+            }
+            S->bstart[i] = w;
+            continue;
+        }
+        w = pidx[i];
+        switch (ly[i].kind) {
+        case MN_LAYER_LINEAR: {
+            uint32_t pr[2], sv;
+            uint64_t rows = mn__tnumel(S, x) / ly[i].in;
+            pr[0] = w, pr[1] = ly[i].bias ? w + 1 : MN__NONE;
+            y = mn__alloc_t(S, mn__m(S, rows, ly[i].out), c->a_esz, MN_CAT_ACTIVATIONS);
+            sv = x;
+            mn__op_rec(S, y, &x, 1, &sv, 1, pr, 2, 0);
+            break;
+        }
+        case MN_LAYER_EMBEDDING:
+            y = mn__alloc_t(S, mn__m(S, c->ntok, ly[i].out), c->a_esz, MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, y, NULL, 0, &x, 1, &w, 1, 0);
+            break;
+        case MN_LAYER_NORM: {
+            uint32_t pr[2], sv[2], st = mn__alloc_t(S, c->ntok * 2, 4, MN_CAT_ACTIVATIONS);
+            pr[0] = w, pr[1] = w + 1, sv[0] = x, sv[1] = st;
+            y = mn__alloc_t(S, mn__tnumel(S, x), mn__esz(S, x), MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, y, &x, 1, sv, 2, pr, 2, 0);
+            mn__drop(S, st);
+            break;
+        }
+        case MN_LAYER_ACTIVATION: y = mn__act(S, x); break;
+        case MN_LAYER_DROPOUT: y = mn__dropout(S, x, 0.1f); break;
+        default: y = mn__identity(S, x); break;
+        }
+        mn__drop(S, x);
+        x = y;
+    }
+    if (S->counting || S->err) return MN__NONE;
+    loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);  // loss = out.sum(); the caller holds out
+    mn__op_rec(S, loss, &x, 1, NULL, 0, NULL, 0, 0);
+    S->hold = x;
+    return loss;
+}
+
+// ---- backward, optimizer, the step -------------------------------------------------------------
+
+// Produces the gradient of a parameter in backward: a new tensor that becomes .grad when there
+// is none (AccumulateGrad steals it) or is added and freed; partitioned and preallocated buffers
+// receive the produced gradient and free it (megatron accumulates in place).
+static void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
+    mn__cfg *c = S->c;
+    mn__param *P = &S->p[pi];
+    uint32_t h16 = MN__NONE;
+    uint64_t full;
+    if (!P->trainable) return;
+    if (cast16) h16 = mn__alloc_t(S, P->numel, 2, MN_CAT_TEMPORARY);  // grad of the 16-bit copy
+    full = mn__m(S, P->numel, c->g_esz);
+    if (c->grads_prealloc || c->zero >= 2 || c->s.offload > MN_OFFLOAD_NONE) {
+        if (c->s.framework != MN_FW_MEGATRON) mn__transient(S, mn__m(S, P->numel, cast16 ? 2 : c->g_esz), MN_CAT_TEMPORARY);
+        if (P->grad == MN__NONE && !c->grads_prealloc && c->s.offload <= MN_OFFLOAD_NONE)
+            P->grad = mn__alloc_t(S, (full + c->gpus - 1) / c->gpus, 1, MN_CAT_GRADIENTS);
+    } else if (P->grad == MN__NONE) {
+        P->grad = mn__alloc_t(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
+    } else {
+        mn__transient(S, full, MN_CAT_TEMPORARY);
+    }
+    mn__drop(S, h16);
+}
+
+static void mn__backward(mn__sim *S, uint64_t lo);
+
+// Backward of one recorded op (see the section comment).
+static void mn__backward_op(mn__sim *S, mn__op op) {
+    mn__cfg *c = S->c;
+    int i;
+    if (op.recomp_block != MN__NONE) {  // re-run a checkpointed block, recording, then its backward
+        uint64_t mark = S->nops;
+        uint32_t y2, cur = S->cursor;
+        y2 = mn__block(S, op.in[0], op.recomp_block, op.nin > 1 ? op.in[1] : MN__NONE);
+        if (c->amp) mn__amp_clear(S);
+        S->cursor = cur;
+        if (S->err || y2 == MN__NONE) return;
+        S->t[y2].grad = S->t[op.out].grad;
+        S->t[op.out].grad = MN__NONE;
+        mn__drop(S, y2);
+        mn__backward(S, mark);
+        for (i = 0; i < op.nsaved; i++) mn__drop(S, op.saved[i]);
+        return;
+    }
+    for (i = 0; i < op.nin; i++) {
+        mn__ten *t = &S->t[op.in[i]];
+        if (!t->rg) continue;
+        if (t->grad == MN__NONE) {
+            uint32_t g = mn__alloc_t(S, t->bytes / t->esz, t->esz, MN_CAT_TEMPORARY);
+            S->t[op.in[i]].grad = g;
+        } else {
+            mn__transient(S, t->bytes, MN_CAT_TEMPORARY);
+        }
+    }
+    for (i = 0; i < op.nparam; i++) mn__param_grad(S, op.param[i], op.cast16);
+    mn__transient(S, op.bwd_temp, MN_CAT_TEMPORARY);
+    if (S->t[op.out].grad != MN__NONE) {
+        mn__drop(S, S->t[op.out].grad);
+        S->t[op.out].grad = MN__NONE;
+    }
+    for (i = 0; i < op.nsaved; i++) mn__drop(S, op.saved[i]);
+}
+
+static void mn__backward(mn__sim *S, uint64_t lo) {
+    uint64_t i;
+    for (i = S->nops; i-- > lo && !S->err;) {
+        mn__op op = S->ops[i];  // by value: a recompute may grow the tape
+        S->nops = i + 1;
+        mn__backward_op(S, op);
+    }
+    if (!S->err) S->nops = lo;
+}
+
+// Bytes of a parameter as stored on one GPU (quantized base weights: bitsandbytes nf4 with
+// double quantization, 4 + 0.127 bits per parameter (QLoRA paper); int8 with an fp32 scale per row).
+static uint64_t mn__weight_bytes(mn__sim *S, const mn__param *P) {
+    const mn__cfg *c = S->c;
+    uint64_t b;
+    if (P->quant && c->s.quant == MN_QUANT_NF4) b = mn__m(S, P->numel, 4127) / 8000;
+    else if (P->quant) b = P->numel + P->dims[0] * 4;
+    else b = mn__m(S, P->numel, c->w_esz);
+    if (c->zero >= 3) b = (b + c->gpus - 1) / c->gpus;
+    return b;
+}
+
+static uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
+    const mn__cfg *c = S->c;
+    mn_optim_desc d;
+    uint64_t b = 0;
+    memset(&d, 0, sizeof d);
+    d.kind = c->s.optim;
+    if (mn_optim_state_bytes(&d, P->dims, P->ndim, &b) != MN_OK) { S->err = MN_ERR_OVERFLOW; return 0; }
+    if (c->state_half && c->s.optim != MN_OPTIM_ADAMW_8BIT) b /= 2;  // zeros_like(16-bit param)
+    if (c->zero >= 1) b = (b + c->gpus - 1) / c->gpus;
+    return b;
+}
+
+// Largest per-tensor temporary of the optimizer step (fused kernels need none): AdamW's
+// denominator sqrt(v)/... , Adafactor's squared gradient and update, Lion's update.
+static uint64_t mn__optim_temp(mn__sim *S, const mn__param *P) {
+    const mn__cfg *c = S->c;
+    uint64_t e = c->state_half ? 2 : 4;
+    if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;  // fused optimizers
+    switch (c->s.optim) {
+    case MN_OPTIM_ADAMW: case MN_OPTIM_LION: return mn__m(S, P->numel, e);
+    case MN_OPTIM_ADAFACTOR: return mn__m3(S, P->numel, e, 2);
+    default: return 0;
+    }
+}
+
+static void mn__alloc_states(mn__sim *S, uint64_t i) {
+    mn__param *P = &S->p[i];
+    uint64_t b;
+    if (!P->trainable || P->has_state) return;
+    P->has_state = 1;
+    b = mn__state_bytes(S, P);
+    if (b == 0 || S->c->s.offload > MN_OFFLOAD_NONE) return;
+    if (S->c->s.optim == MN_OPTIM_ADAMW || S->c->s.optim == MN_OPTIM_ADAMW_8BIT) {
+        mn__alloc_t(S, b / 2, 1, MN_CAT_OPTIMIZER);  // exp_avg, exp_avg_sq: two tensors
+        mn__alloc_t(S, b - b / 2, 1, MN_CAT_OPTIMIZER);
+    } else {
+        mn__alloc_t(S, b, 1, MN_CAT_OPTIMIZER);
+    }
+}
+
+// Persistent allocations at load time, in module order.
+static void mn__load(mn__sim *S) {
+    mn__cfg *c = S->c;
+    uint64_t i;
+    S->phase = MN_PHASE_LOAD;
+    for (i = 0; i < S->np; i++)
+        if (c->s.offload != MN_OFFLOAD_ALL)
+            mn__alloc_t(S, mn__weight_bytes(S, &S->p[i]), 1, S->p[i].trainable ? c->param_cat : MN_CAT_WEIGHTS);
+    if (c->s.infer) return;
+    for (i = 0; i < S->np; i++) {
+        mn__param *P = &S->p[i];
+        if (!P->trainable) continue;
+        if (c->fw_master && c->s.offload <= MN_OFFLOAD_NONE) {
+            uint64_t b = mn__m(S, P->numel, 4);
+            if (c->zero >= 1) b = (b + c->gpus - 1) / c->gpus;
+            mn__alloc_t(S, b, 1, c->fw_master == 1 ? MN_CAT_OPTIMIZER : MN_CAT_MASTER_WEIGHTS);
+        }
+        if (c->grads_prealloc && c->s.offload <= MN_OFFLOAD_NONE) {
+            uint64_t b = mn__m(S, P->numel, c->g_esz);
+            if (c->zero >= 2) b = (b + c->gpus - 1) / c->gpus;
+            if (c->s.framework == MN_FW_DEEPSPEED && c->fw_master && (c->zero == 1 || c->zero == 2))
+                b += (mn__m(S, P->numel, 4) + c->gpus - 1) / c->gpus;  // fp32 gradient partition
+            P->grad = mn__alloc_t(S, b, 1, MN_CAT_GRADIENTS);
+        }
+        if (c->grads_prealloc) mn__alloc_states(S, i);  // engines create state at init
+    }
+}
+
+static void mn__optimizer(mn__sim *S) {
+    mn__cfg *c = S->c;
+    uint64_t i;
+    S->phase = MN_PHASE_OPTIMIZER;
+    if (c->s.optim == MN_OPTIM_NONE) return;
+    for (i = 0; i < S->np; i++) mn__alloc_states(S, i);
+    for (i = 0; i < S->np; i++)
+        if (S->p[i].trainable) mn__transient(S, mn__optim_temp(S, &S->p[i]), MN_CAT_TEMPORARY);
+    if (!c->grads_keep && !c->grads_prealloc)
+        for (i = 0; i < S->np; i++)
+            if (S->p[i].grad != MN__NONE) mn__drop(S, S->p[i].grad), S->p[i].grad = MN__NONE;
+}
+
+// One micro-batch: inputs, forward, backward.
+static void mn__micro_batch(mn__sim *S) {
+    mn__cfg *c = S->c;
+    uint32_t ids, labels, mask = MN__NONE, loss;
+    S->phase = MN_PHASE_FORWARD;
+    S->record = 1, S->training = 1, S->hold = MN__NONE;
+    if (c->m.arch == MN_ARCH_STACK) {
+        ids = mn__alloc_t(S, mn__m(S, c->ntok, c->m.stack_in), c->a_esz, MN_CAT_ACTIVATIONS);
+        labels = MN__NONE;
+        loss = mn__stack_forward(S, ids);
+    } else {
+        ids = mn__alloc_t(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
+        labels = mn__alloc_t(S, c->m.head == MN_HEAD_CLASSIFICATION ? c->b : c->ntok, 8, MN_CAT_ACTIVATIONS);
+        if (c->m.arch == MN_ARCH_ENCODER) mask = mn__alloc_t(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
+        loss = mn__forward(S, ids, labels);
+    }
+    if (c->amp) mn__amp_clear(S);
+    if (S->err || loss == MN__NONE) return;
+    S->phase = MN_PHASE_BACKWARD;
+    {
+        uint32_t g = mn__alloc_t(S, 1, 4, MN_CAT_TEMPORARY);  // (S->t may move while allocating)
+        if (g != MN__NONE) S->t[loss].grad = g;
+    }
+    mn__backward(S, 0);
+    mn__drop(S, loss), mn__drop(S, S->hold);
+    mn__drop(S, ids), mn__drop(S, labels), mn__drop(S, mask);
+}
+
+// Inference: weights, a KV cache for prompt + new tokens (preallocated, like a static cache),
+// and the prefill forward without autograd; logits only for the last position.
+static void mn__generate(mn__sim *S) {
+    mn__cfg *c = S->c;
+    uint32_t ids, x, y, blk, dec0 = 0, mem = MN__NONE;
+    uint64_t len, per;
+    S->phase = MN_PHASE_PREFILL;
+    S->record = 0, S->training = 0;
+    len = c->s.prompt + c->s.new_tokens;
+    per = mn__m3(S, mn__m(S, c->b, len), c->kvd, c->kv_esz);
+    if (c->m.arch == MN_ARCH_ENCODER_DECODER) dec0 = (uint32_t)c->m.encoder_layers;
+    for (blk = dec0; blk < c->nblocks && c->m.arch != MN_ARCH_ENCODER; blk++) {
+        mn__alloc_t(S, per, 1, MN_CAT_KV_CACHE);
+        mn__alloc_t(S, per, 1, MN_CAT_KV_CACHE);
+    }
+    ids = mn__alloc_t(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
+    x = mn__embeddings(S, ids, 1);
+    for (blk = 0; blk < c->nblocks && !S->err; blk++) {
+        if (dec0 && blk == dec0) {  // encoder done: the decoder starts from one token per sequence
+            mem = x;
+            c->seq = 1, c->ntok = c->b;
+            x = mn__embeddings(S, ids, 0);
+        }
+        y = mn__block(S, x, blk, mem);
+        mn__drop(S, x);
+        x = y;
+    }
+    mn__drop(S, mem);
+    if (c->amp) mn__amp_clear(S);
+    if (c->m.head == MN_HEAD_LM && !S->err) {
+        uint32_t lg = mn__alloc_t(S, mn__m(S, c->b, c->m.vocab), c->a_esz, MN_CAT_ACTIVATIONS);
+        mn__transient(S, mn__m3(S, c->b, c->m.vocab, 4), MN_CAT_ACTIVATIONS);
+        mn__drop(S, lg);
+    }
+    mn__drop(S, x), mn__drop(S, ids);
+}
+
+// ---- resolving the inputs ----------------------------------------------------------------------
+
+#define MN__BAD(lg, ...) do { mn__log(lg, MN_LOG_ERROR, __VA_ARGS__); return MN_ERR_INVALID_ARG; } while (0)
+
+// Exact parameter count of a Llama-like shape (used to size a model known only by --params).
+static uint64_t mn__guess_count(uint64_t L, uint64_t h, uint64_t V) { return L * 12 * h * h + 2 * V * h; }
+
+static mn_result mn__resolve_model(const mn_model *in, const mn_logger *lg, mn_model *m) {
+    *m = *in;
+    if (m->arch == MN_ARCH_DEFAULT) m->arch = MN_ARCH_DECODER;
+    if ((unsigned)m->arch >= MN_ARCH_COUNT) MN__BAD(lg, "model: unknown architecture %d", (int)m->arch);
+    if (m->arch == MN_ARCH_STACK) {
+        uint32_t i;
+        if (!m->stack || m->stack_len == 0) MN__BAD(lg, "model: a custom stack needs at least one layer");
+        for (i = 0; i < m->stack_len; i++) {
+            const mn_layer *l = &m->stack[i];
+            if (l->shared_with > i) MN__BAD(lg, "model: layer %u shares weights with a later layer %u", i + 1, l->shared_with);
+            if (l->out == 0 || l->out > (1ull << 24) || l->in > (1ull << 24))
+                MN__BAD(lg, "model: layer %u has width %llu (want 1..16777216)", i + 1, (unsigned long long)l->out);
+            if (l->kind == MN_LAYER_LINEAR && l->in == 0) MN__BAD(lg, "model: linear layer %u has no input width", i + 1);
+        }
+        if (m->stack_in == 0) m->stack_in = m->stack[0].kind == MN_LAYER_EMBEDDING ? 1 : m->stack[0].in;
+        if (m->stack_in == 0) m->stack_in = m->stack[0].out;
+        if (!m->name[0]) snprintf(m->name, sizeof m->name, "custom stack of %u layers", m->stack_len);
+        if (m->dtype == MN_DTYPE_DEFAULT) m->dtype = MN_FP32;
+        return MN_OK;
+    }
+    if (m->layers == 0 && m->hidden == 0 && m->params) {  // only a count: a Llama-like shape
+        uint64_t N = m->params, L, h, V = 32000;
+        double l3 = cbrt((double)N / (12.0 * 128.0 * 128.0));
+        L = l3 < 1.0 ? 1 : l3 > 4096.0 ? 4096 : (uint64_t)l3;  // beyond that: the rest is one matrix
+        h = 128 * L;
+        if (N < 2000000000ull) V = 8192;
+        while (h > 128 && mn__guess_count(L, h, V) > N) h -= 128;
+        m->arch = MN_ARCH_DECODER, m->layers = L, m->hidden = h, m->heads = h / 128, m->kv_heads = 0;
+        m->head_dim = 128, m->ffn = h * 8 / 3, m->vocab = V, m->norm = MN_NORM_RMSNORM, m->act = MN_ACT_SILU;
+        m->posemb = MN_POS_ROPE, m->gated_mlp = 1, m->final_norm = 1, m->tie_embeddings = 0;
+        if (!m->name[0]) snprintf(m->name, sizeof m->name, "%.3gB parameters (shape guessed)", (double)N / 1e9);
+    }
+    if (m->layers == 0 || m->layers > 10000) MN__BAD(lg, "model: layers %llu (want 1..10000)", (unsigned long long)m->layers);
+    if (m->hidden == 0 || m->hidden > (1ull << 20)) MN__BAD(lg, "model: hidden size %llu (want 1..1048576)", (unsigned long long)m->hidden);
+    if (m->heads == 0 || m->heads > m->hidden) MN__BAD(lg, "model: %llu attention heads for hidden size %llu", (unsigned long long)m->heads, (unsigned long long)m->hidden);
+    if (m->kv_heads == 0) m->kv_heads = m->heads;
+    if (m->kv_heads > m->heads || m->heads % m->kv_heads) MN__BAD(lg, "model: %llu key/value heads do not divide %llu heads", (unsigned long long)m->kv_heads, (unsigned long long)m->heads);
+    if (m->head_dim == 0) {
+        if (m->hidden % m->heads) MN__BAD(lg, "model: hidden size %llu is not a multiple of %llu heads", (unsigned long long)m->hidden, (unsigned long long)m->heads);
+        m->head_dim = m->hidden / m->heads;
+    }
+    if (m->head_dim > 65536) MN__BAD(lg, "model: head dimension %llu (want 1..65536)", (unsigned long long)m->head_dim);
+    if (m->ffn == 0) m->ffn = 4 * m->hidden;
+    if (m->ffn > (1ull << 24)) MN__BAD(lg, "model: MLP width %llu (want up to 16777216)", (unsigned long long)m->ffn);
+    if (m->vocab == 0 || m->vocab > (1ull << 26)) MN__BAD(lg, "model: vocabulary %llu (want 1..67108864)", (unsigned long long)m->vocab);
+    if (m->arch == MN_ARCH_ENCODER_DECODER && m->encoder_layers == 0) m->encoder_layers = m->layers;
+    if (m->encoder_layers > 10000) MN__BAD(lg, "model: encoder layers %llu (want up to 10000)", (unsigned long long)m->encoder_layers);
+    if (m->posemb == MN_POS_DEFAULT) m->posemb = MN_POS_LEARNED;
+    if (m->posemb == MN_POS_LEARNED && m->max_positions == 0) m->max_positions = 512;
+    if (m->max_positions > (1ull << 24)) MN__BAD(lg, "model: %llu positions (want up to 16777216)", (unsigned long long)m->max_positions);
+    if (m->type_vocab > (1ull << 20)) MN__BAD(lg, "model: %llu token types", (unsigned long long)m->type_vocab);
+    if (m->rel_buckets == 0) m->rel_buckets = 32;
+    if (m->num_labels == 0) m->num_labels = 2;
+    if (m->num_labels > (1ull << 24)) MN__BAD(lg, "model: %llu labels", (unsigned long long)m->num_labels);
+    if (m->norm == MN_NORM_DEFAULT) m->norm = MN_NORM_LAYERNORM;
+    if (m->act == MN_ACT_DEFAULT) m->act = m->gated_mlp ? MN_ACT_SILU : MN_ACT_GELU;
+    if (m->head == MN_HEAD_DEFAULT) m->head = MN_HEAD_LM;
+    if (m->dtype == MN_DTYPE_DEFAULT) m->dtype = MN_FP32;
+    if ((unsigned)m->norm >= MN_NORM_COUNT || (unsigned)m->act >= MN_ACT_COUNT || (unsigned)m->posemb >= MN_POS_COUNT ||
+        (unsigned)m->head >= MN_HEAD_COUNT || (unsigned)m->dtype >= MN_DTYPE_COUNT)
+        MN__BAD(lg, "model: an enum field is out of range");
+    if (!(m->dropout >= 0.0f && m->dropout < 1.0f) || !(m->attn_dropout >= 0.0f && m->attn_dropout < 1.0f))
+        MN__BAD(lg, "model: dropout probabilities must be in [0, 1)");
+    if (m->arch == MN_ARCH_ENCODER) m->tie_embeddings = m->head == MN_HEAD_LM ? m->tie_embeddings : 0;
+    if (!m->name[0]) snprintf(m->name, sizeof m->name, "custom %s", mn_arch_name(m->arch));
+    return MN_OK;
+}
+
+static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__cfg *c, mn_gpu *gpu) {
+    const mn_logger *lg = &setup->logger;
+    mn_setup *s = &c->s;
+    mn_model *m = &c->m;
+    mn_result r;
+    int mixed, pure;
+    memset(c, 0, sizeof *c);
+    *s = *setup;
+    r = mn__resolve_model(model, lg, m);
+    if (r != MN_OK) return r;
+    if (s->batch == 0) s->batch = 1;
+    if (s->batch > (1ull << 32)) MN__BAD(lg, "--batch %llu is absurd (want 1..4294967296)", (unsigned long long)s->batch);
+    if (s->seq == 0) s->seq = m->arch == MN_ARCH_STACK ? 1 : (m->posemb == MN_POS_LEARNED && m->max_positions < 512 ? m->max_positions : 512);
+    if (s->seq > (1ull << 26)) MN__BAD(lg, "--seq %llu is absurd (want 1..67108864)", (unsigned long long)s->seq);
+    if (m->posemb == MN_POS_LEARNED && m->arch != MN_ARCH_STACK && s->seq > m->max_positions && !s->infer)
+        MN__BAD(lg, "--seq %llu exceeds the model's %llu positions", (unsigned long long)s->seq, (unsigned long long)m->max_positions);
+    if (s->accum == 0) s->accum = 1;
+    if (s->accum > (1ull << 20)) MN__BAD(lg, "--accum %llu is absurd", (unsigned long long)s->accum);
+    if (s->precision == MN_PREC_DEFAULT) s->precision = MN_PREC_FP32;
+    if (s->optim == MN_OPTIM_DEFAULT) s->optim = s->infer ? MN_OPTIM_NONE : MN_OPTIM_ADAMW;
+    if (s->checkpointing == MN_CKPT_DEFAULT) s->checkpointing = MN_CKPT_NONE;
+    if (s->framework == MN_FW_DEFAULT) s->framework = MN_FW_HF;
+    if (s->offload == MN_OFFLOAD_DEFAULT) s->offload = MN_OFFLOAD_NONE;
+    if (s->quant == MN_QUANT_DEFAULT) s->quant = MN_QUANT_NONE;
+    if ((unsigned)s->precision >= MN_PREC_COUNT || (unsigned)s->optim >= MN_OPTIM_COUNT ||
+        (unsigned)s->checkpointing >= MN_CKPT_COUNT || (unsigned)s->attention >= MN_ATTN_COUNT ||
+        (unsigned)s->framework >= MN_FW_COUNT || (unsigned)s->offload >= MN_OFFLOAD_COUNT ||
+        (unsigned)s->quant >= MN_QUANT_COUNT || (unsigned)s->grads >= MN_GRADS_COUNT)
+        MN__BAD(lg, "setup: an enum field is out of range");
+    if (s->attention == MN_ATTN_DEFAULT)
+        s->attention = s->framework == MN_FW_HF || s->framework == MN_FW_DEEPSPEED
+                           ? (m->arch == MN_ARCH_ENCODER || m->arch == MN_ARCH_ENCODER_DECODER ? MN_ATTN_EAGER : MN_ATTN_SDPA)
+                           : MN_ATTN_FLASH;
+    if (s->torch_version == 0) s->torch_version = s->framework == MN_FW_HF ? 110 : 200;
+    if (s->torch_version < 100 || s->torch_version > 999) MN__BAD(lg, "--torch %u.%u is not a torch version", s->torch_version / 100, s->torch_version % 100);
+    // torch 2.0 made zero_grad(set_to_none=True) the default (torch.nn.Module.zero_grad docs)
+    if (s->grads == MN_GRADS_DEFAULT) s->grads = s->torch_version < 200 ? MN_GRADS_KEEP : MN_GRADS_RELEASE;
+    if (s->zero_stage > 3) MN__BAD(lg, "--zero %u (want 0..3)", s->zero_stage);
+    if (s->gpus == 0) s->gpus = 1;
+    if (s->gpus > (1u << 20)) MN__BAD(lg, "--gpus %u is absurd", s->gpus);
+    if (s->lora_rank > 65536) MN__BAD(lg, "--lora-rank %u (want 1..65536)", s->lora_rank);
+    if (s->lora_rank && s->lora_targets == 0) s->lora_targets = MN_LORA_Q | MN_LORA_V;
+    if (s->quant > MN_QUANT_NONE && !s->lora_rank && !s->infer)
+        MN__BAD(lg, "--quant %s freezes the base weights: add --lora-rank, or --infer", mn_quant_name(s->quant));
+    if (s->offload == MN_OFFLOAD_ALL && s->zero_stage < 3) MN__BAD(lg, "--offload all needs --zero 3");
+    if (s->beams == 0) s->beams = 1;
+    if (s->beams > 4096) MN__BAD(lg, "--beams %u is absurd", s->beams);
+    if (s->infer) {
+        if (s->prompt == 0) s->prompt = s->seq;
+        if (s->prompt > (1ull << 26) || s->new_tokens > (1ull << 26)) MN__BAD(lg, "--prompt/--new-tokens are absurd");
+        s->seq = s->prompt, s->accum = 1, s->optim = MN_OPTIM_NONE, s->checkpointing = MN_CKPT_NONE;
+    }
+    if (!s->gpu) s->gpu = "a100-80gb";
+    if (mn_gpu_find(s->gpu, gpu) != MN_OK) {
+        mn__log(lg, MN_LOG_ERROR, "unknown GPU \"%s\" (see `memanat models`)", s->gpu);
+        return MN_ERR_NOT_FOUND;
+    }
+    s->gpu = gpu->name;
+    if (s->capacity == 0) s->capacity = gpu->capacity;
+    if (s->context == 0) s->context = gpu->context;
+    if (s->capacity > (1ull << 50)) MN__BAD(lg, "--capacity is absurd (over 1 PiB)");
+    if (s->context > s->capacity) MN__BAD(lg, "--context is larger than the device capacity");
+
+    c->b = s->batch * (s->infer ? s->beams : 1);
+    c->seq = s->seq;
+    c->ntok = c->b * c->seq;
+    c->enc_seq = c->seq;
+    if (c->ntok > (1ull << 36)) MN__BAD(lg, "batch x sequence = %llu tokens is absurd", (unsigned long long)c->ntok);
+    c->d = m->head_dim, c->qd = m->heads * m->head_dim, c->kvd = m->kv_heads * m->head_dim, c->f = m->ffn;
+    c->r = s->lora_rank;
+    c->gpus = s->gpus, c->zero = s->zero_stage;
+    c->attn = s->attention;
+    mixed = s->precision == MN_PREC_FP16 || s->precision == MN_PREC_BF16;
+    pure = s->precision == MN_PREC_FP16_PURE || s->precision == MN_PREC_BF16_PURE;
+    c->a_esz = (mixed || pure) ? 2 : 4;
+    c->w_esz = c->g_esz = 4;
+    c->param_cat = MN_CAT_WEIGHTS;
+    c->hf = s->framework == MN_FW_HF || s->framework == MN_FW_DEEPSPEED;
+    c->grads_keep = s->grads == MN_GRADS_KEEP;
+    switch (s->framework) {
+    case MN_FW_DEFAULT:
+    case MN_FW_HF:
+        if (mixed) c->amp = 1, c->param_cat = MN_CAT_MASTER_WEIGHTS;
+        if (pure) c->w_esz = c->g_esz = 2, c->state_half = 1;
+        break;
+    case MN_FW_DEEPSPEED:
+        if (mixed || pure) c->w_esz = c->g_esz = 2, c->fw_master = 1;
+        c->grads_prealloc = 1;
+        break;
+    case MN_FW_MEGATRON:
+        if (mixed || pure) c->w_esz = 2, c->fw_master = 1;
+        c->grads_prealloc = 1;
+        break;
+    case MN_FW_MEMANAT:
+        if (mixed) c->w_esz = 2, c->fw_master = 2;
+        if (pure) c->w_esz = c->g_esz = 2, c->state_half = 1;
+        break;
+    case MN_FW_COUNT: break;
+    }
+    if (s->infer) c->fw_master = 0, c->grads_prealloc = 0;  // autocast inference keeps fp32 + 16-bit
+    c->n_esz = c->amp ? 4 : c->a_esz;
+    c->kv_esz = c->a_esz;
+    c->nblocks = (uint32_t)(m->arch == MN_ARCH_STACK ? m->stack_len : m->layers + m->encoder_layers);
+    if (m->arch == MN_ARCH_ENCODER_DECODER) c->nblocks = (uint32_t)(m->layers + m->encoder_layers);
+    else if (m->arch != MN_ARCH_STACK) c->nblocks = (uint32_t)m->layers;
+    return MN_OK;
+}
+
+// ---- the estimate ------------------------------------------------------------------------------
+
+static void mn__sim_free(mn__sim *S) {
+    mn__free(S->al, S->t), mn__free(S->al, S->ops), mn__free(S->al, S->p);
+    mn__free(S->al, S->ev), mn__free(S->al, S->bstart);
+    memset(S, 0, sizeof *S);
+}
+
+// Counting pass: the parameter list, plus the exact count a caller gave (--params, safetensors)
+// and adapters (--trainable-params).
+static mn_result mn__build_params(mn__sim *S) {
+    mn__cfg *c = S->c;
+    uint64_t counted = 0, i, want = c->m.params;
+    uint32_t nb = c->nblocks + 1;
+    S->bstart = (uint32_t *)mn__alloc_array(S->al, nb, sizeof *S->bstart);
+    if (!S->bstart) return MN_ERR_OUT_OF_MEMORY;
+    memset(S->bstart, 0, (size_t)nb * sizeof *S->bstart);
+    S->counting = 1;
+    S->cursor = 0;
+    if (c->m.arch == MN_ARCH_STACK) mn__stack_forward(S, MN__NONE);
+    else mn__forward(S, MN__NONE, MN__NONE);
+    if (S->err) return S->err;
+    for (i = 0; i < S->np; i++) counted += S->p[i].numel;
+    S->block = 0;
+    if (want > counted) {  // the rest as frozen-or-trainable matrices of the model's width
+        uint64_t rest = want - counted, h = c->m.hidden ? c->m.hidden : 1024;
+        if (rest / h) mn__w(S, rest / h, h, mn__base_trainable(c), 0, 0);
+        if (rest % h) mn__w(S, rest % h, 0, mn__base_trainable(c), 0, 0);
+    }
+    if (c->s.trainable_params) {
+        uint64_t total = 0, T = c->s.trainable_params, h = c->m.hidden ? c->m.hidden : 1024;
+        for (i = 0; i < S->np; i++) total += S->p[i].numel;
+        if (T > total) {
+            mn__log(&c->s.logger, MN_LOG_ERROR, "--trainable-params %llu exceeds the model's %llu parameters",
+                    (unsigned long long)T, (unsigned long long)total);
+            return MN_ERR_INVALID_ARG;
+        }
+        if (T / h) mn__w(S, T / h, h, 1, 0, 0);
+        if (T % h) mn__w(S, T % h, 0, 1, 0, 0);
+    }
+    S->counting = 0;
+    return S->err;
+}
+
+// Model states per GPU, from the parameter list.
+static void mn__states(mn__sim *S, mn_estimate_result *out) {
+    mn__cfg *c = S->c;
+    uint64_t i, g, st, mw, total = 0, trainable = 0;
+    int off = c->s.offload > MN_OFFLOAD_NONE;
+    for (i = 0; i < S->np; i++) {
+        mn__param *P = &S->p[i];
+        total += P->numel;
+        if (c->amp) {  // fp32 storage of trained parameters is the master; autocast adds 16-bit casts
+            if (P->trainable) out->master_weights += mn__weight_bytes(S, P);
+            else out->weights += mn__weight_bytes(S, P);
+            if (!P->quant) out->weights += mn__m(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1);
+        } else if (c->s.offload != MN_OFFLOAD_ALL) {
+            out->weights += mn__weight_bytes(S, P);
+        } else {
+            out->cpu_bytes += mn__weight_bytes(S, P);
+        }
+        if (!P->trainable || c->s.infer) continue;
+        trainable += P->numel;
+        g = mn__m(S, P->numel, c->g_esz);
+        if (c->zero >= 2) g = (g + c->gpus - 1) / c->gpus;
+        if (c->s.framework == MN_FW_DEEPSPEED && c->fw_master && (c->zero == 1 || c->zero == 2))
+            g += (mn__m(S, P->numel, 4) + c->gpus - 1) / c->gpus;  // fp32 gradient partition
+        st = mn__state_bytes(S, P);
+        mw = 0;
+        if (c->fw_master) {
+            mw = mn__m(S, P->numel, 4);
+            if (c->zero >= 1) mw = (mw + c->gpus - 1) / c->gpus;
+        }
+        if (off) {
+            out->cpu_bytes += g + st + mw;
+            continue;
+        }
+        out->gradients += g;
+        out->optimizer += st + (c->fw_master == 1 ? mw : 0);
+        out->master_weights += c->fw_master == 2 ? mw : 0;
+    }
+    if (c->s.optim == MN_OPTIM_NONE) out->optimizer = 0;
+    out->params = total;
+    out->trainable_params = c->s.infer ? 0 : trainable;
+    out->model_states = out->weights + out->master_weights + out->gradients + out->optimizer;
+}
+
+// Runs load + two training steps (or a generation), recording allocation events.
+static void mn__run(mn__sim *S) {
+    mn__cfg *c = S->c;
+    uint64_t step, mb, nmb = c->s.accum < 2 ? 1 : 2;
+    mn__load(S);
+    if (S->err) return;
+    if (c->s.infer) {
+        S->cursor = 0;
+        mn__generate(S);
+        return;
+    }
+    mn__alloc_t(S, MN__MIB(c->gpu_is_hopper ? 32 : 4), 1, MN_CAT_WORKSPACE);  // cuBLAS workspace
+    for (step = 0; step < 2 && !S->err; step++) {
+        for (mb = 0; mb < nmb && !S->err; mb++) {
+            S->cursor = 0;
+            mn__micro_batch(S);
+        }
+        if (!S->err) mn__optimizer(S);
+    }
+}
+
+// Feeds recorded events to a caching allocator. An allocation that fails even after the OOM
+// ladder is counted by the allocator (num_ooms) and its free is skipped.
+static mn_result mn__replay_into(const mn_allocator *al, const mn_trace_event *ev, uint64_t n, uint64_t ntensors,
+                                 mn_cache *cache) {
+    void **ptr = (void **)mn__alloc_array(al, (size_t)ntensors + 1, sizeof *ptr);
+    uint64_t i;
+    mn_result r = MN_OK;
+    if (!ptr) return MN_ERR_OUT_OF_MEMORY;
+    memset(ptr, 0, ((size_t)ntensors + 1) * sizeof *ptr);
+    for (i = 0; i < n && r == MN_OK; i++) {
+        const mn_trace_event *e = &ev[i];
+        if (e->id > ntensors) { r = MN_ERR_INVALID_ARG; break; }
+        if (e->alloc) {
+            ptr[e->id] = NULL;
+            r = mn_cache_alloc(cache, e->size, 0, (mn_category)e->category, mn_phase_name((mn_phase)e->phase), &ptr[e->id]);
+            if (r == MN_ERR_DEVICE_OOM) r = MN_OK;
+        } else if (ptr[e->id]) {
+            r = mn_cache_release(cache, ptr[e->id]);
+            ptr[e->id] = NULL;
+        }
+    }
+    mn__free(al, ptr);
+    return r;
+}
+
+// Replays the events through the caching allocator on a simulated device. capacity 0 = unlimited.
+static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *st) {
+    mn_simdev dev;
+    mn_simdev_desc dd;
+    mn_cache cache;
+    mn_cache_desc cd;
+    mn_result r;
+    memset(&dd, 0, sizeof dd);
+    dd.capacity = capacity;
+    if (S->al) dd.allocator = *S->al;
+    r = mn_simdev_init(&dev, &dd);
+    if (r != MN_OK) return r;
+    memset(&cd, 0, sizeof cd);
+    cd.device = mn_simdev_device(&dev);
+    cd.config = S->c->s.alloc_conf;
+    cd.logger = S->c->s.logger;
+    if (S->al) cd.allocator = *S->al;
+    r = mn_cache_init(&cache, &cd);
+    if (r != MN_OK) { mn_simdev_free(&dev); return r; }
+    r = mn__replay_into(S->al, S->ev, S->nev, S->nt, &cache);
+    if (r == MN_OK) r = mn_cache_stats(&cache, st);
+    mn_cache_free(&cache);
+    mn_simdev_free(&dev);
+    return r;
+}
+
+static mn_result mn__estimate(const mn_model *model, const mn_setup *setup, const mn_allocator *al,
+                              mn_estimate_result *out, mn__sim *S, int keep_events) {
+    mn__cfg c;
+    mn_gpu gpu;
+    mn_result r;
+    int k;
+    if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    memset(S, 0, sizeof *S);
+    r = mn__resolve(model, setup, &c, &gpu);
+    if (r != MN_OK) return r;
+    c.gpu_is_hopper = strncmp(gpu.name, "h1", 2) == 0 || strncmp(gpu.name, "h2", 2) == 0;
+    S->al = al, S->c = &c;
+    r = mn__build_params(S);
+    if (r == MN_OK) {
+        mn__states(S, out);
+        r = S->err;
+    }
+    if (r == MN_OK) {
+        S->events = keep_events || !c.s.no_replay;
+        mn__run(S);
+        r = S->err;
+    }
+    if (r == MN_ERR_OVERFLOW) mn__log(&c.s.logger, MN_LOG_ERROR, "the model or setup is too large: a size overflows 64 bits");
+    if (r != MN_OK) return r;
+    out->peak_allocated = S->peak;
+    out->peak_phase = S->peak_phase;
+    for (k = 0; k < MN_CAT_COUNT; k++) out->at_peak[k] = S->at_peak[k], out->cat_peak[k] = S->cat_peak[k];
+    out->activations = S->at_peak[MN_CAT_ACTIVATIONS];
+    out->temporary = S->at_peak[MN_CAT_TEMPORARY];
+    out->workspace = S->at_peak[MN_CAT_WORKSPACE];
+    out->kv_cache = S->at_peak[MN_CAT_KV_CACHE];
+    out->alloc_events = S->nev / 2;
+    out->peak_reserved = S->peak;
+    out->context = c.s.context, out->capacity = c.s.capacity;
+    if (!c.s.no_replay) {
+        mn_cache_statistics st;
+        uint64_t limit = c.s.capacity - c.s.context;
+        r = mn__replay(S, 0, &st);
+        if (r != MN_OK) return r;
+        out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
+        out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
+        if (out->peak_reserved > limit && out->peak_allocated <= limit) {
+            // PyTorch frees cached blocks and retries before it gives up: replay at the real size
+            r = mn__replay(S, limit, &st);
+            if (r != MN_OK) return r;
+            if (st.num_ooms == 0) out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
+        }
+    }
+    out->device_used = out->context + out->peak_reserved;
+    out->fits = out->device_used <= out->capacity;
+    out->setup = c.s;
+    out->model = c.m;
+    out->gpu = gpu;
+    out->setup.logger.log_fn = NULL, out->setup.logger.user_data = NULL;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_estimate(const mn_model *model, const mn_setup *setup, mn_estimate_result *out) {
+    mn__sim S;
+    mn_result r = mn__estimate(model, setup, NULL, out, &S, 0);
+    mn__sim_free(&S);
+    return r;
+}
+
+MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup, const mn_allocator *allocator,
+                                   mn_trace_event **events, uint64_t *count) {
+    mn__sim S;
+    mn_estimate_result res;
+    mn_setup s2;
+    mn_result r;
+    if (!events || !count || !setup) return MN_ERR_INVALID_ARG;
+    *events = NULL, *count = 0;
+    s2 = *setup;
+    s2.no_replay = 1;
+    r = mn__estimate(model, &s2, allocator, &res, &S, 1);
+    if (r == MN_OK) {
+        *events = S.ev, *count = S.nev;
+        S.ev = NULL;
+    }
+    mn__sim_free(&S);
+    return r;
+}
+
+MNIMPL void mn_trace_free(const mn_allocator *allocator, mn_trace_event *events) { mn__free(allocator, events); }
+
+MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup, const mn_allocator *allocator,
+                                    mn_cache *cache) {
+    mn__sim S;
+    mn_estimate_result res;
+    mn_setup s2;
+    mn_result r;
+    if (!setup || !cache) return MN_ERR_INVALID_ARG;
+    s2 = *setup;
+    s2.no_replay = 1;
+    r = mn__estimate(model, &s2, allocator, &res, &S, 1);
+    if (r == MN_OK) r = mn__replay_into(allocator, S.ev, S.nev, S.nt, cache);
+    mn__sim_free(&S);
+    return r;
+}
+
+MNIMPL mn_result mn_model_params(const mn_model *model, uint64_t *out) {
+    mn__sim S;
+    mn__cfg c;
+    mn_setup s;
+    mn_gpu gpu;
+    mn_result r;
+    uint64_t i, n = 0;
+    if (!model || !out) return MN_ERR_INVALID_ARG;
+    memset(&s, 0, sizeof s);
+    r = mn__resolve(model, &s, &c, &gpu);
+    if (r != MN_OK) return r;
+    memset(&S, 0, sizeof S);
+    S.c = &c;
+    r = mn__build_params(&S);
+    for (i = 0; r == MN_OK && i < S.np; i++) n += S.p[i].numel;
+    mn__sim_free(&S);
+    if (r == MN_OK) *out = n;
+    return r;
+}
+
+// ---- fit: the largest micro-batch, the longest sequence, and a plan ---------------------------
+
+// The step alone (no allocator replay): microseconds. Its device_used counts peak allocated.
+static mn_result mn__quick(const mn_model *m, const mn_setup *s, mn_fit_result *out, mn_estimate_result *r) {
+    mn_setup q = *s;
+    q.no_replay = 1;
+    out->estimates_run++;
+    return mn_estimate(m, &q, r);
+}
+
+// Fits the device? The replay never lowers the peak below what is allocated, so a setup whose
+// allocated peak does not fit is rejected without replaying it.
+static int mn__fits(const mn_model *m, const mn_setup *s, mn_fit_result *out, mn_estimate_result *r, mn_result *err) {
+    mn_result e = mn__quick(m, s, out, r);
+    if (e == MN_OK && r->fits && !s->no_replay) {
+        e = mn_estimate(m, s, r);
+        out->estimates_run++;
+    }
+    if (e != MN_OK) { *err = e; return 0; }
+    return r->fits;
+}
+
+// Largest value in [1, cap] for which fits(value) holds, 0 if none: doubling, then bisection
+// (memory grows with batch and sequence, so fitting is monotonic in both). quick: judge by the
+// step alone (peak allocated), else with the allocator replay.
+static uint64_t mn__bisect(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t lo, uint64_t hi, int quick,
+                           mn_fit_result *out, mn_result *err) {
+    mn_estimate_result r;
+    while (hi - lo > 1 && *err == MN_OK) {  // fits(lo) (or lo == 0), !fits(hi)
+        uint64_t mid = lo + (hi - lo) / 2;
+        int ok;
+        *field = mid;
+        ok = quick ? (mn__quick(m, s, out, &r) == MN_OK && r.fits) : mn__fits(m, s, out, &r, err);
+        if (ok) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static uint64_t mn__search(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t cap, mn_fit_result *out,
+                           mn_result *err) {
+    mn_estimate_result r;
+    uint64_t hi = 1, lo = 0, bound, step;
+    // 1. the bound from the step alone (reserved >= allocated, so nothing above it fits)
+    for (;;) {
+        *field = hi;
+        if ((*err = mn__quick(m, s, out, &r)) != MN_OK) return 0;
+        if (!r.fits) break;
+        lo = hi;
+        if (hi >= cap) break;
+        hi = hi * 2 > cap ? cap : hi * 2;
+    }
+    bound = lo == cap ? cap : mn__bisect(m, s, field, lo, hi, 1, out, err);
+    if (bound == 0 || *err != MN_OK) return 0;
+    // 2. with the allocator: gallop down from the bound, then bisect
+    *field = bound;
+    if (mn__fits(m, s, out, &r, err)) return bound;
+    hi = bound, step = 1;
+    for (;;) {
+        uint64_t cand = bound > step ? bound - step : 0;
+        if (cand == 0 || *err != MN_OK) return 0;
+        *field = cand;
+        if (mn__fits(m, s, out, &r, err)) return mn__bisect(m, s, field, cand, hi, 0, out, err);
+        hi = cand, step *= 2;
+    }
+}
+
+// The techniques of the plan, cheapest in step time first. Step-time factors from the HF
+// bert-large series on a V100 (fp16 0.47x, 8-bit Adam 0.97x, Adafactor 1.11x, batch 4 -> 1 x 4
+// accumulation 1.14x, + checkpointing 1.29x), Korthikanti et al. 2022 (selective recompute
+// 1.03x), and typical LoRA / QLoRA / ZeRO-offload slowdowns.
+typedef enum mn__tech {
+    MN__T_SDPA, MN__T_MIXED, MN__T_ADAM8, MN__T_HALVE, MN__T_SELECTIVE, MN__T_FULL, MN__T_ADAFACTOR,
+    MN__T_LORA, MN__T_NF4, MN__T_OFFLOAD, MN__T_COUNT
+} mn__tech;
+
+static const struct { double factor; const char *note; } mn__techs[MN__T_COUNT] = {
+    {0.85, "fused attention keeps no s x s scores"},
+    {0.50, "16-bit activations, fp32 master weights kept"},
+    {0.97, "Adam states 8 -> 2 bytes per parameter"},
+    {1.07, "same effective batch, half the activations"},
+    {1.03, "recompute the attention scores in backward"},
+    {1.29, "keep block inputs only, recompute each block in backward"},
+    {1.11, "factored second moment, no first moment"},
+    {0.80, "train adapters only: no gradients or optimizer state for the base"},
+    {1.30, "4-bit base weights (QLoRA)"},
+    {2.00, "parameters, gradients and optimizer state in host memory"},
+};
+
+// Applies technique k to s if it applies; 0 when it does not.
+static int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
+    switch (k) {
+    case MN__T_SDPA: if (s->attention != MN_ATTN_EAGER) return 0; s->attention = MN_ATTN_SDPA; return 1;
+    case MN__T_MIXED:
+        if (s->precision != MN_PREC_FP32 || s->infer) return 0;
+        s->precision = bf16 ? MN_PREC_BF16 : MN_PREC_FP16;
+        return 1;
+    case MN__T_ADAM8: if (s->optim != MN_OPTIM_ADAMW || s->infer) return 0; s->optim = MN_OPTIM_ADAMW_8BIT; return 1;
+    case MN__T_HALVE: if (s->batch < 2 || s->infer) return 0; s->batch = (s->batch + 1) / 2, s->accum *= 2; return 1;
+    case MN__T_SELECTIVE:
+        if (s->checkpointing != MN_CKPT_NONE || s->attention != MN_ATTN_EAGER || s->infer) return 0;
+        s->checkpointing = MN_CKPT_SELECTIVE;
+        return 1;
+    case MN__T_FULL: if (s->checkpointing == MN_CKPT_FULL || s->infer) return 0; s->checkpointing = MN_CKPT_FULL; return 1;
+    case MN__T_ADAFACTOR:
+        if (s->optim == MN_OPTIM_ADAFACTOR || s->optim == MN_OPTIM_SGD || s->optim == MN_OPTIM_NONE || s->lora_rank || s->infer) return 0;
+        s->optim = MN_OPTIM_ADAFACTOR;
+        return 1;
+    case MN__T_LORA:
+        if (s->lora_rank || s->infer) return 0;
+        s->lora_rank = 16, s->lora_targets = MN_LORA_ALL;
+        return 1;
+    case MN__T_NF4: if (s->quant > MN_QUANT_NONE || (!s->lora_rank && !s->infer)) return 0; s->quant = MN_QUANT_NF4; return 1;
+    case MN__T_OFFLOAD:
+        if (s->zero_stage >= 3 || s->infer) return 0;
+        s->framework = MN_FW_DEEPSPEED, s->zero_stage = 3, s->offload = MN_OFFLOAD_ALL;
+        return 1;
+    case MN__T_COUNT: break;
+    }
+    return 0;
+}
+
+static void mn__tech_describe(mn__tech k, const mn_setup *s, char *buf, size_t cap) {
+    switch (k) {
+    case MN__T_SDPA: snprintf(buf, cap, "--attention sdpa"); break;
+    case MN__T_MIXED: snprintf(buf, cap, "--precision %s", mn_precision_name(s->precision)); break;
+    case MN__T_ADAM8: snprintf(buf, cap, "--optim adamw-8bit"); break;
+    case MN__T_HALVE:
+        snprintf(buf, cap, "--batch %llu --accum %llu", (unsigned long long)s->batch, (unsigned long long)s->accum);
+        break;
+    case MN__T_SELECTIVE: snprintf(buf, cap, "--checkpointing selective"); break;
+    case MN__T_FULL: snprintf(buf, cap, "--checkpointing full"); break;
+    case MN__T_ADAFACTOR: snprintf(buf, cap, "--optim adafactor"); break;
+    case MN__T_LORA: snprintf(buf, cap, "--lora-rank 16 --lora-targets all"); break;
+    case MN__T_NF4: snprintf(buf, cap, "--quant nf4"); break;
+    case MN__T_OFFLOAD: snprintf(buf, cap, "--framework deepspeed --zero 3 --offload all"); break;
+    case MN__T_COUNT: buf[0] = 0; break;
+    }
+}
+
+// The setup after applying steps[0..n) to base, skipping index `skip`.
+static mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, uint32_t n, uint32_t skip, int bf16) {
+    mn_setup s = *base;
+    uint32_t i;
+    for (i = 0; i < n; i++)
+        if (i != skip) mn__tech_apply((mn__tech)steps[i], &s, bf16);
+    return s;
+}
+
+MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out) {
+    mn_estimate_result cur, next;
+    mn_setup base, s, t;
+    mn_result err = MN_OK;
+    uint64_t cap_seq;
+    uint8_t steps[32];
+    uint32_t n = 0, i, k;
+    int bf16, progress = 1;
+    if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    out->plan_slowdown = 1.0;
+    err = mn_estimate(model, setup, &cur);
+    if (err != MN_OK) return err;
+    out->estimates_run = 1;
+    base = cur.setup;
+    base.logger = setup->logger;
+    bf16 = cur.gpu.bf16;
+    t = base;
+    out->max_batch = mn__search(model, &t, &t.batch, 1ull << 20, out, &err);
+    if (err != MN_OK) return err;
+    t = base;
+    cap_seq = cur.model.posemb == MN_POS_LEARNED && cur.model.arch != MN_ARCH_STACK ? cur.model.max_positions : (1ull << 22);
+    if (base.infer) out->max_seq = mn__search(model, &t, &t.prompt, cap_seq, out, &err);
+    else out->max_seq = mn__search(model, &t, &t.seq, cap_seq, out, &err);
+    if (err != MN_OK) return err;
+
+    // Greedy: add the cheapest technique that lowers the memory need until the setup fits
+    // (compared on the step alone, confirmed with the allocator replay).
+    s = base;
+    if (!cur.fits) {
+        mn_estimate_result q, qn;
+        if ((err = mn__quick(model, &s, out, &q)) != MN_OK) return err;
+        while (!cur.fits && progress && n < sizeof steps) {
+            progress = 0;
+            for (k = 0; k < MN__T_COUNT && !progress; k++) {
+                t = s;
+                if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
+                if ((err = mn__quick(model, &t, out, &qn)) != MN_OK) return err;
+                if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
+                steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1;
+                mn__fits(model, &s, out, &cur, &err);
+                if (err != MN_OK) return err;
+            }
+        }
+    }
+    // Prune: drop each step, the slowest first, whose removal still fits.
+    for (k = MN__T_COUNT; cur.fits && k-- > 0;) {
+        for (i = n; i-- > 0;) {
+            if (steps[i] != k) continue;
+            t = mn__plan_setup(&base, steps, n, i, bf16);
+            if (!mn__fits(model, &t, out, &next, &err)) {
+                if (err != MN_OK) return err;
+                continue;
+            }
+            memmove(&steps[i], &steps[i + 1], (n - i - 1) * sizeof steps[0]);
+            n--, s = t, cur = next;
+        }
+    }
+    // Report the kept steps with the peak each one saves (the step alone: what is allocated).
+    t = base;
+    if ((err = mn__quick(model, &t, out, &next)) != MN_OK) return err;
+    for (i = 0; i < n && out->plan_len < sizeof out->plan / sizeof out->plan[0]; i++) {
+        mn_estimate_result after;
+        mn_plan_step *p = &out->plan[out->plan_len++];
+        char a[32], b[32];
+        mn__tech_apply((mn__tech)steps[i], &t, bf16);
+        if ((err = mn__quick(model, &t, out, &after)) != MN_OK) return err;
+        mn__tech_describe((mn__tech)steps[i], &t, p->what, sizeof p->what);
+        mn_size_format(next.peak_allocated, a, sizeof a);
+        mn_size_format(after.peak_allocated, b, sizeof b);
+        snprintf(p->why, sizeof p->why, "%s: peak %s -> %s, step time x%.2f", mn__techs[steps[i]].note, a, b,
+                 mn__techs[steps[i]].factor);
+        out->plan_slowdown *= mn__techs[steps[i]].factor;
+        next = after;
+    }
+    out->plan_found = cur.fits;
+    out->plan_setup = s;
+    out->plan_setup.logger.log_fn = NULL, out->plan_setup.logger.user_data = NULL;
+    out->plan_estimate = cur;
+    return MN_OK;
+}
+// >>hfconfig implementation ----------------------------------------------------------------------
+//
+// One reader per family. Each reads its keys through mn__hf_int/_bool/_prob/_str, which take the
+// transformers default for an absent (or null) key and reject a mistyped or out-of-range value
+// with a message naming the key. The defaults are those of transformers'
+// models/<type>/configuration_<type>.py (v4.4x); the structural facts (biases, norms, heads) are
+// those of the matching modeling_<type>.py.
+
+#define MN__HF_REQUIRED UINT64_MAX
+#define MN__HF_MAX_CONFIG (64ull << 20)
+
+typedef struct mn__hf {
+    const mn_json_value *root;
+    const mn_logger *lg;
+    const char *type;  // model_type
+} mn__hf;
+
+MN__PRIVATE mn_result mn__hf_fail(mn__hf *c, mn_result r, const char *fmt, ...) {
+    char msg[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    mn__log(c->lg, MN_LOG_ERROR, "config.json: %s", msg);
+    return r;
+}
+
+// First of the '|'-separated keys present with a non-null value; *used gets its name (or the
+// first name when none is present).
+MN__PRIVATE const mn_json_value *mn__hf_find(mn__hf *c, const char *keys, char *used, size_t cap) {
+    const char *k = keys;
+    used[0] = 0;
+    while (*k) {
+        const char *e = strchr(k, '|');
+        size_t n = e ? (size_t)(e - k) : strlen(k);
+        char name[64];
+        const mn_json_value *v;
+        if (n >= sizeof name) n = sizeof name - 1;
+        memcpy(name, k, n);
+        name[n] = 0;
+        if (!used[0]) snprintf(used, cap, "%s", name);
+        v = mn_json_get(c->root, name);
+        if (v && v->type != MN_JSON_NULL) {
+            snprintf(used, cap, "%s", name);
+            return v;
+        }
+        k += n;
+        if (*k == '|') k++;
+    }
+    return NULL;
+}
+
+MN__PRIVATE mn_result mn__hf_int(mn__hf *c, const char *keys, uint64_t def, uint64_t lo,
+                                 uint64_t hi, uint64_t *out) {
+    char key[64];
+    const mn_json_value *v = mn__hf_find(c, keys, key, sizeof key);
+    uint64_t x;
+    mn_result r;
+    if (!v) {
+        if (def == MN__HF_REQUIRED)
+            return mn__hf_fail(c, MN_ERR_INVALID_ARG, "%s: missing key \"%s\"", c->type, key);
+        *out = def;
+        return MN_OK;
+    }
+    if (v->type != MN_JSON_NUMBER)
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"%s\" must be an integer, not a %s", key,
+                           mn_json_type_name(v->type));
+    r = mn_json_u64(v, &x);
+    if (r == MN_ERR_OVERFLOW || (r == MN_OK && (x < lo || x > hi)))
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"%s\" = %.40s is out of range [%llu, %llu]",
+                           key, v->str, (unsigned long long)lo, (unsigned long long)hi);
+    if (r != MN_OK)
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"%s\" = %.40s is not a non-negative integer",
+                           key, v->str);
+    *out = x;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__hf_bool(mn__hf *c, const char *keys, int def, int *out) {
+    char key[64];
+    const mn_json_value *v = mn__hf_find(c, keys, key, sizeof key);
+    if (!v) {
+        *out = def;
+        return MN_OK;
+    }
+    if (v->type != MN_JSON_TRUE && v->type != MN_JSON_FALSE)
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"%s\" must be true or false, not a %s", key,
+                           mn_json_type_name(v->type));
+    *out = v->type == MN_JSON_TRUE;
+    return MN_OK;
+}
+
+// A probability in [0, 1).
+MN__PRIVATE mn_result mn__hf_prob(mn__hf *c, const char *keys, double def, float *out) {
+    char key[64];
+    const mn_json_value *v = mn__hf_find(c, keys, key, sizeof key);
+    if (!v) {
+        *out = (float)def;
+        return MN_OK;
+    }
+    if (v->type != MN_JSON_NUMBER)
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"%s\" must be a number, not a %s", key,
+                           mn_json_type_name(v->type));
+    if (!(v->num >= 0.0 && v->num < 1.0))
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"%s\" = %.40s is not a probability in [0, 1)",
+                           key, v->str);
+    *out = (float)v->num;
+    return MN_OK;
+}
+
+// A string, or NULL when absent or null.
+MN__PRIVATE mn_result mn__hf_str(mn__hf *c, const char *keys, const char **out) {
+    char key[64];
+    const mn_json_value *v = mn__hf_find(c, keys, key, sizeof key);
+    *out = NULL;
+    if (!v) return MN_OK;
+    if (v->type != MN_JSON_STRING)
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"%s\" must be a string, not a %s", key,
+                           mn_json_type_name(v->type));
+    *out = v->str;
+    return MN_OK;
+}
+
+// transformers' ACT2FN names (activations.py) -> mn_act.
+MN__PRIVATE mn_result mn__hf_act(mn__hf *c, const char *keys, const char *def, mn_act *out) {
+    static const struct { const char *name; mn_act act; } acts[] = {
+        {"gelu", MN_ACT_GELU}, {"gelu_python", MN_ACT_GELU}, {"gelu_new", MN_ACT_GELU_NEW},
+        {"gelu_pytorch_tanh", MN_ACT_GELU_TANH}, {"gelu_fast", MN_ACT_GELU_TANH},
+        {"gelu_accurate", MN_ACT_GELU_TANH}, {"relu", MN_ACT_RELU}, {"silu", MN_ACT_SILU},
+        {"swish", MN_ACT_SILU}};
+    const char *s;
+    size_t k;
+    char key[64];
+    if (mn__hf_str(c, keys, &s) != MN_OK) return MN_ERR_INVALID_ARG;
+    if (!s) s = def;
+    for (k = 0; k < sizeof acts / sizeof acts[0]; k++) {
+        if (strcmp(s, acts[k].name) == 0) {
+            *out = acts[k].act;
+            return MN_OK;
+        }
+    }
+    mn__hf_find(c, keys, key, sizeof key);
+    return mn__hf_fail(c, MN_ERR_UNSUPPORTED, "\"%s\" = \"%.40s\" is not a supported activation",
+                       key, s);
+}
+
+// Shape limits: anything beyond these is a broken or hostile file, not a model.
+#define MN__HF_MAX_LAYERS 10000ull
+#define MN__HF_MAX_HIDDEN 1000000ull
+#define MN__HF_MAX_HEADS 100000ull
+#define MN__HF_MAX_FFN 100000000ull
+#define MN__HF_MAX_VOCAB 100000000ull
+#define MN__HF_MAX_POS 1000000000ull
+
+// heads must divide hidden when the head size is derived from them; kv_heads must divide heads.
+MN__PRIVATE mn_result mn__hf_heads(mn__hf *c, mn_model *m, const char *heads_key,
+                                   const char *kv_key, int head_dim_given) {
+    if (!head_dim_given && m->hidden % m->heads != 0)
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"%s\" = %llu does not divide the width %llu",
+                           heads_key, (unsigned long long)m->heads, (unsigned long long)m->hidden);
+    if (m->kv_heads > m->heads || m->heads % m->kv_heads != 0)
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG,
+                           "\"%s\" = %llu does not divide the %llu attention heads", kv_key,
+                           (unsigned long long)m->kv_heads, (unsigned long long)m->heads);
+    return MN_OK;
+}
+
+#define MN__HF_TRY(expr) \
+    do { \
+        mn_result mn__r_ = (expr); \
+        if (mn__r_ != MN_OK) return mn__r_; \
+    } while (0)
+
+// BERT (configuration_bert.py), RoBERTa / XLM-R (configuration_roberta.py: BERT's defaults),
+// DistilBERT (configuration_distilbert.py). Post-norm encoder: embeddings (word, position,
+// token type) + LayerNorm, blocks with biased q/k/v/o and MLP, no final norm.
+MN__PRIVATE mn_result mn__hf_bert(mn__hf *c, mn_model *m, int distil) {
+    m->arch = MN_ARCH_ENCODER;
+    m->norm = MN_NORM_LAYERNORM;
+    m->posemb = MN_POS_LEARNED;
+    m->qkv_bias = m->out_bias = m->mlp_bias = 1;
+    m->embed_norm = 1;
+    m->final_norm = 0;
+    m->post_norm = 1;
+    if (distil) {
+        MN__HF_TRY(mn__hf_int(c, "n_layers", 6, 1, MN__HF_MAX_LAYERS, &m->layers));
+        MN__HF_TRY(mn__hf_int(c, "dim", 768, 1, MN__HF_MAX_HIDDEN, &m->hidden));
+        MN__HF_TRY(mn__hf_int(c, "n_heads", 12, 1, MN__HF_MAX_HEADS, &m->heads));
+        MN__HF_TRY(mn__hf_int(c, "hidden_dim", 3072, 1, MN__HF_MAX_FFN, &m->ffn));
+        MN__HF_TRY(mn__hf_act(c, "activation", "gelu", &m->act));
+        MN__HF_TRY(mn__hf_prob(c, "dropout", 0.1, &m->dropout));
+        MN__HF_TRY(mn__hf_prob(c, "attention_dropout", 0.1, &m->attn_dropout));
+        m->type_vocab = 0;
+        m->kv_heads = m->heads;
+        MN__HF_TRY(mn__hf_heads(c, m, "n_heads", "n_heads", 0));
+    } else {
+        MN__HF_TRY(mn__hf_int(c, "num_hidden_layers", 12, 1, MN__HF_MAX_LAYERS, &m->layers));
+        MN__HF_TRY(mn__hf_int(c, "hidden_size", 768, 1, MN__HF_MAX_HIDDEN, &m->hidden));
+        MN__HF_TRY(mn__hf_int(c, "num_attention_heads", 12, 1, MN__HF_MAX_HEADS, &m->heads));
+        MN__HF_TRY(mn__hf_int(c, "intermediate_size", 3072, 1, MN__HF_MAX_FFN, &m->ffn));
+        MN__HF_TRY(mn__hf_int(c, "type_vocab_size", 2, 0, 1000000, &m->type_vocab));
+        MN__HF_TRY(mn__hf_act(c, "hidden_act", "gelu", &m->act));
+        MN__HF_TRY(mn__hf_prob(c, "hidden_dropout_prob", 0.1, &m->dropout));
+        MN__HF_TRY(mn__hf_prob(c, "attention_probs_dropout_prob", 0.1, &m->attn_dropout));
+        m->kv_heads = m->heads;
+        MN__HF_TRY(mn__hf_heads(c, m, "num_attention_heads", "num_attention_heads", 0));
+    }
+    MN__HF_TRY(mn__hf_int(c, "vocab_size", 30522, 1, MN__HF_MAX_VOCAB, &m->vocab));
+    MN__HF_TRY(mn__hf_int(c, "max_position_embeddings", 512, 1, MN__HF_MAX_POS,
+                          &m->max_positions));
+    MN__HF_TRY(mn__hf_bool(c, distil ? "tie_weights_|tie_word_embeddings" : "tie_word_embeddings",
+                           1, &m->tie_embeddings));
+    return MN_OK;
+}
+
+// GPT-2 (configuration_gpt2.py) and GPTBigCode / StarCoder (configuration_gpt_bigcode.py, which
+// adds multi_query = true: one key/value head). Pre-norm decoder with biases everywhere, learned
+// positions, final LayerNorm, LM head tied to the embedding.
+MN__PRIVATE mn_result mn__hf_gpt2(mn__hf *c, mn_model *m, int bigcode) {
+    int mq = 0;
+    m->arch = MN_ARCH_DECODER;
+    m->norm = MN_NORM_LAYERNORM;
+    m->posemb = MN_POS_LEARNED;
+    m->qkv_bias = m->out_bias = m->mlp_bias = 1;
+    m->final_norm = 1;
+    MN__HF_TRY(mn__hf_int(c, "n_layer|num_hidden_layers", 12, 1, MN__HF_MAX_LAYERS, &m->layers));
+    MN__HF_TRY(mn__hf_int(c, "n_embd|hidden_size", 768, 1, MN__HF_MAX_HIDDEN, &m->hidden));
+    MN__HF_TRY(mn__hf_int(c, "n_head|num_attention_heads", 12, 1, MN__HF_MAX_HEADS, &m->heads));
+    MN__HF_TRY(mn__hf_int(c, "n_inner", 0, 1, MN__HF_MAX_FFN, &m->ffn));  // null: 4 * hidden
+    MN__HF_TRY(mn__hf_int(c, "vocab_size", 50257, 1, MN__HF_MAX_VOCAB, &m->vocab));
+    MN__HF_TRY(mn__hf_int(c, "n_positions|max_position_embeddings", 1024, 1, MN__HF_MAX_POS,
+                          &m->max_positions));
+    MN__HF_TRY(mn__hf_act(c, "activation_function", bigcode ? "gelu_pytorch_tanh" : "gelu_new",
+                          &m->act));
+    MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.1, &m->dropout));
+    MN__HF_TRY(mn__hf_prob(c, "attn_pdrop", 0.1, &m->attn_dropout));
+    MN__HF_TRY(mn__hf_bool(c, "tie_word_embeddings", 1, &m->tie_embeddings));
+    if (bigcode) MN__HF_TRY(mn__hf_bool(c, "multi_query", 1, &mq));
+    m->kv_heads = mq ? 1 : m->heads;
+    return mn__hf_heads(c, m, "n_head", "multi_query", 0);
+}
+
+// The Llama family: pre-norm decoders with RMSNorm, rotary positions, a gated MLP and a final
+// norm; they differ in defaults and biases. Starcoder2 keeps LayerNorm, a plain biased MLP.
+typedef struct mn__hf_llama_defaults {
+    const char *type;
+    uint64_t vocab, hidden, ffn, layers, heads, kv_heads;  // kv_heads 0: = heads
+    uint64_t head_dim;                                     // 0: hidden / heads
+    uint64_t max_pos;
+    const char *act;
+    int tie;
+    int qkv_bias;    // -1: "attention_bias" (q, k, v and o), default false
+    int layernorm;   // LayerNorm with a non-gated MLP (Starcoder2)
+} mn__hf_llama_defaults;
+
+static const mn__hf_llama_defaults mn__hf_llamas[] = {
+    // configuration_llama.py
+    {"llama", 32000, 4096, 11008, 32, 32, 0, 0, 2048, "silu", 0, -1, 0},
+    // configuration_mistral.py
+    {"mistral", 32000, 4096, 14336, 32, 32, 8, 0, 4096 * 32, "silu", 0, 0, 0},
+    // configuration_qwen2.py: q, k, v biased, o not (modeling_qwen2.py)
+    {"qwen2", 151936, 4096, 22016, 32, 32, 32, 0, 32768, "silu", 0, 1, 0},
+    // configuration_qwen3.py: head_dim 128, attention_bias
+    {"qwen3", 151936, 4096, 22016, 32, 32, 32, 128, 32768, "silu", 0, -1, 0},
+    // configuration_gemma.py: head_dim 256, hidden_activation gelu_pytorch_tanh, tied
+    {"gemma", 256000, 3072, 24576, 28, 16, 16, 256, 8192, "gelu_pytorch_tanh", 1, -1, 0},
+    // configuration_gemma2.py
+    {"gemma2", 256000, 2304, 9216, 26, 8, 4, 256, 8192, "gelu_pytorch_tanh", 1, -1, 0},
+    // configuration_phi3.py
+    {"phi3", 32064, 3072, 8192, 32, 32, 0, 0, 4096, "silu", 0, 0, 0},
+    // configuration_starcoder2.py: use_bias true, LayerNorm, c_fc/c_proj MLP
+    {"starcoder2", 49152, 3072, 12288, 30, 24, 2, 0, 4096, "gelu_pytorch_tanh", 1, 0, 1},
+};
+
+MN__PRIVATE mn_result mn__hf_llama(mn__hf *c, mn_model *m, const mn__hf_llama_defaults *f) {
+    uint64_t experts = 0;
+    int bias = 0, given_head_dim;
+    const int gemma = strncmp(f->type, "gemma", 5) == 0;
+    MN__HF_TRY(mn__hf_int(c, "num_local_experts|num_experts|n_routed_experts", 0, 0, 1u << 20,
+                          &experts));
+    if (experts > 1)
+        return mn__hf_fail(c, MN_ERR_UNSUPPORTED, "%s with %llu experts: MoE not supported",
+                           f->type, (unsigned long long)experts);
+    m->arch = MN_ARCH_DECODER;
+    m->norm = f->layernorm ? MN_NORM_LAYERNORM : MN_NORM_RMSNORM;
+    m->posemb = MN_POS_ROPE;
+    m->gated_mlp = !f->layernorm;
+    m->final_norm = 1;
+    MN__HF_TRY(mn__hf_int(c, "num_hidden_layers", f->layers, 1, MN__HF_MAX_LAYERS, &m->layers));
+    MN__HF_TRY(mn__hf_int(c, "hidden_size", f->hidden, 1, MN__HF_MAX_HIDDEN, &m->hidden));
+    MN__HF_TRY(mn__hf_int(c, "num_attention_heads", f->heads, 1, MN__HF_MAX_HEADS, &m->heads));
+    MN__HF_TRY(mn__hf_int(c, "num_key_value_heads", f->kv_heads ? f->kv_heads : m->heads, 1,
+                          MN__HF_MAX_HEADS, &m->kv_heads));
+    // head_dim: given, or the family's fixed default, or derived from hidden / heads
+    given_head_dim = mn_json_get(c->root, "head_dim") != NULL &&
+                     mn_json_get(c->root, "head_dim")->type != MN_JSON_NULL;
+    MN__HF_TRY(mn__hf_int(c, "head_dim", f->head_dim, 1, 65536, &m->head_dim));
+    given_head_dim = given_head_dim || f->head_dim != 0;
+    MN__HF_TRY(mn__hf_int(c, "intermediate_size", f->ffn, 1, MN__HF_MAX_FFN, &m->ffn));
+    MN__HF_TRY(mn__hf_int(c, "vocab_size", f->vocab, 1, MN__HF_MAX_VOCAB, &m->vocab));
+    MN__HF_TRY(mn__hf_int(c, "max_position_embeddings", f->max_pos, 1, MN__HF_MAX_POS,
+                          &m->max_positions));
+    MN__HF_TRY(mn__hf_act(c, gemma ? "hidden_activation" : "hidden_act", f->act,
+                          &m->act));
+    MN__HF_TRY(mn__hf_bool(c, "tie_word_embeddings", f->tie, &m->tie_embeddings));
+    MN__HF_TRY(mn__hf_prob(c, "attention_dropout", 0.0, &m->attn_dropout));
+    if (f->layernorm) {
+        MN__HF_TRY(mn__hf_bool(c, "use_bias", 1, &bias));
+        m->qkv_bias = m->out_bias = m->mlp_bias = bias;
+        MN__HF_TRY(mn__hf_prob(c, "residual_dropout", 0.0, &m->dropout));
+    } else if (f->qkv_bias < 0) {
+        MN__HF_TRY(mn__hf_bool(c, "attention_bias", 0, &bias));
+        m->qkv_bias = m->out_bias = bias;
+        MN__HF_TRY(mn__hf_bool(c, "mlp_bias", 0, &m->mlp_bias));
+    } else {
+        m->qkv_bias = f->qkv_bias;
+    }
+    if (strcmp(f->type, "phi3") == 0) MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.0, &m->dropout));
+    return mn__hf_heads(c, m, "num_attention_heads", "num_key_value_heads", given_head_dim);
+}
+
+// T5 (configuration_t5.py) and mT5 (configuration_mt5.py): encoder-decoder, T5LayerNorm (RMS,
+// no bias), relative attention bias in the first block of each stack, no biases anywhere, a final
+// norm per stack, head width d_kv independent of d_model.
+MN__PRIVATE mn_result mn__hf_t5(mn__hf *c, mn_model *m, int mt5, int encoder_only) {
+    const char *proj, *dash;
+    char act[32];
+    size_t n;
+    mn_act a = MN_ACT_DEFAULT;
+    m->arch = encoder_only ? MN_ARCH_ENCODER : MN_ARCH_ENCODER_DECODER;
+    m->norm = MN_NORM_RMSNORM;
+    m->posemb = MN_POS_RELATIVE;
+    m->final_norm = 1;
+    MN__HF_TRY(mn__hf_int(c, "vocab_size", mt5 ? 250112 : 32128, 1, MN__HF_MAX_VOCAB, &m->vocab));
+    MN__HF_TRY(mn__hf_int(c, "d_model", 512, 1, MN__HF_MAX_HIDDEN, &m->hidden));
+    MN__HF_TRY(mn__hf_int(c, "d_kv", 64, 1, 65536, &m->head_dim));
+    MN__HF_TRY(mn__hf_int(c, "d_ff", mt5 ? 1024 : 2048, 1, MN__HF_MAX_FFN, &m->ffn));
+    MN__HF_TRY(mn__hf_int(c, "num_layers", mt5 ? 8 : 6, 1, MN__HF_MAX_LAYERS, &m->encoder_layers));
+    MN__HF_TRY(mn__hf_int(c, "num_decoder_layers", m->encoder_layers, 1, MN__HF_MAX_LAYERS,
+                          &m->layers));
+    if (encoder_only) m->layers = m->encoder_layers, m->encoder_layers = 0;
+    MN__HF_TRY(mn__hf_int(c, "num_heads", mt5 ? 6 : 8, 1, MN__HF_MAX_HEADS, &m->heads));
+    m->kv_heads = m->heads;
+    MN__HF_TRY(mn__hf_int(c, "relative_attention_num_buckets", 32, 1, 1000000, &m->rel_buckets));
+    MN__HF_TRY(mn__hf_prob(c, "dropout_rate", 0.1, &m->dropout));
+    m->attn_dropout = m->dropout;
+    MN__HF_TRY(mn__hf_bool(c, "tie_word_embeddings", mt5 ? 0 : 1, &m->tie_embeddings));
+    MN__HF_TRY(mn__hf_str(c, "feed_forward_proj", &proj));
+    if (!proj) proj = mt5 ? "gated-gelu" : "relu";
+    // "ACT" or "gated-ACT"; "gated-gelu" means gelu_new (T5Config.__init__)
+    dash = strchr(proj, '-');
+    if (dash && (dash - proj != 5 || strncmp(proj, "gated", 5) != 0 || strchr(dash + 1, '-')))
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG,
+                           "\"feed_forward_proj\" = \"%.40s\" is not ACT or gated-ACT", proj);
+    m->gated_mlp = dash != NULL;
+    n = strlen(dash ? dash + 1 : proj);
+    if (n >= sizeof act) n = sizeof act - 1;
+    memcpy(act, dash ? dash + 1 : proj, n);
+    act[n] = 0;
+    if (strcmp(proj, "gated-gelu") == 0) {  // transformers maps gated-gelu to "gelu_new"
+        a = MN_ACT_GELU_NEW;
+    } else {
+        static const struct { const char *name; mn_act act; } acts[] = {
+            {"relu", MN_ACT_RELU}, {"gelu", MN_ACT_GELU}, {"gelu_new", MN_ACT_GELU_NEW},
+            {"silu", MN_ACT_SILU}, {"swish", MN_ACT_SILU}};
+        size_t k;
+        for (k = 0; k < sizeof acts / sizeof acts[0]; k++)
+            if (strcmp(act, acts[k].name) == 0) a = acts[k].act;
+        if (a == MN_ACT_DEFAULT)
+            return mn__hf_fail(c, MN_ERR_UNSUPPORTED,
+                               "\"feed_forward_proj\" = \"%.40s\": unsupported activation", proj);
+    }
+    m->act = a;
+    return MN_OK;
+}
+
+// Mixture-of-experts model types: their expert MLPs are outside mn_model.
+static const char *const mn__hf_moe_types[] = {
+    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe",
+    "granitemoe", "phimoe", "switch_transformers", "nllb_moe", "gpt_oss", "llama4"};
+
+MN__PRIVATE int mn__ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+// The head from architectures[0] (the class the checkpoint was saved from).
+MN__PRIVATE mn_result mn__hf_head(mn__hf *c, mn_model *m, const char **arch_out) {
+    const mn_json_value *a = mn_json_get(c->root, "architectures");
+    const char *arch;
+    *arch_out = "";
+    m->head = MN_HEAD_LM;
+    if (!a || a->type == MN_JSON_NULL) return MN_OK;
+    if (a->type != MN_JSON_ARRAY || (a->len > 0 && a->items[0].type != MN_JSON_STRING))
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "\"architectures\" must be an array of strings");
+    if (a->len == 0) return MN_OK;
+    arch = *arch_out = a->items[0].str;
+    if (mn__ends_with(arch, "ForSequenceClassification")) {
+        m->head = MN_HEAD_CLASSIFICATION;
+    } else if (mn__ends_with(arch, "ForTokenClassification") ||
+               mn__ends_with(arch, "ForQuestionAnswering")) {
+        m->head = MN_HEAD_CLASSIFICATION;
+        mn__log(c->lg, MN_LOG_WARN, "config.json: %s: per-token head read as a classification head",
+                arch);
+    } else if (mn__ends_with(arch, "ForCausalLM") || mn__ends_with(arch, "LMHeadModel") ||
+               mn__ends_with(arch, "ForConditionalGeneration") ||
+               mn__ends_with(arch, "ForMaskedLM") || mn__ends_with(arch, "ForPreTraining") ||
+               mn__ends_with(arch, "WithLMHead") || mn__ends_with(arch, "DoubleHeadsModel")) {
+        m->head = MN_HEAD_LM;
+    } else if (mn__ends_with(arch, "Model")) {
+        m->head = MN_HEAD_NONE;
+    } else {
+        mn__log(c->lg, MN_LOG_WARN, "config.json: architecture %s: head read as an LM head", arch);
+    }
+    if (m->head == MN_HEAD_CLASSIFICATION) {
+        const mn_json_value *labels = mn_json_get(c->root, "id2label");
+        if (labels && labels->type == MN_JSON_OBJECT && labels->len > 0) {
+            m->num_labels = labels->len;
+        } else {
+            MN__HF_TRY(mn__hf_int(c, "num_labels", 2, 1, 10000000, &m->num_labels));
+        }
+    }
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__hf_dtype(mn__hf *c, mn_model *m) {
+    static const struct { const char *name; mn_dtype t; } types[] = {
+        {"float32", MN_FP32}, {"float", MN_FP32}, {"float16", MN_FP16}, {"half", MN_FP16},
+        {"bfloat16", MN_BF16}, {"int8", MN_INT8}, {"uint8", MN_INT8}};
+    const char *s;
+    char key[64];
+    size_t k;
+    MN__HF_TRY(mn__hf_str(c, "torch_dtype|dtype", &s));
+    m->dtype = MN_DTYPE_DEFAULT;
+    if (!s || strcmp(s, "auto") == 0) return MN_OK;
+    if (strncmp(s, "torch.", 6) == 0) s += 6;
+    for (k = 0; k < sizeof types / sizeof types[0]; k++) {
+        if (strcmp(s, types[k].name) == 0) {
+            m->dtype = types[k].t;
+            return MN_OK;
+        }
+    }
+    mn__hf_find(c, "torch_dtype|dtype", key, sizeof key);
+    return mn__hf_fail(c, MN_ERR_UNSUPPORTED, "\"%s\" = \"%.40s\" is not a supported dtype", key,
+                       s);
+}
+
+// Copies a UTF-8 name, cut at a character boundary when it does not fit.
+MN__PRIVATE void mn__hf_copy_name(char *dst, size_t cap, const char *src) {
+    size_t n = strlen(src);
+    if (n >= cap) {
+        n = cap - 1;
+        while (n > 0 && ((unsigned char)src[n] & 0xc0) == 0x80) n--;  // not inside a sequence
+    }
+    memcpy(dst, src, n);
+    dst[n] = 0;
+}
+
+// name: "_name_or_path", else the caller's fallback (a file or folder name), else model_type.
+MN__PRIVATE mn_result mn__hf_map(mn__hf *c, mn_model *m, const char *fallback) {
+    const char *type, *name, *arch;
+    size_t k;
+    mn_result r = MN_ERR_UNSUPPORTED;
+    if (c->root->type != MN_JSON_OBJECT)
+        return mn__hf_fail(c, MN_ERR_INVALID_ARG, "not a JSON object");
+    c->type = "config";
+    MN__HF_TRY(mn__hf_str(c, "model_type", &type));
+    if (!type) return mn__hf_fail(c, MN_ERR_INVALID_ARG, "missing key \"model_type\"");
+    c->type = type;
+    for (k = 0; k < sizeof mn__hf_moe_types / sizeof mn__hf_moe_types[0]; k++) {
+        if (strcmp(type, mn__hf_moe_types[k]) == 0)
+            return mn__hf_fail(c, MN_ERR_UNSUPPORTED,
+                               "model_type \"%s\" is a mixture of experts: MoE not supported",
+                               type);
+    }
+    MN__HF_TRY(mn__hf_head(c, m, &arch));
+    if (strcmp(type, "bert") == 0 || strcmp(type, "roberta") == 0 ||
+        strcmp(type, "xlm-roberta") == 0) {
+        r = mn__hf_bert(c, m, 0);
+        m->pooler = m->head == MN_HEAD_CLASSIFICATION || m->head == MN_HEAD_NONE;
+        m->lm_transform = m->head == MN_HEAD_LM;  // BertForMaskedLM: dense + act + LayerNorm + bias
+    } else if (strcmp(type, "distilbert") == 0) {
+        r = mn__hf_bert(c, m, 1);
+        m->pooler = m->head == MN_HEAD_CLASSIFICATION;  // pre_classifier: a pooler-sized dense
+        m->lm_transform = m->head == MN_HEAD_LM;        // vocab_transform + vocab_layer_norm
+    } else if (strcmp(type, "gpt2") == 0 || strcmp(type, "gpt_bigcode") == 0) {
+        r = mn__hf_gpt2(c, m, type[3] == '_');
+    } else if (strcmp(type, "t5") == 0 || strcmp(type, "mt5") == 0) {
+        r = mn__hf_t5(c, m, type[0] == 'm', mn__ends_with(arch, "EncoderModel"));
+    } else {
+        for (k = 0; k < sizeof mn__hf_llamas / sizeof mn__hf_llamas[0]; k++) {
+            if (strcmp(type, mn__hf_llamas[k].type) == 0) break;
+        }
+        if (k == sizeof mn__hf_llamas / sizeof mn__hf_llamas[0])
+            return mn__hf_fail(c, MN_ERR_UNSUPPORTED,
+                               "model_type \"%.40s\" is not supported (bert, roberta, distilbert, "
+                               "gpt2, gpt_bigcode, llama, mistral, qwen2, qwen3, gemma, gemma2, "
+                               "phi3, starcoder2, t5, mt5)", type);
+        r = mn__hf_llama(c, m, &mn__hf_llamas[k]);
+    }
+    if (r != MN_OK) return r;
+    MN__HF_TRY(mn__hf_dtype(c, m));
+    MN__HF_TRY(mn__hf_str(c, "_name_or_path", &name));
+    mn__hf_copy_name(m->name, sizeof m->name,
+                     name && name[0] ? name : fallback && fallback[0] ? fallback : type);
+    return MN_OK;
+}
+
+// The model's name from a path: "a/llama-2-7b.json" -> "llama-2-7b", "a/llama/config.json" and
+// "a/llama/" -> "llama". Writes "" when there is none.
+MN__PRIVATE void mn__hf_path_name(const char *path, char *out, size_t cap) {
+    const char *end = path + strlen(path), *start;
+    size_t n;
+    int k;
+    out[0] = 0;
+    for (k = 0; k < 2; k++) {
+        while (end > path && (end[-1] == '/' || end[-1] == '\\')) end--;
+        start = end;
+        while (start > path && start[-1] != '/' && start[-1] != '\\') start--;
+        n = (size_t)(end - start);
+        if (n >= 5 && memcmp(end - 5, ".json", 5) == 0) n -= 5;
+        if (n == 6 && memcmp(start, "config", 6) == 0) {  // take the folder's name
+            end = start;
+            continue;
+        }
+        if (n == 0 || (n <= 2 && memcmp(start, "..", n) == 0)) return;  // "", ".", ".."
+        if (n >= cap) n = cap - 1;
+        memcpy(out, start, n);
+        out[n] = 0;
+        return;
+    }
+}
+
+// *quantized (optional) is set when the config has a "quantization_config" (packed weights).
+MN__PRIVATE mn_result mn__hf_parse(const char *text, size_t len, const mn_hf_desc *desc,
+                                   const char *fallback, mn_model *out, int *quantized) {
+    mn_hf_desc d;
+    mn_json_desc jd;
+    mn_json_doc doc;
+    mn__hf c;
+    mn_model m;
+    mn_result r;
+    if (!out || (!text && len)) return MN_ERR_INVALID_ARG;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
+    memset(&jd, 0, sizeof jd);
+    jd.allocator = d.allocator;
+    jd.max_bytes = MN__HF_MAX_CONFIG;
+    memset(&c, 0, sizeof c);
+    c.lg = &d.logger;
+    c.type = "config";
+    r = mn_json_parse(text, len, &jd, &doc);
+    if (r != MN_OK) {
+        mn__hf_fail(&c, r, "%s", doc.error[0] ? doc.error : mn_result_str(r));
+        mn_json_free(&doc);
+        return r;
+    }
+    c.root = doc.root;
+    memset(&m, 0, sizeof m);
+    r = mn__hf_map(&c, &m, fallback);
+    if (r == MN_OK) *out = m;
+    if (quantized) *quantized = mn_json_get(doc.root, "quantization_config") != NULL;
+    mn_json_free(&doc);
+    return r;
+}
+
+MNIMPL mn_result mn_hf_config_parse(const char *text, size_t len, const mn_hf_desc *desc,
+                                    mn_model *out) {
+    return mn__hf_parse(text, len, desc, NULL, out, NULL);
+}
+
+MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_model *out) {
+    mn_hf_desc d;
+    char *text = NULL, *cfg, name[64];
+    size_t len, n;
+    int folder = 0, quantized = 0;
+    mn_result r;
+    mn_model m;
+    if (!path || !out) return MN_ERR_INVALID_ARG;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
+    n = strlen(path);
+    // a folder holds config.json; anything else is read as the config file itself
+    if (!(n >= 5 && strcmp(path + n - 5, ".json") == 0)) {
+        cfg = mn__path_join(&d.allocator, path, "config.json");
+        if (!cfg) return MN_ERR_OUT_OF_MEMORY;
+        r = mn__read_file(&d.allocator, cfg, MN__HF_MAX_CONFIG, &text, &len);
+        mn__free(&d.allocator, cfg);
+        if (r == MN_OK) folder = 1;
+        else if (r == MN_ERR_OUT_OF_MEMORY) return r;
+    }
+    if (!folder) {
+        r = mn__read_file(&d.allocator, path, MN__HF_MAX_CONFIG, &text, &len);
+        if (r != MN_OK) {
+            mn__log(&d.logger, MN_LOG_ERROR, "%s: %s", path,
+                    r == MN_ERR_NOT_FOUND ? "no such file or folder with a config.json"
+                                          : "cannot read the file");
+            return r;
+        }
+    }
+    mn__hf_path_name(path, name, sizeof name);
+    r = mn__hf_parse(text, len, &d, name, &m, &quantized);
+    if (r == MN_OK && folder && !d.no_safetensors) {
+        mn_safetensors_desc sd;
+        mn_safetensors_info info;
+        mn_result rs;
+        memset(&sd, 0, sizeof sd);
+        sd.allocator = d.allocator;
+        sd.logger = d.logger;
+        rs = mn_safetensors_read_dir(path, &sd, &info);
+        if (rs == MN_OK && info.params > 0) {
+            if (quantized) {
+                mn__log(&d.logger, MN_LOG_WARN,
+                        "%s: quantized checkpoint: parameter count taken from the shape", path);
+            } else {
+                m.params = info.params;
+                if (info.dtype != MN_DTYPE_DEFAULT) m.dtype = info.dtype;
+            }
+        } else if (rs != MN_OK && rs != MN_ERR_NOT_FOUND) {
+            r = rs;
+        }
+        mn_safetensors_free(&info);
+    }
+    mn__free(&d.allocator, text);
+    if (r == MN_OK) *out = m;
+    return r;
+}
+// >>cache implementation ------------------------------------------------------------------------
+//
+// Invariant (PyTorch test_cuda.py, _check_memory_stat_consistency): the blocks of a segment tile
+// it exactly (prev/next in address order, no gap, no overlap); every free mapped block is in its
+// pool's tree keyed (stream, size, address), every unmapped block of an expandable segment in
+// the pool's unmapped tree, every allocated block in the address map; and the statistics equal
+// the sums over the blocks. Sources of the rules: c10/cuda/CUDACachingAllocator.cpp and
+// c10/cuda/CUDAAllocatorConfig.cpp (reference/allocator.md has the facts).
+
+// PyTorch CUDACachingAllocator.cpp constants.
+#define MN__C_MIN_BLOCK 512ull              // kMinBlockSize
+#define MN__C_SMALL_SIZE 1048576ull         // kSmallSize
+#define MN__C_SMALL_BUFFER 2097152ull       // kSmallBuffer
+#define MN__C_LARGE_BUFFER 20971520ull      // kLargeBuffer
+#define MN__C_MIN_LARGE_ALLOC 10485760ull   // kMinLargeAlloc
+#define MN__C_ROUND_LARGE 2097152ull        // kRoundLarge
+#define MN__C_ONE_EXA 1152921504606846976ull  // one_exa_bytes
+#define MN__C_MIB 1048576ull
+
+// ---- simulated device --------------------------------------------------------------------------
+
+MNIMPL mn_result mn_simdev_init(mn_simdev *dev, const mn_simdev_desc *desc) {
+    if (!dev) return MN_ERR_INVALID_ARG;
+    memset(dev, 0, sizeof *dev);
+    if (desc) dev->desc = *desc;
+    if (dev->desc.base == 0) dev->desc.base = 0x7f0000000000ull;
+    if (dev->desc.base % MN__C_MIN_BLOCK) return MN_ERR_INVALID_ARG;
+    dev->next_addr = dev->desc.base;
+    dev->next_va = dev->desc.base + (1ull << 44);  // reserved ranges live above the physical ones
+    dev->fail_at = dev->desc.fail_alloc_at;
+    return MN_OK;
+}
+
+MNIMPL void mn_simdev_free(mn_simdev *dev) {
+    if (!dev) return;
+    mn__free(&dev->desc.allocator, dev->events);
+    dev->events = NULL;
+    dev->event_count = dev->event_cap = 0;
+}
+
+MNIMPL void mn_simdev_fail_alloc_at(mn_simdev *dev, uint64_t n) {
+    dev->fail_at = n ? dev->alloc_calls + dev->map_calls + n : 0;
+}
+
+// Counts one device allocation and says whether it must fail (injection or capacity).
+MN__PRIVATE mn_result mn__c_simdev_take(mn_simdev *dev, uint64_t size) {
+    uint64_t calls = dev->alloc_calls + dev->map_calls;
+    if (dev->fail_at && calls == dev->fail_at) {
+        dev->fail_at = 0;
+        dev->failed_calls++;
+        return MN_ERR_DEVICE_OOM;
+    }
+    if (dev->desc.capacity && (size > dev->desc.capacity || dev->used > dev->desc.capacity - size)) {
+        dev->failed_calls++;
+        return MN_ERR_DEVICE_OOM;
+    }
+    dev->used += size;
+    if (dev->used > dev->peak_used) dev->peak_used = dev->used;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_simdev_alloc(void *ud, uint64_t size, void **ptr_out) {
+    mn_simdev *dev = (mn_simdev *)ud;
+    uint64_t step;
+    mn_result r;
+    dev->alloc_calls++;
+    // addresses advance by the size rounded to 2 MiB plus a 2 MiB gap: segments never touch
+    if (size == 0 || size > (1ull << 62)) return MN_ERR_INVALID_ARG;
+    r = mn__c_simdev_take(dev, size);
+    if (r != MN_OK) return r;
+    dev->live++;
+    *ptr_out = (void *)(uintptr_t)dev->next_addr;
+    step = (size + MN__C_ROUND_LARGE - 1) / MN__C_ROUND_LARGE * MN__C_ROUND_LARGE + MN__C_ROUND_LARGE;
+    dev->next_addr += step;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_simdev_release(void *ud, void *ptr, uint64_t size) {
+    mn_simdev *dev = (mn_simdev *)ud;
+    (void)ptr;
+    if (size > dev->used) return MN_ERR_INVALID_ARG;
+    dev->used -= size;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_simdev_free_fn(void *ud, void *ptr, uint64_t size) {
+    mn_simdev *dev = (mn_simdev *)ud;
+    dev->free_calls++;
+    if (dev->live == 0) return MN_ERR_INVALID_ARG;
+    dev->live--;
+    return mn__c_simdev_release(ud, ptr, size);
+}
+
+MN__PRIVATE mn_result mn__c_simdev_mem_info(void *ud, uint64_t *free_out, uint64_t *total_out) {
+    mn_simdev *dev = (mn_simdev *)ud;
+    uint64_t total = dev->desc.capacity ? dev->desc.capacity : (1ull << 50);
+    *total_out = total;
+    *free_out = total > dev->used ? total - dev->used : 0;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_simdev_event_record(void *ud, mn_stream stream, mn_event *out) {
+    mn_simdev *dev = (mn_simdev *)ud;
+    if (dev->event_count == dev->event_cap) {
+        uint32_t cap = dev->event_cap ? dev->event_cap * 2 : 16;
+        mn_simdev_event *ev = (mn_simdev_event *)mn__alloc_array(&dev->desc.allocator, cap,
+                                                                 sizeof *ev);
+        if (!ev) return MN_ERR_OUT_OF_MEMORY;
+        if (dev->event_count) memcpy(ev, dev->events, dev->event_count * sizeof *ev);
+        mn__free(&dev->desc.allocator, dev->events);
+        dev->events = ev;
+        dev->event_cap = cap;
+    }
+    dev->events[dev->event_count].id = ++dev->next_event;
+    dev->events[dev->event_count].stream = stream;
+    dev->events[dev->event_count].done = dev->desc.events_complete != 0;
+    dev->event_count++;
+    *out = dev->next_event;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_simdev_event *mn__c_simdev_find_event(mn_simdev *dev, mn_event e) {
+    uint32_t i;
+    for (i = 0; i < dev->event_count; i++)
+        if (dev->events[i].id == e) return &dev->events[i];
+    return NULL;
+}
+
+MN__PRIVATE int mn__c_simdev_event_query(void *ud, mn_event e) {
+    mn_simdev_event *ev = mn__c_simdev_find_event((mn_simdev *)ud, e);
+    return !ev || ev->done;
+}
+
+MN__PRIVATE mn_result mn__c_simdev_event_sync(void *ud, mn_event e) {
+    mn_simdev_event *ev = mn__c_simdev_find_event((mn_simdev *)ud, e);
+    if (ev) ev->done = 1;  // the simulated stream finishes its work
+    return MN_OK;
+}
+
+MN__PRIVATE void mn__c_simdev_event_free(void *ud, mn_event e) {
+    mn_simdev *dev = (mn_simdev *)ud;
+    mn_simdev_event *ev = mn__c_simdev_find_event(dev, e);
+    if (ev) *ev = dev->events[--dev->event_count];
+}
+
+MN__PRIVATE mn_result mn__c_simdev_reserve(void *ud, uint64_t size, void **base_out) {
+    mn_simdev *dev = (mn_simdev *)ud;
+    uint64_t step;
+    if (size == 0 || size > (1ull << 56)) return MN_ERR_INVALID_ARG;
+    step = (size + MN__C_LARGE_BUFFER - 1) / MN__C_LARGE_BUFFER * MN__C_LARGE_BUFFER;
+    step += MN__C_LARGE_BUFFER;
+    *base_out = (void *)(uintptr_t)dev->next_va;
+    dev->next_va += step;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_simdev_unreserve(void *ud, void *base, uint64_t size) {
+    (void)ud, (void)base, (void)size;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_simdev_map(void *ud, void *addr, uint64_t size) {
+    mn_simdev *dev = (mn_simdev *)ud;
+    (void)addr;
+    dev->map_calls++;
+    return mn__c_simdev_take(dev, size);
+}
+
+MN__PRIVATE mn_result mn__c_simdev_unmap(void *ud, void *addr, uint64_t size) {
+    ((mn_simdev *)ud)->unmap_calls++;
+    return mn__c_simdev_release(ud, addr, size);
+}
+
+MNIMPL mn_device mn_simdev_device(mn_simdev *dev) {
+    mn_device d;
+    memset(&d, 0, sizeof d);
+    d.alloc_fn = mn__c_simdev_alloc;
+    d.free_fn = mn__c_simdev_free_fn;
+    d.mem_info_fn = mn__c_simdev_mem_info;
+    d.event_record_fn = mn__c_simdev_event_record;
+    d.event_query_fn = mn__c_simdev_event_query;
+    d.event_sync_fn = mn__c_simdev_event_sync;
+    d.event_free_fn = mn__c_simdev_event_free;
+    d.reserve_fn = mn__c_simdev_reserve;
+    d.unreserve_fn = mn__c_simdev_unreserve;
+    d.map_fn = mn__c_simdev_map;
+    d.unmap_fn = mn__c_simdev_unmap;
+    d.user_data = dev;
+    return d;
+}
+
+MNIMPL void mn_simdev_complete_event(mn_simdev *dev, mn_event e) {
+    mn_simdev_event *ev = mn__c_simdev_find_event(dev, e);
+    if (ev) ev->done = 1;
+}
+
+MNIMPL void mn_simdev_sync_stream(mn_simdev *dev, mn_stream stream) {
+    uint32_t i;
+    for (i = 0; i < dev->event_count; i++)
+        if (dev->events[i].stream == stream) dev->events[i].done = 1;
+}
+
+MNIMPL void mn_simdev_sync(mn_simdev *dev) {
+    uint32_t i;
+    for (i = 0; i < dev->event_count; i++) dev->events[i].done = 1;
+}
+
+MNIMPL uint32_t mn_simdev_pending_events(const mn_simdev *dev) {
+    uint32_t i, n = 0;
+    for (i = 0; i < dev->event_count; i++) n += !dev->events[i].done;
+    return n;
+}
+
+// ---- configuration -----------------------------------------------------------------------------
+
+MN__PRIVATE int mn__c_is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
+
+MN__PRIVATE uint32_t mn__c_log2_floor(uint64_t v) {  // v > 0
+#if defined(__GNUC__) || defined(__clang__)
+    return 63u - (uint32_t)__builtin_clzll(v);
+#else
+    uint32_t r = 0;
+    while (v >>= 1) r++;
+    return r;
+#endif
+}
+
+// Tokens as CUDAAllocatorConfig::lexArgs makes them: ',' ':' '[' ']' alone, spaces dropped.
+typedef struct mn__c_cfg_tok {
+    const char *s;
+    size_t n;
+} mn__c_cfg_tok;
+
+MN__PRIVATE int mn__c_tok_is(const mn__c_cfg_tok *t, const char *w) {
+    size_t n = strlen(w);
+    return t->n == n && memcmp(t->s, w, n) == 0;
+}
+
+// Parses a whole token as an unsigned decimal.
+MN__PRIVATE int mn__c_tok_u64(const mn__c_cfg_tok *t, uint64_t *out) {
+    uint64_t v = 0;
+    size_t i;
+    if (t->n == 0 || t->n > 19) return 0;
+    for (i = 0; i < t->n; i++) {
+        if (t->s[i] < '0' || t->s[i] > '9') return 0;
+        v = v * 10 + (uint64_t)(t->s[i] - '0');
+    }
+    *out = v;
+    return 1;
+}
+
+MN__PRIVATE int mn__c_tok_double(const mn__c_cfg_tok *t, double *out) {
+    char buf[64], *end = NULL;
+    size_t i;
+    int digits = 0;
+    if (t->n == 0 || t->n >= sizeof buf) return 0;
+    for (i = 0; i < t->n; i++) {
+        char ch = t->s[i];
+        if (!((ch >= '0' && ch <= '9') || ch == '.' || ch == 'e' || ch == 'E' || ch == '-' ||
+              ch == '+'))
+            return 0;
+        digits += ch >= '0' && ch <= '9';
+    }
+    if (!digits) return 0;
+    memcpy(buf, t->s, t->n);
+    buf[t->n] = 0;
+    *out = strtod(buf, &end);
+    return end == buf + t->n;
+}
+
+MN__PRIVATE int mn__c_tok_bool(const mn__c_cfg_tok *t, int *out) {
+    if (mn__c_tok_is(t, "True")) return *out = 1, 1;
+    if (mn__c_tok_is(t, "False")) return *out = 0, 1;
+    return 0;
+}
+
+#define MN__C_CFG_MAX_TOKENS 256
+
+MNIMPL mn_result mn_cache_config_parse(const char *text, mn_cache_config *out,
+                                       const mn_logger *lg) {
+    mn__c_cfg_tok tok[MN__C_CFG_MAX_TOKENS];
+    size_t nt = 0, i = 0;
+    const char *p = text;
+    mn_cache_config cfg;
+    if (!out) return MN_ERR_INVALID_ARG;
+    memset(&cfg, 0, sizeof cfg);
+    memset(out, 0, sizeof *out);
+    if (!text) return MN_OK;
+    // lexer: CUDAAllocatorConfig::lexArgs
+    while (*p) {
+        if (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') { p++; continue; }
+        if (nt == MN__C_CFG_MAX_TOKENS) {
+            mn__log(lg, MN_LOG_ERROR, "allocator config: more than %d tokens", MN__C_CFG_MAX_TOKENS);
+            return MN_ERR_CONFIG;
+        }
+        tok[nt].s = p;
+        if (*p == ',' || *p == ':' || *p == '[' || *p == ']') {
+            tok[nt++].n = 1, p++;
+            continue;
+        }
+        while (*p && *p != ',' && *p != ':' && *p != '[' && *p != ']' && *p != ' ' &&
+               *p != '\t' && *p != '\n' && *p != '\r')
+            p++;
+        tok[nt].n = (size_t)(p - tok[nt].s);
+        nt++;
+    }
+    while (i < nt) {
+        const mn__c_cfg_tok *key = &tok[i];
+        const mn__c_cfg_tok *val;
+        char kname[48];
+        uint64_t u = 0;
+        double d = 0;
+        int b = 0;
+        size_t kn = key->n < sizeof kname - 1 ? key->n : sizeof kname - 1;
+        memcpy(kname, key->s, kn);
+        kname[kn] = 0;
+        if (mn__c_tok_is(key, ",")) { i++; continue; }  // PyTorch tolerates empty pairs
+        if (i + 1 >= nt || !mn__c_tok_is(&tok[i + 1], ":") || i + 2 >= nt) {
+            mn__log(lg, MN_LOG_ERROR, "allocator config: key '%s' needs ':' and a value", kname);
+            return MN_ERR_CONFIG;
+        }
+        val = &tok[i + 2];
+        i += 3;
+        if (mn__c_tok_is(key, "max_split_size_mb") || mn__c_tok_is(key, "max_non_split_rounding_mb") ||
+            mn__c_tok_is(key, "large_segment_size_mb")) {
+            int is_seg = mn__c_tok_is(key, "large_segment_size_mb");
+            if (!mn__c_tok_u64(val, &u)) {
+                mn__log(lg, MN_LOG_ERROR, "allocator config: %s expects a whole number of MiB", kname);
+                return MN_ERR_CONFIG;
+            }
+            // CUDAAllocatorConfig::parseMaxSplitSize: "too small, must be > 20"
+            if (!is_seg && u <= MN__C_LARGE_BUFFER / MN__C_MIB) {
+                mn__log(lg, MN_LOG_ERROR, "allocator config: CachingAllocator option %s too small, "
+                        "must be > 20", kname);
+                return MN_ERR_CONFIG;
+            }
+            if (is_seg && (u == 0 || u % 2 != 0)) {
+                mn__log(lg, MN_LOG_ERROR, "allocator config: %s must be a positive multiple of 2",
+                        kname);
+                return MN_ERR_CONFIG;
+            }
+            if (u > (UINT64_MAX >> 20)) u = UINT64_MAX >> 20;  // clamped as PyTorch does
+            if (mn__c_tok_is(key, "max_split_size_mb")) cfg.max_split_size = u << 20;
+            else if (is_seg) cfg.large_segment_size = u << 20;
+            else cfg.max_non_split_rounding = u << 20;
+        } else if (mn__c_tok_is(key, "roundup_power2_divisions")) {
+            // CUDAAllocatorConfig::parseRoundUpPower2Divisions
+            if (mn__c_tok_is(val, "[")) {
+                int first = 1;
+                size_t last_index = 0, k;
+                for (;;) {
+                    const mn__c_cfg_tok *a, *v;
+                    if (i >= nt) {
+                        mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions "
+                                "misses ']'");
+                        return MN_ERR_CONFIG;
+                    }
+                    if (mn__c_tok_is(&tok[i], "]")) { i++; break; }
+                    if (mn__c_tok_is(&tok[i], ",")) { i++; continue; }
+                    if (i + 2 >= nt || !mn__c_tok_is(&tok[i + 1], ":")) {
+                        mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions "
+                                "expects [size_mb:divisions,...]");
+                        return MN_ERR_CONFIG;
+                    }
+                    a = &tok[i], v = &tok[i + 2];
+                    i += 3;
+                    if (!mn__c_tok_u64(v, &u) || (u != 0 && !mn__c_is_pow2(u)) || u > (1u << 20)) {
+                        mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions: "
+                                "the divisions have to be a power of 2 or 0 to disable roundup");
+                        return MN_ERR_CONFIG;
+                    }
+                    if (mn__c_tok_is(a, ">")) {  // the intervals after the last one named
+                        for (k = first ? 0 : last_index + 1; k < MN_CACHE_ROUNDUP_INTERVALS; k++)
+                            cfg.roundup_power2_divisions[k] = (uint32_t)u;
+                    } else {
+                        uint64_t mb = 0;
+                        size_t index;
+                        if (!mn__c_tok_u64(a, &mb) || !mn__c_is_pow2(mb)) {
+                            mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions: "
+                                    "the intervals have to be a power of 2");
+                            return MN_ERR_CONFIG;
+                        }
+                        index = mn__c_log2_floor(mb);
+                        if (index > MN_CACHE_ROUNDUP_INTERVALS - 1)
+                            index = MN_CACHE_ROUNDUP_INTERVALS - 1;
+                        if (first) {
+                            for (k = 0; k < index; k++) cfg.roundup_power2_divisions[k] = (uint32_t)u;
+                            first = 0;
+                        }
+                        cfg.roundup_power2_divisions[index] = (uint32_t)u;
+                        last_index = index;
+                    }
+                }
+            } else {
+                size_t k;
+                if (!mn__c_tok_u64(val, &u) || (u != 0 && !mn__c_is_pow2(u)) || u > (1u << 20)) {
+                    mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions: the "
+                            "divisions have to be a power of 2 or 0 to disable roundup");
+                    return MN_ERR_CONFIG;
+                }
+                for (k = 0; k < MN_CACHE_ROUNDUP_INTERVALS; k++)
+                    cfg.roundup_power2_divisions[k] = (uint32_t)u;
+            }
+        } else if (mn__c_tok_is(key, "garbage_collection_threshold")) {
+            // parseGarbageCollectionThreshold: 0 < t < 1
+            if (!mn__c_tok_double(val, &d) || !(d > 0.0) || !(d < 1.0)) {
+                mn__log(lg, MN_LOG_ERROR, "allocator config: garbage_collection_threshold must be "
+                        "in (0.0, 1.0), got '%.*s'", (int)val->n, val->s);
+                return MN_ERR_CONFIG;
+            }
+            cfg.garbage_collection_threshold = d;
+        } else if (mn__c_tok_is(key, "expandable_segments") ||
+                   mn__c_tok_is(key, "release_lock_on_cudamalloc") ||
+                   mn__c_tok_is(key, "pinned_use_cuda_host_register") ||
+                   mn__c_tok_is(key, "pinned_use_background_threads") ||
+                   mn__c_tok_is(key, "graph_capture_record_stream_reuse")) {
+            if (!mn__c_tok_bool(val, &b)) {
+                mn__log(lg, MN_LOG_ERROR, "allocator config: expected a single True/False argument "
+                        "for %s", kname);
+                return MN_ERR_CONFIG;
+            }
+            if (mn__c_tok_is(key, "expandable_segments")) cfg.expandable_segments = b;
+            if (mn__c_tok_is(key, "release_lock_on_cudamalloc")) cfg.release_lock_on_cudamalloc = b;
+        } else if (mn__c_tok_is(key, "pinned_num_register_threads") ||
+                   mn__c_tok_is(key, "pinned_reserve_segment_size_mb") ||
+                   mn__c_tok_is(key, "pinned_max_round_threshold_mb") ||
+                   mn__c_tok_is(key, "pinned_max_cached_size_mb")) {
+            // host (pinned) allocator options: validated, no effect on device memory
+            if (!mn__c_tok_u64(val, &u) ||
+                (mn__c_tok_is(key, "pinned_num_register_threads") && (!mn__c_is_pow2(u) || u > 128))) {
+                mn__log(lg, MN_LOG_ERROR, "allocator config: bad value '%.*s' for %s",
+                        (int)val->n, val->s, kname);
+                return MN_ERR_CONFIG;
+            }
+        } else if (mn__c_tok_is(key, "backend")) {
+            if (mn__c_tok_is(val, "cudaMallocAsync")) {
+                mn__log(lg, MN_LOG_ERROR, "allocator config: backend:cudaMallocAsync is not "
+                        "modelled; only the native caching allocator is");
+                return MN_ERR_UNSUPPORTED;
+            }
+            if (!mn__c_tok_is(val, "native")) {
+                mn__log(lg, MN_LOG_ERROR, "allocator config: unknown allocator backend '%.*s', "
+                        "options are native and cudaMallocAsync", (int)val->n, val->s);
+                return MN_ERR_CONFIG;
+            }
+        } else {
+            mn__log(lg, MN_LOG_ERROR, "allocator config: Unrecognized key '%s' in CUDA allocator "
+                    "config.", kname);
+            return MN_ERR_CONFIG;
+        }
+        if (i < nt && !mn__c_tok_is(&tok[i], ",")) {
+            mn__log(lg, MN_LOG_ERROR, "allocator config: expected ',' after the value of '%s'",
+                    kname);
+            return MN_ERR_CONFIG;
+        }
+    }
+    *out = cfg;
+    return MN_OK;
+}
+
+// Zero fields mean PyTorch's defaults; this is the one place they are resolved.
+typedef struct mn__c_policy {
+    uint64_t max_split;         // UINT64_MAX = unlimited
+    uint64_t max_non_split;     // 20 MiB
+    uint64_t large_segment;     // 20 MiB
+    uint32_t div[MN_CACHE_ROUNDUP_INTERVALS];
+} mn__c_policy;
+
+MN__PRIVATE void mn__c_policy_resolve(const mn_cache_config *cfg, mn__c_policy *p) {
+    memset(p, 0, sizeof *p);
+    p->max_split = UINT64_MAX;
+    p->max_non_split = MN__C_LARGE_BUFFER;
+    p->large_segment = MN__C_LARGE_BUFFER;
+    if (!cfg) return;
+    if (cfg->max_split_size) p->max_split = cfg->max_split_size;
+    if (cfg->max_non_split_rounding) p->max_non_split = cfg->max_non_split_rounding;
+    if (cfg->large_segment_size) p->large_segment = cfg->large_segment_size;
+    memcpy(p->div, cfg->roundup_power2_divisions, sizeof p->div);
+}
+
+// PyTorch round_size / roundup_power2_next_division / AllocatorConfig::roundup_power2_divisions.
+MN__PRIVATE uint64_t mn__c_round_size(const mn__c_policy *p, uint64_t size) {
+    uint32_t log_size, index, divisions;
+    if (size < MN__C_MIN_BLOCK) return MN__C_MIN_BLOCK;
+    log_size = mn__c_log2_floor(size);
+    index = log_size > 20 ? log_size - 20 : 0;  // intervals start at 1 MiB = 2^20
+    if (index > MN_CACHE_ROUNDUP_INTERVALS - 1) index = MN_CACHE_ROUNDUP_INTERVALS - 1;
+    divisions = p->div[index];
+    if (divisions > 1 && size > MN__C_MIN_BLOCK * divisions) {
+        uint64_t floor2, step, f;
+        if (mn__c_is_pow2(size)) return size;
+        floor2 = 1ull << log_size;
+        step = floor2 >> mn__c_log2_floor(divisions);
+        if (step == 0) return floor2 << 1;
+        f = size & ~(step - 1);
+        return f == size ? size : f + step;
+    }
+    return (size + MN__C_MIN_BLOCK - 1) / MN__C_MIN_BLOCK * MN__C_MIN_BLOCK;
+}
+
+// PyTorch get_allocation_size.
+MN__PRIVATE uint64_t mn__c_allocation_size(const mn__c_policy *p, uint64_t size) {
+    if (size <= MN__C_SMALL_SIZE) return MN__C_SMALL_BUFFER;
+    if (size < MN__C_MIN_LARGE_ALLOC) return p->large_segment;
+    return (size + MN__C_ROUND_LARGE - 1) / MN__C_ROUND_LARGE * MN__C_ROUND_LARGE;
+}
+
+MNIMPL uint64_t mn_cache_round_size(const mn_cache_config *cfg, uint64_t size) {
+    mn__c_policy p;
+    mn__c_policy_resolve(cfg, &p);
+    if (size >= MN__C_ONE_EXA) return size;
+    return mn__c_round_size(&p, size);
+}
+
+MNIMPL uint64_t mn_cache_segment_size(const mn_cache_config *cfg, uint64_t rounded_size) {
+    mn__c_policy p;
+    mn__c_policy_resolve(cfg, &p);
+    if (rounded_size >= MN__C_ONE_EXA) return rounded_size;
+    return mn__c_allocation_size(&p, rounded_size);
+}
+
+// ---- blocks, segments, trees -------------------------------------------------------------------
+
+typedef struct mn__c_segment mn__c_segment;
+
+typedef struct mn__c_use {   // a stream the block was used on; later the event recorded there
+    mn_stream stream;
+    mn_event event;
+    struct mn__c_block *block;
+    struct mn__c_use *next;   // in the block's list, then in the pending-event queue
+} mn__c_use;
+
+typedef struct mn__c_block {
+    // the fields a tree search touches come first (one cache line)
+    struct mn__c_block *l, *r, *up;  // treap children and parent (pool tree)
+    uint64_t addr, size;
+    mn_stream stream;
+    uint32_t prio;                  // treap priority (max-heap)
+    struct mn__c_block *prev, *next;  // neighbours inside the segment, in address order
+    struct mn__c_block *tmp;        // scratch list, and the spare list
+    mn__c_segment *seg;
+    mn__c_use *uses;                // streams recorded while allocated
+    uint64_t requested;
+    uint64_t gc_base;               // pool's get_free_block count when cached (GC age)
+    uint32_t event_count;           // events to wait for before the block is free
+    uint8_t allocated, mapped, small, cat;
+    uint8_t in_tree;
+    char label[MN_CACHE_LABEL_MAX];
+} mn__c_block;
+
+struct mn__c_segment {
+    uint64_t addr, size;            // device range (expandable: the reserved range)
+    mn__c_block *head;                // lowest block
+    mn__c_segment *prev_seg, *next_seg;
+    mn_stream stream;
+    uint8_t small, expandable;
+};
+
+typedef struct mn__c_pool {
+    mn__c_block *blocks;     // free mapped blocks, treap by (stream, size, addr)
+    mn__c_block *last;       // the block inserted last: often the next best fit
+    mn__c_block *gap_l, *gap_r;  // neighbours of the block erased last: often where it returns
+    mn__c_block *unmapped;   // unmapped tails of expandable segments, by (stream, addr)
+    uint64_t get_free_calls;
+    int small;
+} mn__c_pool;
+
+typedef struct mn__c_cache {
+    mn_device dev;
+    mn_cache_config cfg;
+    mn__c_policy pol;
+    mn_allocator alloc;
+    mn_logger logger;
+    int device_index;
+#ifndef MEMANAT_NO_THREADS
+    pthread_mutex_t mu;
+#endif
+    mn__c_pool small, large;
+    mn__c_block **map;              // allocated and pending blocks by address, linear probing
+    uint64_t map_cap, map_count;
+    mn__c_segment *segs;            // every segment
+    mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
+    mn__c_block *spare;             // recycled block structs
+    uint32_t spare_count;
+    mn__c_use *spare_uses;
+    mn__c_use *ev_head, *ev_tail;   // pending cross-stream frees, in record order
+    struct mn_cache_stats st;
+    uint64_t total_allocated_memory;  // reserved bytes incl. expandable maps
+    int set_fraction;
+    uint64_t allowed_max;
+    uint64_t clock;
+    uint32_t rng;
+    mn_result dev_error;          // first device error seen while freeing
+    // history ring buffer
+    mn_trace_entry *ring;
+    uint64_t ring_cap, ring_head, ring_count, ring_dropped;
+    uint64_t base_cat[MN_CAT_COUNT], base_reserved;
+    char oom_msg[768];
+} mn__c_cache;
+
+MN__PRIVATE void mn__c_lock(mn__c_cache *c) {
+#ifndef MEMANAT_NO_THREADS
+    pthread_mutex_lock(&c->mu);
+#else
+    (void)c;
+#endif
+}
+
+MN__PRIVATE void mn__c_unlock(mn__c_cache *c) {
+#ifndef MEMANAT_NO_THREADS
+    pthread_mutex_unlock(&c->mu);
+#else
+    (void)c;
+#endif
+}
+
+// Tree order, BlockComparatorSize: stream, then size, then address. The unmapped tree uses
+// size 0 for every block, which makes it BlockComparatorAddress.
+MN__PRIVATE uint64_t mn__c_tree_size(const mn__c_block *b, int by_addr) {
+    return by_addr ? 0 : b->size;
+}
+
+// Lifts x above its parent, keeping the in-order sequence.
+MN__PRIVATE void mn__c_tr_rotate_up(mn__c_block **root, mn__c_block *x) {
+    mn__c_block *p = x->up, *g = p->up;
+    if (p->l == x) {
+        p->l = x->r;
+        if (x->r) x->r->up = p;
+        x->r = p;
+    } else {
+        p->r = x->l;
+        if (x->l) x->l->up = p;
+        x->l = p;
+    }
+    p->up = x;
+    x->up = g;
+    if (!g) *root = x;
+    else if (g->l == p) g->l = x;
+    else g->r = x;
+}
+
+MN__PRIVATE int mn__c_node_lt(const mn__c_block *a, const mn__c_block *b, int by_addr) {
+    uint64_t as = mn__c_tree_size(a, by_addr), bs = mn__c_tree_size(b, by_addr);
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (as != bs) return as < bs;
+    return a->addr < b->addr;
+}
+
+// Treap insert: a leaf in key order, then rotations up while its priority beats the parent's
+// (expected O(log n) search, O(1) rotations).
+MN__PRIVATE void mn__c_tr_insert(mn__c_block **root, mn__c_block *n, int by_addr) {
+    mn__c_block *t = *root;
+    n->l = n->r = NULL;
+    if (!t) {
+        n->up = NULL;
+        *root = n;
+        return;
+    }
+    for (;;) {
+        mn__c_block **child = mn__c_node_lt(n, t, by_addr) ? &t->l : &t->r;
+        if (!*child) {
+            *child = n;
+            break;
+        }
+        t = *child;
+    }
+    n->up = t;
+    while (n->up && n->up->prio < n->prio) mn__c_tr_rotate_up(root, n);
+}
+
+// Treap erase without a search: rotate the node down to a leaf, then cut it off.
+MN__PRIVATE void mn__c_tr_erase(mn__c_block **root, mn__c_block *n) {
+    while (n->l || n->r) {
+        mn__c_block *c = !n->l ? n->r : !n->r ? n->l : n->l->prio > n->r->prio ? n->l : n->r;
+        mn__c_tr_rotate_up(root, c);
+    }
+    if (!n->up) *root = NULL;
+    else if (n->up->l == n) n->up->l = NULL;
+    else n->up->r = NULL;
+    n->up = NULL;
+}
+
+// Smallest node not less than the key (std::set::lower_bound).
+MN__PRIVATE mn__c_block *mn__c_tr_lower_bound(mn__c_block *t, mn_stream s, uint64_t size,
+                                              uint64_t addr, int by_addr) {
+    mn__c_block *best = NULL;
+    while (t) {
+        int lt = t->stream != s ? t->stream < s
+               : mn__c_tree_size(t, by_addr) != size ? mn__c_tree_size(t, by_addr) < size
+               : t->addr < addr;
+        if (!lt) best = t, t = t->l;
+        else t = t->r;
+    }
+    return best;
+}
+
+// Largest node less than the key.
+MN__PRIVATE mn__c_block *mn__c_tr_before(mn__c_block *t, mn_stream s, uint64_t size, uint64_t addr,
+                                     int by_addr) {
+    mn__c_block *best = NULL;
+    while (t) {
+        int lt = t->stream != s ? t->stream < s
+               : mn__c_tree_size(t, by_addr) != size ? mn__c_tree_size(t, by_addr) < size
+               : t->addr < addr;
+        if (lt) best = t, t = t->r;
+        else t = t->l;
+    }
+    return best;
+}
+
+// In-order predecessor.
+MN__PRIVATE mn__c_block *mn__c_tr_prev(mn__c_block *b) {
+    if (b->l) {
+        b = b->l;
+        while (b->r) b = b->r;
+        return b;
+    }
+    while (b->up && b->up->l == b) b = b->up;
+    return b->up;
+}
+
+// In-order successor.
+MN__PRIVATE mn__c_block *mn__c_tr_next(mn__c_block *b) {
+    if (b->r) {
+        b = b->r;
+        while (b->l) b = b->l;
+        return b;
+    }
+    while (b->up && b->up->r == b) b = b->up;
+    return b->up;
+}
+
+// Collects a tree's nodes in order into a list linked through tmp (first node returned).
+MN__PRIVATE mn__c_block *mn__c_tr_collect(mn__c_block *t, mn__c_block *tail_list) {
+    if (!t) return tail_list;
+    tail_list = mn__c_tr_collect(t->r, tail_list);
+    t->tmp = tail_list;
+    return mn__c_tr_collect(t->l, t);
+}
+
+MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
+    MN_ASSERT(!b->in_tree);
+    b->l = b->r = NULL;
+    b->in_tree = 1;
+    if (b->mapped) {
+        mn__c_block *gl = p->gap_l, *gr = p->gap_r;
+        b->gc_base = p->get_free_calls;  // BlockPool::insert_into_blocks
+        // where the last erased block was, when b still sorts there: a leaf without a search
+        if ((gl || gr) && (!gl || (gl->in_tree && gl->mapped && mn__c_node_lt(gl, b, 0))) &&
+            (!gr || (gr->in_tree && gr->mapped && mn__c_node_lt(b, gr, 0))) &&
+            (gl ? mn__c_tr_next(gl) == gr : mn__c_tr_prev(gr) == NULL)) {
+            b->l = b->r = NULL;
+            if (gl && !gl->r) gl->r = b, b->up = gl;
+            else gr->l = b, b->up = gr;
+            while (b->up && b->up->prio < b->prio) mn__c_tr_rotate_up(&p->blocks, b);
+        } else {
+            mn__c_tr_insert(&p->blocks, b, 0);
+        }
+        p->last = b;
+    } else {
+        mn__c_tr_insert(&p->unmapped, b, 1);
+    }
+}
+
+MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
+    MN_ASSERT(b->in_tree);
+    if (b->mapped) {
+        p->gap_l = mn__c_tr_prev(b);
+        p->gap_r = mn__c_tr_next(b);
+    }
+    mn__c_tr_erase(b->mapped ? &p->blocks : &p->unmapped, b);
+    b->in_tree = 0;
+    b->l = b->r = NULL;
+}
+
+MN__PRIVATE mn__c_pool *mn__c_pool_of(mn__c_cache *c, const mn__c_block *b) {
+    return b->small ? &c->small : &c->large;
+}
+
+// ---- address map -------------------------------------------------------------------------------
+
+// Fibonacci hashing: the top bits of the product (cap is a power of two, at least 2).
+MN__PRIVATE uint64_t mn__c_hash(uint64_t addr, uint64_t cap) {
+    return ((addr >> 9) * 0x9E3779B97F4A7C15ull) >> (64 - mn__c_log2_floor(cap));
+}
+
+// Makes room for one more entry (the only host allocation on the alloc path, done first).
+MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
+    uint64_t i, cap;
+    mn__c_block **nm;
+    if ((c->map_count + 1) * 2 <= c->map_cap) return MN_OK;
+    cap = c->map_cap ? c->map_cap * 2 : 1024;
+    nm = (mn__c_block **)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
+    if (!nm) return MN_ERR_OUT_OF_MEMORY;
+    memset(nm, 0, (size_t)cap * sizeof *nm);
+    for (i = 0; i < c->map_cap; i++) {
+        mn__c_block *b = c->map[i];
+        uint64_t h;
+        if (!b) continue;
+        h = mn__c_hash(b->addr, cap);
+        while (nm[h]) h = (h + 1) & (cap - 1);
+        nm[h] = b;
+    }
+    mn__free(&c->alloc, c->map);
+    c->map = nm;
+    c->map_cap = cap;
+    return MN_OK;
+}
+
+MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
+    uint64_t h = mn__c_hash(b->addr, c->map_cap);
+    while (c->map[h]) h = (h + 1) & (c->map_cap - 1);
+    c->map[h] = b;
+    c->map_count++;
+}
+
+MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
+    uint64_t h;
+    if (!c->map_cap) return UINT64_MAX;
+    h = mn__c_hash(addr, c->map_cap);
+    while (c->map[h]) {
+        if (c->map[h]->addr == addr) return h;
+        h = (h + 1) & (c->map_cap - 1);
+    }
+    return UINT64_MAX;
+}
+
+// Removes slot i, shifting later entries of the probe run back (no tombstones).
+MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
+    uint64_t mask = c->map_cap - 1, j = i;
+    c->map[i] = NULL;
+    c->map_count--;
+    for (;;) {
+        uint64_t k;
+        j = (j + 1) & mask;
+        if (!c->map[j]) return;
+        k = mn__c_hash(c->map[j]->addr, c->map_cap);
+        // move j back to i if its home k is not cyclically in (i, j]
+        if ((i <= j) ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        c->map[i] = c->map[j];
+        c->map[j] = NULL;
+        i = j;
+    }
+}
+
+// ---- block structs -----------------------------------------------------------------------------
+
+#define MN__C_SPARE_BLOCKS 4
+
+MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
+    while (c->spare_count < n) {
+        mn__c_block *b = (mn__c_block *)mn__alloc(&c->alloc, sizeof *b);
+        if (!b) return MN_ERR_OUT_OF_MEMORY;
+        b->tmp = c->spare;
+        c->spare = b;
+        c->spare_count++;
+    }
+    return MN_OK;
+}
+
+// A zeroed block struct from the spares (or the host), NULL when the host is out of memory.
+MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
+    mn__c_block *b;
+    if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
+    b = c->spare;
+    c->spare = b->tmp;
+    c->spare_count--;
+    memset(b, 0, sizeof *b);
+    c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
+    b->prio = c->rng;
+    b->mapped = 1;
+    return b;
+}
+
+MN__PRIVATE void mn__c_block_delete(mn__c_cache *c, mn__c_block *b) {
+    int k;
+    for (k = 0; k < 2; k++) {
+        mn__c_pool *p = k ? &c->large : &c->small;
+        if (p->last == b) p->last = NULL;
+        if (p->gap_l == b) p->gap_l = NULL, p->gap_r = NULL;
+        if (p->gap_r == b) p->gap_l = NULL, p->gap_r = NULL;
+    }
+    if (c->spare_count >= 64) {
+        mn__free(&c->alloc, b);
+        return;
+    }
+    b->tmp = c->spare;
+    c->spare = b;
+    c->spare_count++;
+}
+
+MN__PRIVATE void mn__c_fix_head(mn__c_block *b) {
+    if (!b->prev) b->seg->head = b;
+}
+
+// ---- statistics ----------------------------------------------------------------------------------
+
+MN__PRIVATE void mn__c_stat_inc(mn_stat *s, uint64_t n) {
+    s->current += n;
+    if (s->current > s->peak) s->peak = s->current;
+    s->allocated += n;
+}
+
+MN__PRIVATE void mn__c_stat_dec(mn_stat *s, uint64_t n) {
+    MN_ASSERT(s->current >= n);
+    s->current -= n;
+    s->freed += n;
+}
+
+// Applies to the aggregate and to the block's pool (get_stat_types_for_pool).
+#define MN__C_STAT2(c, field, small, op, n) do { \
+    op(&(c)->st.field[MN_STAT_ALL], (n)); \
+    op(&(c)->st.field[(small) ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL], (n)); } while (0)
+
+// ---- history -------------------------------------------------------------------------------------
+
+MN__PRIVATE void mn__c_trace_apply(uint64_t *cat, uint64_t *reserved, const mn_trace_entry *e) {
+    switch (e->action) {
+    case MN_TRACE_ALLOC: cat[e->category] += e->block_size; break;
+    case MN_TRACE_FREE_REQUESTED: cat[e->category] -= e->block_size; break;
+    case MN_TRACE_SEGMENT_ALLOC: case MN_TRACE_SEGMENT_MAP: *reserved += e->size; break;
+    case MN_TRACE_SEGMENT_FREE: case MN_TRACE_SEGMENT_UNMAP: *reserved -= e->size; break;
+    default: break;
+    }
+}
+
+MN__PRIVATE void mn__c_trace(mn__c_cache *c, mn_trace_action a, uint64_t addr, uint64_t size,
+                           uint64_t block_size, mn_stream stream, uint8_t cat) {
+    mn_trace_entry *e;
+    if (!c->ring_cap) return;
+    e = &c->ring[c->ring_head];
+    if (c->ring_count == c->ring_cap) {  // the oldest entry folds into the base state
+        mn__c_trace_apply(c->base_cat, &c->base_reserved, e);
+        c->ring_dropped++;
+    } else {
+        c->ring_count++;
+    }
+    e->action = a;
+    e->addr = addr;
+    e->size = size;
+    e->block_size = block_size;
+    e->stream = stream;
+    e->category = (mn_category)cat;
+    e->time = c->clock;
+    c->ring_head = c->ring_head + 1 == c->ring_cap ? 0 : c->ring_head + 1;
+}
+
+// ---- init / free -------------------------------------------------------------------------------
+
+MNIMPL mn_result mn_cache_init(mn_cache *cache, const mn_cache_desc *desc) {
+    mn__c_cache *c;
+    mn_cache_config cfg;
+    mn_result r;
+    if (!cache) return MN_ERR_INVALID_ARG;
+    cache->p = NULL;
+    if (!desc) return MN_ERR_INVALID_ARG;
+    if (!desc->device.alloc_fn || !desc->device.free_fn) {
+        mn__log(&desc->logger, MN_LOG_ERROR, "cache: the device needs alloc_fn and free_fn");
+        return MN_ERR_INVALID_ARG;
+    }
+    if (desc->settings) cfg = *desc->settings;
+    else if ((r = mn_cache_config_parse(desc->config, &cfg, &desc->logger)) != MN_OK) return r;
+    if (cfg.garbage_collection_threshold < 0.0 || cfg.garbage_collection_threshold >= 1.0 ||
+        (cfg.max_split_size && cfg.max_split_size <= MN__C_LARGE_BUFFER) ||
+        (cfg.max_non_split_rounding && cfg.max_non_split_rounding <= MN__C_LARGE_BUFFER)) {
+        mn__log(&desc->logger, MN_LOG_ERROR, "cache: settings out of range");
+        return MN_ERR_CONFIG;
+    }
+    if (cfg.expandable_segments && (!desc->device.reserve_fn || !desc->device.map_fn ||
+                                    !desc->device.unmap_fn)) {
+        mn__log(&desc->logger, MN_LOG_ERROR, "cache: expandable_segments:True needs a device "
+                "with reserve_fn, map_fn and unmap_fn");
+        return MN_ERR_UNSUPPORTED;
+    }
+    c = (mn__c_cache *)mn__alloc(&desc->allocator, sizeof *c);
+    if (!c) return MN_ERR_OUT_OF_MEMORY;
+    memset(c, 0, sizeof *c);
+    c->dev = desc->device;
+    c->cfg = cfg;
+    mn__c_policy_resolve(&cfg, &c->pol);
+    c->alloc = desc->allocator;
+    c->logger = desc->logger;
+    c->device_index = desc->device_index;
+    c->small.small = 1;
+    c->rng = 0x9E3779B9u;
+    c->st.max_split_size = c->pol.max_split;
+    if (desc->trace_entries) {
+        c->ring = (mn_trace_entry *)mn__alloc_array(&c->alloc, desc->trace_entries,
+                                                    sizeof *c->ring);
+        if (!c->ring) goto fail_ring;
+        c->ring_cap = desc->trace_entries;
+    }
+    if (mn__c_map_reserve(c) != MN_OK) goto fail_map;
+#ifndef MEMANAT_NO_THREADS
+    if (pthread_mutex_init(&c->mu, NULL) != 0) goto fail_mutex;
+#endif
+    cache->p = c;
+    return MN_OK;
+#ifndef MEMANAT_NO_THREADS
+fail_mutex:
+    mn__free(&c->alloc, c->map);
+#endif
+fail_map:
+    mn__free(&c->alloc, c->ring);
+fail_ring:
+    mn__free(&desc->allocator, c);
+    return MN_ERR_OUT_OF_MEMORY;
+}
+
+// ---- freeing blocks ------------------------------------------------------------------------------
+
+MN__PRIVATE void *mn__c_ptr(uint64_t addr) { return (void *)(uintptr_t)addr; }
+
+// try_merge_blocks: src joins dst when it is free, has no pending events or stream uses, and is
+// mapped the same way. Returns the bytes taken over (0 = no merge).
+MN__PRIVATE uint64_t mn__c_try_merge(mn__c_cache *c, mn__c_block *dst, mn__c_block *src) {
+    uint64_t sub;
+    if (!src || src->allocated || src->event_count > 0 || src->uses || dst->mapped != src->mapped)
+        return 0;
+    mn__c_pool_erase(mn__c_pool_of(c, src), src);
+    if (dst->prev == src) {  // [src dst]
+        dst->addr = src->addr;
+        dst->prev = src->prev;
+        if (dst->prev) dst->prev->next = dst;
+        else dst->seg->head = dst;
+    } else {  // [dst src]
+        dst->next = src->next;
+        if (dst->next) dst->next->prev = dst;
+    }
+    sub = src->size;
+    dst->size += sub;
+    mn__c_block_delete(c, src);
+    return sub;
+}
+
+// free_block: the block becomes reusable; it merges with free neighbours and returns to its pool.
+MN__PRIVATE void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
+    mn__c_pool *p = mn__c_pool_of(c, b);
+    uint64_t orig = b->size, req = b->requested, sub;
+    int64_t net_blocks = 0, net_bytes = 0;
+    int small = b->small;
+    mn__c_trace(c, MN_TRACE_FREE_COMPLETED, b->addr, req, orig, b->stream, b->cat);
+    sub = mn__c_try_merge(c, b, b->prev);
+    if (sub) net_blocks--, net_bytes -= (int64_t)sub;
+    sub = mn__c_try_merge(c, b, b->next);
+    if (sub) net_blocks--, net_bytes -= (int64_t)sub;
+    b->requested = 0;
+    mn__c_pool_insert(p, b);
+    if (b->prev || b->next) net_blocks++, net_bytes += (int64_t)b->size;
+    // inactive_split leaves out expandable segments (PyTorch free_block)
+    if (!b->seg->expandable) {
+        uint64_t nb = (uint64_t)(net_blocks < 0 ? -net_blocks : net_blocks);
+        uint64_t ns = (uint64_t)(net_bytes < 0 ? -net_bytes : net_bytes);
+        if (net_blocks > 0) MN__C_STAT2(c, inactive_split, small, mn__c_stat_inc, nb);
+        if (net_blocks < 0) MN__C_STAT2(c, inactive_split, small, mn__c_stat_dec, nb);
+        if (net_bytes > 0) MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_inc, ns);
+        if (net_bytes < 0) MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_dec, ns);
+    }
+    MN__C_STAT2(c, active, small, mn__c_stat_dec, 1);
+    MN__C_STAT2(c, active_bytes, small, mn__c_stat_dec, orig);
+    MN__C_STAT2(c, requested_bytes, small, mn__c_stat_dec, req);
+}
+
+MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
+    if (s->prev_seg) s->prev_seg->next_seg = s->next_seg;
+    else c->segs = s->next_seg;
+    if (s->next_seg) s->next_seg->prev_seg = s->prev_seg;
+    mn__free(&c->alloc, s);
+}
+
+MN__PRIVATE void mn__c_seg_link(mn__c_cache *c, mn__c_segment *s) {
+    s->prev_seg = NULL;
+    s->next_seg = c->segs;
+    if (c->segs) c->segs->prev_seg = s;
+    c->segs = s;
+}
+
+MN__PRIVATE void mn__c_note_dev_error(mn__c_cache *c, mn_result r, const char *what) {
+    if (r == MN_OK) return;
+    if (c->dev_error == MN_OK) c->dev_error = r;
+    mn__log(&c->logger, MN_LOG_ERROR, "cache: device %s failed: %s", what, mn_result_str(r));
+}
+
+// release_block: an unsplit free segment goes back to the device.
+MN__PRIVATE void mn__c_release_block(mn__c_cache *c, mn__c_block *b) {
+    mn__c_segment *s = b->seg;
+    int small = b->small;
+    MN_ASSERT(!s->expandable && !b->prev && !b->next && !b->allocated);
+    c->st.num_device_free++;
+    mn__c_trace(c, MN_TRACE_SEGMENT_FREE, b->addr, b->size, b->size, b->stream, 0);
+    mn__c_note_dev_error(c, c->dev.free_fn(c->dev.user_data, mn__c_ptr(b->addr), b->size), "free");
+    c->total_allocated_memory -= b->size;
+    MN__C_STAT2(c, segment, small, mn__c_stat_dec, 1);
+    MN__C_STAT2(c, reserved_bytes, small, mn__c_stat_dec, b->size);
+    if (b->size >= c->pol.max_split) mn__c_stat_dec(&c->st.oversize_segments, 1);
+    mn__c_pool_erase(mn__c_pool_of(c, b), b);
+    mn__c_seg_unlink(c, s);
+    mn__c_block_delete(c, b);
+}
+
+MN__PRIVATE uint64_t mn__c_page_size(const mn__c_cache *c, int small) {
+    return small ? MN__C_SMALL_BUFFER : c->pol.large_segment;  // ExpandableSegment segment_size
+}
+
+// unmap_block: the whole pages inside a free block of an expandable segment are unmapped; the
+// page-unaligned ends stay mapped as free blocks. A segment left fully unmapped is released.
+MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
+    mn__c_segment *s = b->seg;
+    mn__c_pool *p = mn__c_pool_of(c, b);
+    uint64_t page = mn__c_page_size(c, b->small), off = b->addr - s->addr;
+    uint64_t beg = (off + page - 1) / page * page, end = (off + b->size) / page * page;
+    mn__c_block *bf = NULL, *af = NULL;
+    if (beg >= end) return;
+    if (s->addr + beg > b->addr && !(bf = mn__c_block_new(c))) return;
+    if (s->addr + end < b->addr + b->size && !(af = mn__c_block_new(c))) {
+        if (bf) mn__c_block_delete(c, bf);
+        return;
+    }
+    mn__c_note_dev_error(c, c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(s->addr + beg), end - beg),
+                       "unmap");
+    mn__c_pool_erase(p, b);
+    if (bf) {  // prev? -> bf -> b
+        bf->addr = b->addr, bf->size = s->addr + beg - b->addr;
+        bf->stream = b->stream, bf->small = b->small, bf->seg = s;
+        bf->prev = b->prev, bf->next = b;
+        if (bf->prev) bf->prev->next = bf;
+        b->prev = bf;
+        mn__c_fix_head(bf);
+        mn__c_pool_insert(p, bf);
+    }
+    if (af) {  // b -> af -> next?
+        af->addr = s->addr + end, af->size = b->addr + b->size - (s->addr + end);
+        af->stream = b->stream, af->small = b->small, af->seg = s;
+        af->next = b->next, af->prev = b;
+        if (af->next) af->next->prev = af;
+        b->next = af;
+        mn__c_pool_insert(p, af);
+    }
+    b->addr = s->addr + beg;
+    b->size = end - beg;
+    b->mapped = 0;
+    c->total_allocated_memory -= b->size;
+    MN__C_STAT2(c, reserved_bytes, b->small, mn__c_stat_dec, b->size);
+    c->st.num_device_free++;
+    mn__c_trace(c, MN_TRACE_SEGMENT_UNMAP, b->addr, b->size, b->size, b->stream, 0);
+    mn__c_try_merge(c, b, b->prev);
+    mn__c_try_merge(c, b, b->next);
+    mn__c_pool_insert(p, b);
+    if (!b->prev && !b->next) {  // release_expandable_segment
+        if (c->dev.unreserve_fn)
+            mn__c_note_dev_error(c, c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size),
+                               "unreserve");
+        mn__c_pool_erase(p, b);
+        mn__c_seg_unlink(c, s);
+        mn__c_block_delete(c, b);
+    }
+}
+
+// release_blocks: every unsplit free segment of the pool goes back; free expandable pages unmap.
+MN__PRIVATE void mn__c_release_blocks(mn__c_cache *c, mn__c_pool *p) {
+    mn__c_block *b = mn__c_tr_collect(p->blocks, NULL), *next, *unmap = NULL, **tail = &unmap;
+    for (; b; b = next) {
+        next = b->tmp;
+        if (b->seg->expandable) {
+            *tail = b;
+            tail = &b->tmp;
+        } else if (!b->prev && !b->next) {
+            mn__c_release_block(c, b);
+        }
+    }
+    *tail = NULL;
+    for (b = unmap; b; b = next) {
+        next = b->tmp;
+        mn__c_unmap_block(c, b);
+    }
+}
+
+// ---- stream events -------------------------------------------------------------------------------
+
+MN__PRIVATE void mn__c_use_recycle(mn__c_cache *c, mn__c_use *u) {
+    u->next = c->spare_uses;
+    c->spare_uses = u;
+}
+
+// An event has completed: the block waits for one event less.
+MN__PRIVATE void mn__c_event_done(mn__c_cache *c, mn__c_use *u) {
+    mn__c_block *b = u->block;
+    if (c->dev.event_free_fn) c->dev.event_free_fn(c->dev.user_data, u->event);
+    mn__c_use_recycle(c, u);
+    if (--b->event_count == 0) mn__c_free_block(c, b);
+}
+
+// process_events: completed events release their blocks; per stream, in record order, stopping
+// at the first event not yet done (events of one stream complete in order).
+MN__PRIVATE void mn__c_process_events(mn__c_cache *c) {
+    mn_stream blocked[32];
+    uint32_t nb = 0, k;
+    mn__c_use **pp = &c->ev_head, *u, *last = NULL;
+    while ((u = *pp) != NULL) {
+        int skip = 0;
+        for (k = 0; k < nb; k++) skip |= blocked[k] == u->stream;
+        if (!skip && !c->dev.event_query_fn(c->dev.user_data, u->event)) {
+            skip = 1;
+            blocked[nb++] = u->stream;
+        }
+        if (skip) {
+            last = u;
+            pp = &u->next;
+            if (nb == 32) return;  // the tail is still further on
+            continue;
+        }
+        *pp = u->next;
+        mn__c_event_done(c, u);
+    }
+    c->ev_tail = last;
+}
+
+// synchronize_and_free_events: waits for every outstanding event.
+MN__PRIVATE void mn__c_sync_and_free_events(mn__c_cache *c) {
+    mn__c_use *u = c->ev_head, *next;
+    c->st.num_sync_all_streams++;
+    c->ev_head = c->ev_tail = NULL;
+    for (; u; u = next) {
+        next = u->next;
+        if (c->dev.event_sync_fn)
+            mn__c_note_dev_error(c, c->dev.event_sync_fn(c->dev.user_data, u->event), "event sync");
+        mn__c_event_done(c, u);
+    }
+}
+
+// release_cached_blocks (also emptyCache).
+MN__PRIVATE void mn__c_release_cached(mn__c_cache *c) {
+    mn__c_sync_and_free_events(c);
+    mn__c_release_blocks(c, &c->large);
+    mn__c_release_blocks(c, &c->small);
+}
+
+// ---- allocation ------------------------------------------------------------------------------------
+
+// lower_bound((s, size, 0)) of the free tree. The block inserted last is the answer when it is
+// not less than the key and its predecessor is: an O(1) check that skips the search when a
+// freed block is asked for again (the common case in a training loop).
+MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
+    mn__c_block *m = p->last, *q;
+    if (m && m->in_tree && m->mapped && m->stream == s && m->size >= size) {
+        q = mn__c_tr_prev(m);
+        if (!q || q->stream != s || q->size < size) return m;
+    }
+    return mn__c_tr_lower_bound(p->blocks, s, size, 0, 0);
+}
+
+// get_free_block: best fit on the same stream, with the oversize rules.
+MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_stream s,
+                                              uint64_t size) {
+    mn__c_block *b;
+    if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) p->get_free_calls++;
+    b = mn__c_pool_lower_bound(p, s, size);
+    if (!b || b->stream != s) return NULL;
+    if (b->seg->expandable) {
+        // rank by the size the block can grow to (its unmapped successor included)
+        mn__c_block *n = mn__c_tr_next(b);
+        for (;;) {
+            uint64_t be = b->size + (b->next && !b->next->mapped ? b->next->size : 0), ne;
+            if (!b->seg->expandable || !n || n->stream != s) break;
+            ne = n->size + (n->next && !n->next->mapped ? n->next->size : 0);
+            if (!(ne < be)) break;
+            b = n;
+            n = mn__c_tr_next(n);
+        }
+    }
+    // do not return an oversized block for a small request, nor a much larger one for a big one
+    if (size < c->pol.max_split && b->size >= c->pol.max_split) return NULL;
+    if (size >= c->pol.max_split && b->size >= size + c->pol.max_non_split) return NULL;
+    mn__c_pool_erase(p, b);
+    return b;
+}
+
+MN__PRIVATE int mn__c_allocatable(const mn__c_block *b) {
+    return b && !b->allocated && b->event_count == 0 && !b->uses;
+}
+
+// map_block: maps whole pages at the front of an unmapped block and merges with its neighbours.
+MN__PRIVATE mn_result mn__c_map_block(mn__c_cache *c, mn__c_block *to_map, uint64_t size) {
+    mn__c_pool *p = mn__c_pool_of(c, to_map);
+    uint64_t page = mn__c_page_size(c, to_map->small), m = (size + page - 1) / page * page, at;
+    mn__c_block *rem = NULL;
+    mn_result r;
+    MN_ASSERT(!to_map->mapped && size <= to_map->size);
+    if (m > to_map->size) m = to_map->size;
+    if (m < to_map->size && !(rem = mn__c_block_new(c))) return MN_ERR_OUT_OF_MEMORY;
+    r = c->dev.map_fn(c->dev.user_data, mn__c_ptr(to_map->addr), m);
+    if (r != MN_OK) {
+        if (rem) mn__c_block_delete(c, rem);
+        return r;
+    }
+    mn__c_pool_erase(p, to_map);
+    to_map->mapped = 1;
+    at = to_map->addr;
+    if (rem) {  // to_map -> rem -> next?
+        rem->addr = to_map->addr + m, rem->size = to_map->size - m, rem->mapped = 0;
+        rem->stream = to_map->stream, rem->small = to_map->small, rem->seg = to_map->seg;
+        rem->prev = to_map, rem->next = to_map->next;
+        if (rem->next) rem->next->prev = rem;
+        to_map->next = rem;
+        to_map->size = m;
+        mn__c_pool_insert(p, rem);
+    }
+    mn__c_try_merge(c, to_map, to_map->prev);
+    mn__c_try_merge(c, to_map, to_map->next);
+    mn__c_pool_insert(p, to_map);
+    c->total_allocated_memory += m;
+    MN__C_STAT2(c, reserved_bytes, to_map->small, mn__c_stat_inc, m);
+    c->st.num_device_alloc++;
+    mn__c_trace(c, MN_TRACE_SEGMENT_MAP, at, m, m, to_map->stream, 0);
+    return MN_OK;
+}
+
+// find_expandable_block: free address space of this stream's segment (a free block right before
+// an unmapped one counts), or a new segment reserving 9/8 of the device.
+MN__PRIVATE mn_result mn__c_find_expandable(mn__c_cache *c, mn__c_pool *p, mn_stream s, uint64_t size,
+                                          mn__c_block **out) {
+    mn__c_block *it, *b;
+    mn__c_segment *seg;
+    uint64_t total = 0, fr = 0, va, page = mn__c_page_size(c, p->small);
+    void *base = NULL;
+    mn_result r;
+    for (it = mn__c_tr_lower_bound(p->unmapped, s, 0, 0, 1); it && it->stream == s;
+         it = mn__c_tr_next(it)) {
+        mn__c_block *cand = mn__c_allocatable(it->prev) ? it->prev : it, *w = cand;
+        uint64_t bytes = 0;
+        while (bytes < size && mn__c_allocatable(w)) bytes += w->size, w = w->next;
+        if (bytes >= size) {
+            *out = cand;
+            return MN_OK;
+        }
+    }
+    if (!c->dev.mem_info_fn || c->dev.mem_info_fn(c->dev.user_data, &fr, &total) != MN_OK ||
+        total == 0)
+        total = 1ull << 40;
+    va = total + total / 8;
+    if (va < size) va = size;
+    va = (va + page - 1) / page * page;
+    if (!(b = mn__c_block_new(c))) return MN_ERR_OUT_OF_MEMORY;
+    r = c->dev.reserve_fn(c->dev.user_data, va, &base);
+    if (r != MN_OK) {
+        mn__c_block_delete(c, b);
+        return r == MN_ERR_OUT_OF_MEMORY ? r : MN_ERR_DEVICE_OOM;
+    }
+    seg = c->spare_seg;
+    c->spare_seg = NULL;
+    memset(seg, 0, sizeof *seg);
+    seg->addr = (uint64_t)(uintptr_t)base, seg->size = va, seg->stream = s;
+    seg->small = (uint8_t)p->small, seg->expandable = 1, seg->head = b;
+    mn__c_seg_link(c, seg);
+    b->addr = seg->addr, b->size = va, b->mapped = 0, b->stream = s, b->small = seg->small;
+    b->seg = seg;
+    mn__c_pool_insert(p, b);
+    *out = b;
+    return MN_OK;
+}
+
+// try_allocate_expandable_block
+MN__PRIVATE mn_result mn__c_alloc_expandable(mn__c_cache *c, mn__c_pool *p, mn_stream s, uint64_t size,
+                                           mn__c_block **out) {
+    mn__c_block *cand = NULL;
+    mn_result r = mn__c_find_expandable(c, p, s, size, &cand);
+    if (r != MN_OK) return r;
+    if (!cand->mapped) {
+        r = mn__c_map_block(c, cand, cand->size < size ? cand->size : size);
+        if (r != MN_OK) return r;
+    }
+    while (cand->size < size) {  // free -> unmapped -> ...: map more and merge
+        mn__c_block *n = cand->next;
+        uint64_t rem = size - cand->size;
+        MN_ASSERT(n && !n->mapped);
+        r = mn__c_map_block(c, n, rem < n->size ? rem : n->size);
+        if (r != MN_OK) return r;
+        cand = n;
+    }
+    mn__c_pool_erase(p, cand);
+    *out = cand;
+    return MN_OK;
+}
+
+// alloc_block: a new segment from the device (or mapped pages of an expandable segment).
+MN__PRIVATE mn_result mn__c_alloc_block(mn__c_cache *c, mn__c_pool *p, mn_stream s, uint64_t size,
+                                      uint64_t alloc_size, int is_retry, mn__c_block **out) {
+    mn__c_segment *seg;
+    mn__c_block *b;
+    void *ptr = NULL;
+    mn_result r;
+    if (is_retry) c->st.num_alloc_retries++;
+    if (c->set_fraction && (alloc_size > c->allowed_max ||
+                            c->total_allocated_memory > c->allowed_max - alloc_size))
+        return MN_ERR_DEVICE_OOM;
+    if (c->cfg.expandable_segments) return mn__c_alloc_expandable(c, p, s, size, out);
+    r = c->dev.alloc_fn(c->dev.user_data, alloc_size, &ptr);
+    if (r != MN_OK) return r;
+    c->total_allocated_memory += alloc_size;
+    seg = c->spare_seg;
+    c->spare_seg = NULL;
+    memset(seg, 0, sizeof *seg);
+    seg->addr = (uint64_t)(uintptr_t)ptr, seg->size = alloc_size, seg->stream = s;
+    seg->small = (uint8_t)p->small;
+    mn__c_seg_link(c, seg);
+    b = mn__c_block_new(c);  // reserved by the caller, cannot fail
+    b->addr = seg->addr, b->size = alloc_size, b->stream = s, b->small = seg->small, b->seg = seg;
+    seg->head = b;
+    MN__C_STAT2(c, segment, p->small, mn__c_stat_inc, 1);
+    MN__C_STAT2(c, reserved_bytes, p->small, mn__c_stat_inc, alloc_size);
+    if (alloc_size >= c->pol.max_split) mn__c_stat_inc(&c->st.oversize_segments, 1);
+    c->st.num_device_alloc++;
+    mn__c_trace(c, MN_TRACE_SEGMENT_ALLOC, b->addr, alloc_size, alloc_size, s, 0);
+    *out = b;
+    return MN_OK;
+}
+
+// release_available_cached_blocks: with max_split_size set, frees the smallest oversize block of
+// this stream that is large enough, or else oversize blocks from the largest down.
+MN__PRIVATE int mn__c_release_available(mn__c_cache *c, mn__c_pool *p, mn_stream s, uint64_t size) {
+    uint64_t key, released = 0;
+    mn__c_block *b;
+    if (c->pol.max_split == UINT64_MAX) return 0;
+    key = size < c->pol.max_split ? c->pol.max_split : size;
+    b = mn__c_tr_lower_bound(p->blocks, s, key, 0, 0);
+    if (!b || b->stream != s || b->seg->expandable) {
+        b = mn__c_tr_before(p->blocks, s, key, 0, 0);
+        while (b && released < key && b->size >= c->pol.max_split && b->stream == s) {
+            mn__c_block *cur = b;
+            b = mn__c_tr_before(p->blocks, cur->stream, cur->size, cur->addr, 0);
+            if (!cur->seg->expandable && !cur->prev && !cur->next) {
+                released += cur->size;
+                mn__c_release_block(c, cur);
+            }
+        }
+        return released >= key;
+    }
+    if (b->prev || b->next) return 0;
+    mn__c_release_block(c, b);
+    return 1;
+}
+
+// garbage_collect_cached_blocks: above threshold * allowed memory, frees unsplit large-pool
+// blocks whose age (get_free_block calls since they were cached) is at least the average.
+MN__PRIVATE void mn__c_garbage_collect(mn__c_cache *c) {
+    uint64_t thr = (uint64_t)(c->cfg.garbage_collection_threshold * (double)c->allowed_max);
+    uint64_t target, reclaimed = 0, total_age = 0, count = 0;
+    mn__c_block *b, *next;
+    int freed = 1;
+    if (c->total_allocated_memory <= thr) return;
+    target = c->total_allocated_memory - thr;
+    for (b = mn__c_tr_collect(c->large.blocks, NULL); b; b = b->tmp) {
+        if (b->prev || b->next) continue;
+        total_age += c->large.get_free_calls - b->gc_base;
+        count++;
+    }
+    while (reclaimed < target && freed && count > 0) {
+        double age_thr = (double)total_age / (double)count;
+        freed = 0;
+        for (b = mn__c_tr_collect(c->large.blocks, NULL); b; b = next) {
+            uint64_t age = c->large.get_free_calls - b->gc_base;
+            next = b->tmp;
+            if (b->prev || b->next || b->seg->expandable || (double)age < age_thr) continue;
+            freed = 1;
+            reclaimed += b->size;
+            total_age -= age;
+            count--;
+            mn__c_release_block(c, b);
+        }
+    }
+}
+
+// should_split
+MN__PRIVATE int mn__c_should_split(const mn__c_cache *c, const mn__c_block *b, uint64_t size) {
+    uint64_t remaining = b->size - size;
+    if (b->small || c->cfg.expandable_segments) return remaining >= MN__C_MIN_BLOCK;
+    return size < c->pol.max_split && remaining > MN__C_SMALL_SIZE;
+}
+
+// alloc_found_block: splits off the front when asked and hands the block out.
+MN__PRIVATE mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64_t size,
+                                           uint64_t orig, int split, mn_category cat,
+                                           const char *label) {
+    mn__c_pool *p = mn__c_pool_of(c, b);
+    int already_split = b->prev || b->next, exp = b->seg->expandable, small = b->small;
+    if (split) {
+        mn__c_block *rem = b;
+        b = mn__c_block_new(c);  // reserved by the caller
+        b->addr = rem->addr, b->size = size, b->stream = rem->stream, b->small = rem->small;
+        b->seg = rem->seg;
+        b->prev = rem->prev;
+        if (b->prev) b->prev->next = b;
+        b->next = rem;
+        rem->prev = b;
+        rem->addr += size;
+        rem->size -= size;
+        mn__c_fix_head(b);
+        mn__c_pool_insert(p, rem);
+        if (already_split && !exp) {
+            MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_dec, size);
+        } else if (!exp) {
+            MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_inc, rem->size);
+            MN__C_STAT2(c, inactive_split, small, mn__c_stat_inc, 1);
+        }
+    } else if (already_split && !exp) {
+        MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_dec, b->size);
+        MN__C_STAT2(c, inactive_split, small, mn__c_stat_dec, 1);
+    }
+    b->allocated = 1;
+    b->requested = orig;
+    b->cat = (uint8_t)cat;
+    if (label) {
+        size_t n = 0;
+        while (n < MN_CACHE_LABEL_MAX - 1 && label[n]) b->label[n] = label[n], n++;
+        b->label[n] = 0;
+    } else {
+        b->label[0] = 0;
+    }
+    mn__c_trace(c, MN_TRACE_ALLOC, b->addr, orig, b->size, b->stream, b->cat);
+    mn__c_map_put(c, b);
+    MN__C_STAT2(c, allocation, small, mn__c_stat_inc, 1);
+    MN__C_STAT2(c, allocated_bytes, small, mn__c_stat_inc, b->size);
+    MN__C_STAT2(c, active, small, mn__c_stat_inc, 1);
+    MN__C_STAT2(c, active_bytes, small, mn__c_stat_inc, b->size);
+    MN__C_STAT2(c, requested_bytes, small, mn__c_stat_inc, orig);
+    mn__c_stat_inc(&c->st.cat_allocation[cat], 1);
+    mn__c_stat_inc(&c->st.cat_allocated_bytes[cat], b->size);
+    mn__c_stat_inc(&c->st.cat_requested_bytes[cat], orig);
+    if (c->st.allocated_bytes[MN_STAT_ALL].current == c->st.allocated_bytes[MN_STAT_ALL].peak) {
+        int k;
+        for (k = 0; k < MN_CAT_COUNT; k++) c->st.cat_at_peak[k] = c->st.cat_allocated_bytes[k].current;
+    }
+    if (b->size >= c->pol.max_split) mn__c_stat_inc(&c->st.oversize_allocations, 1);
+    return b;
+}
+
+MNIMPL void mn_cache_format_size(uint64_t n, char *buf, size_t cap) {
+    // PyTorch format_size: inclusive comparisons, 1024-based units, two decimals
+    if (!buf || !cap) return;
+    if (n <= 1024) snprintf(buf, cap, "%llu bytes", (unsigned long long)n);
+    else if (n <= 1048576ull) snprintf(buf, cap, "%.2f KiB", (double)n / 1024.0);
+    else if (n <= 1073741824ull) snprintf(buf, cap, "%.2f MiB", (double)n / 1048576.0);
+    else snprintf(buf, cap, "%.2f GiB", (double)n / 1073741824.0);
+}
+
+// The OOM message of CUDACachingAllocator.cpp malloc(), current wording (no NVML process list).
+MN__PRIVATE void mn__c_oom_message(mn__c_cache *c, uint64_t alloc_size, uint64_t dev_free,
+                                 uint64_t dev_total) {
+    char a[32], t[32], f[32], al[32], ub[32], allowed[64];
+    uint64_t allocated = c->st.allocated_bytes[MN_STAT_ALL].current;
+    uint64_t reserved = c->st.reserved_bytes[MN_STAT_ALL].current;
+    mn_cache_format_size(alloc_size, a, sizeof a);
+    mn_cache_format_size(dev_total, t, sizeof t);
+    mn_cache_format_size(dev_free, f, sizeof f);
+    mn_cache_format_size(allocated, al, sizeof al);
+    mn_cache_format_size(reserved - allocated, ub, sizeof ub);
+    allowed[0] = 0;
+    if (c->set_fraction) {
+        mn_cache_format_size(c->allowed_max, allowed, sizeof allowed - 12);
+        strcat(allowed, " allowed; ");
+    }
+    snprintf(c->oom_msg, sizeof c->oom_msg,
+             "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of "
+             "which %s is free. %sOf the allocated memory %s is allocated by PyTorch, and %s is "
+             "reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
+             "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+             "fragmentation.  See documentation for Memory Management  "
+             "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+             a, c->device_index, t, f, allowed, al, ub);
+}
+
+MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream,
+                                mn_category cat, const char *label, void **ptr_out) {
+    mn__c_cache *c;
+    mn__c_pool *p;
+    mn__c_block *b;
+    uint64_t size, alloc_size;
+    mn_result r;
+    if (!cache || !cache->p || !ptr_out || (unsigned)cat >= MN_CAT_COUNT) return MN_ERR_INVALID_ARG;
+    c = cache->p;
+    *ptr_out = NULL;
+    if (orig == 0) return MN_OK;  // PyTorch hands out nullptr for empty tensors
+    mn__c_lock(c);
+    c->clock++;
+    if (orig >= MN__C_ONE_EXA) {
+        snprintf(c->oom_msg, sizeof c->oom_msg, "Tried to allocate more than 1EB memory.");
+        mn__c_unlock(c);
+        return MN_ERR_DEVICE_OOM;
+    }
+    // host memory first, so that nothing below fails half-way
+    if ((r = mn__c_map_reserve(c)) != MN_OK) goto done;
+    if ((r = mn__c_spare_reserve(c, MN__C_SPARE_BLOCKS)) != MN_OK) goto done;
+    if (c->ev_head) mn__c_process_events(c);
+    size = mn__c_round_size(&c->pol, orig);
+    p = size <= MN__C_SMALL_SIZE ? &c->small : &c->large;
+    alloc_size = mn__c_allocation_size(&c->pol, size);
+    b = mn__c_get_free_block(c, p, stream, size);
+    if (!b) {
+        if (!c->spare_seg) {
+            c->spare_seg = (mn__c_segment *)mn__alloc(&c->alloc, sizeof *c->spare_seg);
+            if (!c->spare_seg) {
+                r = MN_ERR_OUT_OF_MEMORY;
+                goto done;
+            }
+        }
+        if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) mn__c_garbage_collect(c);
+        r = mn__c_alloc_block(c, p, stream, size, alloc_size, 0, &b);
+        if (r == MN_ERR_DEVICE_OOM && mn__c_release_available(c, p, stream, size))
+            r = mn__c_alloc_block(c, p, stream, size, alloc_size, 0, &b);
+        if (r == MN_ERR_DEVICE_OOM) {
+            mn__c_release_cached(c);
+            r = mn__c_alloc_block(c, p, stream, size, alloc_size, 1, &b);
+        }
+        if (r == MN_ERR_DEVICE_OOM) {
+            uint64_t fr = 0, total = 0;
+            if (!c->dev.mem_info_fn || c->dev.mem_info_fn(c->dev.user_data, &fr, &total) != MN_OK)
+                fr = total = 0;
+            mn__c_trace(c, MN_TRACE_OOM, fr, size, size, stream, (uint8_t)cat);
+            c->st.num_ooms++;
+            mn__c_oom_message(c, alloc_size, fr, total);
+            mn__log(&c->logger, MN_LOG_WARN, "%s", c->oom_msg);
+            goto done;
+        }
+        if (r != MN_OK) goto done;
+    }
+    b = mn__c_alloc_found(c, b, size, orig, mn__c_should_split(c, b, size), cat, label);
+    *ptr_out = mn__c_ptr(b->addr);
+    r = MN_OK;
+done:
+    mn__c_unlock(c);
+    return r;
+}
+
+MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot) {
+    uint64_t i = mn__c_map_slot(c, (uint64_t)(uintptr_t)ptr);
+    if (i == UINT64_MAX) return NULL;
+    if (slot) *slot = i;
+    return c->map[i];
+}
+
+MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
+    mn__c_cache *c;
+    mn__c_block *b;
+    mn__c_use *u;
+    uint64_t slot = 0;
+    uint32_t n = 0;
+    int small;
+    if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
+    if (!ptr) return MN_OK;
+    c = cache->p;
+    mn__c_lock(c);
+    b = mn__c_lookup(c, ptr, &slot);
+    if (!b) {
+        mn__c_unlock(c);
+        mn__log(&c->logger, MN_LOG_ERROR, "cache: release of %p, which is not allocated", ptr);
+        return MN_ERR_INVALID_ARG;
+    }
+    c->clock++;
+    if (b->uses && c->dev.event_record_fn) {  // insert_events: one event per use stream
+        for (u = b->uses; u; u = u->next) {
+            mn_result r = c->dev.event_record_fn(c->dev.user_data, u->stream, &u->event);
+            if (r != MN_OK) {
+                mn__c_use *v;
+                for (v = b->uses; v != u; v = v->next)
+                    if (c->dev.event_free_fn) c->dev.event_free_fn(c->dev.user_data, v->event);
+                mn__c_unlock(c);
+                return r;
+            }
+            u->block = b;
+            n++;
+        }
+    }
+    small = b->small;
+    mn__c_map_del(c, slot);
+    b->allocated = 0;
+    MN__C_STAT2(c, allocation, small, mn__c_stat_dec, 1);
+    MN__C_STAT2(c, allocated_bytes, small, mn__c_stat_dec, b->size);
+    mn__c_stat_dec(&c->st.cat_allocation[b->cat], 1);
+    mn__c_stat_dec(&c->st.cat_allocated_bytes[b->cat], b->size);
+    mn__c_stat_dec(&c->st.cat_requested_bytes[b->cat], b->requested);
+    mn__c_trace(c, MN_TRACE_FREE_REQUESTED, b->addr, b->requested, b->size, b->stream, b->cat);
+    if (b->size >= c->pol.max_split) mn__c_stat_dec(&c->st.oversize_allocations, 1);
+    if (n) {
+        mn__c_use *first = b->uses, *last = b->uses;
+        while (last->next) last = last->next;
+        b->uses = NULL;
+        b->event_count = n;
+        if (c->ev_tail) c->ev_tail->next = first;
+        else c->ev_head = first;
+        c->ev_tail = last;
+    } else {
+        while ((u = b->uses) != NULL) {
+            b->uses = u->next;
+            mn__c_use_recycle(c, u);
+        }
+        mn__c_free_block(c, b);
+    }
+    mn__c_unlock(c);
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_cache_record_stream(mn_cache *cache, void *ptr, mn_stream stream) {
+    mn__c_cache *c;
+    mn__c_block *b;
+    mn__c_use *u;
+    if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
+    c = cache->p;
+    mn__c_lock(c);
+    b = mn__c_lookup(c, ptr, NULL);
+    if (!b) {
+        mn__c_unlock(c);
+        return MN_ERR_INVALID_ARG;
+    }
+    if (stream != b->stream) {  // uses on the allocation stream need no synchronization
+        for (u = b->uses; u; u = u->next)
+            if (u->stream == stream) break;
+        if (!u) {
+            u = c->spare_uses;
+            if (u) c->spare_uses = u->next;
+            else u = (mn__c_use *)mn__alloc(&c->alloc, sizeof *u);
+            if (!u) {
+                mn__c_unlock(c);
+                return MN_ERR_OUT_OF_MEMORY;
+            }
+            memset(u, 0, sizeof *u);
+            u->stream = stream;
+            u->block = b;
+            u->next = b->uses;
+            b->uses = u;
+        }
+    }
+    mn__c_unlock(c);
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_cache_empty(mn_cache *cache) {
+    mn__c_cache *c;
+    mn_result r;
+    if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
+    c = cache->p;
+    mn__c_lock(c);
+    c->clock++;
+    c->dev_error = MN_OK;
+    mn__c_release_cached(c);
+    r = c->dev_error;
+    mn__c_unlock(c);
+    return r;
+}
+
+MNIMPL mn_result mn_cache_set_memory_fraction(mn_cache *cache, double fraction) {
+    mn__c_cache *c;
+    uint64_t fr = 0, total = 0;
+    mn_result r;
+    if (!cache || !cache->p || !(fraction > 0.0) || fraction > 1.0) return MN_ERR_INVALID_ARG;
+    c = cache->p;
+    if (!c->dev.mem_info_fn) return MN_ERR_UNSUPPORTED;
+    mn__c_lock(c);
+    r = c->dev.mem_info_fn(c->dev.user_data, &fr, &total);
+    if (r == MN_OK) {
+        c->allowed_max = (uint64_t)(fraction * (double)total);
+        c->set_fraction = 1;
+    }
+    mn__c_unlock(c);
+    return r;
+}
+
+MNIMPL mn_result mn_cache_stats(mn_cache *cache, struct mn_cache_stats *out) {
+    if (!cache || !cache->p || !out) return MN_ERR_INVALID_ARG;
+    mn__c_lock(cache->p);
+    *out = cache->p->st;
+    mn__c_unlock(cache->p);
+    return MN_OK;
+}
+
+MN__PRIVATE void mn__c_reset_peak(mn_stat *s, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) s[i].peak = s[i].current;
+}
+
+MN__PRIVATE void mn__c_reset_acc(mn_stat *s, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) s[i].allocated = s[i].freed = 0;
+}
+
+#define MN__C_STAT_ARRAYS(X, st) \
+    X((st).allocation, MN_STAT_TYPE_COUNT); X((st).segment, MN_STAT_TYPE_COUNT); \
+    X((st).active, MN_STAT_TYPE_COUNT); X((st).inactive_split, MN_STAT_TYPE_COUNT); \
+    X((st).allocated_bytes, MN_STAT_TYPE_COUNT); X((st).reserved_bytes, MN_STAT_TYPE_COUNT); \
+    X((st).active_bytes, MN_STAT_TYPE_COUNT); X((st).inactive_split_bytes, MN_STAT_TYPE_COUNT); \
+    X((st).requested_bytes, MN_STAT_TYPE_COUNT); X(&(st).oversize_allocations, 1); \
+    X(&(st).oversize_segments, 1); X((st).cat_allocation, MN_CAT_COUNT); \
+    X((st).cat_allocated_bytes, MN_CAT_COUNT); X((st).cat_requested_bytes, MN_CAT_COUNT)
+
+MNIMPL void mn_cache_reset_peak_stats(mn_cache *cache) {
+    mn__c_cache *c;
+    int k;
+    if (!cache || !cache->p) return;
+    c = cache->p;
+    mn__c_lock(c);
+    MN__C_STAT_ARRAYS(mn__c_reset_peak, c->st);
+    for (k = 0; k < MN_CAT_COUNT; k++) c->st.cat_at_peak[k] = c->st.cat_allocated_bytes[k].current;
+    mn__c_unlock(c);
+}
+
+MNIMPL void mn_cache_reset_accumulated_stats(mn_cache *cache) {
+    mn__c_cache *c;
+    if (!cache || !cache->p) return;
+    c = cache->p;
+    mn__c_lock(c);
+    MN__C_STAT_ARRAYS(mn__c_reset_acc, c->st);
+    c->st.num_alloc_retries = c->st.num_ooms = c->st.num_sync_all_streams = 0;
+    c->st.num_device_alloc = c->st.num_device_free = 0;
+    mn__c_unlock(c);
+}
+
+MNIMPL mn_result mn_cache_config_get(mn_cache *cache, mn_cache_config *out) {
+    if (!cache || !cache->p || !out) return MN_ERR_INVALID_ARG;
+    *out = cache->p->cfg;
+    return MN_OK;
+}
+
+MNIMPL void mn_cache_oom_message(mn_cache *cache, char *buf, size_t cap) {
+    if (!buf || !cap) return;
+    buf[0] = 0;
+    if (!cache || !cache->p) return;
+    mn__c_lock(cache->p);
+    snprintf(buf, cap, "%s", cache->p->oom_msg);
+    mn__c_unlock(cache->p);
+}
+
+MNIMPL void mn_cache_free(mn_cache *cache) {
+    mn__c_cache *c;
+    mn__c_segment *s, *sn;
+    mn__c_use *u, *un;
+    mn__c_block *b, *bn;
+    if (!cache || !cache->p) return;
+    c = cache->p;
+    for (u = c->ev_head; u; u = un) {  // pending events: nothing waits any more
+        un = u->next;
+        if (c->dev.event_free_fn) c->dev.event_free_fn(c->dev.user_data, u->event);
+        mn__free(&c->alloc, u);
+    }
+    for (s = c->segs; s; s = sn) {
+        sn = s->next_seg;
+        if (!s->expandable) {
+            c->dev.free_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size);
+        }
+        for (b = s->head; b; b = bn) {
+            bn = b->next;
+            if (s->expandable && b->mapped)
+                c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(b->addr), b->size);
+            for (u = b->uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
+            mn__free(&c->alloc, b);
+        }
+        if (s->expandable && c->dev.unreserve_fn)
+            c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size);
+        mn__free(&c->alloc, s);
+    }
+    for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b);
+    for (u = c->spare_uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
+    mn__free(&c->alloc, c->spare_seg);
+    mn__free(&c->alloc, c->map);
+    mn__free(&c->alloc, c->ring);
+#ifndef MEMANAT_NO_THREADS
+    pthread_mutex_destroy(&c->mu);
+#endif
+    {
+        mn_allocator a = c->alloc;
+        mn__free(&a, c);
+    }
+    cache->p = NULL;
+}
+
+// ---- invariant check -------------------------------------------------------------------------------
+
+MN__PRIVATE uint64_t mn__c_tree_check(const mn__c_block *t, uint64_t *count, int by_addr,
+                                      const mn__c_block **prev, int *bad) {
+    if (!t) return 0;
+    if ((t->l && (t->l->prio > t->prio || t->l->up != t)) ||
+        (t->r && (t->r->prio > t->prio || t->r->up != t)))
+        *bad = 1;
+    mn__c_tree_check(t->l, count, by_addr, prev, bad);
+    if (*prev && !mn__c_node_lt(*prev, t, by_addr)) *bad = 1;
+    if (!t->in_tree || (t->mapped != !by_addr) || t->allocated) *bad = 1;
+    *prev = t;
+    (*count)++;
+    mn__c_tree_check(t->r, count, by_addr, prev, bad);
+    return *count;
+}
+
+#define MN__C_FAIL(...) do { mn__log(&c->logger, MN_LOG_ERROR, __VA_ARGS__); r = MN_ERR_STATE; \
+    goto done; } while (0)
+
+MNIMPL mn_result mn_cache_check(mn_cache *cache) {
+    mn__c_cache *c;
+    mn__c_segment *s;
+    mn__c_block *b;
+    struct mn_cache_stats want;
+    uint64_t in_tree[2] = {0, 0}, counted[2] = {0, 0}, unm[2] = {0, 0}, allocated = 0, total = 0;
+    mn_result r = MN_OK;
+    int bad = 0, k, t;
+    if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
+    c = cache->p;
+    mn__c_lock(c);
+    memset(&want, 0, sizeof want);
+    for (s = c->segs; s; s = s->next_seg) {
+        uint64_t sum = 0, at = s->addr;
+        int split;
+        if (!s->head || s->head->prev)
+            MN__C_FAIL("cache check: segment %llx head", (unsigned long long)s->addr);
+        split = s->head->next != NULL;
+        if (!s->expandable) {
+            t = s->small ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL;
+            want.segment[t].current++;
+            want.reserved_bytes[t].current += s->size;
+        }
+        for (b = s->head; b; b = b->next) {
+            int pool = b->small ? 0 : 1;
+            t = b->small ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL;
+            if (b->seg != s || b->addr != at || b->size == 0 || (b->next && b->next->prev != b) ||
+                b->small != s->small || b->stream != s->stream)
+                MN__C_FAIL("cache check: block %llx does not tile its segment",
+                           (unsigned long long)b->addr);
+            if (b->next && !b->allocated && !b->next->allocated && !b->event_count &&
+                !b->next->event_count && !b->uses && !b->next->uses &&
+                b->mapped == b->next->mapped)
+                MN__C_FAIL("cache check: free blocks %llx and its successor were not merged",
+                           (unsigned long long)b->addr);
+            at += b->size, sum += b->size;
+            if (s->expandable && b->mapped) want.reserved_bytes[t].current += b->size;
+            if (b->allocated) {
+                if (b->in_tree || mn__c_lookup(c, mn__c_ptr(b->addr), NULL) != b || b->event_count)
+                    MN__C_FAIL("cache check: allocated block %llx not in the map",
+                               (unsigned long long)b->addr);
+                allocated++;
+                want.allocation[t].current++;
+                want.allocated_bytes[t].current += b->size;
+                want.cat_allocation[b->cat].current++;
+                want.cat_allocated_bytes[b->cat].current += b->size;
+                want.cat_requested_bytes[b->cat].current += b->requested;
+                if (b->size >= c->pol.max_split) want.oversize_allocations.current++;
+            } else if (b->event_count) {
+                if (b->in_tree) MN__C_FAIL("cache check: pending block in a pool");
+            } else {
+                if (!b->in_tree) MN__C_FAIL("cache check: free block %llx not in its pool",
+                                            (unsigned long long)b->addr);
+                if (b->mapped) in_tree[pool]++;
+                else unm[pool]++;
+                if (split && !s->expandable) {
+                    want.inactive_split[t].current++;
+                    want.inactive_split_bytes[t].current += b->size;
+                }
+            }
+            if (b->allocated || b->event_count) {
+                want.active[t].current++;
+                want.active_bytes[t].current += b->size;
+                want.requested_bytes[t].current += b->requested;
+            }
+        }
+        if (sum != s->size) MN__C_FAIL("cache check: segment %llx blocks sum to %llu, not %llu",
+                                       (unsigned long long)s->addr, (unsigned long long)sum,
+                                       (unsigned long long)s->size);
+        if (!s->expandable && s->size >= c->pol.max_split) want.oversize_segments.current++;
+    }
+    for (k = 0; k < 2; k++) {
+        mn__c_pool *p = k ? &c->large : &c->small;
+        const mn__c_block *prev = NULL;
+        uint64_t n = 0;
+        mn__c_tree_check(p->blocks, &n, 0, &prev, &bad);
+        counted[k] = n;
+        n = 0, prev = NULL;
+        mn__c_tree_check(p->unmapped, &n, 1, &prev, &bad);
+        if (bad) MN__C_FAIL("cache check: pool tree out of order");
+        if (counted[k] != in_tree[k] || n != unm[k])
+            MN__C_FAIL("cache check: pool holds %llu blocks, %llu are free",
+                       (unsigned long long)counted[k], (unsigned long long)in_tree[k]);
+    }
+    if (allocated != c->map_count) MN__C_FAIL("cache check: address map size");
+    for (t = 1; t < MN_STAT_TYPE_COUNT; t++) {
+        want.allocation[0].current += want.allocation[t].current;
+        want.segment[0].current += want.segment[t].current;
+        want.active[0].current += want.active[t].current;
+        want.inactive_split[0].current += want.inactive_split[t].current;
+        want.allocated_bytes[0].current += want.allocated_bytes[t].current;
+        want.reserved_bytes[0].current += want.reserved_bytes[t].current;
+        want.active_bytes[0].current += want.active_bytes[t].current;
+        want.inactive_split_bytes[0].current += want.inactive_split_bytes[t].current;
+        want.requested_bytes[0].current += want.requested_bytes[t].current;
+    }
+    total = want.reserved_bytes[0].current;
+    if (total != c->total_allocated_memory) MN__C_FAIL("cache check: total_allocated_memory");
+    for (t = 0; t < MN_STAT_TYPE_COUNT; t++) {
+#define MN__C_CMP(f) if (want.f[t].current != c->st.f[t].current) \
+        MN__C_FAIL("cache check: " #f "[%d] is %llu, blocks say %llu", t, \
+                   (unsigned long long)c->st.f[t].current, (unsigned long long)want.f[t].current)
+        MN__C_CMP(allocation); MN__C_CMP(segment); MN__C_CMP(active); MN__C_CMP(inactive_split);
+        MN__C_CMP(allocated_bytes); MN__C_CMP(reserved_bytes); MN__C_CMP(active_bytes);
+        MN__C_CMP(inactive_split_bytes); MN__C_CMP(requested_bytes);
+    }
+    for (t = 0; t < MN_CAT_COUNT; t++) {
+        MN__C_CMP(cat_allocation); MN__C_CMP(cat_allocated_bytes); MN__C_CMP(cat_requested_bytes);
+#undef MN__C_CMP
+    }
+    if (want.oversize_allocations.current != c->st.oversize_allocations.current ||
+        want.oversize_segments.current != c->st.oversize_segments.current)
+        MN__C_FAIL("cache check: oversize counts");
+done:
+    mn__c_unlock(c);
+    return r;
+}
+#undef MN__C_FAIL
+
+// ---- snapshot ------------------------------------------------------------------------------------
+
+MNIMPL const char *mn_trace_action_name(mn_trace_action a) {
+    static const char *const names[MN_TRACE_ACTION_COUNT] = {
+        "unknown", "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+        "segment_map", "segment_unmap", "oom"};
+    return (unsigned)a < MN_TRACE_ACTION_COUNT ? names[a] : "unknown";
+}
+
+MNIMPL const char *mn_block_state_name(mn_block_state s) {
+    static const char *const names[MN_BLOCK_STATE_COUNT] = {
+        "unknown", "active_allocated", "active_pending_free", "inactive"};
+    return (unsigned)s < MN_BLOCK_STATE_COUNT ? names[s] : "unknown";
+}
+
+MN__PRIVATE int mn__c_seg_cmp(const void *a, const void *b) {
+    const mn_segment_info *x = (const mn_segment_info *)a, *y = (const mn_segment_info *)b;
+    return x->addr < y->addr ? -1 : x->addr > y->addr;
+}
+
+MNIMPL mn_result mn_cache_snapshot_take(mn_cache *cache, mn_cache_snapshot *out) {
+    mn__c_cache *c;
+    mn__c_segment *s;
+    mn__c_block *b;
+    uint64_t nseg = 0, nblk = 0, i, bi = 0, si = 0;
+    mn_block_info *tmpb = NULL;
+    if (!cache || !cache->p || !out) return MN_ERR_INVALID_ARG;
+    c = cache->p;
+    memset(out, 0, sizeof *out);
+    out->allocator = c->alloc;
+    mn__c_lock(c);
+    for (s = c->segs; s; s = s->next_seg)
+        for (b = s->head; b; b = b->next) {
+            if (!b->mapped) continue;
+            nblk++;
+            if (!b->prev || !b->prev->mapped) nseg++;
+        }
+    out->segments = (mn_segment_info *)mn__alloc_array(&c->alloc, (size_t)nseg, sizeof *out->segments);
+    out->blocks = (mn_block_info *)mn__alloc_array(&c->alloc, (size_t)nblk, sizeof *out->blocks);
+    tmpb = (mn_block_info *)mn__alloc_array(&c->alloc, (size_t)nblk, sizeof *tmpb);
+    out->trace = (mn_trace_entry *)mn__alloc_array(&c->alloc, (size_t)c->ring_count,
+                                                   sizeof *out->trace);
+    if (!out->segments || !out->blocks || !tmpb || !out->trace) {
+        mn__c_unlock(c);
+        mn__free(&c->alloc, tmpb);
+        mn_cache_snapshot_free(out);
+        return MN_ERR_OUT_OF_MEMORY;
+    }
+    for (s = c->segs; s; s = s->next_seg) {
+        for (b = s->head; b; b = b->next) {
+            mn_segment_info *g;
+            mn_block_info *x;
+            if (!b->mapped) continue;
+            if (!b->prev || !b->prev->mapped) {
+                g = &out->segments[si++];
+                memset(g, 0, sizeof *g);
+                g->addr = b->addr, g->stream = s->stream, g->is_small = s->small;
+                g->is_expandable = s->expandable, g->first_block = bi;
+            }
+            g = &out->segments[si - 1];
+            x = &tmpb[bi++];
+            memset(x, 0, sizeof *x);
+            x->addr = b->addr, x->size = b->size;
+            x->state = b->allocated ? MN_BLOCK_ACTIVE_ALLOCATED
+                     : b->event_count ? MN_BLOCK_ACTIVE_PENDING_FREE : MN_BLOCK_INACTIVE;
+            x->requested = x->state == MN_BLOCK_INACTIVE ? 0 : b->requested;
+            x->category = (mn_category)b->cat;
+            memcpy(x->label, b->label, sizeof x->label);
+            g->total_size += b->size;
+            g->block_count++;
+            if (b->allocated) g->allocated_size += b->size;
+            if (x->state != MN_BLOCK_INACTIVE) {
+                g->active_size += b->size;
+                g->requested_size += b->requested;
+            }
+        }
+    }
+    out->segment_count = nseg;
+    out->block_count = nblk;
+    for (i = 0; i < c->ring_count; i++) {
+        uint64_t j = (c->ring_head + c->ring_cap - c->ring_count + i) % c->ring_cap;
+        out->trace[i] = c->ring[j];
+    }
+    out->trace_count = c->ring_count;
+    out->trace_dropped = c->ring_dropped;
+    memcpy(out->base_cat_allocated, c->base_cat, sizeof c->base_cat);
+    out->base_reserved = c->base_reserved;
+    out->config = c->cfg;
+    out->device_index = c->device_index;
+    out->stats = c->st;
+    mn__c_unlock(c);
+    // segments by address, their blocks gathered in the same order
+    qsort(out->segments, (size_t)nseg, sizeof *out->segments, mn__c_seg_cmp);
+    for (i = 0, bi = 0; i < nseg; i++) {
+        mn_segment_info *g = &out->segments[i];
+        memcpy(&out->blocks[bi], &tmpb[g->first_block], (size_t)g->block_count * sizeof *tmpb);
+        g->first_block = bi;
+        bi += g->block_count;
+    }
+    mn__free(&c->alloc, tmpb);
+    return MN_OK;
+}
+
+MNIMPL void mn_cache_snapshot_free(mn_cache_snapshot *s) {
+    if (!s) return;
+    mn__free(&s->allocator, s->segments);
+    mn__free(&s->allocator, s->blocks);
+    mn__free(&s->allocator, s->trace);
+    s->segments = NULL, s->blocks = NULL, s->trace = NULL;
+    s->segment_count = s->block_count = s->trace_count = 0;
+}
+
+// ---- text writers ----------------------------------------------------------------------------------
+
+typedef struct mn__c_out {
+    mn_cache_write_fn fn;
+    void *ud;
+    mn_result r;
+} mn__c_out;
+
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((format(printf, 2, 3)))
+#endif
+MN__PRIVATE void mn__c_printf(mn__c_out *o, const char *fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    int n;
+    if (o->r != MN_OK) return;
+    va_start(ap, fmt);
+    n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n < 0) {
+        o->r = MN_ERR_IO;
+        return;
+    }
+    if ((size_t)n >= sizeof buf) n = (int)sizeof buf - 1;
+    o->r = o->fn(o->ud, buf, (size_t)n);
+}
+
+// memory_summary _format_size: divide by 1024 while the reference (the "all" row) >= 768 KiB.
+MN__PRIVATE void mn__c_fmt_size(char *buf, uint64_t sz, uint64_t ref) {
+    static const char *const pre[] = {"B  ", "KiB", "MiB", "GiB", "TiB", "PiB"};
+    double pref = (double)ref;
+    int i = 0;
+    while (i < 5 && !(pref < 768.0 * 1024.0)) sz /= 1024, pref /= 1024.0, i++;
+    sprintf(buf, "%6llu %s", (unsigned long long)sz, pre[i]);
+}
+
+// _format_count: divide by 1000 while the reference >= 750,000.
+MN__PRIVATE void mn__c_fmt_count(char *buf, uint64_t n, uint64_t ref) {
+    static const char *const pre[] = {" ", "K", "M"};
+    double pref = (double)ref;
+    int i = 0;
+    while (i < 2 && !(pref < 750.0 * 1000.0)) n /= 1000, pref /= 1000.0, i++;
+    sprintf(buf, "%7llu %s ", (unsigned long long)n, pre[i]);
+}
+
+MN__PRIVATE void mn__c_summary_row(mn__c_out *o, const char *name, const mn_stat *v,
+                                   const mn_stat *ref, int bytes) {
+    char cell[4][48];
+    const uint64_t val[4] = {v->current, v->peak, v->allocated, v->freed};
+    const uint64_t rv[4] = {ref->current, ref->peak, ref->allocated, ref->freed};
+    int i;
+    for (i = 0; i < 4; i++) {
+        if (bytes) mn__c_fmt_size(cell[i], val[i], rv[i]);
+        else mn__c_fmt_count(cell[i], val[i], rv[i]);
+    }
+    mn__c_printf(o, "| %-21s | %s | %s | %s | %s |\n", name, cell[0], cell[1], cell[2], cell[3]);
+}
+
+MNIMPL mn_result mn_cache_summary_write(const struct mn_cache_stats *s, int device_index,
+                                        int abbreviated, mn_cache_write_fn fn, void *user_data) {
+    // torch/cuda/memory.py memory_summary(): 75-character box, rows "all", large, small pool
+    static const char *const eq =
+        "===========================================================================";
+    static const char *const dash =
+        "---------------------------------------------------------------------------";
+    const struct { const mn_stat *st; const char *name; int bytes; } m[9] = {
+        {s->allocated_bytes, "Allocated memory", 1}, {s->active_bytes, "Active memory", 1},
+        {s->requested_bytes, "Requested memory", 1}, {s->reserved_bytes, "GPU reserved memory", 1},
+        {s->inactive_split_bytes, "Non-releasable memory", 1}, {s->allocation, "Allocations", 0},
+        {s->active, "Active allocs", 0}, {s->segment, "GPU reserved segments", 0},
+        {s->inactive_split, "Non-releasable allocs", 0}};
+    mn__c_out o;
+    int i;
+    if (!s || !fn) return MN_ERR_INVALID_ARG;
+    o.fn = fn, o.ud = user_data, o.r = MN_OK;
+    mn__c_printf(&o, "|%s|\n", eq);
+    mn__c_printf(&o, "| %16s PyTorch CUDA memory summary, device ID %-17d |\n", "", device_index);
+    mn__c_printf(&o, "|%s|\n", dash);
+    mn__c_printf(&o, "|  %9s CUDA OOMs: %-12llu | %6s cudaMalloc retries: %-8llu  |\n", "",
+                 (unsigned long long)s->num_ooms, "", (unsigned long long)s->num_alloc_retries);
+    mn__c_printf(&o, "|%s|\n", eq);
+    mn__c_printf(&o, "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | "
+                 "Tot Freed  |\n");
+    for (i = 0; i < 9; i++) {
+        mn__c_printf(&o, "|%s|\n", dash);
+        mn__c_summary_row(&o, m[i].name, &m[i].st[MN_STAT_ALL], &m[i].st[MN_STAT_ALL], m[i].bytes);
+        if (abbreviated) continue;
+        mn__c_summary_row(&o, "      from large pool", &m[i].st[MN_STAT_LARGE_POOL],
+                          &m[i].st[MN_STAT_ALL], m[i].bytes);
+        mn__c_summary_row(&o, "      from small pool", &m[i].st[MN_STAT_SMALL_POOL],
+                          &m[i].st[MN_STAT_ALL], m[i].bytes);
+    }
+    mn__c_printf(&o, "|%s|\n", dash);
+    mn__c_summary_row(&o, "Oversize allocations", &s->oversize_allocations,
+                      &s->oversize_allocations, 0);
+    mn__c_printf(&o, "|%s|\n", dash);
+    mn__c_summary_row(&o, "Oversize GPU segments", &s->oversize_segments, &s->oversize_segments, 0);
+    mn__c_printf(&o, "|%s|\n", eq);
+    return o.r;
+}
+
+MNIMPL mn_result mn_cache_category_summary_write(const struct mn_cache_stats *s,
+                                                 mn_cache_write_fn fn, void *user_data) {
+    mn__c_out o;
+    int k;
+    if (!s || !fn) return MN_ERR_INVALID_ARG;
+    o.fn = fn, o.ud = user_data, o.r = MN_OK;
+    mn__c_printf(&o, "%-15s %12s %12s %14s %12s\n", "category", "current", "peak",
+                 "at alloc peak", "allocations");
+    for (k = 0; k < MN_CAT_COUNT; k++) {
+        char cur[32], peak[32], at[32];
+        if (!s->cat_allocation[k].allocated && !s->cat_allocation[k].current) continue;
+        mn_size_format(s->cat_allocated_bytes[k].current, cur, sizeof cur);
+        mn_size_format(s->cat_allocated_bytes[k].peak, peak, sizeof peak);
+        mn_size_format(s->cat_at_peak[k], at, sizeof at);
+        mn__c_printf(&o, "%-15s %12s %12s %14s %12llu\n", mn_category_name((mn_category)k), cur,
+                     peak, at, (unsigned long long)s->cat_allocation[k].allocated);
+    }
+    return o.r;
+}
+
+// JSON string body: quotes, backslashes and control bytes escaped.
+MN__PRIVATE void mn__c_json_str(mn__c_out *o, const char *s) {
+    char buf[2 * MN_CACHE_LABEL_MAX * 4 + 8];
+    size_t n = 0;
+    buf[n++] = '"';
+    for (; *s && n < sizeof buf - 8; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') buf[n++] = '\\', buf[n++] = (char)ch;
+        else if (ch < 0x20) n += (size_t)sprintf(buf + n, "\\u%04x", ch);
+        else buf[n++] = (char)ch;
+    }
+    buf[n++] = '"';
+    buf[n] = 0;
+    mn__c_printf(o, "%s", buf);
+}
+
+MN__PRIVATE void mn__c_json_frames(mn__c_out *o, mn_category cat, const char *label) {
+    // memory_viz shows frames as the allocation's stack: one frame names category and label
+    mn__c_printf(o, "\"frames\":[{\"filename\":\"%s\",\"line\":0,\"name\":", mn_category_name(cat));
+    mn__c_json_str(o, label && label[0] ? label : mn_category_name(cat));
+    mn__c_printf(o, "}],\"category\":\"%s\"", mn_category_name(cat));
+}
+
+MNIMPL mn_result mn_cache_snapshot_write_json(const mn_cache_snapshot *s, mn_cache_write_fn fn,
+                                              void *user_data) {
+    mn__c_out o;
+    uint64_t i, j;
+    int k;
+    if (!s || !fn) return MN_ERR_INVALID_ARG;
+    o.fn = fn, o.ud = user_data, o.r = MN_OK;
+    mn__c_printf(&o, "{\"segments\":[");
+    for (i = 0; i < s->segment_count && o.r == MN_OK; i++) {
+        const mn_segment_info *g = &s->segments[i];
+        mn__c_printf(&o, "%s\n{\"device\":%d,\"address\":%llu,\"total_size\":%llu,"
+                     "\"allocated_size\":%llu,\"active_size\":%llu,\"requested_size\":%llu,"
+                     "\"stream\":%u,\"segment_type\":\"%s\",\"segment_pool_id\":[0,0],"
+                     "\"is_expandable\":%s,\"frames\":[],\"blocks\":[",
+                     i ? "," : "", s->device_index, (unsigned long long)g->addr,
+                     (unsigned long long)g->total_size, (unsigned long long)g->allocated_size,
+                     (unsigned long long)g->active_size, (unsigned long long)g->requested_size,
+                     (unsigned)g->stream, g->is_small ? "small" : "large",
+                     g->is_expandable ? "true" : "false");
+        for (j = 0; j < g->block_count; j++) {
+            const mn_block_info *b = &s->blocks[g->first_block + j];
+            mn__c_printf(&o, "%s{\"address\":%llu,\"size\":%llu,\"requested_size\":%llu,"
+                         "\"state\":\"%s\",", j ? "," : "", (unsigned long long)b->addr,
+                         (unsigned long long)b->size, (unsigned long long)b->requested,
+                         mn_block_state_name(b->state));
+            if (b->state == MN_BLOCK_INACTIVE) mn__c_printf(&o, "\"frames\":[]}");
+            else mn__c_json_frames(&o, b->category, b->label), mn__c_printf(&o, "}");
+        }
+        mn__c_printf(&o, "]}");
+    }
+    mn__c_printf(&o, "],\n\"device_traces\":[");
+    for (k = 0; k < s->device_index; k++) mn__c_printf(&o, "[],");
+    mn__c_printf(&o, "[");
+    for (i = 0; i < s->trace_count && o.r == MN_OK; i++) {
+        const mn_trace_entry *e = &s->trace[i];
+        mn__c_printf(&o, "%s\n{\"action\":\"%s\",\"%s\":%llu,\"size\":%llu,\"stream\":%u,"
+                     "\"time_us\":%llu,", i ? "," : "", mn_trace_action_name(e->action),
+                     e->action == MN_TRACE_OOM ? "device_free" : "addr",
+                     (unsigned long long)e->addr, (unsigned long long)e->size,
+                     (unsigned)e->stream, (unsigned long long)e->time);
+        if (e->action == MN_TRACE_ALLOC || e->action == MN_TRACE_FREE_REQUESTED ||
+            e->action == MN_TRACE_FREE_COMPLETED || e->action == MN_TRACE_OOM)
+            mn__c_json_frames(&o, e->category, NULL), mn__c_printf(&o, "}");
+        else mn__c_printf(&o, "\"frames\":[]}");
+    }
+    mn__c_printf(&o, "]],\n\"allocator_settings\":{\"PYTORCH_CUDA_ALLOC_CONF\":\"\","
+                 "\"max_split_size\":%lld,\"garbage_collection_threshold\":%g,"
+                 "\"expandable_segments\":%s,\"roundup_power2_divisions\":[",
+                 s->config.max_split_size ? (long long)s->config.max_split_size : -1LL,
+                 s->config.garbage_collection_threshold,
+                 s->config.expandable_segments ? "true" : "false");
+    for (k = 0; k < MN_CACHE_ROUNDUP_INTERVALS; k++)
+        mn__c_printf(&o, "%s%u", k ? "," : "", s->config.roundup_power2_divisions[k]);
+    mn__c_printf(&o, "]}}\n");
+    return o.r;
+}
+
+// ---- SVG timeline ----------------------------------------------------------------------------------
+
+MN__PRIVATE void mn__c_svg_bytes(char *buf, size_t cap, double v) {
+    if (v >= 1073741824.0) snprintf(buf, cap, "%.1f GiB", v / 1073741824.0);
+    else if (v >= 1048576.0) snprintf(buf, cap, "%.1f MiB", v / 1048576.0);
+    else if (v >= 1024.0) snprintf(buf, cap, "%.1f KiB", v / 1024.0);
+    else snprintf(buf, cap, "%.0f B", v);
+}
+
+#define MN__C_SVG_COLS 600
+
+MNIMPL mn_result mn_cache_timeline_svg(const mn_cache_snapshot *s, const char *title,
+                                       mn_cache_write_fn fn, void *user_data) {
+    // columns: the state at the moment of largest allocated total within each slice of events
+    static const char *const colors[MN_CAT_COUNT] = {"#9e9e9e", "#1f77b4", "#17becf", "#ff7f0e",
+                                                     "#d62728", "#2ca02c", "#bcbd22", "#9467bd",
+                                                     "#8c564b"};
+    const double W = 960, H = 480, L = 80, R = 200, T = 40, B = 50;
+    double pw = W - L - R, ph = H - T - B, ymax = 1;
+    uint64_t cat[MN_CAT_COUNT], reserved, ncols, i, col;
+    uint64_t (*colcat)[MN_CAT_COUNT] = NULL;
+    uint64_t *colres = NULL, *coltot = NULL;
+    char lab[48];
+    mn__c_out o;
+    int k, seen;
+    if (!s || !fn) return MN_ERR_INVALID_ARG;
+    o.fn = fn, o.ud = user_data, o.r = MN_OK;
+    ncols = s->trace_count + 1 < MN__C_SVG_COLS ? s->trace_count + 1 : MN__C_SVG_COLS;
+    colcat = (uint64_t(*)[MN_CAT_COUNT])mn__alloc_array(&s->allocator, (size_t)ncols, sizeof *colcat);
+    colres = (uint64_t *)mn__alloc_array(&s->allocator, (size_t)ncols, sizeof *colres);
+    coltot = (uint64_t *)mn__alloc_array(&s->allocator, (size_t)ncols, sizeof *coltot);
+    if (!colcat || !colres || !coltot) {
+        o.r = MN_ERR_OUT_OF_MEMORY;
+        goto done;
+    }
+    memset(coltot, 0, (size_t)ncols * sizeof *coltot);
+    memset(colres, 0, (size_t)ncols * sizeof *colres);
+    memset(colcat, 0, (size_t)ncols * sizeof *colcat);
+    memcpy(cat, s->base_cat_allocated, sizeof cat);
+    reserved = s->base_reserved;
+    for (i = 0; i <= s->trace_count; i++) {  // point i = state after i entries
+        uint64_t tot = 0;
+        if (i) mn__c_trace_apply(cat, &reserved, &s->trace[i - 1]);
+        for (k = 0; k < MN_CAT_COUNT; k++) tot += cat[k];
+        col = i * ncols / (s->trace_count + 1);
+        if (tot >= coltot[col] || i == 0) {
+            coltot[col] = tot;
+            memcpy(colcat[col], cat, sizeof cat);
+        }
+        if (reserved > colres[col]) colres[col] = reserved;
+        if ((double)reserved > ymax) ymax = (double)reserved;
+        if ((double)tot > ymax) ymax = (double)tot;
+    }
+    mn__c_printf(&o, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+                 "viewBox=\"0 0 %.0f %.0f\" font-family=\"sans-serif\" font-size=\"12\">\n"
+                 "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n", W, H, W, H);
+    mn__c_printf(&o, "<text x=\"%.0f\" y=\"24\" font-size=\"16\">", L);
+    {
+        const char *t = title ? title : "memory timeline";
+        char esc[256];
+        size_t n = 0;
+        for (; *t && n < sizeof esc - 8; t++) {
+            if (*t == '<') memcpy(esc + n, "&lt;", 4), n += 4;
+            else if (*t == '>') memcpy(esc + n, "&gt;", 4), n += 4;
+            else if (*t == '&') memcpy(esc + n, "&amp;", 5), n += 5;
+            else esc[n++] = *t;
+        }
+        esc[n] = 0;
+        mn__c_printf(&o, "%s</text>\n", esc);
+    }
+    for (k = 0; k <= 4; k++) {  // y axis grid and labels
+        double y = T + ph - ph * k / 4.0;
+        mn__c_svg_bytes(lab, sizeof lab, ymax * k / 4.0);
+        mn__c_printf(&o, "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                     "<text x=\"%.0f\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
+                     L, y, L + pw, y, L - 6, y + 4, lab);
+    }
+    mn__c_printf(&o, "<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">allocator events "
+                 "(%llu)</text>\n", L + pw / 2, H - 15, (unsigned long long)s->trace_count);
+    // stacked areas, category 0 at the bottom
+    for (k = 0, seen = 0; k < MN_CAT_COUNT; k++) {
+        uint64_t c2;
+        int any = 0;
+        for (c2 = 0; c2 < ncols; c2++) any |= colcat[c2][k] != 0;
+        if (!any) continue;
+        mn__c_printf(&o, "<polygon fill=\"%s\" fill-opacity=\"0.85\" points=\"", colors[k]);
+        for (c2 = 0; c2 < ncols; c2++) {  // upper edge left to right
+            double top = 0;
+            int j;
+            for (j = 0; j <= k; j++) top += (double)colcat[c2][j];
+            mn__c_printf(&o, "%.1f,%.1f ", L + pw * (double)c2 / (double)(ncols > 1 ? ncols - 1 : 1),
+                         T + ph - ph * top / ymax);
+        }
+        for (c2 = ncols; c2-- > 0;) {  // lower edge right to left
+            double bot = 0;
+            int j;
+            for (j = 0; j < k; j++) bot += (double)colcat[c2][j];
+            mn__c_printf(&o, "%.1f,%.1f ", L + pw * (double)c2 / (double)(ncols > 1 ? ncols - 1 : 1),
+                         T + ph - ph * bot / ymax);
+        }
+        mn__c_printf(&o, "\"/>\n");
+        mn__c_printf(&o, "<rect x=\"%.0f\" y=\"%.0f\" width=\"12\" height=\"12\" fill=\"%s\"/>"
+                     "<text x=\"%.0f\" y=\"%.0f\">%s</text>\n", L + pw + 16, T + 18.0 * seen,
+                     colors[k], L + pw + 34, T + 18.0 * seen + 10, mn_category_name((mn_category)k));
+        seen++;
+    }
+    mn__c_printf(&o, "<polyline fill=\"none\" stroke=\"black\" stroke-width=\"1.5\" points=\"");
+    for (col = 0; col < ncols; col++)
+        mn__c_printf(&o, "%.1f,%.1f ", L + pw * (double)col / (double)(ncols > 1 ? ncols - 1 : 1),
+                     T + ph - ph * (double)colres[col] / ymax);
+    mn__c_printf(&o, "\"/>\n<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"black\" "
+                 "stroke-width=\"1.5\"/><text x=\"%.0f\" y=\"%.0f\">reserved</text>\n",
+                 L + pw + 16, T + 18.0 * seen + 6, L + pw + 28, T + 18.0 * seen + 6, L + pw + 34,
+                 T + 18.0 * seen + 10);
+    mn__c_svg_bytes(lab, sizeof lab, (double)s->stats.allocated_bytes[MN_STAT_ALL].peak);
+    mn__c_printf(&o, "<text x=\"%.0f\" y=\"%.0f\">peak allocated %s</text>\n", L + pw + 16,
+                 T + 18.0 * (seen + 2), lab);
+    mn__c_svg_bytes(lab, sizeof lab, (double)s->stats.reserved_bytes[MN_STAT_ALL].peak);
+    mn__c_printf(&o, "<text x=\"%.0f\" y=\"%.0f\">peak reserved %s</text>\n", L + pw + 16,
+                 T + 18.0 * (seen + 3), lab);
+    mn__c_printf(&o, "<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" fill=\"none\" "
+                 "stroke=\"black\"/>\n</svg>\n", L, T, pw, ph);
+done:
+    mn__free(&s->allocator, colcat);
+    mn__free(&s->allocator, colres);
+    mn__free(&s->allocator, coltot);
+    return o.r;
+}
+// >>optim implementation ------------------------------------------------------------------------
+//
+// State per parameter tensor of n elements (fp32 master):
+//   SGD 0; SGD+momentum n*4 (momentum_buffer); AdamW n*8 (exp_avg, exp_avg_sq), +n*4 with amsgrad
+//   (max_exp_avg_sq); Lion n*4 (exp_avg);
+//   8-bit AdamW: n >= min_8bit_size -> 2 uint8 codes per element + one fp32 absmax per block for
+//     each state, else 32-bit AdamW (bitsandbytes optim/optimizer.py, Optimizer8bit.init_state);
+//   Adafactor (transformers optimization.py): ndim >= 2 -> row means (prod of dims[:-1]) + column
+//     means (prod of dims[:-2] * dims[-1]) in fp32, ndim 1 -> full exp_avg_sq; + n*4 if beta1.
+// Element updates run in fp32 like the reference implementations; scalars (bias corrections, step
+// sizes) and reductions (norms, means) run in double.
+
+MN__PRIVATE mn_result mn__numel(const uint64_t *dims, uint32_t ndim, uint64_t *out) {
+    uint64_t n = 1;
+    uint32_t i;
+    if (!dims || ndim == 0 || ndim > 8 || !out) return MN_ERR_INVALID_ARG;
+    for (i = 0; i < ndim; i++) {
+        if (dims[i] == 0) return MN_ERR_INVALID_ARG;
+        if (mn_mul_u64(n, dims[i], &n) != MN_OK) return MN_ERR_OVERFLOW;
+    }
+    *out = n;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_sgd_state_bytes(const uint64_t *dims, uint32_t ndim, int momentum,
+                                    uint64_t *out) {
+    uint64_t n;
+    mn_result r = mn__numel(dims, ndim, &n);
+    if (r != MN_OK) return r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    if (!momentum) { *out = 0; return MN_OK; }
+    return mn_mul_u64(n, 4, out);
+}
+
+MNIMPL mn_result mn_adamw_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out) {
+    uint64_t n;
+    mn_result r = mn__numel(dims, ndim, &n);
+    if (r != MN_OK) return r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    return mn_mul_u64(n, 8, out);
+}
+
+MNIMPL mn_result mn_lion_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out) {
+    uint64_t n;
+    mn_result r = mn__numel(dims, ndim, &n);
+    if (r != MN_OK) return r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    return mn_mul_u64(n, 4, out);
+}
+
+MNIMPL mn_result mn_adamw8bit_state_bytes(const uint64_t *dims, uint32_t ndim, uint32_t block_size,
+                                          uint64_t min_8bit_size, uint64_t *out) {
+    uint64_t n, blocks, codes, scales;
+    mn_result r = mn__numel(dims, ndim, &n);
+    if (r != MN_OK) return r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    if (block_size == 0) block_size = 256;
+    if (min_8bit_size == 0) min_8bit_size = 4096;
+    if (n < min_8bit_size) return mn_mul_u64(n, 8, out);
+    blocks = n / block_size + (n % block_size != 0);
+    // two uint8 states (n each) + two fp32 absmax arrays (blocks each)
+    if (mn_mul_u64(n, 2, &codes) != MN_OK) return MN_ERR_OVERFLOW;
+    if (mn_mul_u64(blocks, 8, &scales) != MN_OK) return MN_ERR_OVERFLOW;
+    return mn_add_u64(codes, scales, out);
+}
+
+MNIMPL mn_result mn_adafactor_state_bytes(const uint64_t *dims, uint32_t ndim, int beta1,
+                                          uint64_t *out) {
+    uint64_t n, floats, m = 0;
+    mn_result r = mn__numel(dims, ndim, &n);
+    if (r != MN_OK) return r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    if (ndim >= 2) {
+        // prod(dims[:-1]) row means + prod(dims[:-2]) * dims[-1] column means
+        r = mn_add_u64(n / dims[ndim - 1], n / dims[ndim - 2], &floats);
+        if (r != MN_OK) return r;
+    } else {
+        floats = n;
+    }
+    if (beta1) m = n;
+    if (mn_add_u64(floats, m, &floats) != MN_OK) return MN_ERR_OVERFLOW;
+    return mn_mul_u64(floats, 4, out);
+}
+
+MNIMPL mn_result mn_optim_state_bytes(const mn_optim_desc *d, const uint64_t *dims, uint32_t ndim,
+                                      uint64_t *out) {
+    mn_optim kind = d ? d->kind : MN_OPTIM_DEFAULT;
+    if (!out) return MN_ERR_INVALID_ARG;
+    switch (kind) {
+    case MN_OPTIM_DEFAULT:
+    case MN_OPTIM_ADAMW: {
+        uint64_t n = 0, extra;
+        mn_result r = mn_adamw_state_bytes(dims, ndim, out);
+        if (r != MN_OK || !d || !d->amsgrad) return r;
+        if ((r = mn__numel(dims, ndim, &n)) != MN_OK) return r;
+        if (mn_mul_u64(n, 4, &extra) != MN_OK) return MN_ERR_OVERFLOW;
+        return mn_add_u64(*out, extra, out);
+    }
+    case MN_OPTIM_ADAMW_8BIT:
+        return mn_adamw8bit_state_bytes(dims, ndim, d ? d->block_size : 0,
+                                        d ? d->min_8bit_size : 0, out);
+    case MN_OPTIM_SGD: return mn_sgd_state_bytes(dims, ndim, 0, out);
+    case MN_OPTIM_SGD_MOMENTUM: return mn_sgd_state_bytes(dims, ndim, 1, out);
+    case MN_OPTIM_ADAFACTOR:
+        return mn_adafactor_state_bytes(dims, ndim, d ? d->adafactor_beta1 : 0, out);
+    case MN_OPTIM_LION: return mn_lion_state_bytes(dims, ndim, out);
+    case MN_OPTIM_NONE: {
+        uint64_t n;
+        mn_result r = mn__numel(dims, ndim, &n);
+        if (r == MN_OK) *out = 0;
+        return r;
+    }
+    case MN_OPTIM_COUNT: break;
+    }
+    return MN_ERR_INVALID_ARG;
+}
+
+// --- fp16 / bf16 conversion ----------------------------------------------------------------------
+//
+// IEEE binary16: 1 sign, 5 exponent (bias 15), 10 mantissa bits; bfloat16: the top 16 bits of an
+// fp32 (8 exponent bits, bias 127, 7 mantissa bits). fp32 -> 16 bits: keep the sign, rebias the
+// exponent, shift the mantissa right rounding to nearest with ties to even (IEEE 754-2008 4.3.1);
+// a mantissa carry moves into the exponent, which makes the overflow to inf come out right
+// (fp16: |x| >= 65520 -> inf). Results below 2^-14 become fp16 subnormals (unit 2^-24).
+// NaNs keep sign and top payload bits and get the quiet bit, as x86 F16C and ARM FCVT do.
+
+MN__PRIVATE uint32_t mn__opt_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+MN__PRIVATE float mn__opt_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+MN__PRIVATE int mn__opt_finite(float f) { return (mn__opt_bits(f) & 0x7f800000u) != 0x7f800000u; }
+
+// m >> s rounded to nearest, ties to even; m < 2^24, so s >= 25 always gives 0.
+MN__PRIVATE uint32_t mn__opt_shr_rne(uint32_t m, uint32_t s) {
+    uint32_t q, rem, half;
+    if (s >= 25) return 0;
+    q = m >> s;
+    rem = m & ((1u << s) - 1u);
+    half = 1u << (s - 1);
+    return q + ((uint32_t)(rem > half) | ((uint32_t)(rem == half) & q & 1u));
+}
+
+MNIMPL uint16_t mn_fp32_to_fp16(float f) {
+    uint32_t x = mn__opt_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
+    int32_t he = (int32_t)e - 127 + 15;  // binary16 biased exponent
+    if (e == 0xffu) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u | (m >> 13) : 0u));
+    if (he >= 31) return (uint16_t)(sign | 0x7c00u);
+    if (he >= 1) return (uint16_t)(sign | (((uint32_t)he << 10) + mn__opt_shr_rne(m, 13)));
+    if (e == 0) return (uint16_t)sign;  // fp32 subnormals are far below 2^-25
+    // |x| = (2^23 + m) * 2^(e-150) = q * 2^-24 with q = (2^23 + m) >> (126 - e), shift >= 14
+    return (uint16_t)(sign | mn__opt_shr_rne(m | 0x800000u, (uint32_t)(126 - (int32_t)e)));
+}
+
+MNIMPL float mn_fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1fu) return mn__opt_float(sign | 0x7f800000u | (m ? 0x400000u | (m << 13) : 0u));
+    if (e != 0) return mn__opt_float(sign | ((e + 112u) << 23) | (m << 13));
+    if (m == 0) return mn__opt_float(sign);
+    e = 113;  // subnormal m * 2^-24: normalize so that bit 10 is the implicit one
+    while (!(m & 0x400u)) m <<= 1, e--;
+    return mn__opt_float(sign | (e << 23) | ((m & 0x3ffu) << 13));
+}
+
+MNIMPL uint16_t mn_fp32_to_bf16(float f) {
+    uint32_t x = mn__opt_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+MNIMPL float mn_bf16_to_fp32(uint16_t b) {
+    uint32_t x = (uint32_t)b << 16;
+    if ((x & 0x7fffffffu) > 0x7f800000u) x |= 0x400000u;
+    return mn__opt_float(x);
+}
+
+MNIMPL void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n) {
+    uint64_t i;
+    for (i = 0; i < n; i++) dst[i] = mn_fp32_to_fp16(src[i]);
+}
+
+MNIMPL void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
+    uint64_t i;
+    for (i = 0; i < n; i++) dst[i] = mn_fp16_to_fp32(src[i]);
+}
+
+MNIMPL void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n) {
+    uint64_t i;
+    for (i = 0; i < n; i++) dst[i] = mn_fp32_to_bf16(src[i]);
+}
+
+MNIMPL void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
+    uint64_t i;
+    for (i = 0; i < n; i++) dst[i] = mn_bf16_to_fp32(src[i]);
+}
+
+// --- shared optimizer plumbing -------------------------------------------------------------------
+
+// A [z] hyperparameter: 0 selects the default, MN_OPTIM_ZERO an explicit zero.
+MN__PRIVATE float mn__opt_z(float v, float def) {
+    if (v == 0.0f) return def;
+    if (v == MN_OPTIM_ZERO) return 0.0f;
+    return v;
+}
+
+// lo <= v < hi (or <= hi when hi_incl), and finite.
+MN__PRIVATE int mn__opt_in(float v, float lo, float hi, int hi_incl) {
+    if (!mn__opt_finite(v) || v < lo) return 0;
+    return hi_incl ? v <= hi : v < hi;
+}
+
+MN__PRIVATE mn_result mn__opt_dtype(mn_dtype *dt) {
+    if (*dt == MN_DTYPE_DEFAULT) *dt = MN_FP32;
+    return (*dt == MN_FP32 || *dt == MN_FP16 || *dt == MN_BF16) ? MN_OK : MN_ERR_INVALID_ARG;
+}
+
+// One zero-filled block of `bytes` for a state; NULL when bytes is 0.
+MN__PRIVATE mn_result mn__opt_alloc(const mn_allocator *a, uint64_t bytes, void **out) {
+    *out = NULL;
+    if (bytes == 0) return MN_OK;
+    if ((uint64_t)(size_t)bytes != bytes) return MN_ERR_OVERFLOW;
+    *out = mn__alloc(a, (size_t)bytes);
+    if (!*out) return MN_ERR_OUT_OF_MEMORY;
+    memset(*out, 0, (size_t)bytes);
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__opt_step_check(uint64_t n, const float *param, const float *grad,
+                                         mn_dtype dt, const uint16_t *param16) {
+    if (n == 0) return MN_ERR_STATE;  // not initialized, or freed
+    if (!param || !grad) return MN_ERR_INVALID_ARG;
+    if (dt != MN_FP32 && !param16) return MN_ERR_INVALID_ARG;
+    return MN_OK;
+}
+
+// Rewrites the 16-bit model tensor from the fp32 master after a step.
+MN__PRIVATE void mn__opt_store16(mn_dtype dt, const float *param, uint16_t *param16, uint64_t n) {
+    if (dt == MN_FP16) mn_fp32_to_fp16_array(param, param16, n);
+    else if (dt == MN_BF16) mn_fp32_to_bf16_array(param, param16, n);
+}
+
+MN__PRIVATE mn_allocator mn__opt_allocator(const mn_allocator *a) {
+    mn_allocator z;
+    memset(&z, 0, sizeof z);
+    return a ? *a : z;
+}
+
+// torch.lerp for float: weight < 0.5 ? a + w (b - a) : b - (b - a)(1 - w)  (aten Lerp.h)
+MN__PRIVATE float mn__opt_lerp(float a, float b, float w) {
+    return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+// --- SGD -----------------------------------------------------------------------------------------
+//
+// torch.optim.SGD docs (algorithm box), per element with lr γ, momentum μ, dampening τ, decay λ:
+//   g ← g + λθ;  b ← g at t = 1, else b ← μb + (1−τ)g;  g ← g + μb (nesterov) or g ← b;  θ ← θ − γg
+
+MNIMPL mn_result mn_sgd_init(mn_sgd *s, const uint64_t *dims, uint32_t ndim, const mn_sgd_params *p,
+                             const mn_allocator *alloc) {
+    mn_sgd_params q;
+    uint64_t n, bytes;
+    void *mem;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    memset(s, 0, sizeof *s);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    q.lr = mn__opt_z(q.lr, 1e-3f);
+    q.momentum = mn__opt_z(q.momentum, 0.0f);
+    q.dampening = mn__opt_z(q.dampening, 0.0f);
+    q.weight_decay = mn__opt_z(q.weight_decay, 0.0f);
+    if ((r = mn__numel(dims, ndim, &n)) != MN_OK) return r;
+    if (!mn__opt_in(q.lr, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.momentum, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.dampening, 0.0f, 1.0f, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.weight_decay, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (q.nesterov && (q.momentum <= 0.0f || q.dampening != 0.0f)) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_dtype(&q.dtype)) != MN_OK) return r;
+    if ((r = mn_sgd_state_bytes(dims, ndim, q.momentum != 0.0f, &bytes)) != MN_OK) return r;
+    s->alloc = mn__opt_allocator(alloc);
+    if ((r = mn__opt_alloc(&s->alloc, bytes, &mem)) != MN_OK) {
+        memset(s, 0, sizeof *s);
+        return r;
+    }
+    s->params = q;
+    s->n = n;
+    s->momentum_buffer = (float *)mem;
+    s->state_bytes = bytes;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_sgd_step(mn_sgd *s, float *param, const float *grad, uint16_t *param16) {
+    float lr, mu, damp, wd, g;
+    uint64_t i;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
+    lr = s->params.lr, mu = s->params.momentum;
+    damp = s->params.dampening, wd = s->params.weight_decay;
+    s->step++;
+    for (i = 0; i < s->n; i++) {
+        g = s->params.maximize ? -grad[i] : grad[i];
+        if (wd != 0.0f) g = g + wd * param[i];
+        if (mu != 0.0f) {
+            float *b = &s->momentum_buffer[i];
+            *b = s->step == 1 ? g : *b * mu + (1.0f - damp) * g;
+            g = s->params.nesterov ? g + mu * *b : *b;
+        }
+        param[i] = param[i] - lr * g;
+    }
+    mn__opt_store16(s->params.dtype, param, param16, s->n);
+    return MN_OK;
+}
+
+MNIMPL void mn_sgd_free(mn_sgd *s) {
+    if (!s) return;
+    mn__free(&s->alloc, s->momentum_buffer);
+    memset(s, 0, sizeof *s);
+}
+
+// --- AdamW ---------------------------------------------------------------------------------------
+//
+// torch.optim.AdamW docs and torch/optim/adam.py (_single_tensor_adam, decoupled weight decay):
+//   θ ← θ(1 − γλ);  m ← lerp(m, g, 1−β1);  v ← β2 v + (1−β2) g²;  amsgrad: v̄ ← max(v̄, v), use v̄
+//   θ ← θ − (γ / (1−β1^t)) · m / (√v / √(1−β2^t) + ε)        (ε outside the square root)
+
+MNIMPL mn_result mn_adamw_init(mn_adamw *s, const uint64_t *dims, uint32_t ndim,
+                               const mn_adamw_params *p, const mn_allocator *alloc) {
+    mn_adamw_params q;
+    mn_optim_desc d;
+    uint64_t n, bytes;
+    void *mem;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    memset(s, 0, sizeof *s);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    q.lr = mn__opt_z(q.lr, 1e-3f);
+    q.beta1 = mn__opt_z(q.beta1, 0.9f);
+    q.beta2 = mn__opt_z(q.beta2, 0.999f);
+    q.eps = mn__opt_z(q.eps, 1e-8f);
+    q.weight_decay = mn__opt_z(q.weight_decay, 1e-2f);
+    if ((r = mn__numel(dims, ndim, &n)) != MN_OK) return r;
+    if (!mn__opt_in(q.lr, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.beta1, 0.0f, 1.0f, 0)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.beta2, 0.0f, 1.0f, 0)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.eps, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.weight_decay, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_dtype(&q.dtype)) != MN_OK) return r;
+    memset(&d, 0, sizeof d);
+    d.kind = MN_OPTIM_ADAMW;
+    d.amsgrad = q.amsgrad != 0;
+    if ((r = mn_optim_state_bytes(&d, dims, ndim, &bytes)) != MN_OK) return r;
+    s->alloc = mn__opt_allocator(alloc);
+    if ((r = mn__opt_alloc(&s->alloc, bytes, &mem)) != MN_OK) {
+        memset(s, 0, sizeof *s);
+        return r;
+    }
+    s->params = q;
+    s->n = n;
+    s->exp_avg = (float *)mem;
+    s->exp_avg_sq = s->exp_avg + n;
+    s->max_exp_avg_sq = q.amsgrad ? s->exp_avg_sq + n : NULL;
+    s->state_bytes = bytes;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uint16_t *param16) {
+    const mn_adamw_params *p;
+    double t, bc1, bc2;
+    float decay, step_size, bc2_sqrt, w1, b2;
+    uint64_t i;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
+    p = &s->params;
+    t = (double)++s->step;
+    bc1 = 1.0 - pow((double)p->beta1, t);
+    bc2 = 1.0 - pow((double)p->beta2, t);
+    decay = (float)(1.0 - (double)p->lr * (double)p->weight_decay);
+    step_size = (float)((double)p->lr / bc1);
+    bc2_sqrt = (float)sqrt(bc2);
+    w1 = 1.0f - p->beta1, b2 = p->beta2;
+    for (i = 0; i < s->n; i++) {
+        float g = p->maximize ? -grad[i] : grad[i];
+        float th = param[i] * decay, m, v, denom;
+        m = s->exp_avg[i] = mn__opt_lerp(s->exp_avg[i], g, w1);
+        v = s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2 + (1.0f - b2) * g * g;
+        if (p->amsgrad) {
+            if (v > s->max_exp_avg_sq[i]) s->max_exp_avg_sq[i] = v;
+            v = s->max_exp_avg_sq[i];
+        }
+        denom = sqrtf(v) / bc2_sqrt + p->eps;
+        param[i] = th - step_size * (m / denom);
+    }
+    mn__opt_store16(p->dtype, param, param16, s->n);
+    return MN_OK;
+}
+
+MNIMPL void mn_adamw_free(mn_adamw *s) {
+    if (!s) return;
+    mn__free(&s->alloc, s->exp_avg);
+    memset(s, 0, sizeof *s);
+}
+
+// --- 8-bit AdamW ---------------------------------------------------------------------------------
+//
+// bitsandbytes (Dettmers et al. 2022, arXiv 2110.02861; csrc/kernels.cu
+// kOptimizerStatic8bit2StateBlockwise, ADAM). Per block of B elements, with maps Q1 (signed) and
+// Q2 (unsigned) and scales a1, a2:
+//   m ← β1 Q1[c1]·a1 + (1−β1) g;   v ← β2 Q2[c2]·a2 + (1−β2) g²    (both 0 where g is inf/NaN)
+//   a1 ← max|m|, a2 ← max v over the block;  c2 ← nearest(v/a2);
+//   c1 ← nearest(m/a1), moved one entry down when m < 0 lands on 0 (the sign of m is kept)
+//   θ ← θ − γ √(1−β2^t)/(1−β1^t) · m / (√v + ε√(1−β2^t));  θ ← θ(1 − γλ)  (decay after the step)
+// The update uses the fp32 m and v before re-quantization. Tensors below min_8bit_size keep fp32 m
+// and v with the same update (kOptimizer32bit2State). An element with a non-finite gradient is
+// left unchanged. As in bitsandbytes, a v below about 1.6e-7 of its block's absmax is stored as 0,
+// so an element whose gradient stays tiny while others are large can take one large step.
+
+// create_dynamic_map(signed, max_exponent_bits=7, total_bits=8) (bitsandbytes functional.py):
+// for i = 0..6, midpoints of linspace(0.1, 1, 2^i + 1) (signed) or 2^(i+1) + 1 (unsigned) scaled
+// by 10^(i-6), negated copies when signed, plus 0 and 1. The groups are disjoint and increasing,
+// so writing them in order gives the sorted map. Computed in fp32 with torch.linspace's formula
+// (start + step*k in the first half, end - step*(steps-1-k) in the second).
+MNIMPL void mn_dynamic_map(int is_signed, float map[256]) {
+    float pos[254];
+    int npos = 0, i, k, j = 0;
+    for (i = 0; i < 7; i++) {
+        int steps = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1, half = steps / 2;
+        float start = 0.1f, end = 1.0f, step = (end - start) / (float)(steps - 1), prev = 0.0f;
+        float scale = (float)pow(10.0, (double)(i - 6));
+        for (k = 0; k < steps; k++) {
+            float b = k < half ? start + step * (float)k : end - step * (float)(steps - 1 - k);
+            if (k > 0) pos[npos++] = scale * ((prev + b) / 2.0f);
+            prev = b;
+        }
+    }
+    if (is_signed)
+        for (k = npos - 1; k >= 0; k--) map[j++] = -pos[k];
+    map[j++] = 0.0f;
+    for (k = 0; k < npos; k++) map[j++] = pos[k];
+    map[j++] = 1.0f;
+    MN_ASSERT(j == 256);
+}
+
+// Index of the map entry nearest to x (map ascending); ties go to the larger entry. Branch-free
+// binary search: i ends as the number of entries below x, at most 255.
+MN__PRIVATE uint8_t mn__opt_nearest(const float *map, float x) {
+    uint32_t i = 0, step;
+    for (step = 128; step > 0; step >>= 1) i += step & (0u - (uint32_t)(map[i + step - 1] < x));
+    if (i == 0) return 0;
+    return (uint8_t)(i - (uint32_t)(x - map[i - 1] < map[i] - x));
+}
+
+MNIMPL mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_t n,
+                                       uint32_t block_size, uint8_t *codes, float *absmax) {
+    uint64_t b, i, i0, end;
+    if (!map || !x || !codes || !absmax || block_size == 0) return MN_ERR_INVALID_ARG;
+    for (b = 0, i0 = 0; i0 < n; b++, i0 += block_size) {
+        float am = 0.0f, inv;
+        end = n - i0 < block_size ? n : i0 + block_size;
+        for (i = i0; i < end; i++) {
+            float a = fabsf(x[i]);
+            if (a > am) am = a;
+        }
+        absmax[b] = am;
+        inv = am > 0.0f ? 1.0f / am : 0.0f;
+        for (i = i0; i < end; i++) codes[i] = mn__opt_nearest(map, x[i] * inv);
+    }
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_dequantize_blockwise(const float *map, const uint8_t *codes,
+                                         const float *absmax, uint64_t n, uint32_t block_size,
+                                         float *x) {
+    uint64_t i;
+    if (!map || !codes || !absmax || !x || block_size == 0) return MN_ERR_INVALID_ARG;
+    for (i = 0; i < n; i++) x[i] = map[codes[i]] * absmax[i / block_size];
+    return MN_OK;
+}
+
+#define MN__OPT_MAX_BLOCK 4096u
+
+MNIMPL mn_result mn_adamw8bit_init(mn_adamw8bit *s, const uint64_t *dims, uint32_t ndim,
+                                   const mn_adamw8bit_params *p, const mn_allocator *alloc) {
+    mn_adamw8bit_params q;
+    uint64_t n, bytes;
+    void *mem;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    memset(s, 0, sizeof *s);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    q.lr = mn__opt_z(q.lr, 1e-3f);
+    q.beta1 = mn__opt_z(q.beta1, 0.9f);
+    q.beta2 = mn__opt_z(q.beta2, 0.999f);
+    q.eps = mn__opt_z(q.eps, 1e-8f);
+    q.weight_decay = mn__opt_z(q.weight_decay, 1e-2f);
+    if (q.block_size == 0) q.block_size = 256;
+    if (q.min_8bit_size == 0) q.min_8bit_size = 4096;
+    if ((r = mn__numel(dims, ndim, &n)) != MN_OK) return r;
+    if (!mn__opt_in(q.lr, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.beta1, 0.0f, 1.0f, 0)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.beta2, 0.0f, 1.0f, 0)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.eps, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.weight_decay, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (q.block_size > MN__OPT_MAX_BLOCK) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_dtype(&q.dtype)) != MN_OK) return r;
+    r = mn_adamw8bit_state_bytes(dims, ndim, q.block_size, q.min_8bit_size, &bytes);
+    if (r != MN_OK) return r;
+    s->alloc = mn__opt_allocator(alloc);
+    if ((r = mn__opt_alloc(&s->alloc, bytes, &mem)) != MN_OK) {
+        memset(s, 0, sizeof *s);
+        return r;
+    }
+    s->params = q;
+    s->n = n;
+    s->state_bytes = bytes;
+    s->quantized = n >= q.min_8bit_size;
+    if (s->quantized) {  // [absmax1 | absmax2 | code1 | code2]: the floats first keep them aligned
+        s->blocks = n / q.block_size + (n % q.block_size != 0);
+        s->absmax1 = (float *)mem;
+        s->absmax2 = s->absmax1 + s->blocks;
+        s->code1 = (uint8_t *)(s->absmax2 + s->blocks);
+        s->code2 = s->code1 + n;
+    } else {
+        s->exp_avg = (float *)mem;
+        s->exp_avg_sq = s->exp_avg + n;
+    }
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *grad,
+                                   uint16_t *param16) {
+    const mn_adamw8bit_params *p;
+    float map1[256], map2[256], mbuf[MN__OPT_MAX_BLOCK], vbuf[MN__OPT_MAX_BLOCK];
+    float b1, b2, step_size, eps_c, decay;
+    double t, c1, c2;
+    uint64_t i, j, b, i0, len;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
+    p = &s->params;
+    t = (double)++s->step;
+    b1 = p->beta1, b2 = p->beta2;
+    c1 = 1.0 - pow((double)b1, t);
+    c2 = sqrt(1.0 - pow((double)b2, t));
+    step_size = (float)(-(double)p->lr * c2 / c1);
+    eps_c = (float)((double)p->eps * c2);
+    decay = (float)(1.0 - (double)p->lr * (double)p->weight_decay);
+    if (!s->quantized) {
+        for (i = 0; i < s->n; i++) {
+            float g = grad[i], m, v;
+            if (!mn__opt_finite(g)) continue;
+            m = s->exp_avg[i] = s->exp_avg[i] * b1 + (1.0f - b1) * g;
+            v = s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2 + (1.0f - b2) * g * g;
+            param[i] = param[i] + step_size * (m / (sqrtf(v) + eps_c));
+            if (p->weight_decay > 0.0f) param[i] = param[i] * decay;
+        }
+        mn__opt_store16(p->dtype, param, param16, s->n);
+        return MN_OK;
+    }
+    mn_dynamic_map(1, map1);
+    mn_dynamic_map(0, map2);
+    for (b = 0, i0 = 0; b < s->blocks; b++, i0 += p->block_size) {
+        float a1 = s->absmax1[b], a2 = s->absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+        len = s->n - i0 < p->block_size ? s->n - i0 : p->block_size;
+        for (j = 0; j < len; j++) {  // dequantize, update the moments, new block scales
+            float g = grad[i0 + j], m = 0.0f, v = 0.0f;
+            if (mn__opt_finite(g)) {
+                m = map1[s->code1[i0 + j]] * a1 * b1 + (1.0f - b1) * g;
+                v = map2[s->code2[i0 + j]] * a2 * b2 + (1.0f - b2) * g * g;
+            }
+            mbuf[j] = m, vbuf[j] = v;
+            if (fabsf(m) > n1) n1 = fabsf(m);
+            if (v > n2) n2 = v;
+        }
+        s->absmax1[b] = n1, s->absmax2[b] = n2;
+        inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+        inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+        for (j = 0; j < len; j++) {  // parameter update from fp32 m, v; re-quantize
+            float m = mbuf[j];
+            uint8_t c;
+            if (mn__opt_finite(grad[i0 + j])) {
+                float *th = &param[i0 + j];
+                *th = *th + step_size * (m / (sqrtf(vbuf[j]) + eps_c));
+                if (p->weight_decay > 0.0f) *th = *th * decay;
+            }
+            c = mn__opt_nearest(map1, m * inv1);
+            if (m < 0.0f && map1[c] >= 0.0f) c--;  // a negative m never rounds to 0 or above
+            s->code1[i0 + j] = c;
+            s->code2[i0 + j] = mn__opt_nearest(map2, vbuf[j] * inv2);
+        }
+    }
+    mn__opt_store16(p->dtype, param, param16, s->n);
+    return MN_OK;
+}
+
+MNIMPL void mn_adamw8bit_free(mn_adamw8bit *s) {
+    if (!s) return;
+    mn__free(&s->alloc, s->quantized ? (void *)s->absmax1 : (void *)s->exp_avg);
+    memset(s, 0, sizeof *s);
+}
+
+// --- Adafactor -----------------------------------------------------------------------------------
+//
+// Shazeer & Stern 2018 (arXiv 1804.04235), as transformers/optimization.py Adafactor.step:
+//   ρ_t = lr, or min(1e-2 (1e-6 t with warmup_init), 1/√t) with the relative step
+//   α_t = max(ε2, RMS(θ)) ρ_t (scale_parameter) or ρ_t;   β̂2 = 1 − t^decay_rate;   U = g² + ε1
+//   matrix [.., r, c]: R ← β̂2 R + (1−β̂2) mean_c(U);  C ← β̂2 C + (1−β̂2) mean_r(U)
+//                      u = g · rsqrt(R / mean_r(R)) ⊗ rsqrt(C)
+//   vector:            V ← β̂2 V + (1−β̂2) U;  u = g · rsqrt(V)
+//   u ← α_t u / max(1, RMS(u)/d);  (β1: m ← β1 m + (1−β1) u, u = m);  θ ← θ − λα_t θ;  θ ← θ − u
+// RMS(x) = ‖x‖₂/√numel. u is recomputed from the state in each pass instead of stored, so the
+// state is exactly the moments.
+
+MNIMPL mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
+                                   const mn_adafactor_params *p, const mn_allocator *alloc) {
+    mn_adafactor_params q;
+    uint64_t n, bytes;
+    float *mem;
+    void *raw;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    memset(s, 0, sizeof *s);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    if (q.eps1 == 0.0f) q.eps1 = 1e-30f;
+    if (q.eps2 == 0.0f) q.eps2 = 1e-3f;
+    if (q.clip_threshold == 0.0f) q.clip_threshold = 1.0f;
+    if (q.decay_rate == 0.0f) q.decay_rate = -0.8f;
+    q.beta1 = mn__opt_z(q.beta1, 0.0f);
+    q.weight_decay = mn__opt_z(q.weight_decay, 0.0f);
+    if ((r = mn__numel(dims, ndim, &n)) != MN_OK) return r;
+    if (!mn__opt_in(q.lr, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.eps1, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.eps2, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.clip_threshold, FLT_MIN, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.decay_rate, -FLT_MAX, 0.0f, 0)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.beta1, 0.0f, 1.0f, 0)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.weight_decay, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_dtype(&q.dtype)) != MN_OK) return r;
+    if ((r = mn_adafactor_state_bytes(dims, ndim, q.beta1 != 0.0f, &bytes)) != MN_OK) return r;
+    s->alloc = mn__opt_allocator(alloc);
+    if ((r = mn__opt_alloc(&s->alloc, bytes, &raw)) != MN_OK) {
+        memset(s, 0, sizeof *s);
+        return r;
+    }
+    mem = (float *)raw;
+    s->params = q;
+    s->n = n;
+    s->state_bytes = bytes;
+    s->factored = ndim >= 2;
+    if (s->factored) {
+        s->cols = dims[ndim - 1];
+        s->rows = dims[ndim - 2];
+        s->batch = n / (s->rows * s->cols);
+        s->exp_avg_sq_row = mem;
+        s->exp_avg_sq_col = mem + s->batch * s->rows;
+        mem = s->exp_avg_sq_col + s->batch * s->cols;
+    } else {
+        s->batch = 1, s->rows = 1, s->cols = n;
+        s->exp_avg_sq = mem;
+        mem += n;
+    }
+    s->exp_avg = q.beta1 != 0.0f ? mem : NULL;
+    return MN_OK;
+}
+
+// Mean of R over the rows of batch b, the normalizer of the factored second moment.
+MN__PRIVATE double mn__opt_row_mean(const mn_adafactor *s, uint64_t b) {
+    const float *row = s->exp_avg_sq_row + b * s->rows;
+    double sum = 0.0;
+    uint64_t i;
+    for (i = 0; i < s->rows; i++) sum += row[i];
+    return sum / (double)s->rows;
+}
+
+MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *grad,
+                                   uint16_t *param16) {
+    const mn_adafactor_params *p;
+    double t, sum, rho, beta2t, rms_u, clip;
+    float b2t, w2t, eps1, alpha, clip_div, decay_coef;
+    uint64_t i, j, b, c0, cw, n;
+    int pass;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
+    p = &s->params;
+    n = s->n;
+    t = (double)++s->step;
+    for (sum = 0.0, i = 0; i < n; i++) sum += (double)param[i] * param[i];
+    s->rms = (float)sqrt(sum / (double)n);
+    if (p->lr > 0.0f) rho = p->lr;
+    else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
+    alpha = (float)(p->no_scale_parameter ? rho : fmax((double)p->eps2, (double)s->rms) * rho);
+    s->alpha = alpha;
+    beta2t = 1.0 - pow(t, (double)p->decay_rate);
+    b2t = (float)beta2t, w2t = (float)(1.0 - beta2t), eps1 = p->eps1;
+    // second moment
+    if (s->factored) {
+        for (b = 0; b < s->batch; b++) {
+            const float *gb = grad + b * s->rows * s->cols;
+            float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
+            for (i = 0; i < s->rows; i++) {
+                const float *gr = gb + i * s->cols;
+                for (sum = 0.0, j = 0; j < s->cols; j++) sum += (double)(gr[j] * gr[j] + eps1);
+                row[i] = row[i] * b2t + w2t * (float)(sum / (double)s->cols);
+            }
+            for (c0 = 0; c0 < s->cols; c0 += 64) {  // column means, 64 columns at a time
+                double acc[64] = {0};
+                cw = s->cols - c0 < 64 ? s->cols - c0 : 64;
+                for (i = 0; i < s->rows; i++)
+                    for (j = 0; j < cw; j++) {
+                        float g = gb[i * s->cols + c0 + j];
+                        acc[j] += (double)(g * g + eps1);
+                    }
+                for (j = 0; j < cw; j++)
+                    col[c0 + j] = col[c0 + j] * b2t + w2t * (float)(acc[j] / (double)s->rows);
+            }
+        }
+    } else {
+        for (i = 0; i < n; i++)
+            s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2t + w2t * (grad[i] * grad[i] + eps1);
+    }
+    // pass 0: RMS of the update; pass 1: apply it
+    clip_div = 1.0f;
+    decay_coef = -p->weight_decay * alpha;
+    for (pass = 0, rms_u = 0.0; pass < 2; pass++) {
+        double ss = 0.0;
+        for (b = 0; b < s->batch; b++) {
+            const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
+            const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
+            float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
+            for (i = 0; i < s->rows; i++) {
+                float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
+                uint64_t base = (b * s->rows + i) * s->cols;
+                for (j = 0; j < s->cols; j++) {
+                    uint64_t k = base + j;
+                    float u = s->factored ? rf * (1.0f / sqrtf(col[j])) * grad[k]
+                                          : (1.0f / sqrtf(s->exp_avg_sq[k])) * grad[k];
+                    if (pass == 0) {
+                        ss += (double)u * u;
+                        continue;
+                    }
+                    u = u / clip_div * alpha;
+                    if (s->exp_avg)
+                        u = s->exp_avg[k] = s->exp_avg[k] * p->beta1 + (1.0f - p->beta1) * u;
+                    if (p->weight_decay != 0.0f) param[k] = param[k] + decay_coef * param[k];
+                    param[k] = param[k] - u;
+                }
+            }
+        }
+        if (pass == 0) {
+            rms_u = sqrt(ss / (double)n);
+            clip = rms_u / (double)p->clip_threshold;
+            clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
+        }
+    }
+    mn__opt_store16(p->dtype, param, param16, n);
+    return MN_OK;
+}
+
+MNIMPL void mn_adafactor_free(mn_adafactor *s) {
+    if (!s) return;
+    mn__free(&s->alloc, s->factored ? s->exp_avg_sq_row : s->exp_avg_sq);
+    memset(s, 0, sizeof *s);
+}
+
+// --- Lion ----------------------------------------------------------------------------------------
+//
+// Chen et al. 2023 (arXiv 2302.06675, Algorithm 2) and lion-pytorch:
+//   θ ← θ(1 − γλ);  c = β1 m + (1−β1) g;  θ ← θ − γ sign(c);  m ← β2 m + (1−β2) g   (sign(0) = 0)
+
+MNIMPL mn_result mn_lion_init(mn_lion *s, const uint64_t *dims, uint32_t ndim,
+                              const mn_lion_params *p, const mn_allocator *alloc) {
+    mn_lion_params q;
+    uint64_t n, bytes;
+    void *mem;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    memset(s, 0, sizeof *s);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    q.lr = mn__opt_z(q.lr, 1e-4f);
+    q.beta1 = mn__opt_z(q.beta1, 0.9f);
+    q.beta2 = mn__opt_z(q.beta2, 0.99f);
+    q.weight_decay = mn__opt_z(q.weight_decay, 0.0f);
+    if ((r = mn__numel(dims, ndim, &n)) != MN_OK) return r;
+    if (!mn__opt_in(q.lr, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.beta1, 0.0f, 1.0f, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.beta2, 0.0f, 1.0f, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.weight_decay, 0.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_dtype(&q.dtype)) != MN_OK) return r;
+    if ((r = mn_lion_state_bytes(dims, ndim, &bytes)) != MN_OK) return r;
+    s->alloc = mn__opt_allocator(alloc);
+    if ((r = mn__opt_alloc(&s->alloc, bytes, &mem)) != MN_OK) {
+        memset(s, 0, sizeof *s);
+        return r;
+    }
+    s->params = q;
+    s->n = n;
+    s->exp_avg = (float *)mem;
+    s->state_bytes = bytes;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_lion_step(mn_lion *s, float *param, const float *grad, uint16_t *param16) {
+    const mn_lion_params *p;
+    float decay, lr, b1, b2;
+    uint64_t i;
+    mn_result r;
+    if (!s) return MN_ERR_INVALID_ARG;
+    if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
+    p = &s->params;
+    s->step++;
+    lr = p->lr, b1 = p->beta1, b2 = p->beta2;
+    decay = (float)(1.0 - (double)lr * (double)p->weight_decay);
+    for (i = 0; i < s->n; i++) {
+        float g = grad[i], m = s->exp_avg[i];
+        float c = m * b1 + (1.0f - b1) * g;
+        float sg = c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : 0.0f;
+        param[i] = param[i] * decay - lr * sg;
+        s->exp_avg[i] = m * b2 + (1.0f - b2) * g;
+    }
+    mn__opt_store16(p->dtype, param, param16, s->n);
+    return MN_OK;
+}
+
+MNIMPL void mn_lion_free(mn_lion *s) {
+    if (!s) return;
+    mn__free(&s->alloc, s->exp_avg);
+    memset(s, 0, sizeof *s);
+}
+
+// --- Gradient clipping ---------------------------------------------------------------------------
+//
+// torch.nn.utils.clip_grad_norm_: total = ‖(‖g_1‖_p, ..., ‖g_k‖_p)‖_p = (Σ|g|^p)^(1/p) over every
+// element (max |g| for p = inf); coef = max_norm / (total + 1e-6) in fp32, clamped to at most 1;
+// every gradient *= coef (also when coef is 1). The sum runs in double.
+
+MNIMPL mn_result mn_clip_grad_norm(float *const *grads, const uint64_t *sizes, uint32_t count,
+                                   float max_norm, float norm_type, float *total_norm) {
+    double acc = 0.0, pn;
+    float norm, coef;
+    uint32_t k;
+    uint64_t i;
+    int inf_norm;
+    if (count > 0 && (!grads || !sizes)) return MN_ERR_INVALID_ARG;
+    if (!(max_norm >= 0.0f)) return MN_ERR_INVALID_ARG;  // also rejects NaN
+    if (norm_type == 0.0f) norm_type = 2.0f;
+    if (!(norm_type > 0.0f)) return MN_ERR_INVALID_ARG;
+    for (k = 0; k < count; k++)
+        if (!grads[k] && sizes[k] > 0) return MN_ERR_INVALID_ARG;
+    inf_norm = !mn__opt_finite(norm_type);
+    pn = (double)norm_type;
+    for (k = 0; k < count; k++) {
+        const float *g = grads[k];
+        for (i = 0; i < sizes[k]; i++) {
+            double a = fabs((double)g[i]);
+            if (inf_norm) {
+                if (a > acc || a != a) acc = a;  // a NaN sticks
+            } else if (norm_type == 2.0f) {
+                acc += a * a;
+            } else if (norm_type == 1.0f) {
+                acc += a;
+            } else {
+                acc += pow(a, pn);
+            }
+        }
+    }
+    if (inf_norm || norm_type == 1.0f) norm = (float)acc;
+    else if (norm_type == 2.0f) norm = (float)sqrt(acc);
+    else norm = (float)pow(acc, 1.0 / pn);
+    if (total_norm) *total_norm = norm;
+    coef = max_norm / (norm + 1e-6f);
+    if (coef > 1.0f) coef = 1.0f;
+    for (k = 0; k < count; k++)
+        for (i = 0; i < sizes[k]; i++) grads[k][i] *= coef;
+    return MN_OK;
+}
+
+// --- Dynamic loss scaling ------------------------------------------------------------------------
+//
+// torch.amp.GradScaler with aten/src/ATen/native/cuda/AmpKernels.cu (_amp_update_scale):
+//   found_inf: scale ← scale · backoff, tracker ← 0, the optimizer step is skipped
+//   else:      tracker + 1 == interval ? (scale ← scale · growth if finite, tracker ← 0)
+//                                      : tracker += 1
+// Unscale (_amp_foreach_non_finite_check_and_unscale_): g ← g · inv_scale in fp32, found_inf if any
+// g is inf or NaN. The scale is fp32; products are formed in double and rounded, as the kernel
+// does.
+
+MNIMPL mn_result mn_loss_scaler_init(mn_loss_scaler *s, const mn_loss_scaler_params *p) {
+    mn_loss_scaler_params q;
+    if (!s) return MN_ERR_INVALID_ARG;
+    memset(s, 0, sizeof *s);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    if (q.init_scale == 0.0f) q.init_scale = 65536.0f;
+    if (q.growth_factor == 0.0f) q.growth_factor = 2.0f;
+    if (q.backoff_factor == 0.0f) q.backoff_factor = 0.5f;
+    if (q.growth_interval == 0) q.growth_interval = 2000;
+    if (!mn__opt_in(q.init_scale, FLT_MIN, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.growth_factor, 1.0f, FLT_MAX, 1)) return MN_ERR_INVALID_ARG;
+    if (q.growth_factor == 1.0f) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_in(q.backoff_factor, FLT_MIN, 1.0f, 0)) return MN_ERR_INVALID_ARG;
+    s->params = q;
+    s->scale = q.init_scale;
+    return MN_OK;
+}
+
+MNIMPL float mn_loss_scaler_inv_scale(const mn_loss_scaler *s) {
+    return s ? (float)(1.0 / (double)s->scale) : 0.0f;
+}
+
+MNIMPL mn_result mn_loss_scaler_update(mn_loss_scaler *s, int found_inf, int *skip_step) {
+    if (!s || s->params.growth_interval == 0) return MN_ERR_INVALID_ARG;
+    s->steps++;
+    if (found_inf) {
+        s->scale = (float)((double)s->scale * (double)s->params.backoff_factor);
+        s->growth_tracker = 0;
+        s->skipped++;
+    } else if (s->growth_tracker + 1 == s->params.growth_interval) {
+        float grown = (float)((double)s->scale * (double)s->params.growth_factor);
+        if (mn__opt_finite(grown)) s->scale = grown;
+        s->growth_tracker = 0;
+    } else {
+        s->growth_tracker++;
+    }
+    if (skip_step) *skip_step = found_inf != 0;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_unscale_grads(mn_dtype dtype, void *grad, uint64_t n, float inv_scale,
+                                  int *found_inf) {
+    uint64_t i;
+    int bad = 0;
+    if (dtype == MN_DTYPE_DEFAULT) dtype = MN_FP32;
+    if (!found_inf || (n > 0 && !grad)) return MN_ERR_INVALID_ARG;
+    if (dtype == MN_FP32) {
+        float *g = (float *)grad;
+        for (i = 0; i < n; i++) {
+            bad |= !mn__opt_finite(g[i]);
+            g[i] *= inv_scale;
+        }
+    } else if (dtype == MN_FP16) {
+        uint16_t *g = (uint16_t *)grad;
+        for (i = 0; i < n; i++) {
+            bad |= (g[i] & 0x7c00u) == 0x7c00u;
+            g[i] = mn_fp32_to_fp16(mn_fp16_to_fp32(g[i]) * inv_scale);
+        }
+    } else if (dtype == MN_BF16) {
+        uint16_t *g = (uint16_t *)grad;
+        for (i = 0; i < n; i++) {
+            bad |= (g[i] & 0x7f80u) == 0x7f80u;
+            g[i] = mn_fp32_to_bf16(mn_bf16_to_fp32(g[i]) * inv_scale);
+        }
+    } else {
+        return MN_ERR_INVALID_ARG;
+    }
+    if (bad) *found_inf = 1;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float *dst, uint64_t n,
+                                          float inv_scale, int *found_inf) {
+    uint64_t i;
+    int bad = 0;
+    if (dtype == MN_DTYPE_DEFAULT) dtype = MN_FP32;
+    if (!found_inf || (n > 0 && (!src || !dst))) return MN_ERR_INVALID_ARG;
+    if (dtype != MN_FP32 && dtype != MN_FP16 && dtype != MN_BF16) return MN_ERR_INVALID_ARG;
+    for (i = 0; i < n; i++) {
+        float v = dtype == MN_FP32 ? ((const float *)src)[i]
+                : dtype == MN_FP16 ? mn_fp16_to_fp32(((const uint16_t *)src)[i])
+                                   : mn_bf16_to_fp32(((const uint16_t *)src)[i]);
+        bad |= !mn__opt_finite(v);
+        dst[i] = v * inv_scale;
+    }
+    if (bad) *found_inf = 1;
+    return MN_OK;
+}
+// >>ops implementation --------------------------------------------------------------------------
+//
+// Row-major fp32 arrays, llm.c layout. Reductions use eight independent float lanes (vectorizable
+// without -ffast-math, and closer to pairwise summation than one running sum).
+// Matmul is a packed, register-tiled GEMM: a task computes a block of rows x columns of the
+// output; within it the B operand is packed into KC x NR panels and the A operand into MR x KC
+// tiles, and an MR x NR register tile accumulates. The summation order over k does not depend on
+// the thread count, so results are bitwise identical with and without OpenMP.
+
+#define MN__PRAGMA(x) _Pragma(#x)
+#ifdef _OPENMP
+#define MN__OMP_FOR_DYNAMIC MN__PRAGMA(omp parallel for schedule(dynamic, 1))
+#define MN__OMP_FOR_IF(cond) MN__PRAGMA(omp parallel for schedule(static) if (cond))
+#else
+#define MN__OMP_FOR_DYNAMIC
+#define MN__OMP_FOR_IF(cond)
+#endif
+
+// Small math helpers are inlined into every loop that uses them, which is what lets those loops
+// vectorize (a call per element would not).
+#if defined(__GNUC__) || defined(__clang__)
+#define MN__INLINE static inline __attribute__((always_inline, unused))
+#else
+#define MN__INLINE static inline
+#endif
+
+// Elementwise loops go parallel above this many elements (below it the thread start costs more).
+#define MN__OMP_MIN_ELEMS 32768
+
+// Fused multiply-add where the hardware has it (one rounding), plain multiply-add elsewhere, so
+// the tests do not call a libm fmaf emulation in their inner loops.
+#ifdef __FMA__
+#define MN__FMA(a, b, c) fmaf((a), (b), (c))
+#else
+#define MN__FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
+// sum_i x[i] in eight lanes, folded in double.
+MN__PRIVATE float mn__sum(const float *x, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    double s = 0.0;
+    int i = 0, l;
+    for (; i + 8 <= n; i += 8)
+        for (l = 0; l < 8; l++) acc[l] += x[i + l];
+    for (; i < n; i++) s += x[i];
+    for (l = 0; l < 8; l++) s += acc[l];
+    return (float)s;
+}
+
+// sum_i x[i] * y[i] in eight lanes, folded pairwise in float.
+MN__PRIVATE float mn__dot(const float *x, const float *y, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s = 0.0f;
+    int i = 0, l;
+    for (; i + 8 <= n; i += 8)
+        for (l = 0; l < 8; l++) acc[l] = MN__FMA(x[i + l], y[i + l], acc[l]);
+    for (; i < n; i++) s = MN__FMA(x[i], y[i], s);
+    return s + (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])));
+}
+
+// sum_i (x[i] - m)^2 in eight lanes, folded in double.
+MN__PRIVATE float mn__sumsq_centered(const float *x, float m, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    double s = 0.0;
+    int i = 0, l;
+    for (; i + 8 <= n; i += 8)
+        for (l = 0; l < 8; l++) {
+            float d = x[i + l] - m;
+            acc[l] = MN__FMA(d, d, acc[l]);
+        }
+    for (; i < n; i++) s += (double)(x[i] - m) * (x[i] - m);
+    for (l = 0; l < 8; l++) s += acc[l];
+    return (float)s;
+}
+
+// max_i scale x[i] in eight lanes (NaN entries are skipped here and propagate through exp later).
+MN__PRIVATE float mn__max_scaled(const float *x, float scale, int n) {
+    float acc[8], m = -INFINITY;
+    int i = 0, l;
+    for (l = 0; l < 8; l++) acc[l] = -INFINITY;
+    for (; i + 8 <= n; i += 8)
+        for (l = 0; l < 8; l++) acc[l] = scale * x[i + l] > acc[l] ? scale * x[i + l] : acc[l];
+    for (; i < n; i++) m = scale * x[i] > m ? scale * x[i] : m;
+    for (l = 0; l < 8; l++) m = acc[l] > m ? acc[l] : m;
+    return m;
+}
+
+// exp(x) in plain arithmetic that vectorizes (libm's expf is a call per element): x = n ln2 + r
+// with |r| <= ln2/2 (Cody & Waite 1980 two-constant reduction), exp(r) by its Taylor polynomial to
+// r^7 (truncation < 5e-9 relative, so about 1 ulp overall), 2^n built from exponent bits in two
+// halves so that gradual underflow and overflow to inf come out right. NaN stays NaN.
+MN__INLINE float mn__expf(float x) {
+    const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    float xc = x > -104.0f ? (x < 89.0f ? x : 89.0f) : -104.0f;
+    float n = (xc * 1.44269504088896341f + round) - round;
+    float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 +
+              r * (1.0f / 720 + r * (1.0f / 5040)))))));
+    int32_t ni = (int32_t)n, h = ni / 2;
+    uint32_t b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, sizeof s1);
+    memcpy(&s2, &b2, sizeof s2);
+    return x == x ? p * s1 * s2 : x;
+}
+
+// sum_i exp(x[i] - m) in eight lanes, folded in double.
+MN__PRIVATE double mn__sumexp(const float *x, float m, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    double s = 0.0;
+    int i = 0, l;
+    for (; i + 8 <= n; i += 8)
+        for (l = 0; l < 8; l++) acc[l] += mn__expf(x[i + l] - m);
+    for (; i < n; i++) s += mn__expf(x[i] - m);
+    for (l = 0; l < 8; l++) s += acc[l];
+    return s;
+}
+
+// y[i] = exp(scale x[i] - m) and their sum (eight lanes, folded in double) in one pass.
+MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, float m, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    double s = 0.0;
+    int i = 0, l;
+    for (; i + 8 <= n; i += 8)
+        for (l = 0; l < 8; l++) {
+            y[i + l] = mn__expf(scale * x[i + l] - m);
+            acc[l] += y[i + l];
+        }
+    for (; i < n; i++) {
+        y[i] = mn__expf(scale * x[i] - m);
+        s += y[i];
+    }
+    for (l = 0; l < 8; l++) s += acc[l];
+    return s;
+}
+
+// ---- GEMM core --------------------------------------------------------------------------------
+//
+// c[m, j] += sum_k A(m, k) * B(k, j) for m < M, j < NC, k < K, where A(m, k) = a[m*a_rs + k*a_cs]
+// and B(k, j) = b[k*b_rs + j*b_cs]. The three matmul products are this one loop nest with
+// different strides.
+
+// Register tile geometry. With GCC/clang vector extensions the tile is MR rows x two SIMD vectors
+// (sized to the register file: 32 registers with AVX-512, 16 with AVX/SSE); plain C elsewhere.
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(MN_NO_SIMD)
+#define MN__SIMD 1
+#if defined(__AVX512F__)
+#define MN__VW 16
+#define MN__MR 8
+#define MN__EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#elif defined(__AVX__)
+#define MN__VW 8
+#define MN__MR 6
+#define MN__EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#else
+#define MN__VW 4
+#define MN__MR 4
+#define MN__EACH_ROW(X) X(0) X(1) X(2) X(3)
+#endif
+typedef float mn__vf __attribute__((vector_size(MN__VW * sizeof(float))));
+#else
+#define MN__SIMD 0
+#define MN__VW 8
+#define MN__MR 4
+#endif
+#define MN__NR (2 * MN__VW)  // columns of the register tile
+#define MN__KC 256           // depth of a packed block
+#define MN__JB 128           // columns per task (a multiple of MN__NR)
+#define MN__MB 64            // rows per task (a multiple of MN__MR)
+
+// GCC in ISO C mode does not contract a*b+c into one FMA; the register tile asks for it
+// (clang contracts within an expression by default).
+#if defined(__GNUC__) && !defined(__clang__)
+#define MN__CONTRACT __attribute__((optimize("fp-contract=fast")))
+#else
+#define MN__CONTRACT
+#endif
+
+typedef struct mn__gemm {
+    float *c;
+    size_t ldc;
+    const float *a;
+    size_t a_rs, a_cs;
+    const float *b;
+    size_t b_rs, b_cs;
+    int M, NC, K;
+} mn__gemm;
+
+// Register tile: acc = sum_k ap[k][0..MR) (outer) bp[k][0..NR), then c += acc on the valid part
+// (mr rows, nr columns).
+MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr, const float *ap,
+                                            const float *bp, int kc) {
+    float out[MN__MR][MN__NR];
+    int k, m, j;
+#if MN__SIMD
+    mn__vf acc0[MN__MR], acc1[MN__MR], b0, b1, zero;
+    memset(&zero, 0, sizeof zero);
+    for (m = 0; m < MN__MR; m++) acc0[m] = zero, acc1[m] = zero;
+    for (k = 0; k < kc; k++) {
+        const float *av = ap + (size_t)k * MN__MR, *bv = bp + (size_t)k * MN__NR;
+        memcpy(&b0, bv, sizeof b0);
+        memcpy(&b1, bv + MN__VW, sizeof b1);
+        // the row loop written out, so that -O2 keeps the accumulators in registers too
+#define MN__ROW(m) acc0[m] += b0 * av[m], acc1[m] += b1 * av[m];
+        MN__EACH_ROW(MN__ROW)
+#undef MN__ROW
+    }
+    for (m = 0; m < MN__MR; m++) {
+        memcpy(&out[m][0], &acc0[m], sizeof acc0[m]);
+        memcpy(&out[m][MN__VW], &acc1[m], sizeof acc1[m]);
+    }
+#else
+    for (m = 0; m < MN__MR; m++)
+        for (j = 0; j < MN__NR; j++) out[m][j] = 0.0f;
+    for (k = 0; k < kc; k++) {
+        const float *av = ap + (size_t)k * MN__MR, *bv = bp + (size_t)k * MN__NR;
+        for (m = 0; m < MN__MR; m++)
+            for (j = 0; j < MN__NR; j++) out[m][j] += av[m] * bv[j];
+    }
+#endif
+    if (mr == MN__MR && nr == MN__NR) {
+        for (m = 0; m < MN__MR; m++)
+            for (j = 0; j < MN__NR; j++) c[(size_t)m * ldc + j] += out[m][j];
+    } else {
+        for (m = 0; m < mr; m++)
+            for (j = 0; j < nr; j++) c[(size_t)m * ldc + j] += out[m][j];
+    }
+}
+
+// One task: rows [m0, m0+mb) x columns [j0, j0+jb) of c, all of k.
+MN__PRIVATE void mn__gemm_task(const mn__gemm *g, int m0, int mb, int j0, int jb) {
+    float bpack[MN__KC * MN__JB];
+    float apack[MN__KC * MN__MR];
+    int k0, kc, p, jj, k, m, i;
+    int npanel = (jb + MN__NR - 1) / MN__NR;
+    for (k0 = 0; k0 < g->K; k0 += MN__KC) {
+        kc = g->K - k0 < MN__KC ? g->K - k0 : MN__KC;
+        // pack B(k0.., j0..) as panels [p][k][NR], zero-padded past the last column
+        for (p = 0; p < npanel; p++) {
+            float *dst = bpack + (size_t)p * MN__KC * MN__NR;
+            int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
+            const float *src = g->b + (size_t)k0 * g->b_rs + (size_t)(j0 + p * MN__NR) * g->b_cs;
+            if (jn < MN__NR) memset(dst, 0, (size_t)kc * MN__NR * sizeof(float));
+            if (g->b_cs == 1) {  // read along rows of B
+                for (k = 0; k < kc; k++)
+                    for (jj = 0; jj < jn; jj++)
+                        dst[(size_t)k * MN__NR + jj] = src[(size_t)k * g->b_rs + jj];
+            } else {             // read along columns of B (B is a transposed matrix)
+                for (jj = 0; jj < jn; jj++)
+                    for (k = 0; k < kc; k++)
+                        dst[(size_t)k * MN__NR + jj] =
+                            src[(size_t)jj * g->b_cs + (size_t)k * g->b_rs];
+            }
+        }
+        for (i = 0; i < mb; i += MN__MR) {
+            int mr = mb - i < MN__MR ? mb - i : MN__MR;
+            // pack A(m0+i.., k0..) as [k][MR]; rows past the end repeat the last row (discarded)
+            const float *src = g->a + (size_t)(m0 + i) * g->a_rs + (size_t)k0 * g->a_cs;
+            if (g->a_cs == 1) {  // rows of A are contiguous
+                for (m = 0; m < MN__MR; m++) {
+                    const float *row = src + (size_t)(m < mr ? m : mr - 1) * g->a_rs;
+                    for (k = 0; k < kc; k++) apack[(size_t)k * MN__MR + m] = row[k];
+                }
+            } else {             // columns of A are contiguous (A is a transposed matrix)
+                for (k = 0; k < kc; k++)
+                    for (m = 0; m < MN__MR; m++)
+                        apack[(size_t)k * MN__MR + m] =
+                            src[(size_t)k * g->a_cs + (size_t)(m < mr ? m : mr - 1) * g->a_rs];
+            }
+            for (p = 0; p < npanel; p++) {
+                int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
+                float *c = g->c + (size_t)(m0 + i) * g->ldc + (size_t)(j0 + p * MN__NR);
+                mn__gemm_tile(c, g->ldc, mr, jn, apack, bpack + (size_t)p * MN__KC * MN__NR, kc);
+            }
+        }
+    }
+}
+
+// Runs every task; the tasks write disjoint blocks of c, so any schedule gives the same bits.
+MN__PRIVATE void mn__gemm_run(const mn__gemm *g) {
+    int mt = (g->M + MN__MB - 1) / MN__MB, jt = (g->NC + MN__JB - 1) / MN__JB;
+    long t, ntask = (long)mt * jt;
+    if (g->M <= 0 || g->NC <= 0 || g->K <= 0) return;
+    MN__OMP_FOR_DYNAMIC
+    for (t = 0; t < ntask; t++) {
+        int m0 = (int)(t / jt) * MN__MB, j0 = (int)(t % jt) * MN__JB;
+        int mb = g->M - m0 < MN__MB ? g->M - m0 : MN__MB;
+        int jb = g->NC - j0 < MN__JB ? g->NC - j0 : MN__JB;
+        mn__gemm_task(g, m0, mb, j0, jb);
+    }
+}
+
+// The same tasks on the calling thread (for callers already inside a parallel loop).
+MN__PRIVATE void mn__gemm_serial(const mn__gemm *g) {
+    int m0, j0;
+    for (m0 = 0; m0 < g->M; m0 += MN__MB)
+        for (j0 = 0; j0 < g->NC; j0 += MN__JB)
+            if (g->K > 0)
+                mn__gemm_task(g, m0, g->M - m0 < MN__MB ? g->M - m0 : MN__MB, j0,
+                              g->NC - j0 < MN__JB ? g->NC - j0 : MN__JB);
+}
+
+// c[M, NC] (row stride ldc) += A(m, k) B(k, j) with the strides of mn__gemm, on this thread.
+MN__PRIVATE void mn__gemm_acc(float *c, size_t ldc, const float *a, size_t a_rs, size_t a_cs,
+                              const float *b, size_t b_rs, size_t b_cs, int M, int NC, int K) {
+    mn__gemm g;
+    g.c = c, g.ldc = ldc, g.a = a, g.a_rs = a_rs, g.a_cs = a_cs;
+    g.b = b, g.b_rs = b_rs, g.b_cs = b_cs, g.M = M, g.NC = NC, g.K = K;
+    mn__gemm_serial(&g);
+}
+
+// ---- GELU ---------------------------------------------------------------------------------------
+
+#define MN__GELU_S 0.7978845608028654f  // sqrt(2/pi)
+#define MN__GELU_A 0.044715f
+
+// GELU tanh approximation, Hendrycks & Gimpel 2016 (llm.c train_gpt2.c gelu_forward):
+// 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as x sigmoid(2u) (the same
+// function: 0.5 (1 + tanh u) = sigmoid(2u)) so that no 1 + tanh cancels for negative x.
+MN__INLINE float mn__gelu(float x) {
+    float u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
+    return x / (1.0f + mn__expf(-2.0f * u));
+}
+
+// d/dx of the above (llm.c gelu_backward): 0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi)
+// (1 + 3 a x^2), with s = sigmoid(2u): 0.5 (1 + tanh u) = s and sech^2(u) = 4 s (1 - s);
+// 1 - s = sigmoid(-2u) is evaluated directly, not by a cancelling subtraction.
+MN__INLINE float mn__gelu_grad(float x) {
+    float u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
+    float s = 1.0f / (1.0f + mn__expf(-2.0f * u)), sm = 1.0f / (1.0f + mn__expf(2.0f * u));
+    return s + 2.0f * x * s * sm * MN__GELU_S * (1.0f + 3.0f * MN__GELU_A * x * x);
+}
+
+// ---- matmul -------------------------------------------------------------------------------------
+
+MNIMPL void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, const float *weight,
+                              const float *bias, int N, int C, int OC) {
+    // y[n,o] = b[o] + sum_c x[n,c] w[o,c]; the GEMM runs into pre_gelu when the epilogue is on,
+    // then out = gelu(pre_gelu) (cuBLASLt CUBLASLT_EPILOGUE_GELU_AUX_BIAS semantics).
+    float *y = pre_gelu ? pre_gelu : out;
+    mn__gemm g;
+    long n;
+    MN_ASSERT(out && inp && weight && N >= 0 && C >= 0 && OC >= 0);
+    MN__OMP_FOR_IF((size_t)N * OC >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < N; n++) {
+        float *row = y + (size_t)n * OC;
+        int o;
+        if (bias) for (o = 0; o < OC; o++) row[o] = bias[o];
+        else for (o = 0; o < OC; o++) row[o] = 0.0f;
+    }
+    g.c = y, g.ldc = (size_t)OC;
+    g.a = inp, g.a_rs = (size_t)C, g.a_cs = 1;        // A(n, c) = inp[n, c]
+    g.b = weight, g.b_rs = 1, g.b_cs = (size_t)C;     // B(c, o) = weight[o, c]
+    g.M = N, g.NC = OC, g.K = C;
+    mn__gemm_run(&g);
+    if (pre_gelu) {
+        MN__OMP_FOR_IF((size_t)N * OC >= MN__OMP_MIN_ELEMS)
+        for (n = 0; n < N; n++) {
+            int o;
+            for (o = 0; o < OC; o++)
+                out[(size_t)n * OC + o] = mn__gelu(pre_gelu[(size_t)n * OC + o]);
+        }
+    }
+}
+
+MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
+                               const float *inp, const float *weight, const float *pre_gelu,
+                               int N, int C, int OC) {
+    // dpre = dout * gelu'(pre) (fused epilogue); dx[n,c] += sum_o dpre[n,o] w[o,c];
+    // dw[o,c] += sum_n dpre[n,o] x[n,c]; db[o] += sum_n dpre[n,o] (llm.c matmul_backward).
+    mn__gemm g;
+    long n;
+    MN_ASSERT(dout && N >= 0 && C >= 0 && OC >= 0);
+    if (pre_gelu) {
+        MN__OMP_FOR_IF((size_t)N * OC >= MN__OMP_MIN_ELEMS)
+        for (n = 0; n < N; n++) {
+            int o;
+            for (o = 0; o < OC; o++)
+                dout[(size_t)n * OC + o] *= mn__gelu_grad(pre_gelu[(size_t)n * OC + o]);
+        }
+    }
+    if (dinp) {
+        MN_ASSERT(weight);
+        g.c = dinp, g.ldc = (size_t)C;
+        g.a = dout, g.a_rs = (size_t)OC, g.a_cs = 1;      // A(n, o) = dpre[n, o]
+        g.b = weight, g.b_rs = (size_t)C, g.b_cs = 1;     // B(o, c) = weight[o, c]
+        g.M = N, g.NC = C, g.K = OC;
+        mn__gemm_run(&g);
+    }
+    if (dweight) {
+        MN_ASSERT(inp);
+        g.c = dweight, g.ldc = (size_t)C;
+        g.a = dout, g.a_rs = 1, g.a_cs = (size_t)OC;      // A(o, n) = dpre[n, o]
+        g.b = inp, g.b_rs = (size_t)C, g.b_cs = 1;        // B(n, c) = inp[n, c]
+        g.M = OC, g.NC = C, g.K = N;
+        mn__gemm_run(&g);
+    }
+    if (dbias) {
+        // columns in blocks of 64 per thread; each block sums the rows in order
+        long blk, nblk = ((long)OC + 63) / 64;
+        MN__OMP_FOR_IF((size_t)N * OC >= MN__OMP_MIN_ELEMS)
+        for (blk = 0; blk < nblk; blk++) {
+            int o0 = (int)blk * 64, o1 = o0 + 64 < OC ? o0 + 64 : OC, o, r;
+            float acc[64];
+            for (o = o0; o < o1; o++) acc[o - o0] = 0.0f;
+            for (r = 0; r < N; r++) {
+                const float *row = dout + (size_t)r * OC;
+                for (o = o0; o < o1; o++) acc[o - o0] += row[o];
+            }
+            for (o = o0; o < o1; o++) dbias[o] += acc[o - o0];
+        }
+    }
+}
+
+// ---- layernorm / RMSNorm -----------------------------------------------------------------------
+
+MNIMPL void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                 const float *weight, const float *bias, int N, int C, float eps) {
+    // mu = mean(x), var = mean((x - mu)^2) (biased), r = 1/sqrt(var + eps);
+    // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
+    long n;
+    MN_ASSERT(out && inp && weight && N >= 0 && C > 0);
+    MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float *y = out + (size_t)n * C;
+        float m = mn__sum(x, C) / (float)C;
+        float v = mn__sumsq_centered(x, m, C) / (float)C;
+        float s = 1.0f / sqrtf(v + eps);
+        int i;
+        if (bias) for (i = 0; i < C; i++) y[i] = (x[i] - m) * s * weight[i] + bias[i];
+        else for (i = 0; i < C; i++) y[i] = (x[i] - m) * s * weight[i];
+        if (mean) mean[n] = m;
+        if (rstd) rstd[n] = s;
+    }
+}
+
+MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                                  const float *inp, const float *weight, const float *mean,
+                                  const float *rstd, int N, int C) {
+    // xh = (x - mu) r, g = w dy; dx += r (g - mean(g) - xh mean(g xh));
+    // dw += sum_n dy xh, db += sum_n dy (llm.c train_gpt2.c layernorm_backward).
+    long n, blk, nblk = ((long)C + 63) / 64;
+    MN_ASSERT(dout && inp && mean && rstd && N >= 0 && C > 0);
+    if (dinp) {
+        MN_ASSERT(weight);
+        MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+        for (n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+            float *dx = dinp + (size_t)n * C;
+            float m = mean[n], r = rstd[n];
+            double sg = 0.0, sgx = 0.0;
+            float gm, gxm;
+            int i;
+            for (i = 0; i < C; i++) {
+                float g = weight[i] * dy[i];
+                sg += g;
+                sgx += (double)g * ((x[i] - m) * r);
+            }
+            gm = (float)(sg / C), gxm = (float)(sgx / C);
+            for (i = 0; i < C; i++) {
+                float g = weight[i] * dy[i], xh = (x[i] - m) * r;  // g rounded as in the sums
+                dx[i] += r * (g - gm - xh * gxm);
+            }
+        }
+    }
+    if (!dweight && !dbias) return;
+    // parameter gradients: columns in blocks of 64 per thread, rows summed in order
+    MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+    for (blk = 0; blk < nblk; blk++) {
+        int c0 = (int)blk * 64, c1 = c0 + 64 < C ? c0 + 64 : C, i, r;
+        float aw[64], ab[64];
+        for (i = c0; i < c1; i++) aw[i - c0] = 0.0f, ab[i - c0] = 0.0f;
+        for (r = 0; r < N; r++) {
+            const float *x = inp + (size_t)r * C, *dy = dout + (size_t)r * C;
+            float m = mean[r], s = rstd[r];
+            for (i = c0; i < c1; i++) {
+                aw[i - c0] += dy[i] * ((x[i] - m) * s);
+                ab[i - c0] += dy[i];
+            }
+        }
+        for (i = c0; i < c1; i++) {
+            if (dweight) dweight[i] += aw[i - c0];
+            if (dbias) dbias[i] += ab[i - c0];
+        }
+    }
+}
+
+MNIMPL void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                               int N, int C, float eps) {
+    // r = 1/sqrt(mean(x^2) + eps); y = x r w (Zhang & Sennrich 2019, "Root Mean Square Layer
+    // Normalization", eq. 4; as in LLaMA's RMSNorm).
+    long n;
+    MN_ASSERT(out && inp && weight && N >= 0 && C > 0);
+    MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float *y = out + (size_t)n * C;
+        float s = 1.0f / sqrtf(mn__dot(x, x, C) / (float)C + eps);
+        int i;
+        for (i = 0; i < C; i++) y[i] = x[i] * s * weight[i];
+        if (rstd) rstd[n] = s;
+    }
+}
+
+MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
+                                const float *weight, const float *rstd, int N, int C) {
+    // xh = x r, g = w dy; dx += r (g - xh mean(g xh)); dw += sum_n dy xh
+    // (the layernorm backward without the mean terms; derivation in Zhang & Sennrich 2019).
+    long n, blk, nblk = ((long)C + 63) / 64;
+    MN_ASSERT(dout && inp && rstd && N >= 0 && C > 0);
+    if (dinp) {
+        MN_ASSERT(weight);
+        MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+        for (n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+            float *dx = dinp + (size_t)n * C;
+            float r = rstd[n], gxm;
+            double sgx = 0.0;
+            int i;
+            for (i = 0; i < C; i++) sgx += (double)(weight[i] * dy[i]) * (x[i] * r);
+            gxm = (float)(sgx / C);
+            for (i = 0; i < C; i++) {
+                float g = weight[i] * dy[i];
+                dx[i] += r * (g - (x[i] * r) * gxm);
+            }
+        }
+    }
+    if (!dweight) return;
+    MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+    for (blk = 0; blk < nblk; blk++) {
+        int c0 = (int)blk * 64, c1 = c0 + 64 < C ? c0 + 64 : C, i, r;
+        float aw[64];
+        for (i = c0; i < c1; i++) aw[i - c0] = 0.0f;
+        for (r = 0; r < N; r++) {
+            const float *x = inp + (size_t)r * C, *dy = dout + (size_t)r * C;
+            float s = rstd[r];
+            for (i = c0; i < c1; i++) aw[i - c0] += dy[i] * (x[i] * s);
+        }
+        for (i = c0; i < c1; i++) dweight[i] += aw[i - c0];
+    }
+}
+
+// ---- softmax ------------------------------------------------------------------------------------
+
+MNIMPL void mn_softmax_forward(float *out, const float *inp, int N, int L, float scale, int causal) {
+    // z = scale x; p_j = exp(z_j - max z) / sum_k exp(z_k - max z) over the unmasked j
+    // (max subtracted for range safety; llm.c train_gpt2.c attention_forward / softmax_forward).
+    long n;
+    MN_ASSERT(out && inp && N >= 0 && L > 0);
+    MN__OMP_FOR_IF((size_t)N * L >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * L;
+        float *y = out + (size_t)n * L;
+        int len = causal ? (int)(n % L) + 1 : L, j;
+        float mx = mn__max_scaled(x, scale, len), inv;
+        inv = (float)(1.0 / mn__exp_store_sum(y, x, scale, mx, len));
+        for (j = 0; j < len; j++) y[j] *= inv;
+        for (; j < L; j++) y[j] = 0.0f;
+    }
+}
+
+MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out, int N, int L,
+                                float scale, int causal) {
+    // dz_j = p_j (dy_j - sum_k p_k dy_k); dx_j += scale dz_j (softmax Jacobian diag(p) - p p^T).
+    long n;
+    MN_ASSERT(dinp && dout && out && N >= 0 && L > 0);
+    MN__OMP_FOR_IF((size_t)N * L >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < N; n++) {
+        const float *p = out + (size_t)n * L, *dy = dout + (size_t)n * L;
+        float *dx = dinp + (size_t)n * L;
+        int len = causal ? (int)(n % L) + 1 : L, j;
+        float d = mn__dot(p, dy, len);
+        for (j = 0; j < len; j++) dx[j] += scale * (p[j] * (dy[j] - d));
+    }
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+//
+// Per (b, h) and query t: s_j = q_t . k_j / sqrt(hs) over the visible keys j, p = softmax(s),
+// out_t = sum_j p_j v_j (Vaswani et al. 2017). Backward in the FlashAttention form (Dao et al.
+// 2022, algorithm 4): dp_j = dout_t . v_j, D_t = sum_j p_j dp_j, ds_j = p_j (dp_j - D_t);
+// dq_t += ds_j k_j / sqrt(hs), dk_j += ds_j q_t / sqrt(hs), dv_j += p_j dout_t.
+// The work is tiled: MN__AQ queries x MN__AK keys of scores live in a stack tile, never a T x T
+// matrix, and every product is a small GEMM on the register-tiled core. Row statistics (max and
+// 1/sum) come from one pass over the key tiles with the running-max rescaling of online softmax
+// (Milakov & Gimelshein 2018); the probabilities from a second pass. Forward and backward build
+// every score and probability with the same code in the same order, so probabilities kept by the
+// forward and recomputed by the backward are the same floats. Threads own (b, h) pairs, whose
+// gradient slices are disjoint.
+
+#define MN__AQ 32  // queries per tile
+#define MN__AK 64  // keys per tile
+
+typedef struct mn__att {
+    const float *q, *k, *v;  // this (b, h): position t of each at + t * stride
+    const float *dout;       // [T, C] rows of this b, offset to head h (backward only)
+    size_t stride, dstride;  // 3C, C
+    int T, hs, causal;
+    float scale;             // 1/sqrt(hs)
+} mn__att;
+
+// Keys visible to query t0 + i within the key tile starting at j0 (of nk keys).
+MN__PRIVATE int mn__att_visible(const mn__att *a, int t0, int i, int j0, int nk) {
+    int lim = t0 + i + 1 - j0;
+    return !a->causal || lim > nk ? nk : (lim > 0 ? lim : 0);
+}
+
+// out[i][j] = x_{t0+i} . y_{j0+j} over hs channels, for i < nq, j < nk (0 past nk): a small
+// GEMM, x rows at x + t * xs, y rows at y + j * ys.
+MN__PRIVATE void mn__att_dots(const float *x, size_t xs, int t0, int nq, const float *y, size_t ys,
+                              int j0, int nk, int hs, float out[MN__AQ][MN__AK]) {
+    int i, j;
+    for (i = 0; i < nq; i++)
+        for (j = 0; j < MN__AK; j++) out[i][j] = 0.0f;
+    mn__gemm_acc(&out[0][0], MN__AK, x + (size_t)t0 * xs, xs, 1, y + (size_t)j0 * ys, 1, ys, nq, nk,
+                 hs);
+}
+
+// Scores of a tile: s[i][j] = scale q_{t0+i} . k_{j0+j}.
+MN__PRIVATE void mn__att_scores(const mn__att *a, int t0, int nq, int j0, int nk,
+                                float s[MN__AQ][MN__AK]) {
+    int i, j;
+    mn__att_dots(a->q, a->stride, t0, nq, a->k, a->stride, j0, nk, a->hs, s);
+    for (i = 0; i < nq; i++)
+        for (j = 0; j < MN__AK; j++) s[i][j] *= a->scale;
+}
+
+// Last key (exclusive) any query of the tile [t0, t0+nq) sees.
+MN__PRIVATE int mn__att_kend(const mn__att *a, int t0, int nq) { return a->causal ? t0 + nq : a->T; }
+
+// Row statistics of the query tile: mx[i] = max_j s_ij, inv[i] = 1 / sum_j exp(s_ij - mx[i]).
+MN__PRIVATE void mn__att_stats(const mn__att *a, int t0, int nq, float *mx, float *inv) {
+    float s[MN__AQ][MN__AK];
+    double l[MN__AQ];
+    int i, j, j0, nk, kend = mn__att_kend(a, t0, nq);
+    for (i = 0; i < nq; i++) mx[i] = -INFINITY, l[i] = 0.0;
+    for (j0 = 0; j0 < kend; j0 += MN__AK) {
+        nk = kend - j0 < MN__AK ? kend - j0 : MN__AK;
+        mn__att_scores(a, t0, nq, j0, nk, s);
+        for (i = 0; i < nq; i++) {
+            int vis = mn__att_visible(a, t0, i, j0, nk);
+            float bm = -INFINITY;
+            if (vis == 0) continue;
+            for (j = 0; j < vis; j++) bm = s[i][j] > bm ? s[i][j] : bm;
+            if (bm > mx[i]) {
+                if (l[i] > 0.0) l[i] *= mn__expf(mx[i] - bm);
+                mx[i] = bm;
+            }
+            l[i] += mn__sumexp(s[i], mx[i], vis);
+        }
+    }
+    for (i = 0; i < nq; i++) inv[i] = (float)(1.0 / l[i]);
+}
+
+// Probabilities of a tile: p[i][j] for visible keys, 0 for masked ones and the padding.
+MN__PRIVATE void mn__att_probs(const mn__att *a, int t0, int nq, int j0, int nk, const float *mx,
+                               const float *inv, float p[MN__AQ][MN__AK]) {
+    int i, j;
+    mn__att_scores(a, t0, nq, j0, nk, p);
+    for (i = 0; i < nq; i++) {
+        int vis = mn__att_visible(a, t0, i, j0, nk);
+        float m = mx[i], iv = inv[i], *row = p[i];
+        for (j = 0; j < vis; j++) row[j] = mn__expf(row[j] - m) * iv;
+        for (; j < MN__AK; j++) row[j] = 0.0f;
+    }
+}
+
+// The same tile read back from the kept probabilities att [T, T] of this (b, h).
+MN__PRIVATE void mn__att_probs_kept(const float *att, int T, int t0, int nq, int j0, int nk,
+                                    float p[MN__AQ][MN__AK]) {
+    int i, j;
+    for (i = 0; i < nq; i++) {
+        const float *row = att + (size_t)(t0 + i) * T + j0;
+        for (j = 0; j < nk; j++) p[i][j] = row[j];
+        for (; j < MN__AK; j++) p[i][j] = 0.0f;
+    }
+}
+
+MN__PRIVATE void mn__att_forward_bh(const mn__att *a, float *out, size_t os,
+                                                 float *att) {
+    float p[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ];
+    int t0, nq, j0, nk, i, j, d, kend;
+    for (t0 = 0; t0 < a->T; t0 += MN__AQ) {
+        nq = a->T - t0 < MN__AQ ? a->T - t0 : MN__AQ;
+        kend = mn__att_kend(a, t0, nq);
+        mn__att_stats(a, t0, nq, mx, inv);
+        for (i = 0; i < nq; i++)
+            for (d = 0; d < a->hs; d++) out[(size_t)(t0 + i) * os + d] = 0.0f;
+        for (j0 = 0; j0 < kend; j0 += MN__AK) {
+            nk = kend - j0 < MN__AK ? kend - j0 : MN__AK;
+            mn__att_probs(a, t0, nq, j0, nk, mx, inv, p);
+            if (att)
+                for (i = 0; i < nq; i++)
+                    memcpy(att + (size_t)(t0 + i) * a->T + j0, p[i], (size_t)nk * sizeof(float));
+            // out_tile += p v_tile
+            mn__gemm_acc(out + (size_t)t0 * os, os, &p[0][0], MN__AK, 1,
+                         a->v + (size_t)j0 * a->stride, a->stride, 1, nq, a->hs, nk);
+        }
+        if (att)  // keys no query of this tile sees
+            for (i = 0; i < nq; i++)
+                for (j = kend; j < a->T; j++) att[(size_t)(t0 + i) * a->T + j] = 0.0f;
+    }
+}
+
+MN__PRIVATE void mn__att_backward_bh(const mn__att *a, float *dq, float *dk, float *dv,
+                                                  const float *att) {
+    float p[MN__AQ][MN__AK], dp[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ], D[MN__AQ];
+    int t0, nq, j0, nk, i, j, kend, pass;
+    for (t0 = 0; t0 < a->T; t0 += MN__AQ) {
+        nq = a->T - t0 < MN__AQ ? a->T - t0 : MN__AQ;
+        kend = mn__att_kend(a, t0, nq);
+        if (!att) mn__att_stats(a, t0, nq, mx, inv);
+        for (i = 0; i < nq; i++) D[i] = 0.0f;
+        // pass 0: D_i = sum_j p_ij dp_ij; pass 1: the gradients
+        for (pass = 0; pass < 2; pass++) {
+            for (j0 = 0; j0 < kend; j0 += MN__AK) {
+                nk = kend - j0 < MN__AK ? kend - j0 : MN__AK;
+                if (att) mn__att_probs_kept(att, a->T, t0, nq, j0, nk, p);
+                else mn__att_probs(a, t0, nq, j0, nk, mx, inv, p);
+                mn__att_dots(a->dout, a->dstride, t0, nq, a->v, a->stride, j0, nk, a->hs, dp);
+                if (pass == 0) {
+                    for (i = 0; i < nq; i++)
+                        for (j = 0; j < nk; j++) D[i] += p[i][j] * dp[i][j];
+                    continue;
+                }
+                // dp becomes ds = p (dp - D) / sqrt(hs); masked entries have p = 0, so ds = 0
+                for (i = 0; i < nq; i++)
+                    for (j = 0; j < nk; j++) dp[i][j] = p[i][j] * (dp[i][j] - D[i]) * a->scale;
+                // dq_tile += ds k_tile / dk_tile += ds^T q_tile / dv_tile += p^T dout_tile
+                mn__gemm_acc(dq + (size_t)t0 * a->stride, a->stride, &dp[0][0], MN__AK, 1,
+                             a->k + (size_t)j0 * a->stride, a->stride, 1, nq, a->hs, nk);
+                mn__gemm_acc(dk + (size_t)j0 * a->stride, a->stride, &dp[0][0], 1, MN__AK,
+                             a->q + (size_t)t0 * a->stride, a->stride, 1, nk, a->hs, nq);
+                mn__gemm_acc(dv + (size_t)j0 * a->stride, a->stride, &p[0][0], 1, MN__AK,
+                             a->dout + (size_t)t0 * a->dstride, a->dstride, 1, nk, a->hs, nq);
+            }
+        }
+    }
+}
+
+MN__PRIVATE void mn__att_setup(mn__att *a, const float *qkv, const float *dout, int b, int h,
+                               int T, int C, int NH, int causal) {
+    int hs = C / NH;
+    const float *base = qkv + (size_t)b * T * 3 * C + (size_t)h * hs;
+    a->q = base, a->k = base + C, a->v = base + 2 * (size_t)C;
+    a->dout = dout ? dout + (size_t)b * T * C + (size_t)h * hs : NULL;
+    a->stride = (size_t)3 * C, a->dstride = (size_t)C;
+    a->T = T, a->hs = hs, a->causal = causal;
+    a->scale = 1.0f / sqrtf((float)hs);
+}
+
+MNIMPL void mn_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+                                 int NH, int causal) {
+    long bh;
+    MN_ASSERT(out && qkv && B >= 0 && T >= 0 && NH > 0 && C % NH == 0);
+    MN__OMP_FOR_IF((size_t)B * NH > 1)
+    for (bh = 0; bh < (long)B * NH; bh++) {
+        int b = (int)(bh / NH), h = (int)(bh % NH);
+        mn__att a;
+        mn__att_setup(&a, qkv, NULL, b, h, T, C, NH, causal);
+        mn__att_forward_bh(&a, out + (size_t)b * T * C + (size_t)h * a.hs, (size_t)C,
+                           att ? att + (size_t)bh * T * T : NULL);
+    }
+}
+
+MNIMPL void mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                  const float *att, int B, int T, int C, int NH, int causal) {
+    long bh;
+    MN_ASSERT(dqkv && dout && qkv && B >= 0 && T >= 0 && NH > 0 && C % NH == 0);
+    MN__OMP_FOR_IF((size_t)B * NH > 1)
+    for (bh = 0; bh < (long)B * NH; bh++) {
+        int b = (int)(bh / NH), h = (int)(bh % NH);
+        float *dbase = dqkv + (size_t)b * T * 3 * C;
+        mn__att a;
+        mn__att_setup(&a, qkv, dout, b, h, T, C, NH, causal);
+        mn__att_backward_bh(&a, dbase + (size_t)h * a.hs, dbase + C + (size_t)h * a.hs,
+                            dbase + 2 * (size_t)C + (size_t)h * a.hs,
+                            att ? att + (size_t)bh * T * T : NULL);
+    }
+}
+
+// ---- elementwise --------------------------------------------------------------------------------
+
+MNIMPL void mn_gelu_forward(float *out, const float *inp, size_t n) {
+    // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) out[i] = mn__gelu(inp[i]);
+}
+
+MNIMPL void mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+    // dx += dy (0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) dinp[i] += dout[i] * mn__gelu_grad(inp[i]);
+}
+
+MNIMPL void mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
+    // y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), Hendrycks & Gimpel 2016 (exact GELU); written
+    // with erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2), which does not cancel for negative x
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) out[i] = 0.5f * inp[i] * erfcf(-inp[i] * 0.70710678118654752f);
+}
+
+MNIMPL void mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+    // dy/dx = Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) {
+        float x = inp[i];
+        float g = 0.5f * erfcf(-x * 0.70710678118654752f) +
+                  x * mn__expf(-0.5f * x * x) * 0.39894228040143268f;
+        dinp[i] += dout[i] * g;
+    }
+}
+
+// sigmoid(x) = 1 / (1 + exp(-x)); exp(-x) = inf for very negative x gives 0 as it should.
+MN__INLINE float mn__sigmoid(float x) { return 1.0f / (1.0f + mn__expf(-x)); }
+
+MNIMPL void mn_silu_forward(float *out, const float *inp, size_t n) {
+    // y = x sigmoid(x), Elfwing et al. 2018
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) out[i] = inp[i] * mn__sigmoid(inp[i]);
+}
+
+MNIMPL void mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+    // dy/dx = s (1 + x (1 - s)), s = sigmoid(x), 1 - s = sigmoid(-x)
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) {
+        float x = inp[i], s = mn__sigmoid(x), sm = mn__sigmoid(-x);
+        dinp[i] += dout[i] * (s + x * s * sm);
+    }
+}
+
+MNIMPL void mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n) {
+    // y = silu(g) u, Shazeer 2020 (SwiGLU with the projections done by the caller's matmuls)
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) out[i] = gate[i] * mn__sigmoid(gate[i]) * up[i];
+}
+
+MNIMPL void mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
+                               const float *up, size_t n) {
+    // dg += dy u silu'(g); du += dy silu(g)
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) {
+        float g = gate[i], s = mn__sigmoid(g), sm = mn__sigmoid(-g);
+        if (dgate) dgate[i] += dout[i] * up[i] * (s + g * s * sm);
+        if (dup) dup[i] += dout[i] * (g * s);
+    }
+}
+
+MNIMPL void mn_residual_forward(float *out, const float *a, const float *b, size_t n) {
+    // y = a + b (llm.c train_gpt2.c residual_forward)
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) out[i] = a[i] + b[i];
+}
+
+MNIMPL void mn_residual_backward(float *da, float *db, const float *dout, size_t n) {
+    // da += dy, db += dy
+    long i;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (i = 0; i < (long)n; i++) {
+        if (da) da[i] += dout[i];
+        if (db) db[i] += dout[i];
+    }
+}
+
+// ---- embedding ----------------------------------------------------------------------------------
+
+MN__PRIVATE int mn__ids_valid(const int *ids, size_t n, int V, int allow_negative) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        if (ids[i] >= V) return 0;
+        if (ids[i] < 0 && !allow_negative) return 0;
+    }
+    return 1;
+}
+
+MNIMPL mn_result mn_embedding_forward(float *out, const int *tokens, const float *wte,
+                                      const float *wpe, int B, int T, int C, int V) {
+    // y[b,t,:] = wte[tok[b,t],:] + wpe[t,:] (llm.c train_gpt2.c encoder_forward)
+    long n;
+    if (!out || !tokens || !wte || B < 0 || T < 0 || C < 0 || V <= 0) return MN_ERR_INVALID_ARG;
+    if (!mn__ids_valid(tokens, (size_t)B * T, V, 0)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF((size_t)B * T * C >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < (long)B * T; n++) {
+        float *y = out + (size_t)n * C;
+        const float *e = wte + (size_t)tokens[n] * C;
+        const float *pe = wpe ? wpe + (size_t)(n % T) * C : NULL;
+        int i;
+        if (pe) for (i = 0; i < C; i++) y[i] = e[i] + pe[i];
+        else for (i = 0; i < C; i++) y[i] = e[i];
+    }
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *dout,
+                                       const int *tokens, int B, int T, int C, int V) {
+    // dwte[tok[b,t],:] += dy[b,t,:]; dwpe[t,:] += dy[b,t,:] (llm.c encoder_backward). Threads
+    // own column blocks, so repeated tokens never race and the sum order is fixed.
+    long blk, nblk = ((long)C + 63) / 64;
+    if (!dout || !tokens || B < 0 || T < 0 || C < 0 || V <= 0) return MN_ERR_INVALID_ARG;
+    if (!mn__ids_valid(tokens, (size_t)B * T, V, 0)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF((size_t)B * T * C >= MN__OMP_MIN_ELEMS)
+    for (blk = 0; blk < nblk; blk++) {
+        int c0 = (int)blk * 64, c1 = c0 + 64 < C ? c0 + 64 : C, i;
+        size_t n;
+        for (n = 0; n < (size_t)B * T; n++) {
+            const float *dy = dout + n * C;
+            if (dwte) {
+                float *dw = dwte + (size_t)tokens[n] * C;
+                for (i = c0; i < c1; i++) dw[i] += dy[i];
+            }
+            if (dwpe) {
+                float *dp = dwpe + (n % (size_t)T) * C;
+                for (i = c0; i < c1; i++) dp[i] += dy[i];
+            }
+        }
+    }
+    return MN_OK;
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------------
+
+// Softmax statistics of a row of logits: max and log sum exp(x - max).
+MN__PRIVATE void mn__logsumexp(const float *x, int V, float *mx, double *lse) {
+    *mx = mn__max_scaled(x, 1.0f, V);
+    *lse = log(mn__sumexp(x, *mx, V));
+}
+
+MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const float *logits,
+                                         const int *targets, int N, int V) {
+    // loss = logsumexp(x) - x[y]; p = exp(x - logsumexp(x)) (llm.c crossentropy_forward over
+    // softmax_forward, fused as in llm.c fused_classifier)
+    long n;
+    if (!losses || !logits || !targets || N < 0 || V <= 0) return MN_ERR_INVALID_ARG;
+    if (!mn__ids_valid(targets, (size_t)N, V, 1)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF((size_t)N * V >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < N; n++) {
+        const float *x = logits + (size_t)n * V;
+        float mx;
+        double lse;
+        int j;
+        mn__logsumexp(x, V, &mx, &lse);
+        losses[n] = targets[n] < 0 ? 0.0f : (float)(lse - (x[targets[n]] - mx));
+        if (probs)
+            for (j = 0; j < V; j++) probs[(size_t)n * V + j] = mn__expf((x[j] - mx) - (float)lse);
+    }
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, const float *probs,
+                                          const float *logits, const int *targets, int N, int V) {
+    // dx_j += (p_j - [j == y]) dloss (llm.c crossentropy_softmax_backward)
+    long n;
+    if (!dlogits || !dlosses || !targets || N < 0 || V <= 0) return MN_ERR_INVALID_ARG;
+    if (!probs && !logits) return MN_ERR_INVALID_ARG;
+    if (!mn__ids_valid(targets, (size_t)N, V, 1)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF((size_t)N * V >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < N; n++) {
+        float *dx = dlogits + (size_t)n * V, d = dlosses[n];
+        int j, y = targets[n];
+        if (y < 0) continue;
+        if (probs) {
+            const float *p = probs + (size_t)n * V;
+            for (j = 0; j < V; j++) dx[j] += p[j] * d;
+        } else {
+            const float *x = logits + (size_t)n * V;
+            float mx;
+            double lse;
+            mn__logsumexp(x, V, &mx, &lse);
+            for (j = 0; j < V; j++) dx[j] += mn__expf((x[j] - mx) - (float)lse) * d;
+        }
+        dx[y] -= d;
+    }
+    return MN_OK;
+}
+
+// ---- dropout ------------------------------------------------------------------------------------
+
+MNIMPL void mn_philox4x32(const uint32_t ctr[4], uint64_t key, uint32_t out[4]) {
+    // Philox-4x32-10, Salmon, Moraes, Dror & Shaw 2011, "Parallel random numbers: as easy as
+    // 1, 2, 3" (Random123 philox4x32round): multipliers 0xD2511F53, 0xCD9E8D57, Weyl key
+    // increments 0x9E3779B9, 0xBB67AE85.
+    uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3];
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    int r;
+    for (r = 0; r < 10; r++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        c0 = n0, c1 = (uint32_t)p1, c2 = n2, c3 = (uint32_t)p0;
+        k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+    }
+    out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
+}
+
+#define MN__DROP_CHUNK 4096
+
+MN__PRIVATE int mn__dropout_p_valid(float p) { return p >= 0.0f && p <= 1.0f; }
+
+// keep[i] = 1 when element e = first + i (i < n) survives: word e % 4 of Philox(counter e / 4,
+// key seed), read as a uniform in [0, 1), is below 1 - p.
+MN__PRIVATE void mn__dropout_keep(uint8_t *keep, size_t n, float p, uint64_t seed, uint64_t first) {
+    double thr = (1.0 - (double)p) * 4294967296.0;
+    uint32_t ctr[4], word[4] = {0, 0, 0, 0};
+    uint64_t e, blk = UINT64_MAX;
+    size_t i;
+    for (i = 0; i < n; i++) {
+        e = first + i;
+        if (e / 4 != blk) {
+            blk = e / 4;
+            ctr[0] = (uint32_t)blk, ctr[1] = (uint32_t)(blk >> 32), ctr[2] = 0, ctr[3] = 0;
+            mn_philox4x32(ctr, seed, word);
+        }
+        keep[i] = (uint8_t)((double)word[e % 4] < thr);
+    }
+}
+
+MNIMPL mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed, uint64_t offset) {
+    long c, nc = (long)((n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK);
+    if (!mask || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (c = 0; c < nc; c++) {
+        size_t i0 = (size_t)c * MN__DROP_CHUNK;
+        size_t m = n - i0 < MN__DROP_CHUNK ? n - i0 : MN__DROP_CHUNK;
+        mn__dropout_keep(mask + i0, m, p, seed, offset + i0);
+    }
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_dropout_forward(float *out, uint8_t *mask, const float *inp, size_t n,
+                                    float p, uint64_t seed, uint64_t offset) {
+    // y = x keep / (1 - p) (inverted dropout: the expectation of y is x, nothing to do at test time)
+    long c, nc = (long)((n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK);
+    float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
+    if (!out || !inp || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (c = 0; c < nc; c++) {
+        uint8_t keep[MN__DROP_CHUNK];
+        size_t i0 = (size_t)c * MN__DROP_CHUNK, i;
+        size_t m = n - i0 < MN__DROP_CHUNK ? n - i0 : MN__DROP_CHUNK;
+        mn__dropout_keep(keep, m, p, seed, offset + i0);
+        for (i = 0; i < m; i++) out[i0 + i] = keep[i] ? inp[i0 + i] * scale : 0.0f;
+        if (mask) memcpy(mask + i0, keep, m);
+    }
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_dropout_backward(float *dinp, const float *dout, const uint8_t *mask, size_t n,
+                                     float p, uint64_t seed, uint64_t offset) {
+    // dx += dy keep / (1 - p)
+    long c, nc = (long)((n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK);
+    float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
+    if (!dinp || !dout || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    for (c = 0; c < nc; c++) {
+        uint8_t keep[MN__DROP_CHUNK];
+        size_t i0 = (size_t)c * MN__DROP_CHUNK, i;
+        size_t m = n - i0 < MN__DROP_CHUNK ? n - i0 : MN__DROP_CHUNK;
+        const uint8_t *k = keep;
+        if (mask) k = mask + i0;
+        else mn__dropout_keep(keep, m, p, seed, offset + i0);
+        for (i = 0; i < m; i++)
+            if (k[i]) dinp[i0 + i] += dout[i0 + i] * scale;
+    }
+    return MN_OK;
+}
 
 #endif  // MEMANAT_IMPLEMENTED
 #endif  // MEMANAT_IMPLEMENTATION
