@@ -4658,10 +4658,11 @@ static uint64_t mn__search(const mn_model *m, mn_setup *s, uint64_t *field, uint
     }
     bound = lo == cap ? cap : mn__bisect(m, s, field, lo, hi, 1, out, err);
     if (bound == 0 || *err != MN_OK) return 0;
-    // 2. with the allocator: gallop down from the bound, then bisect
+    // 2. with the allocator: gallop down from the bound (allocator slack is a few percent, so
+    //    the first step is 1/32 of it), then bisect
     *field = bound;
     if (mn__fits(m, s, out, &r, err)) return bound;
-    hi = bound, step = 1;
+    hi = bound, step = bound / 32 ? bound / 32 : 1;
     for (;;) {
         uint64_t cand = bound > step ? bound - step : 0;
         if (cand == 0 || *err != MN_OK) return 0;
