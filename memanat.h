@@ -3079,17 +3079,16 @@ typedef struct mn__op {
     uint32_t saved[8];      // tensors kept for backward
     uint32_t param[3];      // parameters whose gradients this op produces
     uint32_t out;           // output tensor
-    uint32_t block;         // full checkpointing: block to re-run (MN__NONE otherwise)
-    uint32_t recomp_block;  // the op is a checkpoint of this block
+    uint32_t recomp_block;  // full checkpointing: the block this op re-runs (MN__NONE otherwise)
     uint8_t nin, nsaved, nparam, cast16;  // cast16: weight gradient first made in 16-bit (autocast)
 } mn__op;
 
 typedef struct mn__param {
     uint64_t numel, dims[2];
-    uint32_t ndim, block;
+    uint32_t ndim;
     uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward
     uint32_t grad;           // gradient tensor id
-    uint8_t trainable, quant, is_embed, has_state;
+    uint8_t trainable, quant, has_state;
 } mn__param;
 
 typedef struct mn__cfg {
@@ -3100,7 +3099,6 @@ typedef struct mn__cfg {
     uint32_t a_esz;        // activations out of matmuls
     uint32_t w_esz;        // parameters as stored
     uint32_t g_esz;        // parameter gradients
-    uint32_t n_esz;        // norm / residual stream outputs
     uint32_t kv_esz;
     int amp;               // torch autocast (casts per linear, cached 16-bit weights)
     int hf;                // HF modelling code (composite RMSNorm, upcast logits, ...)
@@ -3125,7 +3123,7 @@ typedef struct mn__sim {
     uint64_t cur[MN_CAT_COUNT], total, peak, at_peak[MN_CAT_COUNT], cat_peak[MN_CAT_COUNT];
     mn_phase phase, peak_phase;
     int record, counting, events, training;
-    uint32_t cursor, block;  // parameter cursor; block being built (counting pass)
+    uint32_t cursor;         // parameter cursor of the forward pass
     uint32_t cursor_emb;     // the word embedding (shared by a T5 decoder and tied heads)
     uint32_t hold;           // a tensor the caller holds until the end of the micro-batch
     uint32_t blk;            // block being run
@@ -3240,7 +3238,7 @@ static void mn__op_rec(mn__sim *S, uint32_t out, const uint32_t *in, int nin, co
     if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return;
     o = &S->ops[S->nops++];
     memset(o, 0, sizeof *o);
-    o->out = out, o->block = MN__NONE, o->recomp_block = MN__NONE, o->bwd_temp = bwd_temp;
+    o->out = out, o->recomp_block = MN__NONE, o->bwd_temp = bwd_temp;
     for (i = 0; i < nin && i < 3; i++) if (in[i] != MN__NONE) o->in[o->nin++] = in[i];
     for (i = 0; i < nsaved && i < 8; i++)
         if (saved[i] != MN__NONE) { o->saved[o->nsaved++] = saved[i]; mn__ref(S, saved[i]); }
@@ -3251,7 +3249,7 @@ static void mn__op_rec(mn__sim *S, uint32_t out, const uint32_t *in, int nin, co
 
 // Counting pass: registers the next parameter tensor (cols 0 = a vector). Forward pass: returns the
 // next parameter in the same order, so both passes walk one description of the model.
-static uint32_t mn__w(mn__sim *S, uint64_t rows, uint64_t cols, int trainable, int quant, int embed) {
+static uint32_t mn__w(mn__sim *S, uint64_t rows, uint64_t cols, int trainable, int quant) {
     mn__param *p;
     if (S->err) return MN__NONE;
     if (!S->counting) return S->cursor < S->np ? S->cursor++ : MN__NONE;
@@ -3260,8 +3258,8 @@ static uint32_t mn__w(mn__sim *S, uint64_t rows, uint64_t cols, int trainable, i
     memset(p, 0, sizeof *p);
     p->dims[0] = rows, p->dims[1] = cols, p->ndim = cols ? 2 : 1;
     p->numel = cols ? mn__m(S, rows, cols) : rows;
-    p->block = S->block, p->trainable = (uint8_t)trainable, p->quant = (uint8_t)quant;
-    p->is_embed = (uint8_t)embed, p->w16 = MN__NONE, p->grad = MN__NONE;
+    p->trainable = (uint8_t)trainable, p->quant = (uint8_t)quant;
+    p->w16 = MN__NONE, p->grad = MN__NONE;
     return (uint32_t)S->np++;
 }
 
@@ -3280,10 +3278,10 @@ static uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, in
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), lora = c->r && (c->s.lora_targets & lora_bit);
     int quant = quantizable && c->s.quant > MN_QUANT_NONE;
-    uint32_t w = shared != MN__NONE ? shared : mn__w(S, out, in, tr, quant, 0);
-    uint32_t bb = bias ? mn__w(S, out, 0, tr, 0, 0) : MN__NONE;
-    uint32_t la = lora ? mn__w(S, c->r, in, 1, 0, 0) : MN__NONE;
-    uint32_t lb = lora ? mn__w(S, out, c->r, 1, 0, 0) : MN__NONE;
+    uint32_t w = shared != MN__NONE ? shared : mn__w(S, out, in, tr, quant);
+    uint32_t bb = bias ? mn__w(S, out, 0, tr, 0) : MN__NONE;
+    uint32_t la = lora ? mn__w(S, c->r, in, 1, 0) : MN__NONE;
+    uint32_t lb = lora ? mn__w(S, out, c->r, 1, 0) : MN__NONE;
     uint32_t xin = x, w16 = MN__NONE, tmp = MN__NONE, y, sv[2], pr[2];
     uint64_t rows, bwd = 0;
     mn__param *P;
@@ -3360,8 +3358,8 @@ static uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
 static uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), ln = c->m.norm != MN_NORM_RMSNORM;
-    uint32_t w = mn__w(S, width, 0, tr, 0, 0);
-    uint32_t bb = ln ? mn__w(S, width, 0, tr, 0, 0) : MN__NONE;
+    uint32_t w = mn__w(S, width, 0, tr, 0);
+    uint32_t bb = ln ? mn__w(S, width, 0, tr, 0) : MN__NONE;
     uint32_t y, st, sv[2], pr[2], ex = mn__esz(S, x);
     uint64_t n, rows;
     if (S->counting || S->err) return MN__NONE;
@@ -3466,15 +3464,13 @@ static uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
 // the value dtype is saved by the second bmm. Fused attention (sdpa, flash) saves q, k, v, the
 // output and the log-sum-exp per row (FlashAttention-2 paper, backward pass).
 // Selective checkpointing (Korthikanti et al. 2022) keeps only q, k, v and recomputes the rest.
-static uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq,
-                              uint64_t skv, int cross) {
+static uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq, uint64_t skv) {
     mn__cfg *c = S->c;
     uint32_t e = mn__esz(S, q), in[3], sv[8], y;
     uint64_t nq = mn__m3(S, c->b, sq, c->qd), nkv = mn__m3(S, c->b, skv, c->kvd);
     uint64_t ns = mn__m(S, mn__m3(S, c->b, c->m.heads, sq), skv);
     int sel = c->s.checkpointing == MN_CKPT_SELECTIVE && S->record;
     int nsv = 0, i;
-    (void)cross;
     if (S->counting || S->err) return MN__NONE;
     in[0] = q, in[1] = k, in[2] = v;
     if (c->attn == MN_ATTN_EAGER) {
@@ -3548,7 +3544,7 @@ static uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64_t sq
     uint32_t q, k, v, ctx, o;
     if (c->m.posemb == MN_POS_RELATIVE && !cross &&
         (S->blk == 0 || (c->m.arch == MN_ARCH_ENCODER_DECODER && S->blk == c->m.encoder_layers)))
-        mn__w(S, c->m.rel_buckets, c->m.heads, mn__base_trainable(c), 0, 1);  // T5 relative bias
+        mn__w(S, c->m.rel_buckets, c->m.heads, mn__base_trainable(c), 0);  // T5 relative bias
     if (fused && !cross) {
         q = mn__linear(S, xq, h, c->qd + 2 * c->kvd, c->m.qkv_bias, MN_LORA_Q | MN_LORA_K | MN_LORA_V, 1, MN__NONE);
         k = mn__identity(S, q), v = mn__identity(S, q);
@@ -3563,7 +3559,7 @@ static uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64_t sq
         q = q2, k = k2;
     }
     if (cross) skv = c->enc_seq;
-    ctx = mn__attn_core(S, q, k, v, sq, skv, cross);
+    ctx = mn__attn_core(S, q, k, v, sq, skv);
     o = mn__linear(S, ctx, c->qd, h, c->m.out_bias, MN_LORA_O, 1, MN__NONE);
     mn__drop(S, ctx), mn__drop(S, q), mn__drop(S, k), mn__drop(S, v);
     return o;
@@ -3617,7 +3613,7 @@ static uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
     uint64_t h = c->m.hidden, s = c->seq;
     uint32_t n, a, x1, x2;
     int cross = c->m.arch == MN_ARCH_ENCODER_DECODER && mn__block_is_decoder(c, blk);
-    if (S->counting) S->block = blk + 1, S->bstart[blk] = (uint32_t)S->np;
+    if (S->counting) S->bstart[blk] = (uint32_t)S->np;
     else S->cursor = S->bstart[blk];
     S->blk = blk;
     if (c->m.post_norm) {
@@ -3664,7 +3660,7 @@ static void mn__amp_clear(mn__sim *S) {
 // output), and record one op that re-runs the block when backward reaches it
 // (torch.utils.checkpoint).
 static uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
-    uint32_t y, sv[2];
+    uint32_t y;
     mn__op *o;
     if (S->counting || !S->record || S->c->s.checkpointing != MN_CKPT_FULL) return mn__block(S, x, blk, mem);
     S->record = 0;
@@ -3680,12 +3676,10 @@ static uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
     if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return y;
     o = &S->ops[S->nops++];
     memset(o, 0, sizeof *o);
-    o->out = y, o->block = MN__NONE, o->recomp_block = blk;
-    sv[0] = x, sv[1] = mem;
+    o->out = y, o->recomp_block = blk;
     o->in[o->nin++] = x;
     o->saved[o->nsaved++] = x, mn__ref(S, x);
     if (mem != MN__NONE) o->in[o->nin++] = mem, o->saved[o->nsaved++] = mem, mn__ref(S, mem);
-    (void)sv;
     S->t[y].rg = 1;
     return y;
 }
@@ -3696,12 +3690,11 @@ static uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     uint64_t h = c->m.hidden;
     int tr = mn__base_trainable(c);
     uint32_t w, y, e2, sum, pw, tw;
-    if (first) S->block = 0;
-    w = first ? mn__w(S, c->m.vocab, h, tr, 0, 1) : 0;
+    w = first ? mn__w(S, c->m.vocab, h, tr, 0) : 0;
     if (first) S->cursor_emb = w;
     else w = S->cursor_emb;
-    pw = (first && c->m.posemb == MN_POS_LEARNED) ? mn__w(S, c->m.max_positions, h, tr, 0, 1) : MN__NONE;
-    tw = (first && c->m.type_vocab) ? mn__w(S, c->m.type_vocab, h, tr, 0, 1) : MN__NONE;
+    pw = (first && c->m.posemb == MN_POS_LEARNED) ? mn__w(S, c->m.max_positions, h, tr, 0) : MN__NONE;
+    tw = (first && c->m.type_vocab) ? mn__w(S, c->m.type_vocab, h, tr, 0) : MN__NONE;
     if (S->counting || S->err) {
         if (first && c->m.embed_norm) mn__norm(S, MN__NONE, h);
         return MN__NONE;
@@ -3744,8 +3737,8 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     if (c->m.head == MN_HEAD_CLASSIFICATION) {
         uint64_t L = c->m.num_labels;
         if (c->m.pooler) {
-            pw = mn__w(S, h, h, tr, 0, 0), pb = mn__w(S, h, 0, tr, 0, 0);
-            cw = mn__w(S, L, h, tr || c->r, 0, 0), cb = mn__w(S, L, 0, tr || c->r, 0, 0);
+            pw = mn__w(S, h, h, tr, 0), pb = mn__w(S, h, 0, tr, 0);
+            cw = mn__w(S, L, h, tr || c->r, 0), cb = mn__w(S, L, 0, tr || c->r, 0);
             if (S->counting || S->err) return MN__NONE;
             sv[0] = pw, sv[1] = pb;
             y = mn__alloc_t(S, c->b * h, c->a_esz, MN_CAT_ACTIVATIONS);
@@ -3759,7 +3752,7 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
             mn__op_rec(S, lg, &y, 1, &y, 1, sv, 2, 0);
             mn__drop(S, y);
         } else {
-            cw = mn__w(S, L, h, tr || c->r, 0, 0);
+            cw = mn__w(S, L, h, tr || c->r, 0);
             if (S->counting || S->err) return MN__NONE;
             lg = mn__alloc_t(S, c->ntok * L, c->a_esz, MN_CAT_ACTIVATIONS);
             mn__op_rec(S, lg, &x, 1, &x, 1, &cw, 1, 0);
@@ -3792,7 +3785,7 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
         y = t;
     }
     lg = mn__linear(S, y, h, V, 0, 0, 0, c->m.tie_embeddings ? S->cursor_emb : MN__NONE);
-    if (c->m.lm_transform) cb = mn__w(S, V, 0, tr, 0, 0);  // decoder bias
+    if (c->m.lm_transform) cb = mn__w(S, V, 0, tr, 0);  // decoder bias
     mn__drop(S, y);
     if (S->counting || S->err) return MN__NONE;
     l32 = lg;
@@ -3861,13 +3854,13 @@ static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
         if (S->counting) {
             if (ly[i].shared_with) w = S->bstart[ly[i].shared_with - 1];
             else if (ly[i].kind == MN_LAYER_LINEAR) {
-                w = mn__w(S, ly[i].out, ly[i].in, 1, 0, 0);
-                if (ly[i].bias) mn__w(S, ly[i].out, 0, 1, 0, 0);
+                w = mn__w(S, ly[i].out, ly[i].in, 1, 0);
+                if (ly[i].bias) mn__w(S, ly[i].out, 0, 1, 0);
             } else if (ly[i].kind == MN_LAYER_EMBEDDING) {
-                w = mn__w(S, ly[i].in, ly[i].out, 1, 0, 1);
+                w = mn__w(S, ly[i].in, ly[i].out, 1, 0);
             } else if (ly[i].kind == MN_LAYER_NORM) {
-                w = mn__w(S, ly[i].out, 0, 1, 0, 0);
-                mn__w(S, ly[i].out, 0, 1, 0, 0);
+                w = mn__w(S, ly[i].out, 0, 1, 0);
+                mn__w(S, ly[i].out, 0, 1, 0);
             }
             S->bstart[i] = w;
             continue;
@@ -4316,7 +4309,6 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
     case MN_FW_COUNT: break;
     }
     if (s->infer) c->fw_master = 0, c->grads_prealloc = 0;  // autocast inference keeps fp32 + 16-bit
-    c->n_esz = c->amp ? 4 : c->a_esz;
     c->kv_esz = c->a_esz;
     c->nblocks = (uint32_t)(m->arch == MN_ARCH_STACK ? m->stack_len : m->layers + m->encoder_layers);
     if (m->arch == MN_ARCH_ENCODER_DECODER) c->nblocks = (uint32_t)(m->layers + m->encoder_layers);
@@ -4347,11 +4339,10 @@ static mn_result mn__build_params(mn__sim *S) {
     else mn__forward(S, MN__NONE, MN__NONE);
     if (S->err) return S->err;
     for (i = 0; i < S->np; i++) counted += S->p[i].numel;
-    S->block = 0;
     if (want > counted) {  // the rest as frozen-or-trainable matrices of the model's width
         uint64_t rest = want - counted, h = c->m.hidden ? c->m.hidden : 1024;
-        if (rest / h) mn__w(S, rest / h, h, mn__base_trainable(c), 0, 0);
-        if (rest % h) mn__w(S, rest % h, 0, mn__base_trainable(c), 0, 0);
+        if (rest / h) mn__w(S, rest / h, h, mn__base_trainable(c), 0);
+        if (rest % h) mn__w(S, rest % h, 0, mn__base_trainable(c), 0);
     }
     if (c->s.trainable_params) {
         uint64_t total = 0, T = c->s.trainable_params, h = c->m.hidden ? c->m.hidden : 1024;
@@ -4361,8 +4352,8 @@ static mn_result mn__build_params(mn__sim *S) {
                     (unsigned long long)T, (unsigned long long)total);
             return MN_ERR_INVALID_ARG;
         }
-        if (T / h) mn__w(S, T / h, h, 1, 0, 0);
-        if (T % h) mn__w(S, T % h, 0, 1, 0, 0);
+        if (T / h) mn__w(S, T / h, h, 1, 0);
+        if (T % h) mn__w(S, T % h, 0, 1, 0);
     }
     S->counting = 0;
     return S->err;
