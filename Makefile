@@ -1,6 +1,6 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang), fuzz (bounded fuzzing of the parsers), bench (benchmark programs), cuda-probe.
+# under clang, also with MEMANAT_STATIC), fuzz (bounded fuzzing of the parsers), bench (benchmark programs), cuda-probe.
 
 CC      ?= cc
 CXX     ?= c++
@@ -53,6 +53,7 @@ cxx: test/cxx_check.cpp $(HDRS) | build
 clang: $(TESTSRC) $(HDRS) memanat.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/test_clang $(TESTSRC) $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/memanat_clang memanat.c $(LDLIBS)
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	./build/test_clang > build/test_clang.log || (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log
 

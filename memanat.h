@@ -1337,7 +1337,9 @@ MNDEF void mn_philox4x32(const uint32_t ctr[4], uint64_t key, uint32_t out[4]);
 #define MN_ASSERT(c) assert(c)
 #endif
 
-#ifdef MEMANAT_STATIC
+#if defined(MEMANAT_STATIC) && (defined(__GNUC__) || defined(__clang__))
+#define MNIMPL static __attribute__((unused))  // a file need not call every function
+#elif defined(MEMANAT_STATIC)
 #define MNIMPL static
 #else
 #define MNIMPL
