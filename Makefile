@@ -1,6 +1,7 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang, also with MEMANAT_STATIC), fuzz (bounded fuzzing of the parsers), bench (benchmark programs), cuda-probe.
+# under clang, also with MEMANAT_STATIC), fuzz (bounded fuzzing of the parsers), bench
+# (benchmark programs), cuda-probe.
 
 CC      ?= cc
 CXX     ?= c++
