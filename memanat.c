@@ -64,7 +64,7 @@ static int parse_count(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
 typedef struct cli {
     mn_model model;
     mn_setup setup;
-    int have_model, json, verbose;
+    int have_model, json, parts;
     const char *model_src;
     uint64_t params;
     int head_set;
@@ -89,6 +89,7 @@ static const char *estimate_usage =
     "             (SIZE: 512MiB, 16GiB, 80GB; PYTORCH_CUDA_ALLOC_CONF is read when set)\n"
     "  inference: --infer --prompt N --new-tokens N --beams N\n"
     "  output:    --json (one JSON object, byte counts as integers)\n"
+    "             --parts (activations each block keeps for backward)\n"
     "             --svg OUT (timeline of the predicted step, stacked by category)\n"
     "             --snapshot OUT (allocator snapshot for pytorch.org/memory_viz)\n";
 
@@ -152,6 +153,7 @@ static int parse_args(cli *c, int argc, char **argv, const char *usage) {
         if (!strcmp(k, "--help") || !strcmp(k, "-h")) { fputs(usage, stdout); return 1; }
         if (!strcmp(k, "--json")) { c->json = 1; continue; }
         if (!strcmp(k, "--infer")) { c->setup.infer = 1; continue; }
+        if (!strcmp(k, "--parts")) { c->parts = 1; continue; }
         if (strncmp(k, "--", 2) != 0) return fail("unexpected argument \"%s\" (see --help)", k);
         eq = strchr(k, '=');
         if (eq) {
@@ -393,22 +395,72 @@ static int write_pictures(const cli *c, const mn_estimate_result *r) {
     return rc;
 }
 
+// Activations kept per part of the model (*parts is malloc'ed, *n entries; none for inference).
+static int compute_parts(const cli *c, const mn_estimate_result *r, uint64_t **parts, uint32_t *n) {
+    uint32_t blocks = (uint32_t)(r->model.arch == MN_ARCH_STACK ? r->model.stack_len
+                                                                 : r->model.layers + r->model.encoder_layers);
+    mn_result res;
+    *parts = NULL, *n = 0;
+    if (!c->parts || r->setup.infer) return 0;
+    *parts = (uint64_t *)calloc((size_t)blocks + 2, sizeof **parts);
+    if (!*parts) return fail("out of memory");
+    res = mn_estimate_parts(&c->model, &c->setup, *parts, blocks + 2, n);
+    if (res != MN_OK) return fail_result("parts", res);
+    return 0;
+}
+
+// Equal neighbouring blocks are printed as one row.
+static void print_parts(const cli *c, const mn_estimate_result *r, const uint64_t *parts, uint32_t n) {
+    uint32_t i, j;
+    char a[32], b[32];
+    if (!parts) return;
+    if (c->json) {
+        printf(", \"parts\": [");
+        for (i = 0; i < n; i++) printf("%s%llu", i ? ", " : "", (unsigned long long)parts[i]);
+        printf("]");
+        return;
+    }
+    printf("\nactivations kept for backward (second step, first micro-batch):\n");
+    mn_size_format(parts[0], a, sizeof a);
+    printf("  %-28s %12s\n", r->model.arch == MN_ARCH_STACK ? "input" : "embeddings", a);
+    for (i = 1; i + 1 < n; i = j) {
+        char label[64];
+        for (j = i + 1; j + 1 < n && parts[j] == parts[i]; j++) continue;
+        mn_size_format(parts[i], a, sizeof a);
+        mn_size_format(parts[i] * (j - i), b, sizeof b);
+        if (j - i == 1) snprintf(label, sizeof label, "%s %u", r->model.arch == MN_ARCH_STACK ? "layer" : "block", i);
+        else snprintf(label, sizeof label, "%s %u-%u, each", r->model.arch == MN_ARCH_STACK ? "layers" : "blocks", i, j - 1);
+        printf("  %-28s %12s  (%s)\n", label, a, b);
+    }
+    mn_size_format(parts[n - 1], a, sizeof a);
+    printf("  %-28s %12s\n", r->model.arch == MN_ARCH_STACK ? "loss" : "final norm and head", a);
+}
+
 static int cmd_estimate(int argc, char **argv) {
     cli c;
     mn_estimate_result r;
     mn_result res;
+    uint64_t *parts = NULL;
+    uint32_t nparts = 0;
     int rc = parse_args(&c, argc, argv, estimate_usage), f = 1;
     if (rc) return rc == 1 ? 0 : rc;
     res = mn_estimate(&c.model, &c.setup, &r);
     if (res != MN_OK) return fail_result("estimate", res);
     if ((c.svg || c.snapshot) && (rc = write_pictures(&c, &r)) != 0) return rc;
+    if ((rc = compute_parts(&c, &r, &parts, &nparts)) != 0) {
+        free(parts);
+        return rc;
+    }
     if (c.json) {
         printf("{");
         print_json_fields(&r, &f);
+        print_parts(&c, &r, parts, nparts);
         printf("}\n");
     } else {
         print_table(&r);
+        print_parts(&c, &r, parts, nparts);
     }
+    free(parts);
     return 0;
 }
 

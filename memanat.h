@@ -542,6 +542,12 @@ struct mn_cache;
 MNDEF mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup,
                                    const mn_allocator *allocator, struct mn_cache *cache);
 
+// Activation bytes each part of the model keeps for backward in a steady-state training forward
+// (the second step): parts[0] the embeddings, parts[1..blocks] the blocks (layers of a custom
+// stack), parts[blocks + 1] the final norm and head. *count = blocks + 2; at most cap written.
+MNDEF mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup, uint64_t *parts,
+                                  uint32_t cap, uint32_t *count);
+
 // Parameter count of a model (exact from the shape, or model->params when set).
 MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);
 
@@ -3129,6 +3135,8 @@ typedef struct mn__sim {
     uint32_t cursor_emb;     // the word embedding (shared by a T5 decoder and tied heads)
     uint32_t hold;           // a tensor the caller holds until the end of the micro-batch
     uint32_t blk;            // block being run
+    uint64_t *parts;         // mn_estimate_parts: activation bytes kept per part, or NULL
+    int parts_on;            // record into parts during this forward
     mn_result err;
 } mn__sim;
 
@@ -3806,13 +3814,22 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     return loss;
 }
 
+// Part i of the model kept (activation bytes now) - (at the previous mark) for backward.
+static void mn__part_mark(mn__sim *S, uint32_t i, uint64_t *mark) {
+    if (!S->parts_on || S->counting) return;
+    S->parts[i] = S->cur[MN_CAT_ACTIVATIONS] - *mark;
+    *mark = S->cur[MN_CAT_ACTIVATIONS];
+}
+
 // The whole forward of one micro-batch. Returns the loss tensor.
 static uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
     mn__cfg *c = S->c;
     uint32_t x, y, mem = MN__NONE, blk, L = c->nblocks, E = 0;
+    uint64_t mark = S->cur[MN_CAT_ACTIVATIONS];
     if (c->m.arch == MN_ARCH_STACK) return MN__NONE;  // handled by mn__stack_forward
     if (c->m.arch == MN_ARCH_ENCODER_DECODER) E = (uint32_t)c->m.encoder_layers;
     x = mn__embeddings(S, ids, 1);
+    mn__part_mark(S, 0, &mark);
     for (blk = 0; blk < L; blk++) {
         if (E && blk == E) {  // encoder done: final norm, then the decoder's embeddings
             if (c->m.final_norm) {
@@ -3831,6 +3848,7 @@ static uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
         y = mn__block_ckpt(S, x, blk, mem);
         mn__drop(S, x);
         x = y;
+        mn__part_mark(S, blk + 1, &mark);
     }
     mn__drop(S, mem);
     if (c->m.final_norm) {
@@ -3840,6 +3858,7 @@ static uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
     }
     y = mn__head(S, x, labels);
     mn__drop(S, x);
+    mn__part_mark(S, L + 1, &mark);
     return y;
 }
 
@@ -3849,8 +3868,10 @@ static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
     mn__cfg *c = S->c;
     const mn_layer *ly = c->m.stack;
     uint32_t i, y, *pidx = NULL, loss;
+    uint64_t mark = S->cur[MN_CAT_ACTIVATIONS];
     if (!S->counting) pidx = S->bstart;  // parameter index of each layer, filled while counting
     mn__ref(S, x);                       // the caller keeps its reference to the input
+    mn__part_mark(S, 0, &mark);
     for (i = 0; i < c->m.stack_len && !S->err; i++) {
         uint32_t w = MN__NONE;
         if (S->counting) {
@@ -3896,11 +3917,13 @@ static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
         }
         mn__drop(S, x);
         x = y;
+        mn__part_mark(S, i + 1, &mark);
     }
     if (S->counting || S->err) return MN__NONE;
     loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);  // loss = out.sum(); the caller holds out
     mn__op_rec(S, loss, &x, 1, NULL, 0, NULL, 0, 0);
     S->hold = x;
+    mn__part_mark(S, c->m.stack_len + 1, &mark);
     return loss;
 }
 
@@ -4419,7 +4442,9 @@ static void mn__run(mn__sim *S) {
     for (step = 0; step < 2 && !S->err; step++) {
         for (mb = 0; mb < nmb && !S->err; mb++) {
             S->cursor = 0;
+            S->parts_on = S->parts && step == 1 && mb == 0;  // the steady state
             mn__micro_batch(S);
+            S->parts_on = 0;
         }
         if (!S->err) mn__optimizer(S);
     }
@@ -4476,15 +4501,17 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *
     return r;
 }
 
+// parts: NULL, or room for the activation bytes of each part (mn_estimate_parts).
 static mn_result mn__estimate(const mn_model *model, const mn_setup *setup, const mn_allocator *al,
-                              mn_estimate_result *out, mn__sim *S, int keep_events) {
+                              mn_estimate_result *out, mn__sim *S, int keep_events, uint64_t *parts) {
     mn__cfg c;
     mn_gpu gpu;
     mn_result r;
     int k;
+    memset(S, 0, sizeof *S);
     if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
     memset(out, 0, sizeof *out);
-    memset(S, 0, sizeof *S);
+    S->parts = parts;
     r = mn__resolve(model, setup, &c, &gpu);
     if (r != MN_OK) return r;
     c.gpu_is_hopper = strncmp(gpu.name, "h1", 2) == 0 || strncmp(gpu.name, "h2", 2) == 0;
@@ -4536,7 +4563,7 @@ static mn_result mn__estimate(const mn_model *model, const mn_setup *setup, cons
 
 MNIMPL mn_result mn_estimate(const mn_model *model, const mn_setup *setup, mn_estimate_result *out) {
     mn__sim S;
-    mn_result r = mn__estimate(model, setup, NULL, out, &S, 0);
+    mn_result r = mn__estimate(model, setup, NULL, out, &S, 0, NULL);
     mn__sim_free(&S);
     return r;
 }
@@ -4551,7 +4578,7 @@ MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
     *events = NULL, *count = 0;
     s2 = *setup;
     s2.no_replay = 1;
-    r = mn__estimate(model, &s2, allocator, &res, &S, 1);
+    r = mn__estimate(model, &s2, allocator, &res, &S, 1, NULL);
     if (r == MN_OK) {
         *events = S.ev, *count = S.nev;
         S.ev = NULL;
@@ -4571,9 +4598,38 @@ MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup
     if (!setup || !cache) return MN_ERR_INVALID_ARG;
     s2 = *setup;
     s2.no_replay = 1;
-    r = mn__estimate(model, &s2, allocator, &res, &S, 1);
+    r = mn__estimate(model, &s2, allocator, &res, &S, 1, NULL);
     if (r == MN_OK) r = mn__replay_into(allocator, S.ev, S.nev, S.nt, cache);
     mn__sim_free(&S);
+    return r;
+}
+
+MNIMPL mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup, uint64_t *parts, uint32_t cap,
+                                   uint32_t *count) {
+    mn__sim S;
+    mn_estimate_result res;
+    mn_setup s2;
+    mn_result r;
+    mn_model m;
+    uint64_t *buf;
+    uint32_t n, i;
+    if (!model || !setup || !count || (cap && !parts)) return MN_ERR_INVALID_ARG;
+    if (setup->infer) return MN_ERR_UNSUPPORTED;  // nothing is kept for backward in generation
+    if ((r = mn__resolve_model(model, &setup->logger, &m)) != MN_OK) return r;
+    n = (uint32_t)(m.arch == MN_ARCH_STACK ? m.stack_len : m.layers + m.encoder_layers) + 2;
+    buf = (uint64_t *)mn__alloc_array(NULL, n, sizeof *buf);
+    if (!buf) return MN_ERR_OUT_OF_MEMORY;
+    memset(buf, 0, (size_t)n * sizeof *buf);
+    s2 = *setup;
+    s2.no_replay = 1;
+    r = mn__estimate(model, &s2, NULL, &res, &S, 0, buf);
+    if (r == MN_OK) {
+        *count = n;
+        for (i = 0; i < n && i < cap; i++) parts[i] = buf[i];
+    }
+    S.parts = NULL;  // the caller's buffer, not the simulation's
+    mn__sim_free(&S);
+    mn__free(NULL, buf);
     return r;
 }
 

@@ -219,6 +219,18 @@ static void test_models_and_help(void) {
     CHECK(run("estimate --model bert-large-uncased", &r));
     CHECK_EQ_INT(r.status, 0);
     CHECK(strstr(r.out, "activations") && strstr(r.out, "FITS"));
+    // --parts: one entry per block plus the embeddings and the head, equal for equal blocks
+    CHECK(run("estimate --model gpt2 --parts --json", &r));
+    CHECK_EQ_INT(r.status, 0);
+    {
+        mn_json_doc doc;
+        const mn_json_value *p;
+        CHECK_OK(mn_json_parse(r.out, strlen(r.out), NULL, &doc));
+        p = doc.root ? mn_json_get(doc.root, "parts") : NULL;
+        CHECK(p && p->type == MN_JSON_ARRAY && p->len == 14);
+        if (p && p->len == 14) CHECK(p->items[1].num > 0 && p->items[1].num == p->items[12].num);
+        mn_json_free(&doc);
+    }
     // the flag=value spelling and PYTORCH_CUDA_ALLOC_CONF-style allocator settings
     CHECK(run("estimate --model=gpt2 --batch=2 --alloc-conf=expandable_segments:True --json", &r));
     CHECK_EQ_INT(r.status, 0);

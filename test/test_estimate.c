@@ -463,7 +463,49 @@ static void test_presets_and_gpus(void) {
     CHECK_ERR(mn_preset_find("llama-9-900b", NULL), MN_ERR_INVALID_ARG);
 }
 
+// What each block keeps for backward, against arithmetic done by hand from the ops' saved
+// tensors (derivatives.yaml, autocast, the HF modelling code):
+// BERT-large fp32, eager attention, per layer: 16 fp32 [b,s,h] tensors (input, q, k, v, context,
+// two layernorm inputs, the MLP input, GELU input and output at 4h) + two 1-byte dropout masks =
+// 66 sbh; per score element softmax output 4 + dropout mask 1 + dropout output 4 (+ the softmax
+// input 4 with torch 1.10) = 9 or 13 as^2b; layernorm mean and rstd 2 x 2 x 4 bytes per token.
+// Llama-3-8B bf16, sdpa, per token: two HF RMSNorms (fp32 copy 4h, normalized 2h, output 2h),
+// rotated q and k, v, the attention output and its contiguous copy, log-sum-exp (4 per head),
+// gate, up, silu(gate) and the product at 2f each, and 2 rstd values.
+static void test_parts_by_hand(void) {
+    mn_model m = preset("bert-large-uncased");
+    mn_setup s = setup0();
+    uint64_t parts[64], sbh, as2b, bs, tok;
+    uint32_t n = 0, i;
+    m.head = MN_HEAD_CLASSIFICATION, m.pooler = 1, m.lm_transform = 0;
+    s.batch = 1 + mnt_rand_u64() % 3, s.seq = 64 * (1 + mnt_rand_u64() % 8), s.attention = MN_ATTN_EAGER;
+    sbh = s.batch * s.seq * 1024, as2b = 16 * s.batch * s.seq * s.seq, bs = s.batch * s.seq;
+    CHECK_OK(mn_estimate_parts(&m, &s, parts, 64, &n));
+    CHECK_EQ_U64(n, 26);
+    for (i = 1; i <= 24; i++) CHECK_EQ_U64(parts[i], 66 * sbh + 13 * as2b + 16 * bs);
+    s.torch_version = 200;
+    CHECK_OK(mn_estimate_parts(&m, &s, parts, 64, &n));
+    for (i = 1; i <= 24; i++) CHECK_EQ_U64(parts[i], 66 * sbh + 9 * as2b + 16 * bs);
+    m = preset("llama-3-8b");
+    s = setup0();
+    s.batch = 1 + mnt_rand_u64() % 2, s.seq = 100 + mnt_rand_u64() % 900, s.precision = MN_PREC_BF16_PURE;
+    s.torch_version = 200;
+    tok = s.batch * s.seq;
+    CHECK_OK(mn_estimate_parts(&m, &s, parts, 64, &n));
+    CHECK_EQ_U64(n, 34);
+    CHECK_EQ_U64(parts[0], tok * 4096 * 2);  // the embedding output
+    for (i = 1; i <= 32; i++)
+        CHECK_EQ_U64(parts[i], tok * (16 * 4096 + 6 * 4096 + 4 * 1024 + 8 * 14336 + 4 * 32 + 8));
+    CHECK(parts[33] >= tok * 128256 * 4);  // log_softmax keeps fp32 [tokens, vocab]
+    s.checkpointing = MN_CKPT_FULL;  // a checkpointed block keeps its input alone
+    CHECK_OK(mn_estimate_parts(&m, &s, parts, 64, &n));
+    for (i = 1; i <= 32; i++) CHECK_EQ_U64(parts[i], tok * 4096 * 2);
+    s.infer = 1;
+    CHECK_ERR(mn_estimate_parts(&m, &s, parts, 64, &n), MN_ERR_UNSUPPORTED);
+}
+
 const mnt_case test_estimate_cases[] = {
+    {"parts_by_hand", test_parts_by_hand},
     {"param_counts", test_param_counts},
     {"bytes_per_param", test_bytes_per_param},
     {"seed_optimizer_figures", test_seed_optimizer_figures},
