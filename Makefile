@@ -67,7 +67,7 @@ fuzz: test/fuzz.c $(HDRS) | build
 
 bench: $(BENCHES)
 
-build/%: bench/%.c $(HDRS) | build
+build/%: bench/%.c bench/bench.h $(HDRS) | build
 	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< $(LDLIBS)
 
 cuda-probe:

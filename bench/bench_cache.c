@@ -27,13 +27,9 @@
 
 #define MEMANAT_IMPLEMENTATION
 #include "../memanat.h"
+#include "bench.h"
 
-// CPU time of this thread: time spent descheduled on a shared machine does not count.
-static double now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
-}
+#define now_ns bench_cpu_ns  // time spent descheduled on a shared machine does not count
 
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 static uint64_t rnd(void) {
@@ -41,15 +37,6 @@ static uint64_t rnd(void) {
     return rng;
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return v[n / 2];
-}
 
 // ---- speed -------------------------------------------------------------------------------------
 
@@ -148,7 +135,7 @@ static void bench_speed(void) {
         for (k = 0; k < CASE_COUNT; k++) {
             uint64_t iters = k == CASE_MISS ? 2000 : 50000;
             for (r = 0; r < 15; r++) runs[r] = time_case(&cache, k, iters);
-            res[k] = median(runs, 15);
+            res[k] = bench_median(runs, 15);
         }
         for (r = 0; r < 15; r++) {
             double t0 = now_ns();
@@ -159,7 +146,7 @@ static void bench_speed(void) {
             }
             runs[r] = (now_ns() - t0) / 50000.0;
         }
-        res[CASE_COUNT] = median(runs, 15);
+        res[CASE_COUNT] = bench_median(runs, 15);
         printf("%-10llu %10.1f %10.1f %10.1f %10.1f %12.1f\n", (unsigned long long)lives[li],
                res[0], res[1], res[2], res[3], res[4]);
         for (i = 0; i < lives[li]; i++) {
@@ -351,7 +338,7 @@ static replay_result replay(const trace *t, const char *config) {
         if (run == 0) mn_cache_stats(&cache, &st);
         for (i = 0; i <= t->next_id; i++) mn_cache_release(&cache, ptr[i]), ptr[i] = NULL;
     }
-    res.ns_per_event = median(runs, 5);
+    res.ns_per_event = bench_median(runs, 5);
     res.peak_alloc = st.allocated_bytes[MN_STAT_ALL].peak;
     res.peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
     res.ooms = st.num_ooms;

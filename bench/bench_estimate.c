@@ -9,38 +9,9 @@
 
 #define MEMANAT_IMPLEMENTATION
 #include "../memanat.h"
+#include "bench.h"
 
-static double now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-static void cpu_name(char *buf, size_t cap) {
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    char line[256];
-    snprintf(buf, cap, "unknown CPU");
-    if (!f) return;
-    while (fgets(line, sizeof line, f)) {
-        char *c = strchr(line, ':');
-        if (!strncmp(line, "model name", 10) && c) {
-            snprintf(buf, cap, "%s", c + 2);
-            buf[strcspn(buf, "\n")] = 0;
-            break;
-        }
-    }
-    fclose(f);
-}
+static double now_us(void) { return bench_wall_ns() / 1e3; }
 
 int main(void) {
     static const struct { const char *model, *gpu; mn_precision prec; uint64_t batch, seq; } cases[] = {
@@ -52,7 +23,7 @@ int main(void) {
     enum { REPS = 15 };
     char cpu[128];
     size_t c;
-    cpu_name(cpu, sizeof cpu);
+    bench_cpu_model(cpu, sizeof cpu);
     printf("memanat %s estimator speed on %s (medians of %d runs)\n\n", MEMANAT_VERSION, cpu, REPS);
     printf("%-20s %8s %10s %14s %14s %12s %8s\n", "model", "params", "events", "step only us", "with replay us",
            "fit ms", "fit runs");
@@ -82,7 +53,7 @@ int main(void) {
             t_fit[i] = (now_us() - t0) / 1e3;
         }
         printf("%-20s %7.2fB %10llu %14.0f %14.0f %12.1f %8llu\n", cases[c].model, (double)r.params / 1e9,
-               (unsigned long long)r.alloc_events, median(t_sim, REPS), median(t_rep, REPS), median(t_fit, 5),
+               (unsigned long long)r.alloc_events, bench_median(t_sim, REPS), bench_median(t_rep, REPS), bench_median(t_fit, 5),
                (unsigned long long)f.estimates_run);
     }
     return 0;

@@ -18,17 +18,9 @@
 
 #define MEMANAT_IMPLEMENTATION
 #include "../memanat.h"
+#include "bench.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
+static double now_s(void) { return bench_wall_ns() * 1e-9; }
 
 static void set_threads(int t) {
 #ifdef _OPENMP
@@ -122,25 +114,12 @@ static double time_op(void (*fn)(const work *), const work *k, int runs) {
         for (i = 0; i < reps; i++) fn(k);
         t[r] = (now_s() - t0) / reps;
     }
-    qsort(t, (size_t)runs, sizeof t[0], cmp_double);
-    return t[runs / 2];
+    return bench_median(t, runs);
 }
 
 static void machine(void) {
-    char line[256], model[256] = "unknown";
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    int ncpu = 0;
-    if (f) {
-        while (fgets(line, sizeof line, f)) {
-            char *colon = strchr(line, ':');
-            if (strncmp(line, "model name", 10) == 0 && colon) {
-                snprintf(model, sizeof model, "%s", colon + 2);
-                model[strcspn(model, "\n")] = 0;
-            }
-            if (strncmp(line, "processor", 9) == 0) ncpu++;
-        }
-        fclose(f);
-    }
+    char model[256];
+    int ncpu = bench_cpu_model(model, sizeof model);
     printf("machine: %s, %d logical CPUs", model, ncpu);
 #ifdef _OPENMP
     printf(", OpenMP %d (max %d threads)\n", _OPENMP, omp_get_max_threads());

@@ -14,12 +14,9 @@
 
 #define MEMANAT_IMPLEMENTATION
 #include "../memanat.h"
+#include "bench.h"
 
-static double now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
-}
+#define now_ns bench_wall_ns
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 static float rnd_normalish(void) {  // sum of 4 uniforms, centred: cheap and good enough here
@@ -32,10 +29,6 @@ static float rnd_normalish(void) {  // sum of 4 uniforms, centred: cheap and goo
     return s - 2.0f;
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 enum { REPS = 7 };
 
@@ -91,8 +84,7 @@ static double time_optimizer(opt_kind k, uint64_t rows, uint64_t cols, float *p,
     default: mn_lion_free(&li); break;
     }
     if (r != MN_OK) return -1.0;
-    qsort(t, REPS, sizeof t[0], cmp_double);
-    return t[REPS / 2];
+    return bench_median(t, REPS);
 }
 
 static double time_conversion(int which, const float *f, uint16_t *h, float *back, uint64_t n) {
@@ -108,8 +100,7 @@ static double time_conversion(int which, const float *f, uint16_t *h, float *bac
         }
         if (rep >= 0) t[rep] = now_ns() - t0;
     }
-    qsort(t, REPS, sizeof t[0], cmp_double);
-    return t[REPS / 2];
+    return bench_median(t, REPS);
 }
 
 int main(int argc, char **argv) {
