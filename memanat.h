@@ -3929,6 +3929,26 @@ static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
 
 // ---- backward, optimizer, the step -------------------------------------------------------------
 
+// Bytes per GPU of a state that ZeRO shards over the GPUs from `stage` on.
+static uint64_t mn__shard(const mn__cfg *c, uint64_t bytes, uint32_t stage) {
+    return c->zero >= stage ? (bytes + c->gpus - 1) / c->gpus : bytes;
+}
+
+// Persistent gradient bytes per GPU. DeepSpeed ZeRO 1/2 also keep an fp32 gradient partition
+// (its estimator's 2 + 18/N bytes per parameter for stage 2).
+static uint64_t mn__grad_bytes(mn__sim *S, const mn__param *P) {
+    const mn__cfg *c = S->c;
+    uint64_t g = mn__shard(c, mn__m(S, P->numel, c->g_esz), 2);
+    if (c->s.framework == MN_FW_DEEPSPEED && c->fw_master && (c->zero == 1 || c->zero == 2))
+        g += mn__shard(c, mn__m(S, P->numel, 4), 1);
+    return g;
+}
+
+// The separate fp32 master copy per GPU (deepspeed, megatron, memanat mixed precision), 0 if none.
+static uint64_t mn__master_bytes(mn__sim *S, const mn__param *P) {
+    return S->c->fw_master ? mn__shard(S->c, mn__m(S, P->numel, 4), 1) : 0;
+}
+
 // Produces the gradient of a parameter in backward: a new tensor that becomes .grad when there
 // is none (AccumulateGrad steals it) or is added and freed; partitioned and preallocated buffers
 // receive the produced gradient and free it (megatron accumulates in place).
@@ -3943,7 +3963,7 @@ static void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
     if (c->grads_prealloc || c->zero >= 2 || c->s.offload > MN_OFFLOAD_NONE) {
         if (c->s.framework != MN_FW_MEGATRON) mn__transient(S, mn__m(S, P->numel, cast16 ? 2 : c->g_esz), MN_CAT_TEMPORARY);
         if (P->grad == MN__NONE && !c->grads_prealloc && c->s.offload <= MN_OFFLOAD_NONE)
-            P->grad = mn__alloc_t(S, (full + c->gpus - 1) / c->gpus, 1, MN_CAT_GRADIENTS);
+            P->grad = mn__alloc_t(S, mn__shard(c, full, 2), 1, MN_CAT_GRADIENTS);
     } else if (P->grad == MN__NONE) {
         P->grad = mn__alloc_t(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
     } else {
@@ -4009,8 +4029,7 @@ static uint64_t mn__weight_bytes(mn__sim *S, const mn__param *P) {
     if (P->quant && c->s.quant == MN_QUANT_NF4) b = mn__m(S, P->numel, 4127) / 8000;
     else if (P->quant) b = P->numel + P->dims[0] * 4;
     else b = mn__m(S, P->numel, c->w_esz);
-    if (c->zero >= 3) b = (b + c->gpus - 1) / c->gpus;
-    return b;
+    return mn__shard(c, b, 3);
 }
 
 static uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
@@ -4021,8 +4040,7 @@ static uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
     d.kind = c->s.optim;
     if (mn_optim_state_bytes(&d, P->dims, P->ndim, &b) != MN_OK) { S->err = MN_ERR_OVERFLOW; return 0; }
     if (c->state_half && c->s.optim != MN_OPTIM_ADAMW_8BIT) b /= 2;  // zeros_like(16-bit param)
-    if (c->zero >= 1) b = (b + c->gpus - 1) / c->gpus;
-    return b;
+    return mn__shard(c, b, 1);
 }
 
 // Largest per-tensor temporary of the optimizer step (fused kernels need none): AdamW's
@@ -4065,18 +4083,10 @@ static void mn__load(mn__sim *S) {
     for (i = 0; i < S->np; i++) {
         mn__param *P = &S->p[i];
         if (!P->trainable) continue;
-        if (c->fw_master && c->s.offload <= MN_OFFLOAD_NONE) {
-            uint64_t b = mn__m(S, P->numel, 4);
-            if (c->zero >= 1) b = (b + c->gpus - 1) / c->gpus;
-            mn__alloc_t(S, b, 1, c->fw_master == 1 ? MN_CAT_OPTIMIZER : MN_CAT_MASTER_WEIGHTS);
-        }
-        if (c->grads_prealloc && c->s.offload <= MN_OFFLOAD_NONE) {
-            uint64_t b = mn__m(S, P->numel, c->g_esz);
-            if (c->zero >= 2) b = (b + c->gpus - 1) / c->gpus;
-            if (c->s.framework == MN_FW_DEEPSPEED && c->fw_master && (c->zero == 1 || c->zero == 2))
-                b += (mn__m(S, P->numel, 4) + c->gpus - 1) / c->gpus;  // fp32 gradient partition
-            P->grad = mn__alloc_t(S, b, 1, MN_CAT_GRADIENTS);
-        }
+        if (c->fw_master && c->s.offload <= MN_OFFLOAD_NONE)
+            mn__alloc_t(S, mn__master_bytes(S, P), 1, c->fw_master == 1 ? MN_CAT_OPTIMIZER : MN_CAT_MASTER_WEIGHTS);
+        if (c->grads_prealloc && c->s.offload <= MN_OFFLOAD_NONE)
+            P->grad = mn__alloc_t(S, mn__grad_bytes(S, P), 1, MN_CAT_GRADIENTS);
         if (c->grads_prealloc) mn__alloc_states(S, i);  // engines create state at init
     }
 }
@@ -4403,16 +4413,9 @@ static void mn__states(mn__sim *S, mn_estimate_result *out) {
         }
         if (!P->trainable || c->s.infer) continue;
         trainable += P->numel;
-        g = mn__m(S, P->numel, c->g_esz);
-        if (c->zero >= 2) g = (g + c->gpus - 1) / c->gpus;
-        if (c->s.framework == MN_FW_DEEPSPEED && c->fw_master && (c->zero == 1 || c->zero == 2))
-            g += (mn__m(S, P->numel, 4) + c->gpus - 1) / c->gpus;  // fp32 gradient partition
+        g = mn__grad_bytes(S, P);
         st = mn__state_bytes(S, P);
-        mw = 0;
-        if (c->fw_master) {
-            mw = mn__m(S, P->numel, 4);
-            if (c->zero >= 1) mw = (mw + c->gpus - 1) / c->gpus;
-        }
+        mw = mn__master_bytes(S, P);
         if (off) {
             out->cpu_bytes += g + st + mw;
             continue;
