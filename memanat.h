@@ -2419,14 +2419,157 @@ MN__PRIVATE int mn__st_is_buffer(const mn_json_value *key) {
     return 0;
 }
 
+// The 8-byte little-endian header length N, checked against the limit and the file.
+MN__PRIVATE mn_result mn__st_header_length(const uint8_t *data, size_t len, uint64_t file_size,
+                                           const mn_safetensors_desc *d, mn_safetensors_info *out,
+                                           uint64_t *n_header) {
+    const mn_logger *lg = &d->logger;
+    uint64_t n = 0, k;
+    if (file_size < len)
+        return mn__st_fail(out, lg, MN_ERR_INVALID_ARG, "file_size %llu < %llu bytes given",
+                           (unsigned long long)file_size, (unsigned long long)len);
+    if (len < 8)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "%llu bytes: shorter than the 8-byte header "
+                           "length", (unsigned long long)len);
+    for (k = 0; k < 8; k++) n |= (uint64_t)data[k] << (8 * k);
+    if (n > d->max_header)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "header length %llu exceeds the limit %llu",
+                           (unsigned long long)n, (unsigned long long)d->max_header);
+    if (n > file_size - 8)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "header length %llu runs past the end of the "
+                           "%llu-byte file", (unsigned long long)n, (unsigned long long)file_size);
+    if (n > len - 8)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "header truncated: %llu of %llu bytes given",
+                           (unsigned long long)(len - 8), (unsigned long long)n);
+    if (n < 2 || data[8] != '{')
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "header does not start with '{'");
+    *n_header = n;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__st_metadata(mn_safetensors_info *out, const mn_logger *lg,
+                                      const mn_json_value *v) {
+    uint32_t j;
+    if (v->type != MN_JSON_OBJECT)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "__metadata__ is not an object");
+    for (j = 0; j < v->len; j++)
+        if (v->items[2 * j + 1].type != MN_JSON_STRING)
+            return mn__st_fail(out, lg, MN_ERR_PARSE, "__metadata__ value \"%.60s\" is not a "
+                               "string", v->items[2 * j].str);
+    out->metadata_count = v->len;
+    return MN_OK;
+}
+
+// Every member of the header object: the metadata, or a tensor whose range goes to ranges[] and
+// whose elements are summed into the parameters (or the buffers) by dtype.
+MN__PRIVATE mn_result mn__st_members(mn_safetensors_info *out, const mn_logger *lg,
+                                     const mn_json_value *root, uint64_t data_bytes,
+                                     mn__st_range *ranges, uint64_t *ntensors) {
+    uint32_t m;
+    for (m = 0; m < root->len; m++) {
+        const mn_json_value *key = &root->items[2 * m], *v = &root->items[2 * m + 1];
+        mn_st_dtype dt = MN_ST_UNKNOWN;
+        uint64_t elements = 0, nbytes;
+        mn_result r;
+        if (strcmp(key->str, "__metadata__") == 0 && key->len == 12) {
+            if ((r = mn__st_metadata(out, lg, v)) != MN_OK) return r;
+            continue;
+        }
+        r = mn__st_tensor(out, lg, key, v, data_bytes, &dt, &elements, &ranges[*ntensors]);
+        if (r != MN_OK) return r;
+        ranges[(*ntensors)++].member = m;
+        nbytes = mn_st_dtype_bytes(dt) * elements;  // checked in mn__st_tensor
+        if (mn__st_is_buffer(key)) {
+            if (mn_add_u64(out->buffers, elements, &out->buffers) != MN_OK)
+                return mn__st_fail(out, lg, MN_ERR_OVERFLOW, "buffer count overflows 64 bits");
+            continue;
+        }
+        if (mn_add_u64(out->params, elements, &out->params) != MN_OK ||
+            mn_add_u64(out->params_by_dtype[dt], elements, &out->params_by_dtype[dt]) != MN_OK ||
+            mn_add_u64(out->bytes_by_dtype[dt], nbytes, &out->bytes_by_dtype[dt]) != MN_OK)
+            return mn__st_fail(out, lg, MN_ERR_OVERFLOW, "parameter count overflows 64 bits");
+    }
+    return MN_OK;
+}
+
+// The tensors tile the data section: no gap, no overlap, nothing after the last.
+MN__PRIVATE mn_result mn__st_check_tiling(mn_safetensors_info *out, const mn_logger *lg,
+                                          const mn_json_value *root, mn__st_range *ranges,
+                                          uint64_t ntensors, uint64_t data_bytes) {
+    uint64_t prev_end = 0, k;
+    mn__st_sort(ranges, ntensors);
+    for (k = 0; k < ntensors; k++) {
+        const char *name = root->items[2 * ranges[k].member].str;
+        if (ranges[k].begin != prev_end)
+            return mn__st_fail(out, lg, MN_ERR_PARSE,
+                               ranges[k].begin < prev_end
+                                   ? "tensor \"%.60s\" at offset %llu overlaps the previous one"
+                                   : "tensor \"%.60s\" at offset %llu leaves a gap before it",
+                               name, (unsigned long long)ranges[k].begin);
+        prev_end = ranges[k].end;
+    }
+    if (prev_end != data_bytes)
+        return mn__st_fail(out, lg, MN_ERR_PARSE, "tensors cover %llu of the %llu bytes of the "
+                           "data section", (unsigned long long)prev_end,
+                           (unsigned long long)data_bytes);
+    return MN_OK;
+}
+
+// keep_tensors: the validated tensors copied out of the JSON tree in offset order, into one
+// block laid out as tensors | shapes | names.
+MN__PRIVATE mn_result mn__st_keep(mn_safetensors_info *out, const mn_safetensors_desc *d,
+                                  const mn_json_value *root, const mn__st_range *ranges,
+                                  uint64_t ntensors) {
+    uint64_t dims = 0, names = 0, total, k;
+    unsigned char *block;
+    mn_safetensors_tensor *t;
+    uint64_t *shape;
+    char *name;
+    for (k = 0; k < ntensors; k++) {
+        const mn_json_value *v = &root->items[2 * ranges[k].member + 1];
+        dims += mn_json_get(v, "shape")->len;
+        names += root->items[2 * ranges[k].member].len + 1;
+    }
+    total = ntensors * sizeof(mn_safetensors_tensor) + dims * sizeof(uint64_t) + names;
+    block = (unsigned char *)mn__alloc(&d->allocator, (size_t)total);  // < 50 * n_header
+    if (!block) return mn__st_fail(out, &d->logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
+    t = (mn_safetensors_tensor *)(void *)block;
+    shape = (uint64_t *)(void *)(block + ntensors * sizeof(mn_safetensors_tensor));
+    name = (char *)(shape + dims);
+    for (k = 0; k < ntensors; k++) {
+        const mn_json_value *key = &root->items[2 * ranges[k].member];
+        const mn_json_value *v = key + 1, *sh = mn_json_get(v, "shape");
+        const mn_json_value *dt = mn_json_get(v, "dtype");
+        uint32_t j;
+        int s;
+        memcpy(name, key->str, (size_t)key->len + 1);
+        t[k].name = name;
+        name += key->len + 1;
+        t[k].rank = sh->len;
+        t[k].shape = shape;
+        t[k].elements = 1;
+        for (j = 0; j < sh->len; j++) {
+            mn_json_u64(&sh->items[j], &shape[j]);
+            t[k].elements *= shape[j];  // checked in mn__st_tensor
+        }
+        shape += sh->len;
+        t[k].dtype = MN_ST_UNKNOWN;
+        for (s = 1; s < MN_ST_DTYPE_COUNT; s++)
+            if (strcmp(dt->str, mn__st_dtypes[s].name) == 0) t[k].dtype = (mn_st_dtype)s;
+        t[k].begin = ranges[k].begin, t[k].end = ranges[k].end;
+    }
+    out->mem_ = block;
+    out->tensor = t;
+    return MN_OK;
+}
+
 MNIMPL mn_result mn_safetensors_parse(const uint8_t *data, size_t len, uint64_t file_size,
                                       const mn_safetensors_desc *desc, mn_safetensors_info *out) {
     mn_safetensors_desc d;
     mn_json_desc jd;
     mn_json_doc doc;
-    const mn_json_value *root;
     mn__st_range *ranges = NULL;
-    uint64_t n_header, data_bytes, ntensors = 0, best = 0, prev_end = 0, k;
+    uint64_t n_header = 0, data_bytes, ntensors = 0, best = 0;
     uint32_t m;
     mn_result r;
     if (!out) return MN_ERR_INVALID_ARG;
@@ -2437,29 +2580,7 @@ MNIMPL mn_result mn_safetensors_parse(const uint8_t *data, size_t len, uint64_t 
     out->alloc_ = d.allocator;
     if (!data && len) return MN_ERR_INVALID_ARG;
     if (file_size == 0) file_size = len;
-    if (file_size < len)
-        return mn__st_fail(out, &d.logger, MN_ERR_INVALID_ARG, "file_size %llu < %llu bytes given",
-                           (unsigned long long)file_size, (unsigned long long)len);
-    if (len < 8)
-        return mn__st_fail(out, &d.logger, MN_ERR_PARSE,
-                           "%llu bytes: shorter than the 8-byte header length",
-                           (unsigned long long)len);
-    n_header = 0;
-    for (k = 0; k < 8; k++) n_header |= (uint64_t)data[k] << (8 * k);
-    if (n_header > d.max_header)
-        return mn__st_fail(out, &d.logger, MN_ERR_PARSE,
-                           "header length %llu exceeds the limit %llu",
-                           (unsigned long long)n_header, (unsigned long long)d.max_header);
-    if (n_header > file_size - 8)
-        return mn__st_fail(out, &d.logger, MN_ERR_PARSE,
-                           "header length %llu runs past the end of the %llu-byte file",
-                           (unsigned long long)n_header, (unsigned long long)file_size);
-    if (n_header > len - 8)
-        return mn__st_fail(out, &d.logger, MN_ERR_PARSE,
-                           "header truncated: %llu of %llu bytes given",
-                           (unsigned long long)(len - 8), (unsigned long long)n_header);
-    if (n_header < 2 || data[8] != '{')
-        return mn__st_fail(out, &d.logger, MN_ERR_PARSE, "header does not start with '{'");
+    if ((r = mn__st_header_length(data, len, file_size, &d, out, &n_header)) != MN_OK) return r;
     data_bytes = file_size - 8 - n_header;
     memset(&jd, 0, sizeof jd);
     jd.allocator = d.allocator;
@@ -2469,121 +2590,21 @@ MNIMPL mn_result mn_safetensors_parse(const uint8_t *data, size_t len, uint64_t 
         mn__st_fail(out, &d.logger, r, "header JSON: %s", doc.error);
         goto done;
     }
-    root = doc.root;
-    if (root->type != MN_JSON_OBJECT) {
+    if (doc.root->type != MN_JSON_OBJECT) {
         r = mn__st_fail(out, &d.logger, MN_ERR_PARSE, "header is not a JSON object");
         goto done;
     }
-    ranges = (mn__st_range *)mn__alloc_array(&d.allocator, root->len, sizeof *ranges);
+    ranges = (mn__st_range *)mn__alloc_array(&d.allocator, doc.root->len, sizeof *ranges);
     if (!ranges) {
         r = mn__st_fail(out, &d.logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
         goto done;
     }
-    for (m = 0; m < root->len; m++) {
-        const mn_json_value *key = &root->items[2 * m], *v = &root->items[2 * m + 1];
-        mn_st_dtype dt = MN_ST_UNKNOWN;
-        uint64_t elements = 0, nbytes;
-        if (strcmp(key->str, "__metadata__") == 0 && key->len == 12) {
-            uint32_t j;
-            if (v->type != MN_JSON_OBJECT) {
-                r = mn__st_fail(out, &d.logger, MN_ERR_PARSE, "__metadata__ is not an object");
-                goto done;
-            }
-            for (j = 0; j < v->len; j++) {
-                if (v->items[2 * j + 1].type != MN_JSON_STRING) {
-                    r = mn__st_fail(out, &d.logger, MN_ERR_PARSE,
-                                    "__metadata__ value \"%.60s\" is not a string",
-                                    v->items[2 * j].str);
-                    goto done;
-                }
-            }
-            out->metadata_count = v->len;
-            continue;
-        }
-        r = mn__st_tensor(out, &d.logger, key, v, data_bytes, &dt, &elements, &ranges[ntensors]);
-        if (r != MN_OK) goto done;
-        ranges[ntensors++].member = m;
-        nbytes = mn_st_dtype_bytes(dt) * elements;  // checked in mn__st_tensor
-        if (mn__st_is_buffer(key)) {
-            if (mn_add_u64(out->buffers, elements, &out->buffers) != MN_OK) {
-                r = mn__st_fail(out, &d.logger, MN_ERR_OVERFLOW, "buffer count overflows 64 bits");
-                goto done;
-            }
-            continue;
-        }
-        if (mn_add_u64(out->params, elements, &out->params) != MN_OK ||
-            mn_add_u64(out->params_by_dtype[dt], elements, &out->params_by_dtype[dt]) != MN_OK ||
-            mn_add_u64(out->bytes_by_dtype[dt], nbytes, &out->bytes_by_dtype[dt]) != MN_OK) {
-            r = mn__st_fail(out, &d.logger, MN_ERR_OVERFLOW, "parameter count overflows 64 bits");
-            goto done;
-        }
-    }
-    // the tensors tile the data section: no gap, no overlap, nothing after the last
-    mn__st_sort(ranges, ntensors);
-    for (k = 0; k < ntensors; k++) {
-        const char *name = root->items[2 * ranges[k].member].str;
-        if (ranges[k].begin != prev_end) {
-            r = mn__st_fail(out, &d.logger, MN_ERR_PARSE,
-                            ranges[k].begin < prev_end
-                                ? "tensor \"%.60s\" at offset %llu overlaps the previous one"
-                                : "tensor \"%.60s\" at offset %llu leaves a gap before it",
-                            name, (unsigned long long)ranges[k].begin);
-            goto done;
-        }
-        prev_end = ranges[k].end;
-    }
-    if (prev_end != data_bytes) {
-        r = mn__st_fail(out, &d.logger, MN_ERR_PARSE,
-                        "tensors cover %llu of the %llu bytes of the data section",
-                        (unsigned long long)prev_end, (unsigned long long)data_bytes);
-        goto done;
-    }
-    if (d.keep_tensors && ntensors > 0) {
-        // one block: tensors | shapes | names
-        uint64_t dims = 0, names = 0, total;
-        unsigned char *block;
-        mn_safetensors_tensor *t;
-        uint64_t *shape;
-        char *name;
-        for (k = 0; k < ntensors; k++) {
-            const mn_json_value *v = &root->items[2 * ranges[k].member + 1];
-            dims += mn_json_get(v, "shape")->len;
-            names += root->items[2 * ranges[k].member].len + 1;
-        }
-        total = ntensors * sizeof(mn_safetensors_tensor) + dims * sizeof(uint64_t) + names;
-        block = (unsigned char *)mn__alloc(&d.allocator, (size_t)total);  // < 50 * n_header
-        if (!block) {
-            r = mn__st_fail(out, &d.logger, MN_ERR_OUT_OF_MEMORY, "out of memory");
-            goto done;
-        }
-        t = (mn_safetensors_tensor *)(void *)block;
-        shape = (uint64_t *)(void *)(block + ntensors * sizeof(mn_safetensors_tensor));
-        name = (char *)(shape + dims);
-        for (k = 0; k < ntensors; k++) {
-            const mn_json_value *key = &root->items[2 * ranges[k].member];
-            const mn_json_value *v = key + 1, *sh = mn_json_get(v, "shape");
-            const mn_json_value *dt = mn_json_get(v, "dtype");
-            uint32_t j;
-            int s;
-            memcpy(name, key->str, (size_t)key->len + 1);
-            t[k].name = name;
-            name += key->len + 1;
-            t[k].rank = sh->len;
-            t[k].shape = shape;
-            t[k].elements = 1;
-            for (j = 0; j < sh->len; j++) {
-                mn_json_u64(&sh->items[j], &shape[j]);
-                t[k].elements *= shape[j];  // checked above
-            }
-            shape += sh->len;
-            t[k].dtype = MN_ST_UNKNOWN;
-            for (s = 1; s < MN_ST_DTYPE_COUNT; s++)
-                if (strcmp(dt->str, mn__st_dtypes[s].name) == 0) t[k].dtype = (mn_st_dtype)s;
-            t[k].begin = ranges[k].begin, t[k].end = ranges[k].end;
-        }
-        out->mem_ = block;
-        out->tensor = t;
-    }
+    r = mn__st_members(out, &d.logger, doc.root, data_bytes, ranges, &ntensors);
+    if (r == MN_OK)
+        r = mn__st_check_tiling(out, &d.logger, doc.root, ranges, ntensors, data_bytes);
+    if (r == MN_OK && d.keep_tensors && ntensors > 0)
+        r = mn__st_keep(out, &d, doc.root, ranges, ntensors);
+    if (r != MN_OK) goto done;
     out->files = 1;
     out->header_bytes = n_header;
     out->data_bytes = data_bytes;
@@ -2593,7 +2614,6 @@ MNIMPL mn_result mn_safetensors_parse(const uint8_t *data, size_t len, uint64_t 
             best = out->params_by_dtype[m], out->st_dtype = (mn_st_dtype)m;
     }
     out->dtype = mn_st_dtype_to_dtype(out->st_dtype);
-    r = MN_OK;
 done:
     mn__free(&d.allocator, ranges);
     mn_json_free(&doc);
@@ -5792,185 +5812,220 @@ MN__PRIVATE int mn__c_tok_bool(const mn__c_cfg_tok *t, int *out) {
 
 #define MN__C_CFG_MAX_TOKENS 256
 
+// The parser walks the token list as CUDAAllocatorConfig::parseArgs does: each key's parse
+// function consumes its value (and, for a list, the tokens up to ']') and returns the index of
+// the next token, or 0 after logging what is wrong.
+typedef struct mn__c_cfg_parser {
+    mn__c_cfg_tok tok[MN__C_CFG_MAX_TOKENS];
+    size_t count;
+    const mn_logger *lg;
+    mn_cache_config cfg;
+    mn_result err;       // MN_ERR_CONFIG, or MN_ERR_UNSUPPORTED for a valid but unmodelled value
+    char key[48];        // the key being parsed, for messages
+} mn__c_cfg_parser;
+
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((format(printf, 2, 3)))
+#endif
+MN__PRIVATE size_t mn__c_cfg_fail(mn__c_cfg_parser *P, const char *fmt, ...) {
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    mn__log(P->lg, MN_LOG_ERROR, "allocator config: %s", msg);
+    return 0;
+}
+
+// CUDAAllocatorConfig::lexArgs: ',' ':' '[' ']' are tokens of their own, white space separates.
+MN__PRIVATE int mn__c_cfg_lex(mn__c_cfg_parser *P, const char *p) {
+    while (*p) {
+        mn__c_cfg_tok *t = &P->tok[P->count];
+        if (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') { p++; continue; }
+        if (P->count == MN__C_CFG_MAX_TOKENS)
+            return (int)mn__c_cfg_fail(P, "more than %d tokens", MN__C_CFG_MAX_TOKENS);
+        t->s = p;
+        if (*p == ',' || *p == ':' || *p == '[' || *p == ']') {
+            t->n = 1, p++;
+        } else {
+            while (*p && *p != ',' && *p != ':' && *p != '[' && *p != ']' && *p != ' ' &&
+                   *p != '\t' && *p != '\n' && *p != '\r')
+                p++;
+            t->n = (size_t)(p - t->s);
+        }
+        P->count++;
+    }
+    return 1;
+}
+
+// parseMaxSplitSize and its siblings: a whole number of MiB.
+MN__PRIVATE size_t mn__c_cfg_size_mb(mn__c_cfg_parser *P, size_t i) {
+    const mn__c_cfg_tok *key = &P->tok[i - 2], *val = &P->tok[i];
+    int is_seg = mn__c_tok_is(key, "large_segment_size_mb");
+    uint64_t u = 0;
+    if (!mn__c_tok_u64(val, &u)) return mn__c_cfg_fail(P, "%s expects a whole number of MiB", P->key);
+    // CUDAAllocatorConfig::parseMaxSplitSize: "too small, must be > 20"
+    if (!is_seg && u <= MN__C_LARGE_BUFFER / MN__C_MIB)
+        return mn__c_cfg_fail(P, "CachingAllocator option %s too small, must be > 20", P->key);
+    if (is_seg && (u == 0 || u % 2 != 0))
+        return mn__c_cfg_fail(P, "%s must be a positive multiple of 2", P->key);
+    if (u > (UINT64_MAX >> 20)) u = UINT64_MAX >> 20;  // clamped as PyTorch does
+    if (mn__c_tok_is(key, "max_split_size_mb")) P->cfg.max_split_size = u << 20;
+    else if (is_seg) P->cfg.large_segment_size = u << 20;
+    else P->cfg.max_non_split_rounding = u << 20;
+    return i + 1;
+}
+
+MN__PRIVATE int mn__c_cfg_divisions(mn__c_cfg_parser *P, const mn__c_cfg_tok *val, uint32_t *out) {
+    uint64_t u = 0;
+    if (!mn__c_tok_u64(val, &u) || (u != 0 && !mn__c_is_pow2(u)) || u > (1u << 20))
+        return (int)mn__c_cfg_fail(P, "roundup_power2_divisions: the divisions have to be a power "
+                                   "of 2 or 0 to disable roundup");
+    *out = (uint32_t)u;
+    return 1;
+}
+
+// CUDAAllocatorConfig::parseRoundUpPower2Divisions: one number for every interval, or a list
+// [size_mb:divisions, ..., >:divisions] whose first entry also covers the smaller intervals and
+// whose '>' entry covers those after the last one named.
+MN__PRIVATE size_t mn__c_cfg_roundup(mn__c_cfg_parser *P, size_t i) {
+    uint32_t *div = P->cfg.roundup_power2_divisions, d = 0;
+    size_t last_index = 0, k;
+    int first = 1;
+    if (!mn__c_tok_is(&P->tok[i], "[")) {
+        if (!mn__c_cfg_divisions(P, &P->tok[i], &d)) return 0;
+        for (k = 0; k < MN_CACHE_ROUNDUP_INTERVALS; k++) div[k] = d;
+        return i + 1;
+    }
+    for (i++;;) {
+        const mn__c_cfg_tok *interval;
+        if (i >= P->count) return mn__c_cfg_fail(P, "roundup_power2_divisions misses ']'");
+        if (mn__c_tok_is(&P->tok[i], "]")) return i + 1;
+        if (mn__c_tok_is(&P->tok[i], ",")) { i++; continue; }
+        if (i + 2 >= P->count || !mn__c_tok_is(&P->tok[i + 1], ":"))
+            return mn__c_cfg_fail(P, "roundup_power2_divisions expects [size_mb:divisions,...]");
+        interval = &P->tok[i];
+        if (!mn__c_cfg_divisions(P, &P->tok[i + 2], &d)) return 0;
+        i += 3;
+        if (mn__c_tok_is(interval, ">")) {  // the intervals after the last one named
+            for (k = first ? 0 : last_index + 1; k < MN_CACHE_ROUNDUP_INTERVALS; k++) div[k] = d;
+        } else {
+            uint64_t mb = 0;
+            size_t index;
+            if (!mn__c_tok_u64(interval, &mb) || !mn__c_is_pow2(mb))
+                return mn__c_cfg_fail(P, "roundup_power2_divisions: the intervals have to be a "
+                                      "power of 2");
+            index = mn__c_log2_floor(mb);
+            if (index > MN_CACHE_ROUNDUP_INTERVALS - 1) index = MN_CACHE_ROUNDUP_INTERVALS - 1;
+            if (first) {
+                for (k = 0; k < index; k++) div[k] = d;
+                first = 0;
+            }
+            div[index] = d;
+            last_index = index;
+        }
+    }
+}
+
+// parseGarbageCollectionThreshold: 0 < t < 1.
+MN__PRIVATE size_t mn__c_cfg_gc_threshold(mn__c_cfg_parser *P, size_t i) {
+    const mn__c_cfg_tok *val = &P->tok[i];
+    double d = 0;
+    if (!mn__c_tok_double(val, &d) || !(d > 0.0) || !(d < 1.0))
+        return mn__c_cfg_fail(P, "garbage_collection_threshold must be in (0.0, 1.0), got '%.*s'",
+                              (int)val->n, val->s);
+    P->cfg.garbage_collection_threshold = d;
+    return i + 1;
+}
+
+// The True/False options (parseExpandableSegments and the like). Options of the host (pinned)
+// allocator are validated and have no effect on device memory.
+MN__PRIVATE size_t mn__c_cfg_bool(mn__c_cfg_parser *P, size_t i) {
+    const mn__c_cfg_tok *key = &P->tok[i - 2];
+    int b = 0;
+    if (!mn__c_tok_bool(&P->tok[i], &b))
+        return mn__c_cfg_fail(P, "expected a single True/False argument for %s", P->key);
+    if (mn__c_tok_is(key, "expandable_segments")) P->cfg.expandable_segments = b;
+    if (mn__c_tok_is(key, "release_lock_on_cudamalloc")) P->cfg.release_lock_on_cudamalloc = b;
+    return i + 1;
+}
+
+// The host (pinned) allocator's numeric options: validated, no effect on device memory.
+MN__PRIVATE size_t mn__c_cfg_pinned(mn__c_cfg_parser *P, size_t i) {
+    const mn__c_cfg_tok *val = &P->tok[i];
+    uint64_t u = 0;
+    if (!mn__c_tok_u64(val, &u) || (mn__c_tok_is(&P->tok[i - 2], "pinned_num_register_threads") &&
+                                    (!mn__c_is_pow2(u) || u > 128)))
+        return mn__c_cfg_fail(P, "bad value '%.*s' for %s", (int)val->n, val->s, P->key);
+    return i + 1;
+}
+
+MN__PRIVATE size_t mn__c_cfg_backend(mn__c_cfg_parser *P, size_t i) {
+    const mn__c_cfg_tok *val = &P->tok[i];
+    if (mn__c_tok_is(val, "cudaMallocAsync")) {
+        P->err = MN_ERR_UNSUPPORTED;
+        return mn__c_cfg_fail(P, "backend:cudaMallocAsync is not modelled; only the native "
+                              "caching allocator is");
+    }
+    if (!mn__c_tok_is(val, "native"))
+        return mn__c_cfg_fail(P, "unknown allocator backend '%.*s', options are native and "
+                              "cudaMallocAsync", (int)val->n, val->s);
+    return i + 1;
+}
+
 MNIMPL mn_result mn_cache_config_parse(const char *text, mn_cache_config *out,
                                        const mn_logger *lg) {
-    mn__c_cfg_tok tok[MN__C_CFG_MAX_TOKENS];
-    size_t nt = 0, i = 0;
-    const char *p = text;
-    mn_cache_config cfg;
+    static const struct {
+        const char *key;
+        size_t (*parse)(mn__c_cfg_parser *P, size_t value_index);
+    } keys[] = {
+        {"max_split_size_mb", mn__c_cfg_size_mb},
+        {"max_non_split_rounding_mb", mn__c_cfg_size_mb},
+        {"large_segment_size_mb", mn__c_cfg_size_mb},
+        {"roundup_power2_divisions", mn__c_cfg_roundup},
+        {"garbage_collection_threshold", mn__c_cfg_gc_threshold},
+        {"expandable_segments", mn__c_cfg_bool},
+        {"release_lock_on_cudamalloc", mn__c_cfg_bool},
+        {"pinned_use_cuda_host_register", mn__c_cfg_bool},
+        {"pinned_use_background_threads", mn__c_cfg_bool},
+        {"graph_capture_record_stream_reuse", mn__c_cfg_bool},
+        {"pinned_num_register_threads", mn__c_cfg_pinned},
+        {"pinned_reserve_segment_size_mb", mn__c_cfg_pinned},
+        {"pinned_max_round_threshold_mb", mn__c_cfg_pinned},
+        {"pinned_max_cached_size_mb", mn__c_cfg_pinned},
+        {"backend", mn__c_cfg_backend},
+    };
+    mn__c_cfg_parser parser, *P = &parser;
+    size_t i = 0;
     if (!out) return MN_ERR_INVALID_ARG;
-    memset(&cfg, 0, sizeof cfg);
     memset(out, 0, sizeof *out);
     if (!text) return MN_OK;
-    // lexer: CUDAAllocatorConfig::lexArgs
-    while (*p) {
-        if (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') { p++; continue; }
-        if (nt == MN__C_CFG_MAX_TOKENS) {
-            mn__log(lg, MN_LOG_ERROR, "allocator config: more than %d tokens", MN__C_CFG_MAX_TOKENS);
-            return MN_ERR_CONFIG;
-        }
-        tok[nt].s = p;
-        if (*p == ',' || *p == ':' || *p == '[' || *p == ']') {
-            tok[nt++].n = 1, p++;
-            continue;
-        }
-        while (*p && *p != ',' && *p != ':' && *p != '[' && *p != ']' && *p != ' ' &&
-               *p != '\t' && *p != '\n' && *p != '\r')
-            p++;
-        tok[nt].n = (size_t)(p - tok[nt].s);
-        nt++;
-    }
-    while (i < nt) {
-        const mn__c_cfg_tok *key = &tok[i];
-        const mn__c_cfg_tok *val;
-        char kname[48];
-        uint64_t u = 0;
-        double d = 0;
-        int b = 0;
-        size_t kn = key->n < sizeof kname - 1 ? key->n : sizeof kname - 1;
-        memcpy(kname, key->s, kn);
-        kname[kn] = 0;
+    memset(P, 0, sizeof *P);
+    P->lg = lg, P->err = MN_ERR_CONFIG;
+    if (!mn__c_cfg_lex(P, text)) return P->err;
+    while (i < P->count) {
+        const mn__c_cfg_tok *key = &P->tok[i];
+        size_t kn = key->n < sizeof P->key - 1 ? key->n : sizeof P->key - 1, k;
         if (mn__c_tok_is(key, ",")) { i++; continue; }  // PyTorch tolerates empty pairs
-        if (i + 1 >= nt || !mn__c_tok_is(&tok[i + 1], ":") || i + 2 >= nt) {
-            mn__log(lg, MN_LOG_ERROR, "allocator config: key '%s' needs ':' and a value", kname);
-            return MN_ERR_CONFIG;
+        memcpy(P->key, key->s, kn);
+        P->key[kn] = 0;
+        if (i + 2 >= P->count || !mn__c_tok_is(&P->tok[i + 1], ":")) {
+            mn__c_cfg_fail(P, "key '%s' needs ':' and a value", P->key);
+            return P->err;
         }
-        val = &tok[i + 2];
-        i += 3;
-        if (mn__c_tok_is(key, "max_split_size_mb") || mn__c_tok_is(key, "max_non_split_rounding_mb") ||
-            mn__c_tok_is(key, "large_segment_size_mb")) {
-            int is_seg = mn__c_tok_is(key, "large_segment_size_mb");
-            if (!mn__c_tok_u64(val, &u)) {
-                mn__log(lg, MN_LOG_ERROR, "allocator config: %s expects a whole number of MiB", kname);
-                return MN_ERR_CONFIG;
-            }
-            // CUDAAllocatorConfig::parseMaxSplitSize: "too small, must be > 20"
-            if (!is_seg && u <= MN__C_LARGE_BUFFER / MN__C_MIB) {
-                mn__log(lg, MN_LOG_ERROR, "allocator config: CachingAllocator option %s too small, "
-                        "must be > 20", kname);
-                return MN_ERR_CONFIG;
-            }
-            if (is_seg && (u == 0 || u % 2 != 0)) {
-                mn__log(lg, MN_LOG_ERROR, "allocator config: %s must be a positive multiple of 2",
-                        kname);
-                return MN_ERR_CONFIG;
-            }
-            if (u > (UINT64_MAX >> 20)) u = UINT64_MAX >> 20;  // clamped as PyTorch does
-            if (mn__c_tok_is(key, "max_split_size_mb")) cfg.max_split_size = u << 20;
-            else if (is_seg) cfg.large_segment_size = u << 20;
-            else cfg.max_non_split_rounding = u << 20;
-        } else if (mn__c_tok_is(key, "roundup_power2_divisions")) {
-            // CUDAAllocatorConfig::parseRoundUpPower2Divisions
-            if (mn__c_tok_is(val, "[")) {
-                int first = 1;
-                size_t last_index = 0, k;
-                for (;;) {
-                    const mn__c_cfg_tok *a, *v;
-                    if (i >= nt) {
-                        mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions "
-                                "misses ']'");
-                        return MN_ERR_CONFIG;
-                    }
-                    if (mn__c_tok_is(&tok[i], "]")) { i++; break; }
-                    if (mn__c_tok_is(&tok[i], ",")) { i++; continue; }
-                    if (i + 2 >= nt || !mn__c_tok_is(&tok[i + 1], ":")) {
-                        mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions "
-                                "expects [size_mb:divisions,...]");
-                        return MN_ERR_CONFIG;
-                    }
-                    a = &tok[i], v = &tok[i + 2];
-                    i += 3;
-                    if (!mn__c_tok_u64(v, &u) || (u != 0 && !mn__c_is_pow2(u)) || u > (1u << 20)) {
-                        mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions: "
-                                "the divisions have to be a power of 2 or 0 to disable roundup");
-                        return MN_ERR_CONFIG;
-                    }
-                    if (mn__c_tok_is(a, ">")) {  // the intervals after the last one named
-                        for (k = first ? 0 : last_index + 1; k < MN_CACHE_ROUNDUP_INTERVALS; k++)
-                            cfg.roundup_power2_divisions[k] = (uint32_t)u;
-                    } else {
-                        uint64_t mb = 0;
-                        size_t index;
-                        if (!mn__c_tok_u64(a, &mb) || !mn__c_is_pow2(mb)) {
-                            mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions: "
-                                    "the intervals have to be a power of 2");
-                            return MN_ERR_CONFIG;
-                        }
-                        index = mn__c_log2_floor(mb);
-                        if (index > MN_CACHE_ROUNDUP_INTERVALS - 1)
-                            index = MN_CACHE_ROUNDUP_INTERVALS - 1;
-                        if (first) {
-                            for (k = 0; k < index; k++) cfg.roundup_power2_divisions[k] = (uint32_t)u;
-                            first = 0;
-                        }
-                        cfg.roundup_power2_divisions[index] = (uint32_t)u;
-                        last_index = index;
-                    }
-                }
-            } else {
-                size_t k;
-                if (!mn__c_tok_u64(val, &u) || (u != 0 && !mn__c_is_pow2(u)) || u > (1u << 20)) {
-                    mn__log(lg, MN_LOG_ERROR, "allocator config: roundup_power2_divisions: the "
-                            "divisions have to be a power of 2 or 0 to disable roundup");
-                    return MN_ERR_CONFIG;
-                }
-                for (k = 0; k < MN_CACHE_ROUNDUP_INTERVALS; k++)
-                    cfg.roundup_power2_divisions[k] = (uint32_t)u;
-            }
-        } else if (mn__c_tok_is(key, "garbage_collection_threshold")) {
-            // parseGarbageCollectionThreshold: 0 < t < 1
-            if (!mn__c_tok_double(val, &d) || !(d > 0.0) || !(d < 1.0)) {
-                mn__log(lg, MN_LOG_ERROR, "allocator config: garbage_collection_threshold must be "
-                        "in (0.0, 1.0), got '%.*s'", (int)val->n, val->s);
-                return MN_ERR_CONFIG;
-            }
-            cfg.garbage_collection_threshold = d;
-        } else if (mn__c_tok_is(key, "expandable_segments") ||
-                   mn__c_tok_is(key, "release_lock_on_cudamalloc") ||
-                   mn__c_tok_is(key, "pinned_use_cuda_host_register") ||
-                   mn__c_tok_is(key, "pinned_use_background_threads") ||
-                   mn__c_tok_is(key, "graph_capture_record_stream_reuse")) {
-            if (!mn__c_tok_bool(val, &b)) {
-                mn__log(lg, MN_LOG_ERROR, "allocator config: expected a single True/False argument "
-                        "for %s", kname);
-                return MN_ERR_CONFIG;
-            }
-            if (mn__c_tok_is(key, "expandable_segments")) cfg.expandable_segments = b;
-            if (mn__c_tok_is(key, "release_lock_on_cudamalloc")) cfg.release_lock_on_cudamalloc = b;
-        } else if (mn__c_tok_is(key, "pinned_num_register_threads") ||
-                   mn__c_tok_is(key, "pinned_reserve_segment_size_mb") ||
-                   mn__c_tok_is(key, "pinned_max_round_threshold_mb") ||
-                   mn__c_tok_is(key, "pinned_max_cached_size_mb")) {
-            // host (pinned) allocator options: validated, no effect on device memory
-            if (!mn__c_tok_u64(val, &u) ||
-                (mn__c_tok_is(key, "pinned_num_register_threads") && (!mn__c_is_pow2(u) || u > 128))) {
-                mn__log(lg, MN_LOG_ERROR, "allocator config: bad value '%.*s' for %s",
-                        (int)val->n, val->s, kname);
-                return MN_ERR_CONFIG;
-            }
-        } else if (mn__c_tok_is(key, "backend")) {
-            if (mn__c_tok_is(val, "cudaMallocAsync")) {
-                mn__log(lg, MN_LOG_ERROR, "allocator config: backend:cudaMallocAsync is not "
-                        "modelled; only the native caching allocator is");
-                return MN_ERR_UNSUPPORTED;
-            }
-            if (!mn__c_tok_is(val, "native")) {
-                mn__log(lg, MN_LOG_ERROR, "allocator config: unknown allocator backend '%.*s', "
-                        "options are native and cudaMallocAsync", (int)val->n, val->s);
-                return MN_ERR_CONFIG;
-            }
-        } else {
-            mn__log(lg, MN_LOG_ERROR, "allocator config: Unrecognized key '%s' in CUDA allocator "
-                    "config.", kname);
-            return MN_ERR_CONFIG;
+        for (k = 0; k < sizeof keys / sizeof keys[0] && !mn__c_tok_is(key, keys[k].key); k++)
+            continue;
+        if (k == sizeof keys / sizeof keys[0]) {
+            mn__c_cfg_fail(P, "Unrecognized key '%s' in CUDA allocator config.", P->key);
+            return P->err;
         }
-        if (i < nt && !mn__c_tok_is(&tok[i], ",")) {
-            mn__log(lg, MN_LOG_ERROR, "allocator config: expected ',' after the value of '%s'",
-                    kname);
-            return MN_ERR_CONFIG;
+        if ((i = keys[k].parse(P, i + 2)) == 0) return P->err;
+        if (i < P->count && !mn__c_tok_is(&P->tok[i], ",")) {
+            mn__c_cfg_fail(P, "expected ',' after the value of '%s'", P->key);
+            return P->err;
         }
     }
-    *out = cfg;
+    *out = P->cfg;
     return MN_OK;
 }
 
