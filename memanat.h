@@ -486,8 +486,9 @@ typedef enum mn_phase {
     MN_PHASE_PREFILL, MN_PHASE_DECODE, MN_PHASE_COUNT
 } mn_phase;
 typedef struct mn_trace_event {
-    uint64_t size;      // bytes
-    uint32_t id;        // tensor id: an allocation and its free share it
+    uint64_t size;      // bytes (allocations)
+    uint64_t id;        // tensor id or pointer: an allocation and its free share it
+    uint32_t stream;    // mn_stream, 0 = the default stream
     uint8_t alloc;      // 1 = allocate, 0 = free
     uint8_t category;   // mn_category
     uint8_t phase;      // mn_phase
@@ -777,32 +778,53 @@ typedef enum mn_stat_type {  // PyTorch StatType
     MN_STAT_TYPE_COUNT
 } mn_stat_type;
 
-// PyTorch's DeviceStats (c10/cuda/CUDACachingAllocator.h), plus statistics per category.
-// The typedef name differs from the tag so that mn_cache_stats() can keep its name, like
-// POSIX struct stat and stat().
+// The statistics: PyTorch's DeviceStats (c10/cuda/CUDACachingAllocator.h) plus statistics per
+// memory category, one row each: X(kind, name, unit, label). Every use is generated from this
+// list: the struct, the resets, mn_cache_check, memory_summary() and the flat memory_stats()
+// items; a program's own report can use it the same way.
+//   kind  POOL   mn_stat name[MN_STAT_TYPE_COUNT]   all, small pool, large pool
+//         ONE    mn_stat name
+//         COUNT  uint64_t name                      an event counter (an accumulated statistic)
+//         VALUE  uint64_t name                      a setting (UINT64_MAX = unlimited)
+//         CAT    mn_stat name[MN_CAT_COUNT]         memanat: per memory category
+//         CATV   uint64_t name[MN_CAT_COUNT]
+//   unit  BYTES or COUNT;  label: the row of memory_summary(), "" for none.
+// POOL rows are in the order memory_summary() prints them.
+#define MN_CACHE_STATS(X) \
+    X(POOL, allocated_bytes, BYTES, "Allocated memory")      /* rounded block sizes */ \
+    X(POOL, active_bytes, BYTES, "Active memory")                                     \
+    X(POOL, requested_bytes, BYTES, "Requested memory")      /* unrounded sizes asked for */ \
+    X(POOL, reserved_bytes, BYTES, "GPU reserved memory")    /* device bytes held */ \
+    X(POOL, inactive_split_bytes, BYTES, "Non-releasable memory")                     \
+    X(POOL, allocation, COUNT, "Allocations")                /* blocks handed to callers */ \
+    X(POOL, active, COUNT, "Active allocs")                  /* allocated or awaiting events */ \
+    X(POOL, segment, COUNT, "GPU reserved segments")         /* device allocations, not maps */ \
+    X(POOL, inactive_split, COUNT, "Non-releasable allocs")  /* free blocks in split segments */ \
+    X(ONE, oversize_allocations, COUNT, "Oversize allocations")  /* blocks >= max_split_size */ \
+    X(ONE, oversize_segments, COUNT, "Oversize GPU segments")    /* segments >= max_split_size */ \
+    X(COUNT, num_alloc_retries, COUNT, "")     /* cache flushes after a failed device allocation */ \
+    X(COUNT, num_ooms, COUNT, "")              /* allocations failed after the whole ladder */ \
+    X(COUNT, num_sync_all_streams, COUNT, "")                                         \
+    X(COUNT, num_device_alloc, COUNT, "")      /* device allocations + maps */        \
+    X(COUNT, num_device_free, COUNT, "")       /* device frees + unmaps */            \
+    X(VALUE, max_split_size, BYTES, "")        /* UINT64_MAX = unlimited */           \
+    X(CAT, cat_allocation, COUNT, "")                                                 \
+    X(CAT, cat_allocated_bytes, BYTES, "")                                            \
+    X(CAT, cat_requested_bytes, BYTES, "")                                            \
+    X(CATV, cat_at_peak, BYTES, "")            /* allocated bytes at the allocated peak */
+
+#define MN__STAT_FIELD_POOL(name) mn_stat name[MN_STAT_TYPE_COUNT];
+#define MN__STAT_FIELD_ONE(name) mn_stat name;
+#define MN__STAT_FIELD_COUNT(name) uint64_t name;
+#define MN__STAT_FIELD_VALUE(name) uint64_t name;
+#define MN__STAT_FIELD_CAT(name) mn_stat name[MN_CAT_COUNT];
+#define MN__STAT_FIELD_CATV(name) uint64_t name[MN_CAT_COUNT];
+#define MN__STAT_FIELD(kind, name, unit, label) MN__STAT_FIELD_##kind(name)
+
+// The typedef name differs from the tag so that mn_cache_stats() can keep its name, like POSIX
+// struct stat and stat().
 typedef struct mn_cache_stats {
-    mn_stat allocation[MN_STAT_TYPE_COUNT];      // blocks handed to callers
-    mn_stat segment[MN_STAT_TYPE_COUNT];         // device allocations (not expandable maps)
-    mn_stat active[MN_STAT_TYPE_COUNT];          // allocated or waiting for stream events
-    mn_stat inactive_split[MN_STAT_TYPE_COUNT];  // free blocks inside split segments
-    mn_stat allocated_bytes[MN_STAT_TYPE_COUNT]; // rounded block sizes
-    mn_stat reserved_bytes[MN_STAT_TYPE_COUNT];  // device bytes held (free and used)
-    mn_stat active_bytes[MN_STAT_TYPE_COUNT];
-    mn_stat inactive_split_bytes[MN_STAT_TYPE_COUNT];  // "non-releasable memory"
-    mn_stat requested_bytes[MN_STAT_TYPE_COUNT];       // unrounded sizes asked for
-    uint64_t num_alloc_retries;   // cache flushes after a failed device allocation
-    uint64_t num_ooms;            // allocations that failed after the whole ladder
-    uint64_t num_sync_all_streams;
-    uint64_t num_device_alloc;    // device allocations + maps
-    uint64_t num_device_free;     // device frees + unmaps
-    mn_stat oversize_allocations; // blocks >= max_split_size handed out
-    mn_stat oversize_segments;    // segments >= max_split_size allocated
-    uint64_t max_split_size;      // UINT64_MAX = unlimited
-    // per memory category (memanat)
-    mn_stat cat_allocation[MN_CAT_COUNT];
-    mn_stat cat_allocated_bytes[MN_CAT_COUNT];
-    mn_stat cat_requested_bytes[MN_CAT_COUNT];
-    uint64_t cat_at_peak[MN_CAT_COUNT];  // allocated bytes per category at the allocated peak
+    MN_CACHE_STATS(MN__STAT_FIELD)
 } mn_cache_statistics;
 
 MNDEF mn_result mn_cache_init(mn_cache *c, const mn_cache_desc *desc);
@@ -904,6 +926,24 @@ MNDEF const char *mn_block_state_name(mn_block_state s);     // "active_allocate
 // torch.cuda.memory_summary(): PyTorch's table, byte for byte.
 MNDEF mn_result mn_cache_summary_write(const struct mn_cache_stats *s, int device_index,
                                        int abbreviated, mn_cache_write_fn fn, void *user_data);
+// torch.cuda.memory_stats(): every statistic of the PyTorch set under its flat key
+// ("allocated_bytes.all.peak", "num_ooms", "max_split_size"; UINT64_MAX values as -1), sorted by
+// key as PyTorch sorts them. Returns the number of items (MN_CACHE_STATS_ITEMS); writes them
+// only when cap is at least that.
+typedef struct mn_stat_item {
+    char key[48];
+    int64_t value;
+} mn_stat_item;
+#define MN__STAT_ITEMS_POOL (4 * MN_STAT_TYPE_COUNT)
+#define MN__STAT_ITEMS_ONE 4
+#define MN__STAT_ITEMS_COUNT 1
+#define MN__STAT_ITEMS_VALUE 1
+#define MN__STAT_ITEMS_CAT 0
+#define MN__STAT_ITEMS_CATV 0
+#define MN__STAT_ITEMS(kind, name, unit, label) + MN__STAT_ITEMS_##kind
+enum { MN_CACHE_STATS_ITEMS = 0 MN_CACHE_STATS(MN__STAT_ITEMS) };
+MNDEF uint32_t mn_cache_stats_items(const struct mn_cache_stats *s, mn_stat_item *items,
+                                    uint32_t cap);
 // memanat's table per memory category: current, peak and at-the-allocated-peak bytes, and
 // allocation counts, for the categories that were used.
 MNDEF mn_result mn_cache_category_summary_write(const struct mn_cache_stats *s,
@@ -917,6 +957,45 @@ MNDEF mn_result mn_cache_timeline_svg(const mn_cache_snapshot *s, const char *ti
                                       mn_cache_write_fn fn, void *user_data);
 // PyTorch's format_size(): "512 bytes", "1.50 KiB", "20.00 MiB", "1.25 GiB".
 MNDEF void mn_cache_format_size(uint64_t bytes, char *buf, size_t cap);
+
+// ---- helpers: a cache on a simulated device, a FILE* writer, trace replay ----
+
+// A caching allocator over a simulated device of its own: what the estimator, the CLI, the
+// benchmarks and the tests run on the CPU. The allocator points into the struct, so it must not
+// move between init and free.
+typedef struct mn_sim_cache {
+    mn_simdev dev;
+    mn_cache cache;
+} mn_sim_cache;
+
+// dd: the device (NULL = unlimited capacity, events completed by hand); cd: the allocator
+// (NULL = PyTorch's defaults; its device field is ignored). The device uses cd's host allocator
+// when dd gives none. On failure nothing is left to free.
+MNDEF mn_result mn_sim_cache_init(mn_sim_cache *sc, const mn_simdev_desc *dd,
+                                  const mn_cache_desc *cd);
+MNDEF void mn_sim_cache_free(mn_sim_cache *sc);
+
+// A mn_cache_write_fn for a FILE* passed as user_data: MN_ERR_IO when fwrite writes less.
+MNDEF mn_result mn_cache_write_file(void *file, const char *data, size_t len);
+
+typedef struct mn_replay_counts {
+    uint64_t allocations;      // allocation events
+    uint64_t frees;            // free events
+    uint64_t unmatched_frees;  // frees of an id with no live block (its allocation failed, or
+                               // the trace never allocated it)
+    uint64_t failed;           // allocations refused after the out-of-memory ladder (num_ooms)
+} mn_replay_counts;
+
+// Replays an allocation trace (mn_trace_event, the form mn_estimate_trace() writes) through c,
+// in order. An allocation of id gets a block of size bytes on its stream with its category,
+// labelled with its phase name when phase is set; a free releases the block of that id; any id
+// value may be used. An allocation of a live id first releases the old block (the trace did
+// not record its free). An allocation that fails after the whole out-of-memory ladder is counted
+// and the replay goes on. release_live 1 releases the blocks still live at the end, so the
+// trace can be replayed again. counts may be NULL. The id map takes host memory from c's
+// allocator (MN_ERR_OUT_OF_MEMORY); any other allocator error stops the replay and is returned.
+MNDEF mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint64_t count,
+                                int release_live, mn_replay_counts *counts);
 // >>optim ---------------------------------------------------------------------------------------
 //
 // Optimizers on host arrays, one state struct per parameter tensor (init / step / free), the state
@@ -3193,6 +3272,7 @@ static void mn__event(mn__sim *S, uint32_t id, int alloc) {
     e = &S->ev[S->nev++];
     e->size = S->t[id].bytes;
     e->id = id;
+    e->stream = 0;
     e->alloc = (uint8_t)alloc;
     e->category = S->t[id].cat;
     e->phase = (uint8_t)S->phase;
@@ -4473,54 +4553,22 @@ static void mn__run(mn__sim *S) {
     }
 }
 
-// Feeds recorded events to a caching allocator. An allocation that fails even after the OOM
-// ladder is counted by the allocator (num_ooms) and its free is skipped.
-static mn_result mn__replay_into(const mn_allocator *al, const mn_trace_event *ev, uint64_t n, uint64_t ntensors,
-                                 mn_cache *cache) {
-    void **ptr = (void **)mn__alloc_array(al, (size_t)ntensors + 1, sizeof *ptr);
-    uint64_t i;
-    mn_result r = MN_OK;
-    if (!ptr) return MN_ERR_OUT_OF_MEMORY;
-    memset(ptr, 0, ((size_t)ntensors + 1) * sizeof *ptr);
-    for (i = 0; i < n && r == MN_OK; i++) {
-        const mn_trace_event *e = &ev[i];
-        if (e->id > ntensors) { r = MN_ERR_INVALID_ARG; break; }
-        if (e->alloc) {
-            ptr[e->id] = NULL;
-            r = mn_cache_alloc(cache, e->size, 0, (mn_category)e->category, mn_phase_name((mn_phase)e->phase), &ptr[e->id]);
-            if (r == MN_ERR_DEVICE_OOM) r = MN_OK;
-        } else if (ptr[e->id]) {
-            r = mn_cache_release(cache, ptr[e->id]);
-            ptr[e->id] = NULL;
-        }
-    }
-    mn__free(al, ptr);
-    return r;
-}
-
 // Replays the events through the caching allocator on a simulated device. capacity 0 = unlimited.
 static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *st) {
-    mn_simdev dev;
+    mn_sim_cache sc;
     mn_simdev_desc dd;
-    mn_cache cache;
     mn_cache_desc cd;
     mn_result r;
     memset(&dd, 0, sizeof dd);
-    dd.capacity = capacity;
-    if (S->al) dd.allocator = *S->al;
-    r = mn_simdev_init(&dev, &dd);
-    if (r != MN_OK) return r;
     memset(&cd, 0, sizeof cd);
-    cd.device = mn_simdev_device(&dev);
+    dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
     cd.logger = S->c->s.logger;
     if (S->al) cd.allocator = *S->al;
-    r = mn_cache_init(&cache, &cd);
-    if (r != MN_OK) { mn_simdev_free(&dev); return r; }
-    r = mn__replay_into(S->al, S->ev, S->nev, S->nt, &cache);
-    if (r == MN_OK) r = mn_cache_stats(&cache, st);
-    mn_cache_free(&cache);
-    mn_simdev_free(&dev);
+    if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
+    r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, NULL);
+    if (r == MN_OK) r = mn_cache_stats(&sc.cache, st);
+    mn_sim_cache_free(&sc);
     return r;
 }
 
@@ -4622,7 +4670,7 @@ MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup
     s2 = *setup;
     s2.no_replay = 1;
     r = mn__estimate(model, &s2, allocator, &res, &S, 1, NULL);
-    if (r == MN_OK) r = mn__replay_into(allocator, S.ev, S.nev, S.nt, cache);
+    if (r == MN_OK) r = mn_cache_replay(cache, S.ev, S.nev, 0, NULL);
     mn__sim_free(&S);
     return r;
 }
@@ -7353,14 +7401,22 @@ MN__PRIVATE void mn__c_reset_acc(mn_stat *s, size_t n) {
     for (i = 0; i < n; i++) s[i].allocated = s[i].freed = 0;
 }
 
-#define MN__C_STAT_ARRAYS(X, st) \
-    X((st).allocation, MN_STAT_TYPE_COUNT); X((st).segment, MN_STAT_TYPE_COUNT); \
-    X((st).active, MN_STAT_TYPE_COUNT); X((st).inactive_split, MN_STAT_TYPE_COUNT); \
-    X((st).allocated_bytes, MN_STAT_TYPE_COUNT); X((st).reserved_bytes, MN_STAT_TYPE_COUNT); \
-    X((st).active_bytes, MN_STAT_TYPE_COUNT); X((st).inactive_split_bytes, MN_STAT_TYPE_COUNT); \
-    X((st).requested_bytes, MN_STAT_TYPE_COUNT); X(&(st).oversize_allocations, 1); \
-    X(&(st).oversize_segments, 1); X((st).cat_allocation, MN_CAT_COUNT); \
-    X((st).cat_allocated_bytes, MN_CAT_COUNT); X((st).cat_requested_bytes, MN_CAT_COUNT)
+// The resets, generated from MN_CACHE_STATS: peaks fall to the current values; accumulated
+// totals and event counters fall to zero; settings stay.
+#define MN__C_PEAK_POOL(name) mn__c_reset_peak(c->st.name, MN_STAT_TYPE_COUNT);
+#define MN__C_PEAK_ONE(name) mn__c_reset_peak(&c->st.name, 1);
+#define MN__C_PEAK_CAT(name) mn__c_reset_peak(c->st.name, MN_CAT_COUNT);
+#define MN__C_PEAK_COUNT(name)
+#define MN__C_PEAK_VALUE(name)
+#define MN__C_PEAK_CATV(name)
+#define MN__C_PEAK(kind, name, unit, label) MN__C_PEAK_##kind(name)
+#define MN__C_ACC_POOL(name) mn__c_reset_acc(c->st.name, MN_STAT_TYPE_COUNT);
+#define MN__C_ACC_ONE(name) mn__c_reset_acc(&c->st.name, 1);
+#define MN__C_ACC_CAT(name) mn__c_reset_acc(c->st.name, MN_CAT_COUNT);
+#define MN__C_ACC_COUNT(name) c->st.name = 0;
+#define MN__C_ACC_VALUE(name)
+#define MN__C_ACC_CATV(name)
+#define MN__C_ACC(kind, name, unit, label) MN__C_ACC_##kind(name)
 
 MNIMPL void mn_cache_reset_peak_stats(mn_cache *cache) {
     mn__c_cache *c;
@@ -7368,7 +7424,7 @@ MNIMPL void mn_cache_reset_peak_stats(mn_cache *cache) {
     if (!cache || !cache->p) return;
     c = cache->p;
     mn__c_lock(c);
-    MN__C_STAT_ARRAYS(mn__c_reset_peak, c->st);
+    MN_CACHE_STATS(MN__C_PEAK)
     for (k = 0; k < MN_CAT_COUNT; k++) c->st.cat_at_peak[k] = c->st.cat_allocated_bytes[k].current;
     mn__c_unlock(c);
 }
@@ -7378,9 +7434,7 @@ MNIMPL void mn_cache_reset_accumulated_stats(mn_cache *cache) {
     if (!cache || !cache->p) return;
     c = cache->p;
     mn__c_lock(c);
-    MN__C_STAT_ARRAYS(mn__c_reset_acc, c->st);
-    c->st.num_alloc_retries = c->st.num_ooms = c->st.num_sync_all_streams = 0;
-    c->st.num_device_alloc = c->st.num_device_free = 0;
+    MN_CACHE_STATS(MN__C_ACC)
     mn__c_unlock(c);
 }
 
@@ -7461,6 +7515,30 @@ MN__PRIVATE uint64_t mn__c_tree_check(const mn__c_block *t, uint64_t *count, int
 
 #define MN__C_FAIL(...) do { mn__log(&c->logger, MN_LOG_ERROR, __VA_ARGS__); r = MN_ERR_STATE; \
     goto done; } while (0)
+
+// mn_cache_check's use of MN_CACHE_STATS: the pools add up to the aggregate, and every current
+// value recounted from the blocks equals the one kept.
+#define MN__C_SUM_POOL(name) want.name[0].current += want.name[t].current;
+#define MN__C_SUM(kind, name, unit, label) MN__C_SUM_##kind(name)
+#define MN__C_SUM_ONE(name)
+#define MN__C_SUM_COUNT(name)
+#define MN__C_SUM_VALUE(name)
+#define MN__C_SUM_CAT(name)
+#define MN__C_SUM_CATV(name)
+#define MN__C_CMP_ARRAY(name, n) \
+    for (t = 0; t < (int)(n); t++) \
+        if (want.name[t].current != c->st.name[t].current) \
+            MN__C_FAIL("cache check: " #name "[%d] is %llu, blocks say %llu", t, \
+                       (unsigned long long)c->st.name[t].current, \
+                       (unsigned long long)want.name[t].current);
+#define MN__C_CMP_POOL(name) MN__C_CMP_ARRAY(name, MN_STAT_TYPE_COUNT)
+#define MN__C_CMP_CAT(name) MN__C_CMP_ARRAY(name, MN_CAT_COUNT)
+#define MN__C_CMP_ONE(name) \
+    if (want.name.current != c->st.name.current) MN__C_FAIL("cache check: " #name " count");
+#define MN__C_CMP_COUNT(name)
+#define MN__C_CMP_VALUE(name)
+#define MN__C_CMP_CATV(name)
+#define MN__C_CMP(kind, name, unit, label) MN__C_CMP_##kind(name)
 
 MNIMPL mn_result mn_cache_check(mn_cache *cache) {
     mn__c_cache *c;
@@ -7548,33 +7626,11 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
     }
     if (allocated != c->map_count) MN__C_FAIL("cache check: address map size");
     for (t = 1; t < MN_STAT_TYPE_COUNT; t++) {
-        want.allocation[0].current += want.allocation[t].current;
-        want.segment[0].current += want.segment[t].current;
-        want.active[0].current += want.active[t].current;
-        want.inactive_split[0].current += want.inactive_split[t].current;
-        want.allocated_bytes[0].current += want.allocated_bytes[t].current;
-        want.reserved_bytes[0].current += want.reserved_bytes[t].current;
-        want.active_bytes[0].current += want.active_bytes[t].current;
-        want.inactive_split_bytes[0].current += want.inactive_split_bytes[t].current;
-        want.requested_bytes[0].current += want.requested_bytes[t].current;
+        MN_CACHE_STATS(MN__C_SUM)
     }
     total = want.reserved_bytes[0].current;
     if (total != c->total_allocated_memory) MN__C_FAIL("cache check: total_allocated_memory");
-    for (t = 0; t < MN_STAT_TYPE_COUNT; t++) {
-#define MN__C_CMP(f) if (want.f[t].current != c->st.f[t].current) \
-        MN__C_FAIL("cache check: " #f "[%d] is %llu, blocks say %llu", t, \
-                   (unsigned long long)c->st.f[t].current, (unsigned long long)want.f[t].current)
-        MN__C_CMP(allocation); MN__C_CMP(segment); MN__C_CMP(active); MN__C_CMP(inactive_split);
-        MN__C_CMP(allocated_bytes); MN__C_CMP(reserved_bytes); MN__C_CMP(active_bytes);
-        MN__C_CMP(inactive_split_bytes); MN__C_CMP(requested_bytes);
-    }
-    for (t = 0; t < MN_CAT_COUNT; t++) {
-        MN__C_CMP(cat_allocation); MN__C_CMP(cat_allocated_bytes); MN__C_CMP(cat_requested_bytes);
-#undef MN__C_CMP
-    }
-    if (want.oversize_allocations.current != c->st.oversize_allocations.current ||
-        want.oversize_segments.current != c->st.oversize_segments.current)
-        MN__C_FAIL("cache check: oversize counts");
+    MN_CACHE_STATS(MN__C_CMP)
 done:
     mn__c_unlock(c);
     return r;
@@ -7751,6 +7807,29 @@ MN__PRIVATE void mn__c_summary_row(mn__c_out *o, const char *name, const mn_stat
     mn__c_printf(o, "| %-21s | %s | %s | %s | %s |\n", name, cell[0], cell[1], cell[2], cell[3]);
 }
 
+// One group of memory_summary(): the aggregate row, then (unabbreviated) the two pools.
+MN__PRIVATE void mn__c_summary_group(mn__c_out *o, const char *label, const mn_stat *st,
+                                     int npools, int bytes, int abbreviated) {
+    static const char *const dash =
+        "---------------------------------------------------------------------------";
+    mn__c_printf(o, "|%s|\n", dash);
+    mn__c_summary_row(o, label, &st[MN_STAT_ALL], &st[MN_STAT_ALL], bytes);
+    if (abbreviated || npools == 1) return;
+    mn__c_summary_row(o, "      from large pool", &st[MN_STAT_LARGE_POOL], &st[MN_STAT_ALL], bytes);
+    mn__c_summary_row(o, "      from small pool", &st[MN_STAT_SMALL_POOL], &st[MN_STAT_ALL], bytes);
+}
+
+#define MN__C_UNIT_BYTES 1
+#define MN__C_UNIT_COUNT 0
+#define MN__C_GROUP_POOL(name, unit, label) \
+    mn__c_summary_group(&o, label, s->name, MN_STAT_TYPE_COUNT, MN__C_UNIT_##unit, abbreviated);
+#define MN__C_GROUP_ONE(name, unit, label) mn__c_summary_group(&o, label, &s->name, 1, 0, 0);
+#define MN__C_GROUP_COUNT(name, unit, label)
+#define MN__C_GROUP_VALUE(name, unit, label)
+#define MN__C_GROUP_CAT(name, unit, label)
+#define MN__C_GROUP_CATV(name, unit, label)
+#define MN__C_GROUP(kind, name, unit, label) MN__C_GROUP_##kind(name, unit, label)
+
 MNIMPL mn_result mn_cache_summary_write(const struct mn_cache_stats *s, int device_index,
                                         int abbreviated, mn_cache_write_fn fn, void *user_data) {
     // torch/cuda/memory.py memory_summary(): 75-character box, rows "all", large, small pool
@@ -7758,14 +7837,7 @@ MNIMPL mn_result mn_cache_summary_write(const struct mn_cache_stats *s, int devi
         "===========================================================================";
     static const char *const dash =
         "---------------------------------------------------------------------------";
-    const struct { const mn_stat *st; const char *name; int bytes; } m[9] = {
-        {s->allocated_bytes, "Allocated memory", 1}, {s->active_bytes, "Active memory", 1},
-        {s->requested_bytes, "Requested memory", 1}, {s->reserved_bytes, "GPU reserved memory", 1},
-        {s->inactive_split_bytes, "Non-releasable memory", 1}, {s->allocation, "Allocations", 0},
-        {s->active, "Active allocs", 0}, {s->segment, "GPU reserved segments", 0},
-        {s->inactive_split, "Non-releasable allocs", 0}};
     mn__c_out o;
-    int i;
     if (!s || !fn) return MN_ERR_INVALID_ARG;
     o.fn = fn, o.ud = user_data, o.r = MN_OK;
     mn__c_printf(&o, "|%s|\n", eq);
@@ -7776,22 +7848,58 @@ MNIMPL mn_result mn_cache_summary_write(const struct mn_cache_stats *s, int devi
     mn__c_printf(&o, "|%s|\n", eq);
     mn__c_printf(&o, "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | "
                  "Tot Freed  |\n");
-    for (i = 0; i < 9; i++) {
-        mn__c_printf(&o, "|%s|\n", dash);
-        mn__c_summary_row(&o, m[i].name, &m[i].st[MN_STAT_ALL], &m[i].st[MN_STAT_ALL], m[i].bytes);
-        if (abbreviated) continue;
-        mn__c_summary_row(&o, "      from large pool", &m[i].st[MN_STAT_LARGE_POOL],
-                          &m[i].st[MN_STAT_ALL], m[i].bytes);
-        mn__c_summary_row(&o, "      from small pool", &m[i].st[MN_STAT_SMALL_POOL],
-                          &m[i].st[MN_STAT_ALL], m[i].bytes);
-    }
-    mn__c_printf(&o, "|%s|\n", dash);
-    mn__c_summary_row(&o, "Oversize allocations", &s->oversize_allocations,
-                      &s->oversize_allocations, 0);
-    mn__c_printf(&o, "|%s|\n", dash);
-    mn__c_summary_row(&o, "Oversize GPU segments", &s->oversize_segments, &s->oversize_segments, 0);
+    MN_CACHE_STATS(MN__C_GROUP)
     mn__c_printf(&o, "|%s|\n", eq);
     return o.r;
+}
+
+// torch.cuda.memory_stats(): flat keys, sorted as PyTorch sorts them.
+typedef struct mn__c_items {
+    mn_stat_item *items;
+    uint32_t cap, count;
+} mn__c_items;
+
+MN__PRIVATE void mn__c_item(mn__c_items *it, const char *a, const char *b, const char *c,
+                            uint64_t v) {
+    mn_stat_item *x;
+    if (it->count++ >= it->cap) return;
+    x = &it->items[it->count - 1];
+    snprintf(x->key, sizeof x->key, "%s%s%s%s%s", a, b[0] ? "." : "", b, c[0] ? "." : "", c);
+    x->value = v == UINT64_MAX ? -1 : (int64_t)v;
+}
+
+MN__PRIVATE void mn__c_item_stat(mn__c_items *it, const char *name, const char *pool,
+                                 const mn_stat *st) {
+    mn__c_item(it, name, pool, "current", st->current);
+    mn__c_item(it, name, pool, "peak", st->peak);
+    mn__c_item(it, name, pool, "allocated", st->allocated);
+    mn__c_item(it, name, pool, "freed", st->freed);
+}
+
+#define MN__C_ITEM_POOL(name) \
+    mn__c_item_stat(&it, #name, "all", &s->name[MN_STAT_ALL]); \
+    mn__c_item_stat(&it, #name, "small_pool", &s->name[MN_STAT_SMALL_POOL]); \
+    mn__c_item_stat(&it, #name, "large_pool", &s->name[MN_STAT_LARGE_POOL]);
+#define MN__C_ITEM_ONE(name) mn__c_item_stat(&it, #name, "", &s->name);
+#define MN__C_ITEM_COUNT(name) mn__c_item(&it, #name, "", "", s->name);
+#define MN__C_ITEM_VALUE(name) mn__c_item(&it, #name, "", "", s->name);
+#define MN__C_ITEM_CAT(name)
+#define MN__C_ITEM_CATV(name)
+#define MN__C_ITEM(kind, name, unit, label) MN__C_ITEM_##kind(name)
+
+MN__PRIVATE int mn__c_item_cmp(const void *a, const void *b) {
+    return strcmp(((const mn_stat_item *)a)->key, ((const mn_stat_item *)b)->key);
+}
+
+MNIMPL uint32_t mn_cache_stats_items(const struct mn_cache_stats *s, mn_stat_item *items,
+                                     uint32_t cap) {
+    mn__c_items it;
+    it.items = items, it.cap = items ? cap : 0, it.count = 0;
+    if (!s) return 0;
+    if (it.cap < MN_CACHE_STATS_ITEMS) return MN_CACHE_STATS_ITEMS;
+    MN_CACHE_STATS(MN__C_ITEM)
+    qsort(items, it.count, sizeof *items, mn__c_item_cmp);
+    return it.count;
 }
 
 MNIMPL mn_result mn_cache_category_summary_write(const struct mn_cache_stats *s,
@@ -8022,6 +8130,118 @@ done:
     mn__free(&s->allocator, coltot);
     return o.r;
 }
+// ---- helpers: a cache on a simulated device, a FILE* writer, trace replay ---------------------
+
+MNIMPL mn_result mn_sim_cache_init(mn_sim_cache *sc, const mn_simdev_desc *dd,
+                                   const mn_cache_desc *cd) {
+    mn_simdev_desc d;
+    mn_cache_desc c;
+    mn_result r;
+    if (!sc) return MN_ERR_INVALID_ARG;
+    memset(sc, 0, sizeof *sc);
+    memset(&d, 0, sizeof d);
+    memset(&c, 0, sizeof c);
+    if (dd) d = *dd;
+    if (cd) c = *cd;
+    if (!d.allocator.alloc_fn) d.allocator = c.allocator;
+    if ((r = mn_simdev_init(&sc->dev, &d)) != MN_OK) return r;
+    c.device = mn_simdev_device(&sc->dev);
+    if ((r = mn_cache_init(&sc->cache, &c)) != MN_OK) mn_simdev_free(&sc->dev);
+    return r;
+}
+
+MNIMPL void mn_sim_cache_free(mn_sim_cache *sc) {
+    if (!sc) return;
+    mn_cache_free(&sc->cache);
+    mn_simdev_free(&sc->dev);
+}
+
+MNIMPL mn_result mn_cache_write_file(void *file, const char *data, size_t len) {
+    if (!file) return MN_ERR_INVALID_ARG;
+    return fwrite(data, 1, len, (FILE *)file) == len ? MN_OK : MN_ERR_IO;
+}
+
+// Trace id -> live block, open addressing with linear probing; a NULL block marks an empty slot
+// (blocks of size 0 are never stored), so every id value is usable.
+typedef struct mn__c_idmap {
+    uint64_t *id;
+    void **block;
+    uint64_t mask;
+} mn__c_idmap;
+
+MN__PRIVATE uint64_t mn__c_idmap_slot(const mn__c_idmap *m, uint64_t id) {
+    uint64_t h = ((id * 0x9E3779B97F4A7C15ull) >> 20) & m->mask;
+    while (m->block[h] && m->id[h] != id) h = (h + 1) & m->mask;
+    return h;
+}
+
+// Empties slot h and moves back the entries of its probe run that would no longer be found.
+MN__PRIVATE void mn__c_idmap_remove(mn__c_idmap *m, uint64_t h) {
+    uint64_t j;
+    m->block[h] = NULL;
+    for (j = (h + 1) & m->mask; m->block[j]; j = (j + 1) & m->mask) {
+        uint64_t id = m->id[j], g;
+        void *b = m->block[j];
+        m->block[j] = NULL;
+        g = mn__c_idmap_slot(m, id);
+        m->id[g] = id, m->block[g] = b;
+    }
+}
+
+MN__PRIVATE mn_result mn__c_replay_event(mn_cache *c, mn__c_idmap *m, const mn_trace_event *e,
+                                         mn_replay_counts *n) {
+    uint64_t h = mn__c_idmap_slot(m, e->id);
+    void *p = NULL;
+    mn_result r;
+    if (!e->alloc) {
+        n->frees++;
+        if (!m->block[h]) return n->unmatched_frees++, MN_OK;
+        r = mn_cache_release(c, m->block[h]);
+        mn__c_idmap_remove(m, h);
+        return r;
+    }
+    n->allocations++;
+    if (m->block[h]) {  // the id is live: its free was not recorded
+        if ((r = mn_cache_release(c, m->block[h])) != MN_OK) return r;
+        mn__c_idmap_remove(m, h);
+        h = mn__c_idmap_slot(m, e->id);
+    }
+    r = mn_cache_alloc(c, e->size, e->stream, (mn_category)e->category,
+                       e->phase ? mn_phase_name((mn_phase)e->phase) : NULL, &p);
+    if (r == MN_ERR_DEVICE_OOM) return n->failed++, MN_OK;
+    if (r == MN_OK && p) m->id[h] = e->id, m->block[h] = p;
+    return r;
+}
+
+MNIMPL mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint64_t count,
+                                 int release_live, mn_replay_counts *counts) {
+    mn__c_idmap m;
+    mn_replay_counts n;
+    const mn_allocator *al;
+    uint64_t cap = 1024, i;
+    mn_result r = MN_OK;
+    if (!c || !c->p || (!events && count)) return MN_ERR_INVALID_ARG;
+    al = &c->p->alloc;
+    memset(&n, 0, sizeof n);
+    while (cap < count + 1 && cap < (1ull << 62)) cap *= 2;  // at most half full
+    if (cap < count + 1) return MN_ERR_OVERFLOW;
+    m.mask = cap - 1;
+    m.id = (uint64_t *)mn__alloc_array(al, (size_t)cap, sizeof *m.id);
+    m.block = (void **)mn__alloc_array(al, (size_t)cap, sizeof *m.block);
+    if (!m.id || !m.block) r = MN_ERR_OUT_OF_MEMORY;
+    else memset(m.block, 0, (size_t)cap * sizeof *m.block);
+    for (i = 0; i < count && r == MN_OK; i++) r = mn__c_replay_event(c, &m, &events[i], &n);
+    for (i = 0; release_live && m.block && i < cap; i++)
+        if (m.block[i]) {
+            mn_result rr = mn_cache_release(c, m.block[i]);
+            if (r == MN_OK) r = rr;
+        }
+    mn__free(al, m.id);
+    mn__free(al, m.block);
+    if (counts) *counts = n;
+    return r;
+}
+
 // >>optim implementation ------------------------------------------------------------------------
 //
 // State per parameter tensor of n elements (fp32 master):
