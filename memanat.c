@@ -42,7 +42,25 @@ static int fail_result(const char *what, mn_result r) {
     return fail("%s: %s", what, mn_result_str(r));
 }
 
-// ---- option parsing ----------------------------------------------------------------------------
+// ---- options: one table for every command, one parser -------------------------------------------
+//
+// The CLI checks only what it must to fill a field (a count, a size, a name); the library checks
+// every range and says why a value is refused, and the CLI prints that reason.
+
+enum { CMD_ESTIMATE = 1, CMD_FIT = 2, CMD_REPLAY = 4, CMD_STEP = CMD_ESTIMATE | CMD_FIT };
+
+typedef struct cli {
+    mn_model model;
+    mn_setup setup;              // replay uses setup.capacity
+    int have_model, json, parts;
+    const char *model_src;
+    uint64_t params;
+    int head_set;
+    mn_head head;
+    const char *alloc_conf;      // --alloc-conf, else $PYTORCH_ALLOC_CONF / $PYTORCH_CUDA_ALLOC_CONF
+    const char *svg, *snapshot;  // the timeline picture / the memory_viz JSON to write
+    const char *trace;           // replay: the trace file
+} cli;
 
 // A count: digits with an optional fraction and exponent (7.5e9) or suffix K/M/B/T (10^3 steps).
 static int parse_count(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
@@ -61,17 +79,263 @@ static int parse_count(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
     return 1;
 }
 
-typedef struct cli {
-    mn_model model;
-    mn_setup setup;
-    int have_model, json, parts;
-    const char *model_src;
-    uint64_t params;
-    int head_set;
-    mn_head head;
-    const char *alloc_conf;
-    const char *svg, *snapshot;  // estimate: write the predicted step's timeline / memory_viz JSON
-} cli;
+static int opt_model(cli *c, const char *flag, const char *v) {
+    mn_hf_desc d;
+    mn_result r;
+    if (c->have_model)
+        return fail("give one of --model, --config, --params (got %s after %s)", flag, c->model_src);
+    c->have_model = 1, c->model_src = flag;
+    if (!strcmp(flag, "--model")) {
+        if (mn_preset_find(v, &c->model) != MN_OK)
+            return fail("unknown model \"%s\" (see `memanat models`)", v);
+        return 0;
+    }
+    if (!strcmp(flag, "--params")) {
+        memset(&c->model, 0, sizeof c->model);
+        if (!parse_count(v, 1, 1000000000000000000ull, &c->params))
+            return fail("--params \"%s\": want a count such as 7e9 or 350M (1 .. 10^18)", v);
+        c->model.params = c->params;
+        return 0;
+    }
+    memset(&d, 0, sizeof d);
+    d.logger.log_fn = capture_log;
+    r = mn_hf_config_read(v, &d, &c->model);
+    if (r == MN_OK) return 0;
+    return first_error[0] ? fail("%s: %s", v, first_error) : fail("%s: %s", v, mn_result_str(r));
+}
+
+static int opt_head(cli *c, const char *flag, const char *v) {
+    (void)flag;
+    if (mn_head_parse(v, &c->head) != MN_OK)
+        return fail("--head \"%s\": want lm, classification or none", v);
+    c->head_set = 1;
+    return 0;
+}
+
+static int opt_torch(cli *c, const char *flag, const char *v) {
+    (void)flag;
+    if (!strcmp(v, "1.10") || !strcmp(v, "1")) c->setup.torch_version = 110;
+    else if (!strcmp(v, "2") || !strncmp(v, "2.", 2)) c->setup.torch_version = 200;
+    else return fail("--torch \"%s\": want 1.10 or 2", v);
+    return 0;
+}
+
+static int opt_zero_grad(cli *c, const char *flag, const char *v) {
+    (void)flag;
+    if (!strcmp(v, "keep")) c->setup.grads = MN_GRADS_KEEP;
+    else if (!strcmp(v, "none")) c->setup.grads = MN_GRADS_RELEASE;
+    else return fail("--zero-grad \"%s\": want keep or none", v);
+    return 0;
+}
+
+// The library's name parsers, each behind one signature.
+#define CHOICE(fn, type) \
+    static int choice_##fn(const char *v, void *out) { return fn(v, (type *)out) == MN_OK; }
+CHOICE(mn_precision_parse, mn_precision)
+CHOICE(mn_optim_parse, mn_optim)
+CHOICE(mn_ckpt_parse, mn_ckpt)
+CHOICE(mn_attn_parse, mn_attn)
+CHOICE(mn_framework_parse, mn_framework)
+CHOICE(mn_offload_parse, mn_offload)
+CHOICE(mn_quant_parse, mn_quant)
+CHOICE(mn_lora_targets_parse, uint32_t)
+
+typedef enum opt_kind {
+    OPT_FLAG,    // int field = 1, no value
+    OPT_U64,     // a count into a uint64_t field, at least min
+    OPT_U32,     // a count into a uint32_t field, at least min
+    OPT_SIZE,    // a byte size ("16GiB") into a uint64_t field, not 0
+    OPT_TEXT,    // the value itself into a const char * field
+    OPT_CHOICE,  // a name through a library parser
+    OPT_FN       // a function of its own
+} opt_kind;
+
+typedef struct opt {
+    const char *flag;
+    unsigned commands;                        // CMD_* bits
+    opt_kind kind;
+    size_t field;                             // offsetof(cli, ...)
+    uint64_t min;                             // OPT_U64, OPT_U32
+    int (*choice)(const char *v, void *out);  // OPT_CHOICE
+    int (*fn)(cli *c, const char *flag, const char *v);  // OPT_FN
+} opt;
+
+#define F(member) offsetof(cli, member)
+static const opt options[] = {
+    {"--model", CMD_STEP, OPT_FN, 0, 0, NULL, opt_model},
+    {"--config", CMD_STEP, OPT_FN, 0, 0, NULL, opt_model},
+    {"--params", CMD_STEP, OPT_FN, 0, 0, NULL, opt_model},
+    {"--head", CMD_STEP, OPT_FN, 0, 0, NULL, opt_head},
+    {"--trainable-params", CMD_STEP, OPT_U64, F(setup.trainable_params), 1, NULL, NULL},
+    {"--batch", CMD_STEP, OPT_U64, F(setup.batch), 1, NULL, NULL},
+    {"--seq", CMD_STEP, OPT_U64, F(setup.seq), 1, NULL, NULL},
+    {"--accum", CMD_STEP, OPT_U64, F(setup.accum), 1, NULL, NULL},
+    {"--precision", CMD_STEP, OPT_CHOICE, F(setup.precision), 0, choice_mn_precision_parse, NULL},
+    {"--optim", CMD_STEP, OPT_CHOICE, F(setup.optim), 0, choice_mn_optim_parse, NULL},
+    {"--checkpointing", CMD_STEP, OPT_CHOICE, F(setup.checkpointing), 0, choice_mn_ckpt_parse,
+     NULL},
+    {"--attention", CMD_STEP, OPT_CHOICE, F(setup.attention), 0, choice_mn_attn_parse, NULL},
+    {"--lora-rank", CMD_STEP, OPT_U32, F(setup.lora_rank), 1, NULL, NULL},
+    {"--lora-targets", CMD_STEP, OPT_CHOICE, F(setup.lora_targets), 0,
+     choice_mn_lora_targets_parse, NULL},
+    {"--quant", CMD_STEP, OPT_CHOICE, F(setup.quant), 0, choice_mn_quant_parse, NULL},
+    {"--framework", CMD_STEP, OPT_CHOICE, F(setup.framework), 0, choice_mn_framework_parse, NULL},
+    {"--torch", CMD_STEP, OPT_FN, 0, 0, NULL, opt_torch},
+    {"--zero", CMD_STEP, OPT_U32, F(setup.zero_stage), 0, NULL, NULL},
+    {"--gpus", CMD_STEP, OPT_U32, F(setup.gpus), 1, NULL, NULL},
+    {"--offload", CMD_STEP, OPT_CHOICE, F(setup.offload), 0, choice_mn_offload_parse, NULL},
+    {"--zero-grad", CMD_STEP, OPT_FN, 0, 0, NULL, opt_zero_grad},
+    {"--gpu", CMD_STEP, OPT_TEXT, F(setup.gpu), 0, NULL, NULL},
+    {"--context", CMD_STEP, OPT_SIZE, F(setup.context), 0, NULL, NULL},
+    {"--infer", CMD_STEP, OPT_FLAG, F(setup.infer), 0, NULL, NULL},
+    {"--prompt", CMD_STEP, OPT_U64, F(setup.prompt), 1, NULL, NULL},
+    {"--new-tokens", CMD_STEP, OPT_U64, F(setup.new_tokens), 0, NULL, NULL},
+    {"--beams", CMD_STEP, OPT_U32, F(setup.beams), 1, NULL, NULL},
+    {"--parts", CMD_ESTIMATE, OPT_FLAG, F(parts), 0, NULL, NULL},
+    {"--snapshot", CMD_ESTIMATE, OPT_TEXT, F(snapshot), 0, NULL, NULL},
+    {"--config", CMD_REPLAY, OPT_TEXT, F(alloc_conf), 0, NULL, NULL},  // replay's older name
+    {"--alloc-conf", CMD_STEP | CMD_REPLAY, OPT_TEXT, F(alloc_conf), 0, NULL, NULL},
+    {"--capacity", CMD_STEP | CMD_REPLAY, OPT_SIZE, F(setup.capacity), 0, NULL, NULL},
+    {"--svg", CMD_ESTIMATE | CMD_REPLAY, OPT_TEXT, F(svg), 0, NULL, NULL},
+    {"--json", CMD_STEP | CMD_REPLAY, OPT_FLAG, F(json), 0, NULL, NULL},
+};
+#undef F
+
+static const opt *find_option(unsigned command, const char *flag) {
+    size_t i;
+    for (i = 0; i < sizeof options / sizeof options[0]; i++)
+        if ((options[i].commands & command) && !strcmp(options[i].flag, flag)) return &options[i];
+    return NULL;
+}
+
+// Stores one value. 0, or the exit status after printing why the value is refused.
+static int set_option(cli *c, const opt *o, const char *v) {
+    char *field = (char *)c + o->field;
+    uint64_t n = 0;
+    switch (o->kind) {
+    case OPT_FLAG: *(int *)(void *)field = 1; return 0;
+    case OPT_TEXT: *(const char **)(void *)field = v; return 0;
+    case OPT_FN: return o->fn(c, o->flag, v);
+    case OPT_CHOICE:
+        if (!o->choice(v, field))
+            return fail("%s \"%s\" is not one of the accepted values (see --help)", o->flag, v);
+        return 0;
+    case OPT_SIZE:
+        if (mn_size_parse(v, &n) != MN_OK || n == 0)
+            return fail("%s \"%s\": want a size such as 16GiB, 80GB or 1343MiB", o->flag, v);
+        *(uint64_t *)(void *)field = n;
+        return 0;
+    case OPT_U64:
+    case OPT_U32: {
+        uint64_t hi = o->kind == OPT_U32 ? UINT32_MAX : 1000000000000000000ull;
+        if (!parse_count(v, o->min, hi, &n))
+            return fail("%s \"%s\": want a whole number, at least %llu", o->flag, v,
+                        (unsigned long long)o->min);
+        if (o->kind == OPT_U32) *(uint32_t *)(void *)field = (uint32_t)n;
+        else *(uint64_t *)(void *)field = n;
+        return 0;
+    }
+    }
+    return fail("%s: unhandled option kind", o->flag);
+}
+
+// PyTorch reads PYTORCH_ALLOC_CONF, and PYTORCH_CUDA_ALLOC_CONF as its older alias.
+static const char *env_alloc_conf(void) {
+    const char *v = getenv("PYTORCH_ALLOC_CONF");
+    return v ? v : getenv("PYTORCH_CUDA_ALLOC_CONF");
+}
+
+// Fills c from argv (the words after the command). Returns 0, 1 after printing the usage for
+// --help, or the exit status after printing why the arguments are refused.
+static int parse_args(cli *c, unsigned command, int argc, char **argv, const char *usage) {
+    int i, rc;
+    memset(c, 0, sizeof *c);
+    c->setup.logger.log_fn = capture_log;
+    for (i = 0; i < argc; i++) {
+        char key[64];
+        const char *k = argv[i], *v = NULL, *eq = strchr(k, '=');
+        const opt *o;
+        if (!strcmp(k, "--help") || !strcmp(k, "-h")) { fputs(usage, stdout); return 1; }
+        if (k[0] == '-' && k[1] && k[1] != '-') return fail("unknown option \"%s\" (see --help)", k);
+        if (strncmp(k, "--", 2) != 0) {
+            if (command != CMD_REPLAY) return fail("unexpected argument \"%s\" (see --help)", k);
+            if (c->trace) return fail("more than one trace file (\"%s\" after \"%s\")", k, c->trace);
+            c->trace = k;
+            continue;
+        }
+        if (eq) {  // --flag=value
+            size_t n = (size_t)(eq - k);
+            if (n >= sizeof key) return fail("unknown option \"%s\"", k);
+            memcpy(key, k, n), key[n] = 0, k = key, v = eq + 1;
+        }
+        if (!(o = find_option(command, k))) return fail("unknown option \"%s\" (see --help)", k);
+        if (o->kind == OPT_FLAG && v) return fail("option %s takes no value", k);
+        if (o->kind != OPT_FLAG && !v) {
+            if (i + 1 >= argc) return fail("option %s needs a value", k);
+            v = argv[++i];
+        }
+        if ((rc = set_option(c, o, v)) != 0) return rc;
+    }
+    if (!c->alloc_conf) c->alloc_conf = env_alloc_conf();
+    c->setup.alloc_conf = c->alloc_conf;
+    if (command == CMD_REPLAY) {
+        if (!c->trace) return fail("missing trace FILE (usage: memanat replay FILE [options], see --help)");
+        return 0;
+    }
+    if (!c->have_model) return fail("no model: give --model NAME, --config FILE or --params N (see --help)");
+    if (c->head_set) {
+        c->model.head = c->head;
+        if (c->head == MN_HEAD_CLASSIFICATION) {
+            c->model.lm_transform = 0;
+            if (c->model.arch == MN_ARCH_ENCODER) c->model.pooler = 1;
+        }
+    }
+    if (c->params && c->setup.trainable_params > c->params)
+        return fail("--trainable-params exceeds --params");
+    return 0;
+}
+
+// ---- files ------------------------------------------------------------------------------------
+
+// Writes through a temporary file renamed into place, so a failed write loses nothing.
+typedef mn_result (*writer_fn)(const void *what, const char *title, FILE *f);
+
+static int write_atomically(const char *path, writer_fn write, const void *what, const char *title) {
+    char tmp[4096];
+    FILE *f;
+    mn_result r;
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    if (!(f = fopen(tmp, "wb"))) return fail("cannot write %s: %s", tmp, strerror(errno));
+    r = write(what, title, f);
+    if (fclose(f) != 0 && r == MN_OK) r = MN_ERR_IO;
+    if (r == MN_OK && rename(tmp, path) == 0) return 0;
+    remove(tmp);
+    return fail("cannot write %s: %s", path, mn_result_str(r == MN_OK ? MN_ERR_IO : r));
+}
+
+static mn_result write_svg(const void *snap, const char *title, FILE *f) {
+    return mn_cache_timeline_svg((const mn_cache_snapshot *)snap, title, mn_cache_write_file, f);
+}
+
+static mn_result write_snapshot(const void *snap, const char *title, FILE *f) {
+    (void)title;
+    return mn_cache_snapshot_write_json((const mn_cache_snapshot *)snap, mn_cache_write_file, f);
+}
+
+// Writes the timeline picture and/or the memory_viz snapshot of a cache that kept its history.
+static int write_pictures(mn_cache *cache, const char *svg, const char *snapshot,
+                          const char *title) {
+    mn_cache_snapshot snap;
+    mn_result r = mn_cache_snapshot_take(cache, &snap);
+    int rc = 0;
+    if (r != MN_OK) return fail("snapshot: %s", mn_result_str(r));
+    if (svg) rc = write_atomically(svg, write_svg, &snap, title);
+    if (!rc && snapshot) rc = write_atomically(snapshot, write_snapshot, &snap, title);
+    mn_cache_snapshot_free(&snap);
+    return rc;
+}
+
+// ---- estimate and fit ---------------------------------------------------------------------------
 
 static const char *estimate_usage =
     "usage: memanat estimate [--model NAME | --config FILE|DIR | --params N] [options]\n"
@@ -98,141 +362,6 @@ static const char *fit_usage =
     "  prints the largest micro-batch and the longest sequence that fit the GPU, and a plan:\n"
     "  the cheapest combination of techniques (mixed precision, 8-bit or factored optimizers,\n"
     "  accumulation, checkpointing, LoRA/QLoRA, ZeRO offload) that fits, ranked by step time.\n";
-
-static int load_model(cli *c, const char *kind, const char *v) {
-    mn_result r;
-    if (c->have_model) return fail("give one of --model, --config, --params (got %s after %s)", kind, c->model_src);
-    c->have_model = 1, c->model_src = kind;
-    if (!strcmp(kind, "--model")) {
-        if (mn_preset_find(v, &c->model) != MN_OK) return fail("unknown model \"%s\" (see `memanat models`)", v);
-    } else if (!strcmp(kind, "--config")) {
-        mn_hf_desc d;
-        memset(&d, 0, sizeof d);
-        d.logger.log_fn = capture_log;
-        r = mn_hf_config_read(v, &d, &c->model);
-        if (r != MN_OK) {
-            if (first_error[0]) return fail("%s: %s", v, first_error);
-            return fail("%s: %s", v, mn_result_str(r));
-        }
-    } else {
-        memset(&c->model, 0, sizeof c->model);
-        if (!parse_count(v, 1, 1000000000000000000ull, &c->params))
-            return fail("--params \"%s\": want a count such as 7e9 or 350M (1 .. 10^18)", v);
-        c->model.params = c->params;
-    }
-    return 0;
-}
-
-#define ENUM_OPT(flag, fn, field) \
-    if (!strcmp(k, flag)) { \
-        if (fn(v, &field) != MN_OK) return fail("%s \"%s\" is not one of the accepted values (see --help)", flag, v); \
-        continue; \
-    }
-#define COUNT_OPT(flag, lo, hi, field, type) \
-    if (!strcmp(k, flag)) { \
-        uint64_t n_; \
-        if (!parse_count(v, lo, hi, &n_)) return fail("%s \"%s\": want a whole number in %llu..%llu", flag, v, \
-                                                      (unsigned long long)(lo), (unsigned long long)(hi)); \
-        field = (type)n_; \
-        continue; \
-    }
-#define SIZE_OPT(flag, field) \
-    if (!strcmp(k, flag)) { \
-        if (mn_size_parse(v, &field) != MN_OK || field == 0) \
-            return fail("%s \"%s\": want a size such as 16GiB, 80GB or 1343MiB", flag, v); \
-        continue; \
-    }
-
-static int parse_args(cli *c, int argc, char **argv, const char *usage) {
-    int i, rc;
-    memset(c, 0, sizeof *c);
-    c->setup.logger.log_fn = capture_log;
-    for (i = 0; i < argc; i++) {
-        char key[64];
-        const char *k = argv[i], *v = NULL, *eq;
-        if (!strcmp(k, "--help") || !strcmp(k, "-h")) { fputs(usage, stdout); return 1; }
-        if (!strcmp(k, "--json")) { c->json = 1; continue; }
-        if (!strcmp(k, "--infer")) { c->setup.infer = 1; continue; }
-        if (!strcmp(k, "--parts")) { c->parts = 1; continue; }
-        if (strncmp(k, "--", 2) != 0) return fail("unexpected argument \"%s\" (see --help)", k);
-        eq = strchr(k, '=');
-        if (eq) {
-            size_t n = (size_t)(eq - k);
-            if (n >= sizeof key) return fail("unknown option \"%s\"", k);
-            memcpy(key, k, n), key[n] = 0, k = key, v = eq + 1;
-        } else {
-            if (i + 1 >= argc) return fail("option %s needs a value", k);
-            v = argv[++i];
-        }
-        if (!strcmp(k, "--model") || !strcmp(k, "--config") || !strcmp(k, "--params")) {
-            if ((rc = load_model(c, k, v)) != 0) return rc;
-            continue;
-        }
-        COUNT_OPT("--trainable-params", 1, 1000000000000000000ull, c->setup.trainable_params, uint64_t)
-        COUNT_OPT("--batch", 1, 1ull << 32, c->setup.batch, uint64_t)
-        COUNT_OPT("--seq", 1, 1ull << 26, c->setup.seq, uint64_t)
-        COUNT_OPT("--accum", 1, 1ull << 20, c->setup.accum, uint64_t)
-        COUNT_OPT("--lora-rank", 1, 65536, c->setup.lora_rank, uint32_t)
-        COUNT_OPT("--zero", 0, 3, c->setup.zero_stage, uint32_t)
-        COUNT_OPT("--gpus", 1, 1u << 20, c->setup.gpus, uint32_t)
-        COUNT_OPT("--prompt", 1, 1ull << 26, c->setup.prompt, uint64_t)
-        COUNT_OPT("--new-tokens", 0, 1ull << 26, c->setup.new_tokens, uint64_t)
-        COUNT_OPT("--beams", 1, 4096, c->setup.beams, uint32_t)
-        ENUM_OPT("--precision", mn_precision_parse, c->setup.precision)
-        ENUM_OPT("--optim", mn_optim_parse, c->setup.optim)
-        ENUM_OPT("--checkpointing", mn_ckpt_parse, c->setup.checkpointing)
-        ENUM_OPT("--attention", mn_attn_parse, c->setup.attention)
-        ENUM_OPT("--framework", mn_framework_parse, c->setup.framework)
-        ENUM_OPT("--offload", mn_offload_parse, c->setup.offload)
-        ENUM_OPT("--quant", mn_quant_parse, c->setup.quant)
-        SIZE_OPT("--capacity", c->setup.capacity)
-        SIZE_OPT("--context", c->setup.context)
-        if (!strcmp(k, "--head")) {
-            if (mn_head_parse(v, &c->head) != MN_OK) return fail("--head \"%s\": want lm, classification or none", v);
-            c->head_set = 1;
-            continue;
-        }
-        if (!strcmp(k, "--lora-targets")) {
-            if (mn_lora_targets_parse(v, &c->setup.lora_targets) != MN_OK)
-                return fail("--lora-targets \"%s\": want a comma list of q,k,v,o,gate,up,down (or all)", v);
-            continue;
-        }
-        if (!strcmp(k, "--gpu")) {
-            mn_gpu g;
-            if (mn_gpu_find(v, &g) != MN_OK) return fail("unknown GPU \"%s\" (see `memanat models`)", v);
-            c->setup.gpu = g.name;
-            continue;
-        }
-        if (!strcmp(k, "--torch")) {
-            if (!strcmp(v, "1.10") || !strcmp(v, "1")) c->setup.torch_version = 110;
-            else if (!strcmp(v, "2") || !strncmp(v, "2.", 2)) c->setup.torch_version = 200;
-            else return fail("--torch \"%s\": want 1.10 or 2", v);
-            continue;
-        }
-        if (!strcmp(k, "--zero-grad")) {
-            if (!strcmp(v, "keep")) c->setup.grads = MN_GRADS_KEEP;
-            else if (!strcmp(v, "none")) c->setup.grads = MN_GRADS_RELEASE;
-            else return fail("--zero-grad \"%s\": want keep or none", v);
-            continue;
-        }
-        if (!strcmp(k, "--alloc-conf")) { c->alloc_conf = v; continue; }
-        if (!strcmp(k, "--svg")) { c->svg = v; continue; }
-        if (!strcmp(k, "--snapshot")) { c->snapshot = v; continue; }
-        return fail("unknown option \"%s\" (see --help)", k);
-    }
-    if (!c->have_model) return fail("no model: give --model NAME, --config FILE or --params N (see --help)");
-    if (c->head_set) {
-        c->model.head = c->head;
-        if (c->head == MN_HEAD_CLASSIFICATION) {
-            c->model.lm_transform = 0;
-            if (c->model.arch == MN_ARCH_ENCODER) c->model.pooler = 1;
-        }
-    }
-    if (c->params && c->setup.trainable_params > c->params)
-        return fail("--trainable-params exceeds --params");
-    c->setup.alloc_conf = c->alloc_conf ? c->alloc_conf : getenv("PYTORCH_CUDA_ALLOC_CONF");
-    return 0;
-}
 
 // ---- output -------------------------------------------------------------------------------------
 
@@ -342,56 +471,27 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     }
 }
 
-static mn_result write_file(void *user, const char *data, size_t len) {
-    return fwrite(data, 1, len, (FILE *)user) == len ? MN_OK : MN_ERR_IO;
-}
-
 // Replays the predicted step through the allocator with its history on, then writes the
-// timeline picture and/or the snapshot. Files are written to a temporary name and renamed.
-static int write_pictures(const cli *c, const mn_estimate_result *r) {
-    const char *paths[2] = {c->svg, c->snapshot};
-    mn_simdev dev;
-    mn_simdev_desc dd;
-    mn_cache cache;
+// timeline picture and/or the snapshot.
+static int write_step_pictures(const cli *c, const mn_estimate_result *r) {
+    mn_sim_cache sc;
     mn_cache_desc cd;
-    mn_cache_snapshot snap;
     mn_result res;
-    int i, rc = 0, have_snap = 0;
-    char title[160], tmp[4096];
-    memset(&dd, 0, sizeof dd);
+    char title[160];
+    int rc;
     memset(&cd, 0, sizeof cd);
-    if ((res = mn_simdev_init(&dev, &dd)) != MN_OK) return fail_result("simulated device", res);
-    cd.device = mn_simdev_device(&dev);
     cd.config = c->setup.alloc_conf;
-    cd.trace_entries = (uint32_t)(r->alloc_events * 6 + 64 < 8000000 ? r->alloc_events * 6 + 64 : 8000000);
+    cd.trace_entries = (uint32_t)(r->alloc_events * 6 + 64 < 8000000 ? r->alloc_events * 6 + 64
+                                                                     : 8000000);
     cd.logger.log_fn = capture_log;
-    if ((res = mn_cache_init(&cache, &cd)) != MN_OK) {
-        mn_simdev_free(&dev);
-        return fail_result("allocator", res);
-    }
-    res = mn_estimate_replay(&c->model, &c->setup, NULL, &cache);
-    if (res == MN_OK) res = mn_cache_snapshot_take(&cache, &snap);
-    if (res == MN_OK) have_snap = 1;
-    else rc = fail_result("replay", res);
+    if ((res = mn_sim_cache_init(&sc, NULL, &cd)) != MN_OK) return fail_result("allocator", res);
+    res = mn_estimate_replay(&c->model, &c->setup, NULL, &sc.cache);
     snprintf(title, sizeof title, "%s: batch %llu x seq %llu, %s, %s (predicted)", r->model.name,
              (unsigned long long)r->setup.batch, (unsigned long long)r->setup.seq,
              mn_precision_name(r->setup.precision), mn_optim_name(r->setup.optim));
-    for (i = 0; i < 2 && rc == 0; i++) {
-        FILE *f;
-        if (!paths[i]) continue;
-        snprintf(tmp, sizeof tmp, "%s.tmp", paths[i]);
-        f = fopen(tmp, "wb");
-        if (!f) { rc = fail("cannot write %s: %s", tmp, strerror(errno)); break; }
-        res = i == 0 ? mn_cache_timeline_svg(&snap, title, write_file, f) : mn_cache_snapshot_write_json(&snap, write_file, f);
-        if (fclose(f) != 0 && res == MN_OK) res = MN_ERR_IO;
-        if (res != MN_OK || rename(tmp, paths[i]) != 0) {
-            remove(tmp);
-            rc = fail("cannot write %s: %s", paths[i], mn_result_str(res == MN_OK ? MN_ERR_IO : res));
-        }
-    }
-    if (have_snap) mn_cache_snapshot_free(&snap);
-    mn_cache_free(&cache);
-    mn_simdev_free(&dev);
+    rc = res == MN_OK ? write_pictures(&sc.cache, c->svg, c->snapshot, title)
+                      : fail_result("replay", res);
+    mn_sim_cache_free(&sc);
     return rc;
 }
 
@@ -442,11 +542,11 @@ static int cmd_estimate(int argc, char **argv) {
     mn_result res;
     uint64_t *parts = NULL;
     uint32_t nparts = 0;
-    int rc = parse_args(&c, argc, argv, estimate_usage), f = 1;
+    int rc = parse_args(&c, CMD_ESTIMATE, argc, argv, estimate_usage), f = 1;
     if (rc) return rc == 1 ? 0 : rc;
     res = mn_estimate(&c.model, &c.setup, &r);
     if (res != MN_OK) return fail_result("estimate", res);
-    if ((c.svg || c.snapshot) && (rc = write_pictures(&c, &r)) != 0) return rc;
+    if ((c.svg || c.snapshot) && (rc = write_step_pictures(&c, &r)) != 0) return rc;
     if ((rc = compute_parts(&c, &r, &parts, &nparts)) != 0) {
         free(parts);
         return rc;
@@ -469,7 +569,7 @@ static int cmd_fit(int argc, char **argv) {
     mn_fit_result fr;
     mn_result res;
     uint32_t i;
-    int rc = parse_args(&c, argc, argv, fit_usage), f = 1;
+    int rc = parse_args(&c, CMD_FIT, argc, argv, fit_usage), f = 1;
     if (rc) return rc == 1 ? 0 : rc;
     res = mn_fit(&c.model, &c.setup, &fr);
     if (res != MN_OK) return fail_result("fit", res);
@@ -532,50 +632,35 @@ static int cmd_models(int argc, char **argv) {
     return 0;
 }
 
-// `memanat replay FILE [--config STR] [--capacity SIZE] [--json] [--svg OUT]`: part of memanat.c
-// (included by it). Replays an allocation trace through the caching allocator on the simulated
-// device and prints PyTorch's statistics, memory_summary() and peak reserved / peak allocated.
+// ---- replay: reading traces -------------------------------------------------------------------
 //
-// Inputs:
+// Two formats, told apart by the first non-blank byte:
 //   - RMM's logging_resource_adaptor CSV: header "Thread,Time,Action,Pointer,Size,Stream", actions
-//     "allocate", "free" ("allocate failure" rows are skipped, as RMM's replay benchmark does).
-//   - PyTorch snapshot JSON (torch.cuda.memory._snapshot() saved as JSON): device_traces of the
+//     "allocate" and "free" ("allocate failure" rows are skipped, as RMM's replay benchmark does);
+//   - a PyTorch snapshot saved as JSON (torch.cuda.memory._snapshot()): device_traces of the
 //     first device with entries; "alloc" allocates, "free_requested" (or "free") frees.
-// The device is a bump allocator of fake addresses that are never reused, unlimited unless
-// --capacity. An allocation that fails after the whole OOM ladder counts in num_ooms; the replay
-// goes on and skips that pointer's free. The config defaults to $PYTORCH_CUDA_ALLOC_CONF
-// (or $PYTORCH_ALLOC_CONF).
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+// Events of a null pointer are dropped. Streams are numbered densely in order of appearance.
 
-typedef struct mn_rp_event {
-    uint64_t key;     // the pointer in the trace
-    uint64_t size;    // bytes (allocations)
-    uint32_t stream;  // dense stream number, 0 = the trace's default stream
-    mn_category cat;  // from a memanat snapshot's "category", else other
-    int is_alloc;
-} mn_rp_event;
-
-typedef struct mn_rp_trace {
-    mn_rp_event *ev;
+typedef struct trace {
+    mn_trace_event *ev;
     size_t n, cap;
     uint64_t streams[64];  // trace stream values by dense number (index 0 is value 0)
     uint32_t nstreams;
-    uint64_t skipped;      // rows that are not allocations or frees
-} mn_rp_trace;
+    uint64_t skipped;      // rows that are neither allocations nor frees
+} trace;
 
-static int mn_rp_push(mn_rp_trace *t, uint64_t key, uint64_t size, uint64_t stream, int is_alloc) {
+static int trace_push(trace *t, uint64_t ptr, uint64_t size, uint64_t stream, int is_alloc,
+                      mn_category cat) {
+    mn_trace_event *e;
     uint32_t s = 0, k;
     if (t->n == t->cap) {
         size_t cap = t->cap ? t->cap * 2 : 4096;
-        mn_rp_event *ev = (mn_rp_event *)realloc(t->ev, cap * sizeof *ev);
-        if (!ev) return 0;
+        mn_trace_event *ev = (mn_trace_event *)realloc(t->ev, cap * sizeof *ev);
+        if (!ev) return fail("out of memory reading the trace");
         t->ev = ev, t->cap = cap;
     }
     if (stream != 0) {
-        for (k = 1; k < t->nstreams; k++)
-            if (t->streams[k] == stream) break;
+        for (k = 1; k < t->nstreams && t->streams[k] != stream; k++) continue;
         if (k == t->nstreams) {
             if (t->nstreams == 0) t->nstreams = 1;
             k = t->nstreams < 64 ? t->nstreams++ : 63;  // beyond 63 streams: shared
@@ -583,23 +668,34 @@ static int mn_rp_push(mn_rp_trace *t, uint64_t key, uint64_t size, uint64_t stre
         }
         s = k;
     }
-    t->ev[t->n].key = key, t->ev[t->n].size = size, t->ev[t->n].stream = s;
-    t->ev[t->n].is_alloc = is_alloc;
-    t->ev[t->n].cat = MN_CAT_OTHER;
-    t->n++;
-    return 1;
+    if (ptr == 0) return 0;  // a null pointer: nothing to allocate or free
+    e = &t->ev[t->n++];
+    memset(e, 0, sizeof *e);
+    e->id = ptr, e->size = size, e->stream = s, e->alloc = (uint8_t)is_alloc;
+    e->category = (uint8_t)cat;
+    return 0;
 }
 
-// Unsigned number: hex with 0x, "(nil)" = 0, else decimal. The whole field must be used.
-static int mn_rp_num(const char *s, size_t n, int hex_default, uint64_t *out) {
+// A CSV field without surrounding blanks and quotes.
+static void csv_trim(const char **s, size_t *n) {
+    while (*n && ((*s)[0] == ' ' || (*s)[0] == '"')) (*s)++, (*n)--;
+    while (*n && ((*s)[*n - 1] == ' ' || (*s)[*n - 1] == '"' || (*s)[*n - 1] == '\r')) (*n)--;
+}
+
+static int csv_is(const char *s, size_t n, const char *word) {
+    csv_trim(&s, &n);
+    return n == strlen(word) && memcmp(s, word, n) == 0;
+}
+
+// An unsigned number: hex with 0x (or by default), "(nil)" = 0, else decimal; the whole field.
+static int csv_num(const char *s, size_t n, int hex_default, uint64_t *out) {
     uint64_t v = 0;
     size_t i = 0;
     int base = hex_default ? 16 : 10, digits = 0;
-    while (n && (s[0] == ' ' || s[0] == '"')) s++, n--;
-    while (n && (s[n - 1] == ' ' || s[n - 1] == '"' || s[n - 1] == '\r')) n--;
+    csv_trim(&s, &n);
     if (n == 5 && memcmp(s, "(nil)", 5) == 0) return *out = 0, 1;
     if (n > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) i = 2, base = 16;
-    for (; i < n; i++) {
+    for (; i < n; i++, digits++) {
         int d;
         char ch = s[i];
         if (ch >= '0' && ch <= '9') d = ch - '0';
@@ -608,135 +704,102 @@ static int mn_rp_num(const char *s, size_t n, int hex_default, uint64_t *out) {
         else return 0;
         if (v > (UINT64_MAX - (uint64_t)d) / (uint64_t)base) return 0;
         v = v * (uint64_t)base + (uint64_t)d;
-        digits++;
     }
-    if (!digits) return 0;
     *out = v;
-    return 1;
+    return digits > 0;
 }
 
-static int mn_rp_field_is(const char *s, size_t n, const char *w) {
-    size_t k = strlen(w);
-    while (n && (s[0] == ' ' || s[0] == '"')) s++, n--;
-    while (n && (s[n - 1] == ' ' || s[n - 1] == '"' || s[n - 1] == '\r')) n--;
-    return n == k && memcmp(s, w, k) == 0;
+enum { COL_ACTION, COL_POINTER, COL_SIZE, COL_STREAM, COL_COUNT };
+
+// The header row names the columns. 0, or the exit status.
+static int csv_header(const char *const *f, const size_t *fl, int nf, const char *file,
+                      int col[COL_COUNT]) {
+    static const char *const names[COL_COUNT] = {"Action", "Pointer", "Size", "Stream"};
+    int k, j;
+    for (k = 0; k < nf; k++)
+        for (j = 0; j < COL_COUNT; j++)
+            if (csv_is(f[k], fl[k], names[j])) col[j] = k;
+    for (j = 0; j < COL_COUNT; j++)
+        if (col[j] < 0)
+            return fail("%s: line 1 is not an RMM log header (Thread,Time,Action,Pointer,Size,"
+                        "Stream): no column '%s'", file, names[j]);
+    return 0;
 }
 
-// RMM CSV. Returns 0 after printing one line on stderr.
-static int mn_rp_read_csv(const char *text, size_t len, const char *file, mn_rp_trace *t) {
-    enum { C_ACTION, C_POINTER, C_SIZE, C_STREAM, C_COUNT };
-    static const char *const names[C_COUNT] = {"Action", "Pointer", "Size", "Stream"};
-    int col[C_COUNT] = {-1, -1, -1, -1};
+// One data row. 0, or the exit status.
+static int csv_row(const char *const *f, const size_t *fl, int nf, const int col[COL_COUNT],
+                   const char *file, uint64_t line, trace *t) {
+    const char *act = f[col[COL_ACTION]];
+    size_t actn = fl[col[COL_ACTION]];
+    uint64_t ptr = 0, size = 0, stream = 0;
+    int k, is_alloc;
+    for (k = 0; k < COL_COUNT; k++)
+        if (col[k] >= nf)
+            return fail("%s: line %llu has %d fields, want %d", file, (unsigned long long)line, nf,
+                        col[k] + 1);
+    if (csv_is(act, actn, "allocate failure")) return t->skipped++, 0;
+    if (csv_is(act, actn, "allocate")) is_alloc = 1;
+    else if (csv_is(act, actn, "free")) is_alloc = 0;
+    else return fail("%s: line %llu: unknown action '%.*s' (want allocate or free)", file,
+                     (unsigned long long)line, (int)actn, act);
+    if (!csv_num(f[col[COL_POINTER]], fl[col[COL_POINTER]], 1, &ptr) ||
+        !csv_num(f[col[COL_SIZE]], fl[col[COL_SIZE]], 0, &size) ||
+        !csv_num(f[col[COL_STREAM]], fl[col[COL_STREAM]], 1, &stream))
+        return fail("%s: line %llu: bad pointer, size or stream", file, (unsigned long long)line);
+    return trace_push(t, ptr, size, stream, is_alloc, MN_CAT_OTHER);
+}
+
+static int read_csv(const char *text, size_t len, const char *file, trace *t) {
+    int col[COL_COUNT] = {-1, -1, -1, -1}, rc;
     const char *p = text, *end = text + len;
     uint64_t line = 0;
-    while (p < end) {
-        const char *eol = (const char *)memchr(p, '\n', (size_t)(end - p));
-        const char *f[16];
+    for (; p < end; p++) {
+        const char *eol = (const char *)memchr(p, '\n', (size_t)(end - p)), *q, *f[16];
         size_t fl[16];
-        int nf = 0, k;
-        const char *q;
+        int nf = 0;
         if (!eol) eol = end;
         line++;
-        for (q = p; nf < 16;) {  // split on commas
-            const char *c = (const char *)memchr(q, ',', (size_t)(eol - q));
-            f[nf] = q;
-            fl[nf] = (size_t)((c ? c : eol) - q);
-            nf++;
-            if (!c) break;
-            q = c + 1;
-        }
-        if (eol == p || (eol == p + 1 && *p == '\r')) {  // blank line
-            p = eol + 1;
+        if (eol == p || (eol == p + 1 && *p == '\r')) {  // a blank line
+            p = eol;
             continue;
         }
-        if (col[0] < 0) {  // the header names the columns
-            for (k = 0; k < nf; k++) {
-                int j;
-                for (j = 0; j < C_COUNT; j++)
-                    if (mn_rp_field_is(f[k], fl[k], names[j])) col[j] = k;
-            }
-            for (k = 0; k < C_COUNT; k++) {
-                if (col[k] < 0) {
-                    fprintf(stderr, "memanat replay: %s: line 1 is not an RMM log header "
-                            "(Thread,Time,Action,Pointer,Size,Stream): no column '%s'\n", file,
-                            names[k]);
-                    return 0;
-                }
-            }
-        } else {
-            uint64_t ptr = 0, size = 0, stream = 0;
-            int is_alloc;
-            for (k = 0; k < C_COUNT; k++) {
-                if (col[k] >= nf) {
-                    fprintf(stderr, "memanat replay: %s: line %llu has %d fields, want %d\n",
-                            file, (unsigned long long)line, nf, col[k] + 1);
-                    return 0;
-                }
-            }
-            if (mn_rp_field_is(f[col[C_ACTION]], fl[col[C_ACTION]], "allocate failure")) {
-                t->skipped++;
-                p = eol + 1;
-                continue;
-            }
-            if (mn_rp_field_is(f[col[C_ACTION]], fl[col[C_ACTION]], "allocate")) is_alloc = 1;
-            else if (mn_rp_field_is(f[col[C_ACTION]], fl[col[C_ACTION]], "free")) is_alloc = 0;
-            else {
-                fprintf(stderr, "memanat replay: %s: line %llu: unknown action '%.*s' (want "
-                        "allocate or free)\n", file, (unsigned long long)line,
-                        (int)fl[col[C_ACTION]], f[col[C_ACTION]]);
-                return 0;
-            }
-            if (!mn_rp_num(f[col[C_POINTER]], fl[col[C_POINTER]], 1, &ptr) ||
-                !mn_rp_num(f[col[C_SIZE]], fl[col[C_SIZE]], 0, &size) ||
-                !mn_rp_num(f[col[C_STREAM]], fl[col[C_STREAM]], 1, &stream)) {
-                fprintf(stderr, "memanat replay: %s: line %llu: bad pointer, size or stream\n",
-                        file, (unsigned long long)line);
-                return 0;
-            }
-            if (!mn_rp_push(t, ptr, size, stream, is_alloc)) {
-                fprintf(stderr, "memanat replay: out of memory\n");
-                return 0;
-            }
+        for (q = p; nf < 16;) {  // fields between commas
+            const char *comma = (const char *)memchr(q, ',', (size_t)(eol - q));
+            f[nf] = q, fl[nf] = (size_t)((comma ? comma : eol) - q), nf++;
+            if (!comma) break;
+            q = comma + 1;
         }
-        p = eol + 1;
+        if (col[0] < 0) rc = csv_header(f, fl, nf, file, col);
+        else rc = csv_row(f, fl, nf, col, file, line, t);
+        if (rc) return rc;
+        p = eol;
     }
-    if (col[0] < 0) {
-        fprintf(stderr, "memanat replay: %s: empty file\n", file);
-        return 0;
-    }
-    return 1;
+    if (col[0] < 0) return fail("%s: empty file", file);
+    return 0;
 }
 
-// PyTorch snapshot JSON: device_traces of the first device that has entries.
-static int mn_rp_read_snapshot(const char *text, size_t len, const char *file, mn_rp_trace *t) {
+static int read_snapshot(const char *text, size_t len, const char *file, trace *t) {
     mn_json_doc doc;
     const mn_json_value *dt, *tr = NULL;
     size_t i;
+    int rc = 0;
     mn_result r = mn_json_parse(text, len, NULL, &doc);
-    if (r != MN_OK) {
-        fprintf(stderr, "memanat replay: %s: not valid JSON (%s)\n", file, mn_result_str(r));
-        return 0;
-    }
+    if (r != MN_OK) return fail("%s: not valid JSON (%s)", file, doc.error);
     dt = mn_json_get(doc.root, "device_traces");
-    if (!dt || dt->type != MN_JSON_ARRAY) {
-        fprintf(stderr, "memanat replay: %s: no \"device_traces\" array (a PyTorch memory "
-                "snapshot saved as JSON is expected)\n", file);
-        mn_json_free(&doc);
-        return 0;
-    }
-    for (i = 0; i < dt->len; i++)
-        if (dt->items[i].type == MN_JSON_ARRAY && dt->items[i].len > 0) {
-            tr = &dt->items[i];
-            break;
-        }
-    for (i = 0; tr && i < tr->len; i++) {
+    if (!dt || dt->type != MN_JSON_ARRAY)
+        rc = fail("%s: no \"device_traces\" array (a PyTorch memory snapshot saved as JSON is "
+                  "expected)", file);
+    for (i = 0; !rc && !tr && i < dt->len; i++)
+        if (dt->items[i].type == MN_JSON_ARRAY && dt->items[i].len > 0) tr = &dt->items[i];
+    for (i = 0; !rc && tr && i < tr->len; i++) {
         const mn_json_value *e = &tr->items[i], *a = mn_json_get(e, "action");
+        const mn_json_value *cat = mn_json_get(e, "category");  // memanat's own snapshots
         uint64_t addr = 0, size = 0, stream = 0;
-        int is_alloc;
+        mn_category c = MN_CAT_OTHER;
+        int is_alloc, k;
         if (!a || a->type != MN_JSON_STRING) {
-            fprintf(stderr, "memanat replay: %s: trace entry %zu has no \"action\"\n", file, i);
-            mn_json_free(&doc);
-            return 0;
+            rc = fail("%s: trace entry %zu has no \"action\"", file, i);
+            break;
         }
         if (strcmp(a->str, "alloc") == 0) is_alloc = 1;
         else if (strcmp(a->str, "free_requested") == 0 || strcmp(a->str, "free") == 0) is_alloc = 0;
@@ -746,333 +809,156 @@ static int mn_rp_read_snapshot(const char *text, size_t len, const char *file, m
         }
         if (mn_json_u64(mn_json_get(e, "addr"), &addr) != MN_OK ||
             (is_alloc && mn_json_u64(mn_json_get(e, "size"), &size) != MN_OK)) {
-            fprintf(stderr, "memanat replay: %s: trace entry %zu needs integer \"addr\" and "
-                    "\"size\"\n", file, i);
-            mn_json_free(&doc);
-            return 0;
+            rc = fail("%s: trace entry %zu needs integer \"addr\" and \"size\"", file, i);
+            break;
         }
         if (mn_json_u64(mn_json_get(e, "stream"), &stream) != MN_OK) stream = 0;
-        if (!mn_rp_push(t, addr, size, stream, is_alloc)) {
-            fprintf(stderr, "memanat replay: out of memory\n");
-            mn_json_free(&doc);
-            return 0;
-        }
-        a = mn_json_get(e, "category");  // written by memanat's own snapshots
-        if (a && a->type == MN_JSON_STRING) {
-            int c;
-            for (c = 0; c < MN_CAT_COUNT; c++)
-                if (strcmp(a->str, mn_category_name((mn_category)c)) == 0)
-                    t->ev[t->n - 1].cat = (mn_category)c;
-        }
+        for (k = 0; cat && cat->type == MN_JSON_STRING && k < MN_CAT_COUNT; k++)
+            if (strcmp(cat->str, mn_category_name((mn_category)k)) == 0) c = (mn_category)k;
+        rc = trace_push(t, addr, size, stream, is_alloc, c);
     }
     mn_json_free(&doc);
-    return 1;
+    return rc;
 }
 
-// Trace pointer -> replayed pointer, open addressing (key 0 is never stored).
-typedef struct mn_rp_map {
-    uint64_t *key;
-    void **val;
-    size_t cap;
-} mn_rp_map;
-
-static size_t mn_rp_slot(const mn_rp_map *m, uint64_t key) {
-    size_t h = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 20) & (m->cap - 1);
-    while (m->key[h] && m->key[h] != key) h = (h + 1) & (m->cap - 1);
-    return h;
-}
-
-static mn_result mn_rp_write_file(void *ud, const char *data, size_t len) {
-    return fwrite(data, 1, len, (FILE *)ud) == len ? MN_OK : MN_ERR_IO;
-}
-
-typedef struct mn_rp_kv {
-    char key[48];
-    long long val;
-} mn_rp_kv;
-
-static int mn_rp_kv_cmp(const void *a, const void *b) {
-    return strcmp(((const mn_rp_kv *)a)->key, ((const mn_rp_kv *)b)->key);
-}
-
-static void mn_rp_print_json(const struct mn_cache_stats *s, double ratio, uint64_t allocs,
-                             uint64_t frees, uint64_t unmatched) {
-    static const char *const pools[3] = {"all", "small_pool", "large_pool"};
-    static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
-    const struct { const char *name; const mn_stat *st; } arr[9] = {
-        {"allocation", s->allocation}, {"segment", s->segment}, {"active", s->active},
-        {"inactive_split", s->inactive_split}, {"allocated_bytes", s->allocated_bytes},
-        {"reserved_bytes", s->reserved_bytes}, {"active_bytes", s->active_bytes},
-        {"inactive_split_bytes", s->inactive_split_bytes}, {"requested_bytes", s->requested_bytes}};
-    mn_rp_kv kv[9 * 3 * 4 + 16];
-    size_t n = 0, i;
-    int p, f;
-    for (i = 0; i < 9; i++)
-        for (p = 0; p < 3; p++)
-            for (f = 0; f < 4; f++) {
-                const mn_stat *st = &arr[i].st[p];
-                const uint64_t v[4] = {st->current, st->peak, st->allocated, st->freed};
-                snprintf(kv[n].key, sizeof kv[n].key, "%s.%s.%s", arr[i].name, pools[p], fields[f]);
-                kv[n++].val = (long long)v[f];
-            }
-    for (f = 0; f < 4; f++) {
-        const uint64_t a[4] = {s->oversize_allocations.current, s->oversize_allocations.peak,
-                               s->oversize_allocations.allocated, s->oversize_allocations.freed};
-        const uint64_t g[4] = {s->oversize_segments.current, s->oversize_segments.peak,
-                               s->oversize_segments.allocated, s->oversize_segments.freed};
-        snprintf(kv[n].key, sizeof kv[n].key, "oversize_allocations.%s", fields[f]);
-        kv[n++].val = (long long)a[f];
-        snprintf(kv[n].key, sizeof kv[n].key, "oversize_segments.%s", fields[f]);
-        kv[n++].val = (long long)g[f];
-    }
-#define MN_RP_KV(k, v) (snprintf(kv[n].key, sizeof kv[n].key, "%s", k), kv[n++].val = (long long)(v))
-    MN_RP_KV("num_alloc_retries", s->num_alloc_retries);
-    MN_RP_KV("num_ooms", s->num_ooms);
-    MN_RP_KV("num_sync_all_streams", s->num_sync_all_streams);
-    MN_RP_KV("num_device_alloc", s->num_device_alloc);
-    MN_RP_KV("num_device_free", s->num_device_free);
-    MN_RP_KV("max_split_size", s->max_split_size == UINT64_MAX ? -1 : (long long)s->max_split_size);
-#undef MN_RP_KV
-    qsort(kv, n, sizeof kv[0], mn_rp_kv_cmp);
-    printf("{");
-    for (i = 0; i < n; i++) printf("%s\"%s\": %lld", i ? ", " : "", kv[i].key, kv[i].val);
-    printf(", \"peak_reserved_over_peak_allocated\": %.6f, \"replay.allocations\": %llu, "
-           "\"replay.frees\": %llu, \"replay.unmatched_frees\": %llu}\n", ratio,
-           (unsigned long long)allocs, (unsigned long long)frees, (unsigned long long)unmatched);
-}
-
-static void mn_rp_log(void *ud, mn_log_level level, const char *msg) {
-    (void)ud;
-    if (level == MN_LOG_ERROR) fprintf(stderr, "memanat replay: %s\n", msg);
-}
-
-static int mn_cli_replay(int argc, char **argv) {
-    const char *file = NULL, *config = NULL, *svg = NULL;
-    uint64_t capacity = 0, allocs = 0, frees = 0, unmatched = 0;
-    int json = 0, i = 0, rc = 1;
-    char *text = NULL;
-    size_t len = 0, k;
-    mn_rp_trace t;
-    mn_rp_map m;
-    mn_simdev dev;
-    mn_simdev_desc dd;
-    mn_cache cache;
-    mn_cache_desc cd;
-    struct mn_cache_stats st;
-    FILE *f;
-    mn_result r;
-    memset(&t, 0, sizeof t);
-    memset(&m, 0, sizeof m);
-    // argv holds the arguments after "replay"; tolerate the command word itself in front
-    if (argc > 0 && strcmp(argv[0], "replay") == 0) i = 1;
-    for (; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--json") == 0) json = 1;
-        else if (strcmp(a, "--config") == 0 && i + 1 < argc) config = argv[++i];
-        else if (strcmp(a, "--svg") == 0 && i + 1 < argc) svg = argv[++i];
-        else if (strcmp(a, "--capacity") == 0 && i + 1 < argc) {
-            if (mn_size_parse(argv[++i], &capacity) != MN_OK || capacity == 0) {
-                fprintf(stderr, "memanat replay: bad --capacity '%s' (want a size such as 80GiB)\n",
-                        argv[i]);
-                return 2;
-            }
-        } else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            printf("usage: memanat replay FILE [--config STR] [--capacity SIZE] [--json] "
-                   "[--svg OUT]\n  FILE: RMM log CSV or PyTorch snapshot JSON\n");
-            return 0;
-        } else if (a[0] == '-' && a[1] != 0) {
-            fprintf(stderr, "memanat replay: unknown or incomplete option '%s'\n", a);
-            return 2;
-        } else if (!file) file = a;
-        else {
-            fprintf(stderr, "memanat replay: more than one trace file ('%s')\n", a);
-            return 2;
-        }
-    }
-    if (!file) {
-        fprintf(stderr, "memanat replay: missing trace FILE (usage: memanat replay FILE "
-                "[--config STR] [--capacity SIZE] [--json] [--svg OUT])\n");
-        return 2;
-    }
-    if (!config) config = getenv("PYTORCH_CUDA_ALLOC_CONF");
-    if (!config) config = getenv("PYTORCH_ALLOC_CONF");
-    // read the whole file
-    f = fopen(file, "rb");
-    if (!f) {
-        fprintf(stderr, "memanat replay: cannot open '%s'\n", file);
-        return 1;
-    }
+// The whole file into *text (NUL-terminated). 0, or the exit status.
+static int read_file(const char *path, char **text, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    char *buf = NULL;
+    size_t n = 0;
+    if (!f) return fail("cannot open %s: %s", path, strerror(errno));
     for (;;) {
-        size_t cap = len ? len * 2 : 1 << 16, got;
-        char *nt = (char *)realloc(text, cap + 1);
-        if (!nt) {
-            fprintf(stderr, "memanat replay: out of memory reading '%s'\n", file);
-            goto fail_read;
+        size_t cap = n ? n * 2 : 1 << 16;
+        char *nb = (char *)realloc(buf, cap + 1);
+        if (!nb) {
+            free(buf);
+            fclose(f);
+            return fail("out of memory reading %s", path);
         }
-        text = nt;
-        got = fread(text + len, 1, cap - len, f);
-        len += got;
-        if (len < cap) break;
+        buf = nb;
+        n += fread(buf + n, 1, cap - n, f);
+        if (n < cap) break;
     }
     if (ferror(f)) {
-        fprintf(stderr, "memanat replay: cannot read '%s'\n", file);
-        goto fail_read;
+        free(buf);
+        fclose(f);
+        return fail("cannot read %s", path);
     }
     fclose(f);
-    f = NULL;
-    text[len] = 0;
-    for (k = 0; k < len && (text[k] == ' ' || text[k] == '\n' || text[k] == '\r' || text[k] == '\t');)
-        k++;
-    if (k < len && text[k] == '{') {
-        if (!mn_rp_read_snapshot(text, len, file, &t)) goto fail_parse;
-    } else if (!mn_rp_read_csv(text, len, file, &t)) {
-        goto fail_parse;
-    }
-    free(text);
-    text = NULL;
-    // the device and the allocator
-    memset(&dd, 0, sizeof dd);
-    dd.capacity = capacity;
-    dd.events_complete = 1;
-    if (mn_simdev_init(&dev, &dd) != MN_OK) goto fail_parse;
-    memset(&cd, 0, sizeof cd);
-    cd.device = mn_simdev_device(&dev);
-    cd.config = config;
-    cd.logger.log_fn = mn_rp_log;
-    if (svg) cd.trace_entries = t.n * 2 + 64 < (1u << 22) ? (uint32_t)(t.n * 2 + 64) : (1u << 22);
-    r = mn_cache_init(&cache, &cd);
-    if (r != MN_OK) {
-        if (r != MN_ERR_CONFIG && r != MN_ERR_UNSUPPORTED)
-            fprintf(stderr, "memanat replay: cannot start the allocator: %s\n", mn_result_str(r));
-        goto fail_dev;
-    }
-    m.cap = 1024;
-    while (m.cap < t.n * 2 + 2) m.cap *= 2;
-    m.key = (uint64_t *)calloc(m.cap, sizeof *m.key);
-    m.val = (void **)calloc(m.cap, sizeof *m.val);
-    if (!m.key || !m.val) {
-        fprintf(stderr, "memanat replay: out of memory\n");
-        goto fail_cache;
-    }
-    for (k = 0; k < t.n; k++) {
-        const mn_rp_event *e = &t.ev[k];
-        size_t h;
-        if (e->key == 0) continue;  // a null pointer: nothing to allocate or free
-        h = mn_rp_slot(&m, e->key);
-        if (e->is_alloc) {
-            void *p = NULL;
-            allocs++;
-            if (m.key[h]) {  // the trace reuses a live pointer: the old one was freed unlogged
-                (void)mn_cache_release(&cache, m.val[h]);
-                m.key[h] = 0;
-                h = mn_rp_slot(&m, e->key);
-            }
-            r = mn_cache_alloc(&cache, e->size, e->stream, e->cat, NULL, &p);
-            if (r == MN_ERR_DEVICE_OOM) continue;  // counted in num_ooms; its free is skipped
-            if (r != MN_OK) {
-                fprintf(stderr, "memanat replay: event %zu: %s\n", k, mn_result_str(r));
-                goto fail_cache;
-            }
-            if (!p) continue;  // size 0
-            m.key[h] = e->key;
-            m.val[h] = p;
-        } else {
-            size_t j, g;
-            frees++;
-            if (!m.key[h]) {
-                unmatched++;
-                continue;
-            }
-            if (mn_cache_release(&cache, m.val[h]) != MN_OK) unmatched++;
-            // remove with backward shift
-            m.key[h] = 0;
-            for (j = (h + 1) & (m.cap - 1); m.key[j]; j = (j + 1) & (m.cap - 1)) {
-                uint64_t kk = m.key[j];
-                void *vv = m.val[j];
-                m.key[j] = 0;
-                g = mn_rp_slot(&m, kk);
-                m.key[g] = kk;
-                m.val[g] = vv;
-            }
-        }
-    }
-    mn_cache_stats(&cache, &st);
-    {
-        double ratio = st.allocated_bytes[MN_STAT_ALL].peak
-                           ? (double)st.reserved_bytes[MN_STAT_ALL].peak /
-                                 (double)st.allocated_bytes[MN_STAT_ALL].peak
-                           : 0.0;
-        char pa[32], pr[32];
-        if (json) {
-            mn_rp_print_json(&st, ratio, allocs, frees, unmatched);
-        } else {
-            mn_size_format(st.allocated_bytes[MN_STAT_ALL].peak, pa, sizeof pa);
-            mn_size_format(st.reserved_bytes[MN_STAT_ALL].peak, pr, sizeof pr);
-            printf("memanat replay: %s: %llu allocations, %llu frees (%llu unmatched), %llu rows "
-                   "skipped, %u streams\n", file, (unsigned long long)allocs,
-                   (unsigned long long)frees, (unsigned long long)unmatched,
-                   (unsigned long long)t.skipped, t.nstreams ? t.nstreams : 1);
-            printf("config: %s; device capacity: ", config && config[0] ? config : "(defaults)");
-            if (capacity) {
-                char cs[32];
-                mn_size_format(capacity, cs, sizeof cs);
-                printf("%s\n", cs);
-            } else {
-                printf("unlimited\n");
-            }
-            mn_cache_summary_write(&st, 0, 0, mn_rp_write_file, stdout);
-            if (st.cat_allocation[MN_CAT_OTHER].allocated != st.allocation[MN_STAT_ALL].allocated)
-                mn_cache_category_summary_write(&st, mn_rp_write_file, stdout);  // has categories
-            printf("peak allocated: %llu B (%s)\n",
-                   (unsigned long long)st.allocated_bytes[MN_STAT_ALL].peak, pa);
-            printf("peak reserved:  %llu B (%s)\n",
-                   (unsigned long long)st.reserved_bytes[MN_STAT_ALL].peak, pr);
-            printf("peak reserved / peak allocated: %.4f\n", ratio);
-            printf("out-of-memory failures: %llu, device allocations: %llu, cache flushes: %llu\n",
-                   (unsigned long long)st.num_ooms, (unsigned long long)st.num_device_alloc,
-                   (unsigned long long)st.num_alloc_retries);
-            if (st.num_ooms) {
-                char msg[1024];
-                mn_cache_oom_message(&cache, msg, sizeof msg);
-                printf("last OOM: %s\n", msg);
-            }
-        }
-    }
-    if (svg) {
-        mn_cache_snapshot snap;
-        FILE *out;
-        if (mn_cache_snapshot_take(&cache, &snap) != MN_OK) {
-            fprintf(stderr, "memanat replay: out of memory taking the snapshot\n");
-            goto fail_cache;
-        }
-        out = fopen(svg, "wb");
-        if (!out) {
-            fprintf(stderr, "memanat replay: cannot write '%s'\n", svg);
-            mn_cache_snapshot_free(&snap);
-            goto fail_cache;
-        }
-        r = mn_cache_timeline_svg(&snap, file, mn_rp_write_file, out);
-        mn_cache_snapshot_free(&snap);
-        if (fclose(out) != 0 || r != MN_OK) {
-            fprintf(stderr, "memanat replay: cannot write '%s'\n", svg);
-            goto fail_cache;
-        }
-    }
-    rc = 0;
-fail_cache:
-    free(m.key);
-    free(m.val);
-    mn_cache_free(&cache);
-fail_dev:
-    mn_simdev_free(&dev);
-fail_parse:
-    free(t.ev);
+    buf[n] = 0;
+    *text = buf, *len = n;
+    return 0;
+}
+
+static int read_trace(const char *path, trace *t) {
+    char *text = NULL;
+    size_t len = 0, k;
+    int rc = read_file(path, &text, &len);
+    if (rc) return rc;
+    for (k = 0; k < len && strchr(" \n\r\t", text[k]); k++) continue;
+    rc = k < len && text[k] == '{' ? read_snapshot(text, len, path, t) : read_csv(text, len, path, t);
     free(text);
     return rc;
-fail_read:
-    fclose(f);
-    free(text);
-    return 1;
+}
+
+// ---- replay -----------------------------------------------------------------------------------
+
+static const char *replay_usage =
+    "usage: memanat replay FILE [--alloc-conf STR] [--capacity SIZE] [--json] [--svg OUT]\n"
+    "  replays an allocation trace through the caching allocator on a simulated device and\n"
+    "  prints PyTorch's statistics, memory_summary() and peak reserved over peak allocated.\n"
+    "  FILE: RMM log CSV (logging_resource_adaptor) or PyTorch snapshot JSON\n"
+    "  --alloc-conf STR   allocator settings (PYTORCH_ALLOC_CONF grammar; --config is the same)\n"
+    "  --capacity SIZE    device size (default unlimited); failed allocations are counted\n"
+    "  --svg OUT          the memory timeline, stacked by category\n";
+
+static void replay_print_json(const struct mn_cache_stats *st, double ratio,
+                              const mn_replay_counts *n) {
+    mn_stat_item items[MN_CACHE_STATS_ITEMS];
+    uint32_t count = mn_cache_stats_items(st, items, MN_CACHE_STATS_ITEMS), i;
+    printf("{");
+    for (i = 0; i < count; i++)
+        printf("%s\"%s\": %lld", i ? ", " : "", items[i].key, (long long)items[i].value);
+    printf(", \"peak_reserved_over_peak_allocated\": %.6f, \"replay.allocations\": %llu, "
+           "\"replay.frees\": %llu, \"replay.unmatched_frees\": %llu}\n", ratio,
+           (unsigned long long)n->allocations, (unsigned long long)n->frees,
+           (unsigned long long)n->unmatched_frees);
+}
+
+static void replay_print_text(const cli *c, const trace *t, mn_cache *cache,
+                              const struct mn_cache_stats *st, double ratio,
+                              const mn_replay_counts *n) {
+    char pa[32], pr[32], cs[32];
+    mn_size_format(st->allocated_bytes[MN_STAT_ALL].peak, pa, sizeof pa);
+    mn_size_format(st->reserved_bytes[MN_STAT_ALL].peak, pr, sizeof pr);
+    mn_size_format(c->setup.capacity, cs, sizeof cs);
+    printf("memanat replay: %s: %llu allocations, %llu frees (%llu unmatched), %llu rows "
+           "skipped, %u streams\n", c->trace, (unsigned long long)n->allocations,
+           (unsigned long long)n->frees, (unsigned long long)n->unmatched_frees,
+           (unsigned long long)t->skipped, t->nstreams ? t->nstreams : 1);
+    printf("config: %s; device capacity: %s\n",
+           c->alloc_conf && c->alloc_conf[0] ? c->alloc_conf : "(defaults)",
+           c->setup.capacity ? cs : "unlimited");
+    mn_cache_summary_write(st, 0, 0, mn_cache_write_file, stdout);
+    if (st->cat_allocation[MN_CAT_OTHER].allocated != st->allocation[MN_STAT_ALL].allocated)
+        mn_cache_category_summary_write(st, mn_cache_write_file, stdout);  // has categories
+    printf("peak allocated: %llu B (%s)\n", (unsigned long long)st->allocated_bytes[MN_STAT_ALL].peak,
+           pa);
+    printf("peak reserved:  %llu B (%s)\n", (unsigned long long)st->reserved_bytes[MN_STAT_ALL].peak,
+           pr);
+    printf("peak reserved / peak allocated: %.4f\n", ratio);
+    printf("out-of-memory failures: %llu, device allocations: %llu, cache flushes: %llu\n",
+           (unsigned long long)st->num_ooms, (unsigned long long)st->num_device_alloc,
+           (unsigned long long)st->num_alloc_retries);
+    if (st->num_ooms) {
+        char msg[1024];
+        mn_cache_oom_message(cache, msg, sizeof msg);
+        printf("last OOM: %s\n", msg);
+    }
+}
+
+static int cmd_replay(int argc, char **argv) {
+    cli c;
+    trace t;
+    mn_sim_cache sc;
+    mn_simdev_desc dd;
+    mn_cache_desc cd;
+    mn_replay_counts n;
+    struct mn_cache_stats st;
+    mn_result r;
+    double ratio;
+    int rc = parse_args(&c, CMD_REPLAY, argc, argv, replay_usage);
+    if (rc) return rc == 1 ? 0 : rc;
+    memset(&t, 0, sizeof t);
+    if ((rc = read_trace(c.trace, &t)) != 0) goto done;
+    memset(&dd, 0, sizeof dd);
+    memset(&cd, 0, sizeof cd);
+    dd.capacity = c.setup.capacity;
+    dd.events_complete = 1;
+    cd.config = c.alloc_conf;
+    cd.logger.log_fn = capture_log;
+    if (c.svg) cd.trace_entries = t.n * 2 + 64 < (1u << 22) ? (uint32_t)(t.n * 2 + 64) : (1u << 22);
+    if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) {
+        rc = fail_result("allocator", r);
+        goto done;
+    }
+    r = mn_cache_replay(&sc.cache, t.ev, t.n, 0, &n);
+    if (r != MN_OK) rc = fail("%s: event %llu: %s", c.trace,
+                              (unsigned long long)(n.allocations + n.frees), mn_result_str(r));
+    if (!rc) {
+        mn_cache_stats(&sc.cache, &st);
+        ratio = st.allocated_bytes[MN_STAT_ALL].peak
+                    ? (double)st.reserved_bytes[MN_STAT_ALL].peak /
+                          (double)st.allocated_bytes[MN_STAT_ALL].peak
+                    : 0.0;
+        if (c.json) replay_print_json(&st, ratio, &n);
+        else replay_print_text(&c, &t, &sc.cache, &st, ratio, &n);
+        if (c.svg) rc = write_pictures(&sc.cache, c.svg, NULL, c.trace);
+    }
+    mn_sim_cache_free(&sc);
+done:
+    free(t.ev);
+    return rc;
 }
 
 int main(int argc, char **argv) {
@@ -1097,6 +983,6 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "estimate")) return cmd_estimate(argc - 2, argv + 2);
     if (!strcmp(argv[1], "fit")) return cmd_fit(argc - 2, argv + 2);
     if (!strcmp(argv[1], "models")) return cmd_models(argc - 2, argv + 2);
-    if (!strcmp(argv[1], "replay")) return mn_cli_replay(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "replay")) return cmd_replay(argc - 2, argv + 2);
     return fail("unknown command \"%s\" (estimate, fit, models, replay)", argv[1]);
 }
