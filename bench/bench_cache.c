@@ -107,34 +107,28 @@ static void bench_speed(void) {
     printf("%-10s %10s %10s %10s %10s %12s\n", "live", "same size", "split", "merge", "miss*",
            "host malloc");
     for (li = 0; li < 3; li++) {
-        mn_simdev dev;
-        mn_simdev_desc dd;
-        mn_cache cache;
-        mn_cache_desc cd;
+        mn_sim_cache sc;
+        mn_cache *cache = &sc.cache;
         void **live = (void **)malloc(lives[li] * sizeof *live);
         void **hlive = (void **)malloc(lives[li] * sizeof *hlive);
         double res[CASE_COUNT + 1], runs[15];
         uint64_t i;
         int k, r;
-        memset(&dd, 0, sizeof dd);
-        mn_simdev_init(&dev, &dd);
-        memset(&cd, 0, sizeof cd);
-        cd.device = mn_simdev_device(&dev);
-        if (!live || !hlive || mn_cache_init(&cache, &cd) != MN_OK) {
+        if (!live || !hlive || mn_sim_cache_init(&sc, NULL, NULL) != MN_OK) {
             fprintf(stderr, "bench_cache: setup failed\n");
             exit(1);
         }
         for (i = 0; i < lives[li]; i++) {  // live blocks, with holes: every 4th freed again
-            mn_cache_alloc(&cache, live_size(), 0, MN_CAT_ACTIVATIONS, NULL, &live[i]);
+            mn_cache_alloc(cache, live_size(), 0, MN_CAT_ACTIVATIONS, NULL, &live[i]);
             hlive[i] = malloc((size_t)(live_size() >> 6));  // host: sizes scaled down
         }
         for (i = 0; i < lives[li]; i += 4) {
-            mn_cache_release(&cache, live[i]);
+            mn_cache_release(cache, live[i]);
             live[i] = NULL;
         }
         for (k = 0; k < CASE_COUNT; k++) {
             uint64_t iters = k == CASE_MISS ? 2000 : 50000;
-            for (r = 0; r < 15; r++) runs[r] = time_case(&cache, k, iters);
+            for (r = 0; r < 15; r++) runs[r] = time_case(cache, k, iters);
             res[k] = bench_median(runs, 15);
         }
         for (r = 0; r < 15; r++) {
@@ -150,11 +144,10 @@ static void bench_speed(void) {
         printf("%-10llu %10.1f %10.1f %10.1f %10.1f %12.1f\n", (unsigned long long)lives[li],
                res[0], res[1], res[2], res[3], res[4]);
         for (i = 0; i < lives[li]; i++) {
-            mn_cache_release(&cache, live[i]);
+            mn_cache_release(cache, live[i]);
             free(hlive[i]);
         }
-        mn_cache_free(&cache);
-        mn_simdev_free(&dev);
+        mn_sim_cache_free(&sc);
         free(live);
         free(hlive);
     }
@@ -164,38 +157,29 @@ static void bench_speed(void) {
 
 // ---- transformer trace generator ------------------------------------------------------------
 
-typedef struct ev {
-    uint32_t id;      // tensor id
-    uint64_t size;    // 0 = free
-    uint8_t cat;
-} ev;
-
 typedef struct trace {
-    ev *e;
+    mn_trace_event *e;
     size_t n, cap;
     uint32_t next_id;
 } trace;
 
-static uint32_t t_alloc(trace *t, uint64_t size, mn_category cat) {
+static mn_trace_event *t_push(trace *t) {
     if (t->n == t->cap) {
         t->cap = t->cap ? t->cap * 2 : 1 << 16;
-        t->e = (ev *)realloc(t->e, t->cap * sizeof *t->e);
+        t->e = (mn_trace_event *)realloc(t->e, t->cap * sizeof *t->e);
         if (!t->e) exit(1);
     }
-    t->e[t->n].id = ++t->next_id, t->e[t->n].size = size, t->e[t->n].cat = (uint8_t)cat;
-    t->n++;
+    memset(&t->e[t->n], 0, sizeof t->e[t->n]);
+    return &t->e[t->n++];
+}
+
+static uint32_t t_alloc(trace *t, uint64_t size, mn_category cat) {
+    mn_trace_event *e = t_push(t);
+    e->id = ++t->next_id, e->size = size, e->alloc = 1, e->category = (uint8_t)cat;
     return t->next_id;
 }
 
-static void t_free(trace *t, uint32_t id) {
-    if (t->n == t->cap) {
-        t->cap = t->cap * 2;
-        t->e = (ev *)realloc(t->e, t->cap * sizeof *t->e);
-        if (!t->e) exit(1);
-    }
-    t->e[t->n].id = id, t->e[t->n].size = 0, t->e[t->n].cat = 0;
-    t->n++;
-}
+static void t_free(trace *t, uint32_t id) { t_push(t)->id = id; }
 
 typedef struct model {
     const char *name;
@@ -305,47 +289,34 @@ typedef struct replay_result {
     double ns_per_event;
 } replay_result;
 
+// The trace replayed 5 times on one allocator (each run releases what is left live): the
+// statistics of the first run, the median time per event.
 static replay_result replay(const trace *t, const char *config) {
-    mn_simdev dev;
-    mn_simdev_desc dd;
-    mn_cache cache;
+    mn_sim_cache sc;
     mn_cache_desc cd;
     struct mn_cache_stats st;
     replay_result res;
     double runs[5];
     int run;
-    void **ptr = (void **)calloc(t->next_id + 1, sizeof *ptr);
-    size_t i;
-    double t0;
-    memset(&dd, 0, sizeof dd);
-    mn_simdev_init(&dev, &dd);
     memset(&cd, 0, sizeof cd);
-    cd.device = mn_simdev_device(&dev);
     cd.config = config;
-    if (!ptr || mn_cache_init(&cache, &cd) != MN_OK) {
+    if (mn_sim_cache_init(&sc, NULL, &cd) != MN_OK) {
         fprintf(stderr, "bench_cache: cannot start the allocator with '%s'\n", config);
         exit(1);
     }
     memset(&st, 0, sizeof st);
-    for (run = 0; run < 5; run++) {  // the same trace 5 times: the statistics of the first run
-        t0 = now_ns();
-        for (i = 0; i < t->n; i++) {
-            const ev *e = &t->e[i];
-            if (e->size) mn_cache_alloc(&cache, e->size, 0, (mn_category)e->cat, NULL, &ptr[e->id]);
-            else mn_cache_release(&cache, ptr[e->id]), ptr[e->id] = NULL;
-        }
+    for (run = 0; run < 5; run++) {
+        double t0 = now_ns();
+        if (mn_cache_replay(&sc.cache, t->e, t->n, 1, NULL) != MN_OK) exit(1);
         runs[run] = (now_ns() - t0) / (double)t->n;
-        if (run == 0) mn_cache_stats(&cache, &st);
-        for (i = 0; i <= t->next_id; i++) mn_cache_release(&cache, ptr[i]), ptr[i] = NULL;
+        if (run == 0) mn_cache_stats(&sc.cache, &st);
     }
     res.ns_per_event = bench_median(runs, 5);
     res.peak_alloc = st.allocated_bytes[MN_STAT_ALL].peak;
     res.peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
     res.ooms = st.num_ooms;
     res.device_allocs = st.num_device_alloc;
-    mn_cache_free(&cache);
-    mn_simdev_free(&dev);
-    free(ptr);
+    mn_sim_cache_free(&sc);
     return res;
 }
 
@@ -400,7 +371,7 @@ static void bench_frag_estimator(void) {
         {"llama-3.2-1b", 4, 2048, MN_ATTN_SDPA},
         {"llama-2-7b", 1, 2048, MN_ATTN_SDPA},
     };
-    size_t ci, pi, i;
+    size_t ci, pi;
     printf("\nthe estimator's traces (memanat estimate --precision bf16; 2 steps)\n");
     printf("%-20s %9s %10s", "model", "events", "peak alloc");
     for (pi = 0; pi < sizeof policies / sizeof policies[0]; pi++) printf(" %26s", policies[pi].label);
@@ -416,14 +387,7 @@ static void bench_frag_estimator(void) {
         su.batch = cases[ci].batch, su.seq = cases[ci].seq, su.attention = cases[ci].attn;
         su.precision = MN_PREC_BF16;
         if (mn_preset_find(cases[ci].model, &m) != MN_OK || mn_estimate_trace(&m, &su, NULL, &te, &n) != MN_OK) exit(1);
-        t.cap = (size_t)n, t.e = (ev *)malloc((size_t)n * sizeof *t.e);
-        if (!t.e) exit(1);
-        for (i = 0; i < (size_t)n; i++) {
-            t.e[i].id = te[i].id + 1, t.e[i].size = te[i].alloc ? te[i].size : 0, t.e[i].cat = te[i].category;
-            if (te[i].id + 1 > t.next_id) t.next_id = te[i].id + 1;
-        }
-        t.n = (size_t)n;
-        mn_trace_free(NULL, te);
+        t.e = te, t.n = t.cap = (size_t)n;
         printf("%-20s %9zu", cases[ci].model, t.n);
         for (pi = 0; pi < sizeof policies / sizeof policies[0]; pi++) {
             replay_result r = replay(&t, policies[pi].config);
@@ -432,7 +396,7 @@ static void bench_frag_estimator(void) {
                    (double)r.peak_reserved / 1073741824.0, r.ns_per_event);
         }
         printf("\n");
-        free(t.e);
+        mn_trace_free(NULL, te);
     }
 }
 
@@ -454,10 +418,10 @@ static int write_csv(const char *name, const char *path) {
             uint64_t *sz = (uint64_t *)calloc(t.next_id + 1, sizeof *sz);
             if (!sz) return 1;
             for (i = 0; i < t.n; i++) {
-                const ev *e = &t.e[i];
-                if (e->size) sz[e->id] = e->size;
+                const mn_trace_event *e = &t.e[i];
+                if (e->alloc) sz[e->id] = e->size;
                 fprintf(f, "1,00:00:%02u.%06u,%s,0x%llx,%llu,0x0\n", (unsigned)(i / 1000000 % 60),
-                        (unsigned)(i % 1000000), e->size ? "allocate" : "free",
+                        (unsigned)(i % 1000000), e->alloc ? "allocate" : "free",
                         (unsigned long long)e->id << 12, (unsigned long long)sz[e->id]);
             }
             free(sz);
@@ -471,48 +435,36 @@ static int write_csv(const char *name, const char *path) {
     return 1;
 }
 
-static mn_result write_file(void *ud, const char *data, size_t len) {
-    return fwrite(data, 1, len, (FILE *)ud) == len ? MN_OK : MN_ERR_IO;
-}
-
 // The memory timeline of one model's trace, stacked by category, under a policy.
 static int write_svg(const char *name, const char *config, const char *path) {
-    size_t mi, i;
+    size_t mi;
     for (mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
         trace t;
-        mn_simdev dev;
-        mn_cache cache;
+        mn_sim_cache sc;
         mn_cache_desc cd;
         mn_cache_snapshot snap;
-        void **ptr;
         FILE *f;
         char title[160];
+        int bad;
         if (strcmp(models[mi].name, name) != 0) continue;
         memset(&t, 0, sizeof t);
         gen_transformer(&t, &models[mi], 3, 1);
-        ptr = (void **)calloc(t.next_id + 1, sizeof *ptr);
-        mn_simdev_init(&dev, NULL);
         memset(&cd, 0, sizeof cd);
-        cd.device = mn_simdev_device(&dev);
         cd.config = config;
         cd.trace_entries = (uint32_t)(t.n * 2 + 64);
-        if (!ptr || mn_cache_init(&cache, &cd) != MN_OK) return 1;
-        for (i = 0; i < t.n; i++) {
-            const ev *e = &t.e[i];
-            if (e->size) mn_cache_alloc(&cache, e->size, 0, (mn_category)e->cat, NULL, &ptr[e->id]);
-            else mn_cache_release(&cache, ptr[e->id]), ptr[e->id] = NULL;
-        }
-        f = fopen(path, "w");
-        if (!f || mn_cache_snapshot_take(&cache, &snap) != MN_OK) return 1;
+        if (mn_sim_cache_init(&sc, NULL, &cd) != MN_OK) return 1;
+        bad = mn_cache_replay(&sc.cache, t.e, t.n, 0, NULL) != MN_OK ||
+              mn_cache_snapshot_take(&sc.cache, &snap) != MN_OK;
+        f = bad ? NULL : fopen(path, "w");
+        if (!f) return 1;
         snprintf(title, sizeof title, "%s, 3 training steps, %s", name,
                  config[0] ? config : "PyTorch default policy");
-        mn_cache_timeline_svg(&snap, title, write_file, f);
-        fclose(f);
+        bad = mn_cache_timeline_svg(&snap, title, mn_cache_write_file, f) != MN_OK;
+        bad |= fclose(f) != 0;
         mn_cache_snapshot_free(&snap);
-        mn_cache_free(&cache);
-        mn_simdev_free(&dev);
-        free(ptr);
+        mn_sim_cache_free(&sc);
         free(t.e);
+        if (bad) return 1;
         printf("wrote %s\n", path);
         return 0;
     }
