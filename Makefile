@@ -11,7 +11,7 @@ WARN    := -Wall -Wextra -Wpedantic -Werror
 CFLAGS  ?= $(OPT) -g
 CSTD    := -std=c99
 LDLIBS  := -lm -lpthread
-HDRS    := memanat.h $(wildcard src/*.h)
+HDRS    := memanat.h
 TESTSRC := test/main.c $(wildcard test/test_*.c)
 BENCHES := $(patsubst bench/%.c,build/%,$(wildcard bench/*.c))
 
@@ -23,7 +23,7 @@ NVCC    := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>
 
 all: memanat cuda-probe
 
-memanat: memanat.c $(HDRS) $(wildcard src/*.c)
+memanat: memanat.c $(HDRS)
 	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ memanat.c $(LDLIBS)
 
 build:
@@ -39,7 +39,7 @@ build/test_asan: $(TESTSRC) test/harness.h $(HDRS) | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
 
-build/memanat_asan: memanat.c $(HDRS) $(wildcard src/*.c) | build
+build/memanat_asan: memanat.c $(HDRS) | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ memanat.c $(LDLIBS)
 
