@@ -28,6 +28,28 @@
 //       printf("peak %.1f GiB, fits: %d\n", r.peak_reserved / 1073741824.0, r.fits);
 //   mn_fit() answers the largest micro-batch, the longest sequence and a plan that fits.
 //
+// SHARED PIECES (what the CLI, the trainer, the benchmarks and the tests are built from)
+//   mn_sim_cache: a caching allocator on a simulated device, from an allocator config string
+//       mn_sim_cache sc;  mn_cache_desc cd = {0};  void *p;
+//       cd.config = "expandable_segments:True";  mn_sim_cache_init(&sc, NULL, &cd);
+//       mn_cache_alloc(&sc.cache, 1 << 20, 0, MN_CAT_ACTIVATIONS, "x", &p);  mn_sim_cache_free(&sc);
+//   mn_cache_replay: an allocation trace (mn_trace_event[], e.g. from mn_estimate_trace())
+//       mn_replay_counts n;  struct mn_cache_stats st;
+//       mn_cache_replay(&sc.cache, events, count, 0, &n);  // n.failed: refused allocations
+//       mn_cache_stats(&sc.cache, &st);                    // st.reserved_bytes[MN_STAT_ALL].peak
+//   mn_cache_write_file: the writer callback for a FILE*
+//       mn_cache_summary_write(&st, 0, 0, mn_cache_write_file, stdout);
+//       mn_cache_timeline_svg(&snapshot, "step", mn_cache_write_file, svg_file);
+//       mn_cache_snapshot_write_json(&snapshot, mn_cache_write_file, json_file);
+//   MN_CACHE_STATS(X): every statistic once, X(kind, name, unit, label); a report from it
+//       #define ROW_POOL(n) printf("%s %llu\n", #n, (unsigned long long)st.n[MN_STAT_ALL].peak);
+//       #define ROW_ONE(n)  /* and ROW_COUNT, ROW_VALUE, ROW_CAT, ROW_CATV: empty */
+//       #define ROW(kind, name, unit, label) ROW_##kind(name)      MN_CACHE_STATS(ROW)
+//   mn_cache_stats_items: torch.cuda.memory_stats() as flat keys in PyTorch's sorted order
+//       mn_stat_item it[MN_CACHE_STATS_ITEMS];
+//       uint32_t i, n = mn_cache_stats_items(&st, it, MN_CACHE_STATS_ITEMS);
+//       for (i = 0; i < n; i++) printf("%s %lld\n", it[i].key, (long long)it[i].value);
+//
 // CONTENTS (grep for the tag; the implementation repeats this order)
 //   >>types      results, dtypes, memory categories, host allocator, logger, checked arithmetic
 //   >>json       strict JSON reader (DOM), JSON writing helper, safetensors header reader
@@ -649,21 +671,21 @@ MNDEF mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_m
 // Observability: PyTorch's full statistics set plus statistics per memory category, the
 // memory_summary() table, the OOM message, a history ring buffer, a snapshot whose JSON
 // pytorch.org/memory_viz opens, and an SVG memory timeline stacked by category. Writers send
-// their text to a callback (mn_cache_write_fn); pass fwrite-like glue to write to a FILE*.
+// their text to a callback (mn_cache_write_fn); mn_cache_write_file writes to a FILE*.
 //
 // Thread safety: one mutex per allocator (pthreads). Define MEMANAT_NO_THREADS before the
 // implementation to build without locking (then one thread at a time per allocator).
 //
-// Quick start (simulated 80 GiB device, PyTorch's defaults):
-//   mn_simdev dev;  mn_simdev_desc dd = {0};  mn_cache cache;  mn_cache_desc cd = {0};
+// Quick start (simulated 80 GiB device):
+//   mn_sim_cache sc;  mn_simdev_desc dd = {0};  mn_cache_desc cd = {0};
 //   struct mn_cache_stats st;  void *p;
-//   dd.capacity = 80ull << 30;  mn_simdev_init(&dev, &dd);
-//   cd.device = mn_simdev_device(&dev);  cd.config = "expandable_segments:True";  // or NULL
-//   mn_cache_init(&cache, &cd);
-//   mn_cache_alloc(&cache, 4 << 20, 0, MN_CAT_ACTIVATIONS, "attn.qkv", &p);
-//   mn_cache_release(&cache, p);
-//   mn_cache_stats(&cache, &st);   // st.reserved_bytes[MN_STAT_ALL].peak, ...
-//   mn_cache_free(&cache);  mn_simdev_free(&dev);
+//   dd.capacity = 80ull << 30;  cd.config = "expandable_segments:True";  // NULL: PyTorch's
+//   mn_sim_cache_init(&sc, &dd, &cd);
+//   mn_cache_alloc(&sc.cache, 4 << 20, 0, MN_CAT_ACTIVATIONS, "attn.qkv", &p);
+//   mn_cache_release(&sc.cache, p);
+//   mn_cache_stats(&sc.cache, &st);   // st.reserved_bytes[MN_STAT_ALL].peak, ...
+//   mn_sim_cache_free(&sc);
+// Over a device of your own: fill mn_cache_desc.device and call mn_cache_init / mn_cache_free.
 
 typedef uint32_t mn_stream;  // a device stream; 0 = the default stream
 typedef uint64_t mn_event;   // a device event handle; 0 = none

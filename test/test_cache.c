@@ -14,10 +14,7 @@
 
 // ---- helpers -------------------------------------------------------------------------------------
 
-typedef struct tc_env {
-    mn_simdev dev;
-    mn_cache cache;
-} tc_env;
+typedef mn_sim_cache tc_env;
 
 static char tc_last_log[512];
 
@@ -29,19 +26,13 @@ static void tc_log(void *ud, mn_log_level level, const char *msg) {
 static mn_result tc_open(tc_env *e, uint64_t capacity, const char *config, uint32_t trace) {
     mn_simdev_desc dd;
     mn_cache_desc cd;
-    mn_result r;
     memset(&dd, 0, sizeof dd);
-    dd.capacity = capacity;
-    r = mn_simdev_init(&e->dev, &dd);
-    if (r != MN_OK) return r;
     memset(&cd, 0, sizeof cd);
-    cd.device = mn_simdev_device(&e->dev);
+    dd.capacity = capacity;
     cd.config = config;
     cd.trace_entries = trace;
     cd.logger.log_fn = tc_log;
-    r = mn_cache_init(&e->cache, &cd);
-    if (r != MN_OK) mn_simdev_free(&e->dev);
-    return r;
+    return mn_sim_cache_init(e, &dd, &cd);
 }
 
 static void tc_close(tc_env *e) {
@@ -1267,6 +1258,279 @@ static void test_replay_cli(void) {
     rmdir(dir);
 }
 
+// ---- shared pieces: mn_sim_cache, mn_cache_replay, mn_cache_write_file, stats items ------------
+
+// A random trace over a few live ids: fresh ids of any value (0 and UINT64_MAX included), frees
+// of ids never allocated, allocations of ids still live, several streams and categories.
+static mn_trace_event *tc_random_trace(size_t n) {
+    mn_trace_event *ev = (mn_trace_event *)calloc(n, sizeof *ev);
+    uint64_t ids[16];
+    size_t i;
+    if (!ev) return NULL;
+    for (i = 0; i < 16; i++) ids[i] = mnt_rand_u64();
+    ids[0] = 0, ids[1] = UINT64_MAX;
+    for (i = 0; i < n; i++) {
+        ev[i].id = mnt_rand_u64() % 50 == 0 ? mnt_rand_u64() : ids[mnt_rand_u64() % 16];
+        ev[i].alloc = (uint8_t)(mnt_rand_u64() % 2);
+        ev[i].size = ev[i].alloc ? tc_rand_size() : 0;
+        ev[i].stream = (uint32_t)(mnt_rand_u64() % 3);
+        ev[i].category = (uint8_t)(mnt_rand_u64() % MN_CAT_COUNT);
+        ev[i].phase = (uint8_t)(mnt_rand_u64() % MN_PHASE_COUNT);
+    }
+    return ev;
+}
+
+// The replay's rules written out the slow way: a list of live (id, block) pairs.
+static void tc_replay_reference(mn_cache *c, const mn_trace_event *ev, size_t n,
+                                mn_replay_counts *cnt) {
+    uint64_t live_id[64];
+    void *live[64];
+    size_t nlive = 0, i, k;
+    memset(cnt, 0, sizeof *cnt);
+    for (i = 0; i < n; i++) {
+        void *p = NULL;
+        mn_result r;
+        for (k = 0; k < nlive && live_id[k] != ev[i].id; k++) continue;
+        if (ev[i].alloc) cnt->allocations++;
+        else cnt->frees++;
+        if (k < nlive) {  // a free, or an allocation of a live id: the old block goes
+            CHECK_OK(mn_cache_release(c, live[k]));
+            live[k] = live[nlive - 1], live_id[k] = live_id[nlive - 1], nlive--;
+        } else if (!ev[i].alloc) {
+            cnt->unmatched_frees++;
+        }
+        if (!ev[i].alloc) continue;
+        r = mn_cache_alloc(c, ev[i].size, ev[i].stream, (mn_category)ev[i].category,
+                           ev[i].phase ? mn_phase_name((mn_phase)ev[i].phase) : NULL, &p);
+        if (r == MN_ERR_DEVICE_OOM) {
+            cnt->failed++;
+            continue;
+        }
+        CHECK_OK(r);
+        if (p && nlive < 64) live_id[nlive] = ev[i].id, live[nlive++] = p;
+    }
+}
+
+static void test_replay_matches_reference(void) {
+    const uint64_t capacities[2] = {0, 200 * MIB};
+    int round;
+    for (round = 0; round < 2; round++) {
+        size_t n = 3000;
+        mn_trace_event *ev = tc_random_trace(n);
+        tc_env a, b;
+        mn_replay_counts got, want;
+        struct mn_cache_stats sa, sb;
+        CHECK(ev != NULL);
+        if (!ev) return;
+        CHECK_OK(tc_open(&a, capacities[round], NULL, 0));
+        CHECK_OK(tc_open(&b, capacities[round], NULL, 0));
+        CHECK_OK(mn_cache_replay(&a.cache, ev, n, 0, &got));
+        tc_replay_reference(&b.cache, ev, n, &want);
+        CHECK_EQ_U64(got.allocations, want.allocations);
+        CHECK_EQ_U64(got.frees, want.frees);
+        CHECK_EQ_U64(got.unmatched_frees, want.unmatched_frees);
+        CHECK_EQ_U64(got.failed, want.failed);
+        CHECK(got.unmatched_frees > 0);
+        sa = tc_stats(&a), sb = tc_stats(&b);
+        CHECK(memcmp(&sa, &sb, sizeof sa) == 0);
+        CHECK_EQ_U64(sa.num_ooms, got.failed);
+        if (round == 1) CHECK(got.failed > 0);
+        CHECK_OK(mn_cache_check(&a.cache));
+        tc_close(&a);
+        // release_live: nothing is left, the peak is the same, and the trace replays again
+        CHECK_OK(tc_open(&a, capacities[round], NULL, 0));
+        CHECK_OK(mn_cache_replay(&a.cache, ev, n, 1, NULL));
+        sa = tc_stats(&a);
+        CHECK_EQ_U64(sa.allocation[MN_STAT_ALL].current, 0);
+        CHECK_EQ_U64(sa.allocated_bytes[MN_STAT_ALL].peak, sb.allocated_bytes[MN_STAT_ALL].peak);
+        mn_cache_reset_peak_stats(&a.cache);
+        CHECK_OK(mn_cache_replay(&a.cache, ev, n, 1, NULL));
+        sa = tc_stats(&a);
+        CHECK_EQ_U64(sa.allocation[MN_STAT_ALL].current, 0);
+        if (round == 0)  // unlimited: no failure depends on what the first run left cached
+            CHECK_EQ_U64(sa.allocated_bytes[MN_STAT_ALL].peak,
+                         sb.allocated_bytes[MN_STAT_ALL].peak);
+        tc_close(&a);
+        tc_close(&b);
+        free(ev);
+    }
+}
+
+static mn_result tc_replay_once(void *ctx) {
+    tc_env e;
+    mn_result r = tc_open(&e, 0, NULL, 0);
+    if (r != MN_OK) return r;
+    r = mn_cache_replay(&e.cache, (const mn_trace_event *)ctx, 500, 1, NULL);
+    mn_sim_cache_free(&e);
+    return r;
+}
+
+static void test_replay_edges(void) {
+    mn_trace_event ev[4];
+    mn_replay_counts cnt;
+    mn_cache_snapshot snap;
+    tc_env e;
+    long before = mnt_live_allocs(), k;
+    int n_bare, n_opt;
+    mn_trace_event *big = tc_random_trace(500);
+    memset(ev, 0, sizeof ev);
+    ev[0].id = 7, ev[0].alloc = 1, ev[0].size = 1000, ev[0].phase = MN_PHASE_BACKWARD;
+    ev[1].id = 7, ev[1].alloc = 1, ev[1].size = 3000;  // live id: the first block is released
+    ev[2].id = 8;                                       // never allocated
+    ev[3].id = 9, ev[3].alloc = 1, ev[3].size = 0;      // size 0: no block, so its id stays free
+    CHECK_OK(tc_open(&e, 0, NULL, 64));
+    CHECK_OK(mn_cache_replay(&e.cache, ev, 4, 0, &cnt));
+    CHECK_EQ_U64(cnt.allocations, 3);
+    CHECK_EQ_U64(cnt.frees, 1);
+    CHECK_EQ_U64(cnt.unmatched_frees, 1);
+    CHECK_EQ_U64(tc_stats(&e).allocation[MN_STAT_ALL].current, 1);
+    CHECK_EQ_U64(tc_stats(&e).allocated_bytes[MN_STAT_ALL].current, 3072);
+    // a second replay has a map of its own: the first replay's block stays, the new one is
+    // labelled with its phase
+    ev[1].phase = MN_PHASE_OPTIMIZER;
+    CHECK_OK(mn_cache_replay(&e.cache, ev, 2, 0, NULL));
+    CHECK_OK(mn_cache_snapshot_take(&e.cache, &snap));
+    for (k = 0, n_bare = 0, n_opt = 0; k < (long)snap.block_count; k++) {
+        if (snap.blocks[k].state != MN_BLOCK_ACTIVE_ALLOCATED) continue;
+        n_bare += snap.blocks[k].label[0] == 0;
+        n_opt += strcmp(snap.blocks[k].label, "optimizer") == 0;
+    }
+    CHECK_EQ_INT(n_bare, 1);
+    CHECK_EQ_INT(n_opt, 1);
+    mn_cache_snapshot_free(&snap);
+    CHECK_ERR(mn_cache_replay(NULL, ev, 4, 0, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_cache_replay(&e.cache, NULL, 4, 0, NULL), MN_ERR_INVALID_ARG);
+    CHECK_OK(mn_cache_replay(&e.cache, NULL, 0, 1, NULL));  // releases only its own blocks
+    CHECK_EQ_U64(tc_stats(&e).allocation[MN_STAT_ALL].current, 2);
+    tc_close(&e);
+    // host allocation failures: an error and no leak, then success
+    for (k = 1; big; k++) {
+        mn_result r;
+        mnt_fail_alloc_after(k);
+        r = tc_replay_once(big);
+        mnt_fail_alloc_after(0);
+        CHECK_EQ_INT(mnt_live_allocs(), before);
+        if (r == MN_OK) break;
+        CHECK_ERR(r, MN_ERR_OUT_OF_MEMORY);
+        if (k > 100) {
+            CHECK_MSG(0, "replay still failing after %ld injected failures", k);
+            break;
+        }
+    }
+    free(big);
+}
+
+static void test_sim_cache(void) {
+    mn_sim_cache sc;
+    mn_simdev_desc dd;
+    mn_cache_desc cd;
+    void *p = NULL;
+    long before = mnt_live_allocs();
+    memset(&dd, 0, sizeof dd);
+    memset(&cd, 0, sizeof cd);
+    CHECK_OK(mn_sim_cache_init(&sc, NULL, NULL));  // unlimited, PyTorch's defaults
+    CHECK_OK(mn_cache_alloc(&sc.cache, 5 * MIB, 0, MN_CAT_WEIGHTS, NULL, &p));
+    CHECK_EQ_U64(sc.dev.used, 20 * MIB);
+    CHECK_OK(mn_cache_release(&sc.cache, p));
+    mn_sim_cache_free(&sc);
+    dd.capacity = 64 * MIB;
+    cd.config = "expandable_segments:True";
+    CHECK_OK(mn_sim_cache_init(&sc, &dd, &cd));
+    CHECK_OK(mn_cache_alloc(&sc.cache, 5 * MIB, 0, MN_CAT_WEIGHTS, NULL, &p));
+    CHECK_EQ_U64(sc.dev.used, 20 * MIB);  // the large pool maps 20 MiB pages
+    CHECK_ERR(mn_cache_alloc(&sc.cache, 65 * MIB, 0, MN_CAT_WEIGHTS, NULL, &p), MN_ERR_DEVICE_OOM);
+    mn_sim_cache_free(&sc);
+    CHECK_EQ_INT(mnt_live_allocs(), before);
+    cd.config = "expandable_segments:Maybe";
+    CHECK_ERR(mn_sim_cache_init(&sc, &dd, &cd), MN_ERR_CONFIG);  // nothing left to free
+    CHECK_EQ_INT(mnt_live_allocs(), before);
+    CHECK_ERR(mn_sim_cache_init(NULL, &dd, NULL), MN_ERR_INVALID_ARG);
+    mn_sim_cache_free(NULL);
+}
+
+static void test_write_file(void) {
+    tc_env e;
+    struct mn_cache_stats st;
+    tc_buf want = {NULL, 0, 0};
+    char got[8192];
+    size_t n;
+    FILE *f = tmpfile();
+    CHECK_OK(tc_open(&e, 0, NULL, 0));
+    tc_alloc(&e, 3 * MIB, 0);
+    st = tc_stats(&e);
+    CHECK_OK(mn_cache_summary_write(&st, 0, 0, tc_write, &want));
+    CHECK(f != NULL && want.p != NULL);
+    if (f && want.p) {
+        CHECK_OK(mn_cache_summary_write(&st, 0, 0, mn_cache_write_file, f));
+        rewind(f);
+        n = fread(got, 1, sizeof got, f);
+        CHECK_EQ_U64(n, want.n);
+        CHECK(n == want.n && memcmp(got, want.p, n) == 0);
+    }
+    if (f) fclose(f);
+    free(want.p);
+    f = fopen("/dev/null", "rb");  // a stream that cannot be written
+    if (f) {
+        setvbuf(f, NULL, _IONBF, 0);
+        CHECK_ERR(mn_cache_write_file(f, "x", 1), MN_ERR_IO);
+        fclose(f);
+    }
+    CHECK_ERR(mn_cache_write_file(NULL, "x", 1), MN_ERR_INVALID_ARG);
+    tc_close(&e);
+}
+
+static int64_t tc_item(const mn_stat_item *it, uint32_t n, const char *key) {
+    uint32_t i;
+    for (i = 0; i < n; i++)
+        if (strcmp(it[i].key, key) == 0) return it[i].value;
+    CHECK_MSG(0, "memory_stats has no key %s", key);
+    return -2;
+}
+
+static void test_stats_items(void) {
+    static const char *const pools[3] = {"all", "small_pool", "large_pool"};
+    mn_stat_item it[MN_CACHE_STATS_ITEMS + 1];
+    struct mn_cache_stats st;
+    tc_env e;
+    uint32_t n, i;
+    int t;
+    char key[64];
+    CHECK_EQ_U64(MN_CACHE_STATS_ITEMS, 9 * 3 * 4 + 2 * 4 + 5 + 1);  // the PyTorch set
+    CHECK_OK(tc_open(&e, 0, "max_split_size_mb:64", 0));
+    for (i = 0; i < 200; i++) {
+        void *p = tc_alloc(&e, tc_rand_size(), (mn_stream)(i % 2));
+        if (i % 3) CHECK_OK(mn_cache_release(&e.cache, p));
+    }
+    st = tc_stats(&e);
+    memset(it, 0x5a, sizeof it);
+    CHECK_EQ_U64(mn_cache_stats_items(&st, it, MN_CACHE_STATS_ITEMS - 1), MN_CACHE_STATS_ITEMS);
+    CHECK(it[0].key[0] == 0x5a);  // too small: nothing written
+    n = mn_cache_stats_items(&st, it, MN_CACHE_STATS_ITEMS + 1);
+    CHECK_EQ_U64(n, MN_CACHE_STATS_ITEMS);
+    for (i = 1; i < n; i++) CHECK_MSG(strcmp(it[i - 1].key, it[i].key) < 0, "%s before %s",
+                                      it[i - 1].key, it[i].key);
+    for (t = 0; t < 3; t++) {  // each value is its field
+        snprintf(key, sizeof key, "allocated_bytes.%s.peak", pools[t]);
+        CHECK_EQ_INT(tc_item(it, n, key), (int64_t)st.allocated_bytes[t].peak);
+        snprintf(key, sizeof key, "inactive_split.%s.current", pools[t]);
+        CHECK_EQ_INT(tc_item(it, n, key), (int64_t)st.inactive_split[t].current);
+        snprintf(key, sizeof key, "requested_bytes.%s.freed", pools[t]);
+        CHECK_EQ_INT(tc_item(it, n, key), (int64_t)st.requested_bytes[t].freed);
+        snprintf(key, sizeof key, "segment.%s.allocated", pools[t]);
+        CHECK_EQ_INT(tc_item(it, n, key), (int64_t)st.segment[t].allocated);
+    }
+    CHECK_EQ_INT(tc_item(it, n, "oversize_allocations.peak"), (int64_t)st.oversize_allocations.peak);
+    CHECK_EQ_INT(tc_item(it, n, "num_device_alloc"), (int64_t)st.num_device_alloc);
+    CHECK_EQ_INT(tc_item(it, n, "max_split_size"), 64 * (int64_t)MIB);
+    tc_close(&e);
+    CHECK_OK(tc_open(&e, 0, NULL, 0));
+    st = tc_stats(&e);
+    n = mn_cache_stats_items(&st, it, MN_CACHE_STATS_ITEMS);
+    CHECK_EQ_INT(tc_item(it, n, "max_split_size"), -1);  // unlimited, as PyTorch reports it
+    CHECK_EQ_U64(mn_cache_stats_items(NULL, it, MN_CACHE_STATS_ITEMS), 0);
+    tc_close(&e);
+}
+
 const mnt_case test_cache_cases[] = {
     {"rounding_table", test_rounding_table},
     {"config_parse", test_config_parse},
@@ -1286,5 +1550,10 @@ const mnt_case test_cache_cases[] = {
     {"many_blocks_and_plain_device", test_many_blocks_and_plain_device},
     {"bad_arguments", test_bad_arguments},
     {"replay_cli", test_replay_cli},
+    {"replay_matches_reference", test_replay_matches_reference},
+    {"replay_edges", test_replay_edges},
+    {"sim_cache", test_sim_cache},
+    {"write_file", test_write_file},
+    {"stats_items", test_stats_items},
 };
 const size_t test_cache_count = sizeof test_cache_cases / sizeof test_cache_cases[0];
