@@ -1,5 +1,6 @@
 // Test runner: ./build/test_all [substring]  runs every test whose "suite/name" contains it.
 #define _POSIX_C_SOURCE 200809L
+#include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,6 +8,7 @@
 
 #include "harness.h"
 
+// harness.h brought in the declarations; here the implementation, allocating through the harness.
 #define MN_MALLOC(sz) mnt_malloc(sz)
 #define MN_FREE(p) mnt_free(p)
 #define MEMANAT_IMPLEMENTATION
@@ -96,6 +98,146 @@ double mnt_rand_normal(void) {
 }
 
 uint64_t mnt_seed(void) { return seed_value; }
+
+static int env_on(const char *name) {
+    const char *v = getenv(name);
+    return v && *v && *v != '0';
+}
+
+int mnt_verbose(void) { return env_on("MN_TEST_VERBOSE") || env_on("MN_OPS_VERBOSE"); }
+
+// ---- shared helpers ------------------------------------------------------------------------------
+
+static void *host_calloc(size_t n, size_t size) {
+    void *p = calloc(n ? n : 1, size);
+    if (!p) {
+        fprintf(stderr, "test harness: out of host memory for %zu elements\n", n);
+        abort();
+    }
+    return p;
+}
+
+float *mnt_fvec(size_t n) { return (float *)host_calloc(n, sizeof(float)); }
+double *mnt_dvec(size_t n) { return (double *)host_calloc(n, sizeof(double)); }
+
+void mnt_fill_normal(float *x, size_t n, double scale) {
+    size_t i;
+    for (i = 0; i < n; i++) x[i] = (float)(scale * mnt_rand_normal());
+}
+
+void mnt_to_double(const float *x, double *y, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) y[i] = x[i];
+}
+
+// A NaN, once seen, stays the maximum (so it shows in the report).
+static double max_nan(double m, double v) { return m != m || v <= m ? m : v; }
+
+void mnt_check_close(const char *file, int line, const char *what, const float *got,
+                     const double *want, size_t n, double abs_tol, double rel_tol) {
+    double max_abs = 0.0, max_rel = 0.0, max_want = 0.0, worst_excess = 0.0;
+    size_t i, bad = 0, worst = 0;
+    for (i = 0; i < n; i++) {
+        double w = fabs(want[i]), d = fabs((double)got[i] - want[i]), lim = abs_tol + rel_tol * w;
+        if (w > max_want) max_want = w;
+        max_abs = max_nan(max_abs, d);
+        if (!(d == 0.0)) max_rel = max_nan(max_rel, d / w);  // want 0: inf
+        if (!(d <= lim)) {  // NaN is off too; the worst is the largest excess, a NaN first
+            double excess = d - lim;
+            if (bad == 0 || (worst_excess == worst_excess && !(excess <= worst_excess)))
+                worst_excess = excess, worst = i;
+            bad++;
+        }
+    }
+    if (mnt_verbose())
+        printf("  %-34s n=%-5zu max abs err %.3g, max rel err %.3g, max|want| %.3g\n", what, n,
+               max_abs, max_rel, max_want);
+    if (bad)
+        mnt_fail(file, line, "%s: %zu of %zu off, worst [%zu] got %.9g want %.9g; max abs err "
+                 "%.3g, max rel err %.3g, max|want| %.3g; tol abs %.3g rel %.3g", what, bad, n,
+                 worst, (double)got[worst], want[worst], max_abs, max_rel, max_want, abs_tol,
+                 rel_tol);
+}
+
+void mnt_check_close_scaled(const char *file, int line, const char *what, const float *got,
+                            const double *want, size_t n, double tol) {
+    double scale = 1.0;
+    size_t i;
+    for (i = 0; i < n; i++) scale = fabs(want[i]) > scale ? fabs(want[i]) : scale;
+    mnt_check_close(file, line, what, got, want, n, tol * scale, 0.0);
+}
+
+long mnt_walk_alloc_failures(const char *file, int line, mnt_alloc_fn fn, void *ctx, long max) {
+    long n;
+    for (n = 1; n <= max; n++) {
+        long live = live_allocs;
+        mn_result r;
+        fail_after = n;
+        r = fn(ctx);
+        fail_after = 0;
+        if (r != MN_OK && r != MN_ERR_OUT_OF_MEMORY)
+            mnt_fail(file, line, "attempt %ld (allocation %ld fails): got result %d want %d", n, n,
+                     (int)r, (int)MN_ERR_OUT_OF_MEMORY);
+        if (live_allocs != live)
+            mnt_fail(file, line, "attempt %ld (result %d): host allocations got %ld live want %ld", n,
+                     (int)r, live_allocs, live);
+        if (r == MN_OK) return n;
+    }
+    mnt_fail(file, line, "no success within %ld attempts", max);
+    return 0;
+}
+
+static void *counting_alloc(void *user_data, size_t size) {
+    mnt_counting *c = (mnt_counting *)user_data;
+    void *p = mnt_malloc(size);
+    if (p) c->bytes += size, c->allocs++;
+    return p;
+}
+
+static void counting_free(void *user_data, void *p) {
+    ((mnt_counting *)user_data)->frees++;
+    mnt_free(p);
+}
+
+mn_allocator mnt_counting_allocator(mnt_counting *c) {
+    mn_allocator a;
+    memset(c, 0, sizeof *c);
+    a.alloc_fn = counting_alloc;
+    a.free_fn = counting_free;
+    a.user_data = c;
+    return a;
+}
+
+void mnt_log_capture(void *user_data, mn_log_level level, const char *msg) {
+    mnt_log *lg = (mnt_log *)user_data;
+    CHECK(msg && msg[0]);
+    snprintf(lg->last, sizeof lg->last, "%s", msg ? msg : "");
+    lg->count++;
+    if (level == MN_LOG_ERROR) lg->errors++;
+    if (level == MN_LOG_WARN) lg->warnings++;
+}
+
+void mnt_buf_put(mnt_buf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = (b->n + n + 1) * 2;
+        char *q = (char *)realloc(b->p, cap);
+        if (!q) {
+            fprintf(stderr, "test harness: out of host memory for %zu bytes of text\n", cap);
+            abort();
+        }
+        b->p = q, b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+void mnt_buf_str(mnt_buf *b, const char *s) { mnt_buf_put(b, s, strlen(s)); }
+
+mn_result mnt_buf_write(void *user_data, const char *data, size_t len) {
+    mnt_buf_put((mnt_buf *)user_data, data, len);
+    return MN_OK;
+}
 
 int main(int argc, char **argv) {
     const char *filter = argc > 1 ? argv[1] : NULL;

@@ -16,12 +16,7 @@
 
 typedef mn_sim_cache tc_env;
 
-static char tc_last_log[512];
-
-static void tc_log(void *ud, mn_log_level level, const char *msg) {
-    (void)ud, (void)level;
-    snprintf(tc_last_log, sizeof tc_last_log, "%s", msg);
-}
+static mnt_log tc_log;  // what the allocators under test logged (every message non-empty)
 
 static mn_result tc_open(tc_env *e, uint64_t capacity, const char *config, uint32_t trace) {
     mn_simdev_desc dd;
@@ -31,7 +26,8 @@ static mn_result tc_open(tc_env *e, uint64_t capacity, const char *config, uint3
     dd.capacity = capacity;
     cd.config = config;
     cd.trace_entries = trace;
-    cd.logger.log_fn = tc_log;
+    cd.logger.log_fn = mnt_log_capture;
+    cd.logger.user_data = &tc_log;
     return mn_sim_cache_init(e, &dd, &cd);
 }
 
@@ -137,25 +133,6 @@ static void tc_consistent(tc_env *e) {
     mn_cache_snapshot_free(&s);
 }
 
-typedef struct tc_buf {
-    char *p;
-    size_t n, cap;
-} tc_buf;
-
-static mn_result tc_write(void *ud, const char *data, size_t len) {
-    tc_buf *b = (tc_buf *)ud;
-    if (b->n + len + 1 > b->cap) {
-        size_t cap = (b->n + len + 1) * 2;
-        char *q = (char *)realloc(b->p, cap);
-        if (!q) return MN_ERR_OUT_OF_MEMORY;
-        b->p = q, b->cap = cap;
-    }
-    memcpy(b->p + b->n, data, len);
-    b->n += len;
-    b->p[b->n] = 0;
-    return MN_OK;
-}
-
 // ---- the policy on worked examples ---------------------------------------------------------------
 
 static void test_rounding_table(void) {
@@ -205,8 +182,10 @@ static void test_config_parse(void) {
         "pinned_num_register_threads:3",
     };
     mn_cache_config cfg;
-    mn_logger lg = {tc_log, NULL};
+    mnt_log lc;
+    mn_logger lg = {mnt_log_capture, &lc};
     size_t i;
+    memset(&lc, 0, sizeof lc);
     CHECK_OK(mn_cache_config_parse(NULL, &cfg, &lg));
     CHECK_EQ_U64(cfg.max_split_size, 0);
     CHECK_OK(mn_cache_config_parse("", &cfg, &lg));
@@ -224,15 +203,15 @@ static void test_config_parse(void) {
     CHECK_EQ_INT(cfg.roundup_power2_divisions[10], 4);  // 1 GB
     CHECK_EQ_INT(cfg.roundup_power2_divisions[15], 8);  // the rest
     for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        tc_last_log[0] = 0;
+        memset(&lc, 0, sizeof lc);
         CHECK_MSG(mn_cache_config_parse(bad[i], &cfg, &lg) == MN_ERR_CONFIG,
                   "\"%s\" was accepted", bad[i]);
-        CHECK_MSG(tc_last_log[0] != 0, "no message for \"%s\"", bad[i]);
+        CHECK_MSG(lc.count != 0, "no message for \"%s\"", bad[i]);
     }
     CHECK_ERR(mn_cache_config_parse("foo:1,bar:2", &cfg, &lg), MN_ERR_CONFIG);
-    CHECK(strstr(tc_last_log, "'foo'") != NULL);  // the message names the key
+    CHECK(strstr(lc.last, "'foo'") != NULL);  // the message names the key
     CHECK_ERR(mn_cache_config_parse("max_split_size_mb:2", &cfg, &lg), MN_ERR_CONFIG);
-    CHECK(strstr(tc_last_log, "max_split_size_mb") != NULL);
+    CHECK(strstr(lc.last, "max_split_size_mb") != NULL);
     CHECK_ERR(mn_cache_config_parse("backend:cudaMallocAsync", &cfg, &lg), MN_ERR_UNSUPPORTED);
     for (i = 0; i < 3000; i++) {  // fuzz: random bytes from the grammar's alphabet never crash
         static const char alpha[] = "max_split_size_mb:,[]>0123456789 .roundup_power2_divisionsTF";
@@ -553,7 +532,7 @@ static void test_fraction_and_gc(void) {
 
 static void test_summary_layout(void) {
     struct mn_cache_stats s;
-    tc_buf out = {NULL, 0, 0};
+    mnt_buf out = {NULL, 0, 0};
     const char *line;
     int lines = 0;
     memset(&s, 0, sizeof s);
@@ -567,7 +546,7 @@ static void test_summary_layout(void) {
     s.allocation[1].current = s.allocation[2].current = 1;
     s.active[0].current = 2000000;  // count prefixes: K from 750,000
     s.reserved_bytes[0].current = 3ull << 30;
-    CHECK_OK(mn_cache_summary_write(&s, 0, 0, tc_write, &out));
+    CHECK_OK(mn_cache_summary_write(&s, 0, 0, mnt_buf_write, &out));
     if (!out.p) { CHECK(0); return; }
     CHECK(strncmp(out.p,
         "|===========================================================================|\n"
@@ -597,7 +576,7 @@ static void test_summary_layout(void) {
     CHECK_EQ_INT(lines, 6 + 9 * 4 + 4 + 1);
     free(out.p);
     out.p = NULL, out.n = out.cap = 0;
-    CHECK_OK(mn_cache_summary_write(&s, 3, 1, tc_write, &out));  // abbreviated: no pool rows
+    CHECK_OK(mn_cache_summary_write(&s, 3, 1, mnt_buf_write, &out));  // abbreviated: no pool rows
     CHECK(out.p && strstr(out.p, "from large pool") == NULL);
     CHECK(out.p && strstr(out.p, "device ID 3   ") != NULL);
     free(out.p);
@@ -921,7 +900,7 @@ static void test_threads(void) {
 static void test_snapshot_json_and_svg(void) {
     tc_env e;
     void *a, *b, *c2;
-    tc_buf out = {NULL, 0, 0};
+    mnt_buf out = {NULL, 0, 0};
     mn_cache_snapshot s;
     struct mn_cache_stats st;
     if (tc_open(&e, 0, NULL, 8) != MN_OK) { CHECK(0); return; }
@@ -939,7 +918,7 @@ static void test_snapshot_json_and_svg(void) {
     CHECK_EQ_U64(s.blocks[0].requested, 311 * 411 * 4);  // the tensor's block, at its address
     CHECK_EQ_U64(s.blocks[0].addr, tc_u(a));
     CHECK_STR(s.blocks[0].label, "wte \"q\"");
-    CHECK_OK(mn_cache_snapshot_write_json(&s, tc_write, &out));
+    CHECK_OK(mn_cache_snapshot_write_json(&s, mnt_buf_write, &out));
     CHECK(out.p && strncmp(out.p, "{\"segments\":[", 13) == 0);
     CHECK(out.p && strstr(out.p, "\"name\":\"wte \\\"q\\\"\"") != NULL);
     CHECK(out.p && strstr(out.p, "\"device_traces\":[[") != NULL);
@@ -960,7 +939,7 @@ static void test_snapshot_json_and_svg(void) {
     }
     free(out.p);
     out.p = NULL, out.n = out.cap = 0;
-    CHECK_OK(mn_cache_timeline_svg(&s, "test <timeline>", tc_write, &out));
+    CHECK_OK(mn_cache_timeline_svg(&s, "test <timeline>", mnt_buf_write, &out));
     CHECK(out.p && strncmp(out.p, "<svg ", 5) == 0);
     CHECK(out.p && strstr(out.p, "weights") && strstr(out.p, "activations"));
     CHECK(out.p && strstr(out.p, "test &lt;timeline&gt;") != NULL);
@@ -974,8 +953,8 @@ static void test_snapshot_json_and_svg(void) {
     CHECK_EQ_U64(st.cat_at_peak[MN_CAT_ACTIVATIONS], 26 * MIB + 5 * MIB);  // 25 MiB -> 26 whole
     CHECK_EQ_U64(st.cat_allocation[MN_CAT_ACTIVATIONS].allocated, 3);
     {
-        tc_buf tab = {NULL, 0, 0};
-        CHECK_OK(mn_cache_category_summary_write(&st, tc_write, &tab));
+        mnt_buf tab = {NULL, 0, 0};
+        CHECK_OK(mn_cache_category_summary_write(&st, mnt_buf_write, &tab));
         CHECK(tab.p && strstr(tab.p, "activations") && strstr(tab.p, "31.00 MiB"));
         CHECK(tab.p && strstr(tab.p, "gradients") == NULL);  // unused categories are left out
         free(tab.p);
@@ -1024,8 +1003,8 @@ static void test_many_blocks_and_plain_device(void) {
     mnt_fail_alloc_after(0);
     CHECK_OK(mn_cache_snapshot_take(&e.cache, &snap));
     {
-        tc_buf out = {NULL, 0, 0};
-        CHECK_OK(mn_cache_snapshot_write_json(&snap, tc_write, &out));
+        mnt_buf out = {NULL, 0, 0};
+        CHECK_OK(mn_cache_snapshot_write_json(&snap, mnt_buf_write, &out));
         CHECK(out.p && strstr(out.p, "\"max_split_size\":209715200") != NULL);
         free(out.p);
     }
@@ -1217,8 +1196,8 @@ static void test_replay_cli(void) {
             CHECK_EQ_U64(snap.trace_dropped, 0);
             f = fopen(jpath, "w");
             if (f) {
-                tc_buf out = {NULL, 0, 0};
-                CHECK_OK(mn_cache_snapshot_write_json(&snap, tc_write, &out));
+                mnt_buf out = {NULL, 0, 0};
+                CHECK_OK(mn_cache_snapshot_write_json(&snap, mnt_buf_write, &out));
                 if (out.p) fwrite(out.p, 1, out.n, f);
                 fclose(f);
                 free(out.p);
@@ -1451,14 +1430,14 @@ static void test_sim_cache(void) {
 static void test_write_file(void) {
     tc_env e;
     struct mn_cache_stats st;
-    tc_buf want = {NULL, 0, 0};
+    mnt_buf want = {NULL, 0, 0};
     char got[8192];
     size_t n;
     FILE *f = tmpfile();
     CHECK_OK(tc_open(&e, 0, NULL, 0));
     tc_alloc(&e, 3 * MIB, 0);
     st = tc_stats(&e);
-    CHECK_OK(mn_cache_summary_write(&st, 0, 0, tc_write, &want));
+    CHECK_OK(mn_cache_summary_write(&st, 0, 0, mnt_buf_write, &want));
     CHECK(f != NULL && want.p != NULL);
     if (f && want.p) {
         CHECK_OK(mn_cache_summary_write(&st, 0, 0, mn_cache_write_file, f));

@@ -324,23 +324,17 @@ static void test_fit(void) {
     CHECK(!r.fits);
 }
 
-static int log_count;
-static void count_log(void *u, mn_log_level l, const char *msg) {
-    (void)u, (void)l;
-    CHECK(msg && msg[0]);
-    log_count++;
-}
-
 // Bad input returns an error code and one log line; huge models report instead of wrapping.
 static void test_bad_input(void) {
     mn_model m = preset("gpt2"), b;
     mn_setup s = setup0();
     mn_estimate_result r;
-    s.logger.log_fn = count_log;
+    mnt_log lg;
+    memset(&lg, 0, sizeof lg);
+    s.logger.log_fn = mnt_log_capture, s.logger.user_data = &lg;
     b = m, b.heads = 0;
-    log_count = 0;
     CHECK_ERR(mn_estimate(&b, &s, &r), MN_ERR_INVALID_ARG);
-    CHECK_EQ_INT(log_count, 1);
+    CHECK_EQ_INT(lg.count, 1);
     b = m, b.heads = 12, b.kv_heads = 5;
     CHECK_ERR(mn_estimate(&b, &s, &r), MN_ERR_INVALID_ARG);
     b = m, b.hidden = 770;
@@ -371,10 +365,10 @@ static void test_bad_input(void) {
     CHECK_EQ_U64(r.model_states, 16000000000000000ull);
     CHECK(!r.fits);
     b.params = 5000000000000000000ull;  // 5 * 10^18 x 16 bytes does not fit 64 bits
-    s.logger.log_fn = count_log;
-    log_count = 0;
+    memset(&lg, 0, sizeof lg);
+    s.logger.log_fn = mnt_log_capture, s.logger.user_data = &lg;
     CHECK_ERR(mn_estimate(&b, &s, &r), MN_ERR_OVERFLOW);
-    CHECK_EQ_INT(log_count, 1);
+    CHECK_EQ_INT(lg.count, 1);
 }
 
 // Random shapes and settings: every call either succeeds with consistent numbers or fails cleanly.
@@ -427,22 +421,22 @@ static void test_trace_consistency(void) {
 }
 
 // Host allocation failures: every failing point returns MN_ERR_OUT_OF_MEMORY and leaks nothing.
-static void test_alloc_failures(void) {
-    mn_model m = preset("gpt2");
-    mn_setup s = setup0();
+typedef struct estimate_ctx {
+    mn_model m;
+    mn_setup s;
+} estimate_ctx;
+
+static mn_result estimate_once(void *ctx) {
+    estimate_ctx *c = (estimate_ctx *)ctx;
     mn_estimate_result r;
-    long n;
-    int ok = 0;
-    m.layers = 2, s.seq = 64;
-    for (n = 1; n < 400 && !ok; n++) {
-        mn_result res;
-        mnt_fail_alloc_after(n);
-        res = mn_estimate(&m, &s, &r);
-        mnt_fail_alloc_after(0);
-        if (res == MN_OK) ok = 1;
-        else CHECK_ERR(res, MN_ERR_OUT_OF_MEMORY);
-    }
-    CHECK(ok);
+    return mn_estimate(&c->m, &c->s, &r);
+}
+
+static void test_alloc_failures(void) {
+    estimate_ctx c;
+    c.m = preset("gpt2"), c.s = setup0();
+    c.m.layers = 2, c.s.seq = 64;
+    WALK_ALLOC_FAILURES(estimate_once, &c, 399);
 }
 
 static void test_presets_and_gpus(void) {

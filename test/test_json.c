@@ -392,52 +392,34 @@ static void test_duplicates_large(void) {
     free(buf);
 }
 
-static void test_alloc_failure(void) {
+// One parse under failure injection: a failed parse holds nothing, even before mn_json_free.
+static mn_result parse_small_doc(void *ctx) {
     static const char text[] = "{\"a\":[1,2,{\"b\":\"c\",\"d\":[true,null]}],\"e\":\"f\\u00e9\"}";
-    long n;
-    int ok = 0;
-    for (n = 1; n < 50 && !ok; n++) {
-        mn_json_doc doc;
-        mn_result r;
-        long live = mnt_live_allocs();
-        mnt_fail_alloc_after(n);
-        r = mn_json_parse(text, sizeof text - 1, NULL, &doc);
-        mnt_fail_alloc_after(0);
-        if (r == MN_OK) {
-            ok = 1;
-            CHECK_EQ_U64(doc.root->len, 2);
-        } else {
-            CHECK_EQ_INT(r, MN_ERR_OUT_OF_MEMORY);
-            CHECK(doc.root == NULL);
-            CHECK_EQ_INT(mnt_live_allocs(), live);
-        }
-        mn_json_free(&doc);
+    mn_json_doc doc;
+    long live = mnt_live_allocs();
+    mn_result r = mn_json_parse(text, sizeof text - 1, NULL, &doc);
+    (void)ctx;
+    if (r == MN_OK) {
+        CHECK_EQ_U64(doc.root->len, 2);
+    } else {
+        CHECK(doc.root == NULL);
         CHECK_EQ_INT(mnt_live_allocs(), live);
     }
-    CHECK(ok);
-    CHECK_EQ_INT(n, 4);  // succeeded at n = 3: the tree block and the key sort buffer
+    mn_json_free(&doc);
+    return r;
 }
 
-typedef struct counting_alloc {
-    long allocs, frees;
-} counting_alloc;
-static void *ca_alloc(void *u, size_t n) {
-    ((counting_alloc *)u)->allocs++;
-    return malloc(n);
-}
-static void ca_free(void *u, void *p) {
-    ((counting_alloc *)u)->frees++;
-    free(p);
+static void test_alloc_failure(void) {
+    // succeeds at the third attempt: the tree block and the key sort buffer
+    CHECK_EQ_INT(WALK_ALLOC_FAILURES(parse_small_doc, NULL, 49), 3);
 }
 
 static void test_allocator(void) {
-    counting_alloc ca = {0, 0};
+    mnt_counting ca;
     mn_json_desc desc;
     mn_json_doc doc;
     memset(&desc, 0, sizeof desc);
-    desc.allocator.alloc_fn = ca_alloc;
-    desc.allocator.free_fn = ca_free;
-    desc.allocator.user_data = &ca;
+    desc.allocator = mnt_counting_allocator(&ca);
     CHECK_OK(mn_json_parse("{\"a\":[1,2],\"b\":3}", 17, &desc, &doc));
     mn_json_free(&doc);
     CHECK_EQ_INT(ca.allocs, 2);
@@ -445,140 +427,124 @@ static void test_allocator(void) {
 }
 
 // Random documents: generated text -> parse -> canonical text -> parse -> same canonical text.
-typedef struct sbuf {
-    char *p;
-    size_t n, cap;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        b->cap = (b->n + n + 1) * 2;
-        b->p = (char *)realloc(b->p, b->cap);
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
-
-static void gen_ws(sbuf *b) {
+static void gen_ws(mnt_buf *b) {
     static const char *const ws[] = {"", "", "", " ", "\n", "\t", " \r\n "};
-    sb_str(b, ws[mnt_rand_u64() % 7]);
+    mnt_buf_str(b, ws[mnt_rand_u64() % 7]);
 }
 
-static void gen_string(sbuf *b) {
+static void gen_string(mnt_buf *b) {
     size_t n = mnt_rand_u64() % 8, k;
     char tmp[16];
-    sb_str(b, "\"");
+    mnt_buf_str(b, "\"");
     for (k = 0; k < n; k++) {
         uint64_t pick = mnt_rand_u64() % 6;
         if (pick == 0) {  // raw ASCII
             char c = (char)(' ' + mnt_rand_u64() % 95);
-            if (c == '"' || c == '\\') sb_str(b, "\\");
-            sb_put(b, &c, 1);
+            if (c == '"' || c == '\\') mnt_buf_str(b, "\\");
+            mnt_buf_put(b, &c, 1);
         } else if (pick == 1) {
             static const char *const esc[] = {"\\\"", "\\\\", "\\/", "\\b",
                                               "\\f",  "\\n",  "\\r", "\\t"};
-            sb_str(b, esc[mnt_rand_u64() % 8]);
+            mnt_buf_str(b, esc[mnt_rand_u64() % 8]);
         } else if (pick == 2) {  // \u escape of a BMP non-surrogate
             unsigned cp = (unsigned)(mnt_rand_u64() % 0xd800);
             sprintf(tmp, "\\u%04x", cp);
-            sb_str(b, tmp);
+            mnt_buf_str(b, tmp);
         } else if (pick == 3) {  // surrogate pair
             unsigned cp = 0x10000 + (unsigned)(mnt_rand_u64() % 0x100000);
             sprintf(tmp, "\\u%04X\\u%04X", 0xd800 + ((cp - 0x10000) >> 10),
                     0xdc00 + ((cp - 0x10000) & 0x3ff));
-            sb_str(b, tmp);
+            mnt_buf_str(b, tmp);
         } else if (pick == 4) {
-            sb_str(b, "\xe2\x82\xac");
+            mnt_buf_str(b, "\xe2\x82\xac");
         } else {
-            sb_str(b, "\xf0\x9f\x98\x80");
+            mnt_buf_str(b, "\xf0\x9f\x98\x80");
         }
     }
-    sb_str(b, "\"");
+    mnt_buf_str(b, "\"");
 }
 
-static void gen_value(sbuf *b, int depth) {
+static void gen_value(mnt_buf *b, int depth) {
     uint64_t pick = mnt_rand_u64() % (depth > 5 ? 6 : 9);
     char tmp[64];
     size_t n, k;
     gen_ws(b);
     switch (pick) {
-    case 0: sb_str(b, "null"); break;
-    case 1: sb_str(b, "true"); break;
-    case 2: sb_str(b, "false"); break;
+    case 0: mnt_buf_str(b, "null"); break;
+    case 1: mnt_buf_str(b, "true"); break;
+    case 2: mnt_buf_str(b, "false"); break;
     case 3:
         sprintf(tmp, "%llu", (unsigned long long)(mnt_rand_u64() >> (mnt_rand_u64() % 64)));
-        sb_str(b, tmp);
+        mnt_buf_str(b, tmp);
         break;
     case 4:
         sprintf(tmp, "%.17g", mnt_rand_normal() * 1e10);
-        sb_str(b, tmp);
+        mnt_buf_str(b, tmp);
         break;
     case 5: gen_string(b); break;
     case 6:
     case 7:
-        sb_str(b, "[");
+        mnt_buf_str(b, "[");
         n = mnt_rand_u64() % 5;
         for (k = 0; k < n; k++) {
-            if (k) sb_str(b, ",");
+            if (k) mnt_buf_str(b, ",");
             gen_value(b, depth + 1);
         }
         gen_ws(b);
-        sb_str(b, "]");
+        mnt_buf_str(b, "]");
         break;
     default:
-        sb_str(b, "{");
+        mnt_buf_str(b, "{");
         n = mnt_rand_u64() % 5;
         for (k = 0; k < n; k++) {
-            if (k) sb_str(b, ",");
+            if (k) mnt_buf_str(b, ",");
             gen_ws(b);
             sprintf(tmp, "\"key%zu_%llu\"", k, (unsigned long long)(mnt_rand_u64() % 100));
-            sb_str(b, tmp);
+            mnt_buf_str(b, tmp);
             gen_ws(b);
-            sb_str(b, ":");
+            mnt_buf_str(b, ":");
             gen_value(b, depth + 1);
         }
         gen_ws(b);
-        sb_str(b, "}");
+        mnt_buf_str(b, "}");
         break;
     }
     gen_ws(b);
 }
 
 // Canonical text of a parsed value (strings through mn_json_escape).
-static void canon(sbuf *b, const mn_json_value *v) {
+static void canon(mnt_buf *b, const mn_json_value *v) {
     uint32_t k;
     switch (v->type) {
-    case MN_JSON_NULL: sb_str(b, "null"); break;
-    case MN_JSON_TRUE: sb_str(b, "true"); break;
-    case MN_JSON_FALSE: sb_str(b, "false"); break;
-    case MN_JSON_NUMBER: sb_str(b, v->str); break;
+    case MN_JSON_NULL: mnt_buf_str(b, "null"); break;
+    case MN_JSON_TRUE: mnt_buf_str(b, "true"); break;
+    case MN_JSON_FALSE: mnt_buf_str(b, "false"); break;
+    case MN_JSON_NUMBER: mnt_buf_str(b, v->str); break;
     case MN_JSON_STRING: {
         size_t n = mn_json_escape(NULL, 0, v->str);
         char *tmp = (char *)malloc(n + 1);
         CHECK_EQ_U64(mn_json_escape(tmp, n + 1, v->str), n);
-        sb_put(b, tmp, n);
+        mnt_buf_put(b, tmp, n);
         free(tmp);
         break;
     }
     case MN_JSON_ARRAY:
-        sb_str(b, "[");
+        mnt_buf_str(b, "[");
         for (k = 0; k < v->len; k++) {
-            if (k) sb_str(b, ",");
+            if (k) mnt_buf_str(b, ",");
             canon(b, &v->items[k]);
         }
-        sb_str(b, "]");
+        mnt_buf_str(b, "]");
         break;
     case MN_JSON_OBJECT:
-        sb_str(b, "{");
+        mnt_buf_str(b, "{");
         for (k = 0; k < v->len; k++) {
-            if (k) sb_str(b, ",");
+            if (k) mnt_buf_str(b, ",");
             canon(b, &v->items[2 * k]);
-            sb_str(b, ":");
+            mnt_buf_str(b, ":");
             canon(b, &v->items[2 * k + 1]);
         }
-        sb_str(b, "}");
+        mnt_buf_str(b, "}");
         break;
     default: CHECK(0); break;
     }
@@ -587,7 +553,7 @@ static void canon(sbuf *b, const mn_json_value *v) {
 static void test_random_roundtrip(void) {
     int round;
     for (round = 0; round < 300; round++) {
-        sbuf text = {NULL, 0, 0}, c1 = {NULL, 0, 0}, c2 = {NULL, 0, 0};
+        mnt_buf text = {NULL, 0, 0}, c1 = {NULL, 0, 0}, c2 = {NULL, 0, 0};
         mn_json_doc d1, d2;
         int dup;
         gen_value(&text, 0);
@@ -803,35 +769,35 @@ static void test_st_lengths(void) {
     free(b);
 }
 
+typedef struct st_parse_ctx {
+    const uint8_t *b;
+    size_t len;
+    const mn_safetensors_desc *desc;
+} st_parse_ctx;
+
+static mn_result st_parse_once(void *ctx) {
+    const st_parse_ctx *c = (const st_parse_ctx *)ctx;
+    mn_safetensors_info info;
+    mn_result r = mn_safetensors_parse(c->b, c->len, 0, c->desc, &info);
+    if (r == MN_OK) {
+        CHECK_EQ_U64(info.params, 10);
+        CHECK(info.tensor != NULL);
+    }
+    mn_safetensors_free(&info);
+    return r;
+}
+
 static void test_st_alloc_failure(void) {
     static const char h[] = "{\"__metadata__\":{\"format\":\"pt\"},"
                             "\"a\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]},"
                             "\"b\":{\"dtype\":\"BF16\",\"shape\":[4],\"data_offsets\":[24,32]}}";
     mn_safetensors_desc desc;
-    size_t len;
-    uint8_t *b = st_build(h, 32, &len);
-    long n;
-    int ok = 0;
+    st_parse_ctx ctx;
+    uint8_t *b = st_build(h, 32, &ctx.len);
     memset(&desc, 0, sizeof desc);
     desc.keep_tensors = 1;
-    for (n = 1; n < 50 && !ok; n++) {
-        mn_safetensors_info info;
-        mn_result r;
-        long live = mnt_live_allocs();
-        mnt_fail_alloc_after(n);
-        r = mn_safetensors_parse(b, len, 0, &desc, &info);
-        mnt_fail_alloc_after(0);
-        if (r == MN_OK) {
-            ok = 1;
-            CHECK_EQ_U64(info.params, 10);
-            CHECK(info.tensor != NULL);
-        } else {
-            CHECK_EQ_INT(r, MN_ERR_OUT_OF_MEMORY);
-        }
-        mn_safetensors_free(&info);
-        CHECK_EQ_INT(mnt_live_allocs(), live);
-    }
-    CHECK(ok);
+    ctx.b = b, ctx.desc = &desc;
+    WALK_ALLOC_FAILURES(st_parse_once, &ctx, 49);
     free(b);
 }
 
@@ -868,27 +834,16 @@ static void test_st_files(void) {
     CHECK_ERR(mn_safetensors_read_file("test/data/hf/llama-2-7b.json", NULL, &info), MN_ERR_PARSE);
 }
 
-static void test_st_dir_alloc_failure(void) {
-    long n;
-    int ok = 0;
-    for (n = 1; n < 100 && !ok; n++) {
-        mn_safetensors_info info;
-        mn_result r;
-        long live = mnt_live_allocs();
-        mnt_fail_alloc_after(n);
-        r = mn_safetensors_read_dir("test/data/hf/tiny-llama", NULL, &info);
-        mnt_fail_alloc_after(0);
-        if (r == MN_OK) {
-            ok = 1;
-            CHECK_EQ_U64(info.params, 6736);
-        } else {
-            CHECK_EQ_INT(r, MN_ERR_OUT_OF_MEMORY);
-        }
-        mn_safetensors_free(&info);
-        CHECK_EQ_INT(mnt_live_allocs(), live);
-    }
-    CHECK(ok);
+static mn_result st_read_dir_once(void *ctx) {
+    mn_safetensors_info info;
+    mn_result r = mn_safetensors_read_dir("test/data/hf/tiny-llama", NULL, &info);
+    (void)ctx;
+    if (r == MN_OK) CHECK_EQ_U64(info.params, 6736);
+    mn_safetensors_free(&info);
+    return r;
 }
+
+static void test_st_dir_alloc_failure(void) { WALK_ALLOC_FAILURES(st_read_dir_once, NULL, 99); }
 
 const mnt_case test_json_cases[] = {
     {"valid_corpus", test_valid_corpus},
