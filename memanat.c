@@ -160,46 +160,55 @@ typedef struct opt {
     int (*fn)(cli *c, const char *flag, const char *v);  // OPT_FN
 } opt;
 
+// One row per option; the macros name each row's kind.
 #define F(member) offsetof(cli, member)
+#define FN(flag, fn) {flag, CMD_STEP, OPT_FN, 0, 0, NULL, fn}
+#define U64(flag, member, min) {flag, CMD_STEP, OPT_U64, F(member), min, NULL, NULL}
+#define U32(flag, member, min) {flag, CMD_STEP, OPT_U32, F(member), min, NULL, NULL}
+#define CHOOSE(flag, member, parse) {flag, CMD_STEP, OPT_CHOICE, F(member), 0, choice_##parse, NULL}
+#define KIND(flag, commands, kind, member) {flag, commands, kind, F(member), 0, NULL, NULL}
 static const opt options[] = {
-    {"--model", CMD_STEP, OPT_FN, 0, 0, NULL, opt_model},
-    {"--config", CMD_STEP, OPT_FN, 0, 0, NULL, opt_model},
-    {"--params", CMD_STEP, OPT_FN, 0, 0, NULL, opt_model},
-    {"--head", CMD_STEP, OPT_FN, 0, 0, NULL, opt_head},
-    {"--trainable-params", CMD_STEP, OPT_U64, F(setup.trainable_params), 1, NULL, NULL},
-    {"--batch", CMD_STEP, OPT_U64, F(setup.batch), 1, NULL, NULL},
-    {"--seq", CMD_STEP, OPT_U64, F(setup.seq), 1, NULL, NULL},
-    {"--accum", CMD_STEP, OPT_U64, F(setup.accum), 1, NULL, NULL},
-    {"--precision", CMD_STEP, OPT_CHOICE, F(setup.precision), 0, choice_mn_precision_parse, NULL},
-    {"--optim", CMD_STEP, OPT_CHOICE, F(setup.optim), 0, choice_mn_optim_parse, NULL},
-    {"--checkpointing", CMD_STEP, OPT_CHOICE, F(setup.checkpointing), 0, choice_mn_ckpt_parse,
-     NULL},
-    {"--attention", CMD_STEP, OPT_CHOICE, F(setup.attention), 0, choice_mn_attn_parse, NULL},
-    {"--lora-rank", CMD_STEP, OPT_U32, F(setup.lora_rank), 1, NULL, NULL},
-    {"--lora-targets", CMD_STEP, OPT_CHOICE, F(setup.lora_targets), 0,
-     choice_mn_lora_targets_parse, NULL},
-    {"--quant", CMD_STEP, OPT_CHOICE, F(setup.quant), 0, choice_mn_quant_parse, NULL},
-    {"--framework", CMD_STEP, OPT_CHOICE, F(setup.framework), 0, choice_mn_framework_parse, NULL},
-    {"--torch", CMD_STEP, OPT_FN, 0, 0, NULL, opt_torch},
-    {"--zero", CMD_STEP, OPT_U32, F(setup.zero_stage), 0, NULL, NULL},
-    {"--gpus", CMD_STEP, OPT_U32, F(setup.gpus), 1, NULL, NULL},
-    {"--offload", CMD_STEP, OPT_CHOICE, F(setup.offload), 0, choice_mn_offload_parse, NULL},
-    {"--zero-grad", CMD_STEP, OPT_FN, 0, 0, NULL, opt_zero_grad},
-    {"--gpu", CMD_STEP, OPT_TEXT, F(setup.gpu), 0, NULL, NULL},
-    {"--context", CMD_STEP, OPT_SIZE, F(setup.context), 0, NULL, NULL},
-    {"--infer", CMD_STEP, OPT_FLAG, F(setup.infer), 0, NULL, NULL},
-    {"--prompt", CMD_STEP, OPT_U64, F(setup.prompt), 1, NULL, NULL},
-    {"--new-tokens", CMD_STEP, OPT_U64, F(setup.new_tokens), 0, NULL, NULL},
-    {"--beams", CMD_STEP, OPT_U32, F(setup.beams), 1, NULL, NULL},
-    {"--parts", CMD_ESTIMATE, OPT_FLAG, F(parts), 0, NULL, NULL},
-    {"--snapshot", CMD_ESTIMATE, OPT_TEXT, F(snapshot), 0, NULL, NULL},
-    {"--config", CMD_REPLAY, OPT_TEXT, F(alloc_conf), 0, NULL, NULL},  // replay's older name
-    {"--alloc-conf", CMD_STEP | CMD_REPLAY, OPT_TEXT, F(alloc_conf), 0, NULL, NULL},
-    {"--capacity", CMD_STEP | CMD_REPLAY, OPT_SIZE, F(setup.capacity), 0, NULL, NULL},
-    {"--svg", CMD_ESTIMATE | CMD_REPLAY, OPT_TEXT, F(svg), 0, NULL, NULL},
-    {"--json", CMD_STEP | CMD_REPLAY, OPT_FLAG, F(json), 0, NULL, NULL},
+    FN("--model", opt_model),
+    FN("--config", opt_model),
+    FN("--params", opt_model),
+    FN("--head", opt_head),
+    U64("--trainable-params", setup.trainable_params, 1),
+    U64("--batch", setup.batch, 1),
+    U64("--seq", setup.seq, 1),
+    U64("--accum", setup.accum, 1),
+    CHOOSE("--precision", setup.precision, mn_precision_parse),
+    CHOOSE("--optim", setup.optim, mn_optim_parse),
+    CHOOSE("--checkpointing", setup.checkpointing, mn_ckpt_parse),
+    CHOOSE("--attention", setup.attention, mn_attn_parse),
+    U32("--lora-rank", setup.lora_rank, 1),
+    CHOOSE("--lora-targets", setup.lora_targets, mn_lora_targets_parse),
+    CHOOSE("--quant", setup.quant, mn_quant_parse),
+    CHOOSE("--framework", setup.framework, mn_framework_parse),
+    FN("--torch", opt_torch),
+    U32("--zero", setup.zero_stage, 0),
+    U32("--gpus", setup.gpus, 1),
+    CHOOSE("--offload", setup.offload, mn_offload_parse),
+    FN("--zero-grad", opt_zero_grad),
+    KIND("--gpu", CMD_STEP, OPT_TEXT, setup.gpu),
+    KIND("--context", CMD_STEP, OPT_SIZE, setup.context),
+    KIND("--infer", CMD_STEP, OPT_FLAG, setup.infer),
+    U64("--prompt", setup.prompt, 1),
+    U64("--new-tokens", setup.new_tokens, 0),
+    U32("--beams", setup.beams, 1),
+    KIND("--parts", CMD_ESTIMATE, OPT_FLAG, parts),
+    KIND("--snapshot", CMD_ESTIMATE, OPT_TEXT, snapshot),
+    KIND("--config", CMD_REPLAY, OPT_TEXT, alloc_conf),  // replay's older name for --alloc-conf
+    KIND("--alloc-conf", CMD_STEP | CMD_REPLAY, OPT_TEXT, alloc_conf),
+    KIND("--capacity", CMD_STEP | CMD_REPLAY, OPT_SIZE, setup.capacity),
+    KIND("--svg", CMD_ESTIMATE | CMD_REPLAY, OPT_TEXT, svg),
+    KIND("--json", CMD_STEP | CMD_REPLAY, OPT_FLAG, json),
 };
 #undef F
+#undef FN
+#undef U64
+#undef U32
+#undef CHOOSE
+#undef KIND
 
 static const opt *find_option(unsigned command, const char *flag) {
     size_t i;
