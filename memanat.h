@@ -2954,61 +2954,152 @@ MNIMPL mn_result mn_lora_targets_parse(const char *s, uint32_t *out) {
 #define MN__KB(x) ((uint64_t)(x) << 10)
 #define MN__MIB(x) ((uint64_t)(x) << 20)
 
-// name, arch, layers, enc, hidden, heads, kv, head_dim, ffn, vocab, maxpos, types, buckets, labels,
-// norm, act, pos, head, gated, tie, qkv_b, out_b, mlp_b, pooler, final_norm, embed_norm,
-// dropout, attn_dropout, dtype
-#define MN__BERT(nm, L, h, a, f) {nm, MN_ARCH_ENCODER, L, 0, h, a, 0, 0, f, 30522, 512, 2, 0, 0, \
-    MN_NORM_LAYERNORM, MN_ACT_GELU, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0.1f, 0.1f, \
-    MN_FP32, 0, NULL, 0, 0}
-#define MN__GPT2(nm, L, h, a) {nm, MN_ARCH_DECODER, L, 0, h, a, 0, 0, 0, 50257, 1024, 0, 0, 0, \
-    MN_NORM_LAYERNORM, MN_ACT_GELU_NEW, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0.1f, \
-    0.1f, MN_FP32, 0, NULL, 0, 0}
-#define MN__T5(nm, L, h, a, d, f, gated, tie) {nm, MN_ARCH_ENCODER_DECODER, L, L, h, a, 0, d, f, 32128, \
-    0, 0, 32, 0, MN_NORM_RMSNORM, (gated) ? MN_ACT_GELU_NEW : MN_ACT_RELU, MN_POS_RELATIVE, MN_HEAD_LM, \
-    gated, tie, 0, 0, 0, 0, 1, 0, 0, 0, 0.1f, 0.1f, (gated) ? MN_BF16 : MN_FP32, 0, NULL, 0, 0}
-#define MN__LLAMA(nm, L, h, a, kv, d, f, V, tie, qkvb, dt) {nm, MN_ARCH_DECODER, L, 0, h, a, kv, d, f, V, \
-    0, 0, 0, 0, MN_NORM_RMSNORM, MN_ACT_SILU, MN_POS_ROPE, MN_HEAD_LM, 1, tie, qkvb, 0, 0, 0, 1, 0, 0, 0, \
-    0.0f, 0.0f, dt, 0, NULL, 0, 0}
-#define MN__BIGCODE(nm, L, h, a, f) {nm, MN_ARCH_DECODER, L, 0, h, a, 1, 0, f, 49152, 8192, 0, 0, 0, \
-    MN_NORM_LAYERNORM, MN_ACT_GELU_TANH, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0.1f, \
-    0.1f, MN_FP32, 0, NULL, 0, 0}
+// The presets are written with designated initializers, so each row says what each number is:
+// the non-zero fields only, in the order mn_model declares them. That form is C99, and C++20 with
+// the same rule (declaration order, no field named twice); g++ and clang++ take it in C++11..17
+// as an extension and warn. The pragmas around the table silence those warnings when the header
+// is compiled as C++: g++ 12 reports the extension as -Wc++20-extensions (g++ 8..10 as -Wpedantic,
+// and they do not know the newer option: -Wpragmas) and the omitted fields, in C++20 too, as
+// -Wmissing-field-initializers; clang 14 reports the extension alone. A family macro is a run of
+// consecutive fields, so a row that uses it keeps the declaration order.
 
+// BERT (bert-*-uncased): vocab .. dtype.
+#define MN__BERT_TAIL                                                                              \
+    .vocab = 30522, .max_positions = 512, .type_vocab = 2, .norm = MN_NORM_LAYERNORM,              \
+    .act = MN_ACT_GELU, .posemb = MN_POS_LEARNED, .head = MN_HEAD_LM, .tie_embeddings = 1,         \
+    .qkv_bias = 1, .out_bias = 1, .mlp_bias = 1, .embed_norm = 1, .lm_transform = 1,               \
+    .post_norm = 1, .dropout = 0.1f, .attn_dropout = 0.1f, .dtype = MN_FP32
+// GPT-2: vocab .. dtype.
+#define MN__GPT2_TAIL                                                                              \
+    .vocab = 50257, .max_positions = 1024, .norm = MN_NORM_LAYERNORM, .act = MN_ACT_GELU_NEW,      \
+    .posemb = MN_POS_LEARNED, .head = MN_HEAD_LM, .tie_embeddings = 1, .qkv_bias = 1,              \
+    .out_bias = 1, .mlp_bias = 1, .final_norm = 1, .dropout = 0.1f, .attn_dropout = 0.1f,          \
+    .dtype = MN_FP32
+// T5 v1.0 (t5-*): ReLU MLP, tied LM head; vocab .. dtype.
+#define MN__T5_TAIL                                                                                \
+    .vocab = 32128, .rel_buckets = 32, .norm = MN_NORM_RMSNORM, .act = MN_ACT_RELU,                \
+    .posemb = MN_POS_RELATIVE, .head = MN_HEAD_LM, .tie_embeddings = 1, .final_norm = 1,           \
+    .dropout = 0.1f, .attn_dropout = 0.1f, .dtype = MN_FP32
+// T5 v1.1 (flan-t5-*): gated-GELU MLP, untied LM head, bf16 checkpoints; vocab .. dtype.
+#define MN__FLAN_T5_TAIL                                                                           \
+    .vocab = 32128, .rel_buckets = 32, .norm = MN_NORM_RMSNORM, .act = MN_ACT_GELU_NEW,            \
+    .posemb = MN_POS_RELATIVE, .head = MN_HEAD_LM, .gated_mlp = 1, .final_norm = 1,                \
+    .dropout = 0.1f, .attn_dropout = 0.1f, .dtype = MN_BF16
+// Llama-style blocks (Llama, Mistral, Qwen2): RMSNorm, SwiGLU MLP, rotary positions; norm ..
+// gated_mlp. The rows go on with tie_embeddings, qkv_bias, final_norm and dtype.
+#define MN__LLAMA_STYLE                                                                            \
+    .norm = MN_NORM_RMSNORM, .act = MN_ACT_SILU, .posemb = MN_POS_ROPE, .head = MN_HEAD_LM,        \
+    .gated_mlp = 1
+// BigCode (StarCoder): multi-query attention (kv_heads = 1 in the rows); vocab .. dtype.
+#define MN__BIGCODE_TAIL                                                                           \
+    .vocab = 49152, .max_positions = 8192, .norm = MN_NORM_LAYERNORM, .act = MN_ACT_GELU_TANH,     \
+    .posemb = MN_POS_LEARNED, .head = MN_HEAD_LM, .tie_embeddings = 1, .qkv_bias = 1,              \
+    .out_bias = 1, .mlp_bias = 1, .final_norm = 1, .dropout = 0.1f, .attn_dropout = 0.1f,          \
+    .dtype = MN_FP32
+
+#if defined(__cplusplus) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpragmas"
+#pragma GCC diagnostic ignored "-Wpedantic"
+#pragma GCC diagnostic ignored "-Wc++20-extensions"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#endif
 static const mn_model mn__presets[] = {
-    MN__BERT("bert-base-uncased", 12, 768, 12, 3072),
-    MN__BERT("bert-large-uncased", 24, 1024, 16, 4096),
-    MN__GPT2("gpt2", 12, 768, 12),
-    MN__GPT2("gpt2-medium", 24, 1024, 16),
-    MN__GPT2("gpt2-large", 36, 1280, 20),
-    MN__GPT2("gpt2-xl", 48, 1600, 25),
-    MN__T5("t5-small", 6, 512, 8, 64, 2048, 0, 1),
-    MN__T5("t5-base", 12, 768, 12, 64, 3072, 0, 1),
-    MN__T5("t5-large", 24, 1024, 16, 64, 4096, 0, 1),
-    MN__T5("t5-3b", 24, 1024, 32, 128, 16384, 0, 1),
-    MN__T5("t5-11b", 24, 1024, 128, 128, 65536, 0, 1),
-    MN__T5("flan-t5-base", 12, 768, 12, 64, 2048, 1, 0),
-    MN__T5("flan-t5-large", 24, 1024, 16, 64, 2816, 1, 0),
-    MN__T5("flan-t5-xl", 24, 2048, 32, 64, 5120, 1, 0),
-    MN__LLAMA("llama-2-7b", 32, 4096, 32, 32, 0, 11008, 32000, 0, 0, MN_FP16),
-    MN__LLAMA("llama-2-13b", 40, 5120, 40, 40, 0, 13824, 32000, 0, 0, MN_FP16),
-    MN__LLAMA("llama-2-70b", 80, 8192, 64, 8, 0, 28672, 32000, 0, 0, MN_FP16),
-    MN__LLAMA("llama-3-8b", 32, 4096, 32, 8, 0, 14336, 128256, 0, 0, MN_BF16),
-    MN__LLAMA("llama-3-70b", 80, 8192, 64, 8, 0, 28672, 128256, 0, 0, MN_BF16),
-    MN__LLAMA("llama-3.1-8b", 32, 4096, 32, 8, 0, 14336, 128256, 0, 0, MN_BF16),
-    MN__LLAMA("llama-3.1-70b", 80, 8192, 64, 8, 0, 28672, 128256, 0, 0, MN_BF16),
-    MN__LLAMA("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, 1, 0, MN_BF16),
-    MN__LLAMA("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, 1, 0, MN_BF16),
-    MN__LLAMA("mistral-7b", 32, 4096, 32, 8, 0, 14336, 32000, 0, 0, MN_BF16),
-    MN__LLAMA("mistral-7b-v0.3", 32, 4096, 32, 8, 0, 14336, 32768, 0, 0, MN_BF16),
-    MN__LLAMA("qwen2-0.5b", 24, 896, 14, 2, 0, 4864, 151936, 1, 1, MN_BF16),
-    MN__LLAMA("qwen2-1.5b", 28, 1536, 12, 2, 0, 8960, 151936, 1, 1, MN_BF16),
-    MN__LLAMA("qwen2-7b", 28, 3584, 28, 4, 0, 18944, 152064, 0, 1, MN_BF16),
-    MN__LLAMA("qwen2.5-0.5b", 24, 896, 14, 2, 0, 4864, 151936, 1, 1, MN_BF16),
-    MN__LLAMA("qwen2.5-7b", 28, 3584, 28, 4, 0, 18944, 152064, 0, 1, MN_BF16),
-    MN__LLAMA("qwen2.5-14b", 48, 5120, 40, 8, 0, 13824, 152064, 0, 1, MN_BF16),
-    MN__BIGCODE("starcoderbase-1b", 24, 2048, 16, 8192),
-    MN__BIGCODE("starcoderbase-7b", 42, 4096, 32, 16384),
-    MN__BIGCODE("starcoder", 40, 6144, 48, 24576),
+    {.name = "bert-base-uncased", .arch = MN_ARCH_ENCODER, .layers = 12, .hidden = 768,
+     .heads = 12, .ffn = 3072, MN__BERT_TAIL},
+    {.name = "bert-large-uncased", .arch = MN_ARCH_ENCODER, .layers = 24, .hidden = 1024,
+     .heads = 16, .ffn = 4096, MN__BERT_TAIL},
+    {.name = "gpt2", .arch = MN_ARCH_DECODER, .layers = 12, .hidden = 768, .heads = 12,
+     MN__GPT2_TAIL},
+    {.name = "gpt2-medium", .arch = MN_ARCH_DECODER, .layers = 24, .hidden = 1024, .heads = 16,
+     MN__GPT2_TAIL},
+    {.name = "gpt2-large", .arch = MN_ARCH_DECODER, .layers = 36, .hidden = 1280, .heads = 20,
+     MN__GPT2_TAIL},
+    {.name = "gpt2-xl", .arch = MN_ARCH_DECODER, .layers = 48, .hidden = 1600, .heads = 25,
+     MN__GPT2_TAIL},
+    {.name = "t5-small", .arch = MN_ARCH_ENCODER_DECODER, .layers = 6, .encoder_layers = 6,
+     .hidden = 512, .heads = 8, .head_dim = 64, .ffn = 2048, MN__T5_TAIL},
+    {.name = "t5-base", .arch = MN_ARCH_ENCODER_DECODER, .layers = 12, .encoder_layers = 12,
+     .hidden = 768, .heads = 12, .head_dim = 64, .ffn = 3072, MN__T5_TAIL},
+    {.name = "t5-large", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 1024, .heads = 16, .head_dim = 64, .ffn = 4096, MN__T5_TAIL},
+    {.name = "t5-3b", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 1024, .heads = 32, .head_dim = 128, .ffn = 16384, MN__T5_TAIL},
+    {.name = "t5-11b", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 1024, .heads = 128, .head_dim = 128, .ffn = 65536, MN__T5_TAIL},
+    {.name = "flan-t5-base", .arch = MN_ARCH_ENCODER_DECODER, .layers = 12, .encoder_layers = 12,
+     .hidden = 768, .heads = 12, .head_dim = 64, .ffn = 2048, MN__FLAN_T5_TAIL},
+    {.name = "flan-t5-large", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 1024, .heads = 16, .head_dim = 64, .ffn = 2816, MN__FLAN_T5_TAIL},
+    {.name = "flan-t5-xl", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 2048, .heads = 32, .head_dim = 64, .ffn = 5120, MN__FLAN_T5_TAIL},
+    {.name = "llama-2-7b", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096, .heads = 32,
+     .kv_heads = 32, .ffn = 11008, .vocab = 32000, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_FP16},
+    {.name = "llama-2-13b", .arch = MN_ARCH_DECODER, .layers = 40, .hidden = 5120, .heads = 40,
+     .kv_heads = 40, .ffn = 13824, .vocab = 32000, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_FP16},
+    {.name = "llama-2-70b", .arch = MN_ARCH_DECODER, .layers = 80, .hidden = 8192, .heads = 64,
+     .kv_heads = 8, .ffn = 28672, .vocab = 32000, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_FP16},
+    {.name = "llama-3-8b", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096, .heads = 32,
+     .kv_heads = 8, .ffn = 14336, .vocab = 128256, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "llama-3-70b", .arch = MN_ARCH_DECODER, .layers = 80, .hidden = 8192, .heads = 64,
+     .kv_heads = 8, .ffn = 28672, .vocab = 128256, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "llama-3.1-8b", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096, .heads = 32,
+     .kv_heads = 8, .ffn = 14336, .vocab = 128256, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "llama-3.1-70b", .arch = MN_ARCH_DECODER, .layers = 80, .hidden = 8192, .heads = 64,
+     .kv_heads = 8, .ffn = 28672, .vocab = 128256, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "llama-3.2-1b", .arch = MN_ARCH_DECODER, .layers = 16, .hidden = 2048, .heads = 32,
+     .kv_heads = 8, .head_dim = 64, .ffn = 8192, .vocab = 128256, MN__LLAMA_STYLE,
+     .tie_embeddings = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "llama-3.2-3b", .arch = MN_ARCH_DECODER, .layers = 28, .hidden = 3072, .heads = 24,
+     .kv_heads = 8, .head_dim = 128, .ffn = 8192, .vocab = 128256, MN__LLAMA_STYLE,
+     .tie_embeddings = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "mistral-7b", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096, .heads = 32,
+     .kv_heads = 8, .ffn = 14336, .vocab = 32000, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "mistral-7b-v0.3", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096,
+     .heads = 32, .kv_heads = 8, .ffn = 14336, .vocab = 32768, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "qwen2-0.5b", .arch = MN_ARCH_DECODER, .layers = 24, .hidden = 896, .heads = 14,
+     .kv_heads = 2, .ffn = 4864, .vocab = 151936, MN__LLAMA_STYLE, .tie_embeddings = 1,
+     .qkv_bias = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2-1.5b", .arch = MN_ARCH_DECODER, .layers = 28, .hidden = 1536, .heads = 12,
+     .kv_heads = 2, .ffn = 8960, .vocab = 151936, MN__LLAMA_STYLE, .tie_embeddings = 1,
+     .qkv_bias = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2-7b", .arch = MN_ARCH_DECODER, .layers = 28, .hidden = 3584, .heads = 28,
+     .kv_heads = 4, .ffn = 18944, .vocab = 152064, MN__LLAMA_STYLE, .qkv_bias = 1,
+     .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2.5-0.5b", .arch = MN_ARCH_DECODER, .layers = 24, .hidden = 896, .heads = 14,
+     .kv_heads = 2, .ffn = 4864, .vocab = 151936, MN__LLAMA_STYLE, .tie_embeddings = 1,
+     .qkv_bias = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2.5-7b", .arch = MN_ARCH_DECODER, .layers = 28, .hidden = 3584, .heads = 28,
+     .kv_heads = 4, .ffn = 18944, .vocab = 152064, MN__LLAMA_STYLE, .qkv_bias = 1,
+     .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2.5-14b", .arch = MN_ARCH_DECODER, .layers = 48, .hidden = 5120, .heads = 40,
+     .kv_heads = 8, .ffn = 13824, .vocab = 152064, MN__LLAMA_STYLE, .qkv_bias = 1,
+     .final_norm = 1, .dtype = MN_BF16},
+    {.name = "starcoderbase-1b", .arch = MN_ARCH_DECODER, .layers = 24, .hidden = 2048,
+     .heads = 16, .kv_heads = 1, .ffn = 8192, MN__BIGCODE_TAIL},
+    {.name = "starcoderbase-7b", .arch = MN_ARCH_DECODER, .layers = 42, .hidden = 4096,
+     .heads = 32, .kv_heads = 1, .ffn = 16384, MN__BIGCODE_TAIL},
+    {.name = "starcoder", .arch = MN_ARCH_DECODER, .layers = 40, .hidden = 6144, .heads = 48,
+     .kv_heads = 1, .ffn = 24576, MN__BIGCODE_TAIL},
 };
+#if defined(__cplusplus) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC diagnostic pop
+#endif
+#undef MN__BERT_TAIL
+#undef MN__GPT2_TAIL
+#undef MN__T5_TAIL
+#undef MN__FLAN_T5_TAIL
+#undef MN__LLAMA_STYLE
+#undef MN__BIGCODE_TAIL
 
 MNIMPL uint32_t mn_preset_count(void) { return (uint32_t)(sizeof mn__presets / sizeof mn__presets[0]); }
 

@@ -50,6 +50,64 @@ static void test_param_counts(void) {
     CHECK_EQ_U64(n, 335143938ull);
 }
 
+// Preset rows against the published config.json files. gpt2: n_layer 12, n_embd 768, n_head 12,
+// vocab_size 50257, n_positions 1024, a tied LM head; Meta-Llama-3-8B: num_key_value_heads 8,
+// intermediate_size 14336, vocab_size 128256, torch_dtype bfloat16. The presets whose config.json
+// is in the test data have the shape mn_hf_config_read makes of it (both resolved by mn_estimate).
+// Not compared: the activation (starcoder's config says "gelu", its preset the tanh GELU) and the
+// dtype (flan-t5-base's config says float32, its preset bf16); neither changes an estimate.
+static void test_preset_fields(void) {
+    static const struct { const char *name, *config; } cfg[] = {
+        {"gpt2-xl", "../shared/validation/configs/gpt2-xl.json"},
+        {"bert-large-uncased", "../shared/validation/configs/bert-large-uncased.json"},
+        {"t5-base", "test/data/hf/t5-base.json"},
+        {"flan-t5-base", "test/data/hf/flan-t5-base.json"},
+        {"llama-2-7b", "test/data/hf/llama-2-7b.json"},
+        {"llama-3-8b", "test/data/hf/llama-3-8b.json"},
+        {"mistral-7b", "test/data/hf/mistral-7b.json"},
+        {"qwen2-0.5b", "test/data/hf/qwen2-0.5b.json"},
+        {"starcoder", "test/data/hf/starcoder.json"},
+    };
+    mn_model m = preset("gpt2");
+    size_t k;
+    CHECK_EQ_U64(m.layers, 12);
+    CHECK_EQ_U64(m.hidden, 768);
+    CHECK_EQ_U64(m.heads, 12);
+    CHECK_EQ_U64(m.vocab, 50257);
+    CHECK_EQ_U64(m.max_positions, 1024);
+    CHECK(m.tie_embeddings);
+    m = preset("llama-3-8b");
+    CHECK_EQ_U64(m.layers, 32);
+    CHECK_EQ_U64(m.hidden, 4096);
+    CHECK_EQ_U64(m.heads, 32);
+    CHECK_EQ_U64(m.kv_heads, 8);
+    CHECK_EQ_U64(m.ffn, 14336);
+    CHECK_EQ_U64(m.vocab, 128256);
+    CHECK_EQ_INT(m.dtype, MN_BF16);
+    CHECK(!m.tie_embeddings);
+    for (k = 0; k < sizeof cfg / sizeof cfg[0]; k++) {
+        mn_model p = preset(cfg[k].name), h;
+        mn_hf_desc d;
+        mn_setup s = setup0();
+        mn_estimate_result a, b;
+        memset(&d, 0, sizeof d);
+        CHECK_OK(mn_hf_config_read(cfg[k].config, &d, &h));
+        s.seq = 8, s.no_replay = 1;
+        CHECK_OK(mn_estimate(&p, &s, &a));
+        CHECK_OK(mn_estimate(&h, &s, &b));
+#define SAME(f) CHECK_MSG(a.model.f == b.model.f, "%s: " #f " is %llu, config.json %llu", cfg[k].name, \
+                          (unsigned long long)a.model.f, (unsigned long long)b.model.f)
+        SAME(arch); SAME(layers); SAME(encoder_layers); SAME(hidden); SAME(heads); SAME(kv_heads);
+        SAME(head_dim); SAME(ffn); SAME(vocab); SAME(type_vocab); SAME(rel_buckets); SAME(norm);
+        SAME(posemb); SAME(head); SAME(gated_mlp); SAME(tie_embeddings); SAME(qkv_bias);
+        SAME(out_bias); SAME(mlp_bias); SAME(pooler); SAME(final_norm); SAME(embed_norm);
+        SAME(lm_transform); SAME(post_norm); SAME(dropout); SAME(attn_dropout);
+        if (a.model.posemb == MN_POS_LEARNED) SAME(max_positions);
+#undef SAME
+        CHECK_EQ_U64(a.params, b.params);
+    }
+}
+
 // Bytes per parameter of the model states (seeds: 18 for mixed AdamW, 6 for mixed inference,
 // 16 = 2 + 2 + 12 for ZeRO's mixed Adam, 16 for fp32 AdamW).
 static void test_bytes_per_param(void) {
@@ -507,6 +565,7 @@ static void test_parts_by_hand(void) {
 const mnt_case test_estimate_cases[] = {
     {"parts_by_hand", test_parts_by_hand},
     {"param_counts", test_param_counts},
+    {"preset_fields", test_preset_fields},
     {"bytes_per_param", test_bytes_per_param},
     {"seed_optimizer_figures", test_seed_optimizer_figures},
     {"zero_stages", test_zero_stages},
