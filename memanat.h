@@ -500,7 +500,9 @@ typedef struct mn_gpu {
     const char *label;     // "NVIDIA A100 80GB"
     uint64_t capacity;     // bytes the driver reports as total
     uint64_t context;      // typical CUDA context + kernels (torch 2.x, lazy loading)
-    int bf16;              // supports bf16
+    uint32_t sm;           // compute capability x 10: 70 = V100 (sm_70), 80 = A100, 90 = H100
+    int bf16;              // supports bf16 (sm >= 80)
+    uint64_t cublas_workspace;  // bytes of the cuBLAS workspace a training step holds
 } mn_gpu;
 
 typedef struct mn_estimate_result {
@@ -3123,20 +3125,24 @@ MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
 // Capacity as nvidia-smi reports the total; context = CUDA context + kernels of a torch 2.x
 // process with lazy module loading (ml-engineering measured 0.47 GiB on an A100; older torch
 // with eager loading takes 0.9-1.8 GiB, e.g. the HF V100 runs' 1343 MiB: pass --context).
+// sm = compute capability x 10 (NVIDIA's CUDA GPUs page); bf16 needs sm >= 80. cublas_workspace
+// is the cuBLAS documentation's recommendation for cublasSetWorkspace, as quoted in PyTorch PR
+// #120925: 32 MiB on Hopper (sm 90), 4 MiB on earlier GPUs.
+// Columns: name, label, capacity, context, sm, bf16, cublas_workspace.
 static const mn_gpu mn__gpus[] = {
-    {"v100-16gb", "Tesla V100 16GB", MN__MIB(16160), MN__MIB(600), 0},
-    {"v100-32gb", "Tesla V100 32GB", MN__MIB(32510), MN__MIB(600), 0},
-    {"t4", "Tesla T4 16GB", MN__MIB(15360), MN__MIB(500), 0},
-    {"a10g", "NVIDIA A10G 24GB", MN__MIB(23028), MN__MIB(500), 1},
-    {"a10", "NVIDIA A10 24GB", MN__MIB(23028), MN__MIB(500), 1},
-    {"l4", "NVIDIA L4 24GB", MN__MIB(23034), MN__MIB(500), 1},
-    {"l40s", "NVIDIA L40S 48GB", MN__MIB(46068), MN__MIB(520), 1},
-    {"rtx3090", "GeForce RTX 3090 24GB", MN__MIB(24576), MN__MIB(520), 1},
-    {"rtx4090", "GeForce RTX 4090 24GB", MN__MIB(24564), MN__MIB(520), 1},
-    {"a100-40gb", "NVIDIA A100 40GB", MN__MIB(40960), MN__MIB(481), 1},
-    {"a100-80gb", "NVIDIA A100 80GB", MN__MIB(81920), MN__MIB(481), 1},
-    {"h100-80gb", "NVIDIA H100 80GB", MN__MIB(81559), MN__MIB(530), 1},
-    {"h200", "NVIDIA H200 141GB", MN__MIB(143771), MN__MIB(540), 1},
+    {"v100-16gb", "Tesla V100 16GB",       MN__MIB(16160),  MN__MIB(600), 70, 0, MN__MIB(4)},
+    {"v100-32gb", "Tesla V100 32GB",       MN__MIB(32510),  MN__MIB(600), 70, 0, MN__MIB(4)},
+    {"t4",        "Tesla T4 16GB",         MN__MIB(15360),  MN__MIB(500), 75, 0, MN__MIB(4)},
+    {"a10g",      "NVIDIA A10G 24GB",      MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
+    {"a10",       "NVIDIA A10 24GB",       MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
+    {"l4",        "NVIDIA L4 24GB",        MN__MIB(23034),  MN__MIB(500), 89, 1, MN__MIB(4)},
+    {"l40s",      "NVIDIA L40S 48GB",      MN__MIB(46068),  MN__MIB(520), 89, 1, MN__MIB(4)},
+    {"rtx3090",   "GeForce RTX 3090 24GB", MN__MIB(24576),  MN__MIB(520), 86, 1, MN__MIB(4)},
+    {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4)},
+    {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4)},
+    {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4)},
+    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32)},
+    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32)},
 };
 
 MNIMPL uint32_t mn_gpu_count(void) { return (uint32_t)(sizeof mn__gpus / sizeof mn__gpus[0]); }
@@ -3207,7 +3213,7 @@ typedef struct mn__cfg {
     mn_attn attn;
     uint32_t nblocks;      // encoder + decoder blocks
     uint32_t gpus, zero;
-    int gpu_is_hopper;     // cuBLAS takes a 32 MiB workspace on sm90, 4 MiB before
+    uint64_t cublas_workspace;  // bytes, from the GPU table
 } mn__cfg;
 
 typedef struct mn__sim {
@@ -4406,6 +4412,7 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
     c->d = m->head_dim, c->qd = m->heads * m->head_dim, c->kvd = m->kv_heads * m->head_dim, c->f = m->ffn;
     c->r = s->lora_rank;
     c->gpus = s->gpus, c->zero = s->zero_stage;
+    c->cublas_workspace = gpu->cublas_workspace;
     c->attn = s->attention;
     mixed = s->precision == MN_PREC_FP16 || s->precision == MN_PREC_BF16;
     pure = s->precision == MN_PREC_FP16_PURE || s->precision == MN_PREC_BF16_PURE;
@@ -4532,7 +4539,7 @@ static void mn__run(mn__sim *S) {
         mn__generate(S);
         return;
     }
-    mn__alloc_t(S, MN__MIB(c->gpu_is_hopper ? 32 : 4), 1, MN_CAT_WORKSPACE);  // cuBLAS workspace
+    mn__alloc_t(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
     for (step = 0; step < 2 && !S->err; step++) {
         for (mb = 0; mb < nmb && !S->err; mb++) {
             S->cursor = 0;
@@ -4608,7 +4615,6 @@ static mn_result mn__estimate(const mn_model *model, const mn_setup *setup, cons
     S->parts = parts;
     r = mn__resolve(model, setup, &c, &gpu);
     if (r != MN_OK) return r;
-    c.gpu_is_hopper = strncmp(gpu.name, "h1", 2) == 0 || strncmp(gpu.name, "h2", 2) == 0;
     S->al = al, S->c = &c;
     r = mn__build_params(S);
     if (r == MN_OK) {

@@ -521,6 +521,37 @@ static void test_presets_and_gpus(void) {
     CHECK_ERR(mn_preset_find("llama-9-900b", NULL), MN_ERR_INVALID_ARG);
 }
 
+// The GPU table cannot contradict itself: bf16 from sm 80 (Ampere) on, and the cuBLAS workspace
+// the cuBLAS docs recommend (32 MiB on Hopper, sm 90; 4 MiB before). A training step books the
+// workspace of the GPU it runs on.
+static void test_gpu_table(void) {
+    static const struct { const char *name; uint32_t sm; } known[] = {
+        {"v100-16gb", 70}, {"t4", 75}, {"a10g", 86}, {"rtx3090", 86}, {"l4", 89},
+        {"rtx4090", 89}, {"a100-80gb", 80}, {"h100-80gb", 90}, {"h200", 90},
+    };
+    mn_model m = preset("gpt2");
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    mn_gpu g;
+    uint32_t i;
+    for (i = 0; i < mn_gpu_count(); i++) {
+        const mn_gpu *p = mn_gpu_get(i);
+        CHECK_MSG(p->sm >= 70 && p->sm <= 90, "%s: sm %u", p->name, p->sm);
+        CHECK_MSG(p->bf16 == (p->sm >= 80), "%s: bf16 %d at sm %u", p->name, p->bf16, p->sm);
+        CHECK_MSG(p->cublas_workspace == (p->sm >= 90 ? 32ull : 4ull) << 20,
+                  "%s: cuBLAS workspace %llu at sm %u", p->name,
+                  (unsigned long long)p->cublas_workspace, p->sm);
+        s.gpu = p->name, s.seq = 64, s.no_replay = 1;
+        CHECK_OK(mn_estimate(&m, &s, &r));
+        CHECK_EQ_U64(r.workspace, p->cublas_workspace);
+        CHECK_EQ_U64(r.gpu.cublas_workspace, p->cublas_workspace);
+    }
+    for (i = 0; i < sizeof known / sizeof known[0]; i++) {
+        CHECK_OK(mn_gpu_find(known[i].name, &g));
+        CHECK_EQ_INT(g.sm, known[i].sm);
+    }
+}
+
 // What each block keeps for backward, against arithmetic done by hand from the ops' saved
 // tensors (derivatives.yaml, autocast, the HF modelling code):
 // BERT-large fp32, eager attention, per layer: 16 fp32 [b,s,h] tensors (input, q, k, v, context,
@@ -579,5 +610,6 @@ const mnt_case test_estimate_cases[] = {
     {"trace_consistency", test_trace_consistency},
     {"alloc_failures", test_alloc_failures},
     {"presets_and_gpus", test_presets_and_gpus},
+    {"gpu_table", test_gpu_table},
 };
 const size_t test_estimate_count = sizeof test_estimate_cases / sizeof test_estimate_cases[0];
