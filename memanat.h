@@ -3331,25 +3331,52 @@ static uint32_t mn__esz(mn__sim *S, uint32_t id) {
 
 static int mn__rg(mn__sim *S, uint32_t id) { return id != MN__NONE && !S->counting && S->t[id].rg; }
 
+// What an op records on the tape. mn__op_desc_of(out) leaves every slot MN__NONE (unused); a
+// call site fills the slots it needs: d.in[0] = x, d.saved[0] = x, d.param[0] = w.
+typedef struct mn__op_desc {
+    uint32_t out;        // output tensor
+    uint32_t in[3];      // activation inputs (gradients flow to those that require grad)
+    uint32_t saved[8];   // tensors kept for backward
+    uint32_t param[3];   // parameters whose gradients the op produces
+    uint64_t bwd_temp;   // transient bytes of the backward beyond input gradients, 0 = none
+    int cast16;          // the weight gradient is first made in 16-bit (autocast)
+} mn__op_desc;
+
+static mn__op_desc mn__op_desc_of(uint32_t out) {
+    mn__op_desc d;
+    int i;
+    d.out = out, d.bwd_temp = 0, d.cast16 = 0;
+    for (i = 0; i < 3; i++) d.in[i] = MN__NONE, d.param[i] = MN__NONE;
+    for (i = 0; i < 8; i++) d.saved[i] = MN__NONE;
+    return d;
+}
+
 // Records an op on the tape when autograd records (grad mode and something requires grad).
 // saved[] gain a reference; the op's output must exist.
-static void mn__op_rec(mn__sim *S, uint32_t out, const uint32_t *in, int nin, const uint32_t *saved,
-                       int nsaved, const uint32_t *param, int nparam, uint64_t bwd_temp) {
+static void mn__op_rec(mn__sim *S, const mn__op_desc *d) {
     mn__op *o;
     int i, any = 0;
-    if (S->counting || S->err || !S->record || out == MN__NONE) return;
-    for (i = 0; i < nin; i++) any |= mn__rg(S, in[i]);
-    for (i = 0; i < nparam; i++) any |= param[i] != MN__NONE && S->p[param[i]].trainable;
+    if (S->counting || S->err || !S->record || d->out == MN__NONE) return;
+    for (i = 0; i < 3; i++) any |= mn__rg(S, d->in[i]);
+    for (i = 0; i < 3; i++) any |= d->param[i] != MN__NONE && S->p[d->param[i]].trainable;
     if (!any) return;
-    S->t[out].rg = 1;
+    S->t[d->out].rg = 1;
     if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return;
     o = &S->ops[S->nops++];
     memset(o, 0, sizeof *o);
-    o->out = out, o->recomp_block = MN__NONE, o->bwd_temp = bwd_temp;
-    for (i = 0; i < nin && i < 3; i++) if (in[i] != MN__NONE) o->in[o->nin++] = in[i];
-    for (i = 0; i < nsaved && i < 8; i++)
-        if (saved[i] != MN__NONE) { o->saved[o->nsaved++] = saved[i]; mn__ref(S, saved[i]); }
-    for (i = 0; i < nparam && i < 3; i++) if (param[i] != MN__NONE) o->param[o->nparam++] = param[i];
+    o->out = d->out, o->recomp_block = MN__NONE, o->bwd_temp = d->bwd_temp;
+    o->cast16 = (uint8_t)d->cast16;
+    for (i = 0; i < 3; i++) if (d->in[i] != MN__NONE) o->in[o->nin++] = d->in[i];
+    for (i = 0; i < 8; i++)
+        if (d->saved[i] != MN__NONE) { o->saved[o->nsaved++] = d->saved[i]; mn__ref(S, d->saved[i]); }
+    for (i = 0; i < 3; i++) if (d->param[i] != MN__NONE) o->param[o->nparam++] = d->param[i];
+}
+
+// Records out = f(in) for an op that saves nothing for backward (a cast, a copy, a scale).
+static void mn__op_rec_from(mn__sim *S, uint32_t out, uint32_t in) {
+    mn__op_desc d = mn__op_desc_of(out);
+    d.in[0] = in;
+    mn__op_rec(S, &d);
 }
 
 // ---- parameters --------------------------------------------------------------------------------
@@ -3389,15 +3416,16 @@ static uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, in
     uint32_t bb = bias ? mn__w(S, out, 0, tr, 0) : MN__NONE;
     uint32_t la = lora ? mn__w(S, c->r, in, 1, 0) : MN__NONE;
     uint32_t lb = lora ? mn__w(S, out, c->r, 1, 0) : MN__NONE;
-    uint32_t xin = x, w16 = MN__NONE, tmp = MN__NONE, y, sv[2], pr[2];
+    uint32_t xin = x, w16 = MN__NONE, tmp = MN__NONE, y;
     uint64_t rows, bwd = 0;
+    mn__op_desc d;
     mn__param *P;
     if (S->counting || S->err || w == MN__NONE) return MN__NONE;
     P = &S->p[w];
     rows = mn__tnumel(S, x) / in;
     if (c->amp && mn__esz(S, x) == 4) {  // autocast: a fresh 16-bit copy of the input per linear
         xin = mn__alloc_t(S, rows * in, 2, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, xin, &x, 1, NULL, 0, NULL, 0, 0);
+        mn__op_rec_from(S, xin, x);
     }
     if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
         if (P->w16 == MN__NONE) P->w16 = mn__alloc_t(S, P->numel, 2, MN_CAT_WEIGHTS);
@@ -3408,24 +3436,31 @@ static uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, in
         bwd = P->numel * 2;
     }
     y = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
-    sv[0] = P->trainable ? xin : MN__NONE;
-    sv[1] = mn__rg(S, xin) ? w16 : MN__NONE;
-    pr[0] = w, pr[1] = bb;
-    mn__op_rec(S, y, &xin, 1, sv, 2, pr, 2, bwd);
-    if (S->nops && S->record && S->ops[S->nops - 1].out == y) S->ops[S->nops - 1].cast16 = (uint8_t)c->amp;
+    d = mn__op_desc_of(y);
+    d.in[0] = xin;
+    d.saved[0] = P->trainable ? xin : MN__NONE;
+    d.saved[1] = mn__rg(S, xin) ? w16 : MN__NONE;
+    d.param[0] = w, d.param[1] = bb;
+    d.bwd_temp = bwd, d.cast16 = c->amp;
+    mn__op_rec(S, &d);
     mn__drop(S, tmp);
     if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
-        uint32_t h = mn__alloc_t(S, mn__m(S, rows, c->r), c->a_esz, MN_CAT_ACTIVATIONS), z, z2, y2, two[2];
-        mn__op_rec(S, h, &xin, 1, &xin, 1, &la, 1, 0);
+        uint32_t h = mn__alloc_t(S, mn__m(S, rows, c->r), c->a_esz, MN_CAT_ACTIVATIONS), z, z2, y2;
+        d = mn__op_desc_of(h);
+        d.in[0] = xin, d.saved[0] = xin, d.param[0] = la;
+        mn__op_rec(S, &d);
         z = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, z, &h, 1, &h, 1, &lb, 1, 0);
+        d = mn__op_desc_of(z);
+        d.in[0] = h, d.saved[0] = h, d.param[0] = lb;
+        mn__op_rec(S, &d);
         mn__drop(S, h);
         z2 = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, z2, &z, 1, NULL, 0, NULL, 0, 0);
+        mn__op_rec_from(S, z2, z);
         mn__drop(S, z);
         y2 = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
-        two[0] = y, two[1] = z2;
-        mn__op_rec(S, y2, two, 2, NULL, 0, NULL, 0, 0);
+        d = mn__op_desc_of(y2);
+        d.in[0] = y, d.in[1] = z2;
+        mn__op_rec(S, &d);
         mn__drop(S, y), mn__drop(S, z2);
         y = y2;
     }
@@ -3437,24 +3472,29 @@ static uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, in
 static uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
     uint32_t mask, y;
     uint64_t n;
+    mn__op_desc d;
     if (p <= 0.0f || !S->training) return mn__identity(S, x);
     if (S->counting || S->err) return MN__NONE;
     n = mn__tnumel(S, x);
     mask = mn__alloc_t(S, n, 1, MN_CAT_ACTIVATIONS);
     y = mn__alloc_t(S, n, mn__esz(S, x), MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, y, &x, 1, &mask, 1, NULL, 0, 0);
+    d = mn__op_desc_of(y);
+    d.in[0] = x, d.saved[0] = mask;
+    mn__op_rec(S, &d);
     mn__drop(S, mask);
     return y;
 }
 
 // Elementwise a + b; the result takes the wider dtype (type promotion); saves nothing.
 static uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
-    uint32_t y, in[2];
+    uint32_t y;
     uint32_t ea = mn__esz(S, a), eb = mn__esz(S, b);
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
     y = mn__alloc_t(S, mn__tnumel(S, a), ea > eb ? ea : eb, MN_CAT_ACTIVATIONS);
-    in[0] = a, in[1] = b;
-    mn__op_rec(S, y, in, 2, NULL, 0, NULL, 0, 0);
+    d = mn__op_desc_of(y);
+    d.in[0] = a, d.in[1] = b;
+    mn__op_rec(S, &d);
     return y;
 }
 
@@ -3467,41 +3507,45 @@ static uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
     int tr = mn__base_trainable(c), ln = c->m.norm != MN_NORM_RMSNORM;
     uint32_t w = mn__w(S, width, 0, tr, 0);
     uint32_t bb = ln ? mn__w(S, width, 0, tr, 0) : MN__NONE;
-    uint32_t y, st, sv[2], pr[2], ex = mn__esz(S, x);
+    uint32_t y, st, ex = mn__esz(S, x);
     uint64_t n, rows;
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
     n = mn__tnumel(S, x), rows = n / width;
-    pr[0] = w, pr[1] = bb;
     if (ln || !c->hf) {
         uint32_t oe = c->amp ? 4 : ex;  // autocast runs layer_norm in fp32
         st = mn__alloc_t(S, rows * 2, 4, MN_CAT_ACTIVATIONS);
         y = mn__alloc_t(S, n, oe, MN_CAT_ACTIVATIONS);
-        sv[0] = x, sv[1] = st;
-        mn__op_rec(S, y, &x, 1, sv, 2, pr, 2, 0);
+        d = mn__op_desc_of(y);
+        d.in[0] = x, d.saved[0] = x, d.saved[1] = st, d.param[0] = w, d.param[1] = bb;
+        mn__op_rec(S, &d);
         mn__drop(S, st);
         return y;
     } else {
         uint32_t x32 = x, rs, h1, h16, out_e = ex;
         if (ex != 4) {
             x32 = mn__alloc_t(S, n, 4, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, x32, &x, 1, NULL, 0, NULL, 0, 0);
+            mn__op_rec_from(S, x32, x);
         }
         mn__transient(S, n * 4, MN_CAT_ACTIVATIONS);  // x32.pow(2) before the mean
         rs = mn__alloc_t(S, rows, 4, MN_CAT_ACTIVATIONS);
-        sv[0] = x32, sv[1] = rs;
-        mn__op_rec(S, rs, &x32, 1, sv, 2, NULL, 0, 0);
+        d = mn__op_desc_of(rs);
+        d.in[0] = x32, d.saved[0] = x32, d.saved[1] = rs;
+        mn__op_rec(S, &d);
         h1 = mn__alloc_t(S, n, 4, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, h1, &x32, 1, sv, 2, NULL, 0, 0);
+        d.out = h1;  // x32 * rs, saving both
+        mn__op_rec(S, &d);
         h16 = h1;
         if (ex != 4) {
             h16 = mn__alloc_t(S, n, ex, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, h16, &h1, 1, NULL, 0, NULL, 0, 0);
+            mn__op_rec_from(S, h16, h1);
             mn__drop(S, h1);
         }
         if (c->w_esz == 4 && ex != 4) out_e = 4;  // fp32 weight * 16-bit values promotes
         y = mn__alloc_t(S, n, out_e, MN_CAT_ACTIVATIONS);
-        sv[0] = tr ? h16 : MN__NONE;
-        mn__op_rec(S, y, &h16, 1, sv, 1, &w, 1, 0);
+        d = mn__op_desc_of(y);
+        d.in[0] = h16, d.saved[0] = tr ? h16 : MN__NONE, d.param[0] = w;
+        mn__op_rec(S, &d);
         mn__drop(S, h16), mn__drop(S, rs);
         if (x32 != x) mn__drop(S, x32);
         return y;
@@ -3512,8 +3556,9 @@ static uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
 // 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3))) in separate ops: it also keeps the tanh output,
 // 0.5 x and 1 + tanh, and makes four more transient copies on the way.
 static uint32_t mn__act(mn__sim *S, uint32_t x) {
-    uint32_t y, e, sv[4];
+    uint32_t y, e;
     uint64_t n;
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
     n = mn__tnumel(S, x), e = mn__esz(S, x);
     if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf) {
@@ -3527,23 +3572,29 @@ static uint32_t mn__act(mn__sim *S, uint32_t x) {
         op1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
         half = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
         y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-        sv[0] = x, sv[1] = th, sv[2] = op1, sv[3] = half;
-        mn__op_rec(S, y, &x, 1, sv, 4, NULL, 0, 3 * n * e);
+        d = mn__op_desc_of(y);
+        d.in[0] = x, d.saved[0] = x, d.saved[1] = th, d.saved[2] = op1, d.saved[3] = half;
+        d.bwd_temp = 3 * n * e;
+        mn__op_rec(S, &d);
         mn__drop(S, th), mn__drop(S, op1), mn__drop(S, half);
         return y;
     }
     y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, y, &x, 1, &x, 1, NULL, 0, 0);
+    d = mn__op_desc_of(y);
+    d.in[0] = x, d.saved[0] = x;
+    mn__op_rec(S, &d);
     return y;
 }
 
 // a * b, saving both operands (mul's gradient needs the other factor).
 static uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
-    uint32_t y, in[2];
+    uint32_t y;
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
     y = mn__alloc_t(S, mn__tnumel(S, a), mn__esz(S, a), MN_CAT_ACTIVATIONS);
-    in[0] = a, in[1] = b;
-    mn__op_rec(S, y, in, 2, in, 2, NULL, 0, 0);
+    d = mn__op_desc_of(y);
+    d.in[0] = a, d.in[1] = b, d.saved[0] = a, d.saved[1] = b;
+    mn__op_rec(S, &d);
     return y;
 }
 
@@ -3559,7 +3610,7 @@ static uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
         mn__drop(S, t2);
     }
     y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, y, &x, 1, NULL, 0, NULL, 0, 0);
+    mn__op_rec_from(S, y, x);
     mn__drop(S, t1), mn__drop(S, t3);
     return y;
 }
@@ -3573,13 +3624,13 @@ static uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
 // Selective checkpointing (Korthikanti et al. 2022) keeps only q, k, v and recomputes the rest.
 static uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq, uint64_t skv) {
     mn__cfg *c = S->c;
-    uint32_t e = mn__esz(S, q), in[3], sv[8], y;
+    uint32_t e = mn__esz(S, q), y;
     uint64_t nq = mn__m3(S, c->b, sq, c->qd), nkv = mn__m3(S, c->b, skv, c->kvd);
     uint64_t ns = mn__m(S, mn__m3(S, c->b, c->m.heads, sq), skv);
     int sel = c->s.checkpointing == MN_CKPT_SELECTIVE && S->record;
-    int nsv = 0, i;
+    int i;
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    in[0] = q, in[1] = k, in[2] = v;
     if (c->attn == MN_ATTN_EAGER) {
         int t5 = c->m.posemb == MN_POS_RELATIVE;
         uint32_t sm_e = (c->amp || t5 || c->m.posemb == MN_POS_ROPE) ? 4 : e;
@@ -3608,19 +3659,22 @@ static uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, ui
         C = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
         Cc = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
         mn__drop(S, C);
-        sv[0] = qc, sv[1] = kc, sv[2] = P, sv[3] = mk, sv[4] = P16, sv[5] = vc, sv[6] = s0;
+        d = mn__op_desc_of(Cc);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = P, d.saved[3] = mk, d.saved[4] = P16;
+        d.saved[5] = vc, d.saved[6] = s0;
         for (i = 0; i < 7; i++) {
             int dup = 0, j;
-            for (j = 0; j < i; j++) dup |= sv[j] == sv[i];
-            if (sv[i] != MN__NONE && !dup) kept += S->t[sv[i]].bytes;
+            for (j = 0; j < i; j++) dup |= d.saved[j] == d.saved[i];
+            if (d.saved[i] != MN__NONE && !dup) kept += S->t[d.saved[i]].bytes;
         }
-        if (sel) {
-            sv[0] = q, sv[1] = k, sv[2] = v, nsv = 3;
-            mn__op_rec(S, Cc, in, 3, sv, nsv, NULL, 0, kept + 2 * ns * sm_e + 3 * nq * e);
-        } else {
-            nsv = 7;
-            mn__op_rec(S, Cc, in, 3, sv, nsv, NULL, 0, 2 * ns * sm_e + 3 * nq * e);
+        d.bwd_temp = 2 * ns * sm_e + 3 * nq * e;
+        if (sel) {  // keep q, k, v; backward recomputes what the others held
+            for (i = 3; i < 7; i++) d.saved[i] = MN__NONE;
+            d.saved[0] = q, d.saved[1] = k, d.saved[2] = v;
+            d.bwd_temp += kept;
         }
+        mn__op_rec(S, &d);
         mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, vc), mn__drop(S, P), mn__drop(S, s0);
         if (Pd != P) mn__drop(S, Pd);
         if (P16 != Pd) mn__drop(S, P16);
@@ -3629,15 +3683,18 @@ static uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, ui
     } else {
         uint32_t O = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
         uint32_t lse = mn__alloc_t(S, mn__m3(S, c->b, c->m.heads, sq), 4, MN_CAT_ACTIVATIONS);
-        sv[0] = q, sv[1] = k, sv[2] = v, sv[3] = O, sv[4] = lse;
+        d = mn__op_desc_of(O);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = q, d.saved[1] = k, d.saved[2] = v, d.saved[3] = O, d.saved[4] = lse;
+        d.bwd_temp = nq * 4;
         y = O;
         if (c->hf) {  // attn_output.transpose(1, 2).contiguous()
             y = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, O, in, 3, sv, 5, NULL, 0, nq * 4);
-            mn__op_rec(S, y, &O, 1, NULL, 0, NULL, 0, 0);
+            mn__op_rec(S, &d);
+            mn__op_rec_from(S, y, O);
             mn__drop(S, O);
         } else {
-            mn__op_rec(S, O, in, 3, sv, 5, NULL, 0, nq * 4);
+            mn__op_rec(S, &d);
         }
         mn__drop(S, lse);
     }
@@ -3797,6 +3854,7 @@ static uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     uint64_t h = c->m.hidden;
     int tr = mn__base_trainable(c);
     uint32_t w, y, e2, sum, pw, tw;
+    mn__op_desc d;
     w = first ? mn__w(S, c->m.vocab, h, tr, 0) : 0;
     if (first) S->cursor_emb = w;
     else w = S->cursor_emb;
@@ -3807,17 +3865,23 @@ static uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
         return MN__NONE;
     }
     y = mn__alloc_t(S, c->ntok * h, c->w_esz == 1 ? 2 : c->w_esz, MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, y, NULL, 0, &ids, 1, &w, 1, 0);
+    d = mn__op_desc_of(y);
+    d.saved[0] = ids, d.param[0] = w;
+    mn__op_rec(S, &d);
     if (pw != MN__NONE) {  // position_ids [1, s]: one row per position, broadcast over the batch
         e2 = mn__alloc_t(S, c->seq * h, mn__esz(S, y), MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, e2, NULL, 0, NULL, 0, &pw, 1, 0);
+        d = mn__op_desc_of(e2);
+        d.param[0] = pw;
+        mn__op_rec(S, &d);
         sum = mn__add(S, y, e2);
         mn__drop(S, y), mn__drop(S, e2);
         y = sum;
     }
     if (tw != MN__NONE) {
         e2 = mn__alloc_t(S, c->ntok * h, mn__esz(S, y), MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, e2, NULL, 0, &ids, 1, &tw, 1, 0);
+        d = mn__op_desc_of(e2);
+        d.saved[0] = ids, d.param[0] = tw;
+        mn__op_rec(S, &d);
         sum = mn__add(S, y, e2);
         mn__drop(S, y), mn__drop(S, e2);
         y = sum;
@@ -3840,39 +3904,46 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden, V = c->m.vocab;
     int tr = mn__base_trainable(c);
-    uint32_t y, t, lg, l32, lsm, loss, sv[2], pw, pb, cw, cb;
+    uint32_t y, t, lg, l32, lsm, loss, pw, pb, cw, cb;
+    mn__op_desc d;
     if (c->m.head == MN_HEAD_CLASSIFICATION) {
         uint64_t L = c->m.num_labels;
         if (c->m.pooler) {
             pw = mn__w(S, h, h, tr, 0), pb = mn__w(S, h, 0, tr, 0);
             cw = mn__w(S, L, h, tr || c->r, 0), cb = mn__w(S, L, 0, tr || c->r, 0);
             if (S->counting || S->err) return MN__NONE;
-            sv[0] = pw, sv[1] = pb;
             y = mn__alloc_t(S, c->b * h, c->a_esz, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, y, &x, 1, &x, 1, sv, 2, 0);  // the first-token view keeps x alive
+            d = mn__op_desc_of(y);
+            d.in[0] = x, d.saved[0] = x, d.param[0] = pw, d.param[1] = pb;
+            mn__op_rec(S, &d);  // the first-token view keeps x alive
             t = mn__act(S, y);
             mn__drop(S, y);
             y = mn__dropout(S, t, c->m.dropout);
             mn__drop(S, t);
-            sv[0] = cw, sv[1] = cb;
             lg = mn__alloc_t(S, c->b * L, c->a_esz, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, lg, &y, 1, &y, 1, sv, 2, 0);
+            d = mn__op_desc_of(lg);
+            d.in[0] = y, d.saved[0] = y, d.param[0] = cw, d.param[1] = cb;
+            mn__op_rec(S, &d);
             mn__drop(S, y);
         } else {
             cw = mn__w(S, L, h, tr || c->r, 0);
             if (S->counting || S->err) return MN__NONE;
             lg = mn__alloc_t(S, c->ntok * L, c->a_esz, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, lg, &x, 1, &x, 1, &cw, 1, 0);
+            d = mn__op_desc_of(lg);
+            d.in[0] = x, d.saved[0] = x, d.param[0] = cw;
+            mn__op_rec(S, &d);
         }
         loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, loss, &lg, 1, &lg, 1, NULL, 0, 0);
+        d = mn__op_desc_of(loss);
+        d.in[0] = lg, d.saved[0] = lg;
+        mn__op_rec(S, &d);
         mn__drop(S, lg);
         return loss;
     }
     if (c->m.head == MN_HEAD_NONE) {
         if (S->counting || S->err) return MN__NONE;
         loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, loss, &x, 1, NULL, 0, NULL, 0, 0);
+        mn__op_rec_from(S, loss, x);
         return loss;
     }
     y = mn__identity(S, x);
@@ -3887,7 +3958,7 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     }
     if (c->m.tie_embeddings && c->m.posemb == MN_POS_RELATIVE && !S->counting) {  // T5: x * d^-0.5
         t = mn__alloc_t(S, mn__tnumel(S, y), mn__esz(S, y), MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, t, &y, 1, NULL, 0, NULL, 0, 0);
+        mn__op_rec_from(S, t, y);
         mn__drop(S, y);
         y = t;
     }
@@ -3898,13 +3969,16 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     l32 = lg;
     if (mn__esz(S, lg) != 4) {
         l32 = mn__alloc_t(S, mn__tnumel(S, lg), 4, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, l32, &lg, 1, NULL, 0, NULL, 0, 0);
+        mn__op_rec_from(S, l32, lg);
     }
     lsm = mn__alloc_t(S, mn__tnumel(S, l32), 4, MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, lsm, &l32, 1, &lsm, 1, NULL, 0, 0);
+    d = mn__op_desc_of(lsm);
+    d.in[0] = l32, d.saved[0] = lsm;
+    mn__op_rec(S, &d);
     loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
-    sv[0] = lsm, sv[1] = labels;
-    mn__op_rec(S, loss, &lsm, 1, sv, 2, NULL, 0, 0);  // nll backward: the dense grad of lsm
+    d = mn__op_desc_of(loss);
+    d.in[0] = lsm, d.saved[0] = lsm, d.saved[1] = labels;
+    mn__op_rec(S, &d);  // nll backward: the dense grad of lsm
     mn__drop(S, lsm);
     if (l32 != lg) mn__drop(S, l32);
     mn__drop(S, lg);
@@ -3966,6 +4040,7 @@ static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
     const mn_layer *ly = c->m.stack;
     uint32_t i, y, *pidx = NULL, loss;
     uint64_t mark = S->cur[MN_CAT_ACTIVATIONS];
+    mn__op_desc d;
     if (!S->counting) pidx = S->bstart;  // parameter index of each layer, filled while counting
     mn__ref(S, x);                       // the caller keeps its reference to the input
     mn__part_mark(S, 0, &mark);
@@ -3988,23 +4063,25 @@ static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
         w = pidx[i];
         switch (ly[i].kind) {
         case MN_LAYER_LINEAR: {
-            uint32_t pr[2], sv;
             uint64_t rows = mn__tnumel(S, x) / ly[i].in;
-            pr[0] = w, pr[1] = ly[i].bias ? w + 1 : MN__NONE;
             y = mn__alloc_t(S, mn__m(S, rows, ly[i].out), c->a_esz, MN_CAT_ACTIVATIONS);
-            sv = x;
-            mn__op_rec(S, y, &x, 1, &sv, 1, pr, 2, 0);
+            d = mn__op_desc_of(y);
+            d.in[0] = x, d.saved[0] = x, d.param[0] = w, d.param[1] = ly[i].bias ? w + 1 : MN__NONE;
+            mn__op_rec(S, &d);
             break;
         }
         case MN_LAYER_EMBEDDING:
             y = mn__alloc_t(S, mn__m(S, c->ntok, ly[i].out), c->a_esz, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, y, NULL, 0, &x, 1, &w, 1, 0);
+            d = mn__op_desc_of(y);
+            d.saved[0] = x, d.param[0] = w;
+            mn__op_rec(S, &d);
             break;
         case MN_LAYER_NORM: {
-            uint32_t pr[2], sv[2], st = mn__alloc_t(S, c->ntok * 2, 4, MN_CAT_ACTIVATIONS);
-            pr[0] = w, pr[1] = w + 1, sv[0] = x, sv[1] = st;
+            uint32_t st = mn__alloc_t(S, c->ntok * 2, 4, MN_CAT_ACTIVATIONS);
             y = mn__alloc_t(S, mn__tnumel(S, x), mn__esz(S, x), MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, y, &x, 1, sv, 2, pr, 2, 0);
+            d = mn__op_desc_of(y);
+            d.in[0] = x, d.saved[0] = x, d.saved[1] = st, d.param[0] = w, d.param[1] = w + 1;
+            mn__op_rec(S, &d);
             mn__drop(S, st);
             break;
         }
@@ -4018,7 +4095,7 @@ static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
     }
     if (S->counting || S->err) return MN__NONE;
     loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);  // loss = out.sum(); the caller holds out
-    mn__op_rec(S, loss, &x, 1, NULL, 0, NULL, 0, 0);
+    mn__op_rec_from(S, loss, x);
     S->hold = x;
     mn__part_mark(S, c->m.stack_len + 1, &mark);
     return loss;
