@@ -4400,10 +4400,12 @@ static mn_result mn__resolve_model(const mn_model *in, const mn_logger *lg, mn_m
     if (m->posemb == MN_POS_DEFAULT) m->posemb = MN_POS_LEARNED;
     if (m->posemb == MN_POS_LEARNED && m->max_positions == 0) m->max_positions = 512;
     if (m->max_positions > (1ull << 24)) MN__BAD(lg, "model: %llu positions (want up to 16777216)", (unsigned long long)m->max_positions);
-    if (m->type_vocab > (1ull << 20)) MN__BAD(lg, "model: %llu token types", (unsigned long long)m->type_vocab);
+    if (m->type_vocab > (1ull << 20))
+        MN__BAD(lg, "model: %llu token types (want up to 1048576)", (unsigned long long)m->type_vocab);
     if (m->rel_buckets == 0) m->rel_buckets = 32;
     if (m->num_labels == 0) m->num_labels = 2;
-    if (m->num_labels > (1ull << 24)) MN__BAD(lg, "model: %llu labels", (unsigned long long)m->num_labels);
+    if (m->num_labels > (1ull << 24))
+        MN__BAD(lg, "model: %llu labels (want 1..16777216)", (unsigned long long)m->num_labels);
     if (m->norm == MN_NORM_DEFAULT) m->norm = MN_NORM_LAYERNORM;
     if (m->act == MN_ACT_DEFAULT) m->act = m->gated_mlp ? MN_ACT_SILU : MN_ACT_GELU;
     if (m->head == MN_HEAD_DEFAULT) m->head = MN_HEAD_LM;
@@ -4429,13 +4431,17 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
     r = mn__resolve_model(model, lg, m);
     if (r != MN_OK) return r;
     if (s->batch == 0) s->batch = 1;
-    if (s->batch > (1ull << 32)) MN__BAD(lg, "--batch %llu is absurd (want 1..4294967296)", (unsigned long long)s->batch);
+    if (s->batch > (1ull << 32))
+        MN__BAD(lg, "--batch %llu is out of range (want 1..4294967296)", (unsigned long long)s->batch);
     if (s->seq == 0) s->seq = m->arch == MN_ARCH_STACK ? 1 : (m->posemb == MN_POS_LEARNED && m->max_positions < 512 ? m->max_positions : 512);
-    if (s->seq > (1ull << 26)) MN__BAD(lg, "--seq %llu is absurd (want 1..67108864)", (unsigned long long)s->seq);
+    if (s->seq > (1ull << 26))
+        MN__BAD(lg, "--seq %llu is out of range (want 1..67108864)", (unsigned long long)s->seq);
     if (m->posemb == MN_POS_LEARNED && m->arch != MN_ARCH_STACK && s->seq > m->max_positions && !s->infer)
-        MN__BAD(lg, "--seq %llu exceeds the model's %llu positions", (unsigned long long)s->seq, (unsigned long long)m->max_positions);
+        MN__BAD(lg, "--seq %llu is out of range (want 1..%llu, the model's positions)",
+                (unsigned long long)s->seq, (unsigned long long)m->max_positions);
     if (s->accum == 0) s->accum = 1;
-    if (s->accum > (1ull << 20)) MN__BAD(lg, "--accum %llu is absurd", (unsigned long long)s->accum);
+    if (s->accum > (1ull << 20))
+        MN__BAD(lg, "--accum %llu is out of range (want 1..1048576)", (unsigned long long)s->accum);
     if (s->precision == MN_PREC_DEFAULT) s->precision = MN_PREC_FP32;
     if (s->optim == MN_OPTIM_DEFAULT) s->optim = s->infer ? MN_OPTIM_NONE : MN_OPTIM_ADAMW;
     if (s->checkpointing == MN_CKPT_DEFAULT) s->checkpointing = MN_CKPT_NONE;
@@ -4452,22 +4458,30 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
                            ? (m->arch == MN_ARCH_ENCODER || m->arch == MN_ARCH_ENCODER_DECODER ? MN_ATTN_EAGER : MN_ATTN_SDPA)
                            : MN_ATTN_FLASH;
     if (s->torch_version == 0) s->torch_version = s->framework == MN_FW_HF ? 110 : 200;
-    if (s->torch_version < 100 || s->torch_version > 999) MN__BAD(lg, "--torch %u.%u is not a torch version", s->torch_version / 100, s->torch_version % 100);
+    if (s->torch_version < 100 || s->torch_version > 999)
+        MN__BAD(lg, "--torch %u.%02u is out of range (want 1.00..9.99, torch_version 100..999)",
+                s->torch_version / 100, s->torch_version % 100);
     // torch 2.0 made zero_grad(set_to_none=True) the default (torch.nn.Module.zero_grad docs)
     if (s->grads == MN_GRADS_DEFAULT) s->grads = s->torch_version < 200 ? MN_GRADS_KEEP : MN_GRADS_RELEASE;
-    if (s->zero_stage > 3) MN__BAD(lg, "--zero %u (want 0..3)", s->zero_stage);
+    if (s->zero_stage > 3) MN__BAD(lg, "--zero %u is out of range (want 0..3)", s->zero_stage);
     if (s->gpus == 0) s->gpus = 1;
-    if (s->gpus > (1u << 20)) MN__BAD(lg, "--gpus %u is absurd", s->gpus);
-    if (s->lora_rank > 65536) MN__BAD(lg, "--lora-rank %u (want 1..65536)", s->lora_rank);
+    if (s->gpus > (1u << 20)) MN__BAD(lg, "--gpus %u is out of range (want 1..1048576)", s->gpus);
+    if (s->lora_rank > 65536)
+        MN__BAD(lg, "--lora-rank %u is out of range (want 1..65536, 0 = no LoRA)", s->lora_rank);
     if (s->lora_rank && s->lora_targets == 0) s->lora_targets = MN_LORA_Q | MN_LORA_V;
     if (s->quant > MN_QUANT_NONE && !s->lora_rank && !s->infer)
         MN__BAD(lg, "--quant %s freezes the base weights: add --lora-rank, or --infer", mn_quant_name(s->quant));
     if (s->offload == MN_OFFLOAD_ALL && s->zero_stage < 3) MN__BAD(lg, "--offload all needs --zero 3");
     if (s->beams == 0) s->beams = 1;
-    if (s->beams > 4096) MN__BAD(lg, "--beams %u is absurd", s->beams);
+    if (s->beams > 4096) MN__BAD(lg, "--beams %u is out of range (want 1..4096)", s->beams);
     if (s->infer) {
         if (s->prompt == 0) s->prompt = s->seq;
-        if (s->prompt > (1ull << 26) || s->new_tokens > (1ull << 26)) MN__BAD(lg, "--prompt/--new-tokens are absurd");
+        if (s->prompt > (1ull << 26))
+            MN__BAD(lg, "--prompt %llu is out of range (want 1..67108864)",
+                    (unsigned long long)s->prompt);
+        if (s->new_tokens > (1ull << 26))
+            MN__BAD(lg, "--new-tokens %llu is out of range (want 0..67108864)",
+                    (unsigned long long)s->new_tokens);
         s->seq = s->prompt, s->accum = 1, s->optim = MN_OPTIM_NONE, s->checkpointing = MN_CKPT_NONE;
     }
     if (!s->gpu) s->gpu = "a100-80gb";
@@ -4478,14 +4492,20 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
     s->gpu = gpu->name;
     if (s->capacity == 0) s->capacity = gpu->capacity;
     if (s->context == 0) s->context = gpu->context;
-    if (s->capacity > (1ull << 50)) MN__BAD(lg, "--capacity is absurd (over 1 PiB)");
-    if (s->context > s->capacity) MN__BAD(lg, "--context is larger than the device capacity");
+    if (s->capacity > (1ull << 50))
+        MN__BAD(lg, "--capacity %llu bytes is out of range (want up to 1125899906842624, 1 PiB)",
+                (unsigned long long)s->capacity);
+    if (s->context > s->capacity)
+        MN__BAD(lg, "--context %llu bytes is out of range (want up to the capacity, %llu bytes)",
+                (unsigned long long)s->context, (unsigned long long)s->capacity);
 
     c->b = s->batch * (s->infer ? s->beams : 1);
     c->seq = s->seq;
     c->ntok = c->b * c->seq;
     c->enc_seq = c->seq;
-    if (c->ntok > (1ull << 36)) MN__BAD(lg, "batch x sequence = %llu tokens is absurd", (unsigned long long)c->ntok);
+    if (c->ntok > (1ull << 36))
+        MN__BAD(lg, "batch x sequence = %llu tokens is out of range (want up to 68719476736)",
+                (unsigned long long)c->ntok);
     c->d = m->head_dim, c->qd = m->heads * m->head_dim, c->kvd = m->kv_heads * m->head_dim, c->f = m->ffn;
     c->r = s->lora_rank;
     c->gpus = s->gpus, c->zero = s->zero_stage;

@@ -435,6 +435,43 @@ static void test_bad_input(void) {
     CHECK_EQ_INT(log_count, 1);
 }
 
+// Each bound the library checks on a setup: one past it is MN_ERR_INVALID_ARG with one log line
+// (the library is the single source of these bounds), the bound itself is accepted.
+static void test_setup_bounds(void) {
+    mn_model m = preset("gpt2");
+    mn_setup s = setup0(), b;
+    mn_estimate_result r;
+    s.logger.log_fn = count_log, s.no_replay = 1, s.seq = 64;
+#define REJECTS(field, value) do { b = s, b.field = value, log_count = 0; \
+    CHECK_ERR(mn_estimate(&m, &b, &r), MN_ERR_INVALID_ARG); CHECK_EQ_INT(log_count, 1); } while (0)
+#define ACCEPTS(field, value) do { b = s, b.field = value, log_count = 0; \
+    CHECK_OK(mn_estimate(&m, &b, &r)); CHECK_EQ_INT(log_count, 0); } while (0)
+    REJECTS(batch, (1ull << 32) + 1);
+    REJECTS(seq, (1ull << 26) + 1);
+    REJECTS(seq, 1025);  // gpt2 has 1024 positions
+    ACCEPTS(seq, 1024);
+    REJECTS(accum, (1ull << 20) + 1);
+    ACCEPTS(accum, 1ull << 20);
+    REJECTS(torch_version, 99);
+    REJECTS(torch_version, 1000);
+    REJECTS(zero_stage, 4);
+    ACCEPTS(zero_stage, 3);
+    REJECTS(gpus, (1u << 20) + 1);
+    ACCEPTS(gpus, 1u << 20);
+    REJECTS(lora_rank, 65537);
+    REJECTS(beams, 4097);
+    ACCEPTS(beams, 4096);
+    REJECTS(capacity, (1ull << 50) + 1);
+    ACCEPTS(capacity, 1ull << 50);
+    REJECTS(context, (80ull << 30) + 1);  // a100-80gb: more than the capacity
+    s.infer = 1;
+    REJECTS(prompt, (1ull << 26) + 1);
+    REJECTS(new_tokens, (1ull << 26) + 1);
+    ACCEPTS(new_tokens, 1ull << 26);
+#undef REJECTS
+#undef ACCEPTS
+}
+
 // Random shapes and settings: every call either succeeds with consistent numbers or fails cleanly.
 static void test_random_setups(void) {
     int it;
@@ -606,6 +643,7 @@ const mnt_case test_estimate_cases[] = {
     {"zero_monotonic", test_zero_monotonic},
     {"fit", test_fit},
     {"bad_input", test_bad_input},
+    {"setup_bounds", test_setup_bounds},
     {"random_setups", test_random_setups},
     {"trace_consistency", test_trace_consistency},
     {"alloc_failures", test_alloc_failures},
