@@ -95,8 +95,8 @@ static void test_preset_fields(void) {
         s.seq = 8, s.no_replay = 1;
         CHECK_OK(mn_estimate(&p, &s, &a));
         CHECK_OK(mn_estimate(&h, &s, &b));
-#define SAME(f) CHECK_MSG(a.model.f == b.model.f, "%s: " #f " is %llu, config.json %llu", cfg[k].name, \
-                          (unsigned long long)a.model.f, (unsigned long long)b.model.f)
+#define SAME(f) CHECK_MSG(a.model.f == b.model.f, "%s: " #f " is %llu, config.json %llu",       \
+                          cfg[k].name, (unsigned long long)a.model.f, (unsigned long long)b.model.f)
         SAME(arch); SAME(layers); SAME(encoder_layers); SAME(hidden); SAME(heads); SAME(kv_heads);
         SAME(head_dim); SAME(ffn); SAME(vocab); SAME(type_vocab); SAME(rel_buckets); SAME(norm);
         SAME(posemb); SAME(head); SAME(gated_mlp); SAME(tie_embeddings); SAME(qkv_bias);
