@@ -327,14 +327,16 @@ typedef enum mn_arch {
     MN_ARCH_COUNT
 } mn_arch;
 
-typedef enum mn_norm { MN_NORM_DEFAULT = 0, MN_NORM_LAYERNORM, MN_NORM_RMSNORM, MN_NORM_COUNT } mn_norm;
+typedef enum mn_norm {
+    MN_NORM_DEFAULT = 0, MN_NORM_LAYERNORM, MN_NORM_RMSNORM, MN_NORM_COUNT
+} mn_norm;
 typedef enum mn_act {
     MN_ACT_DEFAULT = 0,  // gelu, or silu with a gated MLP
     MN_ACT_GELU,
     MN_ACT_GELU_TANH,
     MN_ACT_RELU,
     MN_ACT_SILU,
-    MN_ACT_GELU_NEW,     // tanh approximation written as separate ops (HF "gelu_new": GPT-2, T5 v1.1)
+    MN_ACT_GELU_NEW,     // tanh approximation in separate ops (HF "gelu_new": GPT-2, T5 v1.1)
     MN_ACT_COUNT
 } mn_act;
 typedef enum mn_posemb {
@@ -368,7 +370,7 @@ typedef struct mn_layer {
     mn_layer_kind kind;
     uint64_t in, out;      // features
     int bias;              // linear: has a bias
-    uint32_t shared_with;  // 1-based index of an earlier layer whose weights this one reuses, 0 = own
+    uint32_t shared_with;  // 1-based index of an earlier layer whose weights it reuses, 0 = own
 } mn_layer;
 
 typedef struct mn_model {
@@ -399,7 +401,7 @@ typedef struct mn_model {
     int final_norm;           // a norm after the last block
     int embed_norm;           // a norm right after the embeddings (BERT)
     int lm_transform;         // the LM head has dense + act + norm before the projection (BERT MLM)
-    int post_norm;            // norms after the residual adds (BERT) instead of before (GPT-2, Llama)
+    int post_norm;            // norms after the residual adds (BERT), not before (GPT-2, Llama)
     float dropout;            // hidden dropout probability, 0 = none
     float attn_dropout;       // attention-probability dropout, 0 = none
     mn_dtype dtype;           // dtype of the published checkpoint, 0 = fp32
@@ -450,19 +452,25 @@ typedef enum mn_attn {
 // Memory conventions of the frameworks people train with (see mn_framework_describe()).
 typedef enum mn_framework {
     MN_FW_DEFAULT = 0,  // hf
-    MN_FW_HF,           // HF Trainer + torch autocast: fp32 params are the master, fp16 casts cached
+    MN_FW_HF,           // HF Trainer + autocast: fp32 params are the master, fp16 casts cached
     MN_FW_DEEPSPEED,    // 16-bit params and grads, fp32 master inside the optimizer (ZeRO's K = 12)
     MN_FW_MEGATRON,     // 16-bit params, fp32 main grads, fp32 master + Adam (18 B/param)
     MN_FW_MEMANAT,      // this project's trainer
     MN_FW_COUNT
 } mn_framework;
 
-typedef enum mn_offload { MN_OFFLOAD_DEFAULT = 0, MN_OFFLOAD_NONE, MN_OFFLOAD_OPTIMIZER, MN_OFFLOAD_ALL, MN_OFFLOAD_COUNT } mn_offload;
-typedef enum mn_quant { MN_QUANT_DEFAULT = 0, MN_QUANT_NONE, MN_QUANT_INT8, MN_QUANT_NF4, MN_QUANT_COUNT } mn_quant;
+typedef enum mn_offload {
+    MN_OFFLOAD_DEFAULT = 0, MN_OFFLOAD_NONE, MN_OFFLOAD_OPTIMIZER, MN_OFFLOAD_ALL, MN_OFFLOAD_COUNT
+} mn_offload;
+typedef enum mn_quant {
+    MN_QUANT_DEFAULT = 0, MN_QUANT_NONE, MN_QUANT_INT8, MN_QUANT_NF4, MN_QUANT_COUNT
+} mn_quant;
 
 // When gradients are released: kept between steps and zeroed in place (torch < 2.0 zero_grad)
 // or set to None after each optimizer step (torch >= 2.0 default).
-typedef enum mn_grads { MN_GRADS_DEFAULT = 0, MN_GRADS_KEEP, MN_GRADS_RELEASE, MN_GRADS_COUNT } mn_grads;
+typedef enum mn_grads {
+    MN_GRADS_DEFAULT = 0, MN_GRADS_KEEP, MN_GRADS_RELEASE, MN_GRADS_COUNT
+} mn_grads;
 
 // LoRA target modules (bit set).
 enum {
@@ -523,7 +531,9 @@ typedef struct mn_gpu {
     const char *label;     // "NVIDIA A100 80GB"
     uint64_t capacity;     // bytes the driver reports as total
     uint64_t context;      // typical CUDA context + kernels (torch 2.x, lazy loading)
-    int bf16;              // supports bf16
+    uint32_t sm;           // compute capability x 10: 70 = V100 (sm_70), 80 = A100, 90 = H100
+    int bf16;              // supports bf16 (sm >= 80)
+    uint64_t cublas_workspace;  // bytes of the cuBLAS workspace a training step holds
 } mn_gpu;
 
 typedef struct mn_estimate_result {
@@ -2951,7 +2961,8 @@ done:
 //   - backward walks the tape in reverse: each op allocates the gradients of its inputs, the
 //     gradients of its parameters (kept, or added and freed when they already exist), its own
 //     transient buffers, then frees its gradient of the output and drops what it saved;
-//   - checkpointed blocks keep only their input and are re-run (recorded) when backward reaches them;
+//   - checkpointed blocks keep only their input and are re-run (recorded) when backward reaches
+//     them;
 //   - the optimizer allocates its state lazily at the first step, through the same
 //     mn_optim_state_bytes() the optimizers use.
 // Two steps are simulated (the first creates the optimizer state, the second is the steady state).
@@ -2968,8 +2979,8 @@ static const mn__name mn__precision_names[] = {
     {"fp16-pure", MN_PREC_FP16_PURE}, {"bf16-pure", MN_PREC_BF16_PURE}, {NULL, 0}};
 static const mn__name mn__optim_names[] = {
     {"adamw", MN_OPTIM_ADAMW}, {"adamw-8bit", MN_OPTIM_ADAMW_8BIT}, {"sgd", MN_OPTIM_SGD},
-    {"sgd-momentum", MN_OPTIM_SGD_MOMENTUM}, {"adafactor", MN_OPTIM_ADAFACTOR}, {"lion", MN_OPTIM_LION},
-    {"none", MN_OPTIM_NONE}, {NULL, 0}};
+    {"sgd-momentum", MN_OPTIM_SGD_MOMENTUM}, {"adafactor", MN_OPTIM_ADAFACTOR},
+    {"lion", MN_OPTIM_LION}, {"none", MN_OPTIM_NONE}, {NULL, 0}};
 static const mn__name mn__ckpt_names[] = {
     {"none", MN_CKPT_NONE}, {"full", MN_CKPT_FULL}, {"selective", MN_CKPT_SELECTIVE}, {NULL, 0}};
 static const mn__name mn__attn_names[] = {
@@ -2978,16 +2989,18 @@ static const mn__name mn__framework_names[] = {
     {"hf", MN_FW_HF}, {"deepspeed", MN_FW_DEEPSPEED}, {"megatron", MN_FW_MEGATRON},
     {"memanat", MN_FW_MEMANAT}, {NULL, 0}};
 static const mn__name mn__offload_names[] = {
-    {"none", MN_OFFLOAD_NONE}, {"optimizer", MN_OFFLOAD_OPTIMIZER}, {"all", MN_OFFLOAD_ALL}, {NULL, 0}};
+    {"none", MN_OFFLOAD_NONE}, {"optimizer", MN_OFFLOAD_OPTIMIZER}, {"all", MN_OFFLOAD_ALL},
+    {NULL, 0}};
 static const mn__name mn__quant_names[] = {
     {"none", MN_QUANT_NONE}, {"int8", MN_QUANT_INT8}, {"nf4", MN_QUANT_NF4}, {NULL, 0}};
 static const mn__name mn__head_names[] = {
-    {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE}, {NULL, 0}};
+    {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE},
+    {NULL, 0}};
 static const mn__name mn__arch_names[] = {
     {"decoder", MN_ARCH_DECODER}, {"encoder", MN_ARCH_ENCODER},
     {"encoder-decoder", MN_ARCH_ENCODER_DECODER}, {"stack", MN_ARCH_STACK}, {NULL, 0}};
 
-static const char *mn__name_of(const mn__name *t, int v, int dflt) {
+MN__PRIVATE const char *mn__name_of(const mn__name *t, int v, int dflt) {
     int i;
     if (v == 0) v = dflt;
     for (i = 0; t[i].name; i++)
@@ -2995,7 +3008,7 @@ static const char *mn__name_of(const mn__name *t, int v, int dflt) {
     return "unknown";
 }
 
-static mn_result mn__parse_name(const mn__name *t, const char *s, int *out) {
+MN__PRIVATE mn_result mn__parse_name(const mn__name *t, const char *s, int *out) {
     int i;
     if (!s || !out) return MN_ERR_INVALID_ARG;
     for (i = 0; t[i].name; i++)
@@ -3021,16 +3034,18 @@ MN__NAMES(quant, mn_quant, mn__quant_names, MN_QUANT_NONE)
 MN__NAMES(head, mn_head, mn__head_names, MN_HEAD_LM)
 #undef MN__NAMES
 
-MNIMPL const char *mn_arch_name(mn_arch a) { return mn__name_of(mn__arch_names, (int)a, MN_ARCH_DECODER); }
+MNIMPL const char *mn_arch_name(mn_arch a) {
+    return mn__name_of(mn__arch_names, (int)a, MN_ARCH_DECODER);
+}
 
 MNIMPL const char *mn_framework_describe(mn_framework f) {
     switch (f) {
     case MN_FW_DEFAULT:
     case MN_FW_HF:
-        return "hf: HF Trainer + torch autocast. Parameters stay fp32 (they are the master weights); "
-               "autocast caches 16-bit weight copies for the step; gradients fp32; optimizer state "
-               "in the parameter dtype; gradients kept between steps (zero_grad in place); eager "
-               "attention for encoders, sdpa otherwise; loss on fp32-upcast logits";
+        return "hf: HF Trainer + torch autocast. Parameters stay fp32 (they are the master "
+               "weights); autocast caches 16-bit weight copies for the step; gradients fp32; "
+               "optimizer state in the parameter dtype; gradients kept between steps (zero_grad in "
+               "place); eager attention for encoders, sdpa otherwise; loss on fp32-upcast logits";
     case MN_FW_DEEPSPEED:
         return "deepspeed: 16-bit parameters and gradients; the fp32 master copy lives in the "
                "optimizer (ZeRO's K = 12: master + m + v), ZeRO-2 keeps fp16 and fp32 gradient "
@@ -3048,9 +3063,10 @@ MNIMPL const char *mn_framework_describe(mn_framework f) {
 }
 
 MNIMPL mn_result mn_lora_targets_parse(const char *s, uint32_t *out) {
-    static const mn__name t[] = {{"q", MN_LORA_Q}, {"k", MN_LORA_K}, {"v", MN_LORA_V}, {"o", MN_LORA_O},
-                                 {"gate", MN_LORA_GATE}, {"up", MN_LORA_UP}, {"down", MN_LORA_DOWN},
-                                 {"all", MN_LORA_ALL}, {NULL, 0}};
+    static const mn__name t[] = {
+        {"q", MN_LORA_Q}, {"k", MN_LORA_K}, {"v", MN_LORA_V}, {"o", MN_LORA_O},
+        {"gate", MN_LORA_GATE}, {"up", MN_LORA_UP}, {"down", MN_LORA_DOWN}, {"all", MN_LORA_ALL},
+        {NULL, 0}};
     char word[16];
     uint32_t bits = 0;
     size_t n;
@@ -3075,65 +3091,160 @@ MNIMPL mn_result mn_lora_targets_parse(const char *s, uint32_t *out) {
 #define MN__KB(x) ((uint64_t)(x) << 10)
 #define MN__MIB(x) ((uint64_t)(x) << 20)
 
-// name, arch, layers, enc, hidden, heads, kv, head_dim, ffn, vocab, maxpos, types, buckets, labels,
-// norm, act, pos, head, gated, tie, qkv_b, out_b, mlp_b, pooler, final_norm, embed_norm,
-// dropout, attn_dropout, dtype
-#define MN__BERT(nm, L, h, a, f) {nm, MN_ARCH_ENCODER, L, 0, h, a, 0, 0, f, 30522, 512, 2, 0, 0, \
-    MN_NORM_LAYERNORM, MN_ACT_GELU, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0.1f, 0.1f, \
-    MN_FP32, 0, NULL, 0, 0}
-#define MN__GPT2(nm, L, h, a) {nm, MN_ARCH_DECODER, L, 0, h, a, 0, 0, 0, 50257, 1024, 0, 0, 0, \
-    MN_NORM_LAYERNORM, MN_ACT_GELU_NEW, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0.1f, \
-    0.1f, MN_FP32, 0, NULL, 0, 0}
-#define MN__T5(nm, L, h, a, d, f, gated, tie) {nm, MN_ARCH_ENCODER_DECODER, L, L, h, a, 0, d, f, 32128, \
-    0, 0, 32, 0, MN_NORM_RMSNORM, (gated) ? MN_ACT_GELU_NEW : MN_ACT_RELU, MN_POS_RELATIVE, MN_HEAD_LM, \
-    gated, tie, 0, 0, 0, 0, 1, 0, 0, 0, 0.1f, 0.1f, (gated) ? MN_BF16 : MN_FP32, 0, NULL, 0, 0}
-#define MN__LLAMA(nm, L, h, a, kv, d, f, V, tie, qkvb, dt) {nm, MN_ARCH_DECODER, L, 0, h, a, kv, d, f, V, \
-    0, 0, 0, 0, MN_NORM_RMSNORM, MN_ACT_SILU, MN_POS_ROPE, MN_HEAD_LM, 1, tie, qkvb, 0, 0, 0, 1, 0, 0, 0, \
-    0.0f, 0.0f, dt, 0, NULL, 0, 0}
-#define MN__BIGCODE(nm, L, h, a, f) {nm, MN_ARCH_DECODER, L, 0, h, a, 1, 0, f, 49152, 8192, 0, 0, 0, \
-    MN_NORM_LAYERNORM, MN_ACT_GELU_TANH, MN_POS_LEARNED, MN_HEAD_LM, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0.1f, \
-    0.1f, MN_FP32, 0, NULL, 0, 0}
+// The presets are written with designated initializers, so each row says what each number is:
+// the non-zero fields only, in the order mn_model declares them. That form is C99, and C++20 with
+// the same rule (declaration order, no field named twice); g++ and clang++ take it in C++11..17
+// as an extension and warn. The pragmas around the table silence those warnings when the header
+// is compiled as C++: g++ 12 reports the extension as -Wc++20-extensions (g++ 8..10 as -Wpedantic,
+// and they do not know the newer option: -Wpragmas) and the omitted fields, in C++20 too, as
+// -Wmissing-field-initializers; clang 14 reports the extension alone. A family macro is a run of
+// consecutive fields, so a row that uses it keeps the declaration order.
 
+// BERT (bert-*-uncased): vocab .. dtype.
+#define MN__BERT_TAIL                                                                              \
+    .vocab = 30522, .max_positions = 512, .type_vocab = 2, .norm = MN_NORM_LAYERNORM,              \
+    .act = MN_ACT_GELU, .posemb = MN_POS_LEARNED, .head = MN_HEAD_LM, .tie_embeddings = 1,         \
+    .qkv_bias = 1, .out_bias = 1, .mlp_bias = 1, .embed_norm = 1, .lm_transform = 1,               \
+    .post_norm = 1, .dropout = 0.1f, .attn_dropout = 0.1f, .dtype = MN_FP32
+// GPT-2: vocab .. dtype.
+#define MN__GPT2_TAIL                                                                              \
+    .vocab = 50257, .max_positions = 1024, .norm = MN_NORM_LAYERNORM, .act = MN_ACT_GELU_NEW,      \
+    .posemb = MN_POS_LEARNED, .head = MN_HEAD_LM, .tie_embeddings = 1, .qkv_bias = 1,              \
+    .out_bias = 1, .mlp_bias = 1, .final_norm = 1, .dropout = 0.1f, .attn_dropout = 0.1f,          \
+    .dtype = MN_FP32
+// T5 v1.0 (t5-*): ReLU MLP, tied LM head; vocab .. dtype.
+#define MN__T5_TAIL                                                                                \
+    .vocab = 32128, .rel_buckets = 32, .norm = MN_NORM_RMSNORM, .act = MN_ACT_RELU,                \
+    .posemb = MN_POS_RELATIVE, .head = MN_HEAD_LM, .tie_embeddings = 1, .final_norm = 1,           \
+    .dropout = 0.1f, .attn_dropout = 0.1f, .dtype = MN_FP32
+// T5 v1.1 (flan-t5-*): gated-GELU MLP, untied LM head, bf16 checkpoints; vocab .. dtype.
+#define MN__FLAN_T5_TAIL                                                                           \
+    .vocab = 32128, .rel_buckets = 32, .norm = MN_NORM_RMSNORM, .act = MN_ACT_GELU_NEW,            \
+    .posemb = MN_POS_RELATIVE, .head = MN_HEAD_LM, .gated_mlp = 1, .final_norm = 1,                \
+    .dropout = 0.1f, .attn_dropout = 0.1f, .dtype = MN_BF16
+// Llama-style blocks (Llama, Mistral, Qwen2): RMSNorm, SwiGLU MLP, rotary positions; norm ..
+// gated_mlp. The rows go on with tie_embeddings, qkv_bias, final_norm and dtype.
+#define MN__LLAMA_STYLE                                                                            \
+    .norm = MN_NORM_RMSNORM, .act = MN_ACT_SILU, .posemb = MN_POS_ROPE, .head = MN_HEAD_LM,        \
+    .gated_mlp = 1
+// BigCode (StarCoder): multi-query attention (kv_heads = 1 in the rows); vocab .. dtype.
+#define MN__BIGCODE_TAIL                                                                           \
+    .vocab = 49152, .max_positions = 8192, .norm = MN_NORM_LAYERNORM, .act = MN_ACT_GELU_TANH,     \
+    .posemb = MN_POS_LEARNED, .head = MN_HEAD_LM, .tie_embeddings = 1, .qkv_bias = 1,              \
+    .out_bias = 1, .mlp_bias = 1, .final_norm = 1, .dropout = 0.1f, .attn_dropout = 0.1f,          \
+    .dtype = MN_FP32
+
+#if defined(__cplusplus) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpragmas"
+#pragma GCC diagnostic ignored "-Wpedantic"
+#pragma GCC diagnostic ignored "-Wc++20-extensions"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#endif
 static const mn_model mn__presets[] = {
-    MN__BERT("bert-base-uncased", 12, 768, 12, 3072),
-    MN__BERT("bert-large-uncased", 24, 1024, 16, 4096),
-    MN__GPT2("gpt2", 12, 768, 12),
-    MN__GPT2("gpt2-medium", 24, 1024, 16),
-    MN__GPT2("gpt2-large", 36, 1280, 20),
-    MN__GPT2("gpt2-xl", 48, 1600, 25),
-    MN__T5("t5-small", 6, 512, 8, 64, 2048, 0, 1),
-    MN__T5("t5-base", 12, 768, 12, 64, 3072, 0, 1),
-    MN__T5("t5-large", 24, 1024, 16, 64, 4096, 0, 1),
-    MN__T5("t5-3b", 24, 1024, 32, 128, 16384, 0, 1),
-    MN__T5("t5-11b", 24, 1024, 128, 128, 65536, 0, 1),
-    MN__T5("flan-t5-base", 12, 768, 12, 64, 2048, 1, 0),
-    MN__T5("flan-t5-large", 24, 1024, 16, 64, 2816, 1, 0),
-    MN__T5("flan-t5-xl", 24, 2048, 32, 64, 5120, 1, 0),
-    MN__LLAMA("llama-2-7b", 32, 4096, 32, 32, 0, 11008, 32000, 0, 0, MN_FP16),
-    MN__LLAMA("llama-2-13b", 40, 5120, 40, 40, 0, 13824, 32000, 0, 0, MN_FP16),
-    MN__LLAMA("llama-2-70b", 80, 8192, 64, 8, 0, 28672, 32000, 0, 0, MN_FP16),
-    MN__LLAMA("llama-3-8b", 32, 4096, 32, 8, 0, 14336, 128256, 0, 0, MN_BF16),
-    MN__LLAMA("llama-3-70b", 80, 8192, 64, 8, 0, 28672, 128256, 0, 0, MN_BF16),
-    MN__LLAMA("llama-3.1-8b", 32, 4096, 32, 8, 0, 14336, 128256, 0, 0, MN_BF16),
-    MN__LLAMA("llama-3.1-70b", 80, 8192, 64, 8, 0, 28672, 128256, 0, 0, MN_BF16),
-    MN__LLAMA("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, 1, 0, MN_BF16),
-    MN__LLAMA("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, 1, 0, MN_BF16),
-    MN__LLAMA("mistral-7b", 32, 4096, 32, 8, 0, 14336, 32000, 0, 0, MN_BF16),
-    MN__LLAMA("mistral-7b-v0.3", 32, 4096, 32, 8, 0, 14336, 32768, 0, 0, MN_BF16),
-    MN__LLAMA("qwen2-0.5b", 24, 896, 14, 2, 0, 4864, 151936, 1, 1, MN_BF16),
-    MN__LLAMA("qwen2-1.5b", 28, 1536, 12, 2, 0, 8960, 151936, 1, 1, MN_BF16),
-    MN__LLAMA("qwen2-7b", 28, 3584, 28, 4, 0, 18944, 152064, 0, 1, MN_BF16),
-    MN__LLAMA("qwen2.5-0.5b", 24, 896, 14, 2, 0, 4864, 151936, 1, 1, MN_BF16),
-    MN__LLAMA("qwen2.5-7b", 28, 3584, 28, 4, 0, 18944, 152064, 0, 1, MN_BF16),
-    MN__LLAMA("qwen2.5-14b", 48, 5120, 40, 8, 0, 13824, 152064, 0, 1, MN_BF16),
-    MN__BIGCODE("starcoderbase-1b", 24, 2048, 16, 8192),
-    MN__BIGCODE("starcoderbase-7b", 42, 4096, 32, 16384),
-    MN__BIGCODE("starcoder", 40, 6144, 48, 24576),
+    {.name = "bert-base-uncased", .arch = MN_ARCH_ENCODER, .layers = 12, .hidden = 768,
+     .heads = 12, .ffn = 3072, MN__BERT_TAIL},
+    {.name = "bert-large-uncased", .arch = MN_ARCH_ENCODER, .layers = 24, .hidden = 1024,
+     .heads = 16, .ffn = 4096, MN__BERT_TAIL},
+    {.name = "gpt2", .arch = MN_ARCH_DECODER, .layers = 12, .hidden = 768, .heads = 12,
+     MN__GPT2_TAIL},
+    {.name = "gpt2-medium", .arch = MN_ARCH_DECODER, .layers = 24, .hidden = 1024, .heads = 16,
+     MN__GPT2_TAIL},
+    {.name = "gpt2-large", .arch = MN_ARCH_DECODER, .layers = 36, .hidden = 1280, .heads = 20,
+     MN__GPT2_TAIL},
+    {.name = "gpt2-xl", .arch = MN_ARCH_DECODER, .layers = 48, .hidden = 1600, .heads = 25,
+     MN__GPT2_TAIL},
+    {.name = "t5-small", .arch = MN_ARCH_ENCODER_DECODER, .layers = 6, .encoder_layers = 6,
+     .hidden = 512, .heads = 8, .head_dim = 64, .ffn = 2048, MN__T5_TAIL},
+    {.name = "t5-base", .arch = MN_ARCH_ENCODER_DECODER, .layers = 12, .encoder_layers = 12,
+     .hidden = 768, .heads = 12, .head_dim = 64, .ffn = 3072, MN__T5_TAIL},
+    {.name = "t5-large", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 1024, .heads = 16, .head_dim = 64, .ffn = 4096, MN__T5_TAIL},
+    {.name = "t5-3b", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 1024, .heads = 32, .head_dim = 128, .ffn = 16384, MN__T5_TAIL},
+    {.name = "t5-11b", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 1024, .heads = 128, .head_dim = 128, .ffn = 65536, MN__T5_TAIL},
+    {.name = "flan-t5-base", .arch = MN_ARCH_ENCODER_DECODER, .layers = 12, .encoder_layers = 12,
+     .hidden = 768, .heads = 12, .head_dim = 64, .ffn = 2048, MN__FLAN_T5_TAIL},
+    {.name = "flan-t5-large", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 1024, .heads = 16, .head_dim = 64, .ffn = 2816, MN__FLAN_T5_TAIL},
+    {.name = "flan-t5-xl", .arch = MN_ARCH_ENCODER_DECODER, .layers = 24, .encoder_layers = 24,
+     .hidden = 2048, .heads = 32, .head_dim = 64, .ffn = 5120, MN__FLAN_T5_TAIL},
+    {.name = "llama-2-7b", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096, .heads = 32,
+     .kv_heads = 32, .ffn = 11008, .vocab = 32000, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_FP16},
+    {.name = "llama-2-13b", .arch = MN_ARCH_DECODER, .layers = 40, .hidden = 5120, .heads = 40,
+     .kv_heads = 40, .ffn = 13824, .vocab = 32000, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_FP16},
+    {.name = "llama-2-70b", .arch = MN_ARCH_DECODER, .layers = 80, .hidden = 8192, .heads = 64,
+     .kv_heads = 8, .ffn = 28672, .vocab = 32000, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_FP16},
+    {.name = "llama-3-8b", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096, .heads = 32,
+     .kv_heads = 8, .ffn = 14336, .vocab = 128256, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "llama-3-70b", .arch = MN_ARCH_DECODER, .layers = 80, .hidden = 8192, .heads = 64,
+     .kv_heads = 8, .ffn = 28672, .vocab = 128256, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "llama-3.1-8b", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096, .heads = 32,
+     .kv_heads = 8, .ffn = 14336, .vocab = 128256, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "llama-3.1-70b", .arch = MN_ARCH_DECODER, .layers = 80, .hidden = 8192, .heads = 64,
+     .kv_heads = 8, .ffn = 28672, .vocab = 128256, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "llama-3.2-1b", .arch = MN_ARCH_DECODER, .layers = 16, .hidden = 2048, .heads = 32,
+     .kv_heads = 8, .head_dim = 64, .ffn = 8192, .vocab = 128256, MN__LLAMA_STYLE,
+     .tie_embeddings = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "llama-3.2-3b", .arch = MN_ARCH_DECODER, .layers = 28, .hidden = 3072, .heads = 24,
+     .kv_heads = 8, .head_dim = 128, .ffn = 8192, .vocab = 128256, MN__LLAMA_STYLE,
+     .tie_embeddings = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "mistral-7b", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096, .heads = 32,
+     .kv_heads = 8, .ffn = 14336, .vocab = 32000, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "mistral-7b-v0.3", .arch = MN_ARCH_DECODER, .layers = 32, .hidden = 4096,
+     .heads = 32, .kv_heads = 8, .ffn = 14336, .vocab = 32768, MN__LLAMA_STYLE, .final_norm = 1,
+     .dtype = MN_BF16},
+    {.name = "qwen2-0.5b", .arch = MN_ARCH_DECODER, .layers = 24, .hidden = 896, .heads = 14,
+     .kv_heads = 2, .ffn = 4864, .vocab = 151936, MN__LLAMA_STYLE, .tie_embeddings = 1,
+     .qkv_bias = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2-1.5b", .arch = MN_ARCH_DECODER, .layers = 28, .hidden = 1536, .heads = 12,
+     .kv_heads = 2, .ffn = 8960, .vocab = 151936, MN__LLAMA_STYLE, .tie_embeddings = 1,
+     .qkv_bias = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2-7b", .arch = MN_ARCH_DECODER, .layers = 28, .hidden = 3584, .heads = 28,
+     .kv_heads = 4, .ffn = 18944, .vocab = 152064, MN__LLAMA_STYLE, .qkv_bias = 1,
+     .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2.5-0.5b", .arch = MN_ARCH_DECODER, .layers = 24, .hidden = 896, .heads = 14,
+     .kv_heads = 2, .ffn = 4864, .vocab = 151936, MN__LLAMA_STYLE, .tie_embeddings = 1,
+     .qkv_bias = 1, .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2.5-7b", .arch = MN_ARCH_DECODER, .layers = 28, .hidden = 3584, .heads = 28,
+     .kv_heads = 4, .ffn = 18944, .vocab = 152064, MN__LLAMA_STYLE, .qkv_bias = 1,
+     .final_norm = 1, .dtype = MN_BF16},
+    {.name = "qwen2.5-14b", .arch = MN_ARCH_DECODER, .layers = 48, .hidden = 5120, .heads = 40,
+     .kv_heads = 8, .ffn = 13824, .vocab = 152064, MN__LLAMA_STYLE, .qkv_bias = 1,
+     .final_norm = 1, .dtype = MN_BF16},
+    {.name = "starcoderbase-1b", .arch = MN_ARCH_DECODER, .layers = 24, .hidden = 2048,
+     .heads = 16, .kv_heads = 1, .ffn = 8192, MN__BIGCODE_TAIL},
+    {.name = "starcoderbase-7b", .arch = MN_ARCH_DECODER, .layers = 42, .hidden = 4096,
+     .heads = 32, .kv_heads = 1, .ffn = 16384, MN__BIGCODE_TAIL},
+    {.name = "starcoder", .arch = MN_ARCH_DECODER, .layers = 40, .hidden = 6144, .heads = 48,
+     .kv_heads = 1, .ffn = 24576, MN__BIGCODE_TAIL},
 };
+#if defined(__cplusplus) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC diagnostic pop
+#endif
+#undef MN__BERT_TAIL
+#undef MN__GPT2_TAIL
+#undef MN__T5_TAIL
+#undef MN__FLAN_T5_TAIL
+#undef MN__LLAMA_STYLE
+#undef MN__BIGCODE_TAIL
 
-MNIMPL uint32_t mn_preset_count(void) { return (uint32_t)(sizeof mn__presets / sizeof mn__presets[0]); }
+MNIMPL uint32_t mn_preset_count(void) {
+    return (uint32_t)(sizeof mn__presets / sizeof mn__presets[0]);
+}
 
-MNIMPL const mn_model *mn_preset_get(uint32_t i) { return i < mn_preset_count() ? &mn__presets[i] : NULL; }
+MNIMPL const mn_model *mn_preset_get(uint32_t i) {
+    return i < mn_preset_count() ? &mn__presets[i] : NULL;
+}
 
 MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
     uint32_t i;
@@ -3153,20 +3264,24 @@ MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
 // Capacity as nvidia-smi reports the total; context = CUDA context + kernels of a torch 2.x
 // process with lazy module loading (ml-engineering measured 0.47 GiB on an A100; older torch
 // with eager loading takes 0.9-1.8 GiB, e.g. the HF V100 runs' 1343 MiB: pass --context).
+// sm = compute capability x 10 (NVIDIA's CUDA GPUs page); bf16 needs sm >= 80. cublas_workspace
+// is the cuBLAS documentation's recommendation for cublasSetWorkspace, as quoted in PyTorch PR
+// #120925: 32 MiB on Hopper (sm 90), 4 MiB on earlier GPUs.
+// Columns: name, label, capacity, context, sm, bf16, cublas_workspace.
 static const mn_gpu mn__gpus[] = {
-    {"v100-16gb", "Tesla V100 16GB", MN__MIB(16160), MN__MIB(600), 0},
-    {"v100-32gb", "Tesla V100 32GB", MN__MIB(32510), MN__MIB(600), 0},
-    {"t4", "Tesla T4 16GB", MN__MIB(15360), MN__MIB(500), 0},
-    {"a10g", "NVIDIA A10G 24GB", MN__MIB(23028), MN__MIB(500), 1},
-    {"a10", "NVIDIA A10 24GB", MN__MIB(23028), MN__MIB(500), 1},
-    {"l4", "NVIDIA L4 24GB", MN__MIB(23034), MN__MIB(500), 1},
-    {"l40s", "NVIDIA L40S 48GB", MN__MIB(46068), MN__MIB(520), 1},
-    {"rtx3090", "GeForce RTX 3090 24GB", MN__MIB(24576), MN__MIB(520), 1},
-    {"rtx4090", "GeForce RTX 4090 24GB", MN__MIB(24564), MN__MIB(520), 1},
-    {"a100-40gb", "NVIDIA A100 40GB", MN__MIB(40960), MN__MIB(481), 1},
-    {"a100-80gb", "NVIDIA A100 80GB", MN__MIB(81920), MN__MIB(481), 1},
-    {"h100-80gb", "NVIDIA H100 80GB", MN__MIB(81559), MN__MIB(530), 1},
-    {"h200", "NVIDIA H200 141GB", MN__MIB(143771), MN__MIB(540), 1},
+    {"v100-16gb", "Tesla V100 16GB",       MN__MIB(16160),  MN__MIB(600), 70, 0, MN__MIB(4)},
+    {"v100-32gb", "Tesla V100 32GB",       MN__MIB(32510),  MN__MIB(600), 70, 0, MN__MIB(4)},
+    {"t4",        "Tesla T4 16GB",         MN__MIB(15360),  MN__MIB(500), 75, 0, MN__MIB(4)},
+    {"a10g",      "NVIDIA A10G 24GB",      MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
+    {"a10",       "NVIDIA A10 24GB",       MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
+    {"l4",        "NVIDIA L4 24GB",        MN__MIB(23034),  MN__MIB(500), 89, 1, MN__MIB(4)},
+    {"l40s",      "NVIDIA L40S 48GB",      MN__MIB(46068),  MN__MIB(520), 89, 1, MN__MIB(4)},
+    {"rtx3090",   "GeForce RTX 3090 24GB", MN__MIB(24576),  MN__MIB(520), 86, 1, MN__MIB(4)},
+    {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4)},
+    {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4)},
+    {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4)},
+    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32)},
+    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32)},
 };
 
 MNIMPL uint32_t mn_gpu_count(void) { return (uint32_t)(sizeof mn__gpus / sizeof mn__gpus[0]); }
@@ -3186,21 +3301,24 @@ MNIMPL mn_result mn_gpu_find(const char *name, mn_gpu *out) {
 }
 
 MNIMPL const char *mn_phase_name(mn_phase p) {
-    static const char *const n[MN_PHASE_COUNT] = {"none", "load", "forward", "backward", "optimizer",
-                                                  "prefill", "decode"};
+    static const char *const n[MN_PHASE_COUNT] = {"none", "load", "forward", "backward",
+                                                  "optimizer", "prefill", "decode"};
     return (unsigned)p < MN_PHASE_COUNT ? n[p] : "unknown";
 }
 
-// ---- the simulation state ----------------------------------------------------------------------
+// ---- the simulation state -----------------------------------------------------------------------
 
 #define MN__NONE 0xffffffffu
 
-typedef struct mn__ten {
+typedef struct mn__tensor {
     uint64_t bytes;
-    uint32_t refs;   // Python-level references + saved-for-backward references
-    uint32_t grad;   // tensor id of its gradient, MN__NONE
-    uint8_t cat, rg, live, esz;
-} mn__ten;
+    uint32_t refs;          // Python-level references + saved-for-backward references
+    uint32_t grad;          // tensor id of its gradient, MN__NONE
+    uint8_t category;       // mn_category
+    uint8_t requires_grad;  // produced by a recorded op (autograd will reach it)
+    uint8_t live;           // allocated and not yet freed
+    uint8_t elem_size;      // bytes per element
+} mn__tensor;
 
 typedef struct mn__op {
     uint64_t bwd_temp;      // transient bytes of the backward beyond input gradients
@@ -3223,35 +3341,50 @@ typedef struct mn__param {
 typedef struct mn__cfg {
     mn_model m;
     mn_setup s;
-    uint64_t b, seq, ntok, d, qd, kvd, f, r;  // batch (x beams), tokens, head dim, widths, LoRA rank
+    uint64_t batch;        // sequences per micro-batch (batch x beams when generating)
+    uint64_t seq, ntok;    // tokens per sequence, tokens per micro-batch (batch x seq)
+    uint64_t q_width;      // query projection width: heads x head_dim
+    uint64_t kv_width;     // key (and value) projection width: kv_heads x head_dim
+    uint64_t ffn;          // MLP inner width
+    uint64_t lora_rank;    // 0 = no LoRA
     uint64_t enc_seq;      // encoder tokens per sequence (cross-attention keys)
+    // element sizes in bytes (esz):
     uint32_t a_esz;        // activations out of matmuls
     uint32_t w_esz;        // parameters as stored
     uint32_t g_esz;        // parameter gradients
-    uint32_t kv_esz;
+    uint32_t kv_esz;       // the KV cache
     int amp;               // torch autocast (casts per linear, cached 16-bit weights)
     int hf;                // HF modelling code (composite RMSNorm, upcast logits, ...)
-    int fw_master;         // separate fp32 master copy: 1 = counted in optimizer, 2 = master_weights
-    int grads_keep, grads_prealloc, state_half;
+    int fw_master;         // a separate fp32 master copy: 1 = in optimizer, 2 = in master_weights
+    int grads_keep;        // gradients stay between steps (zeroed in place), else freed after it
+    int grads_prealloc;    // grads and optimizer state made at load (deepspeed, megatron)
+    int state_half;        // optimizer state in 16-bit (zeros_like of a 16-bit parameter)
     mn_category param_cat; // category of the stored parameters
     mn_attn attn;
     uint32_t nblocks;      // encoder + decoder blocks
     uint32_t gpus, zero;
-    int gpu_is_hopper;     // cuBLAS takes a 32 MiB workspace on sm90, 4 MiB before
+    uint64_t cublas_workspace;  // bytes, from the GPU table
 } mn__cfg;
 
 typedef struct mn__sim {
     const mn_allocator *al;
     mn__cfg *c;
-    mn__ten *t;
-    mn__op *ops;
-    mn__param *p;
-    mn_trace_event *ev;
-    uint32_t *bstart;        // first parameter of each block
+    // growing arrays: n* elements in use, c* allocated
+    mn__tensor *tensors;     // nt, ct; a tensor id indexes it
+    mn__op *ops;             // the autograd tape: nops, cops
+    mn__param *params;       // np, cp
+    mn_trace_event *ev;      // allocation events: nev, cev
+    uint32_t *block_start;   // first parameter of each block (stack: of each layer)
     uint64_t nt, ct, nops, cops, np, cp, nev, cev;
-    uint64_t cur[MN_CAT_COUNT], total, peak, at_peak[MN_CAT_COUNT], cat_peak[MN_CAT_COUNT];
+    uint64_t cur[MN_CAT_COUNT];       // bytes live per category
+    uint64_t total, peak;             // bytes live, and the most at any moment
+    uint64_t at_peak[MN_CAT_COUNT];   // cur at that moment
+    uint64_t cat_peak[MN_CAT_COUNT];  // the most bytes of each category at any moment
     mn_phase phase, peak_phase;
-    int record, counting, events, training;
+    int record;              // autograd records ops (grad mode)
+    int counting;            // the counting pass: parameters are registered, nothing is allocated
+    int events;              // keep the allocation events (for the replay)
+    int training;            // dropout is active
     uint32_t cursor;         // parameter cursor of the forward pass
     uint32_t cursor_emb;     // the word embedding (shared by a T5 decoder and tied heads)
     uint32_t hold;           // a tensor the caller holds until the end of the micro-batch
@@ -3262,13 +3395,16 @@ typedef struct mn__sim {
 } mn__sim;
 
 // Grows *arr (elem bytes each) to hold at least need elements.
-static int mn__grow(mn__sim *S, void **arr, uint64_t *cap, uint64_t need, size_t elem) {
+MN__PRIVATE int mn__grow(mn__sim *S, void **arr, uint64_t *cap, uint64_t need, size_t elem) {
     uint64_t nc;
     void *n;
     if (need <= *cap) return 1;
     nc = *cap ? *cap * 2 : 256;
     while (nc < need) nc *= 2;
-    if (nc > (uint64_t)(SIZE_MAX / elem) || nc > 0xfffffff0u) { S->err = MN_ERR_OVERFLOW; return 0; }
+    if (nc > (uint64_t)(SIZE_MAX / elem) || nc > 0xfffffff0u) {
+        S->err = MN_ERR_OVERFLOW;
+        return 0;
+    }
     n = mn__alloc(S->al, (size_t)nc * elem);
     if (!n) { S->err = MN_ERR_OUT_OF_MEMORY; return 0; }
     if (*arr) memcpy(n, *arr, (size_t)*cap * elem);
@@ -3279,44 +3415,49 @@ static int mn__grow(mn__sim *S, void **arr, uint64_t *cap, uint64_t need, size_t
 }
 
 // Checked product; an overflow sticks in S->err and yields 0.
-static uint64_t mn__m(mn__sim *S, uint64_t a, uint64_t b) {
+MN__PRIVATE uint64_t mn__prod(mn__sim *S, uint64_t a, uint64_t b) {
     uint64_t r;
     if (mn_mul_u64(a, b, &r) != MN_OK) { S->err = MN_ERR_OVERFLOW; return 0; }
     return r;
 }
 
-static uint64_t mn__m3(mn__sim *S, uint64_t a, uint64_t b, uint64_t c) { return mn__m(S, mn__m(S, a, b), c); }
+MN__PRIVATE uint64_t mn__prod3(mn__sim *S, uint64_t a, uint64_t b, uint64_t c) {
+    return mn__prod(S, mn__prod(S, a, b), c);
+}
 
-static void mn__event(mn__sim *S, uint32_t id, int alloc) {
+MN__PRIVATE void mn__event(mn__sim *S, uint32_t id, int alloc) {
     mn_trace_event *e;
     if (!S->events) return;
     if (!mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev)) return;
     e = &S->ev[S->nev++];
-    e->size = S->t[id].bytes;
+    e->size = S->tensors[id].bytes;
     e->id = id;
     e->stream = 0;
     e->alloc = (uint8_t)alloc;
-    e->category = S->t[id].cat;
+    e->category = S->tensors[id].category;
     e->phase = (uint8_t)S->phase;
 }
 
-static uint32_t mn__alloc_t(mn__sim *S, uint64_t numel, uint32_t esz, mn_category cat) {
-    mn__ten *t;
+MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn_category cat) {
+    mn__tensor *t;
     uint32_t id;
     uint64_t bytes;
     int k;
     if (S->counting || S->err) return MN__NONE;
-    bytes = mn__m(S, numel, esz);
+    bytes = mn__prod(S, numel, esz);
     if (S->err) return MN__NONE;
     if (bytes == 0) bytes = 1;
-    if (!mn__grow(S, (void **)&S->t, &S->ct, S->nt + 1, sizeof *S->t)) return MN__NONE;
+    if (!mn__grow(S, (void **)&S->tensors, &S->ct, S->nt + 1, sizeof *S->tensors)) return MN__NONE;
     id = (uint32_t)S->nt++;
-    t = &S->t[id];
-    t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->cat = (uint8_t)cat, t->rg = 0, t->live = 1;
-    t->esz = (uint8_t)esz;
+    t = &S->tensors[id];
+    t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->category = (uint8_t)cat;
+    t->requires_grad = 0, t->live = 1, t->elem_size = (uint8_t)esz;
     S->cur[cat] += bytes;
     if (S->cur[cat] > S->cat_peak[cat]) S->cat_peak[cat] = S->cur[cat];
-    if (mn_add_u64(S->total, bytes, &S->total) != MN_OK) { S->err = MN_ERR_OVERFLOW; return MN__NONE; }
+    if (mn_add_u64(S->total, bytes, &S->total) != MN_OK) {
+        S->err = MN_ERR_OVERFLOW;
+        return MN__NONE;
+    }
     if (S->total > S->peak) {
         S->peak = S->total, S->peak_phase = S->phase;
         for (k = 0; k < MN_CAT_COUNT; k++) S->at_peak[k] = S->cur[k];
@@ -3325,132 +3466,180 @@ static uint32_t mn__alloc_t(mn__sim *S, uint64_t numel, uint32_t esz, mn_categor
     return id;
 }
 
-static void mn__drop(mn__sim *S, uint32_t id) {
-    mn__ten *t;
+MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
+    mn__tensor *t;
     if (id == MN__NONE || S->counting || S->err) return;
-    t = &S->t[id];
+    t = &S->tensors[id];
     MN_ASSERT(t->live && t->refs > 0);
     if (--t->refs) return;
     t->live = 0;
-    S->cur[t->cat] -= t->bytes;
+    S->cur[t->category] -= t->bytes;
     S->total -= t->bytes;
     mn__event(S, id, 0);
 }
 
-static void mn__ref(mn__sim *S, uint32_t id) {
-    if (id != MN__NONE && !S->counting && !S->err) S->t[id].refs++;
+MN__PRIVATE void mn__ref(mn__sim *S, uint32_t id) {
+    if (id != MN__NONE && !S->counting && !S->err) S->tensors[id].refs++;
 }
 
 // A transient buffer: allocated and freed at once (its peak contribution is what counts).
-static void mn__transient(mn__sim *S, uint64_t bytes, mn_category cat) {
-    if (bytes) mn__drop(S, mn__alloc_t(S, bytes, 1, cat));
+MN__PRIVATE void mn__transient(mn__sim *S, uint64_t bytes, mn_category cat) {
+    if (bytes) mn__drop(S, mn__tensor_new(S, bytes, 1, cat));
 }
 
-static uint64_t mn__tnumel(mn__sim *S, uint32_t id) {
-    return (id == MN__NONE || S->counting || S->err) ? 0 : S->t[id].bytes / S->t[id].esz;
+MN__PRIVATE uint64_t mn__tensor_numel(mn__sim *S, uint32_t id) {
+    if (id == MN__NONE || S->counting || S->err) return 0;
+    return S->tensors[id].bytes / S->tensors[id].elem_size;
 }
 
-static uint32_t mn__esz(mn__sim *S, uint32_t id) {
-    return (id == MN__NONE || S->counting || S->err) ? 4 : S->t[id].esz;
+MN__PRIVATE uint32_t mn__elem_size(mn__sim *S, uint32_t id) {
+    return (id == MN__NONE || S->counting || S->err) ? 4 : S->tensors[id].elem_size;
 }
 
-static int mn__rg(mn__sim *S, uint32_t id) { return id != MN__NONE && !S->counting && S->t[id].rg; }
+MN__PRIVATE int mn__requires_grad(mn__sim *S, uint32_t id) {
+    return id != MN__NONE && !S->counting && S->tensors[id].requires_grad;
+}
+
+// What an op records on the tape. mn__op_desc_of(out) leaves every slot MN__NONE (unused); a
+// call site fills the slots it needs: d.in[0] = x, d.saved[0] = x, d.param[0] = w.
+typedef struct mn__op_desc {
+    uint32_t out;        // output tensor
+    uint32_t in[3];      // activation inputs (gradients flow to those that require grad)
+    uint32_t saved[8];   // tensors kept for backward
+    uint32_t param[3];   // parameters whose gradients the op produces
+    uint64_t bwd_temp;   // transient bytes of the backward beyond input gradients, 0 = none
+    int cast16;          // the weight gradient is first made in 16-bit (autocast)
+} mn__op_desc;
+
+MN__PRIVATE mn__op_desc mn__op_desc_of(uint32_t out) {
+    mn__op_desc d;
+    int i;
+    d.out = out, d.bwd_temp = 0, d.cast16 = 0;
+    for (i = 0; i < 3; i++) d.in[i] = MN__NONE, d.param[i] = MN__NONE;
+    for (i = 0; i < 8; i++) d.saved[i] = MN__NONE;
+    return d;
+}
 
 // Records an op on the tape when autograd records (grad mode and something requires grad).
 // saved[] gain a reference; the op's output must exist.
-static void mn__op_rec(mn__sim *S, uint32_t out, const uint32_t *in, int nin, const uint32_t *saved,
-                       int nsaved, const uint32_t *param, int nparam, uint64_t bwd_temp) {
+MN__PRIVATE void mn__op_rec(mn__sim *S, const mn__op_desc *d) {
     mn__op *o;
     int i, any = 0;
-    if (S->counting || S->err || !S->record || out == MN__NONE) return;
-    for (i = 0; i < nin; i++) any |= mn__rg(S, in[i]);
-    for (i = 0; i < nparam; i++) any |= param[i] != MN__NONE && S->p[param[i]].trainable;
+    if (S->counting || S->err || !S->record || d->out == MN__NONE) return;
+    for (i = 0; i < 3; i++) any |= mn__requires_grad(S, d->in[i]);
+    for (i = 0; i < 3; i++) any |= d->param[i] != MN__NONE && S->params[d->param[i]].trainable;
     if (!any) return;
-    S->t[out].rg = 1;
+    S->tensors[d->out].requires_grad = 1;
     if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return;
     o = &S->ops[S->nops++];
     memset(o, 0, sizeof *o);
-    o->out = out, o->recomp_block = MN__NONE, o->bwd_temp = bwd_temp;
-    for (i = 0; i < nin && i < 3; i++) if (in[i] != MN__NONE) o->in[o->nin++] = in[i];
-    for (i = 0; i < nsaved && i < 8; i++)
-        if (saved[i] != MN__NONE) { o->saved[o->nsaved++] = saved[i]; mn__ref(S, saved[i]); }
-    for (i = 0; i < nparam && i < 3; i++) if (param[i] != MN__NONE) o->param[o->nparam++] = param[i];
+    o->out = d->out, o->recomp_block = MN__NONE, o->bwd_temp = d->bwd_temp;
+    o->cast16 = (uint8_t)d->cast16;
+    for (i = 0; i < 3; i++) if (d->in[i] != MN__NONE) o->in[o->nin++] = d->in[i];
+    for (i = 0; i < 8; i++) {
+        if (d->saved[i] == MN__NONE) continue;
+        o->saved[o->nsaved++] = d->saved[i];
+        mn__ref(S, d->saved[i]);
+    }
+    for (i = 0; i < 3; i++) if (d->param[i] != MN__NONE) o->param[o->nparam++] = d->param[i];
 }
 
-// ---- parameters --------------------------------------------------------------------------------
+// Records out = f(in) for an op that saves nothing for backward (a cast, a copy, a scale).
+MN__PRIVATE void mn__op_rec_from(mn__sim *S, uint32_t out, uint32_t in) {
+    mn__op_desc d = mn__op_desc_of(out);
+    d.in[0] = in;
+    mn__op_rec(S, &d);
+}
 
-// Counting pass: registers the next parameter tensor (cols 0 = a vector). Forward pass: returns the
-// next parameter in the same order, so both passes walk one description of the model.
-static uint32_t mn__w(mn__sim *S, uint64_t rows, uint64_t cols, int trainable, int quant) {
+// ---- parameters ---------------------------------------------------------------------------------
+
+// Counting pass: registers the next parameter tensor (cols 0 = a vector). Forward pass: returns
+// the next parameter in the same order, so both passes walk one description of the model.
+MN__PRIVATE uint32_t mn__next_param(mn__sim *S, uint64_t rows, uint64_t cols, int trainable,
+                                    int quant) {
     mn__param *p;
     if (S->err) return MN__NONE;
     if (!S->counting) return S->cursor < S->np ? S->cursor++ : MN__NONE;
-    if (!mn__grow(S, (void **)&S->p, &S->cp, S->np + 1, sizeof *S->p)) return MN__NONE;
-    p = &S->p[S->np];
+    if (!mn__grow(S, (void **)&S->params, &S->cp, S->np + 1, sizeof *S->params)) return MN__NONE;
+    p = &S->params[S->np];
     memset(p, 0, sizeof *p);
     p->dims[0] = rows, p->dims[1] = cols, p->ndim = cols ? 2 : 1;
-    p->numel = cols ? mn__m(S, rows, cols) : rows;
+    p->numel = cols ? mn__prod(S, rows, cols) : rows;
     p->trainable = (uint8_t)trainable, p->quant = (uint8_t)quant;
     p->w16 = MN__NONE, p->grad = MN__NONE;
     return (uint32_t)S->np++;
 }
 
-static int mn__base_trainable(const mn__cfg *c) { return c->r == 0 && c->s.trainable_params == 0; }
+// The base weights train (no LoRA, no --trainable-params adapters).
+MN__PRIVATE int mn__base_trainable(const mn__cfg *c) {
+    return c->lora_rank == 0 && c->s.trainable_params == 0;
+}
 
-// ---- layers ------------------------------------------------------------------------------------
+// ---- layers -------------------------------------------------------------------------------------
 // Each returns a new tensor holding one Python reference that the caller drops.
 
-static uint32_t mn__identity(mn__sim *S, uint32_t x) { mn__ref(S, x); return x; }
+MN__PRIVATE uint32_t mn__identity(mn__sim *S, uint32_t x) { mn__ref(S, x); return x; }
 
 // y = x W^T (+ b) [+ LoRA: y += (x A^T) B^T * scale]. x: [rows, in] -> y: [rows, out].
 // Saves x when W trains (mm saves self for mat2's gradient, derivatives.yaml) and, under autocast,
 // the cached 16-bit weight (for the input gradient). Autocast casts a fp32 input per call.
-static uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, int bias,
-                           uint32_t lora_bit, int quantizable, uint32_t shared) {
+MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, int bias,
+                                uint32_t lora_bit, int quantizable, uint32_t shared) {
     mn__cfg *c = S->c;
-    int tr = mn__base_trainable(c), lora = c->r && (c->s.lora_targets & lora_bit);
+    int tr = mn__base_trainable(c), lora = c->lora_rank && (c->s.lora_targets & lora_bit);
     int quant = quantizable && c->s.quant > MN_QUANT_NONE;
-    uint32_t w = shared != MN__NONE ? shared : mn__w(S, out, in, tr, quant);
-    uint32_t bb = bias ? mn__w(S, out, 0, tr, 0) : MN__NONE;
-    uint32_t la = lora ? mn__w(S, c->r, in, 1, 0) : MN__NONE;
-    uint32_t lb = lora ? mn__w(S, out, c->r, 1, 0) : MN__NONE;
-    uint32_t xin = x, w16 = MN__NONE, tmp = MN__NONE, y, sv[2], pr[2];
+    // w, bb: weight and bias; la, lb: LoRA's A and B; xin: the input the matmul reads (a 16-bit
+    // copy under autocast); w16: autocast's cached 16-bit weight; tmp: a dequantized weight
+    uint32_t w = shared != MN__NONE ? shared : mn__next_param(S, out, in, tr, quant);
+    uint32_t bb = bias ? mn__next_param(S, out, 0, tr, 0) : MN__NONE;
+    uint32_t la = lora ? mn__next_param(S, c->lora_rank, in, 1, 0) : MN__NONE;
+    uint32_t lb = lora ? mn__next_param(S, out, c->lora_rank, 1, 0) : MN__NONE;
+    uint32_t xin = x, w16 = MN__NONE, tmp = MN__NONE, y;
     uint64_t rows, bwd = 0;
+    mn__op_desc d;
     mn__param *P;
     if (S->counting || S->err || w == MN__NONE) return MN__NONE;
-    P = &S->p[w];
-    rows = mn__tnumel(S, x) / in;
-    if (c->amp && mn__esz(S, x) == 4) {  // autocast: a fresh 16-bit copy of the input per linear
-        xin = mn__alloc_t(S, rows * in, 2, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, xin, &x, 1, NULL, 0, NULL, 0, 0);
+    P = &S->params[w];
+    rows = mn__tensor_numel(S, x) / in;
+    if (c->amp && mn__elem_size(S, x) == 4) {  // autocast: a fresh 16-bit copy of the input
+        xin = mn__tensor_new(S, rows * in, 2, MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, xin, x);
     }
     if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
-        if (P->w16 == MN__NONE) P->w16 = mn__alloc_t(S, P->numel, 2, MN_CAT_WEIGHTS);
+        if (P->w16 == MN__NONE) P->w16 = mn__tensor_new(S, P->numel, 2, MN_CAT_WEIGHTS);
         w16 = P->w16;
     }
     if (P->quant || c->zero >= 3) {  // dequantized / gathered full weight, for the matmul only
-        tmp = mn__alloc_t(S, P->numel, 2, MN_CAT_TEMPORARY);
+        tmp = mn__tensor_new(S, P->numel, 2, MN_CAT_TEMPORARY);
         bwd = P->numel * 2;
     }
-    y = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
-    sv[0] = P->trainable ? xin : MN__NONE;
-    sv[1] = mn__rg(S, xin) ? w16 : MN__NONE;
-    pr[0] = w, pr[1] = bb;
-    mn__op_rec(S, y, &xin, 1, sv, 2, pr, 2, bwd);
-    if (S->nops && S->record && S->ops[S->nops - 1].out == y) S->ops[S->nops - 1].cast16 = (uint8_t)c->amp;
+    y = mn__tensor_new(S, mn__prod(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(y);
+    d.in[0] = xin;
+    d.saved[0] = P->trainable ? xin : MN__NONE;
+    d.saved[1] = mn__requires_grad(S, xin) ? w16 : MN__NONE;
+    d.param[0] = w, d.param[1] = bb;
+    d.bwd_temp = bwd, d.cast16 = c->amp;
+    mn__op_rec(S, &d);
     mn__drop(S, tmp);
     if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
-        uint32_t h = mn__alloc_t(S, mn__m(S, rows, c->r), c->a_esz, MN_CAT_ACTIVATIONS), z, z2, y2, two[2];
-        mn__op_rec(S, h, &xin, 1, &xin, 1, &la, 1, 0);
-        z = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, z, &h, 1, &h, 1, &lb, 1, 0);
+        uint32_t h, z, z2, y2;
+        h = mn__tensor_new(S, mn__prod(S, rows, c->lora_rank), c->a_esz, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(h);
+        d.in[0] = xin, d.saved[0] = xin, d.param[0] = la;
+        mn__op_rec(S, &d);
+        z = mn__tensor_new(S, mn__prod(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(z);
+        d.in[0] = h, d.saved[0] = h, d.param[0] = lb;
+        mn__op_rec(S, &d);
         mn__drop(S, h);
-        z2 = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, z2, &z, 1, NULL, 0, NULL, 0, 0);
+        z2 = mn__tensor_new(S, mn__prod(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, z2, z);
         mn__drop(S, z);
-        y2 = mn__alloc_t(S, mn__m(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
-        two[0] = y, two[1] = z2;
-        mn__op_rec(S, y2, two, 2, NULL, 0, NULL, 0, 0);
+        y2 = mn__tensor_new(S, mn__prod(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y2);
+        d.in[0] = y, d.in[1] = z2;
+        mn__op_rec(S, &d);
         mn__drop(S, y), mn__drop(S, z2);
         y = y2;
     }
@@ -3459,27 +3648,32 @@ static uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, in
 }
 
 // Dropout keeps a 1-byte mask (native_dropout, derivatives.yaml) and allocates its output.
-static uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
+MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
     uint32_t mask, y;
     uint64_t n;
+    mn__op_desc d;
     if (p <= 0.0f || !S->training) return mn__identity(S, x);
     if (S->counting || S->err) return MN__NONE;
-    n = mn__tnumel(S, x);
-    mask = mn__alloc_t(S, n, 1, MN_CAT_ACTIVATIONS);
-    y = mn__alloc_t(S, n, mn__esz(S, x), MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, y, &x, 1, &mask, 1, NULL, 0, 0);
+    n = mn__tensor_numel(S, x);
+    mask = mn__tensor_new(S, n, 1, MN_CAT_ACTIVATIONS);
+    y = mn__tensor_new(S, n, mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(y);
+    d.in[0] = x, d.saved[0] = mask;
+    mn__op_rec(S, &d);
     mn__drop(S, mask);
     return y;
 }
 
 // Elementwise a + b; the result takes the wider dtype (type promotion); saves nothing.
-static uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
-    uint32_t y, in[2];
-    uint32_t ea = mn__esz(S, a), eb = mn__esz(S, b);
+MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
+    uint32_t y;
+    uint32_t ea = mn__elem_size(S, a), eb = mn__elem_size(S, b);
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    y = mn__alloc_t(S, mn__tnumel(S, a), ea > eb ? ea : eb, MN_CAT_ACTIVATIONS);
-    in[0] = a, in[1] = b;
-    mn__op_rec(S, y, in, 2, NULL, 0, NULL, 0, 0);
+    y = mn__tensor_new(S, mn__tensor_numel(S, a), ea > eb ? ea : eb, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(y);
+    d.in[0] = a, d.in[1] = b;
+    mn__op_rec(S, &d);
     return y;
 }
 
@@ -3487,46 +3681,52 @@ static uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
 // Fused kernels (native_layer_norm, apex) save the input and per-row statistics. HF's RMSNorm is
 // written in Python ops: an fp32 copy of the input (saved by pow and mul), the normalized values
 // cast back to the input dtype (saved by the weight multiply when the weight trains).
-static uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
+MN__PRIVATE uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), ln = c->m.norm != MN_NORM_RMSNORM;
-    uint32_t w = mn__w(S, width, 0, tr, 0);
-    uint32_t bb = ln ? mn__w(S, width, 0, tr, 0) : MN__NONE;
-    uint32_t y, st, sv[2], pr[2], ex = mn__esz(S, x);
+    uint32_t w = mn__next_param(S, width, 0, tr, 0);
+    uint32_t bb = ln ? mn__next_param(S, width, 0, tr, 0) : MN__NONE;
+    uint32_t y, st, ex = mn__elem_size(S, x);
     uint64_t n, rows;
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    n = mn__tnumel(S, x), rows = n / width;
-    pr[0] = w, pr[1] = bb;
+    n = mn__tensor_numel(S, x), rows = n / width;
     if (ln || !c->hf) {
         uint32_t oe = c->amp ? 4 : ex;  // autocast runs layer_norm in fp32
-        st = mn__alloc_t(S, rows * 2, 4, MN_CAT_ACTIVATIONS);
-        y = mn__alloc_t(S, n, oe, MN_CAT_ACTIVATIONS);
-        sv[0] = x, sv[1] = st;
-        mn__op_rec(S, y, &x, 1, sv, 2, pr, 2, 0);
+        st = mn__tensor_new(S, rows * 2, 4, MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = x, d.saved[0] = x, d.saved[1] = st, d.param[0] = w, d.param[1] = bb;
+        mn__op_rec(S, &d);
         mn__drop(S, st);
         return y;
     } else {
+        // x32: the fp32 input; rs: rsqrt(mean(x32^2) + eps) per row; h1 = x32 * rs; h16: h1
+        // cast back to the input dtype; out_e: the output's element size
         uint32_t x32 = x, rs, h1, h16, out_e = ex;
         if (ex != 4) {
-            x32 = mn__alloc_t(S, n, 4, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, x32, &x, 1, NULL, 0, NULL, 0, 0);
+            x32 = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);
+            mn__op_rec_from(S, x32, x);
         }
         mn__transient(S, n * 4, MN_CAT_ACTIVATIONS);  // x32.pow(2) before the mean
-        rs = mn__alloc_t(S, rows, 4, MN_CAT_ACTIVATIONS);
-        sv[0] = x32, sv[1] = rs;
-        mn__op_rec(S, rs, &x32, 1, sv, 2, NULL, 0, 0);
-        h1 = mn__alloc_t(S, n, 4, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, h1, &x32, 1, sv, 2, NULL, 0, 0);
+        rs = mn__tensor_new(S, rows, 4, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(rs);
+        d.in[0] = x32, d.saved[0] = x32, d.saved[1] = rs;
+        mn__op_rec(S, &d);
+        h1 = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);
+        d.out = h1;  // x32 * rs, saving both
+        mn__op_rec(S, &d);
         h16 = h1;
         if (ex != 4) {
-            h16 = mn__alloc_t(S, n, ex, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, h16, &h1, 1, NULL, 0, NULL, 0, 0);
+            h16 = mn__tensor_new(S, n, ex, MN_CAT_ACTIVATIONS);
+            mn__op_rec_from(S, h16, h1);
             mn__drop(S, h1);
         }
         if (c->w_esz == 4 && ex != 4) out_e = 4;  // fp32 weight * 16-bit values promotes
-        y = mn__alloc_t(S, n, out_e, MN_CAT_ACTIVATIONS);
-        sv[0] = tr ? h16 : MN__NONE;
-        mn__op_rec(S, y, &h16, 1, sv, 1, &w, 1, 0);
+        y = mn__tensor_new(S, n, out_e, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = h16, d.saved[0] = tr ? h16 : MN__NONE, d.param[0] = w;
+        mn__op_rec(S, &d);
         mn__drop(S, h16), mn__drop(S, rs);
         if (x32 != x) mn__drop(S, x32);
         return y;
@@ -3536,55 +3736,64 @@ static uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
 // Activations: relu/gelu/silu kernels save their input (derivatives.yaml). HF's "gelu_new" is
 // 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3))) in separate ops: it also keeps the tanh output,
 // 0.5 x and 1 + tanh, and makes four more transient copies on the way.
-static uint32_t mn__act(mn__sim *S, uint32_t x) {
-    uint32_t y, e, sv[4];
+MN__PRIVATE uint32_t mn__activation(mn__sim *S, uint32_t x) {
+    uint32_t y, e;
     uint64_t n;
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    n = mn__tnumel(S, x), e = mn__esz(S, x);
+    n = mn__tensor_numel(S, x), e = mn__elem_size(S, x);
     if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf) {
-        uint32_t a1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS), a2, th, op1, half;
-        a2 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        // a1, a2: transients of the polynomial inside tanh; th: the tanh; op1 = 1 + th;
+        // half = 0.5 x; y = half * op1
+        uint32_t a1 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS), a2, th, op1, half;
+        a2 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
         mn__drop(S, a1);
-        a1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        a1 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
         mn__drop(S, a2);
-        th = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        th = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
         mn__drop(S, a1);
-        op1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-        half = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-        y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-        sv[0] = x, sv[1] = th, sv[2] = op1, sv[3] = half;
-        mn__op_rec(S, y, &x, 1, sv, 4, NULL, 0, 3 * n * e);
+        op1 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        half = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = x, d.saved[0] = x, d.saved[1] = th, d.saved[2] = op1, d.saved[3] = half;
+        d.bwd_temp = 3 * n * e;
+        mn__op_rec(S, &d);
         mn__drop(S, th), mn__drop(S, op1), mn__drop(S, half);
         return y;
     }
-    y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, y, &x, 1, &x, 1, NULL, 0, 0);
+    y = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(y);
+    d.in[0] = x, d.saved[0] = x;
+    mn__op_rec(S, &d);
     return y;
 }
 
 // a * b, saving both operands (mul's gradient needs the other factor).
-static uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
-    uint32_t y, in[2];
+MN__PRIVATE uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
+    uint32_t y;
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    y = mn__alloc_t(S, mn__tnumel(S, a), mn__esz(S, a), MN_CAT_ACTIVATIONS);
-    in[0] = a, in[1] = b;
-    mn__op_rec(S, y, in, 2, in, 2, NULL, 0, 0);
+    y = mn__tensor_new(S, mn__tensor_numel(S, a), mn__elem_size(S, a), MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(y);
+    d.in[0] = a, d.in[1] = b, d.saved[0] = a, d.saved[1] = b;
+    mn__op_rec(S, &d);
     return y;
 }
 
 // Rotary embedding as HF writes it: q*cos + rotate_half(q)*sin (three transients, one result).
 // Fused kernels (megatron, flash) write one output.
-static uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
-    uint32_t e = mn__esz(S, x), y, t1 = MN__NONE, t2, t3 = MN__NONE;
+MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
+    uint32_t e = mn__elem_size(S, x), y, t1 = MN__NONE, t2, t3 = MN__NONE;
     if (S->counting || S->err) return MN__NONE;
     if (S->c->hf) {
-        t1 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-        t2 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-        t3 = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
+        t1 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        t2 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        t3 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
         mn__drop(S, t2);
     }
-    y = mn__alloc_t(S, n, e, MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, y, &x, 1, NULL, 0, NULL, 0, 0);
+    y = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, y, x);
     mn__drop(S, t1), mn__drop(S, t3);
     return y;
 }
@@ -3596,123 +3805,137 @@ static uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
 // the value dtype is saved by the second bmm. Fused attention (sdpa, flash) saves q, k, v, the
 // output and the log-sum-exp per row (FlashAttention-2 paper, backward pass).
 // Selective checkpointing (Korthikanti et al. 2022) keeps only q, k, v and recomputes the rest.
-static uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq, uint64_t skv) {
+MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq,
+                                   uint64_t skv) {
     mn__cfg *c = S->c;
-    uint32_t e = mn__esz(S, q), in[3], sv[8], y;
-    uint64_t nq = mn__m3(S, c->b, sq, c->qd), nkv = mn__m3(S, c->b, skv, c->kvd);
-    uint64_t ns = mn__m(S, mn__m3(S, c->b, c->m.heads, sq), skv);
+    uint32_t e = mn__elem_size(S, q), y;
+    uint64_t nq = mn__prod3(S, c->batch, sq, c->q_width);
+    uint64_t nkv = mn__prod3(S, c->batch, skv, c->kv_width);
+    uint64_t ns = mn__prod(S, mn__prod3(S, c->batch, c->m.heads, sq), skv);
     int sel = c->s.checkpointing == MN_CKPT_SELECTIVE && S->record;
-    int nsv = 0, i;
+    int i;
+    mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    in[0] = q, in[1] = k, in[2] = v;
     if (c->attn == MN_ATTN_EAGER) {
         int t5 = c->m.posemb == MN_POS_RELATIVE;
         uint32_t sm_e = (c->amp || t5 || c->m.posemb == MN_POS_ROPE) ? 4 : e;
         uint32_t mask_e = (c->amp && c->m.arch == MN_ARCH_ENCODER) ? 4 : e;  // fp32 extended mask
-        uint64_t nrep = c->hf ? mn__m3(S, c->b, skv, c->qd) : nkv;         // repeat_kv for GQA
+        uint64_t nrep = c->hf ? mn__prod3(S, c->batch, skv, c->q_width) : nkv;  // repeat_kv (GQA)
+        // qc, kc, vc: the bmm's copies of q, k, v; s0, s1: scores; P = softmax; mk, Pd: dropout
+        // mask and output; P16: P cast to the value dtype; C = P16 v; Cc: its contiguous copy
         uint32_t qc, kc, vc, s0, s1, P, mk = MN__NONE, Pd, P16, C, Cc;
         uint64_t kept = 0;
-        qc = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
-        kc = mn__alloc_t(S, nrep, e, MN_CAT_ACTIVATIONS);
-        s0 = mn__alloc_t(S, ns, e, MN_CAT_ACTIVATIONS);
+        qc = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        kc = mn__tensor_new(S, nrep, e, MN_CAT_ACTIVATIONS);
+        s0 = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS);
         if (!t5) {  // scores * scale, then + mask: two new tensors (T5 adds its bias in place)
-            s1 = mn__alloc_t(S, ns, e, MN_CAT_ACTIVATIONS), mn__drop(S, s0), s0 = s1;
-            s1 = mn__alloc_t(S, ns, mask_e, MN_CAT_ACTIVATIONS), mn__drop(S, s0), s0 = s1;
+            s1 = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS), mn__drop(S, s0), s0 = s1;
+            s1 = mn__tensor_new(S, ns, mask_e, MN_CAT_ACTIVATIONS), mn__drop(S, s0), s0 = s1;
         }
-        P = mn__alloc_t(S, ns, sm_e, MN_CAT_ACTIVATIONS);
+        P = mn__tensor_new(S, ns, sm_e, MN_CAT_ACTIVATIONS);
         // torch <= 1.10: _softmax_backward_data took the softmax input, so autograd kept it too
         if (c->s.torch_version >= 111) mn__drop(S, s0), s0 = MN__NONE;
         Pd = P;
         if (c->m.attn_dropout > 0.0f && S->training) {
-            mk = mn__alloc_t(S, ns, 1, MN_CAT_ACTIVATIONS);
-            Pd = mn__alloc_t(S, ns, sm_e, MN_CAT_ACTIVATIONS);
+            mk = mn__tensor_new(S, ns, 1, MN_CAT_ACTIVATIONS);
+            Pd = mn__tensor_new(S, ns, sm_e, MN_CAT_ACTIVATIONS);
         }
         P16 = Pd;
-        if (sm_e != e) P16 = mn__alloc_t(S, ns, e, MN_CAT_ACTIVATIONS);
-        vc = mn__alloc_t(S, nrep, e, MN_CAT_ACTIVATIONS);
-        C = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
-        Cc = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
+        if (sm_e != e) P16 = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS);
+        vc = mn__tensor_new(S, nrep, e, MN_CAT_ACTIVATIONS);
+        C = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        Cc = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
         mn__drop(S, C);
-        sv[0] = qc, sv[1] = kc, sv[2] = P, sv[3] = mk, sv[4] = P16, sv[5] = vc, sv[6] = s0;
+        d = mn__op_desc_of(Cc);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = P, d.saved[3] = mk, d.saved[4] = P16;
+        d.saved[5] = vc, d.saved[6] = s0;
         for (i = 0; i < 7; i++) {
             int dup = 0, j;
-            for (j = 0; j < i; j++) dup |= sv[j] == sv[i];
-            if (sv[i] != MN__NONE && !dup) kept += S->t[sv[i]].bytes;
+            for (j = 0; j < i; j++) dup |= d.saved[j] == d.saved[i];
+            if (d.saved[i] != MN__NONE && !dup) kept += S->tensors[d.saved[i]].bytes;
         }
-        if (sel) {
-            sv[0] = q, sv[1] = k, sv[2] = v, nsv = 3;
-            mn__op_rec(S, Cc, in, 3, sv, nsv, NULL, 0, kept + 2 * ns * sm_e + 3 * nq * e);
-        } else {
-            nsv = 7;
-            mn__op_rec(S, Cc, in, 3, sv, nsv, NULL, 0, 2 * ns * sm_e + 3 * nq * e);
+        d.bwd_temp = 2 * ns * sm_e + 3 * nq * e;
+        if (sel) {  // keep q, k, v; backward recomputes what the others held
+            for (i = 3; i < 7; i++) d.saved[i] = MN__NONE;
+            d.saved[0] = q, d.saved[1] = k, d.saved[2] = v;
+            d.bwd_temp += kept;
         }
+        mn__op_rec(S, &d);
         mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, vc), mn__drop(S, P), mn__drop(S, s0);
         if (Pd != P) mn__drop(S, Pd);
         if (P16 != Pd) mn__drop(S, P16);
         mn__drop(S, mk);
         y = Cc;
     } else {
-        uint32_t O = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
-        uint32_t lse = mn__alloc_t(S, mn__m3(S, c->b, c->m.heads, sq), 4, MN_CAT_ACTIVATIONS);
-        sv[0] = q, sv[1] = k, sv[2] = v, sv[3] = O, sv[4] = lse;
+        uint32_t O = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        uint64_t rows = mn__prod3(S, c->batch, c->m.heads, sq);
+        uint32_t lse = mn__tensor_new(S, rows, 4, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(O);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = q, d.saved[1] = k, d.saved[2] = v, d.saved[3] = O, d.saved[4] = lse;
+        d.bwd_temp = nq * 4;
         y = O;
         if (c->hf) {  // attn_output.transpose(1, 2).contiguous()
-            y = mn__alloc_t(S, nq, e, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, O, in, 3, sv, 5, NULL, 0, nq * 4);
-            mn__op_rec(S, y, &O, 1, NULL, 0, NULL, 0, 0);
+            y = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+            mn__op_rec(S, &d);
+            mn__op_rec_from(S, y, O);
             mn__drop(S, O);
         } else {
-            mn__op_rec(S, O, in, 3, sv, 5, NULL, 0, nq * 4);
+            mn__op_rec(S, &d);
         }
         mn__drop(S, lse);
     }
     return y;
 }
 
-static uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64_t sq, uint64_t skv, int cross) {
+MN__PRIVATE uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64_t sq,
+                                   uint64_t skv, int cross) {
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden;
     int fused = c->m.posemb == MN_POS_LEARNED && c->m.arch == MN_ARCH_DECODER;  // GPT-2 c_attn
     uint32_t q, k, v, ctx, o;
     if (c->m.posemb == MN_POS_RELATIVE && !cross &&
         (S->blk == 0 || (c->m.arch == MN_ARCH_ENCODER_DECODER && S->blk == c->m.encoder_layers)))
-        mn__w(S, c->m.rel_buckets, c->m.heads, mn__base_trainable(c), 0);  // T5 relative bias
+        mn__next_param(S, c->m.rel_buckets, c->m.heads, mn__base_trainable(c), 0);  // T5 bias
     if (fused && !cross) {
-        q = mn__linear(S, xq, h, c->qd + 2 * c->kvd, c->m.qkv_bias, MN_LORA_Q | MN_LORA_K | MN_LORA_V, 1, MN__NONE);
+        q = mn__linear(S, xq, h, c->q_width + 2 * c->kv_width, c->m.qkv_bias,
+                       MN_LORA_Q | MN_LORA_K | MN_LORA_V, 1, MN__NONE);
         k = mn__identity(S, q), v = mn__identity(S, q);
     } else {
-        q = mn__linear(S, xq, h, c->qd, c->m.qkv_bias, MN_LORA_Q, 1, MN__NONE);
-        k = mn__linear(S, xkv, h, c->kvd, c->m.qkv_bias, MN_LORA_K, 1, MN__NONE);
-        v = mn__linear(S, xkv, h, c->kvd, c->m.qkv_bias, MN_LORA_V, 1, MN__NONE);
+        q = mn__linear(S, xq, h, c->q_width, c->m.qkv_bias, MN_LORA_Q, 1, MN__NONE);
+        k = mn__linear(S, xkv, h, c->kv_width, c->m.qkv_bias, MN_LORA_K, 1, MN__NONE);
+        v = mn__linear(S, xkv, h, c->kv_width, c->m.qkv_bias, MN_LORA_V, 1, MN__NONE);
     }
     if (c->m.posemb == MN_POS_ROPE && !S->counting) {
-        uint32_t q2 = mn__rope(S, q, mn__m3(S, c->b, sq, c->qd)), k2 = mn__rope(S, k, mn__m3(S, c->b, skv, c->kvd));
+        uint32_t q2 = mn__rope(S, q, mn__prod3(S, c->batch, sq, c->q_width));
+        uint32_t k2 = mn__rope(S, k, mn__prod3(S, c->batch, skv, c->kv_width));
         mn__drop(S, q), mn__drop(S, k);
         q = q2, k = k2;
     }
     if (cross) skv = c->enc_seq;
     ctx = mn__attn_core(S, q, k, v, sq, skv);
-    o = mn__linear(S, ctx, c->qd, h, c->m.out_bias, MN_LORA_O, 1, MN__NONE);
+    o = mn__linear(S, ctx, c->q_width, h, c->m.out_bias, MN_LORA_O, 1, MN__NONE);
     mn__drop(S, ctx), mn__drop(S, q), mn__drop(S, k), mn__drop(S, v);
     return o;
 }
 
 // MLP: act(x W1) W2, or act(x Wg) * (x Wu) Wd when gated; T5 applies dropout inside.
-static uint32_t mn__mlp(mn__sim *S, uint32_t x) {
+MN__PRIVATE uint32_t mn__mlp(mn__sim *S, uint32_t x) {
     mn__cfg *c = S->c;
-    uint64_t h = c->m.hidden, f = c->f;
+    uint64_t h = c->m.hidden, f = c->ffn;
     uint32_t u, a, d, y, g;
     int t5 = c->m.posemb == MN_POS_RELATIVE;
     if (c->m.gated_mlp) {
         g = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_GATE, 1, MN__NONE);
         u = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
-        a = mn__act(S, g);
+        a = mn__activation(S, g);
         mn__drop(S, g);
         y = mn__mul(S, a, u);
         mn__drop(S, a), mn__drop(S, u);
     } else {
         u = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
-        y = mn__act(S, u);
+        y = mn__activation(S, u);
         mn__drop(S, u);
     }
     if (t5) {
@@ -3726,7 +3949,7 @@ static uint32_t mn__mlp(mn__sim *S, uint32_t x) {
 }
 
 // Residual: x + dropout(y); drops y.
-static uint32_t mn__residual(mn__sim *S, uint32_t x, uint32_t y) {
+MN__PRIVATE uint32_t mn__residual(mn__sim *S, uint32_t x, uint32_t y) {
     uint32_t d = mn__dropout(S, y, S->c->m.dropout), r;
     mn__drop(S, y);
     r = mn__add(S, d, x);
@@ -3734,19 +3957,20 @@ static uint32_t mn__residual(mn__sim *S, uint32_t x, uint32_t y) {
     return r;
 }
 
-static int mn__block_is_decoder(const mn__cfg *c, uint32_t blk) {
-    return c->m.arch == MN_ARCH_DECODER || (c->m.arch == MN_ARCH_ENCODER_DECODER && blk >= c->m.encoder_layers);
+MN__PRIVATE int mn__block_is_decoder(const mn__cfg *c, uint32_t blk) {
+    return c->m.arch == MN_ARCH_DECODER ||
+           (c->m.arch == MN_ARCH_ENCODER_DECODER && blk >= c->m.encoder_layers);
 }
 
 // One transformer block: pre-norm (GPT-2, Llama, T5) or post-norm (BERT). mem: encoder output
 // for the cross-attention of an encoder-decoder's decoder blocks.
-static uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
+MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden, s = c->seq;
     uint32_t n, a, x1, x2;
     int cross = c->m.arch == MN_ARCH_ENCODER_DECODER && mn__block_is_decoder(c, blk);
-    if (S->counting) S->bstart[blk] = (uint32_t)S->np;
-    else S->cursor = S->bstart[blk];
+    if (S->counting) S->block_start[blk] = (uint32_t)S->np;
+    else S->cursor = S->block_start[blk];
     S->blk = blk;
     if (c->m.post_norm) {
         a = mn__attention(S, x, x, s, s, 0);
@@ -3781,28 +4005,32 @@ static uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
 }
 
 // Drops the autocast weight cache (autocast exit); tensors saved for backward stay.
-static void mn__amp_clear(mn__sim *S) {
+MN__PRIVATE void mn__amp_clear(mn__sim *S) {
     uint64_t i;
     if (S->counting) return;
-    for (i = 0; i < S->np; i++)
-        if (S->p[i].w16 != MN__NONE) mn__drop(S, S->p[i].w16), S->p[i].w16 = MN__NONE;
+    for (i = 0; i < S->np; i++) {
+        if (S->params[i].w16 == MN__NONE) continue;
+        mn__drop(S, S->params[i].w16);
+        S->params[i].w16 = MN__NONE;
+    }
 }
 
 // A block under full checkpointing: run without recording, keep its input (and the encoder
 // output), and record one op that re-runs the block when backward reaches it
 // (torch.utils.checkpoint).
-static uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
+MN__PRIVATE uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32_t mem) {
     uint32_t y;
     mn__op *o;
-    if (S->counting || !S->record || S->c->s.checkpointing != MN_CKPT_FULL) return mn__block(S, x, blk, mem);
+    if (S->counting || !S->record || S->c->s.checkpointing != MN_CKPT_FULL)
+        return mn__block(S, x, blk, mem);
     S->record = 0;
     y = mn__block(S, x, blk, mem);
     S->record = 1;
     if (S->err || y == MN__NONE) return y;
     {  // autograd records the checkpoint only when something in it needs a gradient
-        uint64_t i, end = blk + 1 < S->c->nblocks ? S->bstart[blk + 1] : S->np;
-        int any = mn__rg(S, x) || mn__rg(S, mem);
-        for (i = S->bstart[blk]; i < end && !any; i++) any = S->p[i].trainable;
+        uint64_t i, end = blk + 1 < S->c->nblocks ? S->block_start[blk + 1] : S->np;
+        int any = mn__requires_grad(S, x) || mn__requires_grad(S, mem);
+        for (i = S->block_start[blk]; i < end && !any; i++) any = S->params[i].trainable;
         if (!any) return y;
     }
     if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return y;
@@ -3812,37 +4040,46 @@ static uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
     o->in[o->nin++] = x;
     o->saved[o->nsaved++] = x, mn__ref(S, x);
     if (mem != MN__NONE) o->in[o->nin++] = mem, o->saved[o->nsaved++] = mem, mn__ref(S, mem);
-    S->t[y].rg = 1;
+    S->tensors[y].requires_grad = 1;
     return y;
 }
 
 // Token (+ position, + token type) embeddings, optional norm, dropout. ids: [ntok] int64.
-static uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
+MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden;
     int tr = mn__base_trainable(c);
     uint32_t w, y, e2, sum, pw, tw;
-    w = first ? mn__w(S, c->m.vocab, h, tr, 0) : 0;
+    mn__op_desc d;
+    w = first ? mn__next_param(S, c->m.vocab, h, tr, 0) : 0;
     if (first) S->cursor_emb = w;
     else w = S->cursor_emb;
-    pw = (first && c->m.posemb == MN_POS_LEARNED) ? mn__w(S, c->m.max_positions, h, tr, 0) : MN__NONE;
-    tw = (first && c->m.type_vocab) ? mn__w(S, c->m.type_vocab, h, tr, 0) : MN__NONE;
+    pw = tw = MN__NONE;
+    if (first && c->m.posemb == MN_POS_LEARNED)
+        pw = mn__next_param(S, c->m.max_positions, h, tr, 0);
+    if (first && c->m.type_vocab) tw = mn__next_param(S, c->m.type_vocab, h, tr, 0);
     if (S->counting || S->err) {
         if (first && c->m.embed_norm) mn__norm(S, MN__NONE, h);
         return MN__NONE;
     }
-    y = mn__alloc_t(S, c->ntok * h, c->w_esz == 1 ? 2 : c->w_esz, MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, y, NULL, 0, &ids, 1, &w, 1, 0);
+    y = mn__tensor_new(S, c->ntok * h, c->w_esz == 1 ? 2 : c->w_esz, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(y);
+    d.saved[0] = ids, d.param[0] = w;
+    mn__op_rec(S, &d);
     if (pw != MN__NONE) {  // position_ids [1, s]: one row per position, broadcast over the batch
-        e2 = mn__alloc_t(S, c->seq * h, mn__esz(S, y), MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, e2, NULL, 0, NULL, 0, &pw, 1, 0);
+        e2 = mn__tensor_new(S, c->seq * h, mn__elem_size(S, y), MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(e2);
+        d.param[0] = pw;
+        mn__op_rec(S, &d);
         sum = mn__add(S, y, e2);
         mn__drop(S, y), mn__drop(S, e2);
         y = sum;
     }
     if (tw != MN__NONE) {
-        e2 = mn__alloc_t(S, c->ntok * h, mn__esz(S, y), MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, e2, NULL, 0, &ids, 1, &tw, 1, 0);
+        e2 = mn__tensor_new(S, c->ntok * h, mn__elem_size(S, y), MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(e2);
+        d.saved[0] = ids, d.param[0] = tw;
+        mn__op_rec(S, &d);
         sum = mn__add(S, y, e2);
         mn__drop(S, y), mn__drop(S, e2);
         y = sum;
@@ -3861,75 +4098,88 @@ static uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
 // cross_entropy = log_softmax (saves its fp32 output) + nll_loss, whose backward makes a dense
 // [tokens, vocab] gradient. Classification: pooler + classifier on the first token (BERT), or a
 // score layer on every token (decoders); both tiny, but the pooler keeps the last hidden states.
-static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
+MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden, V = c->m.vocab;
     int tr = mn__base_trainable(c);
-    uint32_t y, t, lg, l32, lsm, loss, sv[2], pw, pb, cw, cb;
+    // lg: logits, l32: fp32 logits, lsm = log_softmax(l32); pw, pb: pooler weight and bias;
+    // cw, cb: classifier (or LM decoder) weight and bias
+    uint32_t y, t, lg, l32, lsm, loss, pw, pb, cw, cb;
+    mn__op_desc d;
     if (c->m.head == MN_HEAD_CLASSIFICATION) {
         uint64_t L = c->m.num_labels;
         if (c->m.pooler) {
-            pw = mn__w(S, h, h, tr, 0), pb = mn__w(S, h, 0, tr, 0);
-            cw = mn__w(S, L, h, tr || c->r, 0), cb = mn__w(S, L, 0, tr || c->r, 0);
+            pw = mn__next_param(S, h, h, tr, 0), pb = mn__next_param(S, h, 0, tr, 0);
+            cw = mn__next_param(S, L, h, tr || c->lora_rank, 0);
+            cb = mn__next_param(S, L, 0, tr || c->lora_rank, 0);
             if (S->counting || S->err) return MN__NONE;
-            sv[0] = pw, sv[1] = pb;
-            y = mn__alloc_t(S, c->b * h, c->a_esz, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, y, &x, 1, &x, 1, sv, 2, 0);  // the first-token view keeps x alive
-            t = mn__act(S, y);
+            y = mn__tensor_new(S, c->batch * h, c->a_esz, MN_CAT_ACTIVATIONS);
+            d = mn__op_desc_of(y);
+            d.in[0] = x, d.saved[0] = x, d.param[0] = pw, d.param[1] = pb;
+            mn__op_rec(S, &d);  // the first-token view keeps x alive
+            t = mn__activation(S, y);
             mn__drop(S, y);
             y = mn__dropout(S, t, c->m.dropout);
             mn__drop(S, t);
-            sv[0] = cw, sv[1] = cb;
-            lg = mn__alloc_t(S, c->b * L, c->a_esz, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, lg, &y, 1, &y, 1, sv, 2, 0);
+            lg = mn__tensor_new(S, c->batch * L, c->a_esz, MN_CAT_ACTIVATIONS);
+            d = mn__op_desc_of(lg);
+            d.in[0] = y, d.saved[0] = y, d.param[0] = cw, d.param[1] = cb;
+            mn__op_rec(S, &d);
             mn__drop(S, y);
         } else {
-            cw = mn__w(S, L, h, tr || c->r, 0);
+            cw = mn__next_param(S, L, h, tr || c->lora_rank, 0);
             if (S->counting || S->err) return MN__NONE;
-            lg = mn__alloc_t(S, c->ntok * L, c->a_esz, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, lg, &x, 1, &x, 1, &cw, 1, 0);
+            lg = mn__tensor_new(S, c->ntok * L, c->a_esz, MN_CAT_ACTIVATIONS);
+            d = mn__op_desc_of(lg);
+            d.in[0] = x, d.saved[0] = x, d.param[0] = cw;
+            mn__op_rec(S, &d);
         }
-        loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, loss, &lg, 1, &lg, 1, NULL, 0, 0);
+        loss = mn__tensor_new(S, 1, 4, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(loss);
+        d.in[0] = lg, d.saved[0] = lg;
+        mn__op_rec(S, &d);
         mn__drop(S, lg);
         return loss;
     }
     if (c->m.head == MN_HEAD_NONE) {
         if (S->counting || S->err) return MN__NONE;
-        loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, loss, &x, 1, NULL, 0, NULL, 0, 0);
+        loss = mn__tensor_new(S, 1, 4, MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, loss, x);
         return loss;
     }
     y = mn__identity(S, x);
     if (c->m.lm_transform) {  // BERT MLM: dense + act + layernorm before the decoder
         t = mn__linear(S, y, h, h, 1, 0, 0, MN__NONE);
         mn__drop(S, y);
-        y = mn__act(S, t);
+        y = mn__activation(S, t);
         mn__drop(S, t);
         t = mn__norm(S, y, h);
         mn__drop(S, y);
         y = t;
     }
     if (c->m.tie_embeddings && c->m.posemb == MN_POS_RELATIVE && !S->counting) {  // T5: x * d^-0.5
-        t = mn__alloc_t(S, mn__tnumel(S, y), mn__esz(S, y), MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, t, &y, 1, NULL, 0, NULL, 0, 0);
+        t = mn__tensor_new(S, mn__tensor_numel(S, y), mn__elem_size(S, y), MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, t, y);
         mn__drop(S, y);
         y = t;
     }
     lg = mn__linear(S, y, h, V, 0, 0, 0, c->m.tie_embeddings ? S->cursor_emb : MN__NONE);
-    if (c->m.lm_transform) cb = mn__w(S, V, 0, tr, 0);  // decoder bias
+    if (c->m.lm_transform) cb = mn__next_param(S, V, 0, tr, 0);  // decoder bias
     mn__drop(S, y);
     if (S->counting || S->err) return MN__NONE;
     l32 = lg;
-    if (mn__esz(S, lg) != 4) {
-        l32 = mn__alloc_t(S, mn__tnumel(S, lg), 4, MN_CAT_ACTIVATIONS);
-        mn__op_rec(S, l32, &lg, 1, NULL, 0, NULL, 0, 0);
+    if (mn__elem_size(S, lg) != 4) {
+        l32 = mn__tensor_new(S, mn__tensor_numel(S, lg), 4, MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, l32, lg);
     }
-    lsm = mn__alloc_t(S, mn__tnumel(S, l32), 4, MN_CAT_ACTIVATIONS);
-    mn__op_rec(S, lsm, &l32, 1, &lsm, 1, NULL, 0, 0);
-    loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);
-    sv[0] = lsm, sv[1] = labels;
-    mn__op_rec(S, loss, &lsm, 1, sv, 2, NULL, 0, 0);  // nll backward: the dense grad of lsm
+    lsm = mn__tensor_new(S, mn__tensor_numel(S, l32), 4, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(lsm);
+    d.in[0] = l32, d.saved[0] = lsm;
+    mn__op_rec(S, &d);
+    loss = mn__tensor_new(S, 1, 4, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(loss);
+    d.in[0] = lsm, d.saved[0] = lsm, d.saved[1] = labels;
+    mn__op_rec(S, &d);  // nll backward: the dense grad of lsm
     mn__drop(S, lsm);
     if (l32 != lg) mn__drop(S, l32);
     mn__drop(S, lg);
@@ -3937,14 +4187,14 @@ static uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
 }
 
 // Part i of the model kept (activation bytes now) - (at the previous mark) for backward.
-static void mn__part_mark(mn__sim *S, uint32_t i, uint64_t *mark) {
+MN__PRIVATE void mn__part_mark(mn__sim *S, uint32_t i, uint64_t *mark) {
     if (!S->parts_on || S->counting) return;
     S->parts[i] = S->cur[MN_CAT_ACTIVATIONS] - *mark;
     *mark = S->cur[MN_CAT_ACTIVATIONS];
 }
 
 // The whole forward of one micro-batch. Returns the loss tensor.
-static uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
+MN__PRIVATE uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
     mn__cfg *c = S->c;
     uint32_t x, y, mem = MN__NONE, blk, L = c->nblocks, E = 0;
     uint64_t mark = S->cur[MN_CAT_ACTIVATIONS];
@@ -3986,54 +4236,57 @@ static uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
 
 // A custom stack: layers applied in order to [tokens, stack_in] inputs (which do not require
 // grad, like data). Shared layers reuse an earlier layer's parameters.
-static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
+MN__PRIVATE uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
     mn__cfg *c = S->c;
     const mn_layer *ly = c->m.stack;
     uint32_t i, y, *pidx = NULL, loss;
     uint64_t mark = S->cur[MN_CAT_ACTIVATIONS];
-    if (!S->counting) pidx = S->bstart;  // parameter index of each layer, filled while counting
+    mn__op_desc d;
+    if (!S->counting) pidx = S->block_start;  // parameter index of each layer, made while counting
     mn__ref(S, x);                       // the caller keeps its reference to the input
     mn__part_mark(S, 0, &mark);
     for (i = 0; i < c->m.stack_len && !S->err; i++) {
         uint32_t w = MN__NONE;
         if (S->counting) {
-            if (ly[i].shared_with) w = S->bstart[ly[i].shared_with - 1];
+            if (ly[i].shared_with) w = S->block_start[ly[i].shared_with - 1];
             else if (ly[i].kind == MN_LAYER_LINEAR) {
-                w = mn__w(S, ly[i].out, ly[i].in, 1, 0);
-                if (ly[i].bias) mn__w(S, ly[i].out, 0, 1, 0);
+                w = mn__next_param(S, ly[i].out, ly[i].in, 1, 0);
+                if (ly[i].bias) mn__next_param(S, ly[i].out, 0, 1, 0);
             } else if (ly[i].kind == MN_LAYER_EMBEDDING) {
-                w = mn__w(S, ly[i].in, ly[i].out, 1, 0);
+                w = mn__next_param(S, ly[i].in, ly[i].out, 1, 0);
             } else if (ly[i].kind == MN_LAYER_NORM) {
-                w = mn__w(S, ly[i].out, 0, 1, 0);
-                mn__w(S, ly[i].out, 0, 1, 0);
+                w = mn__next_param(S, ly[i].out, 0, 1, 0);
+                mn__next_param(S, ly[i].out, 0, 1, 0);
             }
-            S->bstart[i] = w;
+            S->block_start[i] = w;
             continue;
         }
         w = pidx[i];
         switch (ly[i].kind) {
         case MN_LAYER_LINEAR: {
-            uint32_t pr[2], sv;
-            uint64_t rows = mn__tnumel(S, x) / ly[i].in;
-            pr[0] = w, pr[1] = ly[i].bias ? w + 1 : MN__NONE;
-            y = mn__alloc_t(S, mn__m(S, rows, ly[i].out), c->a_esz, MN_CAT_ACTIVATIONS);
-            sv = x;
-            mn__op_rec(S, y, &x, 1, &sv, 1, pr, 2, 0);
+            uint64_t rows = mn__tensor_numel(S, x) / ly[i].in;
+            y = mn__tensor_new(S, mn__prod(S, rows, ly[i].out), c->a_esz, MN_CAT_ACTIVATIONS);
+            d = mn__op_desc_of(y);
+            d.in[0] = x, d.saved[0] = x, d.param[0] = w, d.param[1] = ly[i].bias ? w + 1 : MN__NONE;
+            mn__op_rec(S, &d);
             break;
         }
         case MN_LAYER_EMBEDDING:
-            y = mn__alloc_t(S, mn__m(S, c->ntok, ly[i].out), c->a_esz, MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, y, NULL, 0, &x, 1, &w, 1, 0);
+            y = mn__tensor_new(S, mn__prod(S, c->ntok, ly[i].out), c->a_esz, MN_CAT_ACTIVATIONS);
+            d = mn__op_desc_of(y);
+            d.saved[0] = x, d.param[0] = w;
+            mn__op_rec(S, &d);
             break;
         case MN_LAYER_NORM: {
-            uint32_t pr[2], sv[2], st = mn__alloc_t(S, c->ntok * 2, 4, MN_CAT_ACTIVATIONS);
-            pr[0] = w, pr[1] = w + 1, sv[0] = x, sv[1] = st;
-            y = mn__alloc_t(S, mn__tnumel(S, x), mn__esz(S, x), MN_CAT_ACTIVATIONS);
-            mn__op_rec(S, y, &x, 1, sv, 2, pr, 2, 0);
+            uint32_t st = mn__tensor_new(S, c->ntok * 2, 4, MN_CAT_ACTIVATIONS);
+            y = mn__tensor_new(S, mn__tensor_numel(S, x), mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
+            d = mn__op_desc_of(y);
+            d.in[0] = x, d.saved[0] = x, d.saved[1] = st, d.param[0] = w, d.param[1] = w + 1;
+            mn__op_rec(S, &d);
             mn__drop(S, st);
             break;
         }
-        case MN_LAYER_ACTIVATION: y = mn__act(S, x); break;
+        case MN_LAYER_ACTIVATION: y = mn__activation(S, x); break;
         case MN_LAYER_DROPOUT: y = mn__dropout(S, x, 0.1f); break;
         default: y = mn__identity(S, x); break;
         }
@@ -4042,62 +4295,63 @@ static uint32_t mn__stack_forward(mn__sim *S, uint32_t x) {
         mn__part_mark(S, i + 1, &mark);
     }
     if (S->counting || S->err) return MN__NONE;
-    loss = mn__alloc_t(S, 1, 4, MN_CAT_ACTIVATIONS);  // loss = out.sum(); the caller holds out
-    mn__op_rec(S, loss, &x, 1, NULL, 0, NULL, 0, 0);
+    loss = mn__tensor_new(S, 1, 4, MN_CAT_ACTIVATIONS);  // loss = out.sum(); the caller holds out
+    mn__op_rec_from(S, loss, x);
     S->hold = x;
     mn__part_mark(S, c->m.stack_len + 1, &mark);
     return loss;
 }
 
-// ---- backward, optimizer, the step -------------------------------------------------------------
+// ---- backward, optimizer, the step --------------------------------------------------------------
 
 // Bytes per GPU of a state that ZeRO shards over the GPUs from `stage` on.
-static uint64_t mn__shard(const mn__cfg *c, uint64_t bytes, uint32_t stage) {
+MN__PRIVATE uint64_t mn__shard(const mn__cfg *c, uint64_t bytes, uint32_t stage) {
     return c->zero >= stage ? (bytes + c->gpus - 1) / c->gpus : bytes;
 }
 
 // Persistent gradient bytes per GPU. DeepSpeed ZeRO 1/2 also keep an fp32 gradient partition
 // (its estimator's 2 + 18/N bytes per parameter for stage 2).
-static uint64_t mn__grad_bytes(mn__sim *S, const mn__param *P) {
+MN__PRIVATE uint64_t mn__grad_bytes(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
-    uint64_t g = mn__shard(c, mn__m(S, P->numel, c->g_esz), 2);
+    uint64_t g = mn__shard(c, mn__prod(S, P->numel, c->g_esz), 2);
     if (c->s.framework == MN_FW_DEEPSPEED && c->fw_master && (c->zero == 1 || c->zero == 2))
-        g += mn__shard(c, mn__m(S, P->numel, 4), 1);
+        g += mn__shard(c, mn__prod(S, P->numel, 4), 1);
     return g;
 }
 
 // The separate fp32 master copy per GPU (deepspeed, megatron, memanat mixed precision), 0 if none.
-static uint64_t mn__master_bytes(mn__sim *S, const mn__param *P) {
-    return S->c->fw_master ? mn__shard(S->c, mn__m(S, P->numel, 4), 1) : 0;
+MN__PRIVATE uint64_t mn__master_bytes(mn__sim *S, const mn__param *P) {
+    return S->c->fw_master ? mn__shard(S->c, mn__prod(S, P->numel, 4), 1) : 0;
 }
 
 // Produces the gradient of a parameter in backward: a new tensor that becomes .grad when there
 // is none (AccumulateGrad steals it) or is added and freed; partitioned and preallocated buffers
 // receive the produced gradient and free it (megatron accumulates in place).
-static void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
+MN__PRIVATE void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
     mn__cfg *c = S->c;
-    mn__param *P = &S->p[pi];
+    mn__param *P = &S->params[pi];
     uint32_t h16 = MN__NONE;
     uint64_t full;
     if (!P->trainable) return;
-    if (cast16) h16 = mn__alloc_t(S, P->numel, 2, MN_CAT_TEMPORARY);  // grad of the 16-bit copy
-    full = mn__m(S, P->numel, c->g_esz);
+    if (cast16) h16 = mn__tensor_new(S, P->numel, 2, MN_CAT_TEMPORARY);  // grad of the 16-bit copy
+    full = mn__prod(S, P->numel, c->g_esz);
     if (c->grads_prealloc || c->zero >= 2 || c->s.offload > MN_OFFLOAD_NONE) {
-        if (c->s.framework != MN_FW_MEGATRON) mn__transient(S, mn__m(S, P->numel, cast16 ? 2 : c->g_esz), MN_CAT_TEMPORARY);
+        if (c->s.framework != MN_FW_MEGATRON)
+            mn__transient(S, mn__prod(S, P->numel, cast16 ? 2 : c->g_esz), MN_CAT_TEMPORARY);
         if (P->grad == MN__NONE && !c->grads_prealloc && c->s.offload <= MN_OFFLOAD_NONE)
-            P->grad = mn__alloc_t(S, mn__shard(c, full, 2), 1, MN_CAT_GRADIENTS);
+            P->grad = mn__tensor_new(S, mn__shard(c, full, 2), 1, MN_CAT_GRADIENTS);
     } else if (P->grad == MN__NONE) {
-        P->grad = mn__alloc_t(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
+        P->grad = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
     } else {
         mn__transient(S, full, MN_CAT_TEMPORARY);
     }
     mn__drop(S, h16);
 }
 
-static void mn__backward(mn__sim *S, uint64_t lo);
+MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo);
 
 // Backward of one recorded op (see the section comment).
-static void mn__backward_op(mn__sim *S, mn__op op) {
+MN__PRIVATE void mn__backward_op(mn__sim *S, mn__op op) {
     mn__cfg *c = S->c;
     int i;
     if (op.recomp_block != MN__NONE) {  // re-run a checkpointed block, recording, then its backward
@@ -4107,33 +4361,33 @@ static void mn__backward_op(mn__sim *S, mn__op op) {
         if (c->amp) mn__amp_clear(S);
         S->cursor = cur;
         if (S->err || y2 == MN__NONE) return;
-        S->t[y2].grad = S->t[op.out].grad;
-        S->t[op.out].grad = MN__NONE;
+        S->tensors[y2].grad = S->tensors[op.out].grad;
+        S->tensors[op.out].grad = MN__NONE;
         mn__drop(S, y2);
         mn__backward(S, mark);
         for (i = 0; i < op.nsaved; i++) mn__drop(S, op.saved[i]);
         return;
     }
     for (i = 0; i < op.nin; i++) {
-        mn__ten *t = &S->t[op.in[i]];
-        if (!t->rg) continue;
+        mn__tensor *t = &S->tensors[op.in[i]];
+        if (!t->requires_grad) continue;
         if (t->grad == MN__NONE) {
-            uint32_t g = mn__alloc_t(S, t->bytes / t->esz, t->esz, MN_CAT_TEMPORARY);
-            S->t[op.in[i]].grad = g;
+            uint32_t g = mn__tensor_new(S, t->bytes / t->elem_size, t->elem_size, MN_CAT_TEMPORARY);
+            S->tensors[op.in[i]].grad = g;
         } else {
             mn__transient(S, t->bytes, MN_CAT_TEMPORARY);
         }
     }
     for (i = 0; i < op.nparam; i++) mn__param_grad(S, op.param[i], op.cast16);
     mn__transient(S, op.bwd_temp, MN_CAT_TEMPORARY);
-    if (S->t[op.out].grad != MN__NONE) {
-        mn__drop(S, S->t[op.out].grad);
-        S->t[op.out].grad = MN__NONE;
+    if (S->tensors[op.out].grad != MN__NONE) {
+        mn__drop(S, S->tensors[op.out].grad);
+        S->tensors[op.out].grad = MN__NONE;
     }
     for (i = 0; i < op.nsaved; i++) mn__drop(S, op.saved[i]);
 }
 
-static void mn__backward(mn__sim *S, uint64_t lo) {
+MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo) {
     uint64_t i;
     for (i = S->nops; i-- > lo && !S->err;) {
         mn__op op = S->ops[i];  // by value: a recompute may grow the tape
@@ -4144,110 +4398,122 @@ static void mn__backward(mn__sim *S, uint64_t lo) {
 }
 
 // Bytes of a parameter as stored on one GPU (quantized base weights: bitsandbytes nf4 with
-// double quantization, 4 + 0.127 bits per parameter (QLoRA paper); int8 with an fp32 scale per row).
-static uint64_t mn__weight_bytes(mn__sim *S, const mn__param *P) {
+// double quantization, 4 + 0.127 bits per parameter (QLoRA paper); int8 with an fp32 scale per
+// row).
+MN__PRIVATE uint64_t mn__weight_bytes(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
     uint64_t b;
-    if (P->quant && c->s.quant == MN_QUANT_NF4) b = mn__m(S, P->numel, 4127) / 8000;
+    if (P->quant && c->s.quant == MN_QUANT_NF4) b = mn__prod(S, P->numel, 4127) / 8000;
     else if (P->quant) b = P->numel + P->dims[0] * 4;
-    else b = mn__m(S, P->numel, c->w_esz);
+    else b = mn__prod(S, P->numel, c->w_esz);
     return mn__shard(c, b, 3);
 }
 
-static uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
+MN__PRIVATE uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
     mn_optim_desc d;
     uint64_t b = 0;
     memset(&d, 0, sizeof d);
     d.kind = c->s.optim;
-    if (mn_optim_state_bytes(&d, P->dims, P->ndim, &b) != MN_OK) { S->err = MN_ERR_OVERFLOW; return 0; }
+    if (mn_optim_state_bytes(&d, P->dims, P->ndim, &b) != MN_OK) {
+        S->err = MN_ERR_OVERFLOW;
+        return 0;
+    }
     if (c->state_half && c->s.optim != MN_OPTIM_ADAMW_8BIT) b /= 2;  // zeros_like(16-bit param)
     return mn__shard(c, b, 1);
 }
 
 // Largest per-tensor temporary of the optimizer step (fused kernels need none): AdamW's
 // denominator sqrt(v)/... , Adafactor's squared gradient and update, Lion's update.
-static uint64_t mn__optim_temp(mn__sim *S, const mn__param *P) {
+MN__PRIVATE uint64_t mn__optim_temp(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
     uint64_t e = c->state_half ? 2 : 4;
     if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;  // fused optimizers
     switch (c->s.optim) {
-    case MN_OPTIM_ADAMW: case MN_OPTIM_LION: return mn__m(S, P->numel, e);
-    case MN_OPTIM_ADAFACTOR: return mn__m3(S, P->numel, e, 2);
+    case MN_OPTIM_ADAMW: case MN_OPTIM_LION: return mn__prod(S, P->numel, e);
+    case MN_OPTIM_ADAFACTOR: return mn__prod3(S, P->numel, e, 2);
     default: return 0;
     }
 }
 
-static void mn__alloc_states(mn__sim *S, uint64_t i) {
-    mn__param *P = &S->p[i];
+MN__PRIVATE void mn__alloc_states(mn__sim *S, uint64_t i) {
+    mn__param *P = &S->params[i];
     uint64_t b;
     if (!P->trainable || P->has_state) return;
     P->has_state = 1;
     b = mn__state_bytes(S, P);
     if (b == 0 || S->c->s.offload > MN_OFFLOAD_NONE) return;
     if (S->c->s.optim == MN_OPTIM_ADAMW || S->c->s.optim == MN_OPTIM_ADAMW_8BIT) {
-        mn__alloc_t(S, b / 2, 1, MN_CAT_OPTIMIZER);  // exp_avg, exp_avg_sq: two tensors
-        mn__alloc_t(S, b - b / 2, 1, MN_CAT_OPTIMIZER);
+        mn__tensor_new(S, b / 2, 1, MN_CAT_OPTIMIZER);  // exp_avg, exp_avg_sq: two tensors
+        mn__tensor_new(S, b - b / 2, 1, MN_CAT_OPTIMIZER);
     } else {
-        mn__alloc_t(S, b, 1, MN_CAT_OPTIMIZER);
+        mn__tensor_new(S, b, 1, MN_CAT_OPTIMIZER);
     }
 }
 
 // Persistent allocations at load time, in module order.
-static void mn__load(mn__sim *S) {
+MN__PRIVATE void mn__load(mn__sim *S) {
     mn__cfg *c = S->c;
     uint64_t i;
     S->phase = MN_PHASE_LOAD;
-    for (i = 0; i < S->np; i++)
+    for (i = 0; i < S->np; i++) {
+        mn_category cat = S->params[i].trainable ? c->param_cat : MN_CAT_WEIGHTS;
         if (c->s.offload != MN_OFFLOAD_ALL)
-            mn__alloc_t(S, mn__weight_bytes(S, &S->p[i]), 1, S->p[i].trainable ? c->param_cat : MN_CAT_WEIGHTS);
+            mn__tensor_new(S, mn__weight_bytes(S, &S->params[i]), 1, cat);
+    }
     if (c->s.infer) return;
     for (i = 0; i < S->np; i++) {
-        mn__param *P = &S->p[i];
+        mn__param *P = &S->params[i];
         if (!P->trainable) continue;
         if (c->fw_master && c->s.offload <= MN_OFFLOAD_NONE)
-            mn__alloc_t(S, mn__master_bytes(S, P), 1, c->fw_master == 1 ? MN_CAT_OPTIMIZER : MN_CAT_MASTER_WEIGHTS);
+            mn__tensor_new(S, mn__master_bytes(S, P), 1,
+                           c->fw_master == 1 ? MN_CAT_OPTIMIZER : MN_CAT_MASTER_WEIGHTS);
         if (c->grads_prealloc && c->s.offload <= MN_OFFLOAD_NONE)
-            P->grad = mn__alloc_t(S, mn__grad_bytes(S, P), 1, MN_CAT_GRADIENTS);
+            P->grad = mn__tensor_new(S, mn__grad_bytes(S, P), 1, MN_CAT_GRADIENTS);
         if (c->grads_prealloc) mn__alloc_states(S, i);  // engines create state at init
     }
 }
 
-static void mn__optimizer(mn__sim *S) {
+MN__PRIVATE void mn__optimizer_step(mn__sim *S) {
     mn__cfg *c = S->c;
     uint64_t i;
     S->phase = MN_PHASE_OPTIMIZER;
     if (c->s.optim == MN_OPTIM_NONE) return;
     for (i = 0; i < S->np; i++) mn__alloc_states(S, i);
     for (i = 0; i < S->np; i++)
-        if (S->p[i].trainable) mn__transient(S, mn__optim_temp(S, &S->p[i]), MN_CAT_TEMPORARY);
-    if (!c->grads_keep && !c->grads_prealloc)
-        for (i = 0; i < S->np; i++)
-            if (S->p[i].grad != MN__NONE) mn__drop(S, S->p[i].grad), S->p[i].grad = MN__NONE;
+        if (S->params[i].trainable)
+            mn__transient(S, mn__optim_temp(S, &S->params[i]), MN_CAT_TEMPORARY);
+    if (c->grads_keep || c->grads_prealloc) return;
+    for (i = 0; i < S->np; i++) {  // zero_grad(set_to_none=True)
+        if (S->params[i].grad == MN__NONE) continue;
+        mn__drop(S, S->params[i].grad);
+        S->params[i].grad = MN__NONE;
+    }
 }
 
 // One micro-batch: inputs, forward, backward.
-static void mn__micro_batch(mn__sim *S) {
+MN__PRIVATE void mn__micro_batch(mn__sim *S) {
     mn__cfg *c = S->c;
     uint32_t ids, labels, mask = MN__NONE, loss;
     S->phase = MN_PHASE_FORWARD;
     S->record = 1, S->training = 1, S->hold = MN__NONE;
     if (c->m.arch == MN_ARCH_STACK) {
-        ids = mn__alloc_t(S, mn__m(S, c->ntok, c->m.stack_in), c->a_esz, MN_CAT_ACTIVATIONS);
+        ids = mn__tensor_new(S, mn__prod(S, c->ntok, c->m.stack_in), c->a_esz, MN_CAT_ACTIVATIONS);
         labels = MN__NONE;
         loss = mn__stack_forward(S, ids);
     } else {
-        ids = mn__alloc_t(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
-        labels = mn__alloc_t(S, c->m.head == MN_HEAD_CLASSIFICATION ? c->b : c->ntok, 8, MN_CAT_ACTIVATIONS);
-        if (c->m.arch == MN_ARCH_ENCODER) mask = mn__alloc_t(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
+        ids = mn__tensor_new(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
+        labels = mn__tensor_new(S, c->m.head == MN_HEAD_CLASSIFICATION ? c->batch : c->ntok, 8,
+                                MN_CAT_ACTIVATIONS);
+        if (c->m.arch == MN_ARCH_ENCODER) mask = mn__tensor_new(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
         loss = mn__forward(S, ids, labels);
     }
     if (c->amp) mn__amp_clear(S);
     if (S->err || loss == MN__NONE) return;
     S->phase = MN_PHASE_BACKWARD;
     {
-        uint32_t g = mn__alloc_t(S, 1, 4, MN_CAT_TEMPORARY);  // (S->t may move while allocating)
-        if (g != MN__NONE) S->t[loss].grad = g;
+        uint32_t g = mn__tensor_new(S, 1, 4, MN_CAT_TEMPORARY);  // first: S->tensors may move
+        if (g != MN__NONE) S->tensors[loss].grad = g;
     }
     mn__backward(S, 0);
     mn__drop(S, loss), mn__drop(S, S->hold);
@@ -4256,25 +4522,25 @@ static void mn__micro_batch(mn__sim *S) {
 
 // Inference: weights, a KV cache for prompt + new tokens (preallocated, like a static cache),
 // and the prefill forward without autograd; logits only for the last position.
-static void mn__generate(mn__sim *S) {
+MN__PRIVATE void mn__generate(mn__sim *S) {
     mn__cfg *c = S->c;
     uint32_t ids, x, y, blk, dec0 = 0, mem = MN__NONE;
     uint64_t len, per;
     S->phase = MN_PHASE_PREFILL;
     S->record = 0, S->training = 0;
     len = c->s.prompt + c->s.new_tokens;
-    per = mn__m3(S, mn__m(S, c->b, len), c->kvd, c->kv_esz);
+    per = mn__prod3(S, mn__prod(S, c->batch, len), c->kv_width, c->kv_esz);
     if (c->m.arch == MN_ARCH_ENCODER_DECODER) dec0 = (uint32_t)c->m.encoder_layers;
     for (blk = dec0; blk < c->nblocks && c->m.arch != MN_ARCH_ENCODER; blk++) {
-        mn__alloc_t(S, per, 1, MN_CAT_KV_CACHE);
-        mn__alloc_t(S, per, 1, MN_CAT_KV_CACHE);
+        mn__tensor_new(S, per, 1, MN_CAT_KV_CACHE);
+        mn__tensor_new(S, per, 1, MN_CAT_KV_CACHE);
     }
-    ids = mn__alloc_t(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
+    ids = mn__tensor_new(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
     x = mn__embeddings(S, ids, 1);
     for (blk = 0; blk < c->nblocks && !S->err; blk++) {
         if (dec0 && blk == dec0) {  // encoder done: the decoder starts from one token per sequence
             mem = x;
-            c->seq = 1, c->ntok = c->b;
+            c->seq = 1, c->ntok = c->batch;
             x = mn__embeddings(S, ids, 0);
         }
         y = mn__block(S, x, blk, mem);
@@ -4284,89 +4550,129 @@ static void mn__generate(mn__sim *S) {
     mn__drop(S, mem);
     if (c->amp) mn__amp_clear(S);
     if (c->m.head == MN_HEAD_LM && !S->err) {
-        uint32_t lg = mn__alloc_t(S, mn__m(S, c->b, c->m.vocab), c->a_esz, MN_CAT_ACTIVATIONS);
-        mn__transient(S, mn__m3(S, c->b, c->m.vocab, 4), MN_CAT_ACTIVATIONS);
+        uint64_t n = mn__prod(S, c->batch, c->m.vocab);
+        uint32_t lg = mn__tensor_new(S, n, c->a_esz, MN_CAT_ACTIVATIONS);
+        mn__transient(S, mn__prod3(S, c->batch, c->m.vocab, 4), MN_CAT_ACTIVATIONS);
         mn__drop(S, lg);
     }
     mn__drop(S, x), mn__drop(S, ids);
 }
 
-// ---- resolving the inputs ----------------------------------------------------------------------
+// ---- resolving the inputs -----------------------------------------------------------------------
 
-#define MN__BAD(lg, ...) do { mn__log(lg, MN_LOG_ERROR, __VA_ARGS__); return MN_ERR_INVALID_ARG; } while (0)
+// Logs the reason and returns MN_ERR_INVALID_ARG.
+#define MN__INVALID(lg, ...)                                                                       \
+    do {                                                                                           \
+        mn__log(lg, MN_LOG_ERROR, __VA_ARGS__);                                                    \
+        return MN_ERR_INVALID_ARG;                                                                 \
+    } while (0)
 
 // Exact parameter count of a Llama-like shape (used to size a model known only by --params).
-static uint64_t mn__guess_count(uint64_t L, uint64_t h, uint64_t V) { return L * 12 * h * h + 2 * V * h; }
+MN__PRIVATE uint64_t mn__guess_count(uint64_t L, uint64_t h, uint64_t V) {
+    return L * 12 * h * h + 2 * V * h;
+}
 
-static mn_result mn__resolve_model(const mn_model *in, const mn_logger *lg, mn_model *m) {
+MN__PRIVATE mn_result mn__resolve_model(const mn_model *in, const mn_logger *lg, mn_model *m) {
     *m = *in;
     if (m->arch == MN_ARCH_DEFAULT) m->arch = MN_ARCH_DECODER;
-    if ((unsigned)m->arch >= MN_ARCH_COUNT) MN__BAD(lg, "model: unknown architecture %d", (int)m->arch);
+    if ((unsigned)m->arch >= MN_ARCH_COUNT)
+        MN__INVALID(lg, "model: unknown architecture %d", (int)m->arch);
     if (m->arch == MN_ARCH_STACK) {
         uint32_t i;
-        if (!m->stack || m->stack_len == 0) MN__BAD(lg, "model: a custom stack needs at least one layer");
+        if (!m->stack || m->stack_len == 0)
+            MN__INVALID(lg, "model: a custom stack needs at least one layer");
         for (i = 0; i < m->stack_len; i++) {
             const mn_layer *l = &m->stack[i];
-            if (l->shared_with > i) MN__BAD(lg, "model: layer %u shares weights with a later layer %u", i + 1, l->shared_with);
+            if (l->shared_with > i)
+                MN__INVALID(lg, "model: layer %u shares weights with a later layer %u", i + 1,
+                            l->shared_with);
             if (l->out == 0 || l->out > (1ull << 24) || l->in > (1ull << 24))
-                MN__BAD(lg, "model: layer %u has width %llu (want 1..16777216)", i + 1, (unsigned long long)l->out);
-            if (l->kind == MN_LAYER_LINEAR && l->in == 0) MN__BAD(lg, "model: linear layer %u has no input width", i + 1);
+                MN__INVALID(lg, "model: layer %u has width %llu (want 1..16777216)", i + 1,
+                            (unsigned long long)l->out);
+            if (l->kind == MN_LAYER_LINEAR && l->in == 0)
+                MN__INVALID(lg, "model: linear layer %u has no input width", i + 1);
         }
-        if (m->stack_in == 0) m->stack_in = m->stack[0].kind == MN_LAYER_EMBEDDING ? 1 : m->stack[0].in;
+        if (m->stack_in == 0)
+            m->stack_in = m->stack[0].kind == MN_LAYER_EMBEDDING ? 1 : m->stack[0].in;
         if (m->stack_in == 0) m->stack_in = m->stack[0].out;
-        if (!m->name[0]) snprintf(m->name, sizeof m->name, "custom stack of %u layers", m->stack_len);
+        if (!m->name[0])
+            snprintf(m->name, sizeof m->name, "custom stack of %u layers", m->stack_len);
         if (m->dtype == MN_DTYPE_DEFAULT) m->dtype = MN_FP32;
         return MN_OK;
     }
     if (m->layers == 0 && m->hidden == 0 && m->params) {  // only a count: a Llama-like shape
         uint64_t N = m->params, L, h, V = 32000;
         double l3 = cbrt((double)N / (12.0 * 128.0 * 128.0));
-        L = l3 < 1.0 ? 1 : l3 > 4096.0 ? 4096 : (uint64_t)l3;  // beyond that: the rest is one matrix
+        L = l3 < 1.0 ? 1 : l3 > 4096.0 ? 4096 : (uint64_t)l3;  // beyond: the rest is one matrix
         h = 128 * L;
         if (N < 2000000000ull) V = 8192;
         while (h > 128 && mn__guess_count(L, h, V) > N) h -= 128;
-        m->arch = MN_ARCH_DECODER, m->layers = L, m->hidden = h, m->heads = h / 128, m->kv_heads = 0;
-        m->head_dim = 128, m->ffn = h * 8 / 3, m->vocab = V, m->norm = MN_NORM_RMSNORM, m->act = MN_ACT_SILU;
-        m->posemb = MN_POS_ROPE, m->gated_mlp = 1, m->final_norm = 1, m->tie_embeddings = 0;
-        if (!m->name[0]) snprintf(m->name, sizeof m->name, "%.3gB parameters (shape guessed)", (double)N / 1e9);
+        m->arch = MN_ARCH_DECODER, m->layers = L, m->hidden = h, m->heads = h / 128;
+        m->kv_heads = 0, m->head_dim = 128, m->ffn = h * 8 / 3, m->vocab = V;
+        m->norm = MN_NORM_RMSNORM, m->act = MN_ACT_SILU, m->posemb = MN_POS_ROPE;
+        m->gated_mlp = 1, m->final_norm = 1, m->tie_embeddings = 0;
+        if (!m->name[0])
+            snprintf(m->name, sizeof m->name, "%.3gB parameters (shape guessed)", (double)N / 1e9);
     }
-    if (m->layers == 0 || m->layers > 10000) MN__BAD(lg, "model: layers %llu (want 1..10000)", (unsigned long long)m->layers);
-    if (m->hidden == 0 || m->hidden > (1ull << 20)) MN__BAD(lg, "model: hidden size %llu (want 1..1048576)", (unsigned long long)m->hidden);
-    if (m->heads == 0 || m->heads > m->hidden) MN__BAD(lg, "model: %llu attention heads for hidden size %llu", (unsigned long long)m->heads, (unsigned long long)m->hidden);
+    if (m->layers == 0 || m->layers > 10000)
+        MN__INVALID(lg, "model: layers %llu (want 1..10000)", (unsigned long long)m->layers);
+    if (m->hidden == 0 || m->hidden > (1ull << 20))
+        MN__INVALID(lg, "model: hidden size %llu (want 1..1048576)", (unsigned long long)m->hidden);
+    if (m->heads == 0 || m->heads > m->hidden)
+        MN__INVALID(lg, "model: %llu attention heads for hidden size %llu",
+                    (unsigned long long)m->heads, (unsigned long long)m->hidden);
     if (m->kv_heads == 0) m->kv_heads = m->heads;
-    if (m->kv_heads > m->heads || m->heads % m->kv_heads) MN__BAD(lg, "model: %llu key/value heads do not divide %llu heads", (unsigned long long)m->kv_heads, (unsigned long long)m->heads);
+    if (m->kv_heads > m->heads || m->heads % m->kv_heads)
+        MN__INVALID(lg, "model: %llu key/value heads do not divide %llu heads",
+                    (unsigned long long)m->kv_heads, (unsigned long long)m->heads);
     if (m->head_dim == 0) {
-        if (m->hidden % m->heads) MN__BAD(lg, "model: hidden size %llu is not a multiple of %llu heads", (unsigned long long)m->hidden, (unsigned long long)m->heads);
+        if (m->hidden % m->heads)
+            MN__INVALID(lg, "model: hidden size %llu is not a multiple of %llu heads",
+                        (unsigned long long)m->hidden, (unsigned long long)m->heads);
         m->head_dim = m->hidden / m->heads;
     }
-    if (m->head_dim > 65536) MN__BAD(lg, "model: head dimension %llu (want 1..65536)", (unsigned long long)m->head_dim);
+    if (m->head_dim > 65536)
+        MN__INVALID(lg, "model: head dimension %llu (want 1..65536)",
+                    (unsigned long long)m->head_dim);
     if (m->ffn == 0) m->ffn = 4 * m->hidden;
-    if (m->ffn > (1ull << 24)) MN__BAD(lg, "model: MLP width %llu (want up to 16777216)", (unsigned long long)m->ffn);
-    if (m->vocab == 0 || m->vocab > (1ull << 26)) MN__BAD(lg, "model: vocabulary %llu (want 1..67108864)", (unsigned long long)m->vocab);
+    if (m->ffn > (1ull << 24))
+        MN__INVALID(lg, "model: MLP width %llu (want up to 16777216)", (unsigned long long)m->ffn);
+    if (m->vocab == 0 || m->vocab > (1ull << 26))
+        MN__INVALID(lg, "model: vocabulary %llu (want 1..67108864)", (unsigned long long)m->vocab);
     if (m->arch == MN_ARCH_ENCODER_DECODER && m->encoder_layers == 0) m->encoder_layers = m->layers;
-    if (m->encoder_layers > 10000) MN__BAD(lg, "model: encoder layers %llu (want up to 10000)", (unsigned long long)m->encoder_layers);
+    if (m->encoder_layers > 10000)
+        MN__INVALID(lg, "model: encoder layers %llu (want up to 10000)",
+                    (unsigned long long)m->encoder_layers);
     if (m->posemb == MN_POS_DEFAULT) m->posemb = MN_POS_LEARNED;
     if (m->posemb == MN_POS_LEARNED && m->max_positions == 0) m->max_positions = 512;
-    if (m->max_positions > (1ull << 24)) MN__BAD(lg, "model: %llu positions (want up to 16777216)", (unsigned long long)m->max_positions);
-    if (m->type_vocab > (1ull << 20)) MN__BAD(lg, "model: %llu token types", (unsigned long long)m->type_vocab);
+    if (m->max_positions > (1ull << 24))
+        MN__INVALID(lg, "model: %llu positions (want up to 16777216)",
+                    (unsigned long long)m->max_positions);
+    if (m->type_vocab > (1ull << 20))
+        MN__INVALID(lg, "model: %llu token types (want up to 1048576)",
+                    (unsigned long long)m->type_vocab);
     if (m->rel_buckets == 0) m->rel_buckets = 32;
     if (m->num_labels == 0) m->num_labels = 2;
-    if (m->num_labels > (1ull << 24)) MN__BAD(lg, "model: %llu labels", (unsigned long long)m->num_labels);
+    if (m->num_labels > (1ull << 24))
+        MN__INVALID(lg, "model: %llu labels (want 1..16777216)", (unsigned long long)m->num_labels);
     if (m->norm == MN_NORM_DEFAULT) m->norm = MN_NORM_LAYERNORM;
     if (m->act == MN_ACT_DEFAULT) m->act = m->gated_mlp ? MN_ACT_SILU : MN_ACT_GELU;
     if (m->head == MN_HEAD_DEFAULT) m->head = MN_HEAD_LM;
     if (m->dtype == MN_DTYPE_DEFAULT) m->dtype = MN_FP32;
-    if ((unsigned)m->norm >= MN_NORM_COUNT || (unsigned)m->act >= MN_ACT_COUNT || (unsigned)m->posemb >= MN_POS_COUNT ||
-        (unsigned)m->head >= MN_HEAD_COUNT || (unsigned)m->dtype >= MN_DTYPE_COUNT)
-        MN__BAD(lg, "model: an enum field is out of range");
-    if (!(m->dropout >= 0.0f && m->dropout < 1.0f) || !(m->attn_dropout >= 0.0f && m->attn_dropout < 1.0f))
-        MN__BAD(lg, "model: dropout probabilities must be in [0, 1)");
-    if (m->arch == MN_ARCH_ENCODER) m->tie_embeddings = m->head == MN_HEAD_LM ? m->tie_embeddings : 0;
+    if ((unsigned)m->norm >= MN_NORM_COUNT || (unsigned)m->act >= MN_ACT_COUNT ||
+        (unsigned)m->posemb >= MN_POS_COUNT || (unsigned)m->head >= MN_HEAD_COUNT ||
+        (unsigned)m->dtype >= MN_DTYPE_COUNT)
+        MN__INVALID(lg, "model: an enum field is out of range");
+    if (!(m->dropout >= 0.0f && m->dropout < 1.0f) ||
+        !(m->attn_dropout >= 0.0f && m->attn_dropout < 1.0f))
+        MN__INVALID(lg, "model: dropout probabilities must be in [0, 1)");
+    if (m->arch == MN_ARCH_ENCODER && m->head != MN_HEAD_LM) m->tie_embeddings = 0;
     if (!m->name[0]) snprintf(m->name, sizeof m->name, "custom %s", mn_arch_name(m->arch));
     return MN_OK;
 }
 
-static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__cfg *c, mn_gpu *gpu) {
+MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__cfg *c,
+                                  mn_gpu *gpu) {
     const mn_logger *lg = &setup->logger;
     mn_setup *s = &c->s;
     mn_model *m = &c->m;
@@ -4377,13 +4683,23 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
     r = mn__resolve_model(model, lg, m);
     if (r != MN_OK) return r;
     if (s->batch == 0) s->batch = 1;
-    if (s->batch > (1ull << 32)) MN__BAD(lg, "--batch %llu is absurd (want 1..4294967296)", (unsigned long long)s->batch);
-    if (s->seq == 0) s->seq = m->arch == MN_ARCH_STACK ? 1 : (m->posemb == MN_POS_LEARNED && m->max_positions < 512 ? m->max_positions : 512);
-    if (s->seq > (1ull << 26)) MN__BAD(lg, "--seq %llu is absurd (want 1..67108864)", (unsigned long long)s->seq);
-    if (m->posemb == MN_POS_LEARNED && m->arch != MN_ARCH_STACK && s->seq > m->max_positions && !s->infer)
-        MN__BAD(lg, "--seq %llu exceeds the model's %llu positions", (unsigned long long)s->seq, (unsigned long long)m->max_positions);
+    if (s->batch > (1ull << 32))
+        MN__INVALID(lg, "--batch %llu is out of range (want 1..4294967296)",
+                    (unsigned long long)s->batch);
+    if (s->seq == 0 && m->arch == MN_ARCH_STACK) s->seq = 1;
+    if (s->seq == 0)  // 512, or fewer positions of a learned table
+        s->seq = m->posemb == MN_POS_LEARNED && m->max_positions < 512 ? m->max_positions : 512;
+    if (s->seq > (1ull << 26))
+        MN__INVALID(lg, "--seq %llu is out of range (want 1..67108864)",
+                    (unsigned long long)s->seq);
+    if (m->posemb == MN_POS_LEARNED && m->arch != MN_ARCH_STACK && s->seq > m->max_positions &&
+        !s->infer)
+        MN__INVALID(lg, "--seq %llu is out of range (want 1..%llu, the model's positions)",
+                    (unsigned long long)s->seq, (unsigned long long)m->max_positions);
     if (s->accum == 0) s->accum = 1;
-    if (s->accum > (1ull << 20)) MN__BAD(lg, "--accum %llu is absurd", (unsigned long long)s->accum);
+    if (s->accum > (1ull << 20))
+        MN__INVALID(lg, "--accum %llu is out of range (want 1..1048576)",
+                    (unsigned long long)s->accum);
     if (s->precision == MN_PREC_DEFAULT) s->precision = MN_PREC_FP32;
     if (s->optim == MN_OPTIM_DEFAULT) s->optim = s->infer ? MN_OPTIM_NONE : MN_OPTIM_ADAMW;
     if (s->checkpointing == MN_CKPT_DEFAULT) s->checkpointing = MN_CKPT_NONE;
@@ -4394,28 +4710,44 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
         (unsigned)s->checkpointing >= MN_CKPT_COUNT || (unsigned)s->attention >= MN_ATTN_COUNT ||
         (unsigned)s->framework >= MN_FW_COUNT || (unsigned)s->offload >= MN_OFFLOAD_COUNT ||
         (unsigned)s->quant >= MN_QUANT_COUNT || (unsigned)s->grads >= MN_GRADS_COUNT)
-        MN__BAD(lg, "setup: an enum field is out of range");
-    if (s->attention == MN_ATTN_DEFAULT)
-        s->attention = s->framework == MN_FW_HF || s->framework == MN_FW_DEEPSPEED
-                           ? (m->arch == MN_ARCH_ENCODER || m->arch == MN_ARCH_ENCODER_DECODER ? MN_ATTN_EAGER : MN_ATTN_SDPA)
-                           : MN_ATTN_FLASH;
+        MN__INVALID(lg, "setup: an enum field is out of range");
+    if (s->attention == MN_ATTN_DEFAULT) {  // hf, deepspeed: eager for encoders, sdpa otherwise
+        int enc = m->arch == MN_ARCH_ENCODER || m->arch == MN_ARCH_ENCODER_DECODER;
+        if (s->framework == MN_FW_HF || s->framework == MN_FW_DEEPSPEED)
+            s->attention = enc ? MN_ATTN_EAGER : MN_ATTN_SDPA;
+        else
+            s->attention = MN_ATTN_FLASH;
+    }
     if (s->torch_version == 0) s->torch_version = s->framework == MN_FW_HF ? 110 : 200;
-    if (s->torch_version < 100 || s->torch_version > 999) MN__BAD(lg, "--torch %u.%u is not a torch version", s->torch_version / 100, s->torch_version % 100);
+    if (s->torch_version < 100 || s->torch_version > 999)
+        MN__INVALID(lg, "--torch %u.%02u is out of range (want 1.00..9.99, torch_version 100..999)",
+                    s->torch_version / 100, s->torch_version % 100);
     // torch 2.0 made zero_grad(set_to_none=True) the default (torch.nn.Module.zero_grad docs)
-    if (s->grads == MN_GRADS_DEFAULT) s->grads = s->torch_version < 200 ? MN_GRADS_KEEP : MN_GRADS_RELEASE;
-    if (s->zero_stage > 3) MN__BAD(lg, "--zero %u (want 0..3)", s->zero_stage);
+    if (s->grads == MN_GRADS_DEFAULT)
+        s->grads = s->torch_version < 200 ? MN_GRADS_KEEP : MN_GRADS_RELEASE;
+    if (s->zero_stage > 3) MN__INVALID(lg, "--zero %u is out of range (want 0..3)", s->zero_stage);
     if (s->gpus == 0) s->gpus = 1;
-    if (s->gpus > (1u << 20)) MN__BAD(lg, "--gpus %u is absurd", s->gpus);
-    if (s->lora_rank > 65536) MN__BAD(lg, "--lora-rank %u (want 1..65536)", s->lora_rank);
+    if (s->gpus > (1u << 20))
+        MN__INVALID(lg, "--gpus %u is out of range (want 1..1048576)", s->gpus);
+    if (s->lora_rank > 65536)
+        MN__INVALID(lg, "--lora-rank %u is out of range (want 1..65536, 0 = no LoRA)",
+                    s->lora_rank);
     if (s->lora_rank && s->lora_targets == 0) s->lora_targets = MN_LORA_Q | MN_LORA_V;
     if (s->quant > MN_QUANT_NONE && !s->lora_rank && !s->infer)
-        MN__BAD(lg, "--quant %s freezes the base weights: add --lora-rank, or --infer", mn_quant_name(s->quant));
-    if (s->offload == MN_OFFLOAD_ALL && s->zero_stage < 3) MN__BAD(lg, "--offload all needs --zero 3");
+        MN__INVALID(lg, "--quant %s freezes the base weights: add --lora-rank, or --infer",
+                    mn_quant_name(s->quant));
+    if (s->offload == MN_OFFLOAD_ALL && s->zero_stage < 3)
+        MN__INVALID(lg, "--offload all needs --zero 3");
     if (s->beams == 0) s->beams = 1;
-    if (s->beams > 4096) MN__BAD(lg, "--beams %u is absurd", s->beams);
+    if (s->beams > 4096) MN__INVALID(lg, "--beams %u is out of range (want 1..4096)", s->beams);
     if (s->infer) {
         if (s->prompt == 0) s->prompt = s->seq;
-        if (s->prompt > (1ull << 26) || s->new_tokens > (1ull << 26)) MN__BAD(lg, "--prompt/--new-tokens are absurd");
+        if (s->prompt > (1ull << 26))
+            MN__INVALID(lg, "--prompt %llu is out of range (want 1..67108864)",
+                        (unsigned long long)s->prompt);
+        if (s->new_tokens > (1ull << 26))
+            MN__INVALID(lg, "--new-tokens %llu is out of range (want 0..67108864)",
+                        (unsigned long long)s->new_tokens);
         s->seq = s->prompt, s->accum = 1, s->optim = MN_OPTIM_NONE, s->checkpointing = MN_CKPT_NONE;
     }
     if (!s->gpu) s->gpu = "a100-80gb";
@@ -4426,17 +4758,25 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
     s->gpu = gpu->name;
     if (s->capacity == 0) s->capacity = gpu->capacity;
     if (s->context == 0) s->context = gpu->context;
-    if (s->capacity > (1ull << 50)) MN__BAD(lg, "--capacity is absurd (over 1 PiB)");
-    if (s->context > s->capacity) MN__BAD(lg, "--context is larger than the device capacity");
+    if (s->capacity > (1ull << 50))
+        MN__INVALID(lg, "--capacity %llu bytes is out of range (want up to 1125899906842624)",
+                    (unsigned long long)s->capacity);
+    if (s->context > s->capacity)
+        MN__INVALID(lg, "--context %llu bytes is out of range (want up to the capacity, %llu)",
+                    (unsigned long long)s->context, (unsigned long long)s->capacity);
 
-    c->b = s->batch * (s->infer ? s->beams : 1);
+    c->batch = s->batch * (s->infer ? s->beams : 1);
     c->seq = s->seq;
-    c->ntok = c->b * c->seq;
+    c->ntok = c->batch * c->seq;
     c->enc_seq = c->seq;
-    if (c->ntok > (1ull << 36)) MN__BAD(lg, "batch x sequence = %llu tokens is absurd", (unsigned long long)c->ntok);
-    c->d = m->head_dim, c->qd = m->heads * m->head_dim, c->kvd = m->kv_heads * m->head_dim, c->f = m->ffn;
-    c->r = s->lora_rank;
+    if (c->ntok > (1ull << 36))
+        MN__INVALID(lg, "batch x sequence = %llu tokens is out of range (want up to 68719476736)",
+                    (unsigned long long)c->ntok);
+    c->q_width = m->heads * m->head_dim, c->kv_width = m->kv_heads * m->head_dim;
+    c->ffn = m->ffn;
+    c->lora_rank = s->lora_rank;
     c->gpus = s->gpus, c->zero = s->zero_stage;
+    c->cublas_workspace = gpu->cublas_workspace;
     c->attn = s->attention;
     mixed = s->precision == MN_PREC_FP16 || s->precision == MN_PREC_BF16;
     pure = s->precision == MN_PREC_FP16_PURE || s->precision == MN_PREC_BF16_PURE;
@@ -4465,69 +4805,71 @@ static mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__c
         break;
     case MN_FW_COUNT: break;
     }
-    if (s->infer) c->fw_master = 0, c->grads_prealloc = 0;  // autocast inference keeps fp32 + 16-bit
+    if (s->infer) c->fw_master = 0, c->grads_prealloc = 0;  // autocast inference: fp32 + 16-bit
     c->kv_esz = c->a_esz;
-    c->nblocks = (uint32_t)(m->arch == MN_ARCH_STACK ? m->stack_len : m->layers + m->encoder_layers);
+    c->nblocks = (uint32_t)(m->arch == MN_ARCH_STACK ? m->stack_len
+                                                      : m->layers + m->encoder_layers);
     if (m->arch == MN_ARCH_ENCODER_DECODER) c->nblocks = (uint32_t)(m->layers + m->encoder_layers);
     else if (m->arch != MN_ARCH_STACK) c->nblocks = (uint32_t)m->layers;
     return MN_OK;
 }
 
-// ---- the estimate ------------------------------------------------------------------------------
+// ---- the estimate -------------------------------------------------------------------------------
 
-static void mn__sim_free(mn__sim *S) {
-    mn__free(S->al, S->t), mn__free(S->al, S->ops), mn__free(S->al, S->p);
-    mn__free(S->al, S->ev), mn__free(S->al, S->bstart);
+MN__PRIVATE void mn__sim_free(mn__sim *S) {
+    mn__free(S->al, S->tensors), mn__free(S->al, S->ops), mn__free(S->al, S->params);
+    mn__free(S->al, S->ev), mn__free(S->al, S->block_start);
     memset(S, 0, sizeof *S);
 }
 
 // Counting pass: the parameter list, plus the exact count a caller gave (--params, safetensors)
 // and adapters (--trainable-params).
-static mn_result mn__build_params(mn__sim *S) {
+MN__PRIVATE mn_result mn__build_params(mn__sim *S) {
     mn__cfg *c = S->c;
     uint64_t counted = 0, i, want = c->m.params;
     uint32_t nb = c->nblocks + 1;
-    S->bstart = (uint32_t *)mn__alloc_array(S->al, nb, sizeof *S->bstart);
-    if (!S->bstart) return MN_ERR_OUT_OF_MEMORY;
-    memset(S->bstart, 0, (size_t)nb * sizeof *S->bstart);
+    S->block_start = (uint32_t *)mn__alloc_array(S->al, nb, sizeof *S->block_start);
+    if (!S->block_start) return MN_ERR_OUT_OF_MEMORY;
+    memset(S->block_start, 0, (size_t)nb * sizeof *S->block_start);
     S->counting = 1;
     S->cursor = 0;
     if (c->m.arch == MN_ARCH_STACK) mn__stack_forward(S, MN__NONE);
     else mn__forward(S, MN__NONE, MN__NONE);
     if (S->err) return S->err;
-    for (i = 0; i < S->np; i++) counted += S->p[i].numel;
+    for (i = 0; i < S->np; i++) counted += S->params[i].numel;
     if (want > counted) {  // the rest as frozen-or-trainable matrices of the model's width
         uint64_t rest = want - counted, h = c->m.hidden ? c->m.hidden : 1024;
-        if (rest / h) mn__w(S, rest / h, h, mn__base_trainable(c), 0);
-        if (rest % h) mn__w(S, rest % h, 0, mn__base_trainable(c), 0);
+        if (rest / h) mn__next_param(S, rest / h, h, mn__base_trainable(c), 0);
+        if (rest % h) mn__next_param(S, rest % h, 0, mn__base_trainable(c), 0);
     }
     if (c->s.trainable_params) {
         uint64_t total = 0, T = c->s.trainable_params, h = c->m.hidden ? c->m.hidden : 1024;
-        for (i = 0; i < S->np; i++) total += S->p[i].numel;
+        for (i = 0; i < S->np; i++) total += S->params[i].numel;
         if (T > total) {
-            mn__log(&c->s.logger, MN_LOG_ERROR, "--trainable-params %llu exceeds the model's %llu parameters",
+            mn__log(&c->s.logger, MN_LOG_ERROR,
+                    "--trainable-params %llu exceeds the model's %llu parameters",
                     (unsigned long long)T, (unsigned long long)total);
             return MN_ERR_INVALID_ARG;
         }
-        if (T / h) mn__w(S, T / h, h, 1, 0);
-        if (T % h) mn__w(S, T % h, 0, 1, 0);
+        if (T / h) mn__next_param(S, T / h, h, 1, 0);
+        if (T % h) mn__next_param(S, T % h, 0, 1, 0);
     }
     S->counting = 0;
     return S->err;
 }
 
 // Model states per GPU, from the parameter list.
-static void mn__states(mn__sim *S, mn_estimate_result *out) {
+MN__PRIVATE void mn__model_states(mn__sim *S, mn_estimate_result *out) {
     mn__cfg *c = S->c;
     uint64_t i, g, st, mw, total = 0, trainable = 0;
     int off = c->s.offload > MN_OFFLOAD_NONE;
     for (i = 0; i < S->np; i++) {
-        mn__param *P = &S->p[i];
+        mn__param *P = &S->params[i];
         total += P->numel;
-        if (c->amp) {  // fp32 storage of trained parameters is the master; autocast adds 16-bit casts
+        if (c->amp) {  // fp32 storage of trained parameters is the master; autocast adds casts
             if (P->trainable) out->master_weights += mn__weight_bytes(S, P);
             else out->weights += mn__weight_bytes(S, P);
-            if (!P->quant) out->weights += mn__m(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1);
+            if (!P->quant) out->weights += mn__prod(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1);
         } else if (c->s.offload != MN_OFFLOAD_ALL) {
             out->weights += mn__weight_bytes(S, P);
         } else {
@@ -4553,7 +4895,7 @@ static void mn__states(mn__sim *S, mn_estimate_result *out) {
 }
 
 // Runs load + two training steps (or a generation), recording allocation events.
-static void mn__run(mn__sim *S) {
+MN__PRIVATE void mn__run(mn__sim *S) {
     mn__cfg *c = S->c;
     uint64_t step, mb, nmb = c->s.accum < 2 ? 1 : 2;
     mn__load(S);
@@ -4563,7 +4905,7 @@ static void mn__run(mn__sim *S) {
         mn__generate(S);
         return;
     }
-    mn__alloc_t(S, MN__MIB(c->gpu_is_hopper ? 32 : 4), 1, MN_CAT_WORKSPACE);  // cuBLAS workspace
+    mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
     for (step = 0; step < 2 && !S->err; step++) {
         for (mb = 0; mb < nmb && !S->err; mb++) {
             S->cursor = 0;
@@ -4571,7 +4913,7 @@ static void mn__run(mn__sim *S) {
             mn__micro_batch(S);
             S->parts_on = 0;
         }
-        if (!S->err) mn__optimizer(S);
+        if (!S->err) mn__optimizer_step(S);
     }
 }
 
@@ -4595,8 +4937,9 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *
 }
 
 // parts: NULL, or room for the activation bytes of each part (mn_estimate_parts).
-static mn_result mn__estimate(const mn_model *model, const mn_setup *setup, const mn_allocator *al,
-                              mn_estimate_result *out, mn__sim *S, int keep_events, uint64_t *parts) {
+MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
+                                   const mn_allocator *al, mn_estimate_result *out, mn__sim *S,
+                                   int keep_events, uint64_t *parts) {
     mn__cfg c;
     mn_gpu gpu;
     mn_result r;
@@ -4607,11 +4950,10 @@ static mn_result mn__estimate(const mn_model *model, const mn_setup *setup, cons
     S->parts = parts;
     r = mn__resolve(model, setup, &c, &gpu);
     if (r != MN_OK) return r;
-    c.gpu_is_hopper = strncmp(gpu.name, "h1", 2) == 0 || strncmp(gpu.name, "h2", 2) == 0;
     S->al = al, S->c = &c;
     r = mn__build_params(S);
     if (r == MN_OK) {
-        mn__states(S, out);
+        mn__model_states(S, out);
         r = S->err;
     }
     if (r == MN_OK) {
@@ -4619,11 +4961,14 @@ static mn_result mn__estimate(const mn_model *model, const mn_setup *setup, cons
         mn__run(S);
         r = S->err;
     }
-    if (r == MN_ERR_OVERFLOW) mn__log(&c.s.logger, MN_LOG_ERROR, "the model or setup is too large: a size overflows 64 bits");
+    if (r == MN_ERR_OVERFLOW)
+        mn__log(&c.s.logger, MN_LOG_ERROR,
+                "the model or setup is too large: a size overflows 64 bits");
     if (r != MN_OK) return r;
     out->peak_allocated = S->peak;
     out->peak_phase = S->peak_phase;
-    for (k = 0; k < MN_CAT_COUNT; k++) out->at_peak[k] = S->at_peak[k], out->cat_peak[k] = S->cat_peak[k];
+    for (k = 0; k < MN_CAT_COUNT; k++)
+        out->at_peak[k] = S->at_peak[k], out->cat_peak[k] = S->cat_peak[k];
     out->activations = S->at_peak[MN_CAT_ACTIVATIONS];
     out->temporary = S->at_peak[MN_CAT_TEMPORARY];
     out->workspace = S->at_peak[MN_CAT_WORKSPACE];
@@ -4654,15 +4999,17 @@ static mn_result mn__estimate(const mn_model *model, const mn_setup *setup, cons
     return MN_OK;
 }
 
-MNIMPL mn_result mn_estimate(const mn_model *model, const mn_setup *setup, mn_estimate_result *out) {
+MNIMPL mn_result mn_estimate(const mn_model *model, const mn_setup *setup,
+                             mn_estimate_result *out) {
     mn__sim S;
     mn_result r = mn__estimate(model, setup, NULL, out, &S, 0, NULL);
     mn__sim_free(&S);
     return r;
 }
 
-MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup, const mn_allocator *allocator,
-                                   mn_trace_event **events, uint64_t *count) {
+MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
+                                   const mn_allocator *allocator, mn_trace_event **events,
+                                   uint64_t *count) {
     mn__sim S;
     mn_estimate_result res;
     mn_setup s2;
@@ -4680,10 +5027,12 @@ MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
     return r;
 }
 
-MNIMPL void mn_trace_free(const mn_allocator *allocator, mn_trace_event *events) { mn__free(allocator, events); }
+MNIMPL void mn_trace_free(const mn_allocator *allocator, mn_trace_event *events) {
+    mn__free(allocator, events);
+}
 
-MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup, const mn_allocator *allocator,
-                                    mn_cache *cache) {
+MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup,
+                                    const mn_allocator *allocator, mn_cache *cache) {
     mn__sim S;
     mn_estimate_result res;
     mn_setup s2;
@@ -4697,8 +5046,8 @@ MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup
     return r;
 }
 
-MNIMPL mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup, uint64_t *parts, uint32_t cap,
-                                   uint32_t *count) {
+MNIMPL mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup, uint64_t *parts,
+                                   uint32_t cap, uint32_t *count) {
     mn__sim S;
     mn_estimate_result res;
     mn_setup s2;
@@ -4740,16 +5089,17 @@ MNIMPL mn_result mn_model_params(const mn_model *model, uint64_t *out) {
     memset(&S, 0, sizeof S);
     S.c = &c;
     r = mn__build_params(&S);
-    for (i = 0; r == MN_OK && i < S.np; i++) n += S.p[i].numel;
+    for (i = 0; r == MN_OK && i < S.np; i++) n += S.params[i].numel;
     mn__sim_free(&S);
     if (r == MN_OK) *out = n;
     return r;
 }
 
-// ---- fit: the largest micro-batch, the longest sequence, and a plan ---------------------------
+// ---- fit: the largest micro-batch, the longest sequence, and a plan -----------------------------
 
 // The step alone (no allocator replay): microseconds. Its device_used counts peak allocated.
-static mn_result mn__quick(const mn_model *m, const mn_setup *s, mn_fit_result *out, mn_estimate_result *r) {
+MN__PRIVATE mn_result mn__quick_estimate(const mn_model *m, const mn_setup *s, mn_fit_result *out,
+                                         mn_estimate_result *r) {
     mn_setup q = *s;
     q.no_replay = 1;
     out->estimates_run++;
@@ -4758,8 +5108,9 @@ static mn_result mn__quick(const mn_model *m, const mn_setup *s, mn_fit_result *
 
 // Fits the device? The replay never lowers the peak below what is allocated, so a setup whose
 // allocated peak does not fit is rejected without replaying it.
-static int mn__fits(const mn_model *m, const mn_setup *s, mn_fit_result *out, mn_estimate_result *r, mn_result *err) {
-    mn_result e = mn__quick(m, s, out, r);
+MN__PRIVATE int mn__fits(const mn_model *m, const mn_setup *s, mn_fit_result *out,
+                         mn_estimate_result *r, mn_result *err) {
+    mn_result e = mn__quick_estimate(m, s, out, r);
     if (e == MN_OK && r->fits && !s->no_replay) {
         e = mn_estimate(m, s, r);
         out->estimates_run++;
@@ -4771,28 +5122,29 @@ static int mn__fits(const mn_model *m, const mn_setup *s, mn_fit_result *out, mn
 // Largest value in [1, cap] for which fits(value) holds, 0 if none: doubling, then bisection
 // (memory grows with batch and sequence, so fitting is monotonic in both). quick: judge by the
 // step alone (peak allocated), else with the allocator replay.
-static uint64_t mn__bisect(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t lo, uint64_t hi, int quick,
-                           mn_fit_result *out, mn_result *err) {
+MN__PRIVATE uint64_t mn__bisect(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t lo,
+                                uint64_t hi, int quick, mn_fit_result *out, mn_result *err) {
     mn_estimate_result r;
     while (hi - lo > 1 && *err == MN_OK) {  // fits(lo) (or lo == 0), !fits(hi)
         uint64_t mid = lo + (hi - lo) / 2;
         int ok;
         *field = mid;
-        ok = quick ? (mn__quick(m, s, out, &r) == MN_OK && r.fits) : mn__fits(m, s, out, &r, err);
+        if (quick) ok = mn__quick_estimate(m, s, out, &r) == MN_OK && r.fits;
+        else ok = mn__fits(m, s, out, &r, err);
         if (ok) lo = mid;
         else hi = mid;
     }
     return lo;
 }
 
-static uint64_t mn__search(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t cap, mn_fit_result *out,
-                           mn_result *err) {
+MN__PRIVATE uint64_t mn__search(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t cap,
+                                mn_fit_result *out, mn_result *err) {
     mn_estimate_result r;
     uint64_t hi = 1, lo = 0, bound, step;
     // 1. the bound from the step alone (reserved >= allocated, so nothing above it fits)
     for (;;) {
         *field = hi;
-        if ((*err = mn__quick(m, s, out, &r)) != MN_OK) return 0;
+        if ((*err = mn__quick_estimate(m, s, out, &r)) != MN_OK) return 0;
         if (!r.fits) break;
         lo = hi;
         if (hi >= cap) break;
@@ -4837,29 +5189,46 @@ static const struct { double factor; const char *note; } mn__techs[MN__T_COUNT] 
 };
 
 // Applies technique k to s if it applies; 0 when it does not.
-static int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
+MN__PRIVATE int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
     switch (k) {
-    case MN__T_SDPA: if (s->attention != MN_ATTN_EAGER) return 0; s->attention = MN_ATTN_SDPA; return 1;
+    case MN__T_SDPA:
+        if (s->attention != MN_ATTN_EAGER) return 0;
+        s->attention = MN_ATTN_SDPA;
+        return 1;
     case MN__T_MIXED:
         if (s->precision != MN_PREC_FP32 || s->infer) return 0;
         s->precision = bf16 ? MN_PREC_BF16 : MN_PREC_FP16;
         return 1;
-    case MN__T_ADAM8: if (s->optim != MN_OPTIM_ADAMW || s->infer) return 0; s->optim = MN_OPTIM_ADAMW_8BIT; return 1;
-    case MN__T_HALVE: if (s->batch < 2 || s->infer) return 0; s->batch = (s->batch + 1) / 2, s->accum *= 2; return 1;
+    case MN__T_ADAM8:
+        if (s->optim != MN_OPTIM_ADAMW || s->infer) return 0;
+        s->optim = MN_OPTIM_ADAMW_8BIT;
+        return 1;
+    case MN__T_HALVE:
+        if (s->batch < 2 || s->infer) return 0;
+        s->batch = (s->batch + 1) / 2, s->accum *= 2;
+        return 1;
     case MN__T_SELECTIVE:
         if (s->checkpointing != MN_CKPT_NONE || s->attention != MN_ATTN_EAGER || s->infer) return 0;
         s->checkpointing = MN_CKPT_SELECTIVE;
         return 1;
-    case MN__T_FULL: if (s->checkpointing == MN_CKPT_FULL || s->infer) return 0; s->checkpointing = MN_CKPT_FULL; return 1;
+    case MN__T_FULL:
+        if (s->checkpointing == MN_CKPT_FULL || s->infer) return 0;
+        s->checkpointing = MN_CKPT_FULL;
+        return 1;
     case MN__T_ADAFACTOR:
-        if (s->optim == MN_OPTIM_ADAFACTOR || s->optim == MN_OPTIM_SGD || s->optim == MN_OPTIM_NONE || s->lora_rank || s->infer) return 0;
+        if (s->optim == MN_OPTIM_ADAFACTOR || s->optim == MN_OPTIM_SGD ||
+            s->optim == MN_OPTIM_NONE || s->lora_rank || s->infer)
+            return 0;
         s->optim = MN_OPTIM_ADAFACTOR;
         return 1;
     case MN__T_LORA:
         if (s->lora_rank || s->infer) return 0;
         s->lora_rank = 16, s->lora_targets = MN_LORA_ALL;
         return 1;
-    case MN__T_NF4: if (s->quant > MN_QUANT_NONE || (!s->lora_rank && !s->infer)) return 0; s->quant = MN_QUANT_NF4; return 1;
+    case MN__T_NF4:
+        if (s->quant > MN_QUANT_NONE || (!s->lora_rank && !s->infer)) return 0;
+        s->quant = MN_QUANT_NF4;
+        return 1;
     case MN__T_OFFLOAD:
         if (s->zero_stage >= 3 || s->infer) return 0;
         s->framework = MN_FW_DEEPSPEED, s->zero_stage = 3, s->offload = MN_OFFLOAD_ALL;
@@ -4869,13 +5238,14 @@ static int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
     return 0;
 }
 
-static void mn__tech_describe(mn__tech k, const mn_setup *s, char *buf, size_t cap) {
+MN__PRIVATE void mn__tech_describe(mn__tech k, const mn_setup *s, char *buf, size_t cap) {
     switch (k) {
     case MN__T_SDPA: snprintf(buf, cap, "--attention sdpa"); break;
     case MN__T_MIXED: snprintf(buf, cap, "--precision %s", mn_precision_name(s->precision)); break;
     case MN__T_ADAM8: snprintf(buf, cap, "--optim adamw-8bit"); break;
     case MN__T_HALVE:
-        snprintf(buf, cap, "--batch %llu --accum %llu", (unsigned long long)s->batch, (unsigned long long)s->accum);
+        snprintf(buf, cap, "--batch %llu --accum %llu", (unsigned long long)s->batch,
+                 (unsigned long long)s->accum);
         break;
     case MN__T_SELECTIVE: snprintf(buf, cap, "--checkpointing selective"); break;
     case MN__T_FULL: snprintf(buf, cap, "--checkpointing full"); break;
@@ -4888,7 +5258,8 @@ static void mn__tech_describe(mn__tech k, const mn_setup *s, char *buf, size_t c
 }
 
 // The setup after applying steps[0..n) to base, skipping index `skip`.
-static mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, uint32_t n, uint32_t skip, int bf16) {
+MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, uint32_t n,
+                                    uint32_t skip, int bf16) {
     mn_setup s = *base;
     uint32_t i;
     for (i = 0; i < n; i++)
@@ -4917,7 +5288,9 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     out->max_batch = mn__search(model, &t, &t.batch, 1ull << 20, out, &err);
     if (err != MN_OK) return err;
     t = base;
-    cap_seq = cur.model.posemb == MN_POS_LEARNED && cur.model.arch != MN_ARCH_STACK ? cur.model.max_positions : (1ull << 22);
+    cap_seq = 1ull << 22;
+    if (cur.model.posemb == MN_POS_LEARNED && cur.model.arch != MN_ARCH_STACK)
+        cap_seq = cur.model.max_positions;
     if (base.infer) out->max_seq = mn__search(model, &t, &t.prompt, cap_seq, out, &err);
     else out->max_seq = mn__search(model, &t, &t.seq, cap_seq, out, &err);
     if (err != MN_OK) return err;
@@ -4927,13 +5300,13 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     s = base;
     if (!cur.fits) {
         mn_estimate_result q, qn;
-        if ((err = mn__quick(model, &s, out, &q)) != MN_OK) return err;
+        if ((err = mn__quick_estimate(model, &s, out, &q)) != MN_OK) return err;
         while (!cur.fits && progress && n < sizeof steps) {
             progress = 0;
             for (k = 0; k < MN__T_COUNT && !progress; k++) {
                 t = s;
                 if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
-                if ((err = mn__quick(model, &t, out, &qn)) != MN_OK) return err;
+                if ((err = mn__quick_estimate(model, &t, out, &qn)) != MN_OK) return err;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
                 steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1;
                 mn__fits(model, &s, out, &cur, &err);
@@ -4956,18 +5329,18 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     }
     // Report the kept steps with the peak each one saves (the step alone: what is allocated).
     t = base;
-    if ((err = mn__quick(model, &t, out, &next)) != MN_OK) return err;
+    if ((err = mn__quick_estimate(model, &t, out, &next)) != MN_OK) return err;
     for (i = 0; i < n && out->plan_len < sizeof out->plan / sizeof out->plan[0]; i++) {
         mn_estimate_result after;
         mn_plan_step *p = &out->plan[out->plan_len++];
         char a[32], b[32];
         mn__tech_apply((mn__tech)steps[i], &t, bf16);
-        if ((err = mn__quick(model, &t, out, &after)) != MN_OK) return err;
+        if ((err = mn__quick_estimate(model, &t, out, &after)) != MN_OK) return err;
         mn__tech_describe((mn__tech)steps[i], &t, p->what, sizeof p->what);
         mn_size_format(next.peak_allocated, a, sizeof a);
         mn_size_format(after.peak_allocated, b, sizeof b);
-        snprintf(p->why, sizeof p->why, "%s: peak %s -> %s, step time x%.2f", mn__techs[steps[i]].note, a, b,
-                 mn__techs[steps[i]].factor);
+        snprintf(p->why, sizeof p->why, "%s: peak %s -> %s, step time x%.2f",
+                 mn__techs[steps[i]].note, a, b, mn__techs[steps[i]].factor);
         out->plan_slowdown *= mn__techs[steps[i]].factor;
         next = after;
     }

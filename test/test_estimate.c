@@ -50,6 +50,64 @@ static void test_param_counts(void) {
     CHECK_EQ_U64(n, 335143938ull);
 }
 
+// Preset rows against the published config.json files. gpt2: n_layer 12, n_embd 768, n_head 12,
+// vocab_size 50257, n_positions 1024, a tied LM head; Meta-Llama-3-8B: num_key_value_heads 8,
+// intermediate_size 14336, vocab_size 128256, torch_dtype bfloat16. The presets whose config.json
+// is in the test data have the shape mn_hf_config_read makes of it (both resolved by mn_estimate).
+// Not compared: the activation (starcoder's config says "gelu", its preset the tanh GELU) and the
+// dtype (flan-t5-base's config says float32, its preset bf16); neither changes an estimate.
+static void test_preset_fields(void) {
+    static const struct { const char *name, *config; } cfg[] = {
+        {"gpt2-xl", "../shared/validation/configs/gpt2-xl.json"},
+        {"bert-large-uncased", "../shared/validation/configs/bert-large-uncased.json"},
+        {"t5-base", "test/data/hf/t5-base.json"},
+        {"flan-t5-base", "test/data/hf/flan-t5-base.json"},
+        {"llama-2-7b", "test/data/hf/llama-2-7b.json"},
+        {"llama-3-8b", "test/data/hf/llama-3-8b.json"},
+        {"mistral-7b", "test/data/hf/mistral-7b.json"},
+        {"qwen2-0.5b", "test/data/hf/qwen2-0.5b.json"},
+        {"starcoder", "test/data/hf/starcoder.json"},
+    };
+    mn_model m = preset("gpt2");
+    size_t k;
+    CHECK_EQ_U64(m.layers, 12);
+    CHECK_EQ_U64(m.hidden, 768);
+    CHECK_EQ_U64(m.heads, 12);
+    CHECK_EQ_U64(m.vocab, 50257);
+    CHECK_EQ_U64(m.max_positions, 1024);
+    CHECK(m.tie_embeddings);
+    m = preset("llama-3-8b");
+    CHECK_EQ_U64(m.layers, 32);
+    CHECK_EQ_U64(m.hidden, 4096);
+    CHECK_EQ_U64(m.heads, 32);
+    CHECK_EQ_U64(m.kv_heads, 8);
+    CHECK_EQ_U64(m.ffn, 14336);
+    CHECK_EQ_U64(m.vocab, 128256);
+    CHECK_EQ_INT(m.dtype, MN_BF16);
+    CHECK(!m.tie_embeddings);
+    for (k = 0; k < sizeof cfg / sizeof cfg[0]; k++) {
+        mn_model p = preset(cfg[k].name), h;
+        mn_hf_desc d;
+        mn_setup s = setup0();
+        mn_estimate_result a, b;
+        memset(&d, 0, sizeof d);
+        CHECK_OK(mn_hf_config_read(cfg[k].config, &d, &h));
+        s.seq = 8, s.no_replay = 1;
+        CHECK_OK(mn_estimate(&p, &s, &a));
+        CHECK_OK(mn_estimate(&h, &s, &b));
+#define SAME(f) CHECK_MSG(a.model.f == b.model.f, "%s: " #f " is %llu, config.json %llu",       \
+                          cfg[k].name, (unsigned long long)a.model.f, (unsigned long long)b.model.f)
+        SAME(arch); SAME(layers); SAME(encoder_layers); SAME(hidden); SAME(heads); SAME(kv_heads);
+        SAME(head_dim); SAME(ffn); SAME(vocab); SAME(type_vocab); SAME(rel_buckets); SAME(norm);
+        SAME(posemb); SAME(head); SAME(gated_mlp); SAME(tie_embeddings); SAME(qkv_bias);
+        SAME(out_bias); SAME(mlp_bias); SAME(pooler); SAME(final_norm); SAME(embed_norm);
+        SAME(lm_transform); SAME(post_norm); SAME(dropout); SAME(attn_dropout);
+        if (a.model.posemb == MN_POS_LEARNED) SAME(max_positions);
+#undef SAME
+        CHECK_EQ_U64(a.params, b.params);
+    }
+}
+
 // Bytes per parameter of the model states (seeds: 18 for mixed AdamW, 6 for mixed inference,
 // 16 = 2 + 2 + 12 for ZeRO's mixed Adam, 16 for fp32 AdamW).
 static void test_bytes_per_param(void) {
@@ -371,6 +429,43 @@ static void test_bad_input(void) {
     CHECK_EQ_INT(lg.count, 1);
 }
 
+// Each bound the library checks on a setup: one past it is MN_ERR_INVALID_ARG with one log line
+// (the library is the single source of these bounds), the bound itself is accepted.
+static void test_setup_bounds(void) {
+    mn_model m = preset("gpt2");
+    mn_setup s = setup0(), b;
+    mn_estimate_result r;
+    s.logger.log_fn = count_log, s.no_replay = 1, s.seq = 64;
+#define REJECTS(field, value) do { b = s, b.field = value, log_count = 0; \
+    CHECK_ERR(mn_estimate(&m, &b, &r), MN_ERR_INVALID_ARG); CHECK_EQ_INT(log_count, 1); } while (0)
+#define ACCEPTS(field, value) do { b = s, b.field = value, log_count = 0; \
+    CHECK_OK(mn_estimate(&m, &b, &r)); CHECK_EQ_INT(log_count, 0); } while (0)
+    REJECTS(batch, (1ull << 32) + 1);
+    REJECTS(seq, (1ull << 26) + 1);
+    REJECTS(seq, 1025);  // gpt2 has 1024 positions
+    ACCEPTS(seq, 1024);
+    REJECTS(accum, (1ull << 20) + 1);
+    ACCEPTS(accum, 1ull << 20);
+    REJECTS(torch_version, 99);
+    REJECTS(torch_version, 1000);
+    REJECTS(zero_stage, 4);
+    ACCEPTS(zero_stage, 3);
+    REJECTS(gpus, (1u << 20) + 1);
+    ACCEPTS(gpus, 1u << 20);
+    REJECTS(lora_rank, 65537);
+    REJECTS(beams, 4097);
+    ACCEPTS(beams, 4096);
+    REJECTS(capacity, (1ull << 50) + 1);
+    ACCEPTS(capacity, 1ull << 50);
+    REJECTS(context, (80ull << 30) + 1);  // a100-80gb: more than the capacity
+    s.infer = 1;
+    REJECTS(prompt, (1ull << 26) + 1);
+    REJECTS(new_tokens, (1ull << 26) + 1);
+    ACCEPTS(new_tokens, 1ull << 26);
+#undef REJECTS
+#undef ACCEPTS
+}
+
 // Random shapes and settings: every call either succeeds with consistent numbers or fails cleanly.
 static void test_random_setups(void) {
     int it;
@@ -457,6 +552,37 @@ static void test_presets_and_gpus(void) {
     CHECK_ERR(mn_preset_find("llama-9-900b", NULL), MN_ERR_INVALID_ARG);
 }
 
+// The GPU table cannot contradict itself: bf16 from sm 80 (Ampere) on, and the cuBLAS workspace
+// the cuBLAS docs recommend (32 MiB on Hopper, sm 90; 4 MiB before). A training step books the
+// workspace of the GPU it runs on.
+static void test_gpu_table(void) {
+    static const struct { const char *name; uint32_t sm; } known[] = {
+        {"v100-16gb", 70}, {"t4", 75}, {"a10g", 86}, {"rtx3090", 86}, {"l4", 89},
+        {"rtx4090", 89}, {"a100-80gb", 80}, {"h100-80gb", 90}, {"h200", 90},
+    };
+    mn_model m = preset("gpt2");
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    mn_gpu g;
+    uint32_t i;
+    for (i = 0; i < mn_gpu_count(); i++) {
+        const mn_gpu *p = mn_gpu_get(i);
+        CHECK_MSG(p->sm >= 70 && p->sm <= 90, "%s: sm %u", p->name, p->sm);
+        CHECK_MSG(p->bf16 == (p->sm >= 80), "%s: bf16 %d at sm %u", p->name, p->bf16, p->sm);
+        CHECK_MSG(p->cublas_workspace == (p->sm >= 90 ? 32ull : 4ull) << 20,
+                  "%s: cuBLAS workspace %llu at sm %u", p->name,
+                  (unsigned long long)p->cublas_workspace, p->sm);
+        s.gpu = p->name, s.seq = 64, s.no_replay = 1;
+        CHECK_OK(mn_estimate(&m, &s, &r));
+        CHECK_EQ_U64(r.workspace, p->cublas_workspace);
+        CHECK_EQ_U64(r.gpu.cublas_workspace, p->cublas_workspace);
+    }
+    for (i = 0; i < sizeof known / sizeof known[0]; i++) {
+        CHECK_OK(mn_gpu_find(known[i].name, &g));
+        CHECK_EQ_INT(g.sm, known[i].sm);
+    }
+}
+
 // What each block keeps for backward, against arithmetic done by hand from the ops' saved
 // tensors (derivatives.yaml, autocast, the HF modelling code):
 // BERT-large fp32, eager attention, per layer: 16 fp32 [b,s,h] tensors (input, q, k, v, context,
@@ -501,6 +627,7 @@ static void test_parts_by_hand(void) {
 const mnt_case test_estimate_cases[] = {
     {"parts_by_hand", test_parts_by_hand},
     {"param_counts", test_param_counts},
+    {"preset_fields", test_preset_fields},
     {"bytes_per_param", test_bytes_per_param},
     {"seed_optimizer_figures", test_seed_optimizer_figures},
     {"zero_stages", test_zero_stages},
@@ -510,9 +637,11 @@ const mnt_case test_estimate_cases[] = {
     {"zero_monotonic", test_zero_monotonic},
     {"fit", test_fit},
     {"bad_input", test_bad_input},
+    {"setup_bounds", test_setup_bounds},
     {"random_setups", test_random_setups},
     {"trace_consistency", test_trace_consistency},
     {"alloc_failures", test_alloc_failures},
     {"presets_and_gpus", test_presets_and_gpus},
+    {"gpu_table", test_gpu_table},
 };
 const size_t test_estimate_count = sizeof test_estimate_cases / sizeof test_estimate_cases[0];
