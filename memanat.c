@@ -632,11 +632,13 @@ static int cmd_models(int argc, char **argv) {
                (unsigned long long)m->layers, (unsigned long long)m->hidden, (unsigned long long)m->heads,
                (unsigned long long)(m->kv_heads ? m->kv_heads : m->heads), (unsigned long long)m->vocab);
     }
-    printf("\n%-12s %-24s %10s %12s %5s\n", "gpu", "name", "capacity", "context", "bf16");
+    printf("\n%-12s %-24s %10s %12s %4s %5s %15s\n", "gpu", "name", "capacity", "context", "sm",
+           "bf16", "cuBLAS work");
     for (i = 0; i < mn_gpu_count(); i++) {
         const mn_gpu *g = mn_gpu_get(i);
-        printf("%-12s %-24s %6.0f MiB %8.0f MiB %5s\n", g->name, g->label, (double)g->capacity / 1048576.0,
-               (double)g->context / 1048576.0, g->bf16 ? "yes" : "no");
+        printf("%-12s %-24s %6.0f MiB %8.0f MiB %4u %5s %11.0f MiB\n", g->name, g->label,
+               (double)g->capacity / 1048576.0, (double)g->context / 1048576.0, g->sm,
+               g->bf16 ? "yes" : "no", (double)g->cublas_workspace / 1048576.0);
     }
     return 0;
 }

@@ -435,11 +435,12 @@ static void test_setup_bounds(void) {
     mn_model m = preset("gpt2");
     mn_setup s = setup0(), b;
     mn_estimate_result r;
-    s.logger.log_fn = count_log, s.no_replay = 1, s.seq = 64;
-#define REJECTS(field, value) do { b = s, b.field = value, log_count = 0; \
-    CHECK_ERR(mn_estimate(&m, &b, &r), MN_ERR_INVALID_ARG); CHECK_EQ_INT(log_count, 1); } while (0)
-#define ACCEPTS(field, value) do { b = s, b.field = value, log_count = 0; \
-    CHECK_OK(mn_estimate(&m, &b, &r)); CHECK_EQ_INT(log_count, 0); } while (0)
+    mnt_log lg;
+    s.logger.log_fn = mnt_log_capture, s.logger.user_data = &lg, s.no_replay = 1, s.seq = 64;
+#define REJECTS(field, value) do { b = s, b.field = value, memset(&lg, 0, sizeof lg); \
+    CHECK_ERR(mn_estimate(&m, &b, &r), MN_ERR_INVALID_ARG); CHECK_EQ_INT(lg.count, 1); } while (0)
+#define ACCEPTS(field, value) do { b = s, b.field = value, memset(&lg, 0, sizeof lg); \
+    CHECK_OK(mn_estimate(&m, &b, &r)); CHECK_EQ_INT(lg.count, 0); } while (0)
     REJECTS(batch, (1ull << 32) + 1);
     REJECTS(seq, (1ull << 26) + 1);
     REJECTS(seq, 1025);  // gpt2 has 1024 positions
