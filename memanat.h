@@ -4740,6 +4740,10 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         MN__INVALID(lg, "--offload all needs --zero 3");
     if (s->beams == 0) s->beams = 1;
     if (s->beams > 4096) MN__INVALID(lg, "--beams %u is out of range (want 1..4096)", s->beams);
+    if (s->infer && m->arch == MN_ARCH_STACK) {  // generation runs attention blocks
+        mn__log(lg, MN_LOG_ERROR, "--infer: a custom layer stack has no generation to model");
+        return MN_ERR_UNSUPPORTED;
+    }
     if (s->infer) {
         if (s->prompt == 0) s->prompt = s->seq;
         if (s->prompt > (1ull << 26))

@@ -238,6 +238,8 @@ static void test_seed_linear_stack(void) {
         // 62.00048828125 MB is that 4-byte loss after the allocator's 512-byte rounding)
         CHECK_EQ_U64(live[MN_CAT_ACTIVATIONS], 20ull * 1048576 * (1 + apps) + 4);
     }
+    s.infer = 1;  // a stack has no generation: refused, not divided by a zero width
+    CHECK_ERR(mn_estimate(&m, &s, &r), MN_ERR_UNSUPPORTED);
 }
 
 // KV cache per token = 2 (K, V) x layers x kv_heads x head_dim x bytes (Llama-3-8B bf16: 128 KiB).
