@@ -50,14 +50,25 @@
 //       uint32_t i, n = mn_cache_stats_items(&st, it, MN_CACHE_STATS_ITEMS);
 //       for (i = 0; i < n; i++) printf("%s %lld\n", it[i].key, (long long)it[i].value);
 //
-// CONTENTS (grep for the tag; the implementation repeats this order)
-//   >>types      results, dtypes, memory categories, host allocator, logger, checked arithmetic
-//   >>json       strict JSON reader (DOM), JSON writing helper, safetensors header reader
-//   >>estimate   model description, training/inference setup, estimate, fit, presets, GPUs
-//   >>hfconfig   Hugging Face config.json and model-folder reader
-//   >>cache      caching allocator (PyTorch policy), simulated device, stats, summary, snapshot
-//   >>optim      optimizer steps and state sizes, gradient clipping, loss scaling, fp16/bf16
-//   >>ops        CPU reference ops, forward and backward
+// CONTENTS (grep for the tag; the implementation repeats this order; a sub-tag such as
+// >>cache/config marks the declarations and the implementation of one part)
+//   >>types          results, dtypes, memory categories, host allocator, logger, checked arithmetic
+//   >>json           strict JSON reader (DOM), JSON writing helpers
+//   >>safetensors    safetensors header reader (single files and sharded model folders)
+//   >>estimate       the estimator:
+//     /inputs          the model (a shape or a custom layer stack) and the setup; their resolution
+//     /step            the symbolic training step or generation, its trace and its result
+//     /fit             the largest micro-batch, the longest sequence, a plan that fits
+//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS workspace), names
+//   >>hfconfig       Hugging Face config.json and model-folder reader
+//   >>cache          the caching allocator with PyTorch's policy:
+//     /simdev          the simulated device
+//     /config          PYTORCH_ALLOC_CONF parsing and the rounding policy
+//     /alloc           blocks, segments, pools, allocation, freeing, events, statistics, check
+//     /observe         snapshot, memory_summary(), memory_stats() items, JSON, SVG timeline
+//     /helpers         mn_sim_cache, mn_cache_write_file, mn_cache_replay
+//   >>optim          optimizer steps and state sizes, gradient clipping, loss scaling, fp16/bf16
+//   >>ops            CPU reference ops, forward and backward
 //
 // HISTORY
 //   0.1.0  estimator, CLI, caching allocator, optimizers and reference ops
@@ -83,7 +94,7 @@ extern "C" {
 
 #define MEMANAT_VERSION "0.1.0"
 
-// >>types ---------------------------------------------------------------------------------------
+// >>types -----------------------------------------------------------------------------------------
 
 typedef enum mn_result {
     MN_OK = 0,
@@ -155,7 +166,7 @@ MNDEF mn_result mn_add_u64(uint64_t a, uint64_t b, uint64_t *out);
 MNDEF mn_result mn_size_parse(const char *s, uint64_t *out);
 MNDEF void mn_size_format(uint64_t bytes, char *buf, size_t cap);  // "1.25 GiB", "512 B"
 
-// >>json ----------------------------------------------------------------------------------------
+// >>json ------------------------------------------------------------------------------------------
 //
 // A strict JSON reader (RFC 8259) that builds a read-only tree in one arena, small JSON-writing
 // helpers, and a reader for safetensors headers. Both readers take untrusted files: every rule of
@@ -223,7 +234,7 @@ MNDEF const char *mn_json_type_name(mn_json_type t);               // "null", "n
 MNDEF size_t mn_json_escape(char *buf, size_t cap, const char *s);
 MNDEF void mn_json_fputs_escaped(FILE *f, const char *s);
 
-// >>safetensors header reader
+// >>safetensors -----------------------------------------------------------------------------------
 //
 // File layout (safetensors format spec, huggingface/safetensors README "Format"): 8 bytes
 // little-endian header length N, N bytes of UTF-8 JSON, then the data section. The JSON maps
@@ -310,7 +321,7 @@ MNDEF mn_result mn_safetensors_read_file(const char *path, const mn_safetensors_
 MNDEF mn_result mn_safetensors_read_dir(const char *dir, const mn_safetensors_desc *desc,
                                         mn_safetensors_info *out);
 MNDEF void mn_safetensors_free(mn_safetensors_info *info);
-// >>estimate ------------------------------------------------------------------------------------
+// >>estimate --------------------------------------------------------------------------------------
 //
 // A model is a list of layers; a transformer is built into that list from its shape. The
 // estimator runs one training step (or a generation) symbolically, the way autograd runs it:
@@ -318,6 +329,7 @@ MNDEF void mn_safetensors_free(mn_safetensors_info *info);
 // resulting allocation sequence gives the peak allocated bytes and, replayed through the caching
 // allocator on a simulated device, the peak reserved bytes.
 
+// ---- >>estimate/inputs: the model and the setup -------------------------------------------------
 typedef enum mn_arch {
     MN_ARCH_DEFAULT = 0,       // decoder
     MN_ARCH_DECODER,           // GPT-2, Llama, Mistral, Qwen, StarCoder
@@ -510,6 +522,7 @@ typedef struct mn_setup {
     mn_logger logger;
 } mn_setup;
 
+// ---- >>estimate/step: the simulated step and its result -----------------------------------------
 // The simulated step as an allocation trace (for the allocator's replay and benchmarks).
 typedef enum mn_phase {
     MN_PHASE_DEFAULT = 0, MN_PHASE_LOAD, MN_PHASE_FORWARD, MN_PHASE_BACKWARD, MN_PHASE_OPTIMIZER,
@@ -584,6 +597,7 @@ MNDEF mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup, 
 // Parameter count of a model (exact from the shape, or model->params when set).
 MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);
 
+// ---- >>estimate/fit: the largest batch, the longest sequence, a plan ----------------------------
 // A plan step: one technique applied to reach the budget, in order of its cost in speed.
 typedef struct mn_plan_step {
     char what[64];     // "--checkpointing full"
@@ -604,6 +618,7 @@ typedef struct mn_fit_result {
 
 MNDEF mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out);
 
+// ---- >>estimate/tables: presets, GPUs, names ----------------------------------------------------
 // Presets and GPUs.
 MNDEF uint32_t mn_preset_count(void);
 MNDEF const mn_model *mn_preset_get(uint32_t i);
@@ -632,7 +647,7 @@ MNDEF mn_result mn_offload_parse(const char *s, mn_offload *out);
 MNDEF mn_result mn_quant_parse(const char *s, mn_quant *out);
 MNDEF mn_result mn_head_parse(const char *s, mn_head *out);
 MNDEF mn_result mn_lora_targets_parse(const char *s, uint32_t *out);  // "q,k,v,o,gate,up,down"
-// >>hfconfig ------------------------------------------------------------------------------------
+// >>hfconfig --------------------------------------------------------------------------------------
 //
 // Hugging Face config.json -> mn_model. Each supported model_type is mapped with the defaults of
 // its transformers configuration class (configuration_<type>.py) for absent keys, so a config
@@ -664,7 +679,7 @@ MNDEF mn_result mn_hf_config_parse(const char *text, size_t len, const mn_hf_des
 // parameter count (out->params) and the dominant dtype (out->dtype). MN_ERR_NOT_FOUND /
 // MN_ERR_IO when the config cannot be read.
 MNDEF mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_model *out);
-// >>cache ---------------------------------------------------------------------------------------
+// >>cache -----------------------------------------------------------------------------------------
 //
 // A caching allocator for device memory whose default policy is PyTorch's native CUDA caching
 // allocator (c10/cuda/CUDACachingAllocator.cpp), block for block: requests are rounded to 512 B
@@ -722,7 +737,7 @@ typedef struct mn_device {
     void *user_data;
 } mn_device;
 
-// ---- simulated device ----
+// ---- >>cache/simdev: simulated device -----------------------------------------------------------
 // A bump allocator of fake addresses that are never reused (RMM's simulated_memory_resource
 // does the same), a capacity in bytes, events that complete only when told to, and failure
 // injection. Not thread-safe by itself: the allocator calls it under its own lock.
@@ -762,7 +777,7 @@ MNDEF void mn_simdev_sync_stream(mn_simdev *dev, mn_stream stream);  // complete
 MNDEF void mn_simdev_sync(mn_simdev *dev);                           // completes every event
 MNDEF uint32_t mn_simdev_pending_events(const mn_simdev *dev);
 
-// ---- configuration (PYTORCH_CUDA_ALLOC_CONF) ----
+// ---- >>cache/config: configuration (PYTORCH_ALLOC_CONF) -----------------------------------------
 #define MN_CACHE_ROUNDUP_INTERVALS 16  // power-of-two intervals from 1 MiB to 64 GiB
 
 typedef struct mn_cache_config {
@@ -784,7 +799,7 @@ MNDEF mn_result mn_cache_config_parse(const char *text, mn_cache_config *out, co
 MNDEF uint64_t mn_cache_round_size(const mn_cache_config *cfg, uint64_t size);
 MNDEF uint64_t mn_cache_segment_size(const mn_cache_config *cfg, uint64_t rounded_size);
 
-// ---- the allocator ----
+// ---- >>cache/alloc: the allocator ---------------------------------------------------------------
 typedef struct mn_cache_desc {
     mn_device device;        // required: alloc_fn and free_fn
     const char *config;      // PYTORCH_CUDA_ALLOC_CONF grammar, NULL or "" = defaults
@@ -884,7 +899,7 @@ MNDEF void mn_cache_oom_message(mn_cache *c, char *buf, size_t cap);
 // blocks, statistics equal the sums over blocks). MN_OK or MN_ERR_STATE, reason to the logger.
 MNDEF mn_result mn_cache_check(mn_cache *c);
 
-// ---- observability ----
+// ---- >>cache/observe: observability -------------------------------------------------------------
 typedef mn_result (*mn_cache_write_fn)(void *user_data, const char *data, size_t len);
 
 #define MN_CACHE_LABEL_MAX 24
@@ -990,7 +1005,7 @@ MNDEF mn_result mn_cache_timeline_svg(const mn_cache_snapshot *s, const char *ti
 // PyTorch's format_size(): "512 bytes", "1.50 KiB", "20.00 MiB", "1.25 GiB".
 MNDEF void mn_cache_format_size(uint64_t bytes, char *buf, size_t cap);
 
-// ---- helpers: a cache on a simulated device, a FILE* writer, trace replay ----
+// ---- >>cache/helpers: a cache on a simulated device, a FILE* writer, trace replay ---------------
 
 // A caching allocator over a simulated device of its own: what the estimator, the CLI, the
 // benchmarks and the tests run on the CPU. The allocator points into the struct, so it must not
@@ -1028,7 +1043,7 @@ typedef struct mn_replay_counts {
 // allocator (MN_ERR_OUT_OF_MEMORY); any other allocator error stops the replay and is returned.
 MNDEF mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint64_t count,
                                 int release_live, mn_replay_counts *counts);
-// >>optim ---------------------------------------------------------------------------------------
+// >>optim -----------------------------------------------------------------------------------------
 //
 // Optimizers on host arrays, one state struct per parameter tensor (init / step / free), the state
 // sizes the estimator uses, gradient clipping by global norm, dynamic loss scaling, and fp16/bf16
@@ -1070,7 +1085,7 @@ MNDEF mn_result mn_adafactor_state_bytes(const uint64_t *dims, uint32_t ndim, in
                                          uint64_t *out);
 MNDEF mn_result mn_lion_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out);
 
-// --- SGD (torch.optim.SGD) ---------------------------------------------------------------------
+// ---- SGD (torch.optim.SGD) ----------------------------------------------------------------------
 typedef struct mn_sgd_params {
     float lr;             // 0 = 1e-3 [z]
     float momentum;       // 0 = none: plain SGD, no state [z]
@@ -1095,7 +1110,7 @@ MNDEF mn_result mn_sgd_init(mn_sgd *s, const uint64_t *dims, uint32_t ndim, cons
 MNDEF mn_result mn_sgd_step(mn_sgd *s, float *param, const float *grad, uint16_t *param16);
 MNDEF void mn_sgd_free(mn_sgd *s);
 
-// --- AdamW (torch.optim.AdamW) -----------------------------------------------------------------
+// ---- AdamW (torch.optim.AdamW) ------------------------------------------------------------------
 typedef struct mn_adamw_params {
     float lr;             // 0 = 1e-3 [z]
     float beta1;          // 0 = 0.9 [z]
@@ -1122,7 +1137,7 @@ MNDEF mn_result mn_adamw_init(mn_adamw *s, const uint64_t *dims, uint32_t ndim,
 MNDEF mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uint16_t *param16);
 MNDEF void mn_adamw_free(mn_adamw *s);
 
-// --- 8-bit AdamW (bitsandbytes AdamW8bit, block-wise dynamic quantization) ----------------------
+// ---- 8-bit AdamW (bitsandbytes AdamW8bit, block-wise dynamic quantization) ----------------------
 typedef struct mn_adamw8bit_params {
     float lr;               // 0 = 1e-3 [z]
     float beta1;            // 0 = 0.9 [z]
@@ -1166,7 +1181,7 @@ MNDEF mn_result mn_dequantize_blockwise(const float *map, const uint8_t *codes,
                                         const float *absmax, uint64_t n, uint32_t block_size,
                                         float *x);
 
-// --- Adafactor (transformers.optimization.Adafactor) -------------------------------------------
+// ---- Adafactor (transformers.optimization.Adafactor) --------------------------------------------
 typedef struct mn_adafactor_params {
     float lr;               // > 0: fixed step (relative_step=False); 0 = relative step
     float eps1;             // added to g^2, 0 = 1e-30
@@ -1201,7 +1216,7 @@ MNDEF mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *gr
                                   uint16_t *param16);
 MNDEF void mn_adafactor_free(mn_adafactor *s);
 
-// --- Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") -------------------
+// ---- Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") -------------------
 typedef struct mn_lion_params {
     float lr;             // 0 = 1e-4 [z]
     float beta1;          // interpolation for the update sign, 0 = 0.9 [z]
@@ -1223,7 +1238,7 @@ MNDEF mn_result mn_lion_init(mn_lion *s, const uint64_t *dims, uint32_t ndim,
 MNDEF mn_result mn_lion_step(mn_lion *s, float *param, const float *grad, uint16_t *param16);
 MNDEF void mn_lion_free(mn_lion *s);
 
-// --- Gradient clipping by global norm (torch.nn.utils.clip_grad_norm_) --------------------------
+// ---- Gradient clipping by global norm (torch.nn.utils.clip_grad_norm_) --------------------------
 // grads[k] [sizes[k]] for k < count. total = (sum over all elements |g|^p)^(1/p) (max |g| for
 // p = INFINITY); every gradient is multiplied by min(1, max_norm / (total + 1e-6)).
 // norm_type 0 = 2.
@@ -1232,7 +1247,7 @@ MNDEF void mn_lion_free(mn_lion *s);
 MNDEF mn_result mn_clip_grad_norm(float *const *grads, const uint64_t *sizes, uint32_t count,
                                   float max_norm, float norm_type, float *total_norm);
 
-// --- Dynamic loss scaling (torch.amp.GradScaler) -----------------------------------------------
+// ---- Dynamic loss scaling (torch.amp.GradScaler) ------------------------------------------------
 typedef struct mn_loss_scaler_params {
     float init_scale;          // 0 = 65536 (2^16)
     float growth_factor;       // > 1, 0 = 2.0
@@ -1264,7 +1279,7 @@ MNDEF mn_result mn_unscale_grads(mn_dtype dtype, void *grad, uint64_t n, float i
 MNDEF mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float *dst, uint64_t n,
                                          float inv_scale, int *found_inf);
 
-// --- fp16 / bf16 conversion --------------------------------------------------------------------
+// ---- fp16 / bf16 conversion ---------------------------------------------------------------------
 // fp32 -> 16 bits rounds to nearest even, overflows to inf, keeps subnormals; NaN stays NaN with
 // its sign and top payload bits, quieted. 16 bits -> fp32 is exact (NaN quieted).
 MNDEF uint16_t mn_fp32_to_fp16(float f);
@@ -1276,7 +1291,7 @@ MNDEF void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n);
 MNDEF void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 MNDEF void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n);
 MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
-// >>ops -----------------------------------------------------------------------------------------
+// >>ops -------------------------------------------------------------------------------------------
 //
 // CPU reference ops, forward and backward, on caller-owned fp32 host arrays with fp32 (or double)
 // accumulation. They are the ground truth for the CUDA kernels and the compute of the CPU trainer.
@@ -1469,7 +1484,7 @@ MNDEF void mn_philox4x32(const uint32_t ctr[4], uint64_t key, uint32_t out[4]);
 #define MN__PRIVATE static
 #endif
 
-// >>types implementation ------------------------------------------------------------------------
+// >>types implementation --------------------------------------------------------------------------
 
 MNIMPL const char *mn_result_str(mn_result r) {
     switch (r) {
@@ -1598,7 +1613,7 @@ MNIMPL void mn_size_format(uint64_t bytes, char *buf, size_t cap) {
     else snprintf(buf, cap, "%.2f %s", v, u[i]);
 }
 
-// >>json implementation --------------------------------------------------------------------------
+// >>json implementation ---------------------------------------------------------------------------
 //
 // The reader makes three passes over the text with one iterative walker (no recursion, so a
 // hostile document cannot exhaust the C stack):
@@ -2376,7 +2391,7 @@ MN__PRIVATE mn_result mn__read_file(const mn_allocator *a, const char *path, uin
     return MN_OK;
 }
 
-// >>safetensors implementation
+// >>safetensors implementation --------------------------------------------------------------------
 //
 // Invariants checked (safetensors format spec and the reference crate's validate()): the header
 // length N is at most 100,000,000 and 8 + N <= file size; the header is a JSON object starting
@@ -2952,7 +2967,7 @@ done:
     mn__free(&d.allocator, text);
     return r;
 }
-// >>estimate implementation ---------------------------------------------------------------------
+// >>estimate implementation -----------------------------------------------------------------------
 //
 // The estimator runs a training step symbolically, as autograd runs it:
 //   - every op allocates its output; a tensor lives while a Python-level reference or a saved-for-
@@ -2970,7 +2985,7 @@ done:
 // simulated device it gives peak reserved. Sources for the per-op rules are cited where they are
 // used (PyTorch derivatives.yaml for what each op saves, autocast's op lists for dtypes).
 
-// ---- names --------------------------------------------------------------------------------------
+// ---- >>estimate/tables: names -------------------------------------------------------------------
 
 typedef struct mn__name { const char *name; int value; } mn__name;
 
@@ -3086,7 +3101,7 @@ MNIMPL mn_result mn_lora_targets_parse(const char *s, uint32_t *out) {
     return MN_OK;
 }
 
-// ---- presets (shapes from the published config.json files) --------------------------------------
+// ---- >>estimate/tables: presets (shapes from the published config.json files) -------------------
 
 #define MN__KB(x) ((uint64_t)(x) << 10)
 #define MN__MIB(x) ((uint64_t)(x) << 20)
@@ -3306,7 +3321,7 @@ MNIMPL const char *mn_phase_name(mn_phase p) {
     return (unsigned)p < MN_PHASE_COUNT ? n[p] : "unknown";
 }
 
-// ---- the simulation state -----------------------------------------------------------------------
+// ---- >>estimate/step: the simulation state ------------------------------------------------------
 
 #define MN__NONE 0xffffffffu
 
@@ -4558,7 +4573,7 @@ MN__PRIVATE void mn__generate(mn__sim *S) {
     mn__drop(S, x), mn__drop(S, ids);
 }
 
-// ---- resolving the inputs -----------------------------------------------------------------------
+// ---- >>estimate/inputs: resolving the inputs ----------------------------------------------------
 
 // Logs the reason and returns MN_ERR_INVALID_ARG.
 #define MN__INVALID(lg, ...)                                                                       \
@@ -5099,7 +5114,7 @@ MNIMPL mn_result mn_model_params(const mn_model *model, uint64_t *out) {
     return r;
 }
 
-// ---- fit: the largest micro-batch, the longest sequence, and a plan -----------------------------
+// ---- >>estimate/fit: the largest micro-batch, the longest sequence, and a plan ------------------
 
 // The step alone (no allocator replay): microseconds. Its device_used counts peak allocated.
 MN__PRIVATE mn_result mn__quick_estimate(const mn_model *m, const mn_setup *s, mn_fit_result *out,
@@ -5354,7 +5369,7 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     out->plan_estimate = cur;
     return MN_OK;
 }
-// >>hfconfig implementation ----------------------------------------------------------------------
+// >>hfconfig implementation -----------------------------------------------------------------------
 //
 // One reader per family. Each reads its keys through mn__hf_int/_bool/_prob/_str, which take the
 // transformers default for an absent (or null) key and reject a mistyped or out-of-range value
@@ -5981,7 +5996,7 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
     if (r == MN_OK) *out = m;
     return r;
 }
-// >>cache implementation ------------------------------------------------------------------------
+// >>cache implementation --------------------------------------------------------------------------
 //
 // Invariant (PyTorch test_cuda.py, _check_memory_stat_consistency): the blocks of a segment tile
 // it exactly (prev/next in address order, no gap, no overlap); every free mapped block is in its
@@ -6000,7 +6015,7 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
 #define MN__C_ONE_EXA 1152921504606846976ull  // one_exa_bytes
 #define MN__C_MIB 1048576ull
 
-// ---- simulated device --------------------------------------------------------------------------
+// ---- >>cache/simdev: simulated device -----------------------------------------------------------
 
 MNIMPL mn_result mn_simdev_init(mn_simdev *dev, const mn_simdev_desc *desc) {
     if (!dev) return MN_ERR_INVALID_ARG;
@@ -6194,7 +6209,7 @@ MNIMPL uint32_t mn_simdev_pending_events(const mn_simdev *dev) {
     return n;
 }
 
-// ---- configuration -----------------------------------------------------------------------------
+// ---- >>cache/config: configuration --------------------------------------------------------------
 
 MN__PRIVATE int mn__c_is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
 
@@ -6537,7 +6552,7 @@ MNIMPL uint64_t mn_cache_segment_size(const mn_cache_config *cfg, uint64_t round
     return mn__c_allocation_size(&p, rounded_size);
 }
 
-// ---- blocks, segments, trees -------------------------------------------------------------------
+// ---- >>cache/alloc: blocks, segments, trees -----------------------------------------------------
 
 typedef struct mn__c_segment mn__c_segment;
 
@@ -6795,7 +6810,7 @@ MN__PRIVATE mn__c_pool *mn__c_pool_of(mn__c_cache *c, const mn__c_block *b) {
     return b->small ? &c->small : &c->large;
 }
 
-// ---- address map -------------------------------------------------------------------------------
+// ---- address map --------------------------------------------------------------------------------
 
 // Fibonacci hashing: the top bits of the product (cap is a power of two, at least 2).
 MN__PRIVATE uint64_t mn__c_hash(uint64_t addr, uint64_t cap) {
@@ -6861,7 +6876,7 @@ MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
     }
 }
 
-// ---- block structs -----------------------------------------------------------------------------
+// ---- block structs ------------------------------------------------------------------------------
 
 #define MN__C_SPARE_BLOCKS 4
 
@@ -6911,7 +6926,7 @@ MN__PRIVATE void mn__c_fix_head(mn__c_block *b) {
     if (!b->prev) b->seg->head = b;
 }
 
-// ---- statistics ----------------------------------------------------------------------------------
+// ---- statistics ---------------------------------------------------------------------------------
 
 MN__PRIVATE void mn__c_stat_inc(mn_stat *s, uint64_t n) {
     s->current += n;
@@ -6930,7 +6945,7 @@ MN__PRIVATE void mn__c_stat_dec(mn_stat *s, uint64_t n) {
     op(&(c)->st.field[MN_STAT_ALL], (n)); \
     op(&(c)->st.field[(small) ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL], (n)); } while (0)
 
-// ---- history -------------------------------------------------------------------------------------
+// ---- history ------------------------------------------------------------------------------------
 
 MN__PRIVATE void mn__c_trace_apply(uint64_t *cat, uint64_t *reserved, const mn_trace_entry *e) {
     switch (e->action) {
@@ -6963,7 +6978,7 @@ MN__PRIVATE void mn__c_trace(mn__c_cache *c, mn_trace_action a, uint64_t addr, u
     c->ring_head = c->ring_head + 1 == c->ring_cap ? 0 : c->ring_head + 1;
 }
 
-// ---- init / free -------------------------------------------------------------------------------
+// ---- init / free --------------------------------------------------------------------------------
 
 MNIMPL mn_result mn_cache_init(mn_cache *cache, const mn_cache_desc *desc) {
     mn__c_cache *c;
@@ -7025,7 +7040,7 @@ fail_ring:
     return MN_ERR_OUT_OF_MEMORY;
 }
 
-// ---- freeing blocks ------------------------------------------------------------------------------
+// ---- freeing blocks -----------------------------------------------------------------------------
 
 MN__PRIVATE void *mn__c_ptr(uint64_t addr) { return (void *)(uintptr_t)addr; }
 
@@ -7193,7 +7208,7 @@ MN__PRIVATE void mn__c_release_blocks(mn__c_cache *c, mn__c_pool *p) {
     }
 }
 
-// ---- stream events -------------------------------------------------------------------------------
+// ---- stream events ------------------------------------------------------------------------------
 
 MN__PRIVATE void mn__c_use_recycle(mn__c_cache *c, mn__c_use *u) {
     u->next = c->spare_uses;
@@ -7253,7 +7268,7 @@ MN__PRIVATE void mn__c_release_cached(mn__c_cache *c) {
     mn__c_release_blocks(c, &c->small);
 }
 
-// ---- allocation ------------------------------------------------------------------------------------
+// ---- allocation ---------------------------------------------------------------------------------
 
 // lower_bound((s, size, 0)) of the free tree. The block inserted last is the answer when it is
 // not less than the key and its predecessor is: an O(1) check that skips the search when a
@@ -7895,7 +7910,7 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
     cache->p = NULL;
 }
 
-// ---- invariant check -------------------------------------------------------------------------------
+// ---- invariant check ----------------------------------------------------------------------------
 
 MN__PRIVATE uint64_t mn__c_tree_check(const mn__c_block *t, uint64_t *count, int by_addr,
                                       const mn__c_block **prev, int *bad) {
@@ -8036,7 +8051,7 @@ done:
 }
 #undef MN__C_FAIL
 
-// ---- snapshot ------------------------------------------------------------------------------------
+// ---- >>cache/observe: snapshot ------------------------------------------------------------------
 
 MNIMPL const char *mn_trace_action_name(mn_trace_action a) {
     static const char *const names[MN_TRACE_ACTION_COUNT] = {
@@ -8148,7 +8163,7 @@ MNIMPL void mn_cache_snapshot_free(mn_cache_snapshot *s) {
     s->segment_count = s->block_count = s->trace_count = 0;
 }
 
-// ---- text writers ----------------------------------------------------------------------------------
+// ---- text writers -------------------------------------------------------------------------------
 
 typedef struct mn__c_out {
     mn_cache_write_fn fn;
@@ -8401,7 +8416,7 @@ MNIMPL mn_result mn_cache_snapshot_write_json(const mn_cache_snapshot *s, mn_cac
     return o.r;
 }
 
-// ---- SVG timeline ----------------------------------------------------------------------------------
+// ---- SVG timeline -------------------------------------------------------------------------------
 
 MN__PRIVATE void mn__c_svg_bytes(char *buf, size_t cap, double v) {
     if (v >= 1073741824.0) snprintf(buf, cap, "%.1f GiB", v / 1073741824.0);
@@ -8529,7 +8544,7 @@ done:
     mn__free(&s->allocator, coltot);
     return o.r;
 }
-// ---- helpers: a cache on a simulated device, a FILE* writer, trace replay ---------------------
+// ---- >>cache/helpers: a cache on a simulated device, a FILE* writer, trace replay ---------------
 
 MNIMPL mn_result mn_sim_cache_init(mn_sim_cache *sc, const mn_simdev_desc *dd,
                                    const mn_cache_desc *cd) {
@@ -8641,7 +8656,7 @@ MNIMPL mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint
     return r;
 }
 
-// >>optim implementation ------------------------------------------------------------------------
+// >>optim implementation --------------------------------------------------------------------------
 //
 // State per parameter tensor of n elements (fp32 master):
 //   SGD 0; SGD+momentum n*4 (momentum_buffer); AdamW n*8 (exp_avg, exp_avg_sq), +n*4 with amsgrad
@@ -8758,7 +8773,7 @@ MNIMPL mn_result mn_optim_state_bytes(const mn_optim_desc *d, const uint64_t *di
     return MN_ERR_INVALID_ARG;
 }
 
-// --- fp16 / bf16 conversion ----------------------------------------------------------------------
+// ---- fp16 / bf16 conversion ---------------------------------------------------------------------
 //
 // IEEE binary16: 1 sign, 5 exponent (bias 15), 10 mantissa bits; bfloat16: the top 16 bits of an
 // fp32 (8 exponent bits, bias 127, 7 mantissa bits). fp32 -> 16 bits: keep the sign, rebias the
@@ -8845,7 +8860,7 @@ MNIMPL void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     for (i = 0; i < n; i++) dst[i] = mn_bf16_to_fp32(src[i]);
 }
 
-// --- shared optimizer plumbing -------------------------------------------------------------------
+// ---- shared optimizer plumbing ------------------------------------------------------------------
 
 // A [z] hyperparameter: 0 selects the default, MN_OPTIM_ZERO an explicit zero.
 MN__PRIVATE float mn__opt_z(float v, float def) {
@@ -8901,7 +8916,7 @@ MN__PRIVATE float mn__opt_lerp(float a, float b, float w) {
     return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
 }
 
-// --- SGD -----------------------------------------------------------------------------------------
+// ---- SGD ----------------------------------------------------------------------------------------
 //
 // torch.optim.SGD docs (algorithm box), per element with lr γ, momentum μ, dampening τ, decay λ:
 //   g ← g + λθ;  b ← g at t = 1, else b ← μb + (1−τ)g;  g ← g + μb (nesterov) or g ← b;  θ ← θ − γg
@@ -8969,7 +8984,7 @@ MNIMPL void mn_sgd_free(mn_sgd *s) {
     memset(s, 0, sizeof *s);
 }
 
-// --- AdamW ---------------------------------------------------------------------------------------
+// ---- AdamW --------------------------------------------------------------------------------------
 //
 // torch.optim.AdamW docs and torch/optim/adam.py (_single_tensor_adam, decoupled weight decay):
 //   θ ← θ(1 − γλ);  m ← lerp(m, g, 1−β1);  v ← β2 v + (1−β2) g²;  amsgrad: v̄ ← max(v̄, v), use v̄
@@ -9054,7 +9069,7 @@ MNIMPL void mn_adamw_free(mn_adamw *s) {
     memset(s, 0, sizeof *s);
 }
 
-// --- 8-bit AdamW ---------------------------------------------------------------------------------
+// ---- 8-bit AdamW --------------------------------------------------------------------------------
 //
 // bitsandbytes (Dettmers et al. 2022, arXiv 2110.02861; csrc/kernels.cu
 // kOptimizerStatic8bit2StateBlockwise, ADAM). Per block of B elements, with maps Q1 (signed) and
@@ -9253,7 +9268,7 @@ MNIMPL void mn_adamw8bit_free(mn_adamw8bit *s) {
     memset(s, 0, sizeof *s);
 }
 
-// --- Adafactor -----------------------------------------------------------------------------------
+// ---- Adafactor ----------------------------------------------------------------------------------
 //
 // Shazeer & Stern 2018 (arXiv 1804.04235), as transformers/optimization.py Adafactor.step:
 //   ρ_t = lr, or min(1e-2 (1e-6 t with warmup_init), 1/√t) with the relative step
@@ -9418,7 +9433,7 @@ MNIMPL void mn_adafactor_free(mn_adafactor *s) {
     memset(s, 0, sizeof *s);
 }
 
-// --- Lion ----------------------------------------------------------------------------------------
+// ---- Lion ---------------------------------------------------------------------------------------
 //
 // Chen et al. 2023 (arXiv 2302.06675, Algorithm 2) and lion-pytorch:
 //   θ ← θ(1 − γλ);  c = β1 m + (1−β1) g;  θ ← θ − γ sign(c);  m ← β2 m + (1−β2) g   (sign(0) = 0)
@@ -9484,7 +9499,7 @@ MNIMPL void mn_lion_free(mn_lion *s) {
     memset(s, 0, sizeof *s);
 }
 
-// --- Gradient clipping ---------------------------------------------------------------------------
+// ---- Gradient clipping --------------------------------------------------------------------------
 //
 // torch.nn.utils.clip_grad_norm_: total = ‖(‖g_1‖_p, ..., ‖g_k‖_p)‖_p = (Σ|g|^p)^(1/p) over every
 // element (max |g| for p = inf); coef = max_norm / (total + 1e-6) in fp32, clamped to at most 1;
@@ -9531,7 +9546,7 @@ MNIMPL mn_result mn_clip_grad_norm(float *const *grads, const uint64_t *sizes, u
     return MN_OK;
 }
 
-// --- Dynamic loss scaling ------------------------------------------------------------------------
+// ---- Dynamic loss scaling -----------------------------------------------------------------------
 //
 // torch.amp.GradScaler with aten/src/ATen/native/cuda/AmpKernels.cu (_amp_update_scale):
 //   found_inf: scale ← scale · backoff, tracker ← 0, the optimizer step is skipped
