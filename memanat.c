@@ -23,7 +23,8 @@ static char first_error[512];
 
 static void capture_log(void *user, mn_log_level level, const char *msg) {
     (void)user;
-    if (level == MN_LOG_ERROR && !first_error[0]) snprintf(first_error, sizeof first_error, "%s", msg);
+    if (level == MN_LOG_ERROR && !first_error[0])
+        snprintf(first_error, sizeof first_error, "%s", msg);
 }
 
 static int fail(const char *fmt, ...) {
@@ -57,7 +58,7 @@ typedef struct cli {
     uint64_t params;
     int head_set;
     mn_head head;
-    const char *alloc_conf;      // --alloc-conf, else $PYTORCH_ALLOC_CONF / $PYTORCH_CUDA_ALLOC_CONF
+    const char *alloc_conf;      // --alloc-conf, else from the environment (env_alloc_conf)
     const char *svg, *snapshot;  // the timeline picture / the memory_viz JSON to write
     const char *trace;           // replay: the trace file
 } cli;
@@ -83,7 +84,8 @@ static int opt_model(cli *c, const char *flag, const char *v) {
     mn_hf_desc d;
     mn_result r;
     if (c->have_model)
-        return fail("give one of --model, --config, --params (got %s after %s)", flag, c->model_src);
+        return fail("give one of --model, --config, --params (got %s after %s)", flag,
+                    c->model_src);
     c->have_model = 1, c->model_src = flag;
     if (!strcmp(flag, "--model")) {
         if (mn_preset_find(v, &c->model) != MN_OK)
@@ -265,10 +267,12 @@ static int parse_args(cli *c, unsigned command, int argc, char **argv, const cha
         const char *k = argv[i], *v = NULL, *eq = strchr(k, '=');
         const opt *o;
         if (!strcmp(k, "--help") || !strcmp(k, "-h")) { fputs(usage, stdout); return 1; }
-        if (k[0] == '-' && k[1] && k[1] != '-') return fail("unknown option \"%s\" (see --help)", k);
+        if (k[0] == '-' && k[1] && k[1] != '-')
+            return fail("unknown option \"%s\" (see --help)", k);
         if (strncmp(k, "--", 2) != 0) {
             if (command != CMD_REPLAY) return fail("unexpected argument \"%s\" (see --help)", k);
-            if (c->trace) return fail("more than one trace file (\"%s\" after \"%s\")", k, c->trace);
+            if (c->trace)
+                return fail("more than one trace file (\"%s\" after \"%s\")", k, c->trace);
             c->trace = k;
             continue;
         }
@@ -288,10 +292,12 @@ static int parse_args(cli *c, unsigned command, int argc, char **argv, const cha
     if (!c->alloc_conf) c->alloc_conf = env_alloc_conf();
     c->setup.alloc_conf = c->alloc_conf;
     if (command == CMD_REPLAY) {
-        if (!c->trace) return fail("missing trace FILE (usage: memanat replay FILE [options], see --help)");
+        if (!c->trace)
+            return fail("missing trace FILE (usage: memanat replay FILE [options], see --help)");
         return 0;
     }
-    if (!c->have_model) return fail("no model: give --model NAME, --config FILE or --params N (see --help)");
+    if (!c->have_model)
+        return fail("no model: give --model NAME, --config FILE or --params N (see --help)");
     if (c->head_set) {
         c->model.head = c->head;
         if (c->head == MN_HEAD_CLASSIFICATION) {
@@ -306,29 +312,21 @@ static int parse_args(cli *c, unsigned command, int argc, char **argv, const cha
 
 // ---- files ------------------------------------------------------------------------------------
 
-// Writes through a temporary file renamed into place, so a failed write loses nothing.
-typedef mn_result (*writer_fn)(const void *what, const char *title, FILE *f);
-
-static int write_atomically(const char *path, writer_fn write, const void *what, const char *title) {
+// Writes the snapshot's timeline picture (svg_title set) or its memory_viz JSON to path, through a
+// temporary file renamed into place, so a failed write loses nothing.
+static int write_snapshot_file(const char *path, const mn_cache_snapshot *snap,
+                               const char *svg_title) {
     char tmp[4096];
     FILE *f;
     mn_result r;
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     if (!(f = fopen(tmp, "wb"))) return fail("cannot write %s: %s", tmp, strerror(errno));
-    r = write(what, title, f);
+    r = svg_title ? mn_cache_timeline_svg(snap, svg_title, mn_cache_write_file, f)
+                  : mn_cache_snapshot_write_json(snap, mn_cache_write_file, f);
     if (fclose(f) != 0 && r == MN_OK) r = MN_ERR_IO;
     if (r == MN_OK && rename(tmp, path) == 0) return 0;
     remove(tmp);
     return fail("cannot write %s: %s", path, mn_result_str(r == MN_OK ? MN_ERR_IO : r));
-}
-
-static mn_result write_svg(const void *snap, const char *title, FILE *f) {
-    return mn_cache_timeline_svg((const mn_cache_snapshot *)snap, title, mn_cache_write_file, f);
-}
-
-static mn_result write_snapshot(const void *snap, const char *title, FILE *f) {
-    (void)title;
-    return mn_cache_snapshot_write_json((const mn_cache_snapshot *)snap, mn_cache_write_file, f);
 }
 
 // Writes the timeline picture and/or the memory_viz snapshot of a cache that kept its history.
@@ -338,8 +336,8 @@ static int write_pictures(mn_cache *cache, const char *svg, const char *snapshot
     mn_result r = mn_cache_snapshot_take(cache, &snap);
     int rc = 0;
     if (r != MN_OK) return fail("snapshot: %s", mn_result_str(r));
-    if (svg) rc = write_atomically(svg, write_svg, &snap, title);
-    if (!rc && snapshot) rc = write_atomically(snapshot, write_snapshot, &snap, title);
+    if (svg) rc = write_snapshot_file(svg, &snap, title);
+    if (!rc && snapshot) rc = write_snapshot_file(snapshot, &snap, NULL);
     mn_cache_snapshot_free(&snap);
     return rc;
 }
@@ -390,17 +388,19 @@ static void print_table(const mn_estimate_result *r) {
     if (s->infer)
         printf("assumed: batch %llu x beams %u, prompt %llu + %llu new tokens, %s, %s attention\n",
                (unsigned long long)s->batch, s->beams, (unsigned long long)s->prompt,
-               (unsigned long long)s->new_tokens, mn_precision_name(s->precision), mn_attn_name(s->attention));
+               (unsigned long long)s->new_tokens, mn_precision_name(s->precision),
+               mn_attn_name(s->attention));
     else
-        printf("assumed: batch %llu x seq %llu, accum %llu, %s, %s, checkpointing %s, %s attention,\n"
-               "         framework %s (torch %u.%u), zero %u over %u GPU(s), offload %s%s\n",
-               (unsigned long long)s->batch, (unsigned long long)s->seq, (unsigned long long)s->accum,
-               mn_precision_name(s->precision), mn_optim_name(s->optim), mn_ckpt_name(s->checkpointing),
-               mn_attn_name(s->attention), mn_framework_name(s->framework), s->torch_version / 100,
-               s->torch_version % 100, s->zero_stage, s->gpus, mn_offload_name(s->offload),
-               s->lora_rank ? ", LoRA" : "");
-    printf("device: %s, capacity %.0f MiB, context %.0f MiB\n\n", r->gpu.label, (double)r->capacity / 1048576.0,
-           (double)r->context / 1048576.0);
+        printf(
+            "assumed: batch %llu x seq %llu, accum %llu, %s, %s, checkpointing %s, %s attention,\n"
+            "         framework %s (torch %u.%u), zero %u over %u GPU(s), offload %s%s\n",
+            (unsigned long long)s->batch, (unsigned long long)s->seq, (unsigned long long)s->accum,
+            mn_precision_name(s->precision), mn_optim_name(s->optim),
+            mn_ckpt_name(s->checkpointing), mn_attn_name(s->attention),
+            mn_framework_name(s->framework), s->torch_version / 100, s->torch_version % 100,
+            s->zero_stage, s->gpus, mn_offload_name(s->offload), s->lora_rank ? ", LoRA" : "");
+    printf("device: %s, capacity %.0f MiB, context %.0f MiB\n\n", r->gpu.label,
+           (double)r->capacity / 1048576.0, (double)r->context / 1048576.0);
     printf("memory per GPU                   size  of device\n");
     put_size("weights", r->weights, r->capacity);
     put_size("master_weights", r->master_weights, r->capacity);
@@ -506,8 +506,9 @@ static int write_step_pictures(const cli *c, const mn_estimate_result *r) {
 
 // Activations kept per part of the model (*parts is malloc'ed, *n entries; none for inference).
 static int compute_parts(const cli *c, const mn_estimate_result *r, uint64_t **parts, uint32_t *n) {
-    uint32_t blocks = (uint32_t)(r->model.arch == MN_ARCH_STACK ? r->model.stack_len
-                                                                 : r->model.layers + r->model.encoder_layers);
+    uint32_t blocks =
+        (uint32_t)(r->model.arch == MN_ARCH_STACK ? r->model.stack_len
+                                                  : r->model.layers + r->model.encoder_layers);
     mn_result res;
     *parts = NULL, *n = 0;
     if (!c->parts || r->setup.infer) return 0;
@@ -519,7 +520,8 @@ static int compute_parts(const cli *c, const mn_estimate_result *r, uint64_t **p
 }
 
 // Equal neighbouring blocks are printed as one row.
-static void print_parts(const cli *c, const mn_estimate_result *r, const uint64_t *parts, uint32_t n) {
+static void print_parts(const cli *c, const mn_estimate_result *r, const uint64_t *parts,
+                        uint32_t n) {
     uint32_t i, j;
     char a[32], b[32];
     if (!parts) return;
@@ -537,8 +539,12 @@ static void print_parts(const cli *c, const mn_estimate_result *r, const uint64_
         for (j = i + 1; j + 1 < n && parts[j] == parts[i]; j++) continue;
         mn_size_format(parts[i], a, sizeof a);
         mn_size_format(parts[i] * (j - i), b, sizeof b);
-        if (j - i == 1) snprintf(label, sizeof label, "%s %u", r->model.arch == MN_ARCH_STACK ? "layer" : "block", i);
-        else snprintf(label, sizeof label, "%s %u-%u, each", r->model.arch == MN_ARCH_STACK ? "layers" : "blocks", i, j - 1);
+        if (j - i == 1)
+            snprintf(label, sizeof label, "%s %u",
+                     r->model.arch == MN_ARCH_STACK ? "layer" : "block", i);
+        else
+            snprintf(label, sizeof label, "%s %u-%u, each",
+                     r->model.arch == MN_ARCH_STACK ? "layers" : "blocks", i, j - 1);
         printf("  %-28s %12s  (%s)\n", label, a, b);
     }
     mn_size_format(parts[n - 1], a, sizeof a);
@@ -583,9 +589,10 @@ static int cmd_fit(int argc, char **argv) {
     res = mn_fit(&c.model, &c.setup, &fr);
     if (res != MN_OK) return fail_result("fit", res);
     if (c.json) {
-        printf("{\"max_batch\": %llu, \"max_seq\": %llu, \"plan_found\": %s, \"plan_slowdown\": %.3f, \"plan\": [",
-               (unsigned long long)fr.max_batch, (unsigned long long)fr.max_seq, fr.plan_found ? "true" : "false",
-               fr.plan_slowdown);
+        printf("{\"max_batch\": %llu, \"max_seq\": %llu, \"plan_found\": %s, \"plan_slowdown\": "
+               "%.3f, \"plan\": [",
+               (unsigned long long)fr.max_batch, (unsigned long long)fr.max_seq,
+               fr.plan_found ? "true" : "false", fr.plan_slowdown);
         for (i = 0; i < fr.plan_len; i++) {
             printf("%s{\"what\": ", i ? ", " : "");
             mn_json_fputs_escaped(stdout, fr.plan[i].what);
@@ -600,15 +607,19 @@ static int cmd_fit(int argc, char **argv) {
     }
     printf("%s on %s (%.0f MiB):\n", fr.plan_estimate.model.name, fr.plan_estimate.gpu.label,
            (double)fr.plan_estimate.capacity / 1048576.0);
-    printf("  largest micro-batch at seq %llu: %llu\n", (unsigned long long)c.setup.seq ? (unsigned long long)c.setup.seq : (unsigned long long)fr.plan_estimate.setup.seq,
+    printf("  largest micro-batch at seq %llu: %llu\n",
+           (unsigned long long)c.setup.seq ? (unsigned long long)c.setup.seq
+                                           : (unsigned long long)fr.plan_estimate.setup.seq,
            (unsigned long long)fr.max_batch);
-    printf("  longest sequence at batch %llu: %llu\n", (unsigned long long)(c.setup.batch ? c.setup.batch : 1),
-           (unsigned long long)fr.max_seq);
+    printf("  longest sequence at batch %llu: %llu\n",
+           (unsigned long long)(c.setup.batch ? c.setup.batch : 1), (unsigned long long)fr.max_seq);
     if (fr.plan_len == 0 && fr.plan_found) printf("  the setup fits as given: no change needed\n");
     else if (fr.plan_len) printf("  plan (cheapest in speed first):\n");
-    for (i = 0; i < fr.plan_len; i++) printf("    %u. %-45s %s\n", i + 1, fr.plan[i].what, fr.plan[i].why);
+    for (i = 0; i < fr.plan_len; i++)
+        printf("    %u. %-45s %s\n", i + 1, fr.plan[i].what, fr.plan[i].why);
     if (!fr.plan_found) printf("  no combination of the techniques fits this device\n");
-    else if (fr.plan_len) printf("  estimated step time x%.2f of the setup as given\n", fr.plan_slowdown);
+    else if (fr.plan_len)
+        printf("  estimated step time x%.2f of the setup as given\n", fr.plan_slowdown);
     printf("\n");
     print_table(&fr.plan_estimate);
     return 0;
@@ -618,19 +629,22 @@ static int cmd_models(int argc, char **argv) {
     uint32_t i;
     (void)argv;
     if (argc > 0 && (!strcmp(argv[0], "--help") || !strcmp(argv[0], "-h"))) {
-        printf("usage: memanat models\n  lists the model presets (for --model) and the GPUs (for --gpu)\n");
+        printf("usage: memanat models\n"
+               "  lists the model presets (for --model) and the GPUs (for --gpu)\n");
         return 0;
     }
     if (argc > 0) return fail("models takes no arguments (got \"%s\")", argv[0]);
-    printf("%-20s %-16s %7s %7s %6s %5s %8s %9s\n", "model", "architecture", "params", "layers", "hidden", "heads",
-           "kv_heads", "vocab");
+    printf("%-20s %-16s %7s %7s %6s %5s %8s %9s\n", "model", "architecture", "params", "layers",
+           "hidden", "heads", "kv_heads", "vocab");
     for (i = 0; i < mn_preset_count(); i++) {
         const mn_model *m = mn_preset_get(i);
         uint64_t n = 0;
         mn_model_params(m, &n);
-        printf("%-20s %-16s %6.2fB %7llu %6llu %5llu %8llu %9llu\n", m->name, mn_arch_name(m->arch), (double)n / 1e9,
-               (unsigned long long)m->layers, (unsigned long long)m->hidden, (unsigned long long)m->heads,
-               (unsigned long long)(m->kv_heads ? m->kv_heads : m->heads), (unsigned long long)m->vocab);
+        printf("%-20s %-16s %6.2fB %7llu %6llu %5llu %8llu %9llu\n", m->name, mn_arch_name(m->arch),
+               (double)n / 1e9, (unsigned long long)m->layers, (unsigned long long)m->hidden,
+               (unsigned long long)m->heads,
+               (unsigned long long)(m->kv_heads ? m->kv_heads : m->heads),
+               (unsigned long long)m->vocab);
     }
     printf("\n%-12s %-24s %10s %12s %4s %5s %15s\n", "gpu", "name", "capacity", "context", "sm",
            "bf16", "cuBLAS work");
@@ -867,7 +881,8 @@ static int read_trace(const char *path, trace *t) {
     int rc = read_file(path, &text, &len);
     if (rc) return rc;
     for (k = 0; k < len && strchr(" \n\r\t", text[k]); k++) continue;
-    rc = k < len && text[k] == '{' ? read_snapshot(text, len, path, t) : read_csv(text, len, path, t);
+    rc = k < len && text[k] == '{' ? read_snapshot(text, len, path, t)
+                                   : read_csv(text, len, path, t);
     free(text);
     return rc;
 }
@@ -913,10 +928,10 @@ static void replay_print_text(const cli *c, const trace *t, mn_cache *cache,
     mn_cache_summary_write(st, 0, 0, mn_cache_write_file, stdout);
     if (st->cat_allocation[MN_CAT_OTHER].allocated != st->allocation[MN_STAT_ALL].allocated)
         mn_cache_category_summary_write(st, mn_cache_write_file, stdout);  // has categories
-    printf("peak allocated: %llu B (%s)\n", (unsigned long long)st->allocated_bytes[MN_STAT_ALL].peak,
-           pa);
-    printf("peak reserved:  %llu B (%s)\n", (unsigned long long)st->reserved_bytes[MN_STAT_ALL].peak,
-           pr);
+    printf("peak allocated: %llu B (%s)\n",
+           (unsigned long long)st->allocated_bytes[MN_STAT_ALL].peak, pa);
+    printf("peak reserved:  %llu B (%s)\n",
+           (unsigned long long)st->reserved_bytes[MN_STAT_ALL].peak, pr);
     printf("peak reserved / peak allocated: %.4f\n", ratio);
     printf("out-of-memory failures: %llu, device allocations: %llu, cache flushes: %llu\n",
            (unsigned long long)st->num_ooms, (unsigned long long)st->num_device_alloc,
@@ -978,7 +993,7 @@ int main(int argc, char **argv) {
         "  estimate   memory breakdown of a training step or a generation, and whether it fits\n"
         "  fit        largest batch, longest sequence, and a plan that fits the GPU\n"
         "  models     model presets and GPUs\n"
-        "  replay     replay an allocation trace (RMM CSV, PyTorch snapshot) through the allocator\n";
+        "  replay     an allocation trace (RMM CSV, PyTorch snapshot) through the allocator\n";
     if (argc < 2) {
         fputs(usage, stderr);
         return 2;
