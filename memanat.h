@@ -63,6 +63,7 @@
 //   >>hfconfig       Hugging Face config.json and model-folder reader
 //   >>cache          the caching allocator with PyTorch's policy:
 //     /simdev          the simulated device
+//     /hostdev         host memory as a device (real buffers for CPU programs)
 //     /config          PYTORCH_ALLOC_CONF parsing and the rounding policy
 //     /alloc           blocks, segments, pools, allocation, freeing, events, statistics, check
 //     /observe         snapshot, memory_summary(), memory_stats() items, JSON, SVG timeline
@@ -776,6 +777,34 @@ MNDEF void mn_simdev_complete_event(mn_simdev *dev, mn_event event);
 MNDEF void mn_simdev_sync_stream(mn_simdev *dev, mn_stream stream);  // completes its events
 MNDEF void mn_simdev_sync(mn_simdev *dev);                           // completes every event
 MNDEF uint32_t mn_simdev_pending_events(const mn_simdev *dev);
+
+// ---- >>cache/hostdev: host memory as a device -----------------------------------------------------
+// Real memory from the host allocator, each segment aligned to MN_HOSTDEV_ALIGN bytes, under an
+// optional capacity, so a caching allocator hands out real buffers whose statistics are
+// measurements: the memory of a CPU program (the trainer's tensors) seen as PyTorch would see
+// device memory. Host work is synchronous, so the device has no events; it has no virtual memory
+// either (expandable_segments:True is MN_ERR_UNSUPPORTED at mn_cache_init). Not thread-safe by
+// itself: the allocator calls it under its own lock.
+#define MN_HOSTDEV_ALIGN 512  // the allocator's block rounding, a multiple of every SIMD width
+
+typedef struct mn_hostdev_desc {
+    uint64_t capacity;       // bytes, 0 = unlimited (mem_info then reports 1 PiB total)
+    uint64_t fail_alloc_at;  // the N-th device allocation fails with MN_ERR_DEVICE_OOM, 0 = never
+    mn_allocator allocator;  // where the memory comes from, all-zero = MN_MALLOC/MN_FREE
+} mn_hostdev_desc;
+
+typedef struct mn_hostdev {  // fields are read-only for callers
+    mn_hostdev_desc desc;     // resolved
+    uint64_t used, peak_used; // bytes handed out as segments
+    uint64_t alloc_calls, free_calls, failed_calls;
+    uint64_t live;            // segments not yet returned
+} mn_hostdev;
+
+MNDEF mn_result mn_hostdev_init(mn_hostdev *dev, const mn_hostdev_desc *desc);
+// MN_OK, or MN_ERR_STATE when segments are still live (they are not freed: their owner, the
+// caching allocator, returns them in mn_cache_free, which must come first).
+MNDEF mn_result mn_hostdev_free(mn_hostdev *dev);
+MNDEF mn_device mn_hostdev_device(mn_hostdev *dev);
 
 // ---- >>cache/config: configuration (PYTORCH_ALLOC_CONF) -----------------------------------------
 #define MN_CACHE_ROUNDUP_INTERVALS 16  // power-of-two intervals from 1 MiB to 64 GiB
@@ -6207,6 +6236,71 @@ MNIMPL uint32_t mn_simdev_pending_events(const mn_simdev *dev) {
     uint32_t i, n = 0;
     for (i = 0; i < dev->event_count; i++) n += !dev->events[i].done;
     return n;
+}
+
+// ---- >>cache/hostdev: host memory as a device -----------------------------------------------------
+// A segment is one host allocation of size + MN_HOSTDEV_ALIGN bytes: the returned address is the
+// first aligned one past a pointer-sized slot, and the slot just below it keeps the pointer the
+// host allocator gave, for the free.
+
+MNIMPL mn_result mn_hostdev_init(mn_hostdev *dev, const mn_hostdev_desc *desc) {
+    if (!dev) return MN_ERR_INVALID_ARG;
+    memset(dev, 0, sizeof *dev);
+    if (desc) dev->desc = *desc;
+    if (!dev->desc.allocator.alloc_fn != !dev->desc.allocator.free_fn) return MN_ERR_INVALID_ARG;
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_hostdev_free(mn_hostdev *dev) {
+    if (!dev) return MN_ERR_INVALID_ARG;
+    return dev->live ? MN_ERR_STATE : MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_hostdev_alloc(void *ud, uint64_t size, void **ptr_out) {
+    mn_hostdev *dev = (mn_hostdev *)ud;
+    uint64_t calls = ++dev->alloc_calls;
+    unsigned char *raw;
+    uintptr_t at;
+    if (size == 0 || size > (uint64_t)SIZE_MAX - MN_HOSTDEV_ALIGN) return MN_ERR_INVALID_ARG;
+    if ((dev->desc.fail_alloc_at && calls == dev->desc.fail_alloc_at) ||
+        (dev->desc.capacity && (size > dev->desc.capacity || dev->used > dev->desc.capacity - size)))
+        return dev->failed_calls++, MN_ERR_DEVICE_OOM;
+    raw = (unsigned char *)mn__alloc(&dev->desc.allocator, (size_t)size + MN_HOSTDEV_ALIGN);
+    if (!raw) return dev->failed_calls++, MN_ERR_DEVICE_OOM;  // the host is the device: it is full
+    at = ((uintptr_t)raw + sizeof(void *) + MN_HOSTDEV_ALIGN - 1) & ~(uintptr_t)(MN_HOSTDEV_ALIGN - 1);
+    memcpy((void *)(at - sizeof(void *)), &raw, sizeof raw);
+    dev->used += size, dev->live++;
+    if (dev->used > dev->peak_used) dev->peak_used = dev->used;
+    *ptr_out = (void *)at;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_hostdev_release(void *ud, void *ptr, uint64_t size) {
+    mn_hostdev *dev = (mn_hostdev *)ud;
+    void *raw;
+    if (!ptr || size > dev->used || dev->live == 0) return MN_ERR_INVALID_ARG;
+    memcpy(&raw, (unsigned char *)ptr - sizeof(void *), sizeof raw);
+    mn__free(&dev->desc.allocator, raw);
+    dev->used -= size, dev->live--, dev->free_calls++;
+    return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__c_hostdev_mem_info(void *ud, uint64_t *free_out, uint64_t *total_out) {
+    const mn_hostdev *dev = (const mn_hostdev *)ud;
+    uint64_t total = dev->desc.capacity ? dev->desc.capacity : 1ull << 50;
+    *total_out = total;
+    *free_out = total - dev->used;
+    return MN_OK;
+}
+
+MNIMPL mn_device mn_hostdev_device(mn_hostdev *dev) {
+    mn_device d;
+    memset(&d, 0, sizeof d);
+    d.alloc_fn = mn__c_hostdev_alloc;
+    d.free_fn = mn__c_hostdev_release;
+    d.mem_info_fn = mn__c_hostdev_mem_info;
+    d.user_data = dev;
+    return d;
 }
 
 // ---- >>cache/config: configuration --------------------------------------------------------------

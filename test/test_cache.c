@@ -1511,6 +1511,91 @@ static void test_stats_items(void) {
     tc_close(&e);
 }
 
+// ---- the host-memory device -------------------------------------------------------------------
+
+static void test_hostdev(void) {
+    mn_hostdev dev;
+    mn_hostdev_desc hd;
+    mn_cache cache;
+    mn_cache_desc cd;
+    mnt_counting cnt;
+    void *p[64];
+    uint64_t sizes[64];
+    struct mn_cache_stats st;
+    int i, k;
+    memset(&cnt, 0, sizeof cnt);
+    memset(&hd, 0, sizeof hd);
+    hd.capacity = 256 * MIB;
+    hd.allocator = mnt_counting_allocator(&cnt);
+    CHECK_OK(mn_hostdev_init(&dev, &hd));
+    memset(&cd, 0, sizeof cd);
+    cd.device = mn_hostdev_device(&dev);
+    CHECK_OK(mn_cache_init(&cache, &cd));
+    // real, aligned, writable blocks of the sizes asked for (ASan checks every byte written)
+    for (i = 0; i < 64; i++) {
+        sizes[i] = tc_rand_size() % (3 * MIB) + 1;
+        CHECK_OK(mn_cache_alloc(&cache, sizes[i], 0, (mn_category)(i % MN_CAT_COUNT), NULL, &p[i]));
+        CHECK_EQ_U64((uintptr_t)p[i] % MN_HOSTDEV_ALIGN, 0);
+        memset(p[i], i, (size_t)sizes[i]);
+    }
+    for (i = 0; i < 64; i++) {  // no block overlaps another: each still holds its own byte
+        const unsigned char *b = (const unsigned char *)p[i];
+        for (k = 0; k < 4; k++) CHECK_EQ_INT(b[(size_t)(sizes[i] - 1) * (size_t)k / 3], i);
+    }
+    CHECK_OK(mn_cache_stats(&cache, &st));
+    CHECK_EQ_U64(st.reserved_bytes[MN_STAT_ALL].current, dev.used);
+    CHECK_EQ_U64(st.segment[MN_STAT_ALL].current, dev.live);
+    CHECK_EQ_U64(cnt.allocs - cnt.frees, dev.live);  // one host allocation per segment
+    // the capacity holds: more than is left fails after the ladder, and is counted
+    CHECK_ERR(mn_cache_alloc(&cache, 300 * MIB, 0, MN_CAT_OTHER, NULL, &p[0]), MN_ERR_DEVICE_OOM);
+    CHECK_EQ_U64(dev.failed_calls >= 1, 1);
+    {
+        char msg[1024];
+        mn_cache_oom_message(&cache, msg, sizeof msg);
+        CHECK(strstr(msg, "Tried to allocate 300.00 MiB") != NULL);
+        CHECK(strstr(msg, "total capacity of 256.00 MiB") != NULL);
+    }
+    CHECK_ERR(mn_hostdev_free(&dev), MN_ERR_STATE);  // segments are live: refused
+    for (i = 1; i < 64; i++) CHECK_OK(mn_cache_release(&cache, p[i]));
+    CHECK_OK(mn_cache_check(&cache));
+    mn_cache_free(&cache);
+    CHECK_EQ_U64(dev.used, 0);
+    CHECK_EQ_U64(dev.live, 0);
+    CHECK_EQ_U64(dev.alloc_calls - dev.failed_calls, dev.free_calls);
+    CHECK_OK(mn_hostdev_free(&dev));
+    CHECK_EQ_U64(cnt.allocs, cnt.frees);
+    // an injected failure at the 2nd device allocation: the cache flushes and retries, as
+    // PyTorch does after a failed cudaMalloc, and the retry gets real memory
+    hd.capacity = 0, hd.fail_alloc_at = 2;
+    CHECK_OK(mn_hostdev_init(&dev, &hd));
+    cd.device = mn_hostdev_device(&dev);
+    CHECK_OK(mn_cache_init(&cache, &cd));
+    CHECK_OK(mn_cache_alloc(&cache, 4 * MIB, 0, MN_CAT_WEIGHTS, NULL, &p[0]));
+    CHECK_OK(mn_cache_alloc(&cache, 40 * MIB, 0, MN_CAT_WEIGHTS, NULL, &p[1]));
+    memset(p[1], 0xab, 40 * MIB);
+    CHECK_EQ_U64(dev.failed_calls, 1);
+    CHECK_OK(mn_cache_stats(&cache, &st));
+    CHECK_EQ_U64(st.num_alloc_retries, 1);
+    {
+        uint64_t fr = 0, total = 0;
+        CHECK_OK(cd.device.mem_info_fn(cd.device.user_data, &fr, &total));
+        CHECK_EQ_U64(total, 1ull << 50);  // unlimited
+        CHECK_EQ_U64(total - fr, dev.used);
+    }
+    mn_cache_free(&cache);
+    CHECK_OK(mn_hostdev_free(&dev));
+    CHECK_EQ_U64(cnt.allocs, cnt.frees);
+    // expandable segments need virtual memory the host device does not offer
+    CHECK_OK(mn_hostdev_init(&dev, NULL));
+    cd.device = mn_hostdev_device(&dev);
+    cd.config = "expandable_segments:True";
+    CHECK_ERR(mn_cache_init(&cache, &cd), MN_ERR_UNSUPPORTED);
+    CHECK_OK(mn_hostdev_free(&dev));
+    hd.allocator.free_fn = NULL;  // half an allocator
+    CHECK_ERR(mn_hostdev_init(&dev, &hd), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_hostdev_init(NULL, NULL), MN_ERR_INVALID_ARG);
+}
+
 const mnt_case test_cache_cases[] = {
     {"rounding_table", test_rounding_table},
     {"config_parse", test_config_parse},
@@ -1535,5 +1620,6 @@ const mnt_case test_cache_cases[] = {
     {"sim_cache", test_sim_cache},
     {"write_file", test_write_file},
     {"stats_items", test_stats_items},
+    {"hostdev", test_hostdev},
 };
 const size_t test_cache_count = sizeof test_cache_cases / sizeof test_cache_cases[0];
