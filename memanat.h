@@ -32,7 +32,7 @@
 //   mn_sim_cache: a caching allocator on a simulated device, from an allocator config string
 //       mn_sim_cache sc;  mn_cache_desc cd = {0};  void *p;
 //       cd.config = "expandable_segments:True";  mn_sim_cache_init(&sc, NULL, &cd);
-//       mn_cache_alloc(&sc.cache, 1 << 20, 0, MN_CAT_ACTIVATIONS, "x", &p);  mn_sim_cache_free(&sc);
+//       mn_cache_alloc(&sc.cache, 1 << 20, 0, MN_CAT_ACTIVATIONS, "x", &p); mn_sim_cache_free(&sc);
 //   mn_cache_replay: an allocation trace (mn_trace_event[], e.g. from mn_estimate_trace())
 //       mn_replay_counts n;  struct mn_cache_stats st;
 //       mn_cache_replay(&sc.cache, events, count, 0, &n);  // n.failed: refused allocations
@@ -59,7 +59,7 @@
 //     /inputs          the model (a shape or a custom layer stack) and the setup; their resolution
 //     /step            the symbolic training step or generation, its trace and its result
 //     /fit             the largest micro-batch, the longest sequence, a plan that fits
-//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS workspace), names
+//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space), names
 //   >>hfconfig       Hugging Face config.json and model-folder reader
 //   >>cache          the caching allocator with PyTorch's policy:
 //     /simdev          the simulated device
@@ -152,7 +152,13 @@ typedef struct mn_allocator {
 } mn_allocator;
 
 // Optional logger: the library is silent without one. Messages name the bad value.
-typedef enum mn_log_level { MN_LOG_DEFAULT = 0, MN_LOG_ERROR, MN_LOG_WARN, MN_LOG_INFO, MN_LOG_COUNT } mn_log_level;
+typedef enum mn_log_level {
+    MN_LOG_DEFAULT = 0,
+    MN_LOG_ERROR,
+    MN_LOG_WARN,
+    MN_LOG_INFO,
+    MN_LOG_COUNT
+} mn_log_level;
 typedef struct mn_logger {
     void (*log_fn)(void *user_data, mn_log_level level, const char *msg);
     void *user_data;
@@ -778,7 +784,7 @@ MNDEF void mn_simdev_sync_stream(mn_simdev *dev, mn_stream stream);  // complete
 MNDEF void mn_simdev_sync(mn_simdev *dev);                           // completes every event
 MNDEF uint32_t mn_simdev_pending_events(const mn_simdev *dev);
 
-// ---- >>cache/hostdev: host memory as a device -----------------------------------------------------
+// ---- >>cache/hostdev: host memory as a device ---------------------------------------------------
 // Real memory from the host allocator, each segment aligned to MN_HOSTDEV_ALIGN bytes, under an
 // optional capacity, so a caching allocator hands out real buffers whose statistics are
 // measurements: the memory of a CPU program (the trainer's tensors) seen as PyTorch would see
@@ -878,7 +884,7 @@ typedef enum mn_stat_type {  // PyTorch StatType
     X(POOL, inactive_split, COUNT, "Non-releasable allocs")  /* free blocks in split segments */ \
     X(ONE, oversize_allocations, COUNT, "Oversize allocations")  /* blocks >= max_split_size */ \
     X(ONE, oversize_segments, COUNT, "Oversize GPU segments")    /* segments >= max_split_size */ \
-    X(COUNT, num_alloc_retries, COUNT, "")     /* cache flushes after a failed device allocation */ \
+    X(COUNT, num_alloc_retries, COUNT, "")     /* cache flushes after a failed device alloc */ \
     X(COUNT, num_ooms, COUNT, "")              /* allocations failed after the whole ladder */ \
     X(COUNT, num_sync_all_streams, COUNT, "")                                         \
     X(COUNT, num_device_alloc, COUNT, "")      /* device allocations + maps */        \
@@ -1534,7 +1540,8 @@ MNIMPL const char *mn_result_str(mn_result r) {
 }
 
 MNIMPL const char *mn_dtype_name(mn_dtype t) {
-    static const char *const names[MN_DTYPE_COUNT] = {"default", "fp32", "fp16", "bf16", "int8", "nf4"};
+    static const char *const names[MN_DTYPE_COUNT] = {"default", "fp32", "fp16", "bf16", "int8",
+                                                      "nf4"};
     return (unsigned)t < MN_DTYPE_COUNT ? names[t] : "unknown";
 }
 
@@ -1544,9 +1551,9 @@ MNIMPL uint32_t mn_dtype_bits(mn_dtype t) {
 }
 
 MNIMPL const char *mn_category_name(mn_category c) {
-    static const char *const names[MN_CAT_COUNT] = {"other", "weights", "master_weights", "gradients",
-                                                    "optimizer", "activations", "temporary",
-                                                    "kv_cache", "workspace"};
+    static const char *const names[MN_CAT_COUNT] = {
+        "other", "weights", "master_weights", "gradients", "optimizer", "activations", "temporary",
+        "kv_cache", "workspace"};
     return (unsigned)c < MN_CAT_COUNT ? names[c] : "unknown";
 }
 
@@ -6077,7 +6084,8 @@ MN__PRIVATE mn_result mn__c_simdev_take(mn_simdev *dev, uint64_t size) {
         dev->failed_calls++;
         return MN_ERR_DEVICE_OOM;
     }
-    if (dev->desc.capacity && (size > dev->desc.capacity || dev->used > dev->desc.capacity - size)) {
+    if (dev->desc.capacity &&
+        (size > dev->desc.capacity || dev->used > dev->desc.capacity - size)) {
         dev->failed_calls++;
         return MN_ERR_DEVICE_OOM;
     }
@@ -6097,7 +6105,8 @@ MN__PRIVATE mn_result mn__c_simdev_alloc(void *ud, uint64_t size, void **ptr_out
     if (r != MN_OK) return r;
     dev->live++;
     *ptr_out = (void *)(uintptr_t)dev->next_addr;
-    step = (size + MN__C_ROUND_LARGE - 1) / MN__C_ROUND_LARGE * MN__C_ROUND_LARGE + MN__C_ROUND_LARGE;
+    step =
+        (size + MN__C_ROUND_LARGE - 1) / MN__C_ROUND_LARGE * MN__C_ROUND_LARGE + MN__C_ROUND_LARGE;
     dev->next_addr += step;
     return MN_OK;
 }
@@ -6238,7 +6247,7 @@ MNIMPL uint32_t mn_simdev_pending_events(const mn_simdev *dev) {
     return n;
 }
 
-// ---- >>cache/hostdev: host memory as a device -----------------------------------------------------
+// ---- >>cache/hostdev: host memory as a device ---------------------------------------------------
 // A segment is one host allocation of size + MN_HOSTDEV_ALIGN bytes: the returned address is the
 // first aligned one past a pointer-sized slot, and the slot just below it keeps the pointer the
 // host allocator gave, for the free.
@@ -6263,11 +6272,13 @@ MN__PRIVATE mn_result mn__c_hostdev_alloc(void *ud, uint64_t size, void **ptr_ou
     uintptr_t at;
     if (size == 0 || size > (uint64_t)SIZE_MAX - MN_HOSTDEV_ALIGN) return MN_ERR_INVALID_ARG;
     if ((dev->desc.fail_alloc_at && calls == dev->desc.fail_alloc_at) ||
-        (dev->desc.capacity && (size > dev->desc.capacity || dev->used > dev->desc.capacity - size)))
+        (dev->desc.capacity &&
+         (size > dev->desc.capacity || dev->used > dev->desc.capacity - size)))
         return dev->failed_calls++, MN_ERR_DEVICE_OOM;
     raw = (unsigned char *)mn__alloc(&dev->desc.allocator, (size_t)size + MN_HOSTDEV_ALIGN);
     if (!raw) return dev->failed_calls++, MN_ERR_DEVICE_OOM;  // the host is the device: it is full
-    at = ((uintptr_t)raw + sizeof(void *) + MN_HOSTDEV_ALIGN - 1) & ~(uintptr_t)(MN_HOSTDEV_ALIGN - 1);
+    at = ((uintptr_t)raw + sizeof(void *) + MN_HOSTDEV_ALIGN - 1) &
+         ~(uintptr_t)(MN_HOSTDEV_ALIGN - 1);
     memcpy((void *)(at - sizeof(void *)), &raw, sizeof raw);
     dev->used += size, dev->live++;
     if (dev->used > dev->peak_used) dev->peak_used = dev->used;
@@ -6419,7 +6430,8 @@ MN__PRIVATE size_t mn__c_cfg_size_mb(mn__c_cfg_parser *P, size_t i) {
     const mn__c_cfg_tok *key = &P->tok[i - 2], *val = &P->tok[i];
     int is_seg = mn__c_tok_is(key, "large_segment_size_mb");
     uint64_t u = 0;
-    if (!mn__c_tok_u64(val, &u)) return mn__c_cfg_fail(P, "%s expects a whole number of MiB", P->key);
+    if (!mn__c_tok_u64(val, &u))
+        return mn__c_cfg_fail(P, "%s expects a whole number of MiB", P->key);
     // CUDAAllocatorConfig::parseMaxSplitSize: "too small, must be > 20"
     if (!is_seg && u <= MN__C_LARGE_BUFFER / MN__C_MIB)
         return mn__c_cfg_fail(P, "CachingAllocator option %s too small, must be > 20", P->key);
@@ -7275,8 +7287,8 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
     mn__c_pool_insert(p, b);
     if (!b->prev && !b->next) {  // release_expandable_segment
         if (c->dev.unreserve_fn)
-            mn__c_note_dev_error(c, c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size),
-                               "unreserve");
+            mn__c_note_dev_error(
+                c, c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size), "unreserve");
         mn__c_pool_erase(p, b);
         mn__c_seg_unlink(c, s);
         mn__c_block_delete(c, b);
@@ -7444,8 +7456,8 @@ MN__PRIVATE mn_result mn__c_map_block(mn__c_cache *c, mn__c_block *to_map, uint6
 
 // find_expandable_block: free address space of this stream's segment (a free block right before
 // an unmapped one counts), or a new segment reserving 9/8 of the device.
-MN__PRIVATE mn_result mn__c_find_expandable(mn__c_cache *c, mn__c_pool *p, mn_stream s, uint64_t size,
-                                          mn__c_block **out) {
+MN__PRIVATE mn_result mn__c_find_expandable(mn__c_cache *c, mn__c_pool *p, mn_stream s,
+                                            uint64_t size, mn__c_block **out) {
     mn__c_block *it, *b;
     mn__c_segment *seg;
     uint64_t total = 0, fr = 0, va, page = mn__c_page_size(c, p->small);
@@ -7487,8 +7499,8 @@ MN__PRIVATE mn_result mn__c_find_expandable(mn__c_cache *c, mn__c_pool *p, mn_st
 }
 
 // try_allocate_expandable_block
-MN__PRIVATE mn_result mn__c_alloc_expandable(mn__c_cache *c, mn__c_pool *p, mn_stream s, uint64_t size,
-                                           mn__c_block **out) {
+MN__PRIVATE mn_result mn__c_alloc_expandable(mn__c_cache *c, mn__c_pool *p, mn_stream s,
+                                             uint64_t size, mn__c_block **out) {
     mn__c_block *cand = NULL;
     mn_result r = mn__c_find_expandable(c, p, s, size, &cand);
     if (r != MN_OK) return r;
@@ -7655,7 +7667,8 @@ MN__PRIVATE mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint6
     mn__c_stat_inc(&c->st.cat_requested_bytes[cat], orig);
     if (c->st.allocated_bytes[MN_STAT_ALL].current == c->st.allocated_bytes[MN_STAT_ALL].peak) {
         int k;
-        for (k = 0; k < MN_CAT_COUNT; k++) c->st.cat_at_peak[k] = c->st.cat_allocated_bytes[k].current;
+        for (k = 0; k < MN_CAT_COUNT; k++)
+            c->st.cat_at_peak[k] = c->st.cat_allocated_bytes[k].current;
     }
     if (b->size >= c->pol.max_split) mn__c_stat_inc(&c->st.oversize_allocations, 1);
     return b;
@@ -8182,7 +8195,8 @@ MNIMPL mn_result mn_cache_snapshot_take(mn_cache *cache, mn_cache_snapshot *out)
             nblk++;
             if (!b->prev || !b->prev->mapped) nseg++;
         }
-    out->segments = (mn_segment_info *)mn__alloc_array(&c->alloc, (size_t)nseg, sizeof *out->segments);
+    out->segments =
+        (mn_segment_info *)mn__alloc_array(&c->alloc, (size_t)nseg, sizeof *out->segments);
     out->blocks = (mn_block_info *)mn__alloc_array(&c->alloc, (size_t)nblk, sizeof *out->blocks);
     tmpb = (mn_block_info *)mn__alloc_array(&c->alloc, (size_t)nblk, sizeof *tmpb);
     out->trace = (mn_trace_entry *)mn__alloc_array(&c->alloc, (size_t)c->ring_count,
@@ -8538,7 +8552,8 @@ MNIMPL mn_result mn_cache_timeline_svg(const mn_cache_snapshot *s, const char *t
     if (!s || !fn) return MN_ERR_INVALID_ARG;
     o.fn = fn, o.ud = user_data, o.r = MN_OK;
     ncols = s->trace_count + 1 < MN__C_SVG_COLS ? s->trace_count + 1 : MN__C_SVG_COLS;
-    colcat = (uint64_t(*)[MN_CAT_COUNT])mn__alloc_array(&s->allocator, (size_t)ncols, sizeof *colcat);
+    colcat =
+        (uint64_t(*)[MN_CAT_COUNT])mn__alloc_array(&s->allocator, (size_t)ncols, sizeof *colcat);
     colres = (uint64_t *)mn__alloc_array(&s->allocator, (size_t)ncols, sizeof *colres);
     coltot = (uint64_t *)mn__alloc_array(&s->allocator, (size_t)ncols, sizeof *coltot);
     if (!colcat || !colres || !coltot) {
@@ -8600,20 +8615,24 @@ MNIMPL mn_result mn_cache_timeline_svg(const mn_cache_snapshot *s, const char *t
             double top = 0;
             int j;
             for (j = 0; j <= k; j++) top += (double)colcat[c2][j];
-            mn__c_printf(&o, "%.1f,%.1f ", L + pw * (double)c2 / (double)(ncols > 1 ? ncols - 1 : 1),
+            mn__c_printf(&o, "%.1f,%.1f ",
+                         L + pw * (double)c2 / (double)(ncols > 1 ? ncols - 1 : 1),
                          T + ph - ph * top / ymax);
         }
         for (c2 = ncols; c2-- > 0;) {  // lower edge right to left
             double bot = 0;
             int j;
             for (j = 0; j < k; j++) bot += (double)colcat[c2][j];
-            mn__c_printf(&o, "%.1f,%.1f ", L + pw * (double)c2 / (double)(ncols > 1 ? ncols - 1 : 1),
+            mn__c_printf(&o, "%.1f,%.1f ",
+                         L + pw * (double)c2 / (double)(ncols > 1 ? ncols - 1 : 1),
                          T + ph - ph * bot / ymax);
         }
         mn__c_printf(&o, "\"/>\n");
-        mn__c_printf(&o, "<rect x=\"%.0f\" y=\"%.0f\" width=\"12\" height=\"12\" fill=\"%s\"/>"
-                     "<text x=\"%.0f\" y=\"%.0f\">%s</text>\n", L + pw + 16, T + 18.0 * seen,
-                     colors[k], L + pw + 34, T + 18.0 * seen + 10, mn_category_name((mn_category)k));
+        mn__c_printf(&o,
+                     "<rect x=\"%.0f\" y=\"%.0f\" width=\"12\" height=\"12\" fill=\"%s\"/>"
+                     "<text x=\"%.0f\" y=\"%.0f\">%s</text>\n",
+                     L + pw + 16, T + 18.0 * seen, colors[k], L + pw + 34, T + 18.0 * seen + 10,
+                     mn_category_name((mn_category)k));
         seen++;
     }
     mn__c_printf(&o, "<polyline fill=\"none\" stroke=\"black\" stroke-width=\"1.5\" points=\"");
