@@ -1335,6 +1335,9 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 // Shapes used in the comments below:
 //   B batch, T sequence length, C channels, OC output channels, NH heads, hs = C / NH head size,
 //   V vocabulary, N = B * T rows (any number of rows for the row-wise ops), n elements.
+// Every shape argument is a size_t: the number of elements along one dimension of caller-owned
+// host arrays. Products (N * C, B * T * 3C, ...) are formed in size_t inside the ops, so no shape
+// is limited to int. Token ids and targets are int values, not shapes.
 //
 // Conventions:
 //   - Every backward ACCUMULATES (+=) into its gradient buffers, as llm.c does, so gradients of a
@@ -1354,41 +1357,43 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 // pre_gelu: [N,OC] or NULL. Non-NULL selects the fused GELU (tanh) epilogue: pre_gelu receives
 //   inp @ weight^T + bias and out = gelu(pre_gelu). bias may be NULL.
 MNDEF void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, const float *weight,
-                             const float *bias, int N, int C, int OC);
+                             const float *bias, size_t N, size_t C, size_t OC);
 // dinp[N,C] += dpre @ weight;  dweight[OC,C] += dpre^T @ inp;  dbias[OC] += sum_n dpre[n,:],
 // where dpre = dout, or dout * gelu'(pre_gelu) when pre_gelu is non-NULL. In that case dout [N,OC]
 // is overwritten in place with dpre (as cuBLASLt's DGELU epilogue does). dinp, dweight and dbias
 // may each be NULL to skip that gradient.
 MNDEF void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
                               const float *inp, const float *weight, const float *pre_gelu,
-                              int N, int C, int OC);
+                              size_t N, size_t C, size_t OC);
 
 // LayerNorm over the last dimension (Ba, Kiros & Hinton 2016), biased variance, eps e.g. 1e-5.
 // out[N,C], mean[N] and rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C],
 // bias[C] or NULL.
 MNDEF void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                const float *weight, const float *bias, int N, int C, float eps);
+                                const float *weight, const float *bias, size_t N, size_t C,
+                                float eps);
 // dinp[N,C] +=, dweight[C] +=, dbias[C] += (or NULL); dout[N,C], inp[N,C], weight[C],
 // mean[N] and rstd[N] from the forward.
 MNDEF void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                                  const float *inp, const float *weight, const float *mean,
-                                 const float *rstd, int N, int C);
+                                 const float *rstd, size_t N, size_t C);
 
 // RMSNorm (Zhang & Sennrich 2019): out = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps).
 // out[N,C], rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C].
 MNDEF void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
-                              int N, int C, float eps);
+                              size_t N, size_t C, float eps);
 // dinp[N,C] +=, dweight[C] +=; dout[N,C], inp[N,C], weight[C], rstd[N] from the forward.
 MNDEF void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
-                               const float *weight, const float *rstd, int N, int C);
+                               const float *weight, const float *rstd, size_t N, size_t C);
 
 // Softmax over rows of length L: out[n,:] = softmax(scale * inp[n,:]). With causal non-zero the
 // rows form square [L,L] blocks (row n is query position t = n % L) and columns j > t are masked:
 // their probability is exactly 0. out[N,L], inp[N,L].
-MNDEF void mn_softmax_forward(float *out, const float *inp, int N, int L, float scale, int causal);
+MNDEF void mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
+                              int causal);
 // dinp[N,L] += scale * out * (dout - sum_j out_j * dout_j); dout[N,L], out[N,L] from the forward.
-MNDEF void mn_softmax_backward(float *dinp, const float *dout, const float *out, int N, int L,
-                               float scale, int causal);
+MNDEF void mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
+                               size_t L, float scale, int causal);
 
 // Multi-head scaled dot-product attention (Vaswani et al. 2017) over a fused qkv buffer
 // [B,T,3C]: q = qkv[..., 0:C], k = qkv[..., C:2C], v = qkv[..., 2C:3C], head h uses channels
@@ -1397,11 +1402,12 @@ MNDEF void mn_softmax_backward(float *dinp, const float *dout, const float *out,
 // backward, or is NULL to keep nothing: the backward then recomputes them (no O(T^2) activation,
 // like FlashAttention; the same gradients, bit for bit). Either way the work is tiled and needs
 // no T x T scratch.
-MNDEF void mn_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
-                                int NH, int causal);
+MNDEF void mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
+                                size_t C, size_t NH, int causal);
 // dqkv[B,T,3C] +=; dout[B,T,C], qkv[B,T,3C], att [B,NH,T,T] from the forward or NULL.
 MNDEF void mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                 const float *att, int B, int T, int C, int NH, int causal);
+                                 const float *att, size_t B, size_t T, size_t C, size_t NH,
+                                 int causal);
 
 // GELU, tanh approximation (Hendrycks & Gimpel 2016; GPT-2, llm.c, cuBLASLt's GELU epilogue):
 // out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). out[n], inp[n]; out may equal inp.
@@ -1431,22 +1437,23 @@ MNDEF void mn_residual_backward(float *da, float *db, const float *dout, size_t 
 // wte[V,C], wpe[T,C] or NULL (no position embedding). MN_ERR_INVALID_ARG for a token outside
 // [0,V) (nothing written).
 MNDEF mn_result mn_embedding_forward(float *out, const int *tokens, const float *wte,
-                                     const float *wpe, int B, int T, int C, int V);
+                                     const float *wpe, size_t B, size_t T, size_t C, size_t V);
 // Scatter-add: dwte[tokens[b,t],:] += dout[b,t,:], dwpe[t,:] += dout[b,t,:] (either may be NULL).
 MNDEF mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *dout,
-                                      const int *tokens, int B, int T, int C, int V);
+                                      const int *tokens, size_t B, size_t T, size_t C, size_t V);
 
 // Cross-entropy fused with softmax: losses[n] = -log softmax(logits[n,:])[targets[n]].
 // losses[N], probs[N,V] (kept for the backward, or NULL), logits[N,V], targets[N].
 // A negative target marks an ignored row (loss 0, no gradient), like PyTorch's ignore_index;
 // a target >= V is MN_ERR_INVALID_ARG (nothing written).
 MNDEF mn_result mn_crossentropy_forward(float *losses, float *probs, const float *logits,
-                                        const int *targets, int N, int V);
+                                        const int *targets, size_t N, size_t V);
 // dlogits[N,V] += (probs - onehot(targets)) * dlosses[n]; dlosses[N] (e.g. 1/N for a mean loss).
 // probs [N,V] from the forward, or NULL to recompute them from logits[N,V] (then logits is
 // read; otherwise it may be NULL).
 MNDEF mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, const float *probs,
-                                         const float *logits, const int *targets, int N, int V);
+                                         const float *logits, const int *targets, size_t N,
+                                         size_t V);
 
 // Dropout (Srivastava et al. 2014), inverted: out = inp * keep / (1 - p), keep with probability
 // 1 - p. The decision for element i is a function of (seed, offset + i) only, drawn from the
@@ -9796,11 +9803,12 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 #endif
 
 // sum_i x[i] in eight lanes, folded in double.
-MN__PRIVATE float mn__sum(const float *x, int n) {
+MN__PRIVATE float mn__sum(const float *x, size_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     double s = 0.0;
-    int i = 0, l;
-    for (; i + 8 <= n; i += 8)
+    size_t i = 0;
+    int l;
+    for (; n - i >= 8; i += 8)
         for (l = 0; l < 8; l++) acc[l] += x[i + l];
     for (; i < n; i++) s += x[i];
     for (l = 0; l < 8; l++) s += acc[l];
@@ -9808,21 +9816,23 @@ MN__PRIVATE float mn__sum(const float *x, int n) {
 }
 
 // sum_i x[i] * y[i] in eight lanes, folded pairwise in float.
-MN__PRIVATE float mn__dot(const float *x, const float *y, int n) {
+MN__PRIVATE float mn__dot(const float *x, const float *y, size_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s = 0.0f;
-    int i = 0, l;
-    for (; i + 8 <= n; i += 8)
+    size_t i = 0;
+    int l;
+    for (; n - i >= 8; i += 8)
         for (l = 0; l < 8; l++) acc[l] = MN__FMA(x[i + l], y[i + l], acc[l]);
     for (; i < n; i++) s = MN__FMA(x[i], y[i], s);
     return s + (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])));
 }
 
 // sum_i (x[i] - m)^2 in eight lanes, folded in double.
-MN__PRIVATE float mn__sumsq_centered(const float *x, float m, int n) {
+MN__PRIVATE float mn__sumsq_centered(const float *x, float m, size_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     double s = 0.0;
-    int i = 0, l;
-    for (; i + 8 <= n; i += 8)
+    size_t i = 0;
+    int l;
+    for (; n - i >= 8; i += 8)
         for (l = 0; l < 8; l++) {
             float d = x[i + l] - m;
             acc[l] = MN__FMA(d, d, acc[l]);
@@ -9833,11 +9843,12 @@ MN__PRIVATE float mn__sumsq_centered(const float *x, float m, int n) {
 }
 
 // max_i scale x[i] in eight lanes (NaN entries are skipped here and propagate through exp later).
-MN__PRIVATE float mn__max_scaled(const float *x, float scale, int n) {
+MN__PRIVATE float mn__max_scaled(const float *x, float scale, size_t n) {
     float acc[8], m = -INFINITY;
-    int i = 0, l;
+    size_t i = 0;
+    int l;
     for (l = 0; l < 8; l++) acc[l] = -INFINITY;
-    for (; i + 8 <= n; i += 8)
+    for (; n - i >= 8; i += 8)
         for (l = 0; l < 8; l++) acc[l] = scale * x[i + l] > acc[l] ? scale * x[i + l] : acc[l];
     for (; i < n; i++) m = scale * x[i] > m ? scale * x[i] : m;
     for (l = 0; l < 8; l++) m = acc[l] > m ? acc[l] : m;
@@ -9864,11 +9875,12 @@ MN__INLINE float mn__expf(float x) {
 }
 
 // sum_i exp(x[i] - m) in eight lanes, folded in double.
-MN__PRIVATE double mn__sumexp(const float *x, float m, int n) {
+MN__PRIVATE double mn__sumexp(const float *x, float m, size_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     double s = 0.0;
-    int i = 0, l;
-    for (; i + 8 <= n; i += 8)
+    size_t i = 0;
+    int l;
+    for (; n - i >= 8; i += 8)
         for (l = 0; l < 8; l++) acc[l] += mn__expf(x[i + l] - m);
     for (; i < n; i++) s += mn__expf(x[i] - m);
     for (l = 0; l < 8; l++) s += acc[l];
@@ -9876,11 +9888,12 @@ MN__PRIVATE double mn__sumexp(const float *x, float m, int n) {
 }
 
 // y[i] = exp(scale x[i] - m) and their sum (eight lanes, folded in double) in one pass.
-MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, float m, int n) {
+MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, float m, size_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     double s = 0.0;
-    int i = 0, l;
-    for (; i + 8 <= n; i += 8)
+    size_t i = 0;
+    int l;
+    for (; n - i >= 8; i += 8)
         for (l = 0; l < 8; l++) {
             y[i + l] = mn__expf(scale * x[i + l] - m);
             acc[l] += y[i + l];
@@ -9893,6 +9906,14 @@ MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, floa
     return s;
 }
 
+// Length of the next tile of a size_t range: min(left, cap) for left >= 1 and a tile size
+// cap >= 1. It is an int because it is at most cap (the one place a size becomes an int); written
+// as 1 + min(left - 1, cap - 1) so that the compiler sees the range [1, cap] and the tile loops
+// need no zero-trip paths (measurably faster for the small tiles of attention).
+MN__INLINE int mn__tile_len(size_t left, int cap) {
+    return left - 1 < (size_t)cap ? (int)(left - 1) + 1 : cap;
+}
+
 // ---- GEMM core --------------------------------------------------------------------------------
 //
 // c[m, j] += sum_k A(m, k) * B(k, j) for m < M, j < NC, k < K, where A(m, k) = a[m*a_rs + k*a_cs]
@@ -9901,7 +9922,7 @@ MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, floa
 
 // Register tile geometry. With GCC/clang vector extensions the tile is MR rows x two SIMD vectors
 // (sized to the register file: 32 registers with AVX-512, 16 with AVX/SSE); plain C elsewhere.
-#if (defined(__GNUC__) || defined(__clang__)) && !defined(MN_NO_SIMD)
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(MEMANAT_NO_SIMD)
 #define MN__SIMD 1
 #if defined(__AVX512F__)
 #define MN__VW 16
@@ -9942,7 +9963,7 @@ typedef struct mn__gemm {
     size_t a_rs, a_cs;
     const float *b;
     size_t b_rs, b_cs;
-    int M, NC, K;
+    size_t M, NC, K;
 } mn__gemm;
 
 // Register tile: acc = sum_k ap[k][0..MR) (outer) bp[k][0..NR), then c += acc on the valid part
@@ -9986,19 +10007,21 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     }
 }
 
-// One task: rows [m0, m0+mb) x columns [j0, j0+jb) of c, all of k.
-MN__PRIVATE void mn__gemm_task(const mn__gemm *g, int m0, int mb, int j0, int jb) {
+// One task: rows [m0, m0+mb) x columns [j0, j0+jb) of c, all of k. The block sizes mb <= MN__MB,
+// jb <= MN__JB and the depth kc <= MN__KC of a packed block are ints; offsets are size_t.
+MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, int jb) {
     float bpack[MN__KC * MN__JB];
     float apack[MN__KC * MN__MR];
-    int k0, kc, p, jj, k, m, i;
+    size_t k0;
+    int kc, p, jj, k, m, i;
     int npanel = (jb + MN__NR - 1) / MN__NR;
     for (k0 = 0; k0 < g->K; k0 += MN__KC) {
-        kc = g->K - k0 < MN__KC ? g->K - k0 : MN__KC;
+        kc = mn__tile_len(g->K - k0, MN__KC);
         // pack B(k0.., j0..) as panels [p][k][NR], zero-padded past the last column
         for (p = 0; p < npanel; p++) {
             float *dst = bpack + (size_t)p * MN__KC * MN__NR;
             int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
-            const float *src = g->b + (size_t)k0 * g->b_rs + (size_t)(j0 + p * MN__NR) * g->b_cs;
+            const float *src = g->b + k0 * g->b_rs + (j0 + (size_t)p * MN__NR) * g->b_cs;
             if (jn < MN__NR) memset(dst, 0, (size_t)kc * MN__NR * sizeof(float));
             if (g->b_cs == 1) {  // read along rows of B
                 for (k = 0; k < kc; k++)
@@ -10014,7 +10037,7 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, int m0, int mb, int j0, int jb
         for (i = 0; i < mb; i += MN__MR) {
             int mr = mb - i < MN__MR ? mb - i : MN__MR;
             // pack A(m0+i.., k0..) as [k][MR]; rows past the end repeat the last row (discarded)
-            const float *src = g->a + (size_t)(m0 + i) * g->a_rs + (size_t)k0 * g->a_cs;
+            const float *src = g->a + (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs;
             if (g->a_cs == 1) {  // rows of A are contiguous
                 for (m = 0; m < MN__MR; m++) {
                     const float *row = src + (size_t)(m < mr ? m : mr - 1) * g->a_rs;
@@ -10028,7 +10051,7 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, int m0, int mb, int j0, int jb
             }
             for (p = 0; p < npanel; p++) {
                 int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
-                float *c = g->c + (size_t)(m0 + i) * g->ldc + (size_t)(j0 + p * MN__NR);
+                float *c = g->c + (m0 + (size_t)i) * g->ldc + j0 + (size_t)p * MN__NR;
                 mn__gemm_tile(c, g->ldc, mr, jn, apack, bpack + (size_t)p * MN__KC * MN__NR, kc);
             }
         }
@@ -10037,31 +10060,31 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, int m0, int mb, int j0, int jb
 
 // Runs every task; the tasks write disjoint blocks of c, so any schedule gives the same bits.
 MN__PRIVATE void mn__gemm_run(const mn__gemm *g) {
-    int mt = (g->M + MN__MB - 1) / MN__MB, jt = (g->NC + MN__JB - 1) / MN__JB;
-    long t, ntask = (long)mt * jt;
-    if (g->M <= 0 || g->NC <= 0 || g->K <= 0) return;
+    size_t mt = (g->M + MN__MB - 1) / MN__MB, jt = (g->NC + MN__JB - 1) / MN__JB;
+    size_t t, ntask = mt * jt;
+    if (g->M == 0 || g->NC == 0 || g->K == 0) return;
     MN__OMP_FOR_DYNAMIC
     for (t = 0; t < ntask; t++) {
-        int m0 = (int)(t / jt) * MN__MB, j0 = (int)(t % jt) * MN__JB;
-        int mb = g->M - m0 < MN__MB ? g->M - m0 : MN__MB;
-        int jb = g->NC - j0 < MN__JB ? g->NC - j0 : MN__JB;
-        mn__gemm_task(g, m0, mb, j0, jb);
+        size_t m0 = (t / jt) * MN__MB, j0 = (t % jt) * MN__JB;
+        mn__gemm_task(g, m0, mn__tile_len(g->M - m0, MN__MB), j0,
+                      mn__tile_len(g->NC - j0, MN__JB));
     }
 }
 
 // The same tasks on the calling thread (for callers already inside a parallel loop).
 MN__PRIVATE void mn__gemm_serial(const mn__gemm *g) {
-    int m0, j0;
+    size_t m0, j0;
     for (m0 = 0; m0 < g->M; m0 += MN__MB)
         for (j0 = 0; j0 < g->NC; j0 += MN__JB)
             if (g->K > 0)
-                mn__gemm_task(g, m0, g->M - m0 < MN__MB ? g->M - m0 : MN__MB, j0,
-                              g->NC - j0 < MN__JB ? g->NC - j0 : MN__JB);
+                mn__gemm_task(g, m0, mn__tile_len(g->M - m0, MN__MB), j0,
+                              mn__tile_len(g->NC - j0, MN__JB));
 }
 
 // c[M, NC] (row stride ldc) += A(m, k) B(k, j) with the strides of mn__gemm, on this thread.
 MN__PRIVATE void mn__gemm_acc(float *c, size_t ldc, const float *a, size_t a_rs, size_t a_cs,
-                              const float *b, size_t b_rs, size_t b_cs, int M, int NC, int K) {
+                              const float *b, size_t b_rs, size_t b_cs, size_t M, size_t NC,
+                              size_t K) {
     mn__gemm g;
     g.c = c, g.ldc = ldc, g.a = a, g.a_rs = a_rs, g.a_cs = a_cs;
     g.b = b, g.b_rs = b_rs, g.b_cs = b_cs, g.M = M, g.NC = NC, g.K = K;
@@ -10093,77 +10116,75 @@ MN__INLINE float mn__gelu_grad(float x) {
 // ---- matmul -------------------------------------------------------------------------------------
 
 MNIMPL void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, const float *weight,
-                              const float *bias, int N, int C, int OC) {
+                              const float *bias, size_t N, size_t C, size_t OC) {
     // y[n,o] = b[o] + sum_c x[n,c] w[o,c]; the GEMM runs into pre_gelu when the epilogue is on,
     // then out = gelu(pre_gelu) (cuBLASLt CUBLASLT_EPILOGUE_GELU_AUX_BIAS semantics).
     float *y = pre_gelu ? pre_gelu : out;
     mn__gemm g;
-    long n;
-    MN_ASSERT(out && inp && weight && N >= 0 && C >= 0 && OC >= 0);
-    MN__OMP_FOR_IF((size_t)N * OC >= MN__OMP_MIN_ELEMS)
+    size_t n;
+    MN_ASSERT(out && inp && weight);
+    MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
-        float *row = y + (size_t)n * OC;
-        int o;
+        float *row = y + n * OC;
+        size_t o;
         if (bias) for (o = 0; o < OC; o++) row[o] = bias[o];
         else for (o = 0; o < OC; o++) row[o] = 0.0f;
     }
-    g.c = y, g.ldc = (size_t)OC;
-    g.a = inp, g.a_rs = (size_t)C, g.a_cs = 1;        // A(n, c) = inp[n, c]
-    g.b = weight, g.b_rs = 1, g.b_cs = (size_t)C;     // B(c, o) = weight[o, c]
+    g.c = y, g.ldc = OC;
+    g.a = inp, g.a_rs = C, g.a_cs = 1;        // A(n, c) = inp[n, c]
+    g.b = weight, g.b_rs = 1, g.b_cs = C;     // B(c, o) = weight[o, c]
     g.M = N, g.NC = OC, g.K = C;
     mn__gemm_run(&g);
     if (pre_gelu) {
-        MN__OMP_FOR_IF((size_t)N * OC >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
-            int o;
-            for (o = 0; o < OC; o++)
-                out[(size_t)n * OC + o] = mn__gelu(pre_gelu[(size_t)n * OC + o]);
+            size_t o;
+            for (o = 0; o < OC; o++) out[n * OC + o] = mn__gelu(pre_gelu[n * OC + o]);
         }
     }
 }
 
 MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
                                const float *inp, const float *weight, const float *pre_gelu,
-                               int N, int C, int OC) {
+                               size_t N, size_t C, size_t OC) {
     // dpre = dout * gelu'(pre) (fused epilogue); dx[n,c] += sum_o dpre[n,o] w[o,c];
     // dw[o,c] += sum_n dpre[n,o] x[n,c]; db[o] += sum_n dpre[n,o] (llm.c matmul_backward).
     mn__gemm g;
-    long n;
-    MN_ASSERT(dout && N >= 0 && C >= 0 && OC >= 0);
+    size_t n;
+    MN_ASSERT(dout);
     if (pre_gelu) {
-        MN__OMP_FOR_IF((size_t)N * OC >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
-            int o;
-            for (o = 0; o < OC; o++)
-                dout[(size_t)n * OC + o] *= mn__gelu_grad(pre_gelu[(size_t)n * OC + o]);
+            size_t o;
+            for (o = 0; o < OC; o++) dout[n * OC + o] *= mn__gelu_grad(pre_gelu[n * OC + o]);
         }
     }
     if (dinp) {
         MN_ASSERT(weight);
-        g.c = dinp, g.ldc = (size_t)C;
-        g.a = dout, g.a_rs = (size_t)OC, g.a_cs = 1;      // A(n, o) = dpre[n, o]
-        g.b = weight, g.b_rs = (size_t)C, g.b_cs = 1;     // B(o, c) = weight[o, c]
+        g.c = dinp, g.ldc = C;
+        g.a = dout, g.a_rs = OC, g.a_cs = 1;      // A(n, o) = dpre[n, o]
+        g.b = weight, g.b_rs = C, g.b_cs = 1;     // B(o, c) = weight[o, c]
         g.M = N, g.NC = C, g.K = OC;
         mn__gemm_run(&g);
     }
     if (dweight) {
         MN_ASSERT(inp);
-        g.c = dweight, g.ldc = (size_t)C;
-        g.a = dout, g.a_rs = 1, g.a_cs = (size_t)OC;      // A(o, n) = dpre[n, o]
-        g.b = inp, g.b_rs = (size_t)C, g.b_cs = 1;        // B(n, c) = inp[n, c]
+        g.c = dweight, g.ldc = C;
+        g.a = dout, g.a_rs = 1, g.a_cs = OC;      // A(o, n) = dpre[n, o]
+        g.b = inp, g.b_rs = C, g.b_cs = 1;        // B(n, c) = inp[n, c]
         g.M = OC, g.NC = C, g.K = N;
         mn__gemm_run(&g);
     }
     if (dbias) {
         // columns in blocks of 64 per thread; each block sums the rows in order
-        long blk, nblk = ((long)OC + 63) / 64;
-        MN__OMP_FOR_IF((size_t)N * OC >= MN__OMP_MIN_ELEMS)
+        size_t blk, nblk = (OC + 63) / 64;
+        MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
         for (blk = 0; blk < nblk; blk++) {
-            int o0 = (int)blk * 64, o1 = o0 + 64 < OC ? o0 + 64 : OC, o, r;
+            size_t o0 = blk * 64, o1 = OC - o0 > 64 ? o0 + 64 : OC, o, r;
             float acc[64];
             for (o = o0; o < o1; o++) acc[o - o0] = 0.0f;
             for (r = 0; r < N; r++) {
-                const float *row = dout + (size_t)r * OC;
+                const float *row = dout + r * OC;
                 for (o = o0; o < o1; o++) acc[o - o0] += row[o];
             }
             for (o = o0; o < o1; o++) dbias[o] += acc[o - o0];
@@ -10174,19 +10195,20 @@ MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float 
 // ---- layernorm / RMSNorm -----------------------------------------------------------------------
 
 MNIMPL void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                 const float *weight, const float *bias, int N, int C, float eps) {
+                                 const float *weight, const float *bias, size_t N, size_t C,
+                                 float eps) {
     // mu = mean(x), var = mean((x - mu)^2) (biased), r = 1/sqrt(var + eps);
     // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
-    long n;
-    MN_ASSERT(out && inp && weight && N >= 0 && C > 0);
-    MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+    size_t n;
+    MN_ASSERT(out && inp && weight && C > 0);
+    MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C;
-        float *y = out + (size_t)n * C;
+        const float *x = inp + n * C;
+        float *y = out + n * C;
         float m = mn__sum(x, C) / (float)C;
         float v = mn__sumsq_centered(x, m, C) / (float)C;
         float s = 1.0f / sqrtf(v + eps);
-        int i;
+        size_t i;
         if (bias) for (i = 0; i < C; i++) y[i] = (x[i] - m) * s * weight[i] + bias[i];
         else for (i = 0; i < C; i++) y[i] = (x[i] - m) * s * weight[i];
         if (mean) mean[n] = m;
@@ -10196,27 +10218,27 @@ MNIMPL void mn_layernorm_forward(float *out, float *mean, float *rstd, const flo
 
 MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                                   const float *inp, const float *weight, const float *mean,
-                                  const float *rstd, int N, int C) {
+                                  const float *rstd, size_t N, size_t C) {
     // xh = (x - mu) r, g = w dy; dx += r (g - mean(g) - xh mean(g xh));
     // dw += sum_n dy xh, db += sum_n dy (llm.c train_gpt2.c layernorm_backward).
-    long n, blk, nblk = ((long)C + 63) / 64;
-    MN_ASSERT(dout && inp && mean && rstd && N >= 0 && C > 0);
+    size_t n, blk, nblk = (C + 63) / 64;
+    MN_ASSERT(dout && inp && mean && rstd && C > 0);
     if (dinp) {
         MN_ASSERT(weight);
-        MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
-            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-            float *dx = dinp + (size_t)n * C;
+            const float *x = inp + n * C, *dy = dout + n * C;
+            float *dx = dinp + n * C;
             float m = mean[n], r = rstd[n];
             double sg = 0.0, sgx = 0.0;
             float gm, gxm;
-            int i;
+            size_t i;
             for (i = 0; i < C; i++) {
                 float g = weight[i] * dy[i];
                 sg += g;
                 sgx += (double)g * ((x[i] - m) * r);
             }
-            gm = (float)(sg / C), gxm = (float)(sgx / C);
+            gm = (float)(sg / (double)C), gxm = (float)(sgx / (double)C);
             for (i = 0; i < C; i++) {
                 float g = weight[i] * dy[i], xh = (x[i] - m) * r;  // g rounded as in the sums
                 dx[i] += r * (g - gm - xh * gxm);
@@ -10225,13 +10247,13 @@ MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, con
     }
     if (!dweight && !dbias) return;
     // parameter gradients: columns in blocks of 64 per thread, rows summed in order
-    MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
-        int c0 = (int)blk * 64, c1 = c0 + 64 < C ? c0 + 64 : C, i, r;
+        size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
         float aw[64], ab[64];
         for (i = c0; i < c1; i++) aw[i - c0] = 0.0f, ab[i - c0] = 0.0f;
         for (r = 0; r < N; r++) {
-            const float *x = inp + (size_t)r * C, *dy = dout + (size_t)r * C;
+            const float *x = inp + r * C, *dy = dout + r * C;
             float m = mean[r], s = rstd[r];
             for (i = c0; i < c1; i++) {
                 aw[i - c0] += dy[i] * ((x[i] - m) * s);
@@ -10246,39 +10268,39 @@ MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, con
 }
 
 MNIMPL void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
-                               int N, int C, float eps) {
+                               size_t N, size_t C, float eps) {
     // r = 1/sqrt(mean(x^2) + eps); y = x r w (Zhang & Sennrich 2019, "Root Mean Square Layer
     // Normalization", eq. 4; as in LLaMA's RMSNorm).
-    long n;
-    MN_ASSERT(out && inp && weight && N >= 0 && C > 0);
-    MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+    size_t n;
+    MN_ASSERT(out && inp && weight && C > 0);
+    MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C;
-        float *y = out + (size_t)n * C;
+        const float *x = inp + n * C;
+        float *y = out + n * C;
         float s = 1.0f / sqrtf(mn__dot(x, x, C) / (float)C + eps);
-        int i;
+        size_t i;
         for (i = 0; i < C; i++) y[i] = x[i] * s * weight[i];
         if (rstd) rstd[n] = s;
     }
 }
 
 MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
-                                const float *weight, const float *rstd, int N, int C) {
+                                const float *weight, const float *rstd, size_t N, size_t C) {
     // xh = x r, g = w dy; dx += r (g - xh mean(g xh)); dw += sum_n dy xh
     // (the layernorm backward without the mean terms; derivation in Zhang & Sennrich 2019).
-    long n, blk, nblk = ((long)C + 63) / 64;
-    MN_ASSERT(dout && inp && rstd && N >= 0 && C > 0);
+    size_t n, blk, nblk = (C + 63) / 64;
+    MN_ASSERT(dout && inp && rstd && C > 0);
     if (dinp) {
         MN_ASSERT(weight);
-        MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
-            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-            float *dx = dinp + (size_t)n * C;
+            const float *x = inp + n * C, *dy = dout + n * C;
+            float *dx = dinp + n * C;
             float r = rstd[n], gxm;
             double sgx = 0.0;
-            int i;
+            size_t i;
             for (i = 0; i < C; i++) sgx += (double)(weight[i] * dy[i]) * (x[i] * r);
-            gxm = (float)(sgx / C);
+            gxm = (float)(sgx / (double)C);
             for (i = 0; i < C; i++) {
                 float g = weight[i] * dy[i];
                 dx[i] += r * (g - (x[i] * r) * gxm);
@@ -10286,13 +10308,13 @@ MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, 
         }
     }
     if (!dweight) return;
-    MN__OMP_FOR_IF((size_t)N * C >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
-        int c0 = (int)blk * 64, c1 = c0 + 64 < C ? c0 + 64 : C, i, r;
+        size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
         float aw[64];
         for (i = c0; i < c1; i++) aw[i - c0] = 0.0f;
         for (r = 0; r < N; r++) {
-            const float *x = inp + (size_t)r * C, *dy = dout + (size_t)r * C;
+            const float *x = inp + r * C, *dy = dout + r * C;
             float s = rstd[r];
             for (i = c0; i < c1; i++) aw[i - c0] += dy[i] * (x[i] * s);
         }
@@ -10302,16 +10324,17 @@ MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, 
 
 // ---- softmax ------------------------------------------------------------------------------------
 
-MNIMPL void mn_softmax_forward(float *out, const float *inp, int N, int L, float scale, int causal) {
+MNIMPL void mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
+                               int causal) {
     // z = scale x; p_j = exp(z_j - max z) / sum_k exp(z_k - max z) over the unmasked j
     // (max subtracted for range safety; llm.c train_gpt2.c attention_forward / softmax_forward).
-    long n;
-    MN_ASSERT(out && inp && N >= 0 && L > 0);
-    MN__OMP_FOR_IF((size_t)N * L >= MN__OMP_MIN_ELEMS)
+    size_t n;
+    MN_ASSERT(out && inp && L > 0);
+    MN__OMP_FOR_IF(N * L >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * L;
-        float *y = out + (size_t)n * L;
-        int len = causal ? (int)(n % L) + 1 : L, j;
+        const float *x = inp + n * L;
+        float *y = out + n * L;
+        size_t len = causal ? n % L + 1 : L, j;
         float mx = mn__max_scaled(x, scale, len), inv;
         inv = (float)(1.0 / mn__exp_store_sum(y, x, scale, mx, len));
         for (j = 0; j < len; j++) y[j] *= inv;
@@ -10319,16 +10342,16 @@ MNIMPL void mn_softmax_forward(float *out, const float *inp, int N, int L, float
     }
 }
 
-MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out, int N, int L,
-                                float scale, int causal) {
+MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
+                                size_t L, float scale, int causal) {
     // dz_j = p_j (dy_j - sum_k p_k dy_k); dx_j += scale dz_j (softmax Jacobian diag(p) - p p^T).
-    long n;
-    MN_ASSERT(dinp && dout && out && N >= 0 && L > 0);
-    MN__OMP_FOR_IF((size_t)N * L >= MN__OMP_MIN_ELEMS)
+    size_t n;
+    MN_ASSERT(dinp && dout && out && L > 0);
+    MN__OMP_FOR_IF(N * L >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
-        const float *p = out + (size_t)n * L, *dy = dout + (size_t)n * L;
-        float *dx = dinp + (size_t)n * L;
-        int len = causal ? (int)(n % L) + 1 : L, j;
+        const float *p = out + n * L, *dy = dout + n * L;
+        float *dx = dinp + n * L;
+        size_t len = causal ? n % L + 1 : L, j;
         float d = mn__dot(p, dy, len);
         for (j = 0; j < len; j++) dx[j] += scale * (p[j] * (dy[j] - d));
     }
@@ -10355,29 +10378,32 @@ typedef struct mn__att {
     const float *q, *k, *v;  // this (b, h): position t of each at + t * stride
     const float *dout;       // [T, C] rows of this b, offset to head h (backward only)
     size_t stride, dstride;  // 3C, C
-    int T, hs, causal;
+    size_t T, hs;
+    int causal;
     float scale;             // 1/sqrt(hs)
 } mn__att;
 
 // Keys visible to query t0 + i within the key tile starting at j0 (of nk keys).
-MN__PRIVATE int mn__att_visible(const mn__att *a, int t0, int i, int j0, int nk) {
-    int lim = t0 + i + 1 - j0;
-    return !a->causal || lim > nk ? nk : (lim > 0 ? lim : 0);
+MN__PRIVATE int mn__att_visible(const mn__att *a, size_t t0, int i, size_t j0, int nk) {
+    size_t end = t0 + (size_t)i + 1;  // the query sees keys [0, end)
+    if (!a->causal) return nk;
+    return end > j0 ? mn__tile_len(end - j0, nk) : 0;
 }
 
 // out[i][j] = x_{t0+i} . y_{j0+j} over hs channels, for i < nq, j < nk (0 past nk): a small
 // GEMM, x rows at x + t * xs, y rows at y + j * ys.
-MN__PRIVATE void mn__att_dots(const float *x, size_t xs, int t0, int nq, const float *y, size_t ys,
-                              int j0, int nk, int hs, float out[MN__AQ][MN__AK]) {
+MN__PRIVATE void mn__att_dots(const float *x, size_t xs, size_t t0, int nq, const float *y,
+                              size_t ys, size_t j0, int nk, size_t hs,
+                              float out[MN__AQ][MN__AK]) {
     int i, j;
     for (i = 0; i < nq; i++)
         for (j = 0; j < MN__AK; j++) out[i][j] = 0.0f;
-    mn__gemm_acc(&out[0][0], MN__AK, x + (size_t)t0 * xs, xs, 1, y + (size_t)j0 * ys, 1, ys, nq, nk,
-                 hs);
+    mn__gemm_acc(&out[0][0], MN__AK, x + t0 * xs, xs, 1, y + j0 * ys, 1, ys, (size_t)nq,
+                 (size_t)nk, hs);
 }
 
 // Scores of a tile: s[i][j] = scale q_{t0+i} . k_{j0+j}.
-MN__PRIVATE void mn__att_scores(const mn__att *a, int t0, int nq, int j0, int nk,
+MN__PRIVATE void mn__att_scores(const mn__att *a, size_t t0, int nq, size_t j0, int nk,
                                 float s[MN__AQ][MN__AK]) {
     int i, j;
     mn__att_dots(a->q, a->stride, t0, nq, a->k, a->stride, j0, nk, a->hs, s);
@@ -10386,16 +10412,19 @@ MN__PRIVATE void mn__att_scores(const mn__att *a, int t0, int nq, int j0, int nk
 }
 
 // Last key (exclusive) any query of the tile [t0, t0+nq) sees.
-MN__PRIVATE int mn__att_kend(const mn__att *a, int t0, int nq) { return a->causal ? t0 + nq : a->T; }
+MN__PRIVATE size_t mn__att_kend(const mn__att *a, size_t t0, int nq) {
+    return a->causal ? t0 + (size_t)nq : a->T;
+}
 
 // Row statistics of the query tile: mx[i] = max_j s_ij, inv[i] = 1 / sum_j exp(s_ij - mx[i]).
-MN__PRIVATE void mn__att_stats(const mn__att *a, int t0, int nq, float *mx, float *inv) {
+MN__PRIVATE void mn__att_stats(const mn__att *a, size_t t0, int nq, float *mx, float *inv) {
     float s[MN__AQ][MN__AK];
     double l[MN__AQ];
-    int i, j, j0, nk, kend = mn__att_kend(a, t0, nq);
+    size_t j0, kend = mn__att_kend(a, t0, nq);
+    int i, j, nk;
     for (i = 0; i < nq; i++) mx[i] = -INFINITY, l[i] = 0.0;
     for (j0 = 0; j0 < kend; j0 += MN__AK) {
-        nk = kend - j0 < MN__AK ? kend - j0 : MN__AK;
+        nk = mn__tile_len(kend - j0, MN__AK);
         mn__att_scores(a, t0, nq, j0, nk, s);
         for (i = 0; i < nq; i++) {
             int vis = mn__att_visible(a, t0, i, j0, nk);
@@ -10406,15 +10435,15 @@ MN__PRIVATE void mn__att_stats(const mn__att *a, int t0, int nq, float *mx, floa
                 if (l[i] > 0.0) l[i] *= mn__expf(mx[i] - bm);
                 mx[i] = bm;
             }
-            l[i] += mn__sumexp(s[i], mx[i], vis);
+            l[i] += mn__sumexp(s[i], mx[i], (size_t)vis);
         }
     }
     for (i = 0; i < nq; i++) inv[i] = (float)(1.0 / l[i]);
 }
 
 // Probabilities of a tile: p[i][j] for visible keys, 0 for masked ones and the padding.
-MN__PRIVATE void mn__att_probs(const mn__att *a, int t0, int nq, int j0, int nk, const float *mx,
-                               const float *inv, float p[MN__AQ][MN__AK]) {
+MN__PRIVATE void mn__att_probs(const mn__att *a, size_t t0, int nq, size_t j0, int nk,
+                               const float *mx, const float *inv, float p[MN__AQ][MN__AK]) {
     int i, j;
     mn__att_scores(a, t0, nq, j0, nk, p);
     for (i = 0; i < nq; i++) {
@@ -10426,11 +10455,11 @@ MN__PRIVATE void mn__att_probs(const mn__att *a, int t0, int nq, int j0, int nk,
 }
 
 // The same tile read back from the kept probabilities att [T, T] of this (b, h).
-MN__PRIVATE void mn__att_probs_kept(const float *att, int T, int t0, int nq, int j0, int nk,
-                                    float p[MN__AQ][MN__AK]) {
+MN__PRIVATE void mn__att_probs_kept(const float *att, size_t T, size_t t0, int nq, size_t j0,
+                                    int nk, float p[MN__AQ][MN__AK]) {
     int i, j;
     for (i = 0; i < nq; i++) {
-        const float *row = att + (size_t)(t0 + i) * T + j0;
+        const float *row = att + (t0 + (size_t)i) * T + j0;
         for (j = 0; j < nk; j++) p[i][j] = row[j];
         for (; j < MN__AK; j++) p[i][j] = 0.0f;
     }
@@ -10439,42 +10468,44 @@ MN__PRIVATE void mn__att_probs_kept(const float *att, int T, int t0, int nq, int
 MN__PRIVATE void mn__att_forward_bh(const mn__att *a, float *out, size_t os,
                                                  float *att) {
     float p[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ];
-    int t0, nq, j0, nk, i, j, d, kend;
+    size_t t0, j0, j, d, kend;
+    int nq, nk, i;
     for (t0 = 0; t0 < a->T; t0 += MN__AQ) {
-        nq = a->T - t0 < MN__AQ ? a->T - t0 : MN__AQ;
+        nq = mn__tile_len(a->T - t0, MN__AQ);
         kend = mn__att_kend(a, t0, nq);
         mn__att_stats(a, t0, nq, mx, inv);
         for (i = 0; i < nq; i++)
-            for (d = 0; d < a->hs; d++) out[(size_t)(t0 + i) * os + d] = 0.0f;
+            for (d = 0; d < a->hs; d++) out[(t0 + (size_t)i) * os + d] = 0.0f;
         for (j0 = 0; j0 < kend; j0 += MN__AK) {
-            nk = kend - j0 < MN__AK ? kend - j0 : MN__AK;
+            nk = mn__tile_len(kend - j0, MN__AK);
             mn__att_probs(a, t0, nq, j0, nk, mx, inv, p);
             if (att)
                 for (i = 0; i < nq; i++)
-                    memcpy(att + (size_t)(t0 + i) * a->T + j0, p[i], (size_t)nk * sizeof(float));
+                    memcpy(att + (t0 + (size_t)i) * a->T + j0, p[i], (size_t)nk * sizeof(float));
             // out_tile += p v_tile
-            mn__gemm_acc(out + (size_t)t0 * os, os, &p[0][0], MN__AK, 1,
-                         a->v + (size_t)j0 * a->stride, a->stride, 1, nq, a->hs, nk);
+            mn__gemm_acc(out + t0 * os, os, &p[0][0], MN__AK, 1, a->v + j0 * a->stride, a->stride,
+                         1, (size_t)nq, a->hs, (size_t)nk);
         }
         if (att)  // keys no query of this tile sees
             for (i = 0; i < nq; i++)
-                for (j = kend; j < a->T; j++) att[(size_t)(t0 + i) * a->T + j] = 0.0f;
+                for (j = kend; j < a->T; j++) att[(t0 + (size_t)i) * a->T + j] = 0.0f;
     }
 }
 
 MN__PRIVATE void mn__att_backward_bh(const mn__att *a, float *dq, float *dk, float *dv,
                                                   const float *att) {
     float p[MN__AQ][MN__AK], dp[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ], D[MN__AQ];
-    int t0, nq, j0, nk, i, j, kend, pass;
+    size_t t0, j0, kend;
+    int nq, nk, i, j, pass;
     for (t0 = 0; t0 < a->T; t0 += MN__AQ) {
-        nq = a->T - t0 < MN__AQ ? a->T - t0 : MN__AQ;
+        nq = mn__tile_len(a->T - t0, MN__AQ);
         kend = mn__att_kend(a, t0, nq);
         if (!att) mn__att_stats(a, t0, nq, mx, inv);
         for (i = 0; i < nq; i++) D[i] = 0.0f;
         // pass 0: D_i = sum_j p_ij dp_ij; pass 1: the gradients
         for (pass = 0; pass < 2; pass++) {
             for (j0 = 0; j0 < kend; j0 += MN__AK) {
-                nk = kend - j0 < MN__AK ? kend - j0 : MN__AK;
+                nk = mn__tile_len(kend - j0, MN__AK);
                 if (att) mn__att_probs_kept(att, a->T, t0, nq, j0, nk, p);
                 else mn__att_probs(a, t0, nq, j0, nk, mx, inv, p);
                 mn__att_dots(a->dout, a->dstride, t0, nq, a->v, a->stride, j0, nk, a->hs, dp);
@@ -10487,55 +10518,55 @@ MN__PRIVATE void mn__att_backward_bh(const mn__att *a, float *dq, float *dk, flo
                 for (i = 0; i < nq; i++)
                     for (j = 0; j < nk; j++) dp[i][j] = p[i][j] * (dp[i][j] - D[i]) * a->scale;
                 // dq_tile += ds k_tile / dk_tile += ds^T q_tile / dv_tile += p^T dout_tile
-                mn__gemm_acc(dq + (size_t)t0 * a->stride, a->stride, &dp[0][0], MN__AK, 1,
-                             a->k + (size_t)j0 * a->stride, a->stride, 1, nq, a->hs, nk);
-                mn__gemm_acc(dk + (size_t)j0 * a->stride, a->stride, &dp[0][0], 1, MN__AK,
-                             a->q + (size_t)t0 * a->stride, a->stride, 1, nk, a->hs, nq);
-                mn__gemm_acc(dv + (size_t)j0 * a->stride, a->stride, &p[0][0], 1, MN__AK,
-                             a->dout + (size_t)t0 * a->dstride, a->dstride, 1, nk, a->hs, nq);
+                mn__gemm_acc(dq + t0 * a->stride, a->stride, &dp[0][0], MN__AK, 1,
+                             a->k + j0 * a->stride, a->stride, 1, (size_t)nq, a->hs, (size_t)nk);
+                mn__gemm_acc(dk + j0 * a->stride, a->stride, &dp[0][0], 1, MN__AK,
+                             a->q + t0 * a->stride, a->stride, 1, (size_t)nk, a->hs, (size_t)nq);
+                mn__gemm_acc(dv + j0 * a->stride, a->stride, &p[0][0], 1, MN__AK,
+                             a->dout + t0 * a->dstride, a->dstride, 1, (size_t)nk, a->hs,
+                             (size_t)nq);
             }
         }
     }
 }
 
-MN__PRIVATE void mn__att_setup(mn__att *a, const float *qkv, const float *dout, int b, int h,
-                               int T, int C, int NH, int causal) {
-    int hs = C / NH;
-    const float *base = qkv + (size_t)b * T * 3 * C + (size_t)h * hs;
-    a->q = base, a->k = base + C, a->v = base + 2 * (size_t)C;
-    a->dout = dout ? dout + (size_t)b * T * C + (size_t)h * hs : NULL;
-    a->stride = (size_t)3 * C, a->dstride = (size_t)C;
+MN__PRIVATE void mn__att_setup(mn__att *a, const float *qkv, const float *dout, size_t b,
+                               size_t h, size_t T, size_t C, size_t NH, int causal) {
+    size_t hs = C / NH;
+    const float *base = qkv + b * T * 3 * C + h * hs;
+    a->q = base, a->k = base + C, a->v = base + 2 * C;
+    a->dout = dout ? dout + b * T * C + h * hs : NULL;
+    a->stride = 3 * C, a->dstride = C;
     a->T = T, a->hs = hs, a->causal = causal;
     a->scale = 1.0f / sqrtf((float)hs);
 }
 
-MNIMPL void mn_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
-                                 int NH, int causal) {
-    long bh;
-    MN_ASSERT(out && qkv && B >= 0 && T >= 0 && NH > 0 && C % NH == 0);
-    MN__OMP_FOR_IF((size_t)B * NH > 1)
-    for (bh = 0; bh < (long)B * NH; bh++) {
-        int b = (int)(bh / NH), h = (int)(bh % NH);
+MNIMPL void mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
+                                 size_t C, size_t NH, int causal) {
+    size_t bh;
+    MN_ASSERT(out && qkv && NH > 0 && C % NH == 0);
+    MN__OMP_FOR_IF(B * NH > 1)
+    for (bh = 0; bh < B * NH; bh++) {
+        size_t b = bh / NH, h = bh % NH;
         mn__att a;
         mn__att_setup(&a, qkv, NULL, b, h, T, C, NH, causal);
-        mn__att_forward_bh(&a, out + (size_t)b * T * C + (size_t)h * a.hs, (size_t)C,
-                           att ? att + (size_t)bh * T * T : NULL);
+        mn__att_forward_bh(&a, out + b * T * C + h * a.hs, C, att ? att + bh * T * T : NULL);
     }
 }
 
 MNIMPL void mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                  const float *att, int B, int T, int C, int NH, int causal) {
-    long bh;
-    MN_ASSERT(dqkv && dout && qkv && B >= 0 && T >= 0 && NH > 0 && C % NH == 0);
-    MN__OMP_FOR_IF((size_t)B * NH > 1)
-    for (bh = 0; bh < (long)B * NH; bh++) {
-        int b = (int)(bh / NH), h = (int)(bh % NH);
-        float *dbase = dqkv + (size_t)b * T * 3 * C;
+                                  const float *att, size_t B, size_t T, size_t C, size_t NH,
+                                  int causal) {
+    size_t bh;
+    MN_ASSERT(dqkv && dout && qkv && NH > 0 && C % NH == 0);
+    MN__OMP_FOR_IF(B * NH > 1)
+    for (bh = 0; bh < B * NH; bh++) {
+        size_t b = bh / NH, h = bh % NH;
+        float *dbase = dqkv + b * T * 3 * C;
         mn__att a;
         mn__att_setup(&a, qkv, dout, b, h, T, C, NH, causal);
-        mn__att_backward_bh(&a, dbase + (size_t)h * a.hs, dbase + C + (size_t)h * a.hs,
-                            dbase + 2 * (size_t)C + (size_t)h * a.hs,
-                            att ? att + (size_t)bh * T * T : NULL);
+        mn__att_backward_bh(&a, dbase + h * a.hs, dbase + C + h * a.hs, dbase + 2 * C + h * a.hs,
+                            att ? att + bh * T * T : NULL);
     }
 }
 
@@ -10543,31 +10574,31 @@ MNIMPL void mn_attention_backward(float *dqkv, const float *dout, const float *q
 
 MNIMPL void mn_gelu_forward(float *out, const float *inp, size_t n) {
     // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) out[i] = mn__gelu(inp[i]);
+    for (i = 0; i < n; i++) out[i] = mn__gelu(inp[i]);
 }
 
 MNIMPL void mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dx += dy (0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) dinp[i] += dout[i] * mn__gelu_grad(inp[i]);
+    for (i = 0; i < n; i++) dinp[i] += dout[i] * mn__gelu_grad(inp[i]);
 }
 
 MNIMPL void mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
     // y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), Hendrycks & Gimpel 2016 (exact GELU); written
     // with erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2), which does not cancel for negative x
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) out[i] = 0.5f * inp[i] * erfcf(-inp[i] * 0.70710678118654752f);
+    for (i = 0; i < n; i++) out[i] = 0.5f * inp[i] * erfcf(-inp[i] * 0.70710678118654752f);
 }
 
 MNIMPL void mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dy/dx = Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) {
+    for (i = 0; i < n; i++) {
         float x = inp[i];
         float g = 0.5f * erfcf(-x * 0.70710678118654752f) +
                   x * mn__expf(-0.5f * x * x) * 0.39894228040143268f;
@@ -10580,16 +10611,16 @@ MN__INLINE float mn__sigmoid(float x) { return 1.0f / (1.0f + mn__expf(-x)); }
 
 MNIMPL void mn_silu_forward(float *out, const float *inp, size_t n) {
     // y = x sigmoid(x), Elfwing et al. 2018
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) out[i] = inp[i] * mn__sigmoid(inp[i]);
+    for (i = 0; i < n; i++) out[i] = inp[i] * mn__sigmoid(inp[i]);
 }
 
 MNIMPL void mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dy/dx = s (1 + x (1 - s)), s = sigmoid(x), 1 - s = sigmoid(-x)
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) {
+    for (i = 0; i < n; i++) {
         float x = inp[i], s = mn__sigmoid(x), sm = mn__sigmoid(-x);
         dinp[i] += dout[i] * (s + x * s * sm);
     }
@@ -10597,17 +10628,17 @@ MNIMPL void mn_silu_backward(float *dinp, const float *dout, const float *inp, s
 
 MNIMPL void mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n) {
     // y = silu(g) u, Shazeer 2020 (SwiGLU with the projections done by the caller's matmuls)
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) out[i] = gate[i] * mn__sigmoid(gate[i]) * up[i];
+    for (i = 0; i < n; i++) out[i] = gate[i] * mn__sigmoid(gate[i]) * up[i];
 }
 
 MNIMPL void mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
                                const float *up, size_t n) {
     // dg += dy u silu'(g); du += dy silu(g)
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) {
+    for (i = 0; i < n; i++) {
         float g = gate[i], s = mn__sigmoid(g), sm = mn__sigmoid(-g);
         if (dgate) dgate[i] += dout[i] * up[i] * (s + g * s * sm);
         if (dup) dup[i] += dout[i] * (g * s);
@@ -10616,16 +10647,16 @@ MNIMPL void mn_swiglu_backward(float *dgate, float *dup, const float *dout, cons
 
 MNIMPL void mn_residual_forward(float *out, const float *a, const float *b, size_t n) {
     // y = a + b (llm.c train_gpt2.c residual_forward)
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) out[i] = a[i] + b[i];
+    for (i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
 
 MNIMPL void mn_residual_backward(float *da, float *db, const float *dout, size_t n) {
     // da += dy, db += dy
-    long i;
+    size_t i;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
-    for (i = 0; i < (long)n; i++) {
+    for (i = 0; i < n; i++) {
         if (da) da[i] += dout[i];
         if (db) db[i] += dout[i];
     }
@@ -10633,27 +10664,27 @@ MNIMPL void mn_residual_backward(float *da, float *db, const float *dout, size_t
 
 // ---- embedding ----------------------------------------------------------------------------------
 
-MN__PRIVATE int mn__ids_valid(const int *ids, size_t n, int V, int allow_negative) {
+MN__PRIVATE int mn__ids_valid(const int *ids, size_t n, size_t V, int allow_negative) {
     size_t i;
     for (i = 0; i < n; i++) {
-        if (ids[i] >= V) return 0;
+        if (ids[i] >= 0 && (size_t)ids[i] >= V) return 0;
         if (ids[i] < 0 && !allow_negative) return 0;
     }
     return 1;
 }
 
 MNIMPL mn_result mn_embedding_forward(float *out, const int *tokens, const float *wte,
-                                      const float *wpe, int B, int T, int C, int V) {
+                                      const float *wpe, size_t B, size_t T, size_t C, size_t V) {
     // y[b,t,:] = wte[tok[b,t],:] + wpe[t,:] (llm.c train_gpt2.c encoder_forward)
-    long n;
-    if (!out || !tokens || !wte || B < 0 || T < 0 || C < 0 || V <= 0) return MN_ERR_INVALID_ARG;
-    if (!mn__ids_valid(tokens, (size_t)B * T, V, 0)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF((size_t)B * T * C >= MN__OMP_MIN_ELEMS)
-    for (n = 0; n < (long)B * T; n++) {
-        float *y = out + (size_t)n * C;
+    size_t n;
+    if (!out || !tokens || !wte || V == 0) return MN_ERR_INVALID_ARG;
+    if (!mn__ids_valid(tokens, B * T, V, 0)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF(B * T * C >= MN__OMP_MIN_ELEMS)
+    for (n = 0; n < B * T; n++) {
+        float *y = out + n * C;
         const float *e = wte + (size_t)tokens[n] * C;
-        const float *pe = wpe ? wpe + (size_t)(n % T) * C : NULL;
-        int i;
+        const float *pe = wpe ? wpe + (n % T) * C : NULL;
+        size_t i;
         if (pe) for (i = 0; i < C; i++) y[i] = e[i] + pe[i];
         else for (i = 0; i < C; i++) y[i] = e[i];
     }
@@ -10661,24 +10692,24 @@ MNIMPL mn_result mn_embedding_forward(float *out, const int *tokens, const float
 }
 
 MNIMPL mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *dout,
-                                       const int *tokens, int B, int T, int C, int V) {
+                                       const int *tokens, size_t B, size_t T, size_t C,
+                                       size_t V) {
     // dwte[tok[b,t],:] += dy[b,t,:]; dwpe[t,:] += dy[b,t,:] (llm.c encoder_backward). Threads
     // own column blocks, so repeated tokens never race and the sum order is fixed.
-    long blk, nblk = ((long)C + 63) / 64;
-    if (!dout || !tokens || B < 0 || T < 0 || C < 0 || V <= 0) return MN_ERR_INVALID_ARG;
-    if (!mn__ids_valid(tokens, (size_t)B * T, V, 0)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF((size_t)B * T * C >= MN__OMP_MIN_ELEMS)
+    size_t blk, nblk = (C + 63) / 64;
+    if (!dout || !tokens || V == 0) return MN_ERR_INVALID_ARG;
+    if (!mn__ids_valid(tokens, B * T, V, 0)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF(B * T * C >= MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
-        int c0 = (int)blk * 64, c1 = c0 + 64 < C ? c0 + 64 : C, i;
-        size_t n;
-        for (n = 0; n < (size_t)B * T; n++) {
+        size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, n;
+        for (n = 0; n < B * T; n++) {
             const float *dy = dout + n * C;
             if (dwte) {
                 float *dw = dwte + (size_t)tokens[n] * C;
                 for (i = c0; i < c1; i++) dw[i] += dy[i];
             }
             if (dwpe) {
-                float *dp = dwpe + (n % (size_t)T) * C;
+                float *dp = dwpe + (n % T) * C;
                 for (i = c0; i < c1; i++) dp[i] += dy[i];
             }
         }
@@ -10689,49 +10720,51 @@ MNIMPL mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *do
 // ---- cross-entropy ------------------------------------------------------------------------------
 
 // Softmax statistics of a row of logits: max and log sum exp(x - max).
-MN__PRIVATE void mn__logsumexp(const float *x, int V, float *mx, double *lse) {
+MN__PRIVATE void mn__logsumexp(const float *x, size_t V, float *mx, double *lse) {
     *mx = mn__max_scaled(x, 1.0f, V);
     *lse = log(mn__sumexp(x, *mx, V));
 }
 
 MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const float *logits,
-                                         const int *targets, int N, int V) {
+                                         const int *targets, size_t N, size_t V) {
     // loss = logsumexp(x) - x[y]; p = exp(x - logsumexp(x)) (llm.c crossentropy_forward over
     // softmax_forward, fused as in llm.c fused_classifier)
-    long n;
-    if (!losses || !logits || !targets || N < 0 || V <= 0) return MN_ERR_INVALID_ARG;
-    if (!mn__ids_valid(targets, (size_t)N, V, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF((size_t)N * V >= MN__OMP_MIN_ELEMS)
+    size_t n;
+    if (!losses || !logits || !targets || V == 0) return MN_ERR_INVALID_ARG;
+    if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF(N * V >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
-        const float *x = logits + (size_t)n * V;
+        const float *x = logits + n * V;
         float mx;
         double lse;
-        int j;
+        size_t j;
         mn__logsumexp(x, V, &mx, &lse);
         losses[n] = targets[n] < 0 ? 0.0f : (float)(lse - (x[targets[n]] - mx));
         if (probs)
-            for (j = 0; j < V; j++) probs[(size_t)n * V + j] = mn__expf((x[j] - mx) - (float)lse);
+            for (j = 0; j < V; j++) probs[n * V + j] = mn__expf((x[j] - mx) - (float)lse);
     }
     return MN_OK;
 }
 
 MNIMPL mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, const float *probs,
-                                          const float *logits, const int *targets, int N, int V) {
+                                          const float *logits, const int *targets, size_t N,
+                                          size_t V) {
     // dx_j += (p_j - [j == y]) dloss (llm.c crossentropy_softmax_backward)
-    long n;
-    if (!dlogits || !dlosses || !targets || N < 0 || V <= 0) return MN_ERR_INVALID_ARG;
+    size_t n;
+    if (!dlogits || !dlosses || !targets || V == 0) return MN_ERR_INVALID_ARG;
     if (!probs && !logits) return MN_ERR_INVALID_ARG;
-    if (!mn__ids_valid(targets, (size_t)N, V, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF((size_t)N * V >= MN__OMP_MIN_ELEMS)
+    if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
+    MN__OMP_FOR_IF(N * V >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
-        float *dx = dlogits + (size_t)n * V, d = dlosses[n];
-        int j, y = targets[n];
+        float *dx = dlogits + n * V, d = dlosses[n];
+        size_t j;
+        int y = targets[n];
         if (y < 0) continue;
         if (probs) {
-            const float *p = probs + (size_t)n * V;
+            const float *p = probs + n * V;
             for (j = 0; j < V; j++) dx[j] += p[j] * d;
         } else {
-            const float *x = logits + (size_t)n * V;
+            const float *x = logits + n * V;
             float mx;
             double lse;
             mn__logsumexp(x, V, &mx, &lse);
@@ -10783,11 +10816,11 @@ MN__PRIVATE void mn__dropout_keep(uint8_t *keep, size_t n, float p, uint64_t see
 }
 
 MNIMPL mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed, uint64_t offset) {
-    long c, nc = (long)((n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK);
+    size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     if (!mask || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (c = 0; c < nc; c++) {
-        size_t i0 = (size_t)c * MN__DROP_CHUNK;
+        size_t i0 = c * MN__DROP_CHUNK;
         size_t m = n - i0 < MN__DROP_CHUNK ? n - i0 : MN__DROP_CHUNK;
         mn__dropout_keep(mask + i0, m, p, seed, offset + i0);
     }
@@ -10797,13 +10830,13 @@ MNIMPL mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed
 MNIMPL mn_result mn_dropout_forward(float *out, uint8_t *mask, const float *inp, size_t n,
                                     float p, uint64_t seed, uint64_t offset) {
     // y = x keep / (1 - p) (inverted dropout: the expectation of y is x, nothing to do at test time)
-    long c, nc = (long)((n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK);
+    size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     if (!out || !inp || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (c = 0; c < nc; c++) {
         uint8_t keep[MN__DROP_CHUNK];
-        size_t i0 = (size_t)c * MN__DROP_CHUNK, i;
+        size_t i0 = c * MN__DROP_CHUNK, i;
         size_t m = n - i0 < MN__DROP_CHUNK ? n - i0 : MN__DROP_CHUNK;
         mn__dropout_keep(keep, m, p, seed, offset + i0);
         for (i = 0; i < m; i++) out[i0 + i] = keep[i] ? inp[i0 + i] * scale : 0.0f;
@@ -10815,13 +10848,13 @@ MNIMPL mn_result mn_dropout_forward(float *out, uint8_t *mask, const float *inp,
 MNIMPL mn_result mn_dropout_backward(float *dinp, const float *dout, const uint8_t *mask, size_t n,
                                      float p, uint64_t seed, uint64_t offset) {
     // dx += dy keep / (1 - p)
-    long c, nc = (long)((n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK);
+    size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     if (!dinp || !dout || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (c = 0; c < nc; c++) {
         uint8_t keep[MN__DROP_CHUNK];
-        size_t i0 = (size_t)c * MN__DROP_CHUNK, i;
+        size_t i0 = c * MN__DROP_CHUNK, i;
         size_t m = n - i0 < MN__DROP_CHUNK ? n - i0 : MN__DROP_CHUNK;
         const uint8_t *k = keep;
         if (mask) k = mask + i0;
