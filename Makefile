@@ -1,7 +1,7 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang, also with MEMANAT_STATIC), fuzz (bounded fuzzing of the parsers), bench
-# (benchmark programs), cuda-probe.
+# under clang, also with MEMANAT_STATIC, and the ops with MEMANAT_NO_SIMD), fuzz (bounded
+# fuzzing of the parsers), bench (benchmark programs), cuda-probe.
 
 CC      ?= cc
 CXX     ?= c++
@@ -57,6 +57,9 @@ clang: $(TESTSRC) $(HDRS) memanat.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	./build/test_clang > build/test_clang.log || (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_NO_SIMD -o build/test_nosimd $(TESTSRC) $(LDLIBS)
+	./build/test_nosimd ops > build/test_nosimd.log || (tail -n 30 build/test_nosimd.log; exit 1)
+	@echo "ops without SIMD: $$(tail -n 1 build/test_nosimd.log)"
 
 # Fuzzing the JSON, safetensors and config readers for a bounded time (FUZZ_SECONDS).
 FUZZ_SECONDS ?= 20

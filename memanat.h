@@ -16,6 +16,8 @@
 //                          (define both or neither; default malloc/free)
 //   MN_ASSERT(c)           programmer-error check (default assert)
 //   MEMANAT_NO_THREADS     build the caching allocator without its mutex (one thread per cache)
+//   MEMANAT_NO_SIMD        the matmul register tile in plain C instead of GCC/clang vector
+//                          extensions (slower; the tests pass either way)
 // Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops.
 //
 // QUICK START
@@ -9765,7 +9767,7 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
     if (bad) *found_inf = 1;
     return MN_OK;
 }
-// >>ops implementation --------------------------------------------------------------------------
+// >>ops implementation ----------------------------------------------------------------------------
 //
 // Row-major fp32 arrays, llm.c layout. Reductions use eight independent float lanes (vectorizable
 // without -ffast-math, and closer to pairwise summation than one running sum).
@@ -9914,7 +9916,7 @@ MN__INLINE int mn__tile_len(size_t left, int cap) {
     return left - 1 < (size_t)cap ? (int)(left - 1) + 1 : cap;
 }
 
-// ---- GEMM core --------------------------------------------------------------------------------
+// ---- GEMM core ----------------------------------------------------------------------------------
 //
 // c[m, j] += sum_k A(m, k) * B(k, j) for m < M, j < NC, k < K, where A(m, k) = a[m*a_rs + k*a_cs]
 // and B(k, j) = b[k*b_rs + j*b_cs]. The three matmul products are this one loop nest with
@@ -10192,7 +10194,7 @@ MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float 
     }
 }
 
-// ---- layernorm / RMSNorm -----------------------------------------------------------------------
+// ---- layernorm / RMSNorm ------------------------------------------------------------------------
 
 MNIMPL void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                                  const float *weight, const float *bias, size_t N, size_t C,
@@ -10829,7 +10831,7 @@ MNIMPL mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed
 
 MNIMPL mn_result mn_dropout_forward(float *out, uint8_t *mask, const float *inp, size_t n,
                                     float p, uint64_t seed, uint64_t offset) {
-    // y = x keep / (1 - p) (inverted dropout: the expectation of y is x, nothing to do at test time)
+    // y = x keep / (1 - p): inverted dropout, whose expectation is x (nothing to do at test time)
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     if (!out || !inp || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
