@@ -117,6 +117,22 @@ static double time_op(void (*fn)(const work *), const work *k, int runs) {
     return bench_median(t, runs);
 }
 
+// One timed op per row: work is the flops or bytes of one call in units of the group's base.
+typedef struct timed {
+    const char *label;
+    void (*fn)(const work *);
+    double work;
+} timed;
+
+static void time_rows(const timed *ops, size_t n, const work *k, int runs, const char *shape,
+                      int threads, double base, const char *unit) {
+    size_t j;
+    for (j = 0; j < n; j++) {
+        double t = time_op(ops[j].fn, k, runs);
+        row(ops[j].label, shape, threads, t, ops[j].work * base / t * 1e-9, unit);
+    }
+}
+
 static void machine(void) {
     char model[256];
     int ncpu = bench_cpu_model(model, sizeof model);
@@ -141,6 +157,17 @@ int main(int argc, char **argv) {
     };
     // attention of the same tiny GPT, causal (B*NH*T*T probabilities kept: 4 MiB at T=256)
     static const struct { int B, T, C, NH; } att[] = {{4, 64, 256, 4}, {4, 256, 256, 4}};
+    // per group, each op's flops or bytes in units of the group's base (2*N*C*OC, N*L*4 bytes,
+    // the attention flops): a backward does twice the products of a forward
+    static const timed matmuls[3] = {
+        {"matmul fwd", mm_fwd, 1.0}, {"matmul fwd +gelu", mm_fwd_gelu, 1.0},
+        {"matmul bwd", mm_bwd, 2.0}};
+    static const timed rowwise[4] = {
+        {"layernorm fwd", ln_fwd, 2.0}, {"layernorm bwd", ln_bwd, 4.0},
+        {"softmax fwd", sm_fwd, 2.0}, {"softmax bwd", sm_bwd, 4.0}};
+    static const timed attention[4] = {
+        {"attention fwd (keep p)", at_fwd_kept, 1.0}, {"attention fwd (no p)", at_fwd_recompute, 1.0},
+        {"attention bwd (kept p)", at_bwd_kept, 2.0}, {"attention bwd (recomp.)", at_bwd_recompute, 2.0}};
     int runs = argc > 1 ? atoi(argv[1]) : 7;
     int threads[2] = {1, 2}, nthr = 2, ti;
     size_t i, maxn = (size_t)1 << 22;
@@ -167,49 +194,30 @@ int main(int argc, char **argv) {
         row("matmul naive loop", shape, 1, t, fl / t * 1e-9, "GFLOP/s");
         for (ti = 0; ti < nthr; ti++) {
             set_threads(threads[ti]);
-            t = time_op(mm_fwd, &k, runs);
-            row("matmul fwd", shape, threads[ti], t, fl / t * 1e-9, "GFLOP/s");
-            t = time_op(mm_fwd_gelu, &k, runs);
-            row("matmul fwd +gelu", shape, threads[ti], t, fl / t * 1e-9, "GFLOP/s");
-            t = time_op(mm_bwd, &k, runs);
-            row("matmul bwd", shape, threads[ti], t, 2.0 * fl / t * 1e-9, "GFLOP/s");
+            time_rows(matmuls, 3, &k, runs, shape, threads[ti], fl, "GFLOP/s");
         }
     }
     printf("\n");
     for (i = 0; i < sizeof rows / sizeof rows[0]; i++) {
-        double bytes = 4.0 * rows[i].N * rows[i].L, t;
+        double bytes = 4.0 * rows[i].N * rows[i].L;
         char shape[64];
         k.N = rows[i].N, k.C = rows[i].L, k.OC = 0;
         snprintf(shape, sizeof shape, "%dx%d", rows[i].N, rows[i].L);
         printf("-- rows of %s: N=%d L=%d\n", rows[i].name, rows[i].N, rows[i].L);
         for (ti = 0; ti < nthr; ti++) {
             set_threads(threads[ti]);
-            t = time_op(ln_fwd, &k, runs);
-            row("layernorm fwd", shape, threads[ti], t, 2.0 * bytes / t * 1e-9, "GB/s");
-            t = time_op(ln_bwd, &k, runs);
-            row("layernorm bwd", shape, threads[ti], t, 4.0 * bytes / t * 1e-9, "GB/s");
-            t = time_op(sm_fwd, &k, runs);
-            row("softmax fwd", shape, threads[ti], t, 2.0 * bytes / t * 1e-9, "GB/s");
-            t = time_op(sm_bwd, &k, runs);
-            row("softmax bwd", shape, threads[ti], t, 4.0 * bytes / t * 1e-9, "GB/s");
+            time_rows(rowwise, 4, &k, runs, shape, threads[ti], bytes, "GB/s");
         }
     }
     printf("\n");
     for (i = 0; i < sizeof att / sizeof att[0]; i++) {
-        double fl = 4.0 * att[i].B * att[i].C * (double)att[i].T * (att[i].T + 1) / 2.0, t;
+        double fl = 4.0 * att[i].B * att[i].C * (double)att[i].T * (att[i].T + 1) / 2.0;
         char shape[64];
         k.B = att[i].B, k.T = att[i].T, k.C = att[i].C, k.NH = att[i].NH;
         snprintf(shape, sizeof shape, "B%d T%d C%d NH%d", k.B, k.T, k.C, k.NH);
         for (ti = 0; ti < nthr; ti++) {
             set_threads(threads[ti]);
-            t = time_op(at_fwd_kept, &k, runs);
-            row("attention fwd (keep p)", shape, threads[ti], t, fl / t * 1e-9, "GFLOP/s");
-            t = time_op(at_fwd_recompute, &k, runs);
-            row("attention fwd (no p)", shape, threads[ti], t, fl / t * 1e-9, "GFLOP/s");
-            t = time_op(at_bwd_kept, &k, runs);
-            row("attention bwd (kept p)", shape, threads[ti], t, 2.0 * fl / t * 1e-9, "GFLOP/s");
-            t = time_op(at_bwd_recompute, &k, runs);
-            row("attention bwd (recomp.)", shape, threads[ti], t, 2.0 * fl / t * 1e-9, "GFLOP/s");
+            time_rows(attention, 4, &k, runs, shape, threads[ti], fl, "GFLOP/s");
         }
     }
     free(k.inp), free(k.w), free(k.b), free(k.out), free(k.pre);
