@@ -166,8 +166,10 @@ int main(int argc, char **argv) {
         {"layernorm fwd", ln_fwd, 2.0}, {"layernorm bwd", ln_bwd, 4.0},
         {"softmax fwd", sm_fwd, 2.0}, {"softmax bwd", sm_bwd, 4.0}};
     static const timed attention[4] = {
-        {"attention fwd (keep p)", at_fwd_kept, 1.0}, {"attention fwd (no p)", at_fwd_recompute, 1.0},
-        {"attention bwd (kept p)", at_bwd_kept, 2.0}, {"attention bwd (recomp.)", at_bwd_recompute, 2.0}};
+        {"attention fwd (keep p)", at_fwd_kept, 1.0},
+        {"attention fwd (no p)", at_fwd_recompute, 1.0},
+        {"attention bwd (kept p)", at_bwd_kept, 2.0},
+        {"attention bwd (recomp.)", at_bwd_recompute, 2.0}};
     int runs = argc > 1 ? atoi(argv[1]) : 7;
     int threads[2] = {1, 2}, nthr = 2, ti;
     size_t i, maxn = (size_t)1 << 22;
