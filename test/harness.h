@@ -30,6 +30,9 @@ void mnt_fail_alloc_after(long n);
 long mnt_live_allocs(void);
 long mnt_total_allocs(void);
 
+// The CLI under test: ./memanat, or $MEMANAT_BIN (the sanitizer build runs its own).
+const char *mnt_cli_path(void);
+
 // Fresh random numbers for every run; MN_TEST_SEED=N repeats a run. Printed on the first line.
 uint64_t mnt_rand_u64(void);
 double mnt_rand_uniform(void);  // [0, 1)

@@ -79,6 +79,11 @@ void mnt_free(void *p) {
 }
 
 void mnt_fail_alloc_after(long n) { fail_after = n; }
+
+const char *mnt_cli_path(void) {
+    const char *p = getenv("MEMANAT_BIN");
+    return p && *p ? p : "./memanat";
+}
 long mnt_live_allocs(void) { return live_allocs; }
 long mnt_total_allocs(void) { return total_allocs; }
 

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <sys/wait.h>
 #include <pthread.h>
 #include "harness.h"
 #include "../memanat.h"
@@ -1096,26 +1097,23 @@ static void test_replay_cli(void) {
     static char out[65536], out_big[65536];
     FILE *f;
     int i;
-    if (access("./memanat", X_OK) != 0) SKIP("./memanat not built");
-    {
-        FILE *probe = popen("./memanat replay 2>&1", "r");
-        char buf[256] = {0};
-        if (!probe) SKIP("popen failed");
-        if (!fgets(buf, sizeof buf, probe)) buf[0] = 0;
-        pclose(probe);
-        if (!strstr(buf, "memanat replay FILE")) SKIP("this ./memanat has no replay command yet");
-    }
-    if (access("test/data/cache_rmm_sample.csv", R_OK) == 0) {  // the samples in the repository
-        CHECK_EQ_INT(tc_run("./memanat replay test/data/cache_rmm_sample.csv --json 2>&1", out,
-                            sizeof out), 0);
+    const char *cli = mnt_cli_path();
+    if (access(cli, X_OK) != 0) SKIP("the CLI is not built (make test builds it)");
+    snprintf(cmd, sizeof cmd, "%s replay 2>&1", cli);  // no file: the usage, and exit 2
+    CHECK_EQ_INT(WEXITSTATUS(tc_run(cmd, out, sizeof out)), 2);
+    CHECK(strstr(out, "memanat replay FILE") != NULL);
+    {  // the samples in the repository
+        snprintf(cmd, sizeof cmd, "%s replay test/data/cache_rmm_sample.csv --json 2>&1", cli);
+        CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
         // 4 MiB and 12 MiB share one 20 MiB segment, 1000 B a small one, stream 0x55d0c0a0 its own
         CHECK(strstr(out, "\"allocated_bytes.all.peak\": 19923968,") != NULL);
         CHECK(strstr(out, "\"reserved_bytes.all.peak\": 44040192,") != NULL);
         CHECK(strstr(out, "\"segment.all.current\": 3,") != NULL);
         CHECK(strstr(out, "\"replay.allocations\": 5, \"replay.frees\": 5, "
                           "\"replay.unmatched_frees\": 0}") != NULL);
-        CHECK_EQ_INT(tc_run("./memanat replay test/data/cache_snapshot_sample.json --capacity 40MiB"
-                            " 2>&1", out, sizeof out), 0);
+        snprintf(cmd, sizeof cmd, "%s replay test/data/cache_snapshot_sample.json --capacity 40MiB"
+                 " 2>&1", cli);
+        CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
         CHECK(strstr(out, "CUDA OOMs: 1 ") != NULL);
         CHECK(strstr(out, "Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 40.00 MiB of "
                           "which 0 bytes is free.") != NULL);
@@ -1135,7 +1133,7 @@ static void test_replay_cli(void) {
     fprintf(f, "140,10:00:02.000000,allocate failure,(nil),123,0x0\n");
     fprintf(f, "140,10:00:02.000001,allocate,0x1000,100,0x0\n");
     fclose(f);
-    snprintf(cmd, sizeof cmd, "./memanat replay %s --json 2>&1", path);
+    snprintf(cmd, sizeof cmd, "%s replay %s --json 2>&1", cli, path);
     CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
     CHECK(strstr(out, "\"allocated_bytes.all.peak\": 52428800") != NULL);
     CHECK(strstr(out, "\"reserved_bytes.large_pool.peak\": 62914560") != NULL);  // 3 x 20 MiB
@@ -1144,7 +1142,7 @@ static void test_replay_cli(void) {
     CHECK(strstr(out, "\"num_ooms\": 0") != NULL);
     // with a capacity of 50 MiB only two segments fit: OOMs are counted and the replay goes on
     snprintf(spath, sizeof spath, "%s/t.svg", dir);
-    snprintf(cmd, sizeof cmd, "./memanat replay %s --capacity 50MiB --svg %s 2>&1", path, spath);
+    snprintf(cmd, sizeof cmd, "%s replay %s --capacity 50MiB --svg %s 2>&1", cli, path, spath);
     CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
     CHECK(strstr(out, "PyTorch CUDA memory summary") != NULL);
     CHECK(strstr(out, "CUDA OOMs: 2 ") != NULL);
@@ -1164,8 +1162,8 @@ static void test_replay_cli(void) {
                    "{\"action\": \"free_completed\", \"addr\": 1000, \"size\": 4000, \"stream\": 0}\n"
                    "]]}\n");
         fclose(f);
-        snprintf(cmd, sizeof cmd, "./memanat replay %s --json --config max_split_size_mb:64 2>&1",
-                 jpath);
+        snprintf(cmd, sizeof cmd, "%s replay %s --json --config max_split_size_mb:64 2>&1",
+                 cli, jpath);
         CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
         CHECK(strstr(out, "\"allocated_bytes.all.peak\": 3004416") != NULL);  // 4096 + 3000320
         CHECK(strstr(out, "\"reserved_bytes.all.current\": 23068672") != NULL);
@@ -1201,7 +1199,7 @@ static void test_replay_cli(void) {
                 if (out.p) fwrite(out.p, 1, out.n, f);
                 fclose(f);
                 free(out.p);
-                snprintf(cmd, sizeof cmd, "./memanat replay %s --json 2>&1", jpath);
+                snprintf(cmd, sizeof cmd, "%s replay %s --json 2>&1", cli, jpath);
                 CHECK_EQ_INT(tc_run(cmd, out_big, sizeof out_big), 0);
                 snprintf(want, sizeof want, "\"allocated_bytes.all.peak\": %llu,",
                          (unsigned long long)st.allocated_bytes[MN_STAT_ALL].peak);
@@ -1220,17 +1218,17 @@ static void test_replay_cli(void) {
         }
     }
     // bad input: one line on stderr, non-zero exit
-    snprintf(cmd, sizeof cmd, "./memanat replay %s --config bogus:1 2>&1", path);
+    snprintf(cmd, sizeof cmd, "%s replay %s --config bogus:1 2>&1", cli, path);
     CHECK(tc_run(cmd, out, sizeof out) != 0);
     CHECK(strstr(out, "bogus") != NULL);
-    snprintf(cmd, sizeof cmd, "./memanat replay %s/missing.csv 2>&1", dir);
+    snprintf(cmd, sizeof cmd, "%s replay %s/missing.csv 2>&1", cli, dir);
     CHECK(tc_run(cmd, out, sizeof out) != 0);
     f = fopen(path, "w");
     if (f) {
         fprintf(f, "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,12x,0x0\n");
         fclose(f);
     }
-    snprintf(cmd, sizeof cmd, "./memanat replay %s 2>&1", path);
+    snprintf(cmd, sizeof cmd, "%s replay %s 2>&1", cli, path);
     CHECK(tc_run(cmd, out, sizeof out) != 0);
     CHECK(strstr(out, "line 2") != NULL);
     remove(path);

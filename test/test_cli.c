@@ -18,12 +18,6 @@ typedef struct run_out {
     int status;  // exit status, -1 if it did not exit normally
 } run_out;
 
-// The CLI under test: ./memanat, or $MEMANAT_BIN (the sanitizer build runs its own).
-static const char *cli_path(void) {
-    const char *p = getenv("MEMANAT_BIN");
-    return p && *p ? p : "./memanat";
-}
-
 // Runs `memanat ARGS`, capturing stdout and stderr (stderr through a temporary file).
 static int run(const char *args, run_out *r) {
     char cmd[2048], errpath[] = "/tmp/memanat_cli_XXXXXX";
@@ -33,7 +27,7 @@ static int run(const char *args, run_out *r) {
     memset(r, 0, sizeof *r);
     if (fd < 0) return 0;
     close(fd);
-    snprintf(cmd, sizeof cmd, "%s %s 2>%s", cli_path(), args, errpath);
+    snprintf(cmd, sizeof cmd, "%s %s 2>%s", mnt_cli_path(), args, errpath);
     p = popen(cmd, "r");
     if (!p) { remove(errpath); return 0; }
     n = fread(r->out, 1, sizeof r->out - 1, p);
@@ -50,7 +44,7 @@ static int run(const char *args, run_out *r) {
     return 1;
 }
 
-static int have_cli(void) { return access(cli_path(), X_OK) == 0; }
+static int have_cli(void) { return access(mnt_cli_path(), X_OK) == 0; }
 
 static int count_lines(const char *s) {
     int n = 0;
