@@ -1,6 +1,6 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang, also with MEMANAT_STATIC, and the ops with MEMANAT_NO_SIMD), fuzz (bounded
+# under clang, also with MEMANAT_STATIC and the trainer, and the ops with MEMANAT_NO_SIMD), fuzz (bounded
 # fuzzing of the parsers), bench (benchmark programs), cuda-probe.
 
 CC      ?= cc
@@ -21,21 +21,25 @@ NVCC    := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>
 
 .PHONY: all test sanitize cxx clang fuzz bench cuda-probe check clean
 
-all: memanat cuda-probe
+all: memanat trainer cuda-probe
 
 memanat: memanat.c $(HDRS)
 	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ memanat.c $(LDLIBS)
 
+# The tiny GPT trainer (test/test_trainer.c includes trainer.c with TRAINER_TESTING).
+trainer: trainer.c $(HDRS)
+	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ trainer.c $(LDLIBS)
+
 build:
 	@mkdir -p build
 
-build/test_all: $(TESTSRC) test/harness.h $(HDRS) | build
+build/test_all: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
 	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ $(TESTSRC) $(LDLIBS)
 
 test: memanat build/test_all
 	./build/test_all
 
-build/test_asan: $(TESTSRC) test/harness.h $(HDRS) | build
+build/test_asan: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
 
@@ -51,10 +55,11 @@ cxx: test/cxx_check.cpp $(HDRS) | build
 	$(CXX) -std=c++11 $(OPT) $(WARN) -o build/cxx_check test/cxx_check.cpp $(LDLIBS)
 	./build/cxx_check
 
-clang: $(TESTSRC) $(HDRS) memanat.c | build
+clang: $(TESTSRC) $(HDRS) memanat.c trainer.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/test_clang $(TESTSRC) $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/memanat_clang memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/trainer_clang trainer.c $(LDLIBS)
 	./build/test_clang > build/test_clang.log || (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_NO_SIMD -o build/test_nosimd $(TESTSRC) $(LDLIBS)
@@ -80,4 +85,4 @@ cuda-probe:
 check: test sanitize cxx clang fuzz
 
 clean:
-	rm -rf build memanat
+	rm -rf build memanat trainer

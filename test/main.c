@@ -29,6 +29,7 @@ MNT_DECLARE(cli)
 MNT_DECLARE(cache)
 MNT_DECLARE(optim)
 MNT_DECLARE(ops)
+MNT_DECLARE(trainer)
 
 static const mnt_suite suites[] = {
     {"types", test_types_cases, &test_types_count},
@@ -39,6 +40,7 @@ static const mnt_suite suites[] = {
     {"cache", test_cache_cases, &test_cache_count},
     {"optim", test_optim_cases, &test_optim_count},
     {"ops", test_ops_cases, &test_ops_count},
+    {"trainer", test_trainer_cases, &test_trainer_count},
 };
 
 static int cur_failed, cur_skipped;

@@ -1,0 +1,798 @@
+// trainer.c - a tiny GPT trained on the CPU, every tensor in memanat's caching allocator.
+//
+// A decoder-only transformer over bytes (V = 256): learned positions, pre-norm blocks
+// (layernorm -> qkv -> causal attention -> proj -> residual; layernorm -> fc + GELU -> proj ->
+// residual), a final layernorm and a head tied to the token embedding, trained with AdamW on a
+// generated first-order Markov source whose entropy rate H is known exactly, so the loss has a
+// floor to fall toward. Read it top to bottom, as llm.c's train_gpt2.c: config, data, tensor
+// tables, layer forward/backward, model build/forward/backward/update, the run, `main` last.
+//
+// Every tensor comes from one mn_cache over host memory (mn_hostdev) under its memory category:
+// weights and gradients at start, AdamW state at the first step, activations allocated in
+// forward and released in backward as soon as they are consumed, short-lived buffers as
+// temporaries. The allocator's statistics are therefore measurements of this program, and the
+// run ends with its peaks per category and PyTorch's memory_summary() table.
+//
+// Build:  cc -std=c99 -O2 trainer.c -lm -lpthread -o trainer   (add -fopenmp for threads)
+// Run:    ./trainer [--layers L --dim C --heads NH --seq T --batch B --accum K --steps N
+//                   --lr X --clip X --seed N --checkpointing none|full]
+// Under TRAINER_TESTING the file leaves out main and the header's implementation, so a test
+// can #include it (test/test_trainer.c).
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L  // clock_gettime
+#endif
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#ifndef TRAINER_TESTING
+#define MEMANAT_IMPLEMENTATION
+#endif
+#include "memanat.h"
+
+#define TR_TRY(expr) do { mn_result tr_r_ = (expr); if (tr_r_ != MN_OK) return tr_r_; } while (0)
+
+// ---- config --------------------------------------------------------------------------------------
+// Shapes: L layers, C channels, NH heads, T sequence length, V = 256 byte vocabulary, B batch,
+// K micro-batches per optimizer step, N = B * T rows.
+
+#define TR_V 256
+#define TR_MAX_LAYERS 64
+#define TR_MAX_DIM 4096
+#define TR_MAX_SEQ 4096
+#define TR_MAX_BATCH 4096
+#define TR_LN_EPS 1e-5f
+
+typedef struct tr_config {
+    size_t L, C, NH, T, B, K;
+    long steps;
+    float lr;             // peak learning rate: linear warmup, then cosine down to lr / 10
+    float clip;           // gradient clipping by global norm, 0 = none
+    uint64_t seed;
+    int checkpointing;    // 0 none, 1 full: blocks keep their input, recompute in backward
+    int help;             // --help was given
+} tr_config;
+
+static void tr_config_default(tr_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->L = 2, cfg->C = 64, cfg->NH = 4, cfg->T = 64, cfg->B = 8, cfg->K = 1;
+    cfg->steps = 500;
+    cfg->lr = 1e-2f;
+    cfg->clip = 1.0f;
+    cfg->seed = 1337;
+}
+
+// Unsigned decimal in [lo, hi]; anything else names the flag in err.
+static mn_result tr_parse_size(const char *flag, const char *s, uint64_t lo, uint64_t hi,
+                               uint64_t *out, char *err, size_t cap) {
+    char *end;
+    unsigned long long v;
+    if (!s || *s < '0' || *s > '9') {
+        snprintf(err, cap, "%s needs a number, got \"%s\"", flag, s ? s : "");
+        return MN_ERR_INVALID_ARG;
+    }
+    errno = 0;
+    v = strtoull(s, &end, 10);
+    if (*end != '\0' || errno == ERANGE || v < lo || v > hi) {
+        snprintf(err, cap, "%s %s is not a whole number in [%llu, %llu]", flag, s,
+                 (unsigned long long)lo, (unsigned long long)hi);
+        return MN_ERR_INVALID_ARG;
+    }
+    *out = (uint64_t)v;
+    return MN_OK;
+}
+
+static mn_result tr_parse_float(const char *flag, const char *s, float lo, float hi, float *out,
+                                char *err, size_t cap) {
+    char *end;
+    double v = s ? strtod(s, &end) : 0.0;
+    if (!s || end == s || *end != '\0' || !(v >= lo && v <= hi)) {
+        snprintf(err, cap, "%s needs a number in [%g, %g], got \"%s\"", flag, (double)lo,
+                 (double)hi, s ? s : "");
+        return MN_ERR_INVALID_ARG;
+    }
+    *out = (float)v;
+    return MN_OK;
+}
+
+// Fills cfg from the command line (defaults first). MN_ERR_INVALID_ARG with one line in err.
+static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err, size_t cap) {
+    int i;
+    uint64_t v;
+    tr_config_default(cfg);
+    err[0] = '\0';
+    for (i = 1; i < argc; i++) {
+        const char *f = argv[i], *a = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0) { cfg->help = 1; continue; }
+        if (strncmp(f, "--", 2) != 0) {
+            snprintf(err, cap, "unknown argument \"%s\"", f);
+            return MN_ERR_INVALID_ARG;
+        }
+        if (!a) {
+            static const char known[] = " --layers --dim --heads --seq --batch --accum --steps"
+                                        " --seed --lr --clip --checkpointing ";
+            char key[40];
+            snprintf(key, sizeof key, " %.36s ", f);
+            snprintf(err, cap, strstr(known, key) ? "%s needs a value" : "unknown flag %s", f);
+            return MN_ERR_INVALID_ARG;
+        }
+        i++;
+        if (strcmp(f, "--layers") == 0) {
+            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_LAYERS, &v, err, cap)); cfg->L = (size_t)v;
+        } else if (strcmp(f, "--dim") == 0) {
+            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->C = (size_t)v;
+        } else if (strcmp(f, "--heads") == 0) {
+            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->NH = (size_t)v;
+        } else if (strcmp(f, "--seq") == 0) {
+            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_SEQ, &v, err, cap)); cfg->T = (size_t)v;
+        } else if (strcmp(f, "--batch") == 0) {
+            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_BATCH, &v, err, cap)); cfg->B = (size_t)v;
+        } else if (strcmp(f, "--accum") == 0) {
+            TR_TRY(tr_parse_size(f, a, 1, 1024, &v, err, cap)); cfg->K = (size_t)v;
+        } else if (strcmp(f, "--steps") == 0) {
+            TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap)); cfg->steps = (long)v;
+        } else if (strcmp(f, "--seed") == 0) {
+            TR_TRY(tr_parse_size(f, a, 0, UINT64_MAX, &v, err, cap)); cfg->seed = v;
+        } else if (strcmp(f, "--lr") == 0) {
+            TR_TRY(tr_parse_float(f, a, 1e-8f, 10.0f, &cfg->lr, err, cap));
+        } else if (strcmp(f, "--clip") == 0) {
+            TR_TRY(tr_parse_float(f, a, 0.0f, 1e6f, &cfg->clip, err, cap));
+        } else if (strcmp(f, "--checkpointing") == 0) {
+            if (strcmp(a, "none") == 0) cfg->checkpointing = 0;
+            else if (strcmp(a, "full") == 0) cfg->checkpointing = 1;
+            else {
+                snprintf(err, cap, "--checkpointing takes none or full, got \"%s\"", a);
+                return MN_ERR_INVALID_ARG;
+            }
+        } else {
+            snprintf(err, cap, "unknown flag %s", f);
+            return MN_ERR_INVALID_ARG;
+        }
+    }
+    if (cfg->C % cfg->NH != 0) {
+        snprintf(err, cap, "--dim %zu is not a multiple of --heads %zu", cfg->C, cfg->NH);
+        return MN_ERR_INVALID_ARG;
+    }
+    return MN_OK;
+}
+
+// ---- random numbers and data ---------------------------------------------------------------------
+// xorshift64* for everything random; the weights and the data draw from separate streams of the
+// same seed, so the weights depend on the model shape and the seed only.
+
+static uint64_t tr_rand_u64(uint64_t *s) {
+    *s ^= *s >> 12, *s ^= *s << 25, *s ^= *s >> 27;
+    return *s * 0x2545F4914F6CDD1Dull;
+}
+static double tr_rand_uniform(uint64_t *s) { return (double)(tr_rand_u64(s) >> 11) * 0x1p-53; }
+static double tr_rand_normal(uint64_t *s) {  // Box-Muller
+    double u = 1.0 - tr_rand_uniform(s), v = tr_rand_uniform(s);
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+static uint64_t tr_seed_stream(uint64_t seed, uint64_t stream) {
+    uint64_t s = (seed + 1) * 0x9E3779B97F4A7C15ull ^ (stream * 0xD1B54A32D192ED03ull);
+    return s ? s : 1;  // xorshift needs a non-zero state
+}
+
+// The data: a first-order Markov chain over the 256 bytes, each byte followed by one of
+// TR_SUCC successors with fixed random probabilities. One successor of byte i is i + 1 (mod 256),
+// so the chain is irreducible. Its entropy rate is H = sum_i pi_i * (-sum_j P_ij ln P_ij) nats/token for
+// the stationary distribution pi = pi P, and the stream starts from a byte drawn from pi, so the
+// best possible expected loss at every position is exactly H.
+#define TR_SUCC 4
+
+typedef struct tr_markov {
+    uint8_t next[TR_V][TR_SUCC];    // successors
+    double prob[TR_V][TR_SUCC];     // their probabilities, each row sums to 1
+    double pi[TR_V];                // stationary distribution
+    double entropy;                 // H, nats per token
+    uint64_t rng;
+    int state;                      // the last byte of the stream
+} tr_markov;
+
+static void tr_markov_init(tr_markov *mk, uint64_t seed) {
+    double row[TR_V], u, acc, w[TR_SUCC], wsum;
+    int i, j, it;
+    memset(mk, 0, sizeof *mk);
+    mk->rng = tr_seed_stream(seed, 2);
+    for (i = 0; i < TR_V; i++) {
+        int order = (int)(tr_rand_u64(&mk->rng) % TR_SUCC);  // which probability i + 1 gets
+        mk->next[i][order] = (uint8_t)((i + 1) % TR_V);
+        for (j = 0, wsum = 0.0; j < TR_SUCC; j++) {  // skewed weights, none below ~1%
+            u = tr_rand_uniform(&mk->rng);
+            wsum += w[j] = u * u + 0.02;
+        }
+        for (j = 0; j < TR_SUCC; j++) {
+            mk->prob[i][j] = w[j] / wsum;
+            if (j == order) continue;
+            for (;;) {  // distinct successors
+                int k, c = (int)(tr_rand_u64(&mk->rng) % TR_V), dup = c == (i + 1) % TR_V;
+                for (k = 0; k < j; k++) dup |= k != order && mk->next[i][k] == c;
+                if (!dup) { mk->next[i][j] = (uint8_t)c; break; }
+            }
+        }
+        mk->pi[i] = 1.0 / TR_V;
+    }
+    // pi <- (pi + pi P) / 2 converges to the stationary distribution of an irreducible chain,
+    // periodic or not.
+    for (it = 0; it < 100000; it++) {
+        double diff = 0.0;
+        for (i = 0; i < TR_V; i++) row[i] = 0.5 * mk->pi[i];
+        for (i = 0; i < TR_V; i++)
+            for (j = 0; j < TR_SUCC; j++) row[mk->next[i][j]] += 0.5 * mk->pi[i] * mk->prob[i][j];
+        for (i = 0; i < TR_V; i++) diff += fabs(row[i] - mk->pi[i]), mk->pi[i] = row[i];
+        if (diff < 1e-15) break;
+    }
+    for (i = 0; i < TR_V; i++)
+        for (j = 0; j < TR_SUCC; j++)
+            mk->entropy -= mk->pi[i] * mk->prob[i][j] * log(mk->prob[i][j]);
+    u = tr_rand_uniform(&mk->rng), acc = 0.0;
+    for (i = 0; i < TR_V - 1; i++)
+        if ((acc += mk->pi[i]) > u) break;
+    mk->state = i;
+}
+
+static int tr_markov_next(tr_markov *mk) {
+    double u = tr_rand_uniform(&mk->rng), acc = 0.0;
+    int j;
+    for (j = 0; j < TR_SUCC - 1; j++)
+        if ((acc += mk->prob[mk->state][j]) > u) break;
+    return mk->state = mk->next[mk->state][j];
+}
+
+// tokens[B,T], targets[B,T]: B consecutive windows of the stream, targets shifted by one.
+static void tr_markov_batch(tr_markov *mk, int *tokens, int *targets, size_t B, size_t T) {
+    size_t b, t;
+    for (b = 0; b < B; b++)
+        for (t = 0; t < T; t++) {
+            tokens[b * T + t] = mk->state;
+            targets[b * T + t] = tr_markov_next(mk);
+        }
+}
+
+// ---- tensor tables -------------------------------------------------------------------------------
+// The parameters, one row each: X(name, rows, cols, init). Per-layer tensors are stacked along
+// the rows (layer l starts at l * numel / L). Shapes use the locals L, C, T, V.
+enum { TR_INIT_NORMAL, TR_INIT_RESID, TR_INIT_ONE, TR_INIT_ZERO };
+#define TR_PARAMS(X) \
+    X(wte,      V,         C,     TR_INIT_NORMAL)  /* token embedding, also the head */ \
+    X(wpe,      T,         C,     TR_INIT_NORMAL)  /* position embedding */ \
+    X(ln1w,     L,         C,     TR_INIT_ONE) \
+    X(ln1b,     L,         C,     TR_INIT_ZERO) \
+    X(qkvw,     L * 3 * C, C,     TR_INIT_NORMAL) \
+    X(qkvb,     L,         3 * C, TR_INIT_ZERO) \
+    X(attprojw, L * C,     C,     TR_INIT_RESID) \
+    X(attprojb, L,         C,     TR_INIT_ZERO) \
+    X(ln2w,     L,         C,     TR_INIT_ONE) \
+    X(ln2b,     L,         C,     TR_INIT_ZERO) \
+    X(fcw,      L * 4 * C, C,     TR_INIT_NORMAL) \
+    X(fcb,      L,         4 * C, TR_INIT_ZERO) \
+    X(fcprojw,  L * C,     4 * C, TR_INIT_RESID) \
+    X(fcprojb,  L,         C,     TR_INIT_ZERO) \
+    X(lnfw,     1,         C,     TR_INIT_ONE) \
+    X(lnfb,     1,         C,     TR_INIT_ZERO)
+
+#define TR_P_ENUM(name, rows, cols, init) TR_P_##name,
+enum { TR_PARAMS(TR_P_ENUM) TR_NUM_PARAMS };
+#define TR_P_FIELD(name, rows, cols, init) float *name;
+typedef struct tr_params { TR_PARAMS(TR_P_FIELD) } tr_params;
+#define TR_P_NAME(name, rows, cols, init) #name,
+static const char *const tr_param_names[TR_NUM_PARAMS] = { TR_PARAMS(TR_P_NAME) };
+#define TR_P_INIT(name, rows, cols, init) init,
+static const int tr_param_init[TR_NUM_PARAMS] = { TR_PARAMS(TR_P_INIT) };
+
+// dims[i] = {rows, cols} of parameter i.
+static void tr_param_dims(const tr_config *cfg, uint64_t dims[TR_NUM_PARAMS][2]) {
+    uint64_t L = cfg->L, C = cfg->C, T = cfg->T, V = TR_V;
+#define TR_P_DIMS(name, rows, cols, init) \
+    dims[TR_P_##name][0] = rows, dims[TR_P_##name][1] = cols;
+    TR_PARAMS(TR_P_DIMS)
+#undef TR_P_DIMS
+}
+
+// slots[i] = &p->field of parameter i.
+static void tr_param_slots(tr_params *p, float **slots[TR_NUM_PARAMS]) {
+#define TR_P_SLOT(name, rows, cols, init) slots[TR_P_##name] = &p->name;
+    TR_PARAMS(TR_P_SLOT)
+#undef TR_P_SLOT
+}
+
+// The activations one block saves for its backward: X(name, numel), with N = B * T. The block's
+// input and output live in the residual stream x[0..L] (x[0] the embedding, x[l + 1] the output
+// of block l).
+#define TR_ACTS(X) \
+    X(ln1,      N * C)           /* layernorm 1 output */ \
+    X(ln1_mean, N) \
+    X(ln1_rstd, N) \
+    X(qkv,      N * 3 * C) \
+    X(att,      B * NH * T * T)  /* attention probabilities */ \
+    X(atty,     N * C)           /* attention output, heads concatenated */ \
+    X(res2,     N * C)           /* x + attention projection */ \
+    X(ln2,      N * C) \
+    X(ln2_mean, N) \
+    X(ln2_rstd, N) \
+    X(fch,      N * 4 * C)       /* fc output before GELU */ \
+    X(fch_gelu, N * 4 * C)
+
+#define TR_A_FIELD(name, numel) float *name;
+typedef struct tr_acts { TR_ACTS(TR_A_FIELD) } tr_acts;
+
+// Temporaries (MN_CAT_TEMPORARY): released as soon as they are consumed. X(name).
+#define TR_TEMPS(X) X(logits) X(losses) X(dlosses) X(dlogits) X(dx) X(dln) X(dfch) X(datty) X(dqkv)
+#define TR_T_FIELD(name) float *name;
+typedef struct tr_temps { TR_TEMPS(TR_T_FIELD) } tr_temps;
+
+// ---- the model -----------------------------------------------------------------------------------
+
+typedef struct tr_model {
+    tr_config cfg;
+    mn_hostdev dev;           // host memory as the device
+    mn_cache cache;           // every tensor below comes from it
+    int cache_ready;
+    tr_params params;         // MN_CAT_WEIGHTS
+    tr_params grads;          // MN_CAT_GRADIENTS, same shapes
+    uint64_t dims[TR_NUM_PARAMS][2];
+    uint64_t num_params;
+    mn_adamw opt[TR_NUM_PARAMS];  // MN_CAT_OPTIMIZER, created at the first step
+    int opt_ready;
+    int *tokens, *targets;    // [B,T], MN_CAT_OTHER (the input batch)
+    float *x[TR_MAX_LAYERS + 1];  // residual stream [B,T,C], MN_CAT_ACTIVATIONS
+    tr_acts acts[TR_MAX_LAYERS];
+    float *lnf, *lnf_mean, *lnf_rstd, *probs;  // [N,C], [N], [N], [N,V]
+    tr_temps tmp;
+    tr_markov data;
+} tr_model;
+
+// A tensor of n elements of size elem from the cache, zeroed when zero is set.
+static mn_result tr_alloc(tr_model *m, uint64_t n, size_t elem, mn_category cat,
+                          const char *label, int zero, void *out) {
+    uint64_t bytes;
+    void *p = NULL;
+    TR_TRY(mn_mul_u64(n, elem, &bytes));
+    if (bytes > SIZE_MAX) return MN_ERR_OVERFLOW;
+    TR_TRY(mn_cache_alloc(&m->cache, bytes, 0, cat, label, &p));
+    if (zero && p) memset(p, 0, (size_t)bytes);
+    memcpy(out, &p, sizeof p);  // out is a float ** or int **
+    return MN_OK;
+}
+
+static mn_result tr_act(tr_model *m, uint64_t n, const char *label, float **out) {
+    return tr_alloc(m, n, sizeof(float), MN_CAT_ACTIVATIONS, label, 0, out);
+}
+static mn_result tr_temp(tr_model *m, uint64_t n, const char *label, float **out) {
+    return tr_alloc(m, n, sizeof(float), MN_CAT_TEMPORARY, label, 1, out);
+}
+
+// Releases *p (NULL is fine) and clears it.
+static mn_result tr_release(tr_model *m, float **p) {
+    mn_result r = mn_cache_release(&m->cache, *p);
+    *p = NULL;
+    return r;
+}
+
+// Releases whatever a block still holds.
+static mn_result tr_acts_release(tr_model *m, tr_acts *a) {
+#define TR_A_RELEASE(name, numel) TR_TRY(tr_release(m, &a->name));
+    TR_ACTS(TR_A_RELEASE)
+#undef TR_A_RELEASE
+    return MN_OK;
+}
+
+static void tr_fill_normal(float *w, uint64_t n, double std, uint64_t *rng) {
+    uint64_t i;
+    for (i = 0; i < n; i++) w[i] = (float)(std * tr_rand_normal(rng));
+}
+
+// Sets up the device, the cache, the weights (GPT-2 init: N(0, 0.02), residual projections
+// scaled by 1/sqrt(2L), layernorms 1 and 0), zeroed gradients, the input batch and the data.
+// On failure tr_model_free still releases what was made.
+static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
+    mn_cache_desc cd;
+    float **ps[TR_NUM_PARAMS], **gs[TR_NUM_PARAMS];
+    uint64_t rng = tr_seed_stream(cfg->seed, 1), n, N = (uint64_t)cfg->B * cfg->T;
+    char label[MN_CACHE_LABEL_MAX];
+    int i;
+    memset(m, 0, sizeof *m);
+    m->cfg = *cfg;
+    if (cfg->L < 1 || cfg->L > TR_MAX_LAYERS || cfg->NH < 1 || cfg->C % cfg->NH != 0 ||
+        cfg->T < 1 || cfg->B < 1 || cfg->K < 1)
+        return MN_ERR_INVALID_ARG;
+    TR_TRY(mn_hostdev_init(&m->dev, NULL));
+    memset(&cd, 0, sizeof cd);
+    cd.device = mn_hostdev_device(&m->dev);
+    TR_TRY(mn_cache_init(&m->cache, &cd));
+    m->cache_ready = 1;
+    tr_param_dims(cfg, m->dims);
+    tr_param_slots(&m->params, ps);
+    tr_param_slots(&m->grads, gs);
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        n = m->dims[i][0] * m->dims[i][1];
+        m->num_params += n;
+        TR_TRY(tr_alloc(m, n, sizeof(float), MN_CAT_WEIGHTS, tr_param_names[i], 0, ps[i]));
+        snprintf(label, sizeof label, "grad.%s", tr_param_names[i]);
+        TR_TRY(tr_alloc(m, n, sizeof(float), MN_CAT_GRADIENTS, label, 1, gs[i]));
+        if (tr_param_init[i] == TR_INIT_ONE) {
+            uint64_t k;
+            for (k = 0; k < n; k++) (*ps[i])[k] = 1.0f;
+        } else if (tr_param_init[i] == TR_INIT_ZERO) {
+            memset(*ps[i], 0, (size_t)n * sizeof(float));
+        } else {
+            double std = tr_param_init[i] == TR_INIT_RESID ? 0.02 / sqrt(2.0 * (double)cfg->L)
+                                                            : 0.02;
+            tr_fill_normal(*ps[i], n, std, &rng);
+        }
+    }
+    TR_TRY(tr_alloc(m, N, sizeof(int), MN_CAT_OTHER, "tokens", 1, &m->tokens));
+    TR_TRY(tr_alloc(m, N, sizeof(int), MN_CAT_OTHER, "targets", 1, &m->targets));
+    tr_markov_init(&m->data, cfg->seed);
+    return MN_OK;
+}
+
+// Releases every activation and temporary still held (after a failed step, or a forward run
+// without its backward).
+static mn_result tr_release_activations(tr_model *m) {
+    size_t l;
+    for (l = 0; l <= m->cfg.L; l++) TR_TRY(tr_release(m, &m->x[l]));
+    for (l = 0; l < m->cfg.L; l++) TR_TRY(tr_acts_release(m, &m->acts[l]));
+    TR_TRY(tr_release(m, &m->lnf));
+    TR_TRY(tr_release(m, &m->lnf_mean));
+    TR_TRY(tr_release(m, &m->lnf_rstd));
+    TR_TRY(tr_release(m, &m->probs));
+#define TR_T_RELEASE(name) TR_TRY(tr_release(m, &m->tmp.name));
+    TR_TEMPS(TR_T_RELEASE)
+#undef TR_T_RELEASE
+    return MN_OK;
+}
+
+// Frees everything; MN_OK when the device got every segment back.
+static mn_result tr_model_free(tr_model *m) {
+    int i;
+    if (m->cache_ready) (void)tr_release_activations(m);  // mn_cache_free would return them too
+    for (i = 0; i < TR_NUM_PARAMS; i++) mn_adamw_free(&m->opt[i]);  // zeroed ones are no-ops
+    if (m->cache_ready) mn_cache_free(&m->cache);  // returns every segment to the device
+    m->cache_ready = 0;
+    return mn_hostdev_free(&m->dev);
+}
+
+// ---- layers --------------------------------------------------------------------------------------
+// One transformer block, forward. x [B,T,C] is x[l]. With recompute set (checkpointing) the
+// block's output x[l + 1] already exists and its backward does not need it, so the last
+// projection is skipped. The residual adds write into the projection's output buffer.
+static mn_result tr_block_forward(tr_model *m, size_t l, int recompute) {
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, NH = m->cfg.NH, N = B * T;
+    const tr_params *p = &m->params;
+    tr_acts *a = &m->acts[l];
+    const float *x = m->x[l];  // [N,C]
+#define TR_A_ALLOC(name, numel) TR_TRY(tr_act(m, numel, #name, &a->name));
+    TR_ACTS(TR_A_ALLOC)
+#undef TR_A_ALLOC
+    // ln1 [N,C] = layernorm(x); qkv [N,3C] = ln1 @ qkvw^T + qkvb
+    mn_layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, p->ln1w + l * C, p->ln1b + l * C,
+                         N, C, TR_LN_EPS);
+    mn_matmul_forward(a->qkv, NULL, a->ln1, p->qkvw + l * 3 * C * C, p->qkvb + l * 3 * C, N, C,
+                      3 * C);
+    // atty [N,C] = causal attention over qkv; res2 [N,C] = x + atty @ attprojw^T + attprojb
+    mn_attention_forward(a->atty, a->att, a->qkv, B, T, C, NH, 1);
+    mn_matmul_forward(a->res2, NULL, a->atty, p->attprojw + l * C * C, p->attprojb + l * C, N, C,
+                      C);
+    mn_residual_forward(a->res2, a->res2, x, N * C);
+    // ln2 [N,C]; fch [N,4C] = ln2 @ fcw^T + fcb, fch_gelu = gelu(fch) (fused epilogue)
+    mn_layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, p->ln2w + l * C,
+                         p->ln2b + l * C, N, C, TR_LN_EPS);
+    mn_matmul_forward(a->fch_gelu, a->fch, a->ln2, p->fcw + l * 4 * C * C, p->fcb + l * 4 * C, N,
+                      C, 4 * C);
+    if (recompute) return MN_OK;
+    // x[l + 1] [N,C] = res2 + fch_gelu @ fcprojw^T + fcprojb
+    TR_TRY(tr_act(m, N * C, "x", &m->x[l + 1]));
+    mn_matmul_forward(m->x[l + 1], NULL, a->fch_gelu, p->fcprojw + l * C * 4 * C,
+                      p->fcprojb + l * C, N, 4 * C, C);
+    mn_residual_forward(m->x[l + 1], m->x[l + 1], a->res2, N * C);
+    return MN_OK;
+}
+
+// One block, backward. On entry tmp.dx [N,C] holds d loss / d x[l + 1]; on return it holds
+// d loss / d x[l]. A residual add passes its gradient through unchanged, so one buffer carries
+// the residual stream's gradient and each branch's layernorm backward adds into it.
+// Every saved activation is released right after its last use.
+static mn_result tr_block_backward(tr_model *m, size_t l) {
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, NH = m->cfg.NH, N = B * T;
+    const tr_params *p = &m->params;
+    const tr_params *g = &m->grads;
+    tr_acts *a = &m->acts[l];
+    tr_temps *d = &m->tmp;
+    TR_TRY(tr_release(m, &m->x[l + 1]));  // the block's output: not needed from here on
+    if (m->cfg.checkpointing) TR_TRY(tr_block_forward(m, l, 1));
+    // fc projection: dfch_gelu [N,4C] (into dfch), dfcprojw, dfcprojb; dout = dx
+    TR_TRY(tr_temp(m, N * 4 * C, "dfch", &d->dfch));
+    mn_matmul_backward(d->dfch, g->fcprojw + l * C * 4 * C, g->fcprojb + l * C, d->dx,
+                       a->fch_gelu, p->fcprojw + l * C * 4 * C, NULL, N, 4 * C, C);
+    TR_TRY(tr_release(m, &a->fch_gelu));
+    // fc with the GELU: dln2 [N,C] (into dln), dfcw, dfcb; dfch becomes d pre-gelu in place
+    TR_TRY(tr_temp(m, N * C, "dln", &d->dln));
+    mn_matmul_backward(d->dln, g->fcw + l * 4 * C * C, g->fcb + l * 4 * C, d->dfch, a->ln2,
+                       p->fcw + l * 4 * C * C, a->fch, N, C, 4 * C);
+    TR_TRY(tr_release(m, &d->dfch));
+    TR_TRY(tr_release(m, &a->fch));
+    TR_TRY(tr_release(m, &a->ln2));
+    // layernorm 2: dx += d res2 through the norm (dx then is d loss / d res2)
+    mn_layernorm_backward(d->dx, g->ln2w + l * C, g->ln2b + l * C, d->dln, a->res2,
+                          p->ln2w + l * C, a->ln2_mean, a->ln2_rstd, N, C);
+    TR_TRY(tr_release(m, &a->res2));
+    TR_TRY(tr_release(m, &a->ln2_mean));
+    TR_TRY(tr_release(m, &a->ln2_rstd));
+    // attention projection: datty [N,C], dattprojw, dattprojb; dout = dx
+    TR_TRY(tr_temp(m, N * C, "datty", &d->datty));
+    mn_matmul_backward(d->datty, g->attprojw + l * C * C, g->attprojb + l * C, d->dx, a->atty,
+                       p->attprojw + l * C * C, NULL, N, C, C);
+    TR_TRY(tr_release(m, &a->atty));
+    // attention: dqkv [N,3C]
+    TR_TRY(tr_temp(m, N * 3 * C, "dqkv", &d->dqkv));
+    mn_attention_backward(d->dqkv, d->datty, a->qkv, a->att, B, T, C, NH, 1);
+    TR_TRY(tr_release(m, &d->datty));
+    TR_TRY(tr_release(m, &a->att));
+    TR_TRY(tr_release(m, &a->qkv));
+    // qkv: dln1 [N,C] (into dln, zeroed again), dqkvw, dqkvb
+    memset(d->dln, 0, N * C * sizeof(float));
+    mn_matmul_backward(d->dln, g->qkvw + l * 3 * C * C, g->qkvb + l * 3 * C, d->dqkv, a->ln1,
+                       p->qkvw + l * 3 * C * C, NULL, N, C, 3 * C);
+    TR_TRY(tr_release(m, &d->dqkv));
+    TR_TRY(tr_release(m, &a->ln1));
+    // layernorm 1: dx += d x[l] through the norm
+    mn_layernorm_backward(d->dx, g->ln1w + l * C, g->ln1b + l * C, d->dln, m->x[l],
+                          p->ln1w + l * C, a->ln1_mean, a->ln1_rstd, N, C);
+    TR_TRY(tr_release(m, &d->dln));
+    return tr_acts_release(m, a);  // ln1_mean, ln1_rstd
+}
+
+// ---- model forward / backward / update -----------------------------------------------------------
+
+// Forward over m->tokens, m->targets [B,T]: *loss = mean cross-entropy (nats per token).
+static mn_result tr_forward(tr_model *m, double *loss) {
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, L = m->cfg.L, V = TR_V, N = B * T, l, n;
+    const tr_params *p = &m->params;
+    double sum = 0.0;
+    // x[0] [N,C] = wte[tokens] + wpe[t]
+    TR_TRY(tr_act(m, N * C, "x", &m->x[0]));
+    TR_TRY(mn_embedding_forward(m->x[0], m->tokens, p->wte, p->wpe, B, T, C, V));
+    for (l = 0; l < L; l++) {
+        TR_TRY(tr_block_forward(m, l, 0));
+        if (m->cfg.checkpointing) TR_TRY(tr_acts_release(m, &m->acts[l]));  // keep x[l] only
+    }
+    // lnf [N,C] = layernorm(x[L]); logits [N,V] = lnf @ wte^T (the tied head)
+    TR_TRY(tr_act(m, N * C, "lnf", &m->lnf));
+    TR_TRY(tr_act(m, N, "lnf_mean", &m->lnf_mean));
+    TR_TRY(tr_act(m, N, "lnf_rstd", &m->lnf_rstd));
+    mn_layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, m->x[L], p->lnfw, p->lnfb, N, C,
+                         TR_LN_EPS);
+    TR_TRY(tr_temp(m, N * V, "logits", &m->tmp.logits));
+    mn_matmul_forward(m->tmp.logits, NULL, m->lnf, p->wte, NULL, N, C, V);
+    // losses [N], probs [N,V] (kept for the backward; the logits are not)
+    TR_TRY(tr_act(m, N * V, "probs", &m->probs));
+    TR_TRY(tr_temp(m, N, "losses", &m->tmp.losses));
+    TR_TRY(mn_crossentropy_forward(m->tmp.losses, m->probs, m->tmp.logits, m->targets, N, V));
+    TR_TRY(tr_release(m, &m->tmp.logits));
+    for (n = 0; n < N; n++) sum += m->tmp.losses[n];
+    *loss = sum / (double)N;
+    return tr_release(m, &m->tmp.losses);
+}
+
+// Backward of the loss scaled by dloss per token (1/(B*T*K) for the mean over an accumulated
+// step), adding into the parameter gradients; releases every activation of the forward.
+static mn_result tr_backward(tr_model *m, float dloss) {
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, L = m->cfg.L, V = TR_V, N = B * T, n, l;
+    const tr_params *p = &m->params;
+    const tr_params *g = &m->grads;
+    tr_temps *d = &m->tmp;
+    // dlogits [N,V] = (probs - onehot(targets)) * dloss
+    TR_TRY(tr_temp(m, N, "dlosses", &d->dlosses));
+    for (n = 0; n < N; n++) d->dlosses[n] = dloss;
+    TR_TRY(tr_temp(m, N * V, "dlogits", &d->dlogits));
+    TR_TRY(mn_crossentropy_backward(d->dlogits, d->dlosses, m->probs, NULL, m->targets, N, V));
+    TR_TRY(tr_release(m, &d->dlosses));
+    TR_TRY(tr_release(m, &m->probs));
+    // head: dlnf [N,C] (into dln), dwte += dlogits^T @ lnf
+    TR_TRY(tr_temp(m, N * C, "dln", &d->dln));
+    mn_matmul_backward(d->dln, g->wte, NULL, d->dlogits, m->lnf, p->wte, NULL, N, C, V);
+    TR_TRY(tr_release(m, &d->dlogits));
+    TR_TRY(tr_release(m, &m->lnf));
+    // final layernorm: dx [N,C] = d loss / d x[L]
+    TR_TRY(tr_temp(m, N * C, "dx", &d->dx));
+    mn_layernorm_backward(d->dx, g->lnfw, g->lnfb, d->dln, m->x[L], p->lnfw, m->lnf_mean,
+                          m->lnf_rstd, N, C);
+    TR_TRY(tr_release(m, &d->dln));
+    TR_TRY(tr_release(m, &m->lnf_mean));
+    TR_TRY(tr_release(m, &m->lnf_rstd));
+    for (l = L; l-- > 0;) TR_TRY(tr_block_backward(m, l));
+    // embedding: dwte[tokens] += dx, dwpe[t] += dx
+    TR_TRY(mn_embedding_backward(g->wte, g->wpe, d->dx, m->tokens, B, T, C, V));
+    TR_TRY(tr_release(m, &d->dx));
+    return tr_release(m, &m->x[0]);
+}
+
+static void tr_zero_grad(tr_model *m) {
+    float **gs[TR_NUM_PARAMS];
+    int i;
+    tr_param_slots(&m->grads, gs);
+    for (i = 0; i < TR_NUM_PARAMS; i++)
+        memset(*gs[i], 0, (size_t)(m->dims[i][0] * m->dims[i][1]) * sizeof(float));
+}
+
+// The gradients of one optimizer step: zeroed, then K micro-batches of the data stream, each
+// forward and backward with the loss scaled by 1/(B*T*K). *loss: the mean over the K.
+static mn_result tr_accumulate(tr_model *m, double *loss) {
+    size_t k, K = m->cfg.K;
+    float dloss = (float)(1.0 / ((double)m->cfg.B * (double)m->cfg.T * (double)K));
+    double micro, sum = 0.0;
+    tr_zero_grad(m);
+    for (k = 0; k < K; k++) {
+        tr_markov_batch(&m->data, m->tokens, m->targets, m->cfg.B, m->cfg.T);
+        TR_TRY(tr_forward(m, &micro));
+        TR_TRY(tr_backward(m, dloss));
+        sum += micro;
+    }
+    *loss = sum / (double)K;
+    return MN_OK;
+}
+
+// The optimizer's host memory is the cache, tagged MN_CAT_OPTIMIZER (user_data: the mn_cache).
+static void *tr_optim_alloc(void *user_data, size_t size) {
+    void *p = NULL;
+    if (mn_cache_alloc((mn_cache *)user_data, size, 0, MN_CAT_OPTIMIZER, "adamw", &p) != MN_OK)
+        return NULL;
+    return p;
+}
+static void tr_optim_free(void *user_data, void *ptr) {
+    (void)mn_cache_release((mn_cache *)user_data, ptr);
+}
+
+// Clips the gradients by their global norm (*norm: before clipping), then one AdamW step at lr,
+// creating the AdamW state at the first call.
+static mn_result tr_update(tr_model *m, float lr, float *norm) {
+    float **ps[TR_NUM_PARAMS], **gs[TR_NUM_PARAMS], *grads[TR_NUM_PARAMS];
+    uint64_t sizes[TR_NUM_PARAMS];
+    float max_norm = m->cfg.clip > 0.0f ? m->cfg.clip : (float)HUGE_VAL;
+    int i;
+    tr_param_slots(&m->params, ps);
+    tr_param_slots(&m->grads, gs);
+    for (i = 0; i < TR_NUM_PARAMS; i++)
+        grads[i] = *gs[i], sizes[i] = m->dims[i][0] * m->dims[i][1];
+    TR_TRY(mn_clip_grad_norm(grads, sizes, TR_NUM_PARAMS, max_norm, 2.0f, norm));
+    if (!m->opt_ready) {
+        mn_adamw_params ap;
+        mn_allocator alloc;
+        memset(&ap, 0, sizeof ap);
+        ap.lr = lr;
+        ap.weight_decay = MN_OPTIM_ZERO;  // none: a tiny model, short runs
+        alloc.alloc_fn = tr_optim_alloc, alloc.free_fn = tr_optim_free;
+        alloc.user_data = &m->cache;
+        for (i = 0; i < TR_NUM_PARAMS; i++)
+            TR_TRY(mn_adamw_init(&m->opt[i], m->dims[i], 2, &ap, &alloc));
+        m->opt_ready = 1;
+    }
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        m->opt[i].params.lr = lr;
+        TR_TRY(mn_adamw_step(&m->opt[i], *ps[i], grads[i], NULL));
+    }
+    return MN_OK;
+}
+
+// Learning rate of step s (0-based): linear warmup over the first tenth (at most 100 steps),
+// then cosine from lr down to lr / 10 at the last step.
+static float tr_lr(const tr_config *cfg, long s) {
+    long warm = cfg->steps / 10 < 100 ? cfg->steps / 10 : 100;
+    double frac;
+    if (s < warm) return cfg->lr * (float)(s + 1) / (float)warm;
+    frac = cfg->steps - warm > 1 ? (double)(s - warm) / (double)(cfg->steps - warm - 1) : 1.0;
+    return (float)(cfg->lr * (0.1 + 0.9 * 0.5 * (1.0 + cos(3.141592653589793 * frac))));
+}
+
+// ---- the run -------------------------------------------------------------------------------------
+
+typedef struct tr_result {
+    double entropy;               // H of the data, nats per token
+    double first_loss, last_loss; // the first step's, the mean of the last min(10, steps)
+    double seconds;
+    uint64_t num_params;
+    struct mn_cache_stats stats;  // at the end of training
+} tr_result;
+
+static double tr_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+#define TR_MIB (1024.0 * 1024.0)
+
+// Trains as cfg says; prints to out (NULL: silent). The model's memory is gone on return.
+static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
+    const tr_config *c = &m->cfg;
+    double t0 = tr_now(), tail = 0.0, tokens = (double)c->B * (double)c->T * (double)c->K;
+    long s, ntail = c->steps < 10 ? c->steps : 10;
+    if (out) {
+        fprintf(out, "trainer: L=%zu C=%zu NH=%zu T=%zu V=%d  B=%zu K=%zu  steps=%ld lr=%g "
+                "clip=%g seed=%llu checkpointing=%s\n", c->L, c->C, c->NH, c->T, TR_V, c->B,
+                c->K, c->steps, (double)c->lr, (double)c->clip, (unsigned long long)c->seed,
+                c->checkpointing ? "full" : "none");
+        fprintf(out, "parameters: %llu (%.2f MiB fp32)\n", (unsigned long long)m->num_params,
+                (double)m->num_params * 4.0 / TR_MIB);
+        fprintf(out, "data: Markov source, %d successors per byte, entropy rate H = %.4f nats/token"
+                " (uniform guess: ln 256 = %.4f)\n", TR_SUCC, m->data.entropy, log((double)TR_V));
+    }
+    res->entropy = m->data.entropy;
+    res->num_params = m->num_params;
+    for (s = 0; s < c->steps; s++) {
+        double loss, t1 = tr_now(), dt;
+        float norm, lr = tr_lr(c, s);
+        TR_TRY(tr_accumulate(m, &loss));
+        TR_TRY(tr_update(m, lr, &norm));
+        dt = tr_now() - t1;
+        if (s == 0) res->first_loss = loss;
+        if (s >= c->steps - ntail) tail += loss;
+        if (out) {
+            TR_TRY(mn_cache_stats(&m->cache, &res->stats));
+            fprintf(out, "step %5ld/%ld | loss %.4f | lr %.2e | norm %7.4f | %8.0f tok/s | "
+                    "allocated %.2f MiB (peak %.2f) | reserved %.2f MiB\n", s + 1, c->steps, loss,
+                    (double)lr, (double)norm, tokens / dt,
+                    (double)res->stats.allocated_bytes[MN_STAT_ALL].current / TR_MIB,
+                    (double)res->stats.allocated_bytes[MN_STAT_ALL].peak / TR_MIB,
+                    (double)res->stats.reserved_bytes[MN_STAT_ALL].current / TR_MIB);
+        }
+    }
+    res->seconds = tr_now() - t0;
+    res->last_loss = tail / (double)ntail;
+    TR_TRY(mn_cache_stats(&m->cache, &res->stats));
+    if (out) {
+        fprintf(out, "done: %.2f s, %.1f samples/s, %.0f tokens/s; final loss %.4f vs H %.4f "
+                "(+%.4f)\n", res->seconds, (double)c->steps * c->B * c->K / res->seconds,
+                (double)c->steps * tokens / res->seconds, res->last_loss, res->entropy,
+                res->last_loss - res->entropy);
+        fprintf(out, "\nmeasured memory per category:\n");
+        TR_TRY(mn_cache_category_summary_write(&res->stats, mn_cache_write_file, out));
+        fprintf(out, "\n");
+        TR_TRY(mn_cache_summary_write(&res->stats, 0, 0, mn_cache_write_file, out));
+    }
+    return MN_OK;
+}
+
+static mn_result tr_run(const tr_config *cfg, FILE *out, tr_result *res) {
+    tr_model m;
+    mn_result r, r2;
+    memset(res, 0, sizeof *res);
+    r = tr_model_init(&m, cfg);
+    if (r == MN_OK) r = tr_run_model(&m, out, res);
+    r2 = tr_model_free(&m);
+    return r != MN_OK ? r : r2;
+}
+
+// ---- main ----------------------------------------------------------------------------------------
+#ifndef TRAINER_TESTING
+int main(int argc, char **argv) {
+    tr_config cfg;
+    tr_result res;
+    char err[256];
+    mn_result r;
+    if (tr_parse_args(argc, argv, &cfg, err, sizeof err) != MN_OK) {
+        fprintf(stderr, "trainer: %s\n", err);
+        return 2;
+    }
+    if (cfg.help) {
+        printf("usage: trainer [--layers L] [--dim C] [--heads NH] [--seq T] [--batch B]\n"
+               "               [--accum K] [--steps N] [--lr X] [--clip X] [--seed N]\n"
+               "               [--checkpointing none|full]\n"
+               "Trains a tiny GPT on a generated Markov source; every tensor lives in memanat's\n"
+               "caching allocator, whose measured peaks per memory category end the report.\n");
+        return 0;
+    }
+    r = tr_run(&cfg, stdout, &res);
+    if (r != MN_OK) {
+        fprintf(stderr, "trainer: %s\n", mn_result_str(r));
+        return 1;
+    }
+    return 0;
+}
+#endif
