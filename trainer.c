@@ -36,7 +36,7 @@
 
 #define TR_TRY(expr) do { mn_result tr_r_ = (expr); if (tr_r_ != MN_OK) return tr_r_; } while (0)
 
-// ---- config --------------------------------------------------------------------------------------
+// ---- config -------------------------------------------------------------------------------------
 // Shapes: L layers, C channels, NH heads, T sequence length, V = 256 byte vocabulary, B batch,
 // K micro-batches per optimizer step, N = B * T rows.
 
@@ -160,7 +160,7 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
     return MN_OK;
 }
 
-// ---- random numbers and data ---------------------------------------------------------------------
+// ---- random numbers and data --------------------------------------------------------------------
 // xorshift64* for everything random; the weights and the data draw from separate streams of the
 // same seed, so the weights depend on the model shape and the seed only.
 
@@ -179,10 +179,11 @@ static uint64_t tr_seed_stream(uint64_t seed, uint64_t stream) {
 }
 
 // The data: a first-order Markov chain over the 256 bytes, each byte followed by one of
-// TR_SUCC successors with fixed random probabilities. One successor of byte i is i + 1 (mod 256),
-// so the chain is irreducible. Its entropy rate is H = sum_i pi_i * (-sum_j P_ij ln P_ij) nats/token for
-// the stationary distribution pi = pi P, and the stream starts from a byte drawn from pi, so the
-// best possible expected loss at every position is exactly H.
+// TR_SUCC successors with fixed random probabilities P. One successor of byte i is i + 1
+// (mod 256), so the chain is irreducible. Its entropy rate is
+//     H = sum_i pi_i * (-sum_j P_ij ln P_ij)   nats per token,
+// pi the stationary distribution (pi = pi P). The stream starts from a byte drawn from pi, so
+// the best possible expected loss at every position is exactly H.
 #define TR_SUCC 4
 
 typedef struct tr_markov {
@@ -254,7 +255,7 @@ static void tr_markov_batch(tr_markov *mk, int *tokens, int *targets, size_t B, 
         }
 }
 
-// ---- tensor tables -------------------------------------------------------------------------------
+// ---- tensor tables ------------------------------------------------------------------------------
 // The parameters, one row each: X(name, rows, cols, init). Per-layer tensors are stacked along
 // the rows (layer l starts at l * numel / L). Shapes use the locals L, C, T, V.
 enum { TR_INIT_NORMAL, TR_INIT_RESID, TR_INIT_ONE, TR_INIT_ZERO };
@@ -326,7 +327,7 @@ typedef struct tr_acts { TR_ACTS(TR_A_FIELD) } tr_acts;
 #define TR_T_FIELD(name) float *name;
 typedef struct tr_temps { TR_TEMPS(TR_T_FIELD) } tr_temps;
 
-// ---- the model -----------------------------------------------------------------------------------
+// ---- the model ----------------------------------------------------------------------------------
 
 typedef struct tr_model {
     tr_config cfg;
@@ -458,7 +459,7 @@ static mn_result tr_model_free(tr_model *m) {
     return mn_hostdev_free(&m->dev);
 }
 
-// ---- layers --------------------------------------------------------------------------------------
+// ---- layers -------------------------------------------------------------------------------------
 // One transformer block, forward. x [B,T,C] is x[l]. With recompute set (checkpointing) the
 // block's output x[l + 1] already exists and its backward does not need it, so the last
 // projection is skipped. The residual adds write into the projection's output buffer.
@@ -548,7 +549,7 @@ static mn_result tr_block_backward(tr_model *m, size_t l) {
     return tr_acts_release(m, a);  // ln1_mean, ln1_rstd
 }
 
-// ---- model forward / backward / update -----------------------------------------------------------
+// ---- model forward / backward / update ----------------------------------------------------------
 
 // Forward over m->tokens, m->targets [B,T]: *loss = mean cross-entropy (nats per token).
 static mn_result tr_forward(tr_model *m, double *loss) {
@@ -686,11 +687,11 @@ static float tr_lr(const tr_config *cfg, long s) {
     long warm = cfg->steps / 10 < 100 ? cfg->steps / 10 : 100;
     double frac;
     if (s < warm) return cfg->lr * (float)(s + 1) / (float)warm;
-    frac = cfg->steps - warm > 1 ? (double)(s - warm) / (double)(cfg->steps - warm - 1) : 1.0;
+    frac = cfg->steps - warm > 1 ? (double)(s - warm) / (double)(cfg->steps - warm - 1) : 0.0;
     return (float)(cfg->lr * (0.1 + 0.9 * 0.5 * (1.0 + cos(3.141592653589793 * frac))));
 }
 
-// ---- the run -------------------------------------------------------------------------------------
+// ---- the run ------------------------------------------------------------------------------------
 
 typedef struct tr_result {
     double entropy;               // H of the data, nats per token
@@ -769,7 +770,7 @@ static mn_result tr_run(const tr_config *cfg, FILE *out, tr_result *res) {
     return r != MN_OK ? r : r2;
 }
 
-// ---- main ----------------------------------------------------------------------------------------
+// ---- main ---------------------------------------------------------------------------------------
 #ifndef TRAINER_TESTING
 int main(int argc, char **argv) {
     tr_config cfg;
