@@ -714,6 +714,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     const tr_config *c = &m->cfg;
     double t0 = tr_now(), tail = 0.0, tokens = (double)c->B * (double)c->T * (double)c->K;
     long s, ntail = c->steps < 10 ? c->steps : 10;
+    if (c->steps < 1) return MN_ERR_INVALID_ARG;
     if (out) {
         fprintf(out, "trainer: L=%zu C=%zu NH=%zu T=%zu V=%d  B=%zu K=%zu  steps=%ld lr=%g "
                 "clip=%g seed=%llu checkpointing=%s\n", c->L, c->C, c->NH, c->T, TR_V, c->B,
