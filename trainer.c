@@ -4,8 +4,9 @@
 // (layernorm -> qkv -> causal attention -> proj -> residual; layernorm -> fc + GELU -> proj ->
 // residual), a final layernorm and a head tied to the token embedding, trained with AdamW on a
 // generated first-order Markov source whose entropy rate H is known exactly, so the loss has a
-// floor to fall toward. Read it top to bottom, as llm.c's train_gpt2.c: config, data, tensor
-// tables, layer forward/backward, model build/forward/backward/update, the run, `main` last.
+// floor to fall toward (or on the bytes of a file with --data). Read it top to bottom, as
+// llm.c's train_gpt2.c: config, data, tensor tables, layer forward/backward, model
+// build/forward/backward/update, the run, `main` last.
 //
 // Every tensor comes from one mn_cache over host memory (mn_hostdev) under its memory category:
 // weights and gradients at start, AdamW state at the first step, activations allocated in
@@ -15,7 +16,7 @@
 //
 // Build:  cc -std=c99 -O2 trainer.c -lm -lpthread -o trainer   (add -fopenmp for threads)
 // Run:    ./trainer [--layers L --dim C --heads NH --seq T --batch B --accum K --steps N
-//                   --lr X --clip X --seed N --checkpointing none|full]
+//                   --lr X --clip X --seed N --checkpointing none|full --data FILE]
 // Under TRAINER_TESTING the file leaves out main and the header's implementation, so a test
 // can #include it (test/test_trainer.c).
 #ifndef _POSIX_C_SOURCE
@@ -54,6 +55,7 @@ typedef struct tr_config {
     float clip;           // gradient clipping by global norm, 0 = none
     uint64_t seed;
     int checkpointing;    // 0 none, 1 full: blocks keep their input, recompute in backward
+    const char *data;     // train on the bytes of this file, NULL = the Markov source
     int help;             // --help was given
 } tr_config;
 
@@ -114,7 +116,7 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
         }
         if (!a) {
             static const char known[] = " --layers --dim --heads --seq --batch --accum --steps"
-                                        " --seed --lr --clip --checkpointing ";
+                                        " --seed --lr --clip --checkpointing --data ";
             char key[40];
             snprintf(key, sizeof key, " %.36s ", f);
             snprintf(err, cap, strstr(known, key) ? "%s needs a value" : "unknown flag %s", f);
@@ -141,6 +143,8 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
             TR_TRY(tr_parse_float(f, a, 1e-8f, 10.0f, &cfg->lr, err, cap));
         } else if (strcmp(f, "--clip") == 0) {
             TR_TRY(tr_parse_float(f, a, 0.0f, 1e6f, &cfg->clip, err, cap));
+        } else if (strcmp(f, "--data") == 0) {
+            cfg->data = a;
         } else if (strcmp(f, "--checkpointing") == 0) {
             if (strcmp(a, "none") == 0) cfg->checkpointing = 0;
             else if (strcmp(a, "full") == 0) cfg->checkpointing = 1;
@@ -341,6 +345,9 @@ typedef struct tr_model {
     mn_adamw opt[TR_NUM_PARAMS];  // MN_CAT_OPTIMIZER, created at the first step
     int opt_ready;
     int *tokens, *targets;    // [B,T], MN_CAT_OTHER (the input batch)
+    uint8_t *text;            // [text_len] the --data file, MN_CAT_OTHER, or NULL
+    uint64_t text_len;
+    char error[160];          // what went wrong, for a failure a message can explain
     float *x[TR_MAX_LAYERS + 1];  // residual stream [B,T,C], MN_CAT_ACTIVATIONS
     tr_acts acts[TR_MAX_LAYERS];
     float *lnf, *lnf_mean, *lnf_rstd, *probs;  // [N,C], [N], [N], [N,V]
@@ -388,6 +395,34 @@ static void tr_fill_normal(float *w, uint64_t n, double std, uint64_t *rng) {
     for (i = 0; i < n; i++) w[i] = (float)(std * tr_rand_normal(rng));
 }
 
+// Reads the --data file into the cache (MN_CAT_OTHER): MN_ERR_IO when it cannot be read,
+// MN_ERR_INVALID_ARG when it has fewer than T + 1 bytes (one window), with m->error set.
+static mn_result tr_load_text(tr_model *m, const char *path) {
+    FILE *f = fopen(path, "rb");
+    long len = 0;
+    mn_result r = MN_ERR_IO;
+    if (!f || fseek(f, 0, SEEK_END) != 0 || (len = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) {
+        snprintf(m->error, sizeof m->error, "cannot read --data %s", path);
+        goto close;
+    }
+    if ((uint64_t)len < (uint64_t)m->cfg.T + 1) {
+        snprintf(m->error, sizeof m->error, "--data %s has %ld bytes, fewer than --seq %zu + 1",
+                 path, len, m->cfg.T);
+        r = MN_ERR_INVALID_ARG;
+        goto close;
+    }
+    if ((r = tr_alloc(m, (uint64_t)len, 1, MN_CAT_OTHER, "data", 0, &m->text)) != MN_OK)
+        goto close;
+    m->text_len = (uint64_t)len;
+    if (fread(m->text, 1, (size_t)len, f) != (size_t)len) {
+        snprintf(m->error, sizeof m->error, "cannot read --data %s", path);
+        r = MN_ERR_IO;
+    }
+close:
+    if (f) fclose(f);
+    return r;
+}
+
 // Sets up the device, the cache, the weights (GPT-2 init: N(0, 0.02), residual projections
 // scaled by 1/sqrt(2L), layernorms 1 and 0), zeroed gradients, the input batch and the data.
 // On failure tr_model_free still releases what was made.
@@ -430,7 +465,7 @@ static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
     TR_TRY(tr_alloc(m, N, sizeof(int), MN_CAT_OTHER, "tokens", 1, &m->tokens));
     TR_TRY(tr_alloc(m, N, sizeof(int), MN_CAT_OTHER, "targets", 1, &m->targets));
     tr_markov_init(&m->data, cfg->seed);
-    return MN_OK;
+    return cfg->data ? tr_load_text(m, cfg->data) : MN_OK;
 }
 
 // Releases every activation and temporary still held (after a failed step, or a forward run
@@ -622,6 +657,23 @@ static void tr_zero_grad(tr_model *m) {
         memset(*gs[i], 0, (size_t)(m->dims[i][0] * m->dims[i][1]) * sizeof(float));
 }
 
+// The next micro-batch tokens, targets [B,T]: from the Markov stream, or B windows of T + 1
+// bytes of the --data file at random offsets.
+static void tr_next_batch(tr_model *m) {
+    size_t b, t, B = m->cfg.B, T = m->cfg.T;
+    if (!m->text) {
+        tr_markov_batch(&m->data, m->tokens, m->targets, B, T);
+        return;
+    }
+    for (b = 0; b < B; b++) {
+        uint64_t at = tr_rand_u64(&m->data.rng) % (m->text_len - T);
+        for (t = 0; t < T; t++) {
+            m->tokens[b * T + t] = m->text[at + t];
+            m->targets[b * T + t] = m->text[at + t + 1];
+        }
+    }
+}
+
 // The gradients of one optimizer step: zeroed, then K micro-batches of the data stream, each
 // forward and backward with the loss scaled by 1/(B*T*K). *loss: the mean over the K.
 static mn_result tr_accumulate(tr_model *m, double *loss) {
@@ -630,7 +682,7 @@ static mn_result tr_accumulate(tr_model *m, double *loss) {
     double micro, sum = 0.0;
     tr_zero_grad(m);
     for (k = 0; k < K; k++) {
-        tr_markov_batch(&m->data, m->tokens, m->targets, m->cfg.B, m->cfg.T);
+        tr_next_batch(m);
         TR_TRY(tr_forward(m, &micro));
         TR_TRY(tr_backward(m, dloss));
         sum += micro;
@@ -694,11 +746,12 @@ static float tr_lr(const tr_config *cfg, long s) {
 // ---- the run ------------------------------------------------------------------------------------
 
 typedef struct tr_result {
-    double entropy;               // H of the data, nats per token
+    double entropy;               // H of the Markov source, nats per token (0 with --data)
     double first_loss, last_loss; // the first step's, the mean of the last min(10, steps)
     double seconds;
     uint64_t num_params;
     struct mn_cache_stats stats;  // at the end of training
+    char error[160];              // a failure's explanation, "" when the result code says it
 } tr_result;
 
 static double tr_now(void) {
@@ -722,10 +775,15 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
                 c->checkpointing ? "full" : "none");
         fprintf(out, "parameters: %llu (%.2f MiB fp32)\n", (unsigned long long)m->num_params,
                 (double)m->num_params * 4.0 / TR_MIB);
-        fprintf(out, "data: Markov source, %d successors per byte, entropy rate H = %.4f nats/token"
-                " (uniform guess: ln 256 = %.4f)\n", TR_SUCC, m->data.entropy, log((double)TR_V));
+        if (m->text)
+            fprintf(out, "data: %s, %llu bytes, random windows (uniform guess: ln 256 = %.4f)\n",
+                    c->data, (unsigned long long)m->text_len, log((double)TR_V));
+        else
+            fprintf(out, "data: Markov source, %d successors per byte, entropy rate H = %.4f "
+                    "nats/token (uniform guess: ln 256 = %.4f)\n", TR_SUCC, m->data.entropy,
+                    log((double)TR_V));
     }
-    res->entropy = m->data.entropy;
+    res->entropy = m->text ? 0.0 : m->data.entropy;
     res->num_params = m->num_params;
     for (s = 0; s < c->steps; s++) {
         double loss, t1 = tr_now(), dt;
@@ -749,10 +807,11 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     res->last_loss = tail / (double)ntail;
     TR_TRY(mn_cache_stats(&m->cache, &res->stats));
     if (out) {
-        fprintf(out, "done: %.2f s, %.1f samples/s, %.0f tokens/s; final loss %.4f vs H %.4f "
-                "(+%.4f)\n", res->seconds, (double)c->steps * c->B * c->K / res->seconds,
-                (double)c->steps * tokens / res->seconds, res->last_loss, res->entropy,
-                res->last_loss - res->entropy);
+        fprintf(out, "done: %.2f s, %.1f samples/s, %.0f tokens/s; final loss %.4f",
+                res->seconds, (double)c->steps * c->B * c->K / res->seconds,
+                (double)c->steps * tokens / res->seconds, res->last_loss);
+        if (m->text) fprintf(out, "\n");
+        else fprintf(out, " vs H %.4f (+%.4f)\n", res->entropy, res->last_loss - res->entropy);
         fprintf(out, "\nmeasured memory per category:\n");
         TR_TRY(mn_cache_category_summary_write(&res->stats, mn_cache_write_file, out));
         fprintf(out, "\n");
@@ -767,6 +826,7 @@ static mn_result tr_run(const tr_config *cfg, FILE *out, tr_result *res) {
     memset(res, 0, sizeof *res);
     r = tr_model_init(&m, cfg);
     if (r == MN_OK) r = tr_run_model(&m, out, res);
+    memcpy(res->error, m.error, sizeof res->error);
     r2 = tr_model_free(&m);
     return r != MN_OK ? r : r2;
 }
@@ -785,14 +845,15 @@ int main(int argc, char **argv) {
     if (cfg.help) {
         printf("usage: trainer [--layers L] [--dim C] [--heads NH] [--seq T] [--batch B]\n"
                "               [--accum K] [--steps N] [--lr X] [--clip X] [--seed N]\n"
-               "               [--checkpointing none|full]\n"
-               "Trains a tiny GPT on a generated Markov source; every tensor lives in memanat's\n"
-               "caching allocator, whose measured peaks per memory category end the report.\n");
+               "               [--checkpointing none|full] [--data FILE]\n"
+               "Trains a tiny GPT on a generated Markov source (or the bytes of FILE);\n"
+               "every tensor lives in memanat's caching allocator, whose measured peaks\n"
+               "per memory category end the report.\n");
         return 0;
     }
     r = tr_run(&cfg, stdout, &res);
     if (r != MN_OK) {
-        fprintf(stderr, "trainer: %s\n", mn_result_str(r));
+        fprintf(stderr, "trainer: %s\n", res.error[0] ? res.error : mn_result_str(r));
         return 1;
     }
     return 0;

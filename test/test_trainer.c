@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "harness.h"
 #include "../memanat.h"
 
@@ -289,6 +290,38 @@ static void test_allocation_failures(void) {
     if (mnt_verbose()) printf("    allocation failures: the run succeeds at attempt %ld\n", n - 1);
 }
 
+// --data FILE: a short repeating text is learned (runs end at 0.1 to 0.2 nats; the text's byte
+// frequencies alone give 3.05); a missing file and one shorter than a window fail with
+// their result and a message, leaving nothing allocated.
+static void test_data_file(void) {
+    static const char text[] = "the quick brown fox jumps over the lazy dog. ";
+    char path[] = "/tmp/memanat_trainer_XXXXXX";
+    tr_config cfg = tt_config();
+    tr_result res;
+    long live = mnt_live_allocs();
+    int i, fd = mkstemp(path);
+    FILE *f = fd >= 0 ? fdopen(fd, "wb") : NULL;
+    CHECK(f != NULL);
+    if (!f) return;
+    for (i = 0; i < 40; i++) fputs(text, f);
+    fclose(f);
+    cfg.data = path, cfg.T = 8, cfg.B = 8, cfg.steps = 200, cfg.lr = 2e-2f;
+    CHECK_OK(tr_run(&cfg, NULL, &res));
+    if (mnt_verbose())
+        printf("    data file: first loss %.4f, last loss %.4f\n", res.first_loss, res.last_loss);
+    CHECK_NEAR(res.first_loss, log(256.0), 0.2, 0);
+    CHECK_MSG(res.last_loss < 1.0, "loss %.4f on a repeating text", res.last_loss);
+    CHECK_EQ_INT(res.error[0], 0);
+    cfg.T = 40 * (sizeof text - 1);  // one byte short of a window
+    CHECK_ERR(tr_run(&cfg, NULL, &res), MN_ERR_INVALID_ARG);
+    CHECK(strstr(res.error, "--data") != NULL);
+    remove(path);
+    cfg.T = 8;
+    CHECK_ERR(tr_run(&cfg, NULL, &res), MN_ERR_IO);
+    CHECK(strstr(res.error, path) != NULL);
+    CHECK_EQ_INT(mnt_live_allocs(), live);
+}
+
 // ---- 6. flags -----------------------------------------------------------------------------------
 static void test_flags(void) {
     static const char *const bad[][3] = {
@@ -306,7 +339,7 @@ static void test_flags(void) {
     char *argv[8];
     char *good[] = {"trainer", "--layers", "3", "--dim", "48", "--heads", "6", "--seq", "8",
                     "--batch", "5", "--accum", "2", "--steps", "7", "--lr", "0.003",
-                    "--clip", "0", "--seed", "42", "--checkpointing", "full"};
+                    "--clip", "0", "--seed", "42", "--checkpointing", "full", "--data", "x.txt"};
     for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int argc = 1;
         argv[0] = "trainer";
@@ -327,6 +360,7 @@ static void test_flags(void) {
     CHECK(cfg.clip == 0.0f);
     CHECK_EQ_U64(cfg.seed, 42);
     CHECK_EQ_INT(cfg.checkpointing, 1);
+    CHECK_STR(cfg.data, "x.txt");
     CHECK_EQ_INT(cfg.help, 0);
     argv[0] = "trainer";
     CHECK_OK(tr_parse_args(1, argv, &cfg, err, sizeof err));  // the defaults are valid
@@ -344,6 +378,7 @@ const mnt_case test_trainer_cases[] = {
     {"learning", test_learning},
     {"memory_accounting", test_memory_accounting},
     {"allocation_failures", test_allocation_failures},
+    {"data_file", test_data_file},
     {"flags", test_flags},
 };
 const size_t test_trainer_count = sizeof test_trainer_cases / sizeof test_trainer_cases[0];
