@@ -2,21 +2,25 @@
 //
 // A decoder-only transformer over bytes (V = 256): learned positions, pre-norm blocks
 // (layernorm -> qkv -> causal attention -> proj -> residual; layernorm -> fc + GELU -> proj ->
-// residual), a final layernorm and a head tied to the token embedding, trained with AdamW on a
-// generated first-order Markov source whose entropy rate H is known exactly, so the loss has a
-// floor to fall toward (or on the bytes of a file with --data). Read it top to bottom, as
+// residual), a final layernorm and a head tied to the token embedding, trained with AdamW (or
+// another of the header's optimizers, --optim) on a generated first-order Markov source whose
+// entropy rate H is known exactly, so the loss has a floor to fall toward (or on the bytes of a
+// file with --data). Read it top to bottom, as
 // llm.c's train_gpt2.c: config, data, tensor tables, layer forward/backward, model
 // build/forward/backward/update, the run, `main` last.
 //
 // Every tensor comes from one mn_cache over host memory (mn_hostdev) under its memory category:
-// weights and gradients at start, AdamW state at the first step, activations allocated in
+// weights and gradients at start, optimizer state at the first step, activations allocated in
 // forward and released in backward as soon as they are consumed, short-lived buffers as
 // temporaries. The allocator's statistics are therefore measurements of this program, and the
-// run ends with its peaks per category and PyTorch's memory_summary() table.
+// run ends with its peaks per category and PyTorch's memory_summary() table (and, on request,
+// its history as an SVG timeline and a torch.cuda.memory._snapshot() JSON).
 //
 // Build:  cc -std=c99 -O2 trainer.c -lm -lpthread -o trainer   (add -fopenmp for threads)
 // Run:    ./trainer [--layers L --dim C --heads NH --seq T --batch B --accum K --steps N
-//                   --lr X --clip X --seed N --checkpointing none|full --data FILE]
+//                   --lr X --clip X --seed N --checkpointing none|full --data FILE
+//                   --optim adamw|adamw-8bit|sgd|sgd-momentum|adafactor|lion
+//                   --memory-svg FILE --snapshot FILE]
 // Under TRAINER_TESTING the file leaves out main and the header's implementation, so a test
 // can #include it (test/test_trainer.c).
 #ifndef _POSIX_C_SOURCE
@@ -47,6 +51,8 @@
 #define TR_MAX_SEQ 4096
 #define TR_MAX_BATCH 4096
 #define TR_LN_EPS 1e-5f
+#define TR_TRACE_MIN 4096      // history ring entries with --memory-svg / --snapshot: at least
+#define TR_TRACE_MAX 262144    // this many, at most this many (12 MiB of host memory)
 
 typedef struct tr_config {
     size_t L, C, NH, T, B, K;
@@ -56,6 +62,9 @@ typedef struct tr_config {
     uint64_t seed;
     int checkpointing;    // 0 none, 1 full: blocks keep their input, recompute in backward
     const char *data;     // train on the bytes of this file, NULL = the Markov source
+    mn_optim optim;       // MN_OPTIM_ADAMW, _ADAMW_8BIT, _SGD, _SGD_MOMENTUM, _ADAFACTOR, _LION
+    const char *memory_svg;  // the cache's timeline as SVG after training, NULL = none
+    const char *snapshot;    // the cache's snapshot as JSON after training, NULL = none
     int help;             // --help was given
 } tr_config;
 
@@ -66,6 +75,7 @@ static void tr_config_default(tr_config *cfg) {
     cfg->lr = 1e-2f;
     cfg->clip = 1.0f;
     cfg->seed = 1337;
+    cfg->optim = MN_OPTIM_ADAMW;
 }
 
 // Unsigned decimal in [lo, hi]; anything else names the flag in err.
@@ -116,7 +126,8 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
         }
         if (!a) {
             static const char known[] = " --layers --dim --heads --seq --batch --accum --steps"
-                                        " --seed --lr --clip --checkpointing --data ";
+                                        " --seed --lr --clip --checkpointing --data --optim"
+                                        " --memory-svg --snapshot ";
             char key[40];
             snprintf(key, sizeof key, " %.36s ", f);
             snprintf(err, cap, strstr(known, key) ? "%s needs a value" : "unknown flag %s", f);
@@ -145,6 +156,16 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
             TR_TRY(tr_parse_float(f, a, 0.0f, 1e6f, &cfg->clip, err, cap));
         } else if (strcmp(f, "--data") == 0) {
             cfg->data = a;
+        } else if (strcmp(f, "--memory-svg") == 0) {
+            cfg->memory_svg = a;
+        } else if (strcmp(f, "--snapshot") == 0) {
+            cfg->snapshot = a;
+        } else if (strcmp(f, "--optim") == 0) {
+            if (mn_optim_parse(a, &cfg->optim) != MN_OK || cfg->optim == MN_OPTIM_NONE) {
+                snprintf(err, cap, "--optim takes adamw, adamw-8bit, sgd, sgd-momentum, "
+                         "adafactor or lion, got \"%s\"", a);
+                return MN_ERR_INVALID_ARG;
+            }
         } else if (strcmp(f, "--checkpointing") == 0) {
             if (strcmp(a, "none") == 0) cfg->checkpointing = 0;
             else if (strcmp(a, "full") == 0) cfg->checkpointing = 1;
@@ -333,6 +354,15 @@ typedef struct tr_temps { TR_TEMPS(TR_T_FIELD) } tr_temps;
 
 // ---- the model ----------------------------------------------------------------------------------
 
+// The state of one parameter tensor under cfg.optim (the member named after it).
+typedef union tr_optim_state {
+    mn_adamw adamw;          // MN_OPTIM_ADAMW
+    mn_adamw8bit adamw8bit;  // MN_OPTIM_ADAMW_8BIT
+    mn_sgd sgd;              // MN_OPTIM_SGD, MN_OPTIM_SGD_MOMENTUM
+    mn_adafactor adafactor;  // MN_OPTIM_ADAFACTOR
+    mn_lion lion;            // MN_OPTIM_LION
+} tr_optim_state;
+
 typedef struct tr_model {
     tr_config cfg;
     mn_hostdev dev;           // host memory as the device
@@ -342,7 +372,7 @@ typedef struct tr_model {
     tr_params grads;          // MN_CAT_GRADIENTS, same shapes
     uint64_t dims[TR_NUM_PARAMS][2];
     uint64_t num_params;
-    mn_adamw opt[TR_NUM_PARAMS];  // MN_CAT_OPTIMIZER, created at the first step
+    tr_optim_state opt[TR_NUM_PARAMS];  // MN_CAT_OPTIMIZER, created at the first step
     int opt_ready;
     int *tokens, *targets;    // [B,T], MN_CAT_OTHER (the input batch)
     uint8_t *text;            // [text_len] the --data file, MN_CAT_OTHER, or NULL
@@ -423,6 +453,17 @@ close:
     return r;
 }
 
+// Entries of the cache's history ring for --memory-svg and --snapshot, enough for one step: a
+// micro-batch allocates under 32 tensors per block (twice that recomputing with checkpointing)
+// and under 32 for the embedding and the head, each leaving up to 3 events (alloc, free
+// requested, free completed), plus the optimizer's first allocations and the segments. Within
+// [TR_TRACE_MIN, TR_TRACE_MAX]; a longer step keeps its most recent events.
+static uint32_t tr_trace_entries(const tr_config *cfg) {
+    double per_micro = 32.0 * (double)cfg->L * (cfg->checkpointing ? 2.0 : 1.0) + 32.0;
+    double n = 4.0 * ((double)cfg->K * per_micro + 2.0 * TR_NUM_PARAMS);
+    return n < TR_TRACE_MIN ? TR_TRACE_MIN : n > TR_TRACE_MAX ? TR_TRACE_MAX : (uint32_t)n;
+}
+
 // Sets up the device, the cache, the weights (GPT-2 init: N(0, 0.02), residual projections
 // scaled by 1/sqrt(2L), layernorms 1 and 0), zeroed gradients, the input batch and the data.
 // On failure tr_model_free still releases what was made.
@@ -440,6 +481,7 @@ static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
     TR_TRY(mn_hostdev_init(&m->dev, NULL));
     memset(&cd, 0, sizeof cd);
     cd.device = mn_hostdev_device(&m->dev);
+    if (cfg->memory_svg || cfg->snapshot) cd.trace_entries = tr_trace_entries(cfg);
     TR_TRY(mn_cache_init(&m->cache, &cd));
     m->cache_ready = 1;
     tr_param_dims(cfg, m->dims);
@@ -484,11 +526,162 @@ static mn_result tr_release_activations(tr_model *m) {
     return MN_OK;
 }
 
+// ---- optimizer state ----------------------------------------------------------------------------
+// One tr_optim_state per parameter tensor, created at the first step by the optimizer named in
+// cfg.optim; each keeps one block of state_bytes in the cache (none for plain SGD). --lr is the
+// step of every optimizer as given. Settings: no weight decay anywhere (a tiny model, short
+// runs); AdamW and 8-bit AdamW betas 0.9, 0.999 (8-bit: 256-element blocks, tensors under 4096
+// elements keep fp32 state); SGD momentum 0 or 0.9; Adafactor factored, no first moment, fixed
+// step lr without the parameter-scale factor (scale_parameter=False); Lion betas 0.9, 0.99.
+
+// The descriptor of cfg.optim with the settings above, for mn_optim_state_bytes.
+static mn_optim_desc tr_optim_desc(const tr_config *cfg) {
+    mn_optim_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = cfg->optim;
+    return d;
+}
+
+// The optimizer's host memory is the cache, tagged MN_CAT_OPTIMIZER (user_data: the tr_model).
+static void *tr_optim_alloc(void *user_data, size_t size) {
+    tr_model *m = (tr_model *)user_data;
+    void *p = NULL;
+    if (mn_cache_alloc(&m->cache, size, 0, MN_CAT_OPTIMIZER, mn_optim_name(m->cfg.optim), &p)
+        != MN_OK)
+        return NULL;
+    return p;
+}
+static void tr_optim_free(void *user_data, void *ptr) {
+    (void)mn_cache_release(&((tr_model *)user_data)->cache, ptr);
+}
+
+// Creates the state of parameter i at step size lr.
+static mn_result tr_optim_state_init(tr_model *m, int i, float lr) {
+    tr_optim_state *o = &m->opt[i];
+    const uint64_t *dims = m->dims[i];
+    mn_allocator alloc;
+    memset(o, 0, sizeof *o);
+    alloc.alloc_fn = tr_optim_alloc, alloc.free_fn = tr_optim_free, alloc.user_data = m;
+    switch (m->cfg.optim) {
+    case MN_OPTIM_DEFAULT:
+    case MN_OPTIM_ADAMW: {
+        mn_adamw_params p;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        return mn_adamw_init(&o->adamw, dims, 2, &p, &alloc);
+    }
+    case MN_OPTIM_ADAMW_8BIT: {
+        mn_adamw8bit_params p;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        return mn_adamw8bit_init(&o->adamw8bit, dims, 2, &p, &alloc);
+    }
+    case MN_OPTIM_SGD:
+    case MN_OPTIM_SGD_MOMENTUM: {
+        mn_sgd_params p;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.momentum = m->cfg.optim == MN_OPTIM_SGD_MOMENTUM ? 0.9f : 0.0f;
+        return mn_sgd_init(&o->sgd, dims, 2, &p, &alloc);
+    }
+    case MN_OPTIM_ADAFACTOR: {
+        mn_adafactor_params p;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.no_scale_parameter = 1;
+        return mn_adafactor_init(&o->adafactor, dims, 2, &p, &alloc);
+    }
+    case MN_OPTIM_LION: {
+        mn_lion_params p;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        return mn_lion_init(&o->lion, dims, 2, &p, &alloc);
+    }
+    case MN_OPTIM_NONE:
+    case MN_OPTIM_COUNT: break;
+    }
+    return MN_ERR_INVALID_ARG;
+}
+
+// One step of parameter i: param [numel] updated in place from grad [numel] at step size lr.
+static mn_result tr_optim_state_step(tr_model *m, int i, float *param, const float *grad,
+                                     float lr) {
+    tr_optim_state *o = &m->opt[i];
+    switch (m->cfg.optim) {
+    case MN_OPTIM_DEFAULT:
+    case MN_OPTIM_ADAMW:
+        o->adamw.params.lr = lr;
+        return mn_adamw_step(&o->adamw, param, grad, NULL);
+    case MN_OPTIM_ADAMW_8BIT:
+        o->adamw8bit.params.lr = lr;
+        return mn_adamw8bit_step(&o->adamw8bit, param, grad, NULL);
+    case MN_OPTIM_SGD:
+    case MN_OPTIM_SGD_MOMENTUM:
+        o->sgd.params.lr = lr;
+        return mn_sgd_step(&o->sgd, param, grad, NULL);
+    case MN_OPTIM_ADAFACTOR:
+        o->adafactor.params.lr = lr;
+        return mn_adafactor_step(&o->adafactor, param, grad, NULL);
+    case MN_OPTIM_LION:
+        o->lion.params.lr = lr;
+        return mn_lion_step(&o->lion, param, grad, NULL);
+    case MN_OPTIM_NONE:
+    case MN_OPTIM_COUNT: break;
+    }
+    return MN_ERR_INVALID_ARG;
+}
+
+// Bytes of state parameter i holds (0 before the first step).
+static uint64_t tr_optim_state_bytes(const tr_model *m, int i) {
+    const tr_optim_state *o = &m->opt[i];
+    switch (m->cfg.optim) {
+    case MN_OPTIM_DEFAULT:
+    case MN_OPTIM_ADAMW: return o->adamw.state_bytes;
+    case MN_OPTIM_ADAMW_8BIT: return o->adamw8bit.state_bytes;
+    case MN_OPTIM_SGD:
+    case MN_OPTIM_SGD_MOMENTUM: return o->sgd.state_bytes;
+    case MN_OPTIM_ADAFACTOR: return o->adafactor.state_bytes;
+    case MN_OPTIM_LION: return o->lion.state_bytes;
+    case MN_OPTIM_NONE:
+    case MN_OPTIM_COUNT: break;
+    }
+    return 0;
+}
+
+// *held: the state bytes the parameters hold; *predicted: the estimator's mn_optim_state_bytes
+// for the same descriptor and shapes (equal once the state exists).
+static mn_result tr_optim_bytes(const tr_model *m, uint64_t *held, uint64_t *predicted) {
+    mn_optim_desc d = tr_optim_desc(&m->cfg);
+    uint64_t bytes;
+    int i;
+    *held = 0, *predicted = 0;
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        TR_TRY(mn_optim_state_bytes(&d, m->dims[i], 2, &bytes));
+        TR_TRY(mn_add_u64(*predicted, bytes, predicted));
+        TR_TRY(mn_add_u64(*held, tr_optim_state_bytes(m, i), held));
+    }
+    return MN_OK;
+}
+
+// Releases the state of parameter i (a zeroed one is a no-op).
+static void tr_optim_state_free(tr_model *m, int i) {
+    tr_optim_state *o = &m->opt[i];
+    switch (m->cfg.optim) {
+    case MN_OPTIM_DEFAULT:
+    case MN_OPTIM_ADAMW: mn_adamw_free(&o->adamw); break;
+    case MN_OPTIM_ADAMW_8BIT: mn_adamw8bit_free(&o->adamw8bit); break;
+    case MN_OPTIM_SGD:
+    case MN_OPTIM_SGD_MOMENTUM: mn_sgd_free(&o->sgd); break;
+    case MN_OPTIM_ADAFACTOR: mn_adafactor_free(&o->adafactor); break;
+    case MN_OPTIM_LION: mn_lion_free(&o->lion); break;
+    case MN_OPTIM_NONE:
+    case MN_OPTIM_COUNT: break;
+    }
+}
+
 // Frees everything; MN_OK when the device got every segment back.
 static mn_result tr_model_free(tr_model *m) {
     int i;
     if (m->cache_ready) (void)tr_release_activations(m);  // mn_cache_free would return them too
-    for (i = 0; i < TR_NUM_PARAMS; i++) mn_adamw_free(&m->opt[i]);  // zeroed ones are no-ops
+    for (i = 0; i < TR_NUM_PARAMS; i++) tr_optim_state_free(m, i);  // zeroed ones are no-ops
     if (m->cache_ready) mn_cache_free(&m->cache);  // returns every segment to the device
     m->cache_ready = 0;
     return mn_hostdev_free(&m->dev);
@@ -691,19 +884,8 @@ static mn_result tr_accumulate(tr_model *m, double *loss) {
     return MN_OK;
 }
 
-// The optimizer's host memory is the cache, tagged MN_CAT_OPTIMIZER (user_data: the mn_cache).
-static void *tr_optim_alloc(void *user_data, size_t size) {
-    void *p = NULL;
-    if (mn_cache_alloc((mn_cache *)user_data, size, 0, MN_CAT_OPTIMIZER, "adamw", &p) != MN_OK)
-        return NULL;
-    return p;
-}
-static void tr_optim_free(void *user_data, void *ptr) {
-    (void)mn_cache_release((mn_cache *)user_data, ptr);
-}
-
-// Clips the gradients by their global norm (*norm: before clipping), then one AdamW step at lr,
-// creating the AdamW state at the first call.
+// Clips the gradients by their global norm (*norm: before clipping), then one optimizer step at
+// lr, creating the optimizer state at the first call.
 static mn_result tr_update(tr_model *m, float lr, float *norm) {
     float **ps[TR_NUM_PARAMS], **gs[TR_NUM_PARAMS], *grads[TR_NUM_PARAMS];
     uint64_t sizes[TR_NUM_PARAMS];
@@ -715,21 +897,10 @@ static mn_result tr_update(tr_model *m, float lr, float *norm) {
         grads[i] = *gs[i], sizes[i] = m->dims[i][0] * m->dims[i][1];
     TR_TRY(mn_clip_grad_norm(grads, sizes, TR_NUM_PARAMS, max_norm, 2.0f, norm));
     if (!m->opt_ready) {
-        mn_adamw_params ap;
-        mn_allocator alloc;
-        memset(&ap, 0, sizeof ap);
-        ap.lr = lr;
-        ap.weight_decay = MN_OPTIM_ZERO;  // none: a tiny model, short runs
-        alloc.alloc_fn = tr_optim_alloc, alloc.free_fn = tr_optim_free;
-        alloc.user_data = &m->cache;
-        for (i = 0; i < TR_NUM_PARAMS; i++)
-            TR_TRY(mn_adamw_init(&m->opt[i], m->dims[i], 2, &ap, &alloc));
+        for (i = 0; i < TR_NUM_PARAMS; i++) TR_TRY(tr_optim_state_init(m, i, lr));
         m->opt_ready = 1;
     }
-    for (i = 0; i < TR_NUM_PARAMS; i++) {
-        m->opt[i].params.lr = lr;
-        TR_TRY(mn_adamw_step(&m->opt[i], *ps[i], grads[i], NULL));
-    }
+    for (i = 0; i < TR_NUM_PARAMS; i++) TR_TRY(tr_optim_state_step(m, i, *ps[i], grads[i], lr));
     return MN_OK;
 }
 
@@ -750,6 +921,8 @@ typedef struct tr_result {
     double first_loss, last_loss; // the first step's, the mean of the last min(10, steps)
     double seconds;
     uint64_t num_params;
+    uint64_t optim_bytes;         // optimizer state the parameters hold (cfg.optim)
+    uint64_t optim_predicted;     // mn_optim_state_bytes for the same descriptor and shapes
     struct mn_cache_stats stats;  // at the end of training
     char error[160];              // a failure's explanation, "" when the result code says it
 } tr_result;
@@ -762,6 +935,67 @@ static double tr_now(void) {
 
 #define TR_MIB (1024.0 * 1024.0)
 
+// What goes into a file: a picture or a dump of the snapshot s, written to f.
+typedef mn_result (*tr_write_body)(const mn_cache_snapshot *s, FILE *f);
+
+static mn_result tr_write_svg(const mn_cache_snapshot *s, FILE *f) {
+    return mn_cache_timeline_svg(s, "trainer: allocated bytes per category", mn_cache_write_file,
+                                 f);
+}
+static mn_result tr_write_json(const mn_cache_snapshot *s, FILE *f) {
+    return mn_cache_snapshot_write_json(s, mn_cache_write_file, f);
+}
+
+// Writes body(s) to path through path.tmp: flushed, closed, then renamed over path; on any
+// failure the temporary is removed, so an earlier path stays as it was. err: one line naming
+// the flag and the file.
+static mn_result tr_write_file(const char *flag, const char *path, tr_write_body body,
+                               const mn_cache_snapshot *s, char *err, size_t cap) {
+    char tmp[4096];
+    FILE *f;
+    mn_result r;
+    int n = snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    if (n < 0 || (size_t)n >= sizeof tmp) {
+        snprintf(err, cap, "%s %.60s...: the path is too long", flag, path);
+        return MN_ERR_INVALID_ARG;
+    }
+    if (!(f = fopen(tmp, "wb"))) {
+        snprintf(err, cap, "cannot write %s %.120s", flag, path);
+        return MN_ERR_IO;
+    }
+    r = body(s, f);
+    if (fflush(f) != 0 && r == MN_OK) r = MN_ERR_IO;
+    if (fclose(f) != 0 && r == MN_OK) r = MN_ERR_IO;
+    if (r == MN_OK && rename(tmp, path) != 0) r = MN_ERR_IO;
+    if (r != MN_OK) {
+        remove(tmp);
+        snprintf(err, cap, "cannot write %s %.120s: %s", flag, path, mn_result_str(r));
+    }
+    return r;
+}
+
+// The cache's history after training: --memory-svg and --snapshot, when given.
+static mn_result tr_write_memory(tr_model *m, FILE *out) {
+    const tr_config *c = &m->cfg;
+    mn_cache_snapshot snap;
+    mn_result r = MN_OK;
+    if (!c->memory_svg && !c->snapshot) return MN_OK;
+    TR_TRY(mn_cache_snapshot_take(&m->cache, &snap));
+    if (c->memory_svg)
+        r = tr_write_file("--memory-svg", c->memory_svg, tr_write_svg, &snap, m->error,
+                          sizeof m->error);
+    if (r == MN_OK && c->snapshot)
+        r = tr_write_file("--snapshot", c->snapshot, tr_write_json, &snap, m->error,
+                          sizeof m->error);
+    if (r == MN_OK && out)
+        fprintf(out, "\nhistory: the last %llu events (%llu older ones dropped) in%s%s%s%s\n",
+                (unsigned long long)snap.trace_count, (unsigned long long)snap.trace_dropped,
+                c->memory_svg ? " " : "", c->memory_svg ? c->memory_svg : "",
+                c->snapshot ? " " : "", c->snapshot ? c->snapshot : "");
+    mn_cache_snapshot_free(&snap);
+    return r;
+}
+
 // Trains as cfg says; prints to out (NULL: silent). The model's memory is gone on return.
 static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     const tr_config *c = &m->cfg;
@@ -770,9 +1004,10 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     if (c->steps < 1) return MN_ERR_INVALID_ARG;
     if (out) {
         fprintf(out, "trainer: L=%zu C=%zu NH=%zu T=%zu V=%d  B=%zu K=%zu  steps=%ld lr=%g "
-                "clip=%g seed=%llu checkpointing=%s\n", c->L, c->C, c->NH, c->T, TR_V, c->B,
-                c->K, c->steps, (double)c->lr, (double)c->clip, (unsigned long long)c->seed,
-                c->checkpointing ? "full" : "none");
+                "clip=%g seed=%llu checkpointing=%s optim=%s\n", c->L, c->C, c->NH, c->T, TR_V,
+                c->B, c->K, c->steps, (double)c->lr, (double)c->clip,
+                (unsigned long long)c->seed, c->checkpointing ? "full" : "none",
+                mn_optim_name(c->optim));
         fprintf(out, "parameters: %llu (%.2f MiB fp32)\n", (unsigned long long)m->num_params,
                 (double)m->num_params * 4.0 / TR_MIB);
         if (m->text)
@@ -806,6 +1041,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     res->seconds = tr_now() - t0;
     res->last_loss = tail / (double)ntail;
     TR_TRY(mn_cache_stats(&m->cache, &res->stats));
+    TR_TRY(tr_optim_bytes(m, &res->optim_bytes, &res->optim_predicted));
     if (out) {
         fprintf(out, "done: %.2f s, %.1f samples/s, %.0f tokens/s; final loss %.4f",
                 res->seconds, (double)c->steps * c->B * c->K / res->seconds,
@@ -815,9 +1051,12 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         fprintf(out, "\nmeasured memory per category:\n");
         TR_TRY(mn_cache_category_summary_write(&res->stats, mn_cache_write_file, out));
         fprintf(out, "\n");
+        fprintf(out, "optimizer: %s, state %llu bytes (mn_optim_state_bytes: %llu)\n\n",
+                mn_optim_name(c->optim), (unsigned long long)res->optim_bytes,
+                (unsigned long long)res->optim_predicted);
         TR_TRY(mn_cache_summary_write(&res->stats, 0, 0, mn_cache_write_file, out));
     }
-    return MN_OK;
+    return tr_write_memory(m, out);
 }
 
 static mn_result tr_run(const tr_config *cfg, FILE *out, tr_result *res) {
@@ -846,9 +1085,21 @@ int main(int argc, char **argv) {
         printf("usage: trainer [--layers L] [--dim C] [--heads NH] [--seq T] [--batch B]\n"
                "               [--accum K] [--steps N] [--lr X] [--clip X] [--seed N]\n"
                "               [--checkpointing none|full] [--data FILE]\n"
+               "               [--optim adamw|adamw-8bit|sgd|sgd-momentum|adafactor|lion]\n"
+               "               [--memory-svg FILE] [--snapshot FILE]\n"
                "Trains a tiny GPT on a generated Markov source (or the bytes of FILE);\n"
                "every tensor lives in memanat's caching allocator, whose measured peaks\n"
-               "per memory category end the report.\n");
+               "per memory category end the report.\n"
+               "--optim: every optimizer steps at --lr (default 1e-2, warmup then cosine),\n"
+               "  no weight decay. adamw: betas 0.9, 0.999 (the default). adamw-8bit: the\n"
+               "  same, state in 8-bit blocks of 256 (tensors under 4096 elements in fp32).\n"
+               "  sgd: plain, no state. sgd-momentum: momentum 0.9. adafactor: factored\n"
+               "  second moment, no first moment, step lr without the parameter scale.\n"
+               "  lion: betas 0.9, 0.99 (usually wants a 3-10x smaller --lr than adamw).\n"
+               "--memory-svg FILE, --snapshot FILE: after training, the allocator's history\n"
+               "  (sized for one step, 4096 to 262144 events) as an SVG timeline and as\n"
+               "  the JSON of torch.cuda.memory._snapshot(); each written through FILE.tmp,\n"
+               "  then renamed.\n");
         return 0;
     }
     r = tr_run(&cfg, stdout, &res);
