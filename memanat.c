@@ -312,21 +312,26 @@ static int parse_args(cli *c, unsigned command, int argc, char **argv, const cha
 
 // ---- files ------------------------------------------------------------------------------------
 
-// Writes the snapshot's timeline picture (svg_title set) or its memory_viz JSON to path, through a
-// temporary file renamed into place, so a failed write loses nothing.
+typedef struct snapshot_file {
+    const mn_cache_snapshot *snap;
+    const char *svg_title;  // set: the timeline picture; NULL: the memory_viz JSON
+} snapshot_file;
+
+static mn_result snapshot_body(void *ctx, FILE *f) {
+    const snapshot_file *s = (const snapshot_file *)ctx;
+    return s->svg_title ? mn_cache_timeline_svg(s->snap, s->svg_title, mn_cache_write_file, f)
+                        : mn_cache_snapshot_write_json(s->snap, mn_cache_write_file, f);
+}
+
+// Writes the snapshot's timeline picture (svg_title set) or its memory_viz JSON to path, so that
+// a failed write loses nothing (mn_write_file_atomic).
 static int write_snapshot_file(const char *path, const mn_cache_snapshot *snap,
                                const char *svg_title) {
-    char tmp[4096];
-    FILE *f;
+    snapshot_file s;
     mn_result r;
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    if (!(f = fopen(tmp, "wb"))) return fail("cannot write %s: %s", tmp, strerror(errno));
-    r = svg_title ? mn_cache_timeline_svg(snap, svg_title, mn_cache_write_file, f)
-                  : mn_cache_snapshot_write_json(snap, mn_cache_write_file, f);
-    if (fclose(f) != 0 && r == MN_OK) r = MN_ERR_IO;
-    if (r == MN_OK && rename(tmp, path) == 0) return 0;
-    remove(tmp);
-    return fail("cannot write %s: %s", path, mn_result_str(r == MN_OK ? MN_ERR_IO : r));
+    s.snap = snap, s.svg_title = svg_title;
+    r = mn_write_file_atomic(path, snapshot_body, &s);
+    return r == MN_OK ? 0 : fail("cannot write %s: %s", path, mn_result_str(r));
 }
 
 // Writes the timeline picture and/or the memory_viz snapshot of a cache that kept its history.

@@ -69,7 +69,7 @@
 //     /config          PYTORCH_ALLOC_CONF parsing and the rounding policy
 //     /alloc           blocks, segments, pools, allocation, freeing, events, statistics, check
 //     /observe         snapshot, memory_summary(), memory_stats() items, JSON, SVG timeline
-//     /helpers         mn_sim_cache, mn_cache_write_file, mn_cache_replay
+//     /helpers         mn_sim_cache, mn_cache_write_file, mn_write_file_atomic, mn_cache_replay
 //   >>optim          optimizer steps and state sizes, gradient clipping, loss scaling, fp16/bf16
 //   >>ops            CPU reference ops, forward and backward
 //
@@ -1061,6 +1061,13 @@ MNDEF void mn_sim_cache_free(mn_sim_cache *sc);
 
 // A mn_cache_write_fn for a FILE* passed as user_data: MN_ERR_IO when fwrite writes less.
 MNDEF mn_result mn_cache_write_file(void *file, const char *data, size_t len);
+
+// Writes a file so that a failure loses nothing: body(ctx, f) writes the content to path + ".tmp",
+// which is flushed, closed and renamed over path. On any failure (body's result, or MN_ERR_IO)
+// the temporary is removed and an earlier file at path stays as it was. MN_ERR_INVALID_ARG for a
+// NULL or overlong path.
+typedef mn_result (*mn_file_body_fn)(void *ctx, FILE *f);
+MNDEF mn_result mn_write_file_atomic(const char *path, mn_file_body_fn body, void *ctx);
 
 typedef struct mn_replay_counts {
     uint64_t allocations;      // allocation events
@@ -8695,6 +8702,23 @@ MNIMPL void mn_sim_cache_free(mn_sim_cache *sc) {
 MNIMPL mn_result mn_cache_write_file(void *file, const char *data, size_t len) {
     if (!file) return MN_ERR_INVALID_ARG;
     return fwrite(data, 1, len, (FILE *)file) == len ? MN_OK : MN_ERR_IO;
+}
+
+MNIMPL mn_result mn_write_file_atomic(const char *path, mn_file_body_fn body, void *ctx) {
+    char tmp[4096];
+    FILE *f;
+    mn_result r;
+    int n;
+    if (!path || !body) return MN_ERR_INVALID_ARG;
+    n = snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    if (n < 0 || (size_t)n >= sizeof tmp) return MN_ERR_INVALID_ARG;
+    if (!(f = fopen(tmp, "wb"))) return MN_ERR_IO;
+    r = body(ctx, f);
+    if (fflush(f) != 0 && r == MN_OK) r = MN_ERR_IO;
+    if (fclose(f) != 0 && r == MN_OK) r = MN_ERR_IO;
+    if (r == MN_OK && rename(tmp, path) != 0) r = MN_ERR_IO;
+    if (r != MN_OK) remove(tmp);
+    return r;
 }
 
 // Trace id -> live block, open addressing with linear probing; a NULL block marks an empty slot

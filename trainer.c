@@ -111,6 +111,18 @@ static mn_result tr_parse_float(const char *flag, const char *s, float lo, float
     return MN_OK;
 }
 
+// The flags that take a value, one row each: X(id, flag). The switch in tr_parse_args has a case
+// per id (the compiler checks that none is missing).
+#define TR_FLAGS(X) \
+    X(LAYERS, "--layers") X(DIM, "--dim") X(HEADS, "--heads") X(SEQ, "--seq") \
+    X(BATCH, "--batch") X(ACCUM, "--accum") X(STEPS, "--steps") X(SEED, "--seed") \
+    X(LR, "--lr") X(CLIP, "--clip") X(DATA, "--data") X(MEMORY_SVG, "--memory-svg") \
+    X(SNAPSHOT, "--snapshot") X(OPTIM, "--optim") X(CHECKPOINTING, "--checkpointing")
+#define TR_FLAG_ENUM(id, flag) TR_F_##id,
+typedef enum tr_flag { TR_FLAGS(TR_FLAG_ENUM) TR_FLAG_COUNT } tr_flag;
+#define TR_FLAG_NAME(id, flag) flag,
+static const char *const tr_flag_names[TR_FLAG_COUNT] = { TR_FLAGS(TR_FLAG_NAME) };
+
 // Fills cfg from the command line (defaults first). MN_ERR_INVALID_ARG with one line in err.
 static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err, size_t cap) {
     int i;
@@ -119,63 +131,65 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
     err[0] = '\0';
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *a = i + 1 < argc ? argv[i + 1] : NULL;
+        tr_flag k;
         if (strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0) { cfg->help = 1; continue; }
         if (strncmp(f, "--", 2) != 0) {
             snprintf(err, cap, "unknown argument \"%s\"", f);
             return MN_ERR_INVALID_ARG;
         }
-        if (!a) {
-            static const char known[] = " --layers --dim --heads --seq --batch --accum --steps"
-                                        " --seed --lr --clip --checkpointing --data --optim"
-                                        " --memory-svg --snapshot ";
-            char key[40];
-            snprintf(key, sizeof key, " %.36s ", f);
-            snprintf(err, cap, strstr(known, key) ? "%s needs a value" : "unknown flag %s", f);
+        for (k = (tr_flag)0; k < TR_FLAG_COUNT && strcmp(f, tr_flag_names[k]) != 0;)
+            k = (tr_flag)(k + 1);
+        if (k == TR_FLAG_COUNT || !a) {
+            snprintf(err, cap, k == TR_FLAG_COUNT ? "unknown flag %s" : "%s needs a value", f);
             return MN_ERR_INVALID_ARG;
         }
         i++;
-        if (strcmp(f, "--layers") == 0) {
+        switch (k) {
+        case TR_F_LAYERS:
             TR_TRY(tr_parse_size(f, a, 1, TR_MAX_LAYERS, &v, err, cap)); cfg->L = (size_t)v;
-        } else if (strcmp(f, "--dim") == 0) {
+            break;
+        case TR_F_DIM:
             TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->C = (size_t)v;
-        } else if (strcmp(f, "--heads") == 0) {
+            break;
+        case TR_F_HEADS:
             TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->NH = (size_t)v;
-        } else if (strcmp(f, "--seq") == 0) {
+            break;
+        case TR_F_SEQ:
             TR_TRY(tr_parse_size(f, a, 1, TR_MAX_SEQ, &v, err, cap)); cfg->T = (size_t)v;
-        } else if (strcmp(f, "--batch") == 0) {
+            break;
+        case TR_F_BATCH:
             TR_TRY(tr_parse_size(f, a, 1, TR_MAX_BATCH, &v, err, cap)); cfg->B = (size_t)v;
-        } else if (strcmp(f, "--accum") == 0) {
+            break;
+        case TR_F_ACCUM:
             TR_TRY(tr_parse_size(f, a, 1, 1024, &v, err, cap)); cfg->K = (size_t)v;
-        } else if (strcmp(f, "--steps") == 0) {
+            break;
+        case TR_F_STEPS:
             TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap)); cfg->steps = (long)v;
-        } else if (strcmp(f, "--seed") == 0) {
+            break;
+        case TR_F_SEED:
             TR_TRY(tr_parse_size(f, a, 0, UINT64_MAX, &v, err, cap)); cfg->seed = v;
-        } else if (strcmp(f, "--lr") == 0) {
-            TR_TRY(tr_parse_float(f, a, 1e-8f, 10.0f, &cfg->lr, err, cap));
-        } else if (strcmp(f, "--clip") == 0) {
-            TR_TRY(tr_parse_float(f, a, 0.0f, 1e6f, &cfg->clip, err, cap));
-        } else if (strcmp(f, "--data") == 0) {
-            cfg->data = a;
-        } else if (strcmp(f, "--memory-svg") == 0) {
-            cfg->memory_svg = a;
-        } else if (strcmp(f, "--snapshot") == 0) {
-            cfg->snapshot = a;
-        } else if (strcmp(f, "--optim") == 0) {
+            break;
+        case TR_F_LR: TR_TRY(tr_parse_float(f, a, 1e-8f, 10.0f, &cfg->lr, err, cap)); break;
+        case TR_F_CLIP: TR_TRY(tr_parse_float(f, a, 0.0f, 1e6f, &cfg->clip, err, cap)); break;
+        case TR_F_DATA: cfg->data = a; break;
+        case TR_F_MEMORY_SVG: cfg->memory_svg = a; break;
+        case TR_F_SNAPSHOT: cfg->snapshot = a; break;
+        case TR_F_OPTIM:
             if (mn_optim_parse(a, &cfg->optim) != MN_OK || cfg->optim == MN_OPTIM_NONE) {
                 snprintf(err, cap, "--optim takes adamw, adamw-8bit, sgd, sgd-momentum, "
                          "adafactor or lion, got \"%s\"", a);
                 return MN_ERR_INVALID_ARG;
             }
-        } else if (strcmp(f, "--checkpointing") == 0) {
+            break;
+        case TR_F_CHECKPOINTING:
             if (strcmp(a, "none") == 0) cfg->checkpointing = 0;
             else if (strcmp(a, "full") == 0) cfg->checkpointing = 1;
             else {
                 snprintf(err, cap, "--checkpointing takes none or full, got \"%s\"", a);
                 return MN_ERR_INVALID_ARG;
             }
-        } else {
-            snprintf(err, cap, "unknown flag %s", f);
-            return MN_ERR_INVALID_ARG;
+            break;
+        case TR_FLAG_COUNT: break;  // refused above
         }
     }
     if (cfg->C % cfg->NH != 0) {
@@ -935,42 +949,24 @@ static double tr_now(void) {
 
 #define TR_MIB (1024.0 * 1024.0)
 
-// What goes into a file: a picture or a dump of the snapshot s, written to f.
-typedef mn_result (*tr_write_body)(const mn_cache_snapshot *s, FILE *f);
-
-static mn_result tr_write_svg(const mn_cache_snapshot *s, FILE *f) {
-    return mn_cache_timeline_svg(s, "trainer: allocated bytes per category", mn_cache_write_file,
-                                 f);
+// What goes into a file: a picture or a dump of the snapshot (ctx), written to f.
+static mn_result tr_write_svg(void *snap, FILE *f) {
+    return mn_cache_timeline_svg((const mn_cache_snapshot *)snap,
+                                 "trainer: allocated bytes per category", mn_cache_write_file, f);
 }
-static mn_result tr_write_json(const mn_cache_snapshot *s, FILE *f) {
-    return mn_cache_snapshot_write_json(s, mn_cache_write_file, f);
+static mn_result tr_write_json(void *snap, FILE *f) {
+    return mn_cache_snapshot_write_json((const mn_cache_snapshot *)snap, mn_cache_write_file, f);
 }
 
-// Writes body(s) to path through path.tmp: flushed, closed, then renamed over path; on any
-// failure the temporary is removed, so an earlier path stays as it was. err: one line naming
-// the flag and the file.
-static mn_result tr_write_file(const char *flag, const char *path, tr_write_body body,
-                               const mn_cache_snapshot *s, char *err, size_t cap) {
-    char tmp[4096];
-    FILE *f;
-    mn_result r;
-    int n = snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    if (n < 0 || (size_t)n >= sizeof tmp) {
+// Writes body(s) to path with mn_write_file_atomic (an earlier path survives a failure).
+// err: one line naming the flag and the file.
+static mn_result tr_write_file(const char *flag, const char *path, mn_file_body_fn body,
+                               mn_cache_snapshot *s, char *err, size_t cap) {
+    mn_result r = mn_write_file_atomic(path, body, s);
+    if (r == MN_ERR_INVALID_ARG)
         snprintf(err, cap, "%s %.60s...: the path is too long", flag, path);
-        return MN_ERR_INVALID_ARG;
-    }
-    if (!(f = fopen(tmp, "wb"))) {
-        snprintf(err, cap, "cannot write %s %.120s", flag, path);
-        return MN_ERR_IO;
-    }
-    r = body(s, f);
-    if (fflush(f) != 0 && r == MN_OK) r = MN_ERR_IO;
-    if (fclose(f) != 0 && r == MN_OK) r = MN_ERR_IO;
-    if (r == MN_OK && rename(tmp, path) != 0) r = MN_ERR_IO;
-    if (r != MN_OK) {
-        remove(tmp);
+    else if (r != MN_OK)
         snprintf(err, cap, "cannot write %s %.120s: %s", flag, path, mn_result_str(r));
-    }
     return r;
 }
 

@@ -1457,6 +1457,50 @@ static void test_write_file(void) {
     tc_close(&e);
 }
 
+static mn_result tc_body_text(void *ctx, FILE *f) {
+    return fputs((const char *)ctx, f) < 0 ? MN_ERR_IO : MN_OK;
+}
+
+static mn_result tc_body_fail(void *ctx, FILE *f) {
+    (void)ctx;
+    fputs("partial", f);
+    return MN_ERR_DEVICE;
+}
+
+static void tc_expect_file(const char *path, const char *want) {
+    char got[64] = {0};
+    FILE *f = fopen(path, "rb");
+    CHECK(f != NULL);
+    if (!f) return;
+    CHECK(fread(got, 1, sizeof got - 1, f) == strlen(want));
+    fclose(f);
+    CHECK_STR(got, want);
+}
+
+// mn_write_file_atomic: the content arrives whole, or an earlier file stays and no temporary is
+// left behind.
+static void test_write_file_atomic(void) {
+    char dir[] = "/tmp/memanat_atomic_XXXXXX", path[96], tmp[112], bad[112];
+    char text[] = "first";
+    CHECK(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof path, "%s/out.txt", dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    CHECK_OK(mn_write_file_atomic(path, tc_body_text, text));
+    tc_expect_file(path, "first");
+    CHECK_ERR(mn_write_file_atomic(path, tc_body_fail, NULL), MN_ERR_DEVICE);  // body's result
+    tc_expect_file(path, "first");
+    CHECK(access(tmp, F_OK) != 0);
+    snprintf(bad, sizeof bad, "%s/missing/out.txt", dir);
+    CHECK_ERR(mn_write_file_atomic(bad, tc_body_text, text), MN_ERR_IO);
+    CHECK_ERR(mn_write_file_atomic(dir, tc_body_text, text), MN_ERR_IO);  // rename over a folder
+    snprintf(bad, sizeof bad, "%s.tmp", dir);
+    CHECK(access(bad, F_OK) != 0);
+    CHECK_ERR(mn_write_file_atomic(NULL, tc_body_text, text), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_write_file_atomic(path, NULL, text), MN_ERR_INVALID_ARG);
+    CHECK_EQ_INT(remove(path), 0);
+    CHECK_EQ_INT(rmdir(dir), 0);
+}
+
 static int64_t tc_item(const mn_stat_item *it, uint32_t n, const char *key) {
     uint32_t i;
     for (i = 0; i < n; i++)
@@ -1497,7 +1541,8 @@ static void test_stats_items(void) {
         snprintf(key, sizeof key, "segment.%s.allocated", pools[t]);
         CHECK_EQ_INT(tc_item(it, n, key), (int64_t)st.segment[t].allocated);
     }
-    CHECK_EQ_INT(tc_item(it, n, "oversize_allocations.peak"), (int64_t)st.oversize_allocations.peak);
+    CHECK_EQ_INT(tc_item(it, n, "oversize_allocations.peak"),
+                 (int64_t)st.oversize_allocations.peak);
     CHECK_EQ_INT(tc_item(it, n, "num_device_alloc"), (int64_t)st.num_device_alloc);
     CHECK_EQ_INT(tc_item(it, n, "max_split_size"), 64 * (int64_t)MIB);
     tc_close(&e);
@@ -1617,6 +1662,7 @@ const mnt_case test_cache_cases[] = {
     {"replay_edges", test_replay_edges},
     {"sim_cache", test_sim_cache},
     {"write_file", test_write_file},
+    {"write_file_atomic", test_write_file_atomic},
     {"stats_items", test_stats_items},
     {"hostdev", test_hostdev},
 };
