@@ -62,6 +62,7 @@
 //     /step            the symbolic training step or generation, its trace and its result
 //     /fit             the largest micro-batch, the longest sequence, a plan that fits
 //     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space), names
+//     /gpt             the model of memanat's own trainer: its tensor tables, shared with trainer.c
 //   >>hfconfig       Hugging Face config.json and model-folder reader
 //   >>cache          the caching allocator with PyTorch's policy:
 //     /simdev          the simulated device
@@ -656,6 +657,58 @@ MNDEF mn_result mn_offload_parse(const char *s, mn_offload *out);
 MNDEF mn_result mn_quant_parse(const char *s, mn_quant *out);
 MNDEF mn_result mn_head_parse(const char *s, mn_head *out);
 MNDEF mn_result mn_lora_targets_parse(const char *s, uint32_t *out);  // "q,k,v,o,gate,up,down"
+// ---- >>estimate/gpt: the model of memanat's own trainer ------------------------------------------
+// trainer.c trains a GPT-2-style decoder: learned positions, pre-norm blocks (layernorm, qkv,
+// causal attention, projection, residual; layernorm, fc + GELU, projection, residual), a final
+// layernorm and a head tied to the token embedding or its own. Its tensors are listed here once,
+// for the trainer (which allocates them) and the estimator's memanat framework (which predicts
+// them). Shapes use the locals L (layers), C (width), NH (heads), T (sequence = positions),
+// V (vocabulary), HV (V for an untied head, 0 for a tied one), B (micro-batch), N = B * T.
+//
+// Parameters, X(name, rows, cols, init); per-layer tensors are stacked along the rows (layer l
+// starts at row l * rows / L). A tensor of 0 rows does not exist.
+enum { MN_GPT_INIT_NORMAL, MN_GPT_INIT_RESID, MN_GPT_INIT_ONE, MN_GPT_INIT_ZERO };
+#define MN_GPT_PARAMS(X) \
+    X(wte,      V,         C,     MN_GPT_INIT_NORMAL)  /* token embedding (and a tied head) */ \
+    X(wpe,      T,         C,     MN_GPT_INIT_NORMAL)  /* position embedding */ \
+    X(ln1w,     L,         C,     MN_GPT_INIT_ONE) \
+    X(ln1b,     L,         C,     MN_GPT_INIT_ZERO) \
+    X(qkvw,     L * 3 * C, C,     MN_GPT_INIT_NORMAL) \
+    X(qkvb,     L,         3 * C, MN_GPT_INIT_ZERO) \
+    X(attprojw, L * C,     C,     MN_GPT_INIT_RESID) \
+    X(attprojb, L,         C,     MN_GPT_INIT_ZERO) \
+    X(ln2w,     L,         C,     MN_GPT_INIT_ONE) \
+    X(ln2b,     L,         C,     MN_GPT_INIT_ZERO) \
+    X(fcw,      L * 4 * C, C,     MN_GPT_INIT_NORMAL) \
+    X(fcb,      L,         4 * C, MN_GPT_INIT_ZERO) \
+    X(fcprojw,  L * C,     4 * C, MN_GPT_INIT_RESID) \
+    X(fcprojb,  L,         C,     MN_GPT_INIT_ZERO) \
+    X(lnfw,     1,         C,     MN_GPT_INIT_ONE) \
+    X(lnfb,     1,         C,     MN_GPT_INIT_ZERO) \
+    X(lmw,      HV,        C,     MN_GPT_INIT_NORMAL)  /* an untied head */
+
+// The activations one block keeps for its backward, X(name, numel, fp32): fp32 = 1 for the
+// layernorm statistics, kept in fp32 at every precision; 0 for tensors stored in the precision's
+// dtype (2 bytes with fp16/bf16). The block's input and output are the residual stream.
+#define MN_GPT_ACTS(X) \
+    X(ln1,      N * C,          0)  /* layernorm 1 output */ \
+    X(ln1_mean, N,              1) \
+    X(ln1_rstd, N,              1) \
+    X(qkv,      N * 3 * C,      0) \
+    X(att,      B * NH * T * T, 0)  /* attention probabilities */ \
+    X(atty,     N * C,          0)  /* attention output, heads concatenated */ \
+    X(res2,     N * C,          0)  /* x + attention projection */ \
+    X(ln2,      N * C,          0) \
+    X(ln2_mean, N,              1) \
+    X(ln2_rstd, N,              1) \
+    X(fch,      N * 4 * C,      0)  /* fc output before GELU */ \
+    X(fch_gelu, N * 4 * C,      0)
+
+// The mn_model of that GPT: layers, width, heads, sequence (= positions), vocabulary, tied head.
+// MN_ERR_INVALID_ARG when a size is 0 or heads do not divide the width.
+MNDEF mn_result mn_gpt_model(uint64_t layers, uint64_t dim, uint64_t heads, uint64_t seq,
+                             uint64_t vocab, int tied, mn_model *out);
+
 // >>hfconfig --------------------------------------------------------------------------------------
 //
 // Hugging Face config.json -> mn_model. Each supported model_type is mapped with the defaults of
@@ -3365,6 +3418,24 @@ MNIMPL mn_result mn_gpu_find(const char *name, mn_gpu *out) {
         if (mn__streq_nocase(name, mn__gpus[i].name)) { *out = mn__gpus[i]; return MN_OK; }
     if (mn__parse_name(alias, name, &v) == MN_OK) { *out = mn__gpus[v]; return MN_OK; }
     return MN_ERR_NOT_FOUND;
+}
+
+// The GPT of trainer.c (>>estimate/gpt): GPT-2's layout without dropout, the fused tanh GELU.
+MNIMPL mn_result mn_gpt_model(uint64_t layers, uint64_t dim, uint64_t heads, uint64_t seq,
+                              uint64_t vocab, int tied, mn_model *out) {
+    if (!out || !layers || !dim || !heads || !seq || !vocab || dim % heads)
+        return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    snprintf(out->name, sizeof out->name, "memanat-gpt-%llul-%llud",
+             (unsigned long long)layers, (unsigned long long)dim);
+    out->arch = MN_ARCH_DECODER;
+    out->layers = layers, out->hidden = dim, out->heads = heads, out->ffn = 4 * dim;
+    out->vocab = vocab, out->max_positions = seq;
+    out->norm = MN_NORM_LAYERNORM, out->act = MN_ACT_GELU_TANH, out->posemb = MN_POS_LEARNED;
+    out->head = MN_HEAD_LM, out->tie_embeddings = tied != 0;
+    out->qkv_bias = out->out_bias = out->mlp_bias = out->final_norm = 1;
+    out->dtype = MN_FP32;
+    return MN_OK;
 }
 
 MNIMPL const char *mn_phase_name(mn_phase p) {

@@ -42,25 +42,36 @@
 #define TR_TRY(expr) do { mn_result tr_r_ = (expr); if (tr_r_ != MN_OK) return tr_r_; } while (0)
 
 // ---- config -------------------------------------------------------------------------------------
-// Shapes: L layers, C channels, NH heads, T sequence length, V = 256 byte vocabulary, B batch,
-// K micro-batches per optimizer step, N = B * T rows.
+// Shapes: L layers, C channels, NH heads, T sequence length (= positions), V vocabulary (256
+// bytes, or more with --vocab: the extra tokens never occur), B batch, K micro-batches per
+// optimizer step, N = B * T rows.
 
 #define TR_V 256
 #define TR_MAX_LAYERS 64
 #define TR_MAX_DIM 4096
 #define TR_MAX_SEQ 4096
 #define TR_MAX_BATCH 4096
+#define TR_MAX_VOCAB 262144
 #define TR_LN_EPS 1e-5f
 #define TR_TRACE_MIN 4096      // history ring entries with --memory-svg / --snapshot: at least
 #define TR_TRACE_MAX 262144    // this many, at most this many (12 MiB of host memory)
 
+// Activation checkpointing: none; selective keeps no attention probabilities (the backward
+// recomputes them); full keeps each block's input only and recomputes the block in backward.
+enum { TR_CKPT_NONE, TR_CKPT_SELECTIVE, TR_CKPT_FULL };
+static const char *const tr_ckpt_names[] = {"none", "selective", "full"};
+
 typedef struct tr_config {
-    size_t L, C, NH, T, B, K;
+    size_t L, C, NH, T, V, B, K;
+    int tied;             // the head is the token embedding (1) or a tensor of its own (0)
     long steps;
     float lr;             // peak learning rate: linear warmup, then cosine down to lr / 10
     float clip;           // gradient clipping by global norm, 0 = none
     uint64_t seed;
-    int checkpointing;    // 0 none, 1 full: blocks keep their input, recompute in backward
+    int checkpointing;    // TR_CKPT_NONE, _SELECTIVE, _FULL
+    mn_precision precision;  // MN_PREC_FP32, or MN_PREC_FP16 / MN_PREC_BF16: 16-bit storage
+    long inject_overflow; // fp16: plant an inf in the gradients of this step (1-based), 0 = none
+    uint64_t capacity;    // bytes the host device may hand out, 0 = unlimited
     const char *data;     // train on the bytes of this file, NULL = the Markov source
     mn_optim optim;       // MN_OPTIM_ADAMW, _ADAMW_8BIT, _SGD, _SGD_MOMENTUM, _ADAFACTOR, _LION
     const char *memory_svg;  // the cache's timeline as SVG after training, NULL = none
@@ -68,13 +79,23 @@ typedef struct tr_config {
     int help;             // --help was given
 } tr_config;
 
+// Named sizes (--size), X(name, L, C, NH, T, V): tiny is the default; gpt2 is GPT-2 small's
+// shape (124 M parameters with its 50257-token vocabulary) at a 256-token sequence.
+#define TR_SIZES(X) \
+    X("tiny", 2, 64, 4, 64, 256) \
+    X("small", 4, 128, 4, 128, 256) \
+    X("medium", 6, 384, 6, 256, 256) \
+    X("gpt2", 12, 768, 12, 256, 50257)
+
 static void tr_config_default(tr_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
-    cfg->L = 2, cfg->C = 64, cfg->NH = 4, cfg->T = 64, cfg->B = 8, cfg->K = 1;
+    cfg->L = 2, cfg->C = 64, cfg->NH = 4, cfg->T = 64, cfg->V = TR_V, cfg->B = 8, cfg->K = 1;
+    cfg->tied = 1;
     cfg->steps = 500;
     cfg->lr = 1e-2f;
     cfg->clip = 1.0f;
     cfg->seed = 1337;
+    cfg->precision = MN_PREC_FP32;
     cfg->optim = MN_OPTIM_ADAMW;
 }
 
@@ -111,89 +132,173 @@ static mn_result tr_parse_float(const char *flag, const char *s, float lo, float
     return MN_OK;
 }
 
+// A byte count: a number with an optional K, M, G or T suffix (powers of 1024, "B" or "iB"
+// after it allowed), e.g. 512M, 1.5GiB.
+static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, char *err,
+                                size_t cap) {
+    char *end;
+    double v = s ? strtod(s, &end) : -1.0, mul = 1.0;
+    if (s && end != s && v >= 0.0) {
+        switch (*end) {
+        case 'K': case 'k': mul = 1024.0, end++; break;
+        case 'M': case 'm': mul = 1048576.0, end++; break;
+        case 'G': case 'g': mul = 1073741824.0, end++; break;
+        case 'T': case 't': mul = 1099511627776.0, end++; break;
+        default: break;
+        }
+        if (mul > 1.0 && *end == 'i') end++;
+        if (*end == 'B') end++;
+        if (*end == '\0' && v * mul >= 1.0 && v * mul < 9.0e18) {
+            *out = (uint64_t)(v * mul);
+            return MN_OK;
+        }
+    }
+    snprintf(err, cap, "%s needs a byte count such as 512M or 2G, got \"%s\"", flag,
+             s ? s : "");
+    return MN_ERR_INVALID_ARG;
+}
+
 // The flags that take a value, one row each: X(id, flag). The switch in tr_parse_args has a case
 // per id (the compiler checks that none is missing).
 #define TR_FLAGS(X) \
-    X(LAYERS, "--layers") X(DIM, "--dim") X(HEADS, "--heads") X(SEQ, "--seq") \
-    X(BATCH, "--batch") X(ACCUM, "--accum") X(STEPS, "--steps") X(SEED, "--seed") \
-    X(LR, "--lr") X(CLIP, "--clip") X(DATA, "--data") X(MEMORY_SVG, "--memory-svg") \
-    X(SNAPSHOT, "--snapshot") X(OPTIM, "--optim") X(CHECKPOINTING, "--checkpointing")
+    X(SIZE, "--size") X(LAYERS, "--layers") X(DIM, "--dim") X(HEADS, "--heads") \
+    X(SEQ, "--seq") X(VOCAB, "--vocab") X(HEAD, "--head") X(BATCH, "--batch") \
+    X(ACCUM, "--accum") X(STEPS, "--steps") X(SEED, "--seed") X(LR, "--lr") X(CLIP, "--clip") \
+    X(DATA, "--data") X(MEMORY_SVG, "--memory-svg") X(SNAPSHOT, "--snapshot") \
+    X(OPTIM, "--optim") X(CHECKPOINTING, "--checkpointing") X(PRECISION, "--precision") \
+    X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity")
 #define TR_FLAG_ENUM(id, flag) TR_F_##id,
 typedef enum tr_flag { TR_FLAGS(TR_FLAG_ENUM) TR_FLAG_COUNT } tr_flag;
 #define TR_FLAG_NAME(id, flag) flag,
 static const char *const tr_flag_names[TR_FLAG_COUNT] = { TR_FLAGS(TR_FLAG_NAME) };
 
-// Fills cfg from the command line (defaults first). MN_ERR_INVALID_ARG with one line in err.
+// --size NAME sets L, C, NH, T and V; MN_ERR_NOT_FOUND for an unknown name.
+static mn_result tr_apply_size(const char *name, tr_config *cfg) {
+#define TR_SIZE_ROW(n, l, c, nh, t, v) \
+    if (strcmp(name, n) == 0) { \
+        cfg->L = l, cfg->C = c, cfg->NH = nh, cfg->T = t, cfg->V = v; \
+        return MN_OK; \
+    }
+    TR_SIZES(TR_SIZE_ROW)
+#undef TR_SIZE_ROW
+    return MN_ERR_NOT_FOUND;
+}
+
+// Fills cfg from the command line (defaults first, then --size wherever it stands, then the
+// other flags in order). MN_ERR_INVALID_ARG with one line in err.
 static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err, size_t cap) {
-    int i;
+    int i, pass;
     uint64_t v;
     tr_config_default(cfg);
     err[0] = '\0';
-    for (i = 1; i < argc; i++) {
-        const char *f = argv[i], *a = i + 1 < argc ? argv[i + 1] : NULL;
-        tr_flag k;
-        if (strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0) { cfg->help = 1; continue; }
-        if (strncmp(f, "--", 2) != 0) {
-            snprintf(err, cap, "unknown argument \"%s\"", f);
-            return MN_ERR_INVALID_ARG;
-        }
-        for (k = (tr_flag)0; k < TR_FLAG_COUNT && strcmp(f, tr_flag_names[k]) != 0;)
-            k = (tr_flag)(k + 1);
-        if (k == TR_FLAG_COUNT || !a) {
-            snprintf(err, cap, k == TR_FLAG_COUNT ? "unknown flag %s" : "%s needs a value", f);
-            return MN_ERR_INVALID_ARG;
-        }
-        i++;
-        switch (k) {
-        case TR_F_LAYERS:
-            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_LAYERS, &v, err, cap)); cfg->L = (size_t)v;
-            break;
-        case TR_F_DIM:
-            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->C = (size_t)v;
-            break;
-        case TR_F_HEADS:
-            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->NH = (size_t)v;
-            break;
-        case TR_F_SEQ:
-            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_SEQ, &v, err, cap)); cfg->T = (size_t)v;
-            break;
-        case TR_F_BATCH:
-            TR_TRY(tr_parse_size(f, a, 1, TR_MAX_BATCH, &v, err, cap)); cfg->B = (size_t)v;
-            break;
-        case TR_F_ACCUM:
-            TR_TRY(tr_parse_size(f, a, 1, 1024, &v, err, cap)); cfg->K = (size_t)v;
-            break;
-        case TR_F_STEPS:
-            TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap)); cfg->steps = (long)v;
-            break;
-        case TR_F_SEED:
-            TR_TRY(tr_parse_size(f, a, 0, UINT64_MAX, &v, err, cap)); cfg->seed = v;
-            break;
-        case TR_F_LR: TR_TRY(tr_parse_float(f, a, 1e-8f, 10.0f, &cfg->lr, err, cap)); break;
-        case TR_F_CLIP: TR_TRY(tr_parse_float(f, a, 0.0f, 1e6f, &cfg->clip, err, cap)); break;
-        case TR_F_DATA: cfg->data = a; break;
-        case TR_F_MEMORY_SVG: cfg->memory_svg = a; break;
-        case TR_F_SNAPSHOT: cfg->snapshot = a; break;
-        case TR_F_OPTIM:
-            if (mn_optim_parse(a, &cfg->optim) != MN_OK || cfg->optim == MN_OPTIM_NONE) {
-                snprintf(err, cap, "--optim takes adamw, adamw-8bit, sgd, sgd-momentum, "
-                         "adafactor or lion, got \"%s\"", a);
+    for (pass = 0; pass < 2; pass++)
+        for (i = 1; i < argc; i++) {
+            const char *f = argv[i], *a = i + 1 < argc ? argv[i + 1] : NULL;
+            tr_flag k;
+            if (strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0) { cfg->help = 1; continue; }
+            if (strncmp(f, "--", 2) != 0) {
+                snprintf(err, cap, "unknown argument \"%s\"", f);
                 return MN_ERR_INVALID_ARG;
             }
-            break;
-        case TR_F_CHECKPOINTING:
-            if (strcmp(a, "none") == 0) cfg->checkpointing = 0;
-            else if (strcmp(a, "full") == 0) cfg->checkpointing = 1;
-            else {
-                snprintf(err, cap, "--checkpointing takes none or full, got \"%s\"", a);
+            for (k = (tr_flag)0; k < TR_FLAG_COUNT && strcmp(f, tr_flag_names[k]) != 0;)
+                k = (tr_flag)(k + 1);
+            if (k == TR_FLAG_COUNT || !a) {
+                snprintf(err, cap, k == TR_FLAG_COUNT ? "unknown flag %s" : "%s needs a value", f);
                 return MN_ERR_INVALID_ARG;
             }
-            break;
-        case TR_FLAG_COUNT: break;  // refused above
+            i++;
+            if ((pass == 0) != (k == TR_F_SIZE)) continue;
+            switch (k) {
+            case TR_F_SIZE:
+                if (tr_apply_size(a, cfg) != MN_OK) {
+                    snprintf(err, cap, "--size takes tiny, small, medium or gpt2, got \"%s\"", a);
+                    return MN_ERR_INVALID_ARG;
+                }
+                break;
+            case TR_F_LAYERS:
+                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_LAYERS, &v, err, cap)); cfg->L = (size_t)v;
+                break;
+            case TR_F_DIM:
+                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->C = (size_t)v;
+                break;
+            case TR_F_HEADS:
+                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->NH = (size_t)v;
+                break;
+            case TR_F_SEQ:
+                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_SEQ, &v, err, cap)); cfg->T = (size_t)v;
+                break;
+            case TR_F_VOCAB:
+                TR_TRY(tr_parse_size(f, a, TR_V, TR_MAX_VOCAB, &v, err, cap)); cfg->V = (size_t)v;
+                break;
+            case TR_F_HEAD:
+                if (strcmp(a, "tied") == 0) cfg->tied = 1;
+                else if (strcmp(a, "untied") == 0) cfg->tied = 0;
+                else {
+                    snprintf(err, cap, "--head takes tied or untied, got \"%s\"", a);
+                    return MN_ERR_INVALID_ARG;
+                }
+                break;
+            case TR_F_BATCH:
+                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_BATCH, &v, err, cap)); cfg->B = (size_t)v;
+                break;
+            case TR_F_ACCUM:
+                TR_TRY(tr_parse_size(f, a, 1, 1024, &v, err, cap)); cfg->K = (size_t)v;
+                break;
+            case TR_F_STEPS:
+                TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap)); cfg->steps = (long)v;
+                break;
+            case TR_F_SEED:
+                TR_TRY(tr_parse_size(f, a, 0, UINT64_MAX, &v, err, cap)); cfg->seed = v;
+                break;
+            case TR_F_LR: TR_TRY(tr_parse_float(f, a, 1e-8f, 10.0f, &cfg->lr, err, cap)); break;
+            case TR_F_CLIP: TR_TRY(tr_parse_float(f, a, 0.0f, 1e6f, &cfg->clip, err, cap)); break;
+            case TR_F_DATA: cfg->data = a; break;
+            case TR_F_MEMORY_SVG: cfg->memory_svg = a; break;
+            case TR_F_SNAPSHOT: cfg->snapshot = a; break;
+            case TR_F_OPTIM:
+                if (mn_optim_parse(a, &cfg->optim) != MN_OK || cfg->optim == MN_OPTIM_NONE) {
+                    snprintf(err, cap, "--optim takes adamw, adamw-8bit, sgd, sgd-momentum, "
+                             "adafactor or lion, got \"%s\"", a);
+                    return MN_ERR_INVALID_ARG;
+                }
+                break;
+            case TR_F_CHECKPOINTING:
+                for (v = 0; v < 3 && strcmp(a, tr_ckpt_names[v]) != 0; v++) {}
+                if (v == 3) {
+                    snprintf(err, cap, "--checkpointing takes none, selective or full, "
+                             "got \"%s\"", a);
+                    return MN_ERR_INVALID_ARG;
+                }
+                cfg->checkpointing = (int)v;
+                break;
+            case TR_F_PRECISION:
+                if (strcmp(a, "fp32") == 0) cfg->precision = MN_PREC_FP32;
+                else if (strcmp(a, "fp16") == 0) cfg->precision = MN_PREC_FP16;
+                else if (strcmp(a, "bf16") == 0) cfg->precision = MN_PREC_BF16;
+                else {
+                    snprintf(err, cap, "--precision takes fp32, fp16 or bf16, got \"%s\"", a);
+                    return MN_ERR_INVALID_ARG;
+                }
+                break;
+            case TR_F_INJECT_OVERFLOW:
+                TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap));
+                cfg->inject_overflow = (long)v;
+                break;
+            case TR_F_CAPACITY: TR_TRY(tr_parse_bytes(f, a, &cfg->capacity, err, cap)); break;
+            case TR_FLAG_COUNT: break;  // refused above
+            }
         }
-    }
     if (cfg->C % cfg->NH != 0) {
         snprintf(err, cap, "--dim %zu is not a multiple of --heads %zu", cfg->C, cfg->NH);
+        return MN_ERR_INVALID_ARG;
+    }
+    if (cfg->inject_overflow && cfg->precision != MN_PREC_FP16) {
+        snprintf(err, cap, "--inject-overflow needs --precision fp16 (only fp16 scales the loss)");
+        return MN_ERR_INVALID_ARG;
+    }
+    if (cfg->inject_overflow > cfg->steps) {
+        snprintf(err, cap, "--inject-overflow %ld is after the last step (--steps %ld)",
+                 cfg->inject_overflow, cfg->steps);
         return MN_ERR_INVALID_ARG;
     }
     return MN_OK;
@@ -295,73 +400,56 @@ static void tr_markov_batch(tr_markov *mk, int *tokens, int *targets, size_t B, 
 }
 
 // ---- tensor tables ------------------------------------------------------------------------------
-// The parameters, one row each: X(name, rows, cols, init). Per-layer tensors are stacked along
-// the rows (layer l starts at l * numel / L). Shapes use the locals L, C, T, V.
-enum { TR_INIT_NORMAL, TR_INIT_RESID, TR_INIT_ONE, TR_INIT_ZERO };
-#define TR_PARAMS(X) \
-    X(wte,      V,         C,     TR_INIT_NORMAL)  /* token embedding, also the head */ \
-    X(wpe,      T,         C,     TR_INIT_NORMAL)  /* position embedding */ \
-    X(ln1w,     L,         C,     TR_INIT_ONE) \
-    X(ln1b,     L,         C,     TR_INIT_ZERO) \
-    X(qkvw,     L * 3 * C, C,     TR_INIT_NORMAL) \
-    X(qkvb,     L,         3 * C, TR_INIT_ZERO) \
-    X(attprojw, L * C,     C,     TR_INIT_RESID) \
-    X(attprojb, L,         C,     TR_INIT_ZERO) \
-    X(ln2w,     L,         C,     TR_INIT_ONE) \
-    X(ln2b,     L,         C,     TR_INIT_ZERO) \
-    X(fcw,      L * 4 * C, C,     TR_INIT_NORMAL) \
-    X(fcb,      L,         4 * C, TR_INIT_ZERO) \
-    X(fcprojw,  L * C,     4 * C, TR_INIT_RESID) \
-    X(fcprojb,  L,         C,     TR_INIT_ZERO) \
-    X(lnfw,     1,         C,     TR_INIT_ONE) \
-    X(lnfb,     1,         C,     TR_INIT_ZERO)
+// The parameters and the activations a block keeps are the header's MN_GPT_PARAMS and
+// MN_GPT_ACTS (>>estimate/gpt), the tables the estimator's memanat framework predicts from.
+// Parameters ln1w .. fcprojb are stacked per layer (layer l starts at l * numel / L); wte, wpe,
+// lnfw, lnfb and lmw (an untied head; 0 rows when tied) are whole.
 
 #define TR_P_ENUM(name, rows, cols, init) TR_P_##name,
-enum { TR_PARAMS(TR_P_ENUM) TR_NUM_PARAMS };
+enum { MN_GPT_PARAMS(TR_P_ENUM) TR_NUM_PARAMS };
 #define TR_P_FIELD(name, rows, cols, init) float *name;
-typedef struct tr_params { TR_PARAMS(TR_P_FIELD) } tr_params;
+typedef struct tr_params { MN_GPT_PARAMS(TR_P_FIELD) } tr_params;
 #define TR_P_NAME(name, rows, cols, init) #name,
-static const char *const tr_param_names[TR_NUM_PARAMS] = { TR_PARAMS(TR_P_NAME) };
+static const char *const tr_param_names[TR_NUM_PARAMS] = { MN_GPT_PARAMS(TR_P_NAME) };
 #define TR_P_INIT(name, rows, cols, init) init,
-static const int tr_param_init[TR_NUM_PARAMS] = { TR_PARAMS(TR_P_INIT) };
+static const int tr_param_init[TR_NUM_PARAMS] = { MN_GPT_PARAMS(TR_P_INIT) };
+
+static int tr_param_per_layer(int i) { return i >= TR_P_ln1w && i <= TR_P_fcprojb; }
 
 // dims[i] = {rows, cols} of parameter i.
 static void tr_param_dims(const tr_config *cfg, uint64_t dims[TR_NUM_PARAMS][2]) {
-    uint64_t L = cfg->L, C = cfg->C, T = cfg->T, V = TR_V;
+    uint64_t L = cfg->L, C = cfg->C, T = cfg->T, V = cfg->V, HV = cfg->tied ? 0 : V;
 #define TR_P_DIMS(name, rows, cols, init) \
     dims[TR_P_##name][0] = rows, dims[TR_P_##name][1] = cols;
-    TR_PARAMS(TR_P_DIMS)
+    MN_GPT_PARAMS(TR_P_DIMS)
 #undef TR_P_DIMS
 }
 
 // slots[i] = &p->field of parameter i.
 static void tr_param_slots(tr_params *p, float **slots[TR_NUM_PARAMS]) {
 #define TR_P_SLOT(name, rows, cols, init) slots[TR_P_##name] = &p->name;
-    TR_PARAMS(TR_P_SLOT)
+    MN_GPT_PARAMS(TR_P_SLOT)
 #undef TR_P_SLOT
 }
 
-// The activations one block saves for its backward: X(name, numel), with N = B * T. The block's
-// input and output live in the residual stream x[0..L] (x[0] the embedding, x[l + 1] the output
-// of block l).
-#define TR_ACTS(X) \
-    X(ln1,      N * C)           /* layernorm 1 output */ \
-    X(ln1_mean, N) \
-    X(ln1_rstd, N) \
-    X(qkv,      N * 3 * C) \
-    X(att,      B * NH * T * T)  /* attention probabilities */ \
-    X(atty,     N * C)           /* attention output, heads concatenated */ \
-    X(res2,     N * C)           /* x + attention projection */ \
-    X(ln2,      N * C) \
-    X(ln2_mean, N) \
-    X(ln2_rstd, N) \
-    X(fch,      N * 4 * C)       /* fc output before GELU */ \
-    X(fch_gelu, N * 4 * C)
+// A tensor in the cache. data holds it in its storage type: fp32, or the 16-bit type of
+// --precision fp16|bf16 (half set). f is the fp32 view the ops compute on: data itself for an
+// fp32 tensor; for a 16-bit one a temporary copy (MN_CAT_TEMPORARY) while open, else NULL.
+typedef struct tr_tensor {
+    void *data;
+    float *f;
+    uint64_t n;      // elements
+    int half;        // stored in 16 bits
+    const char *name;
+} tr_tensor;
 
-#define TR_A_FIELD(name, numel) float *name;
-typedef struct tr_acts { TR_ACTS(TR_A_FIELD) } tr_acts;
+#define TR_A_FIELD(name, numel, fp32) tr_tensor name;
+typedef struct tr_acts { MN_GPT_ACTS(TR_A_FIELD) } tr_acts;
 
-// Temporaries (MN_CAT_TEMPORARY): released as soon as they are consumed. X(name).
+// Temporaries, always fp32 (MN_CAT_TEMPORARY): released as soon as they are consumed. X(name).
+// The activation gradients among them (dx, dln, dfch, datty, dqkv, dlogits) are rounded to the
+// 16-bit type after every op under --precision fp16|bf16, as a 16-bit backward would hold them:
+// that is where fp16 overflows and the loss scaler earns its keep.
 #define TR_TEMPS(X) X(logits) X(losses) X(dlosses) X(dlogits) X(dx) X(dln) X(dfch) X(datty) X(dqkv)
 #define TR_T_FIELD(name) float *name;
 typedef struct tr_temps { TR_TEMPS(TR_T_FIELD) } tr_temps;
@@ -377,29 +465,37 @@ typedef union tr_optim_state {
     mn_lion lion;            // MN_OPTIM_LION
 } tr_optim_state;
 
+// The groups of weights one part of the model reads, for tr_weights_open.
+enum { TR_G_BLOCK, TR_G_EMBED, TR_G_HEAD };
+
 typedef struct tr_model {
     tr_config cfg;
+    mn_dtype half;            // 0 (fp32), MN_FP16 or MN_BF16: the storage of weights and acts
     mn_hostdev dev;           // host memory as the device
     mn_cache cache;           // every tensor below comes from it
     int cache_ready;
-    tr_params params;         // MN_CAT_WEIGHTS
-    tr_params grads;          // MN_CAT_GRADIENTS, same shapes
+    tr_params params;         // fp32 weights: MN_CAT_WEIGHTS, or MN_CAT_MASTER_WEIGHTS when half
+    uint16_t *w16[TR_NUM_PARAMS];  // half: the 16-bit weights the model computes with
+    tr_params grads;          // MN_CAT_GRADIENTS, fp32, same shapes
     uint64_t dims[TR_NUM_PARAMS][2];
     uint64_t num_params;
     tr_optim_state opt[TR_NUM_PARAMS];  // MN_CAT_OPTIMIZER, created at the first step
     int opt_ready;
+    mn_loss_scaler scaler;    // fp16: the dynamic loss scale
+    long step;                // optimizer steps taken (skipped ones included)
     int *tokens, *targets;    // [B,T], MN_CAT_OTHER (the input batch)
     uint8_t *text;            // [text_len] the --data file, MN_CAT_OTHER, or NULL
     uint64_t text_len;
     char error[160];          // what went wrong, for a failure a message can explain
-    float *x[TR_MAX_LAYERS + 1];  // residual stream [B,T,C], MN_CAT_ACTIVATIONS
+    float *wview;             // half: the fp32 copy of the weights one part reads, or NULL
+    tr_tensor x[TR_MAX_LAYERS + 1];  // residual stream [B,T,C], MN_CAT_ACTIVATIONS
     tr_acts acts[TR_MAX_LAYERS];
-    float *lnf, *lnf_mean, *lnf_rstd, *probs;  // [N,C], [N], [N], [N,V]
+    tr_tensor lnf, lnf_mean, lnf_rstd, probs;  // [N,C], [N], [N], [N,V] (probs in fp32)
     tr_temps tmp;
     tr_markov data;
 } tr_model;
 
-// A tensor of n elements of size elem from the cache, zeroed when zero is set.
+// A block of n elements of size elem from the cache, zeroed when zero is set.
 static mn_result tr_alloc(tr_model *m, uint64_t n, size_t elem, mn_category cat,
                           const char *label, int zero, void *out) {
     uint64_t bytes;
@@ -408,13 +504,10 @@ static mn_result tr_alloc(tr_model *m, uint64_t n, size_t elem, mn_category cat,
     if (bytes > SIZE_MAX) return MN_ERR_OVERFLOW;
     TR_TRY(mn_cache_alloc(&m->cache, bytes, 0, cat, label, &p));
     if (zero && p) memset(p, 0, (size_t)bytes);
-    memcpy(out, &p, sizeof p);  // out is a float ** or int **
+    memcpy(out, &p, sizeof p);  // out is a float **, uint16_t ** or int **
     return MN_OK;
 }
 
-static mn_result tr_act(tr_model *m, uint64_t n, const char *label, float **out) {
-    return tr_alloc(m, n, sizeof(float), MN_CAT_ACTIVATIONS, label, 0, out);
-}
 static mn_result tr_temp(tr_model *m, uint64_t n, const char *label, float **out) {
     return tr_alloc(m, n, sizeof(float), MN_CAT_TEMPORARY, label, 1, out);
 }
@@ -426,13 +519,110 @@ static mn_result tr_release(tr_model *m, float **p) {
     return r;
 }
 
-// Releases whatever a block still holds.
-static mn_result tr_acts_release(tr_model *m, tr_acts *a) {
-#define TR_A_RELEASE(name, numel) TR_TRY(tr_release(m, &a->name));
-    TR_ACTS(TR_A_RELEASE)
-#undef TR_A_RELEASE
+// fp32 <-> the 16-bit storage type.
+static void tr_to16(const tr_model *m, const float *src, uint16_t *dst, uint64_t n) {
+    if (m->half == MN_FP16) mn_fp32_to_fp16_array(src, dst, n);
+    else mn_fp32_to_bf16_array(src, dst, n);
+}
+static void tr_to32(const tr_model *m, const uint16_t *src, float *dst, uint64_t n) {
+    if (m->half == MN_FP16) mn_fp16_to_fp32_array(src, dst, n);
+    else mn_bf16_to_fp32_array(src, dst, n);
+}
+
+// Rounds f [n] to the values the 16-bit type holds (nothing in fp32).
+static void tr_round(const tr_model *m, float *f, uint64_t n) {
+    uint16_t buf[1024];
+    uint64_t i, k;
+    if (!m->half) return;
+    for (i = 0; i < n; i += k) {
+        k = n - i < 1024 ? n - i : 1024;
+        tr_to16(m, f + i, buf, k);
+        tr_to32(m, buf, f + i, k);
+    }
+}
+
+// A new activation of n elements (fp32 set: stored in fp32 at every precision), opened.
+static mn_result tr_new(tr_model *m, tr_tensor *t, uint64_t n, int fp32, const char *name) {
+    memset(t, 0, sizeof *t);
+    t->n = n, t->half = m->half && !fp32, t->name = name;
+    TR_TRY(tr_alloc(m, n, t->half ? 2 : 4, MN_CAT_ACTIVATIONS, name, 0, &t->data));
+    if (!t->half) t->f = (float *)t->data;
+    else TR_TRY(tr_alloc(m, n, sizeof(float), MN_CAT_TEMPORARY, name, 0, &t->f));
     return MN_OK;
 }
+
+// The fp32 view of t, to read: a 16-bit tensor is converted into a temporary copy.
+static mn_result tr_open(tr_model *m, tr_tensor *t) {
+    if (t->f) return MN_OK;
+    TR_TRY(tr_alloc(m, t->n, sizeof(float), MN_CAT_TEMPORARY, t->name, 0, &t->f));
+    tr_to32(m, (const uint16_t *)t->data, t->f, t->n);
+    return MN_OK;
+}
+
+// An op wrote t's view: store it, and round the view to what is stored, so that the rest of the
+// forward and the backward read the same values.
+static void tr_keep(tr_model *m, tr_tensor *t) {
+    if (!t->half) return;
+    tr_to16(m, t->f, (uint16_t *)t->data, t->n);
+    tr_to32(m, (const uint16_t *)t->data, t->f, t->n);
+}
+
+// Releases a 16-bit tensor's fp32 view.
+static mn_result tr_close(tr_model *m, tr_tensor *t) {
+    if (!t->half) return MN_OK;
+    return tr_release(m, &t->f);
+}
+
+// Releases the tensor (NULL data is fine).
+static mn_result tr_free(tr_model *m, tr_tensor *t) {
+    mn_result r = tr_close(m, t), r2 = mn_cache_release(&m->cache, t->data);
+    memset(t, 0, sizeof *t);
+    return r != MN_OK ? r : r2;
+}
+
+// Releases whatever a block still holds.
+static mn_result tr_acts_free(tr_model *m, tr_acts *a) {
+#define TR_A_FREE(name, numel, fp32) TR_TRY(tr_free(m, &a->name));
+    MN_GPT_ACTS(TR_A_FREE)
+#undef TR_A_FREE
+    return MN_OK;
+}
+
+// The fp32 weights of one part of the model, as views into v (a tr_params whose pointers point
+// at layer l's rows for TR_G_BLOCK): the parameters themselves in fp32; with 16-bit weights one
+// temporary holding their fp32 conversion (m->wview, released by tr_weights_close).
+static int tr_in_group(const tr_model *m, int i, int group) {
+    if (group == TR_G_BLOCK) return tr_param_per_layer(i);
+    if (group == TR_G_EMBED) return i == TR_P_wte || i == TR_P_wpe;
+    return i == TR_P_lnfw || i == TR_P_lnfb || i == (m->cfg.tied ? TR_P_wte : TR_P_lmw);
+}
+
+static mn_result tr_weights_open(tr_model *m, int group, size_t l, tr_params *v) {
+    float **ps[TR_NUM_PARAMS], **vs[TR_NUM_PARAMS];
+    uint64_t total = 0, at = 0, n[TR_NUM_PARAMS], off[TR_NUM_PARAMS];
+    int i;
+    memset(v, 0, sizeof *v);
+    tr_param_slots(&m->params, ps);
+    tr_param_slots(v, vs);
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        n[i] = off[i] = 0;
+        if (!tr_in_group(m, i, group)) continue;
+        n[i] = m->dims[i][0] * m->dims[i][1];
+        if (tr_param_per_layer(i)) n[i] /= m->cfg.L, off[i] = (uint64_t)l * n[i];
+        total += n[i];
+    }
+    if (m->half) TR_TRY(tr_temp(m, total, "weights.fp32", &m->wview));
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        if (!n[i]) continue;
+        if (!m->half) { *vs[i] = *ps[i] + off[i]; continue; }
+        *vs[i] = m->wview + at;
+        tr_to32(m, m->w16[i] + off[i], *vs[i], n[i]);
+        at += n[i];
+    }
+    return MN_OK;
+}
+
+static mn_result tr_weights_close(tr_model *m) { return tr_release(m, &m->wview); }
 
 static void tr_fill_normal(float *w, uint64_t n, double std, uint64_t *rng) {
     uint64_t i;
@@ -468,31 +658,37 @@ close:
 }
 
 // Entries of the cache's history ring for --memory-svg and --snapshot, enough for one step: a
-// micro-batch allocates under 32 tensors per block (twice that recomputing with checkpointing)
-// and under 32 for the embedding and the head, each leaving up to 3 events (alloc, free
-// requested, free completed), plus the optimizer's first allocations and the segments. Within
-// [TR_TRACE_MIN, TR_TRACE_MAX]; a longer step keeps its most recent events.
+// micro-batch allocates under 64 tensors per block (twice that recomputing with checkpointing,
+// counting the fp32 views of 16-bit storage) and under 64 for the embedding and the head, each
+// leaving up to 3 events (alloc, free requested, free completed), plus the optimizer's first
+// allocations and the segments. Within [TR_TRACE_MIN, TR_TRACE_MAX]; a longer step keeps its
+// most recent events.
 static uint32_t tr_trace_entries(const tr_config *cfg) {
-    double per_micro = 32.0 * (double)cfg->L * (cfg->checkpointing ? 2.0 : 1.0) + 32.0;
+    double per_micro = 64.0 * (double)cfg->L * (cfg->checkpointing ? 2.0 : 1.0) + 64.0;
     double n = 4.0 * ((double)cfg->K * per_micro + 2.0 * TR_NUM_PARAMS);
     return n < TR_TRACE_MIN ? TR_TRACE_MIN : n > TR_TRACE_MAX ? TR_TRACE_MAX : (uint32_t)n;
 }
 
 // Sets up the device, the cache, the weights (GPT-2 init: N(0, 0.02), residual projections
-// scaled by 1/sqrt(2L), layernorms 1 and 0), zeroed gradients, the input batch and the data.
-// On failure tr_model_free still releases what was made.
+// scaled by 1/sqrt(2L), layernorms 1 and 0; their 16-bit copies), zeroed gradients, the loss
+// scaler, the input batch and the data. On failure tr_model_free still releases what was made.
 static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
     mn_cache_desc cd;
+    mn_hostdev_desc hd;
     float **ps[TR_NUM_PARAMS], **gs[TR_NUM_PARAMS];
     uint64_t rng = tr_seed_stream(cfg->seed, 1), n, N = (uint64_t)cfg->B * cfg->T;
     char label[MN_CACHE_LABEL_MAX];
     int i;
     memset(m, 0, sizeof *m);
     m->cfg = *cfg;
+    m->half = cfg->precision == MN_PREC_FP16 ? MN_FP16
+              : cfg->precision == MN_PREC_BF16 ? MN_BF16 : (mn_dtype)0;
     if (cfg->L < 1 || cfg->L > TR_MAX_LAYERS || cfg->NH < 1 || cfg->C % cfg->NH != 0 ||
-        cfg->T < 1 || cfg->B < 1 || cfg->K < 1)
+        cfg->T < 1 || cfg->B < 1 || cfg->K < 1 || cfg->V < TR_V)
         return MN_ERR_INVALID_ARG;
-    TR_TRY(mn_hostdev_init(&m->dev, NULL));
+    memset(&hd, 0, sizeof hd);
+    hd.capacity = cfg->capacity;
+    TR_TRY(mn_hostdev_init(&m->dev, &hd));
     memset(&cd, 0, sizeof cd);
     cd.device = mn_hostdev_device(&m->dev);
     if (cfg->memory_svg || cfg->snapshot) cd.trace_entries = tr_trace_entries(cfg);
@@ -502,22 +698,28 @@ static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
     tr_param_slots(&m->params, ps);
     tr_param_slots(&m->grads, gs);
     for (i = 0; i < TR_NUM_PARAMS; i++) {
-        n = m->dims[i][0] * m->dims[i][1];
+        if ((n = m->dims[i][0] * m->dims[i][1]) == 0) continue;  // a tied head
         m->num_params += n;
-        TR_TRY(tr_alloc(m, n, sizeof(float), MN_CAT_WEIGHTS, tr_param_names[i], 0, ps[i]));
+        if (m->half)
+            TR_TRY(tr_alloc(m, n, 2, MN_CAT_WEIGHTS, tr_param_names[i], 0, &m->w16[i]));
+        snprintf(label, sizeof label, "%s%s", m->half ? "master." : "", tr_param_names[i]);
+        TR_TRY(tr_alloc(m, n, sizeof(float), m->half ? MN_CAT_MASTER_WEIGHTS : MN_CAT_WEIGHTS,
+                        label, 0, ps[i]));
         snprintf(label, sizeof label, "grad.%s", tr_param_names[i]);
         TR_TRY(tr_alloc(m, n, sizeof(float), MN_CAT_GRADIENTS, label, 1, gs[i]));
-        if (tr_param_init[i] == TR_INIT_ONE) {
+        if (tr_param_init[i] == MN_GPT_INIT_ONE) {
             uint64_t k;
             for (k = 0; k < n; k++) (*ps[i])[k] = 1.0f;
-        } else if (tr_param_init[i] == TR_INIT_ZERO) {
+        } else if (tr_param_init[i] == MN_GPT_INIT_ZERO) {
             memset(*ps[i], 0, (size_t)n * sizeof(float));
         } else {
-            double std = tr_param_init[i] == TR_INIT_RESID ? 0.02 / sqrt(2.0 * (double)cfg->L)
-                                                            : 0.02;
+            double std = tr_param_init[i] == MN_GPT_INIT_RESID ? 0.02 / sqrt(2.0 * (double)cfg->L)
+                                                               : 0.02;
             tr_fill_normal(*ps[i], n, std, &rng);
         }
+        if (m->half) tr_to16(m, *ps[i], m->w16[i], n);
     }
+    TR_TRY(mn_loss_scaler_init(&m->scaler, NULL));
     TR_TRY(tr_alloc(m, N, sizeof(int), MN_CAT_OTHER, "tokens", 1, &m->tokens));
     TR_TRY(tr_alloc(m, N, sizeof(int), MN_CAT_OTHER, "targets", 1, &m->targets));
     tr_markov_init(&m->data, cfg->seed);
@@ -528,12 +730,13 @@ static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
 // without its backward).
 static mn_result tr_release_activations(tr_model *m) {
     size_t l;
-    for (l = 0; l <= m->cfg.L; l++) TR_TRY(tr_release(m, &m->x[l]));
-    for (l = 0; l < m->cfg.L; l++) TR_TRY(tr_acts_release(m, &m->acts[l]));
-    TR_TRY(tr_release(m, &m->lnf));
-    TR_TRY(tr_release(m, &m->lnf_mean));
-    TR_TRY(tr_release(m, &m->lnf_rstd));
-    TR_TRY(tr_release(m, &m->probs));
+    for (l = 0; l <= m->cfg.L; l++) TR_TRY(tr_free(m, &m->x[l]));
+    for (l = 0; l < m->cfg.L; l++) TR_TRY(tr_acts_free(m, &m->acts[l]));
+    TR_TRY(tr_free(m, &m->lnf));
+    TR_TRY(tr_free(m, &m->lnf_mean));
+    TR_TRY(tr_free(m, &m->lnf_rstd));
+    TR_TRY(tr_free(m, &m->probs));
+    TR_TRY(tr_weights_close(m));
 #define TR_T_RELEASE(name) TR_TRY(tr_release(m, &m->tmp.name));
     TR_TEMPS(TR_T_RELEASE)
 #undef TR_T_RELEASE
@@ -547,6 +750,7 @@ static mn_result tr_release_activations(tr_model *m) {
 // runs); AdamW and 8-bit AdamW betas 0.9, 0.999 (8-bit: 256-element blocks, tensors under 4096
 // elements keep fp32 state); SGD momentum 0 or 0.9; Adafactor factored, no first moment, fixed
 // step lr without the parameter-scale factor (scale_parameter=False); Lion betas 0.9, 0.99.
+// With 16-bit weights the optimizers step the fp32 master weights and rewrite the 16-bit copy.
 
 // The descriptor of cfg.optim with the settings above, for mn_optim_state_bytes.
 static mn_optim_desc tr_optim_desc(const tr_config *cfg) {
@@ -581,13 +785,13 @@ static mn_result tr_optim_state_init(tr_model *m, int i, float lr) {
     case MN_OPTIM_ADAMW: {
         mn_adamw_params p;
         memset(&p, 0, sizeof p);
-        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO, p.dtype = m->half;
         return mn_adamw_init(&o->adamw, dims, 2, &p, &alloc);
     }
     case MN_OPTIM_ADAMW_8BIT: {
         mn_adamw8bit_params p;
         memset(&p, 0, sizeof p);
-        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO, p.dtype = m->half;
         return mn_adamw8bit_init(&o->adamw8bit, dims, 2, &p, &alloc);
     }
     case MN_OPTIM_SGD:
@@ -595,18 +799,19 @@ static mn_result tr_optim_state_init(tr_model *m, int i, float lr) {
         mn_sgd_params p;
         memset(&p, 0, sizeof p);
         p.lr = lr, p.momentum = m->cfg.optim == MN_OPTIM_SGD_MOMENTUM ? 0.9f : 0.0f;
+        p.dtype = m->half;
         return mn_sgd_init(&o->sgd, dims, 2, &p, &alloc);
     }
     case MN_OPTIM_ADAFACTOR: {
         mn_adafactor_params p;
         memset(&p, 0, sizeof p);
-        p.lr = lr, p.no_scale_parameter = 1;
+        p.lr = lr, p.no_scale_parameter = 1, p.dtype = m->half;
         return mn_adafactor_init(&o->adafactor, dims, 2, &p, &alloc);
     }
     case MN_OPTIM_LION: {
         mn_lion_params p;
         memset(&p, 0, sizeof p);
-        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO, p.dtype = m->half;
         return mn_lion_init(&o->lion, dims, 2, &p, &alloc);
     }
     case MN_OPTIM_NONE:
@@ -615,28 +820,30 @@ static mn_result tr_optim_state_init(tr_model *m, int i, float lr) {
     return MN_ERR_INVALID_ARG;
 }
 
-// One step of parameter i: param [numel] updated in place from grad [numel] at step size lr.
+// One step of parameter i: its fp32 values updated in place from its gradient at step size lr
+// (and the 16-bit copy rewritten when half).
 static mn_result tr_optim_state_step(tr_model *m, int i, float *param, const float *grad,
                                      float lr) {
     tr_optim_state *o = &m->opt[i];
+    uint16_t *p16 = m->w16[i];
     switch (m->cfg.optim) {
     case MN_OPTIM_DEFAULT:
     case MN_OPTIM_ADAMW:
         o->adamw.params.lr = lr;
-        return mn_adamw_step(&o->adamw, param, grad, NULL);
+        return mn_adamw_step(&o->adamw, param, grad, p16);
     case MN_OPTIM_ADAMW_8BIT:
         o->adamw8bit.params.lr = lr;
-        return mn_adamw8bit_step(&o->adamw8bit, param, grad, NULL);
+        return mn_adamw8bit_step(&o->adamw8bit, param, grad, p16);
     case MN_OPTIM_SGD:
     case MN_OPTIM_SGD_MOMENTUM:
         o->sgd.params.lr = lr;
-        return mn_sgd_step(&o->sgd, param, grad, NULL);
+        return mn_sgd_step(&o->sgd, param, grad, p16);
     case MN_OPTIM_ADAFACTOR:
         o->adafactor.params.lr = lr;
-        return mn_adafactor_step(&o->adafactor, param, grad, NULL);
+        return mn_adafactor_step(&o->adafactor, param, grad, p16);
     case MN_OPTIM_LION:
         o->lion.params.lr = lr;
-        return mn_lion_step(&o->lion, param, grad, NULL);
+        return mn_lion_step(&o->lion, param, grad, p16);
     case MN_OPTIM_NONE:
     case MN_OPTIM_COUNT: break;
     }
@@ -668,6 +875,7 @@ static mn_result tr_optim_bytes(const tr_model *m, uint64_t *held, uint64_t *pre
     int i;
     *held = 0, *predicted = 0;
     for (i = 0; i < TR_NUM_PARAMS; i++) {
+        if (m->dims[i][0] * m->dims[i][1] == 0) continue;
         TR_TRY(mn_optim_state_bytes(&d, m->dims[i], 2, &bytes));
         TR_TRY(mn_add_u64(*predicted, bytes, predicted));
         TR_TRY(mn_add_u64(*held, tr_optim_state_bytes(m, i), held));
@@ -702,158 +910,218 @@ static mn_result tr_model_free(tr_model *m) {
 }
 
 // ---- layers -------------------------------------------------------------------------------------
-// One transformer block, forward. x [B,T,C] is x[l]. With recompute set (checkpointing) the
-// block's output x[l + 1] already exists and its backward does not need it, so the last
-// projection is skipped. The residual adds write into the projection's output buffer.
+// One transformer block, forward. Its input is x[l] [B,T,C]. With recompute set (checkpointing)
+// the block's output x[l + 1] already exists and its backward does not need it, so the last
+// projection is skipped. The residual adds write into the projection's output buffer. Every
+// activation is made (tr_new), written through its fp32 view, stored (tr_keep); the views of a
+// 16-bit model are released at the end of the block. --checkpointing selective keeps no
+// attention probabilities: the backward recomputes them.
 static mn_result tr_block_forward(tr_model *m, size_t l, int recompute) {
     size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, NH = m->cfg.NH, N = B * T;
-    const tr_params *p = &m->params;
     tr_acts *a = &m->acts[l];
-    const float *x = m->x[l];  // [N,C]
-#define TR_A_ALLOC(name, numel) TR_TRY(tr_act(m, numel, #name, &a->name));
-    TR_ACTS(TR_A_ALLOC)
-#undef TR_A_ALLOC
+    tr_tensor *x = &m->x[l];
+    tr_params w;
+    float *att;
+    TR_TRY(tr_weights_open(m, TR_G_BLOCK, l, &w));
+    TR_TRY(tr_open(m, x));
+#define TR_A_NEW(name, numel, fp32) \
+    if (&a->name != &a->att || m->cfg.checkpointing != TR_CKPT_SELECTIVE) \
+        TR_TRY(tr_new(m, &a->name, numel, fp32, #name));
+    MN_GPT_ACTS(TR_A_NEW)
+#undef TR_A_NEW
     // ln1 [N,C] = layernorm(x); qkv [N,3C] = ln1 @ qkvw^T + qkvb
-    mn_layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, p->ln1w + l * C, p->ln1b + l * C,
-                         N, C, TR_LN_EPS);
-    mn_matmul_forward(a->qkv, NULL, a->ln1, p->qkvw + l * 3 * C * C, p->qkvb + l * 3 * C, N, C,
-                      3 * C);
-    // atty [N,C] = causal attention over qkv; res2 [N,C] = x + atty @ attprojw^T + attprojb
-    mn_attention_forward(a->atty, a->att, a->qkv, B, T, C, NH, 1);
-    mn_matmul_forward(a->res2, NULL, a->atty, p->attprojw + l * C * C, p->attprojb + l * C, N, C,
-                      C);
-    mn_residual_forward(a->res2, a->res2, x, N * C);
+    mn_layernorm_forward(a->ln1.f, a->ln1_mean.f, a->ln1_rstd.f, x->f, w.ln1w, w.ln1b, N, C,
+                         TR_LN_EPS);
+    tr_keep(m, &a->ln1);
+    mn_matmul_forward(a->qkv.f, NULL, a->ln1.f, w.qkvw, w.qkvb, N, C, 3 * C);
+    tr_keep(m, &a->qkv);
+    // atty [N,C] = causal attention over qkv (att [B,NH,T,T]: its probabilities, or none kept)
+    att = a->att.f;
+    mn_attention_forward(a->atty.f, att, a->qkv.f, B, T, C, NH, 1);
+    if (att) tr_keep(m, &a->att);
+    tr_keep(m, &a->atty);
+    // res2 [N,C] = x + atty @ attprojw^T + attprojb
+    mn_matmul_forward(a->res2.f, NULL, a->atty.f, w.attprojw, w.attprojb, N, C, C);
+    mn_residual_forward(a->res2.f, a->res2.f, x->f, N * C);
+    tr_keep(m, &a->res2);
     // ln2 [N,C]; fch [N,4C] = ln2 @ fcw^T + fcb, fch_gelu = gelu(fch) (fused epilogue)
-    mn_layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, p->ln2w + l * C,
-                         p->ln2b + l * C, N, C, TR_LN_EPS);
-    mn_matmul_forward(a->fch_gelu, a->fch, a->ln2, p->fcw + l * 4 * C * C, p->fcb + l * 4 * C, N,
-                      C, 4 * C);
-    if (recompute) return MN_OK;
-    // x[l + 1] [N,C] = res2 + fch_gelu @ fcprojw^T + fcprojb
-    TR_TRY(tr_act(m, N * C, "x", &m->x[l + 1]));
-    mn_matmul_forward(m->x[l + 1], NULL, a->fch_gelu, p->fcprojw + l * C * 4 * C,
-                      p->fcprojb + l * C, N, 4 * C, C);
-    mn_residual_forward(m->x[l + 1], m->x[l + 1], a->res2, N * C);
-    return MN_OK;
+    mn_layernorm_forward(a->ln2.f, a->ln2_mean.f, a->ln2_rstd.f, a->res2.f, w.ln2w, w.ln2b, N, C,
+                         TR_LN_EPS);
+    tr_keep(m, &a->ln2);
+    mn_matmul_forward(a->fch_gelu.f, a->fch.f, a->ln2.f, w.fcw, w.fcb, N, C, 4 * C);
+    tr_keep(m, &a->fch);
+    tr_keep(m, &a->fch_gelu);
+    if (!recompute) {
+        // x[l + 1] [N,C] = res2 + fch_gelu @ fcprojw^T + fcprojb
+        TR_TRY(tr_new(m, &m->x[l + 1], N * C, 0, "x"));
+        mn_matmul_forward(m->x[l + 1].f, NULL, a->fch_gelu.f, w.fcprojw, w.fcprojb, N, 4 * C, C);
+        mn_residual_forward(m->x[l + 1].f, m->x[l + 1].f, a->res2.f, N * C);
+        tr_keep(m, &m->x[l + 1]);
+        TR_TRY(tr_close(m, &m->x[l + 1]));
+    }
+#define TR_A_CLOSE(name, numel, fp32) TR_TRY(tr_close(m, &a->name));
+    MN_GPT_ACTS(TR_A_CLOSE)
+#undef TR_A_CLOSE
+    TR_TRY(tr_close(m, x));
+    return tr_weights_close(m);
 }
 
 // One block, backward. On entry tmp.dx [N,C] holds d loss / d x[l + 1]; on return it holds
 // d loss / d x[l]. A residual add passes its gradient through unchanged, so one buffer carries
 // the residual stream's gradient and each branch's layernorm backward adds into it.
-// Every saved activation is released right after its last use.
+// Every saved activation is opened right before its first use and freed right after its last.
 static mn_result tr_block_backward(tr_model *m, size_t l) {
     size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, NH = m->cfg.NH, N = B * T;
-    const tr_params *p = &m->params;
     const tr_params *g = &m->grads;
     tr_acts *a = &m->acts[l];
     tr_temps *d = &m->tmp;
-    TR_TRY(tr_release(m, &m->x[l + 1]));  // the block's output: not needed from here on
-    if (m->cfg.checkpointing) TR_TRY(tr_block_forward(m, l, 1));
+    tr_params w;
+    TR_TRY(tr_free(m, &m->x[l + 1]));  // the block's output: not needed from here on
+    if (m->cfg.checkpointing == TR_CKPT_FULL) TR_TRY(tr_block_forward(m, l, 1));
+    TR_TRY(tr_weights_open(m, TR_G_BLOCK, l, &w));
     // fc projection: dfch_gelu [N,4C] (into dfch), dfcprojw, dfcprojb; dout = dx
     TR_TRY(tr_temp(m, N * 4 * C, "dfch", &d->dfch));
+    TR_TRY(tr_open(m, &a->fch_gelu));
     mn_matmul_backward(d->dfch, g->fcprojw + l * C * 4 * C, g->fcprojb + l * C, d->dx,
-                       a->fch_gelu, p->fcprojw + l * C * 4 * C, NULL, N, 4 * C, C);
-    TR_TRY(tr_release(m, &a->fch_gelu));
+                       a->fch_gelu.f, w.fcprojw, NULL, N, 4 * C, C);
+    tr_round(m, d->dfch, N * 4 * C);
+    TR_TRY(tr_free(m, &a->fch_gelu));
     // fc with the GELU: dln2 [N,C] (into dln), dfcw, dfcb; dfch becomes d pre-gelu in place
     TR_TRY(tr_temp(m, N * C, "dln", &d->dln));
-    mn_matmul_backward(d->dln, g->fcw + l * 4 * C * C, g->fcb + l * 4 * C, d->dfch, a->ln2,
-                       p->fcw + l * 4 * C * C, a->fch, N, C, 4 * C);
+    TR_TRY(tr_open(m, &a->ln2));
+    TR_TRY(tr_open(m, &a->fch));
+    mn_matmul_backward(d->dln, g->fcw + l * 4 * C * C, g->fcb + l * 4 * C, d->dfch, a->ln2.f,
+                       w.fcw, a->fch.f, N, C, 4 * C);
+    tr_round(m, d->dln, N * C);
     TR_TRY(tr_release(m, &d->dfch));
-    TR_TRY(tr_release(m, &a->fch));
-    TR_TRY(tr_release(m, &a->ln2));
+    TR_TRY(tr_free(m, &a->fch));
+    TR_TRY(tr_free(m, &a->ln2));
     // layernorm 2: dx += d res2 through the norm (dx then is d loss / d res2)
-    mn_layernorm_backward(d->dx, g->ln2w + l * C, g->ln2b + l * C, d->dln, a->res2,
-                          p->ln2w + l * C, a->ln2_mean, a->ln2_rstd, N, C);
-    TR_TRY(tr_release(m, &a->res2));
-    TR_TRY(tr_release(m, &a->ln2_mean));
-    TR_TRY(tr_release(m, &a->ln2_rstd));
+    TR_TRY(tr_open(m, &a->res2));
+    mn_layernorm_backward(d->dx, g->ln2w + l * C, g->ln2b + l * C, d->dln, a->res2.f, w.ln2w,
+                          a->ln2_mean.f, a->ln2_rstd.f, N, C);
+    tr_round(m, d->dx, N * C);
+    TR_TRY(tr_free(m, &a->res2));
+    TR_TRY(tr_free(m, &a->ln2_mean));
+    TR_TRY(tr_free(m, &a->ln2_rstd));
     // attention projection: datty [N,C], dattprojw, dattprojb; dout = dx
     TR_TRY(tr_temp(m, N * C, "datty", &d->datty));
-    mn_matmul_backward(d->datty, g->attprojw + l * C * C, g->attprojb + l * C, d->dx, a->atty,
-                       p->attprojw + l * C * C, NULL, N, C, C);
-    TR_TRY(tr_release(m, &a->atty));
-    // attention: dqkv [N,3C]
+    TR_TRY(tr_open(m, &a->atty));
+    mn_matmul_backward(d->datty, g->attprojw + l * C * C, g->attprojb + l * C, d->dx, a->atty.f,
+                       w.attprojw, NULL, N, C, C);
+    tr_round(m, d->datty, N * C);
+    TR_TRY(tr_free(m, &a->atty));
+    // attention: dqkv [N,3C] (the probabilities from the forward, or recomputed)
     TR_TRY(tr_temp(m, N * 3 * C, "dqkv", &d->dqkv));
-    mn_attention_backward(d->dqkv, d->datty, a->qkv, a->att, B, T, C, NH, 1);
+    TR_TRY(tr_open(m, &a->qkv));
+    if (a->att.data) TR_TRY(tr_open(m, &a->att));
+    mn_attention_backward(d->dqkv, d->datty, a->qkv.f, a->att.f, B, T, C, NH, 1);
+    tr_round(m, d->dqkv, N * 3 * C);
     TR_TRY(tr_release(m, &d->datty));
-    TR_TRY(tr_release(m, &a->att));
-    TR_TRY(tr_release(m, &a->qkv));
+    TR_TRY(tr_free(m, &a->att));
+    TR_TRY(tr_free(m, &a->qkv));
     // qkv: dln1 [N,C] (into dln, zeroed again), dqkvw, dqkvb
     memset(d->dln, 0, N * C * sizeof(float));
-    mn_matmul_backward(d->dln, g->qkvw + l * 3 * C * C, g->qkvb + l * 3 * C, d->dqkv, a->ln1,
-                       p->qkvw + l * 3 * C * C, NULL, N, C, 3 * C);
+    TR_TRY(tr_open(m, &a->ln1));
+    mn_matmul_backward(d->dln, g->qkvw + l * 3 * C * C, g->qkvb + l * 3 * C, d->dqkv, a->ln1.f,
+                       w.qkvw, NULL, N, C, 3 * C);
+    tr_round(m, d->dln, N * C);
     TR_TRY(tr_release(m, &d->dqkv));
-    TR_TRY(tr_release(m, &a->ln1));
+    TR_TRY(tr_free(m, &a->ln1));
     // layernorm 1: dx += d x[l] through the norm
-    mn_layernorm_backward(d->dx, g->ln1w + l * C, g->ln1b + l * C, d->dln, m->x[l],
-                          p->ln1w + l * C, a->ln1_mean, a->ln1_rstd, N, C);
+    TR_TRY(tr_open(m, &m->x[l]));
+    mn_layernorm_backward(d->dx, g->ln1w + l * C, g->ln1b + l * C, d->dln, m->x[l].f, w.ln1w,
+                          a->ln1_mean.f, a->ln1_rstd.f, N, C);
+    tr_round(m, d->dx, N * C);
+    TR_TRY(tr_close(m, &m->x[l]));
     TR_TRY(tr_release(m, &d->dln));
-    return tr_acts_release(m, a);  // ln1_mean, ln1_rstd
+    TR_TRY(tr_acts_free(m, a));  // ln1_mean, ln1_rstd
+    return tr_weights_close(m);
 }
 
 // ---- model forward / backward / update ----------------------------------------------------------
 
 // Forward over m->tokens, m->targets [B,T]: *loss = mean cross-entropy (nats per token).
 static mn_result tr_forward(tr_model *m, double *loss) {
-    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, L = m->cfg.L, V = TR_V, N = B * T, l, n;
-    const tr_params *p = &m->params;
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, L = m->cfg.L, V = m->cfg.V, N = B * T, l, n;
+    tr_params w;
     double sum = 0.0;
     // x[0] [N,C] = wte[tokens] + wpe[t]
-    TR_TRY(tr_act(m, N * C, "x", &m->x[0]));
-    TR_TRY(mn_embedding_forward(m->x[0], m->tokens, p->wte, p->wpe, B, T, C, V));
+    TR_TRY(tr_weights_open(m, TR_G_EMBED, 0, &w));
+    TR_TRY(tr_new(m, &m->x[0], N * C, 0, "x"));
+    TR_TRY(mn_embedding_forward(m->x[0].f, m->tokens, w.wte, w.wpe, B, T, C, V));
+    tr_keep(m, &m->x[0]);
+    TR_TRY(tr_close(m, &m->x[0]));
+    TR_TRY(tr_weights_close(m));
     for (l = 0; l < L; l++) {
         TR_TRY(tr_block_forward(m, l, 0));
-        if (m->cfg.checkpointing) TR_TRY(tr_acts_release(m, &m->acts[l]));  // keep x[l] only
+        if (m->cfg.checkpointing == TR_CKPT_FULL)
+            TR_TRY(tr_acts_free(m, &m->acts[l]));  // keep x[l] only
     }
-    // lnf [N,C] = layernorm(x[L]); logits [N,V] = lnf @ wte^T (the tied head)
-    TR_TRY(tr_act(m, N * C, "lnf", &m->lnf));
-    TR_TRY(tr_act(m, N, "lnf_mean", &m->lnf_mean));
-    TR_TRY(tr_act(m, N, "lnf_rstd", &m->lnf_rstd));
-    mn_layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, m->x[L], p->lnfw, p->lnfb, N, C,
+    // lnf [N,C] = layernorm(x[L]); logits [N,V] = lnf @ head^T (wte when tied, else lmw)
+    TR_TRY(tr_weights_open(m, TR_G_HEAD, 0, &w));
+    TR_TRY(tr_new(m, &m->lnf, N * C, 0, "lnf"));
+    TR_TRY(tr_new(m, &m->lnf_mean, N, 1, "lnf_mean"));
+    TR_TRY(tr_new(m, &m->lnf_rstd, N, 1, "lnf_rstd"));
+    TR_TRY(tr_open(m, &m->x[L]));
+    mn_layernorm_forward(m->lnf.f, m->lnf_mean.f, m->lnf_rstd.f, m->x[L].f, w.lnfw, w.lnfb, N, C,
                          TR_LN_EPS);
+    tr_keep(m, &m->lnf);
+    TR_TRY(tr_close(m, &m->x[L]));
     TR_TRY(tr_temp(m, N * V, "logits", &m->tmp.logits));
-    mn_matmul_forward(m->tmp.logits, NULL, m->lnf, p->wte, NULL, N, C, V);
-    // losses [N], probs [N,V] (kept for the backward; the logits are not)
-    TR_TRY(tr_act(m, N * V, "probs", &m->probs));
+    mn_matmul_forward(m->tmp.logits, NULL, m->lnf.f, m->cfg.tied ? w.wte : w.lmw, NULL, N, C, V);
+    TR_TRY(tr_close(m, &m->lnf));
+    TR_TRY(tr_weights_close(m));
+    // losses [N], probs [N,V] (fp32, kept for the backward; the logits are not)
+    TR_TRY(tr_new(m, &m->probs, N * V, 1, "probs"));
     TR_TRY(tr_temp(m, N, "losses", &m->tmp.losses));
-    TR_TRY(mn_crossentropy_forward(m->tmp.losses, m->probs, m->tmp.logits, m->targets, N, V));
+    TR_TRY(mn_crossentropy_forward(m->tmp.losses, m->probs.f, m->tmp.logits, m->targets, N, V));
     TR_TRY(tr_release(m, &m->tmp.logits));
     for (n = 0; n < N; n++) sum += m->tmp.losses[n];
     *loss = sum / (double)N;
     return tr_release(m, &m->tmp.losses);
 }
 
-// Backward of the loss scaled by dloss per token (1/(B*T*K) for the mean over an accumulated
+// Backward of the loss scaled by dloss per token (scale/(B*T*K) for the mean over an accumulated
 // step), adding into the parameter gradients; releases every activation of the forward.
 static mn_result tr_backward(tr_model *m, float dloss) {
-    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, L = m->cfg.L, V = TR_V, N = B * T, n, l;
-    const tr_params *p = &m->params;
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, L = m->cfg.L, V = m->cfg.V, N = B * T, n, l;
     const tr_params *g = &m->grads;
     tr_temps *d = &m->tmp;
+    tr_params w;
     // dlogits [N,V] = (probs - onehot(targets)) * dloss
     TR_TRY(tr_temp(m, N, "dlosses", &d->dlosses));
     for (n = 0; n < N; n++) d->dlosses[n] = dloss;
     TR_TRY(tr_temp(m, N * V, "dlogits", &d->dlogits));
-    TR_TRY(mn_crossentropy_backward(d->dlogits, d->dlosses, m->probs, NULL, m->targets, N, V));
+    TR_TRY(mn_crossentropy_backward(d->dlogits, d->dlosses, m->probs.f, NULL, m->targets, N, V));
+    tr_round(m, d->dlogits, N * V);
     TR_TRY(tr_release(m, &d->dlosses));
-    TR_TRY(tr_release(m, &m->probs));
-    // head: dlnf [N,C] (into dln), dwte += dlogits^T @ lnf
+    TR_TRY(tr_free(m, &m->probs));
+    // head: dlnf [N,C] (into dln), dhead += dlogits^T @ lnf
+    TR_TRY(tr_weights_open(m, TR_G_HEAD, 0, &w));
     TR_TRY(tr_temp(m, N * C, "dln", &d->dln));
-    mn_matmul_backward(d->dln, g->wte, NULL, d->dlogits, m->lnf, p->wte, NULL, N, C, V);
+    TR_TRY(tr_open(m, &m->lnf));
+    mn_matmul_backward(d->dln, m->cfg.tied ? g->wte : g->lmw, NULL, d->dlogits, m->lnf.f,
+                       m->cfg.tied ? w.wte : w.lmw, NULL, N, C, V);
+    tr_round(m, d->dln, N * C);
     TR_TRY(tr_release(m, &d->dlogits));
-    TR_TRY(tr_release(m, &m->lnf));
+    TR_TRY(tr_free(m, &m->lnf));
     // final layernorm: dx [N,C] = d loss / d x[L]
     TR_TRY(tr_temp(m, N * C, "dx", &d->dx));
-    mn_layernorm_backward(d->dx, g->lnfw, g->lnfb, d->dln, m->x[L], p->lnfw, m->lnf_mean,
-                          m->lnf_rstd, N, C);
+    TR_TRY(tr_open(m, &m->x[L]));
+    mn_layernorm_backward(d->dx, g->lnfw, g->lnfb, d->dln, m->x[L].f, w.lnfw, m->lnf_mean.f,
+                          m->lnf_rstd.f, N, C);
+    tr_round(m, d->dx, N * C);
+    TR_TRY(tr_close(m, &m->x[L]));
+    TR_TRY(tr_weights_close(m));
     TR_TRY(tr_release(m, &d->dln));
-    TR_TRY(tr_release(m, &m->lnf_mean));
-    TR_TRY(tr_release(m, &m->lnf_rstd));
+    TR_TRY(tr_free(m, &m->lnf_mean));
+    TR_TRY(tr_free(m, &m->lnf_rstd));
     for (l = L; l-- > 0;) TR_TRY(tr_block_backward(m, l));
     // embedding: dwte[tokens] += dx, dwpe[t] += dx
     TR_TRY(mn_embedding_backward(g->wte, g->wpe, d->dx, m->tokens, B, T, C, V));
     TR_TRY(tr_release(m, &d->dx));
-    return tr_release(m, &m->x[0]);
+    return tr_free(m, &m->x[0]);
 }
 
 static void tr_zero_grad(tr_model *m) {
@@ -861,7 +1129,7 @@ static void tr_zero_grad(tr_model *m) {
     int i;
     tr_param_slots(&m->grads, gs);
     for (i = 0; i < TR_NUM_PARAMS; i++)
-        memset(*gs[i], 0, (size_t)(m->dims[i][0] * m->dims[i][1]) * sizeof(float));
+        if (*gs[i]) memset(*gs[i], 0, (size_t)(m->dims[i][0] * m->dims[i][1]) * sizeof(float));
 }
 
 // The next micro-batch tokens, targets [B,T]: from the Markov stream, or B windows of T + 1
@@ -882,10 +1150,12 @@ static void tr_next_batch(tr_model *m) {
 }
 
 // The gradients of one optimizer step: zeroed, then K micro-batches of the data stream, each
-// forward and backward with the loss scaled by 1/(B*T*K). *loss: the mean over the K.
+// forward and backward with the loss scaled by scale/(B*T*K) (scale: the fp16 loss scale, else
+// 1). *loss: the mean over the K.
 static mn_result tr_accumulate(tr_model *m, double *loss) {
     size_t k, K = m->cfg.K;
-    float dloss = (float)(1.0 / ((double)m->cfg.B * (double)m->cfg.T * (double)K));
+    double scale = m->half == MN_FP16 ? (double)m->scaler.scale : 1.0;
+    float dloss = (float)(scale / ((double)m->cfg.B * (double)m->cfg.T * (double)K));
     double micro, sum = 0.0;
     tr_zero_grad(m);
     for (k = 0; k < K; k++) {
@@ -898,23 +1168,38 @@ static mn_result tr_accumulate(tr_model *m, double *loss) {
     return MN_OK;
 }
 
-// Clips the gradients by their global norm (*norm: before clipping), then one optimizer step at
-// lr, creating the optimizer state at the first call.
-static mn_result tr_update(tr_model *m, float lr, float *norm) {
+// One optimizer step at lr, creating the optimizer state at the first call. fp16: the gradients
+// are unscaled and checked for inf/NaN (--inject-overflow plants an inf in this step's first
+// gradient); an overflow skips the step and the scaler backs off (*skipped = 1). Then the
+// gradients are clipped by their global norm (*norm: before clipping).
+static mn_result tr_update(tr_model *m, float lr, float *norm, int *skipped) {
     float **ps[TR_NUM_PARAMS], **gs[TR_NUM_PARAMS], *grads[TR_NUM_PARAMS];
     uint64_t sizes[TR_NUM_PARAMS];
     float max_norm = m->cfg.clip > 0.0f ? m->cfg.clip : (float)HUGE_VAL;
-    int i;
+    uint32_t count = 0;
+    int i, found_inf = 0, skip = 0;
     tr_param_slots(&m->params, ps);
     tr_param_slots(&m->grads, gs);
+    m->step++;
+    *skipped = 0, *norm = 0.0f;
     for (i = 0; i < TR_NUM_PARAMS; i++)
-        grads[i] = *gs[i], sizes[i] = m->dims[i][0] * m->dims[i][1];
-    TR_TRY(mn_clip_grad_norm(grads, sizes, TR_NUM_PARAMS, max_norm, 2.0f, norm));
+        if (*gs[i]) grads[count] = *gs[i], sizes[count++] = m->dims[i][0] * m->dims[i][1];
+    if (m->half == MN_FP16) {
+        float inv = mn_loss_scaler_inv_scale(&m->scaler);
+        if (m->step == m->cfg.inject_overflow) grads[0][0] = (float)HUGE_VAL;
+        for (i = 0; i < (int)count; i++)
+            TR_TRY(mn_unscale_grads(MN_FP32, grads[i], sizes[i], inv, &found_inf));
+        TR_TRY(mn_loss_scaler_update(&m->scaler, found_inf, &skip));
+        if (skip) { *skipped = 1; return MN_OK; }
+    }
+    TR_TRY(mn_clip_grad_norm(grads, sizes, count, max_norm, 2.0f, norm));
     if (!m->opt_ready) {
-        for (i = 0; i < TR_NUM_PARAMS; i++) TR_TRY(tr_optim_state_init(m, i, lr));
+        for (i = 0; i < TR_NUM_PARAMS; i++)
+            if (*ps[i]) TR_TRY(tr_optim_state_init(m, i, lr));
         m->opt_ready = 1;
     }
-    for (i = 0; i < TR_NUM_PARAMS; i++) TR_TRY(tr_optim_state_step(m, i, *ps[i], grads[i], lr));
+    for (i = 0; i < TR_NUM_PARAMS; i++)
+        if (*ps[i]) TR_TRY(tr_optim_state_step(m, i, *ps[i], *gs[i], lr));
     return MN_OK;
 }
 
@@ -937,6 +1222,8 @@ typedef struct tr_result {
     uint64_t num_params;
     uint64_t optim_bytes;         // optimizer state the parameters hold (cfg.optim)
     uint64_t optim_predicted;     // mn_optim_state_bytes for the same descriptor and shapes
+    long skipped;                 // fp16 steps skipped for an overflow
+    float loss_scale;             // fp16: the loss scale at the end
     struct mn_cache_stats stats;  // at the end of training
     char error[160];              // a failure's explanation, "" when the result code says it
 } tr_result;
@@ -999,43 +1286,50 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     long s, ntail = c->steps < 10 ? c->steps : 10;
     if (c->steps < 1) return MN_ERR_INVALID_ARG;
     if (out) {
-        fprintf(out, "trainer: L=%zu C=%zu NH=%zu T=%zu V=%d  B=%zu K=%zu  steps=%ld lr=%g "
-                "clip=%g seed=%llu checkpointing=%s optim=%s\n", c->L, c->C, c->NH, c->T, TR_V,
-                c->B, c->K, c->steps, (double)c->lr, (double)c->clip,
-                (unsigned long long)c->seed, c->checkpointing ? "full" : "none",
+        fprintf(out, "trainer: L=%zu C=%zu NH=%zu T=%zu V=%zu head=%s  B=%zu K=%zu  steps=%ld "
+                "lr=%g clip=%g seed=%llu\n         checkpointing=%s precision=%s optim=%s\n",
+                c->L, c->C, c->NH, c->T, c->V, c->tied ? "tied" : "untied", c->B, c->K,
+                c->steps, (double)c->lr, (double)c->clip, (unsigned long long)c->seed,
+                tr_ckpt_names[c->checkpointing], mn_precision_name(c->precision),
                 mn_optim_name(c->optim));
-        fprintf(out, "parameters: %llu (%.2f MiB fp32)\n", (unsigned long long)m->num_params,
-                (double)m->num_params * 4.0 / TR_MIB);
+        fprintf(out, "parameters: %llu (%.2f MiB fp32%s)\n", (unsigned long long)m->num_params,
+                (double)m->num_params * 4.0 / TR_MIB,
+                m->half ? ", plus their 16-bit copies: 6 bytes per parameter" : "");
         if (m->text)
-            fprintf(out, "data: %s, %llu bytes, random windows (uniform guess: ln 256 = %.4f)\n",
-                    c->data, (unsigned long long)m->text_len, log((double)TR_V));
+            fprintf(out, "data: %s, %llu bytes, random windows (uniform guess: ln V = %.4f)\n",
+                    c->data, (unsigned long long)m->text_len, log((double)c->V));
         else
             fprintf(out, "data: Markov source, %d successors per byte, entropy rate H = %.4f "
-                    "nats/token (uniform guess: ln 256 = %.4f)\n", TR_SUCC, m->data.entropy,
-                    log((double)TR_V));
+                    "nats/token (uniform guess: ln V = %.4f)\n", TR_SUCC, m->data.entropy,
+                    log((double)c->V));
     }
     res->entropy = m->text ? 0.0 : m->data.entropy;
     res->num_params = m->num_params;
     for (s = 0; s < c->steps; s++) {
         double loss, t1 = tr_now(), dt;
         float norm, lr = tr_lr(c, s);
+        int skipped;
         TR_TRY(tr_accumulate(m, &loss));
-        TR_TRY(tr_update(m, lr, &norm));
+        TR_TRY(tr_update(m, lr, &norm, &skipped));
         dt = tr_now() - t1;
         if (s == 0) res->first_loss = loss;
         if (s >= c->steps - ntail) tail += loss;
+        res->skipped += skipped;
         if (out) {
             TR_TRY(mn_cache_stats(&m->cache, &res->stats));
-            fprintf(out, "step %5ld/%ld | loss %.4f | lr %.2e | norm %7.4f | %8.0f tok/s | "
-                    "allocated %.2f MiB (peak %.2f) | reserved %.2f MiB\n", s + 1, c->steps, loss,
-                    (double)lr, (double)norm, tokens / dt,
-                    (double)res->stats.allocated_bytes[MN_STAT_ALL].current / TR_MIB,
+            fprintf(out, "step %5ld/%ld | loss %.4f | lr %.2e | norm %7.4f | ", s + 1, c->steps,
+                    loss, (double)lr, (double)norm);
+            if (m->half == MN_FP16) fprintf(out, "scale %5.0f | ", (double)m->scaler.scale);
+            fprintf(out, "%8.0f tok/s | allocated %.2f MiB (peak %.2f) | reserved %.2f MiB%s\n",
+                    tokens / dt, (double)res->stats.allocated_bytes[MN_STAT_ALL].current / TR_MIB,
                     (double)res->stats.allocated_bytes[MN_STAT_ALL].peak / TR_MIB,
-                    (double)res->stats.reserved_bytes[MN_STAT_ALL].current / TR_MIB);
+                    (double)res->stats.reserved_bytes[MN_STAT_ALL].current / TR_MIB,
+                    skipped ? " | overflow: step skipped, loss scale halved" : "");
         }
     }
     res->seconds = tr_now() - t0;
     res->last_loss = tail / (double)ntail;
+    res->loss_scale = m->scaler.scale;
     TR_TRY(mn_cache_stats(&m->cache, &res->stats));
     TR_TRY(tr_optim_bytes(m, &res->optim_bytes, &res->optim_predicted));
     if (out) {
