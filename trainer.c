@@ -76,6 +76,10 @@ typedef struct tr_config {
     mn_optim optim;       // MN_OPTIM_ADAMW, _ADAMW_8BIT, _SGD, _SGD_MOMENTUM, _ADAFACTOR, _LION
     const char *memory_svg;  // the cache's timeline as SVG after training, NULL = none
     const char *snapshot;    // the cache's snapshot as JSON after training, NULL = none
+    const char *save;     // write a checkpoint here at the end (and every save_every steps)
+    long save_every;      // 0 = only at the end
+    const char *resume;   // continue from this checkpoint, NULL = a fresh start
+    long stop_after;      // stop after this step of the --steps schedule, 0 = run to the end
     int help;             // --help was given
 } tr_config;
 
@@ -166,7 +170,8 @@ static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, 
     X(ACCUM, "--accum") X(STEPS, "--steps") X(SEED, "--seed") X(LR, "--lr") X(CLIP, "--clip") \
     X(DATA, "--data") X(MEMORY_SVG, "--memory-svg") X(SNAPSHOT, "--snapshot") \
     X(OPTIM, "--optim") X(CHECKPOINTING, "--checkpointing") X(PRECISION, "--precision") \
-    X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity")
+    X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity") X(SAVE, "--save") \
+    X(SAVE_EVERY, "--save-every") X(RESUME, "--resume") X(STOP_AFTER, "--stop-after")
 #define TR_FLAG_ENUM(id, flag) TR_F_##id,
 typedef enum tr_flag { TR_FLAGS(TR_FLAG_ENUM) TR_FLAG_COUNT } tr_flag;
 #define TR_FLAG_NAME(id, flag) flag,
@@ -285,6 +290,16 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                 cfg->inject_overflow = (long)v;
                 break;
             case TR_F_CAPACITY: TR_TRY(tr_parse_bytes(f, a, &cfg->capacity, err, cap)); break;
+            case TR_F_SAVE: cfg->save = a; break;
+            case TR_F_SAVE_EVERY:
+                TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap));
+                cfg->save_every = (long)v;
+                break;
+            case TR_F_RESUME: cfg->resume = a; break;
+            case TR_F_STOP_AFTER:
+                TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap));
+                cfg->stop_after = (long)v;
+                break;
             case TR_FLAG_COUNT: break;  // refused above
             }
         }
@@ -294,6 +309,15 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
     }
     if (cfg->inject_overflow && cfg->precision != MN_PREC_FP16) {
         snprintf(err, cap, "--inject-overflow needs --precision fp16 (only fp16 scales the loss)");
+        return MN_ERR_INVALID_ARG;
+    }
+    if (cfg->save_every && !cfg->save) {
+        snprintf(err, cap, "--save-every needs --save FILE");
+        return MN_ERR_INVALID_ARG;
+    }
+    if (cfg->stop_after > cfg->steps) {
+        snprintf(err, cap, "--stop-after %ld is after the last step (--steps %ld)",
+                 cfg->stop_after, cfg->steps);
         return MN_ERR_INVALID_ARG;
     }
     if (cfg->inject_overflow > cfg->steps) {
@@ -480,13 +504,15 @@ typedef struct tr_model {
     uint64_t dims[TR_NUM_PARAMS][2];
     uint64_t num_params;
     tr_optim_state opt[TR_NUM_PARAMS];  // MN_CAT_OPTIMIZER, created at the first step
-    int opt_ready;
+    void *opt_block[TR_NUM_PARAMS];     // the one block of state each holds (NULL: none)
+    int opt_ready, opt_current;         // opt_current: the tensor whose state is being made
     mn_loss_scaler scaler;    // fp16: the dynamic loss scale
     long step;                // optimizer steps taken (skipped ones included)
+    uint64_t save_fail_after; // tests: a --save write fails after this many bytes, 0 = never
     int *tokens, *targets;    // [B,T], MN_CAT_OTHER (the input batch)
     uint8_t *text;            // [text_len] the --data file, MN_CAT_OTHER, or NULL
     uint64_t text_len;
-    char error[160];          // what went wrong, for a failure a message can explain
+    char error[256];          // what went wrong, for a failure a message can explain
     float *wview;             // half: the fp32 copy of the weights one part reads, or NULL
     tr_tensor x[TR_MAX_LAYERS + 1];  // residual stream [B,T,C], MN_CAT_ACTIVATIONS
     tr_acts acts[TR_MAX_LAYERS];
@@ -767,6 +793,7 @@ static void *tr_optim_alloc(void *user_data, size_t size) {
     if (mn_cache_alloc(&m->cache, size, 0, MN_CAT_OPTIMIZER, mn_optim_name(m->cfg.optim), &p)
         != MN_OK)
         return NULL;
+    m->opt_block[m->opt_current] = p;  // for the checkpoints
     return p;
 }
 static void tr_optim_free(void *user_data, void *ptr) {
@@ -780,6 +807,7 @@ static mn_result tr_optim_state_init(tr_model *m, int i, float lr) {
     mn_allocator alloc;
     memset(o, 0, sizeof *o);
     alloc.alloc_fn = tr_optim_alloc, alloc.free_fn = tr_optim_free, alloc.user_data = m;
+    m->opt_current = i;
     switch (m->cfg.optim) {
     case MN_OPTIM_DEFAULT:
     case MN_OPTIM_ADAMW: {
@@ -896,6 +924,20 @@ static void tr_optim_state_free(tr_model *m, int i) {
     case MN_OPTIM_LION: mn_lion_free(&o->lion); break;
     case MN_OPTIM_NONE:
     case MN_OPTIM_COUNT: break;
+    }
+    m->opt_block[i] = NULL;
+}
+
+// The step counter of parameter i's state (for the checkpoints).
+static uint64_t *tr_optim_state_steps(tr_model *m, int i) {
+    tr_optim_state *o = &m->opt[i];
+    switch (m->cfg.optim) {
+    case MN_OPTIM_ADAMW_8BIT: return &o->adamw8bit.step;
+    case MN_OPTIM_SGD:
+    case MN_OPTIM_SGD_MOMENTUM: return &o->sgd.step;
+    case MN_OPTIM_ADAFACTOR: return &o->adafactor.step;
+    case MN_OPTIM_LION: return &o->lion.step;
+    default: return &o->adamw.step;
     }
 }
 
@@ -1203,6 +1245,265 @@ static mn_result tr_update(tr_model *m, float lr, float *norm, int *skipped) {
     return MN_OK;
 }
 
+// ---- checkpoints --------------------------------------------------------------------------------
+// --save FILE writes, and --resume FILE reads, everything the next step depends on, so that a run
+// resumed from step s continues bit for bit as the uninterrupted run would. The format, version 1,
+// every integer little-endian (a big-endian host is refused):
+//     offset  bytes  field
+//     0       8      magic "MNTRCKPT"
+//     8       4      version, 1
+//     12      4      0
+//     16      64     the model: L, C, NH, T, V, tied, precision, optim (u64 each; mn_precision and
+//                    mn_optim values); a resume refuses a file whose model differs in any of them
+//     80      8      optimizer steps taken
+//     88      24     the data stream: its RNG state, the Markov chain's last byte, 0
+//     112     24     the fp16 loss scaler: scale (fp32 bits), growth tracker (u32), updates, skips
+//     136            per parameter tensor in table order (a tied head has none): its fp32 values
+//                    (the master weights with 16-bit storage; the 16-bit copy is their rounding)
+//                    then per parameter tensor: optimizer steps (u64), state bytes S (u64, 0 before
+//                    the first step and for plain SGD), S bytes: the state block as the header's
+//                    optimizer lays it out
+//     end - 8 8      FNV-1a 64 of every byte before it
+// Written through FILE.tmp and renamed (mn_write_file_atomic): a failed or killed write leaves
+// the previous FILE as it was.
+
+#define TR_CKPT_MAGIC "MNTRCKPT"
+#define TR_CKPT_VERSION 1u
+#define TR_CKPT_HEADER 136u
+
+typedef struct tr_stream {  // a checkpoint being written or read, with its running checksum
+    FILE *f;
+    uint64_t hash, bytes;
+    uint64_t fail_after;    // writing: fail once this many bytes are written, 0 = never (tests)
+} tr_stream;
+
+static void tr_fnv(tr_stream *s, const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    size_t i;
+    for (i = 0; i < n; i++) s->hash = (s->hash ^ b[i]) * 0x100000001b3ull;
+    s->bytes += n;
+}
+
+static mn_result tr_put(tr_stream *s, const void *p, size_t n) {
+    if (s->fail_after && s->bytes + n > s->fail_after) return MN_ERR_IO;
+    if (n && fwrite(p, 1, n, s->f) != n) return MN_ERR_IO;
+    tr_fnv(s, p, n);
+    return MN_OK;
+}
+static mn_result tr_put_u64(tr_stream *s, uint64_t v) {
+    unsigned char b[8];
+    int i;
+    for (i = 0; i < 8; i++) b[i] = (unsigned char)(v >> (8 * i));
+    return tr_put(s, b, 8);
+}
+
+static mn_result tr_get(tr_stream *s, void *p, size_t n) {
+    if (n && fread(p, 1, n, s->f) != n) return MN_ERR_IO;
+    tr_fnv(s, p, n);
+    return MN_OK;
+}
+static mn_result tr_get_u64(tr_stream *s, uint64_t *v) {
+    unsigned char b[8];
+    int i;
+    TR_TRY(tr_get(s, b, 8));
+    for (*v = 0, i = 0; i < 8; i++) *v |= (uint64_t)b[i] << (8 * i);
+    return MN_OK;
+}
+
+static int tr_little_endian(void) {
+    const uint16_t one = 1;
+    return *(const unsigned char *)&one == 1;
+}
+
+// The model fields of the header, in order, with the flag that sets each.
+static void tr_ckpt_model(const tr_config *c, uint64_t v[8]) {
+    v[0] = c->L, v[1] = c->C, v[2] = c->NH, v[3] = c->T, v[4] = c->V, v[5] = (uint64_t)c->tied;
+    v[6] = (uint64_t)c->precision, v[7] = (uint64_t)c->optim;
+}
+static const char *const tr_ckpt_model_flags[8] = {
+    "--layers", "--dim", "--heads", "--seq", "--vocab", "--head", "--precision", "--optim"};
+
+// Field i's value v as its flag would spell it.
+static void tr_ckpt_value(int i, uint64_t v, char *buf, size_t cap) {
+    if (i == 5) snprintf(buf, cap, "%s", v == 1 ? "tied" : v == 0 ? "untied" : "?");
+    else if (i == 6 && v < MN_PREC_COUNT) snprintf(buf, cap, "%s", mn_precision_name((mn_precision)v));
+    else if (i == 7 && v < MN_OPTIM_COUNT) snprintf(buf, cap, "%s", mn_optim_name((mn_optim)v));
+    else snprintf(buf, cap, "%llu", (unsigned long long)v);
+}
+
+// The checkpoint body (ctx: the tr_model), for mn_write_file_atomic.
+static mn_result tr_ckpt_body(void *ctx, FILE *f) {
+    tr_model *m = (tr_model *)ctx;
+    tr_stream s;
+    float **ps[TR_NUM_PARAMS];
+    uint64_t v[8], bits = 0;
+    uint32_t scale_bits;
+    int i;
+    memset(&s, 0, sizeof s);
+    s.f = f, s.hash = 0xcbf29ce484222325ull, s.fail_after = m->save_fail_after;
+    TR_TRY(tr_put(&s, TR_CKPT_MAGIC, 8));
+    TR_TRY(tr_put_u64(&s, TR_CKPT_VERSION));
+    tr_ckpt_model(&m->cfg, v);
+    for (i = 0; i < 8; i++) TR_TRY(tr_put_u64(&s, v[i]));
+    TR_TRY(tr_put_u64(&s, (uint64_t)m->step));
+    TR_TRY(tr_put_u64(&s, m->data.rng));
+    TR_TRY(tr_put_u64(&s, (uint64_t)m->data.state));
+    TR_TRY(tr_put_u64(&s, 0));
+    memcpy(&scale_bits, &m->scaler.scale, 4);
+    bits = scale_bits | (uint64_t)m->scaler.growth_tracker << 32;
+    TR_TRY(tr_put_u64(&s, bits));
+    TR_TRY(tr_put_u64(&s, m->scaler.steps));
+    TR_TRY(tr_put_u64(&s, m->scaler.skipped));
+    tr_param_slots(&m->params, ps);
+    for (i = 0; i < TR_NUM_PARAMS; i++)
+        if (*ps[i]) TR_TRY(tr_put(&s, *ps[i], (size_t)(m->dims[i][0] * m->dims[i][1]) * 4));
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        uint64_t bytes = m->opt_ready ? tr_optim_state_bytes(m, i) : 0;
+        if (!*ps[i]) continue;
+        TR_TRY(tr_put_u64(&s, m->opt_ready ? *tr_optim_state_steps(m, i) : 0));
+        TR_TRY(tr_put_u64(&s, bytes));
+        TR_TRY(tr_put(&s, m->opt_block[i], (size_t)bytes));
+    }
+    return tr_put_u64(&s, s.hash);
+}
+
+// Writes the checkpoint to cfg.save; m->error names a failure.
+static mn_result tr_save(tr_model *m) {
+    mn_result r;
+    if (!tr_little_endian()) {
+        snprintf(m->error, sizeof m->error, "--save: checkpoints are little-endian only");
+        return MN_ERR_UNSUPPORTED;
+    }
+    r = mn_write_file_atomic(m->cfg.save, tr_ckpt_body, m);
+    if (r != MN_OK)
+        snprintf(m->error, sizeof m->error, "cannot write --save %.120s: %s (the previous file "
+                 "is unchanged)", m->cfg.save, mn_result_str(r));
+    return r;
+}
+
+// The bytes a checkpoint of m has, its optimizer state present (opt 1) or not (0).
+static uint64_t tr_ckpt_size(const tr_model *m, int opt) {
+    mn_optim_desc d = tr_optim_desc(&m->cfg);
+    uint64_t size = TR_CKPT_HEADER + 8, bytes;
+    int i;
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        uint64_t n = m->dims[i][0] * m->dims[i][1];
+        if (!n) continue;
+        size += 4 * n + 16;
+        if (opt && mn_optim_state_bytes(&d, m->dims[i], 2, &bytes) == MN_OK) size += bytes;
+    }
+    return size;
+}
+
+// Checks cfg.resume against m (pass 1: header, size, checksum), then loads it (pass 2): weights,
+// their 16-bit copies, optimizer state, loss scaler, data position, step. m->error names the
+// reason for a refusal, and m is unchanged by one.
+static mn_result tr_resume(tr_model *m) {
+    const char *path = m->cfg.resume;
+    tr_stream s;
+    FILE *f = fopen(path, "rb");
+    unsigned char buf[65536];
+    char magic[8];
+    uint64_t v[8], want[8], version, size, step, rng, state, zero, scaler[3], sum, left;
+    float **ps[TR_NUM_PARAMS];
+    long len;
+    size_t k;
+    int i;
+    mn_result r = MN_ERR_INVALID_ARG;
+    memset(&s, 0, sizeof s);
+    s.f = f, s.hash = 0xcbf29ce484222325ull;
+    if (!tr_little_endian()) {
+        snprintf(m->error, sizeof m->error, "--resume: checkpoints are little-endian only");
+        r = MN_ERR_UNSUPPORTED;
+        goto close;
+    }
+    if (!f || fseek(f, 0, SEEK_END) != 0 || (len = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) {
+        snprintf(m->error, sizeof m->error, "cannot read --resume %.120s", path);
+        r = MN_ERR_IO;
+        goto close;
+    }
+    if ((uint64_t)len < TR_CKPT_HEADER + 8 || tr_get(&s, magic, 8) != MN_OK ||
+        memcmp(magic, TR_CKPT_MAGIC, 8) != 0) {
+        snprintf(m->error, sizeof m->error, "--resume %.120s is not a memanat trainer "
+                 "checkpoint%s", path, (uint64_t)len < TR_CKPT_HEADER + 8 ? " (too short)" : "");
+        goto close;
+    }
+    if (tr_get_u64(&s, &version) != MN_OK || version != TR_CKPT_VERSION) {
+        snprintf(m->error, sizeof m->error, "--resume %.120s has format version %llu; this "
+                 "trainer reads version %u", path, (unsigned long long)(version & 0xffffffffu),
+                 TR_CKPT_VERSION);
+        goto close;
+    }
+    tr_ckpt_model(&m->cfg, want);
+    for (i = 0; i < 8; i++)
+        if (tr_get_u64(&s, &v[i]) != MN_OK) goto close;  // the file is long enough
+    for (i = 0; i < 8; i++)
+        if (v[i] != want[i]) {
+            char there[32], here[32];
+            tr_ckpt_value(i, v[i], there, sizeof there);
+            tr_ckpt_value(i, want[i], here, sizeof here);
+            snprintf(m->error, sizeof m->error, "--resume %.100s was saved by a different model: "
+                     "%s %s there, %s here", path, tr_ckpt_model_flags[i], there, here);
+            goto close;
+        }
+    if (tr_get_u64(&s, &step) != MN_OK) goto close;
+    size = tr_ckpt_size(m, step > 0);
+    if ((uint64_t)len != size) {
+        snprintf(m->error, sizeof m->error, "--resume %.120s has %ld bytes where this model's "
+                 "checkpoint has %llu: it is truncated or corrupt", path, len,
+                 (unsigned long long)size);
+        goto close;
+    }
+    for (left = size - 8 - s.bytes; left > 0; left -= k) {
+        k = left < sizeof buf ? (size_t)left : sizeof buf;
+        if (tr_get(&s, buf, k) != MN_OK) break;
+    }
+    sum = s.hash;
+    if (left > 0 || tr_get_u64(&s, &v[0]) != MN_OK || v[0] != sum) {
+        snprintf(m->error, sizeof m->error, "--resume %.120s fails its checksum: the file is "
+                 "corrupt", path);
+        goto close;
+    }
+    // pass 2: the contents, known good
+    r = MN_ERR_IO;
+    if (fseek(f, 80, SEEK_SET) != 0 || tr_get_u64(&s, &step) != MN_OK ||  // offset 80: the step
+        tr_get_u64(&s, &rng) != MN_OK || tr_get_u64(&s, &state) != MN_OK ||
+        tr_get_u64(&s, &zero) != MN_OK)
+        goto io;
+    for (i = 0; i < 3; i++)
+        if (tr_get_u64(&s, &scaler[i]) != MN_OK) goto io;
+    tr_param_slots(&m->params, ps);
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        uint64_t n = m->dims[i][0] * m->dims[i][1];
+        if (n && tr_get(&s, *ps[i], (size_t)n * 4) != MN_OK) goto io;
+        if (n && m->half) tr_to16(m, *ps[i], m->w16[i], n);
+    }
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        uint64_t opt_steps, bytes;
+        if (!*ps[i]) continue;
+        if (tr_get_u64(&s, &opt_steps) != MN_OK || tr_get_u64(&s, &bytes) != MN_OK) goto io;
+        if (step == 0) continue;
+        if ((r = tr_optim_state_init(m, i, m->cfg.lr)) != MN_OK) goto close;
+        r = MN_ERR_IO;
+        if (bytes != tr_optim_state_bytes(m, i) || tr_get(&s, m->opt_block[i], bytes) != MN_OK)
+            goto io;
+        *tr_optim_state_steps(m, i) = opt_steps;
+    }
+    m->opt_ready = step > 0;
+    m->step = (long)step;
+    m->data.rng = rng, m->data.state = (int)state;
+    memcpy(&m->scaler.scale, &scaler[0], 4);
+    m->scaler.growth_tracker = (uint32_t)(scaler[0] >> 32);
+    m->scaler.steps = scaler[1], m->scaler.skipped = scaler[2];
+    r = MN_OK;
+    goto close;
+io:
+    snprintf(m->error, sizeof m->error, "cannot read --resume %.120s", path);
+close:
+    if (f) fclose(f);
+    return r;
+}
+
 // Learning rate of step s (0-based): linear warmup over the first tenth (at most 100 steps),
 // then cosine from lr down to lr / 10 at the last step.
 static float tr_lr(const tr_config *cfg, long s) {
@@ -1211,6 +1512,30 @@ static float tr_lr(const tr_config *cfg, long s) {
     if (s < warm) return cfg->lr * (float)(s + 1) / (float)warm;
     frac = cfg->steps - warm > 1 ? (double)(s - warm) / (double)(cfg->steps - warm - 1) : 0.0;
     return (float)(cfg->lr * (0.1 + 0.9 * 0.5 * (1.0 + cos(3.141592653589793 * frac))));
+}
+
+static double tr_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// One optimizer step of the --steps schedule, m->step the one before: the gradients of K
+// micro-batches, then the update.
+typedef struct tr_step_info {
+    double loss;       // mean over the micro-batches
+    float lr, norm;    // the learning rate, the gradient norm before clipping
+    int skipped;       // fp16 overflow: no update
+    double seconds;
+} tr_step_info;
+
+static mn_result tr_step(tr_model *m, tr_step_info *st) {
+    double t0 = tr_now();
+    st->lr = tr_lr(&m->cfg, m->step);
+    TR_TRY(tr_accumulate(m, &st->loss));
+    TR_TRY(tr_update(m, st->lr, &st->norm, &st->skipped));
+    st->seconds = tr_now() - t0;
+    return MN_OK;
 }
 
 // ---- the run ------------------------------------------------------------------------------------
@@ -1222,17 +1547,13 @@ typedef struct tr_result {
     uint64_t num_params;
     uint64_t optim_bytes;         // optimizer state the parameters hold (cfg.optim)
     uint64_t optim_predicted;     // mn_optim_state_bytes for the same descriptor and shapes
+    long steps_run;               // optimizer steps this run took (a resumed run: after the saved)
     long skipped;                 // fp16 steps skipped for an overflow
     float loss_scale;             // fp16: the loss scale at the end
     struct mn_cache_stats stats;  // at the end of training
-    char error[160];              // a failure's explanation, "" when the result code says it
+    char error[256];              // a failure's explanation, "" when the result code says it
 } tr_result;
 
-static double tr_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 #define TR_MIB (1024.0 * 1024.0)
 
@@ -1283,8 +1604,14 @@ static mn_result tr_write_memory(tr_model *m, FILE *out) {
 static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     const tr_config *c = &m->cfg;
     double t0 = tr_now(), tail = 0.0, tokens = (double)c->B * (double)c->T * (double)c->K;
-    long s, ntail = c->steps < 10 ? c->steps : 10;
+    long s, first = m->step, last = c->stop_after ? c->stop_after : c->steps, ntail;
     if (c->steps < 1) return MN_ERR_INVALID_ARG;
+    if (first >= last) {
+        snprintf(m->error, sizeof m->error, "--resume %.100s is after step %ld already: "
+                 "nothing to do before step %ld", c->resume, first, last);
+        return MN_ERR_INVALID_ARG;
+    }
+    ntail = last - first < 10 ? last - first : 10;
     if (out) {
         fprintf(out, "trainer: L=%zu C=%zu NH=%zu T=%zu V=%zu head=%s  B=%zu K=%zu  steps=%ld "
                 "lr=%g clip=%g seed=%llu\n         checkpointing=%s precision=%s optim=%s\n",
@@ -1305,26 +1632,30 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     }
     res->entropy = m->text ? 0.0 : m->data.entropy;
     res->num_params = m->num_params;
-    for (s = 0; s < c->steps; s++) {
-        double loss, t1 = tr_now(), dt;
-        float norm, lr = tr_lr(c, s);
-        int skipped;
-        TR_TRY(tr_accumulate(m, &loss));
-        TR_TRY(tr_update(m, lr, &norm, &skipped));
-        dt = tr_now() - t1;
-        if (s == 0) res->first_loss = loss;
-        if (s >= c->steps - ntail) tail += loss;
-        res->skipped += skipped;
+    if (m->step > 0 && out)
+        fprintf(out, "resumed from %s after step %ld\n", c->resume, m->step);
+    for (s = first; s < last; s++) {
+        tr_step_info st;
+        TR_TRY(tr_step(m, &st));
+        if (s == first) res->first_loss = st.loss;
+        if (s >= last - ntail) tail += st.loss;
+        res->skipped += st.skipped;
+        res->steps_run++;
         if (out) {
             TR_TRY(mn_cache_stats(&m->cache, &res->stats));
             fprintf(out, "step %5ld/%ld | loss %.4f | lr %.2e | norm %7.4f | ", s + 1, c->steps,
-                    loss, (double)lr, (double)norm);
+                    st.loss, (double)st.lr, (double)st.norm);
             if (m->half == MN_FP16) fprintf(out, "scale %5.0f | ", (double)m->scaler.scale);
             fprintf(out, "%8.0f tok/s | allocated %.2f MiB (peak %.2f) | reserved %.2f MiB%s\n",
-                    tokens / dt, (double)res->stats.allocated_bytes[MN_STAT_ALL].current / TR_MIB,
+                    tokens / st.seconds,
+                    (double)res->stats.allocated_bytes[MN_STAT_ALL].current / TR_MIB,
                     (double)res->stats.allocated_bytes[MN_STAT_ALL].peak / TR_MIB,
                     (double)res->stats.reserved_bytes[MN_STAT_ALL].current / TR_MIB,
-                    skipped ? " | overflow: step skipped, loss scale halved" : "");
+                    st.skipped ? " | overflow: step skipped, loss scale halved" : "");
+        }
+        if (c->save && ((c->save_every && m->step % c->save_every == 0) || s + 1 == last)) {
+            TR_TRY(tr_save(m));
+            if (out) fprintf(out, "saved %s after step %ld\n", c->save, m->step);
         }
     }
     res->seconds = tr_now() - t0;
@@ -1334,8 +1665,8 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     TR_TRY(tr_optim_bytes(m, &res->optim_bytes, &res->optim_predicted));
     if (out) {
         fprintf(out, "done: %.2f s, %.1f samples/s, %.0f tokens/s; final loss %.4f",
-                res->seconds, (double)c->steps * c->B * c->K / res->seconds,
-                (double)c->steps * tokens / res->seconds, res->last_loss);
+                res->seconds, (double)res->steps_run * c->B * c->K / res->seconds,
+                (double)res->steps_run * tokens / res->seconds, res->last_loss);
         if (m->text) fprintf(out, "\n");
         else fprintf(out, " vs H %.4f (+%.4f)\n", res->entropy, res->last_loss - res->entropy);
         fprintf(out, "\nmeasured memory per category:\n");
@@ -1354,6 +1685,7 @@ static mn_result tr_run(const tr_config *cfg, FILE *out, tr_result *res) {
     mn_result r, r2;
     memset(res, 0, sizeof *res);
     r = tr_model_init(&m, cfg);
+    if (r == MN_OK && cfg->resume) r = tr_resume(&m);
     if (r == MN_OK) r = tr_run_model(&m, out, res);
     memcpy(res->error, m.error, sizeof res->error);
     r2 = tr_model_free(&m);
