@@ -53,6 +53,7 @@
 #define TR_MAX_BATCH 4096
 #define TR_MAX_VOCAB 262144
 #define TR_LN_EPS 1e-5f
+#define TR_MIB (1024.0 * 1024.0)
 #define TR_TRACE_MIN 4096      // history ring entries with --memory-svg / --snapshot: at least
 #define TR_TRACE_MAX 262144    // this many, at most this many (12 MiB of host memory)
 
@@ -72,6 +73,7 @@ typedef struct tr_config {
     mn_precision precision;  // MN_PREC_FP32, or MN_PREC_FP16 / MN_PREC_BF16: 16-bit storage
     long inject_overflow; // fp16: plant an inf in the gradients of this step (1-based), 0 = none
     uint64_t capacity;    // bytes the host device may hand out, 0 = unlimited
+    uint64_t fail_alloc_at;  // the N-th tensor allocation fails as out of memory, 0 = never
     const char *data;     // train on the bytes of this file, NULL = the Markov source
     mn_optim optim;       // MN_OPTIM_ADAMW, _ADAMW_8BIT, _SGD, _SGD_MOMENTUM, _ADAFACTOR, _LION
     const char *memory_svg;  // the cache's timeline as SVG after training, NULL = none
@@ -171,7 +173,8 @@ static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, 
     X(DATA, "--data") X(MEMORY_SVG, "--memory-svg") X(SNAPSHOT, "--snapshot") \
     X(OPTIM, "--optim") X(CHECKPOINTING, "--checkpointing") X(PRECISION, "--precision") \
     X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity") X(SAVE, "--save") \
-    X(SAVE_EVERY, "--save-every") X(RESUME, "--resume") X(STOP_AFTER, "--stop-after")
+    X(SAVE_EVERY, "--save-every") X(RESUME, "--resume") X(STOP_AFTER, "--stop-after") \
+    X(FAIL_ALLOC_AT, "--fail-alloc-at")
 #define TR_FLAG_ENUM(id, flag) TR_F_##id,
 typedef enum tr_flag { TR_FLAGS(TR_FLAG_ENUM) TR_FLAG_COUNT } tr_flag;
 #define TR_FLAG_NAME(id, flag) flag,
@@ -296,6 +299,9 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                 cfg->save_every = (long)v;
                 break;
             case TR_F_RESUME: cfg->resume = a; break;
+            case TR_F_FAIL_ALLOC_AT:
+                TR_TRY(tr_parse_size(f, a, 1, UINT64_MAX, &cfg->fail_alloc_at, err, cap));
+                break;
             case TR_F_STOP_AFTER:
                 TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap));
                 cfg->stop_after = (long)v;
@@ -509,6 +515,7 @@ typedef struct tr_model {
     mn_loss_scaler scaler;    // fp16: the dynamic loss scale
     long step;                // optimizer steps taken (skipped ones included)
     uint64_t save_fail_after; // tests: a --save write fails after this many bytes, 0 = never
+    uint64_t alloc_calls;     // tensor allocations so far (for --fail-alloc-at)
     int *tokens, *targets;    // [B,T], MN_CAT_OTHER (the input batch)
     uint8_t *text;            // [text_len] the --data file, MN_CAT_OTHER, or NULL
     uint64_t text_len;
@@ -521,6 +528,29 @@ typedef struct tr_model {
     tr_markov data;
 } tr_model;
 
+// bytes from the cache under cat, with a label; the fail_alloc_at-th call fails as the device
+// would when full. A failure leaves its explanation in m->error.
+static mn_result tr_cache_alloc(tr_model *m, uint64_t bytes, mn_category cat, const char *label,
+                                void **out) {
+    struct mn_cache_stats st;
+    mn_result r = ++m->alloc_calls == m->cfg.fail_alloc_at
+                  ? MN_ERR_DEVICE_OOM : mn_cache_alloc(&m->cache, bytes, 0, cat, label, out);
+    char cap[48] = "";
+    if (r == MN_OK) return MN_OK;
+    *out = NULL;
+    if (m->cfg.capacity)
+        snprintf(cap, sizeof cap, " of --capacity %.2f MiB", (double)m->cfg.capacity / TR_MIB);
+    if (mn_cache_stats(&m->cache, &st) == MN_OK)
+        snprintf(m->error, sizeof m->error, "%s allocating %s (%s, %.2f MiB) with %.2f MiB "
+                 "allocated and %.2f MiB reserved%s (allocation %llu)",
+                 r == MN_ERR_DEVICE_OOM ? "out of memory" : mn_result_str(r), label,
+                 mn_category_name(cat), (double)bytes / TR_MIB,
+                 (double)st.allocated_bytes[MN_STAT_ALL].current / TR_MIB,
+                 (double)st.reserved_bytes[MN_STAT_ALL].current / TR_MIB, cap,
+                 (unsigned long long)m->alloc_calls);
+    return r;
+}
+
 // A block of n elements of size elem from the cache, zeroed when zero is set.
 static mn_result tr_alloc(tr_model *m, uint64_t n, size_t elem, mn_category cat,
                           const char *label, int zero, void *out) {
@@ -528,7 +558,7 @@ static mn_result tr_alloc(tr_model *m, uint64_t n, size_t elem, mn_category cat,
     void *p = NULL;
     TR_TRY(mn_mul_u64(n, elem, &bytes));
     if (bytes > SIZE_MAX) return MN_ERR_OVERFLOW;
-    TR_TRY(mn_cache_alloc(&m->cache, bytes, 0, cat, label, &p));
+    TR_TRY(tr_cache_alloc(m, bytes, cat, label, &p));
     if (zero && p) memset(p, 0, (size_t)bytes);
     memcpy(out, &p, sizeof p);  // out is a float **, uint16_t ** or int **
     return MN_OK;
@@ -790,8 +820,7 @@ static mn_optim_desc tr_optim_desc(const tr_config *cfg) {
 static void *tr_optim_alloc(void *user_data, size_t size) {
     tr_model *m = (tr_model *)user_data;
     void *p = NULL;
-    if (mn_cache_alloc(&m->cache, size, 0, MN_CAT_OPTIMIZER, mn_optim_name(m->cfg.optim), &p)
-        != MN_OK)
+    if (tr_cache_alloc(m, size, MN_CAT_OPTIMIZER, mn_optim_name(m->cfg.optim), &p) != MN_OK)
         return NULL;
     m->opt_block[m->opt_current] = p;  // for the checkpoints
     return p;
@@ -1555,7 +1584,6 @@ typedef struct tr_result {
 } tr_result;
 
 
-#define TR_MIB (1024.0 * 1024.0)
 
 // What goes into a file: a picture or a dump of the snapshot (ctx), written to f.
 static mn_result tr_write_svg(void *snap, FILE *f) {

@@ -484,7 +484,7 @@ static void test_flags(void) {
         {"--inject-overflow", "3", NULL},  // only fp16 scales the loss
         {"--head", "both", NULL}, {"--vocab", "100", NULL}, {"--size", "huge", NULL},
         {"--capacity", "lots", NULL}, {"--capacity", "0", NULL}, {"--save-every", "5", NULL},
-        {"--stop-after", "501", NULL}, {"--resume", NULL, NULL},
+        {"--stop-after", "501", NULL}, {"--resume", NULL, NULL}, {"--fail-alloc-at", "0", NULL},
     };
     tr_config cfg;
     char err[256];
@@ -782,6 +782,37 @@ static void test_checkpoint_errors(void) {
     rmdir(dir);
 }
 
+// Every tensor allocation of one step (the second: the optimizer state exists) failing in turn,
+// in fp16 with full checkpointing and accumulation (the most allocations): each failure is
+// reported as out of memory naming the tensor, nothing leaks, and the model frees cleanly.
+static void test_step_allocation_failures(void) {
+    tr_config cfg = tt_config();
+    tr_result res;
+    uint64_t first, last, n;
+    tr_model m;
+    long live = mnt_live_allocs();
+    cfg.steps = 2, cfg.K = 2, cfg.precision = MN_PREC_FP16;
+    cfg.checkpointing = mnt_rand_u64() % 2 ? TR_CKPT_FULL : TR_CKPT_SELECTIVE;
+    CHECK_OK(tr_model_init(&m, &cfg));
+    tt_steps(&m, 1, (double[1]){0});
+    first = m.alloc_calls + 1;
+    tt_steps(&m, 1, (double[1]){0});
+    last = m.alloc_calls;
+    CHECK_OK(tr_model_free(&m));
+    CHECK(last > first + 100);
+    for (n = first; n <= last; n++) {
+        cfg.fail_alloc_at = n;
+        CHECK_EQ_INT(tr_run(&cfg, NULL, &res), MN_ERR_DEVICE_OOM);
+        CHECK_MSG(strstr(res.error, "out of memory allocating") != NULL, "allocation %llu: %s",
+                  (unsigned long long)n, res.error);
+        CHECK_EQ_INT(mnt_live_allocs(), live);
+        if (mnt_failed()) return;
+    }
+    if (mnt_verbose())
+        printf("    step allocation failures: allocations %llu..%llu each failed in turn\n",
+               (unsigned long long)first, (unsigned long long)last);
+}
+
 const mnt_case test_trainer_cases[] = {
     {"gradients_finite_differences", test_gradients_finite_differences},
     {"accumulation", test_accumulation},
@@ -798,5 +829,6 @@ const mnt_case test_trainer_cases[] = {
     {"overflow", test_overflow},
     {"resume", test_resume},
     {"checkpoint_errors", test_checkpoint_errors},
+    {"step_allocation_failures", test_step_allocation_failures},
 };
 const size_t test_trainer_count = sizeof test_trainer_cases / sizeof test_trainer_cases[0];
