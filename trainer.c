@@ -82,6 +82,7 @@ typedef struct tr_config {
     long save_every;      // 0 = only at the end
     const char *resume;   // continue from this checkpoint, NULL = a fresh start
     long stop_after;      // stop after this step of the --steps schedule, 0 = run to the end
+    const char *json;     // the run's summary as JSON, NULL = none
     int help;             // --help was given
 } tr_config;
 
@@ -174,7 +175,7 @@ static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, 
     X(OPTIM, "--optim") X(CHECKPOINTING, "--checkpointing") X(PRECISION, "--precision") \
     X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity") X(SAVE, "--save") \
     X(SAVE_EVERY, "--save-every") X(RESUME, "--resume") X(STOP_AFTER, "--stop-after") \
-    X(FAIL_ALLOC_AT, "--fail-alloc-at")
+    X(FAIL_ALLOC_AT, "--fail-alloc-at") X(JSON, "--json")
 #define TR_FLAG_ENUM(id, flag) TR_F_##id,
 typedef enum tr_flag { TR_FLAGS(TR_FLAG_ENUM) TR_FLAG_COUNT } tr_flag;
 #define TR_FLAG_NAME(id, flag) flag,
@@ -299,6 +300,7 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                 cfg->save_every = (long)v;
                 break;
             case TR_F_RESUME: cfg->resume = a; break;
+            case TR_F_JSON: cfg->json = a; break;
             case TR_F_FAIL_ALLOC_AT:
                 TR_TRY(tr_parse_size(f, a, 1, UINT64_MAX, &cfg->fail_alloc_at, err, cap));
                 break;
@@ -516,6 +518,8 @@ typedef struct tr_model {
     long step;                // optimizer steps taken (skipped ones included)
     uint64_t save_fail_after; // tests: a --save write fails after this many bytes, 0 = never
     uint64_t alloc_calls;     // tensor allocations so far (for --fail-alloc-at)
+    struct tr_step_info *history;  // --json: every step of this run (host memory), or NULL
+    long history_len;
     int *tokens, *targets;    // [B,T], MN_CAT_OTHER (the input batch)
     uint8_t *text;            // [text_len] the --data file, MN_CAT_OTHER, or NULL
     uint64_t text_len;
@@ -977,6 +981,8 @@ static mn_result tr_model_free(tr_model *m) {
     for (i = 0; i < TR_NUM_PARAMS; i++) tr_optim_state_free(m, i);  // zeroed ones are no-ops
     if (m->cache_ready) mn_cache_free(&m->cache);  // returns every segment to the device
     m->cache_ready = 0;
+    free(m->history);
+    m->history = NULL;
     return mn_hostdev_free(&m->dev);
 }
 
@@ -1355,7 +1361,8 @@ static const char *const tr_ckpt_model_flags[8] = {
 // Field i's value v as its flag would spell it.
 static void tr_ckpt_value(int i, uint64_t v, char *buf, size_t cap) {
     if (i == 5) snprintf(buf, cap, "%s", v == 1 ? "tied" : v == 0 ? "untied" : "?");
-    else if (i == 6 && v < MN_PREC_COUNT) snprintf(buf, cap, "%s", mn_precision_name((mn_precision)v));
+    else if (i == 6 && v < MN_PREC_COUNT)
+        snprintf(buf, cap, "%s", mn_precision_name((mn_precision)v));
     else if (i == 7 && v < MN_OPTIM_COUNT) snprintf(buf, cap, "%s", mn_optim_name((mn_optim)v));
     else snprintf(buf, cap, "%llu", (unsigned long long)v);
 }
@@ -1628,6 +1635,72 @@ static mn_result tr_write_memory(tr_model *m, FILE *out) {
     return r;
 }
 
+// --json FILE: the run for scripts. The configuration as resolved, every step of this run, the
+// summary, and the memory: per category, peak allocated and peak reserved, the bytes measured
+// by the allocator beside those the estimator predicted (null when there is no prediction).
+typedef struct tr_json_ctx {
+    const tr_model *m;
+    const tr_result *res;
+    const mn_estimate_result *pred;  // or NULL
+} tr_json_ctx;
+
+static void tr_json_pair(FILE *f, const char *key, uint64_t measured, const uint64_t *predicted,
+                         const char *sep) {
+    fprintf(f, "    \"%s\": {\"measured\": %llu, \"predicted\": ", key,
+            (unsigned long long)measured);
+    if (predicted) fprintf(f, "%llu}%s\n", (unsigned long long)*predicted, sep);
+    else fprintf(f, "null}%s\n", sep);
+}
+
+static mn_result tr_json_body(void *ctx, FILE *f) {
+    const tr_json_ctx *j = (const tr_json_ctx *)ctx;
+    const tr_model *m = j->m;
+    const tr_config *c = &m->cfg;
+    const tr_result *res = j->res;
+    const struct mn_cache_stats *st = &res->stats;
+    double tokens = (double)c->B * (double)c->T * (double)c->K;
+    long i;
+    int k;
+    fprintf(f, "{\n  \"trainer\": \"memanat %s\",\n  \"config\": {\"layers\": %zu, \"dim\": %zu, "
+            "\"heads\": %zu, \"seq\": %zu, \"vocab\": %zu, \"head\": \"%s\", \"batch\": %zu, "
+            "\"accum\": %zu, \"steps\": %ld, \"lr\": %.9g, \"clip\": %.9g, \"seed\": %llu, "
+            "\"checkpointing\": \"%s\", \"precision\": \"%s\", \"optim\": \"%s\", "
+            "\"capacity\": %llu, \"data\": ", MEMANAT_VERSION, c->L, c->C, c->NH, c->T, c->V,
+            c->tied ? "tied" : "untied", c->B, c->K, c->steps, (double)c->lr, (double)c->clip,
+            (unsigned long long)c->seed, tr_ckpt_names[c->checkpointing],
+            mn_precision_name(c->precision), mn_optim_name(c->optim),
+            (unsigned long long)c->capacity);
+    if (c->data) mn_json_fputs_escaped(f, c->data);
+    else fputs("null", f);
+    fprintf(f, "},\n  \"parameters\": %llu,\n  \"entropy\": ", (unsigned long long)m->num_params);
+    if (m->text) fputs("null", f);
+    else fprintf(f, "%.9g", res->entropy);
+    fprintf(f, ",\n  \"steps\": [\n");
+    for (i = 0; i < m->history_len; i++) {
+        const tr_step_info *h = &m->history[i];
+        fprintf(f, "    {\"step\": %ld, \"loss\": %.9g, \"lr\": %.9g, \"norm\": %.9g, "
+                "\"skipped\": %s, \"tokens_per_second\": %.1f}%s\n",
+                m->step - m->history_len + i + 1, h->loss, (double)h->lr, (double)h->norm,
+                h->skipped ? "true" : "false", tokens / h->seconds,
+                i + 1 < m->history_len ? "," : "");
+    }
+    fprintf(f, "  ],\n  \"summary\": {\"seconds\": %.6f, \"samples_per_second\": %.3f, "
+            "\"tokens_per_second\": %.1f, \"first_loss\": %.9g, \"final_loss\": %.9g, "
+            "\"skipped_steps\": %ld, \"loss_scale\": %.9g},\n  \"memory\": {\n",
+            res->seconds, (double)res->steps_run * c->B * c->K / res->seconds,
+            (double)res->steps_run * tokens / res->seconds, res->first_loss, res->last_loss,
+            res->skipped, (double)res->loss_scale);
+    for (k = 0; k < MN_CAT_COUNT; k++)
+        tr_json_pair(f, mn_category_name((mn_category)k), st->cat_allocated_bytes[k].peak,
+                     j->pred ? &j->pred->cat_peak[k] : NULL, ",");
+    tr_json_pair(f, "peak_allocated", st->allocated_bytes[MN_STAT_ALL].peak,
+                 j->pred ? &j->pred->peak_allocated : NULL, ",");
+    tr_json_pair(f, "peak_reserved", st->reserved_bytes[MN_STAT_ALL].peak,
+                 j->pred ? &j->pred->peak_reserved : NULL, "");
+    fprintf(f, "  }\n}\n");
+    return ferror(f) ? MN_ERR_IO : MN_OK;
+}
+
 // Trains as cfg says; prints to out (NULL: silent). The model's memory is gone on return.
 static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     const tr_config *c = &m->cfg;
@@ -1662,9 +1735,14 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     res->num_params = m->num_params;
     if (m->step > 0 && out)
         fprintf(out, "resumed from %s after step %ld\n", c->resume, m->step);
+    if (c->json) {  // the steps, for the JSON summary
+        m->history = (tr_step_info *)malloc((size_t)(last - first) * sizeof *m->history);
+        if (!m->history) return MN_ERR_OUT_OF_MEMORY;
+    }
     for (s = first; s < last; s++) {
         tr_step_info st;
         TR_TRY(tr_step(m, &st));
+        if (m->history) m->history[m->history_len++] = st;
         if (s == first) res->first_loss = st.loss;
         if (s >= last - ntail) tail += st.loss;
         res->skipped += st.skipped;
@@ -1704,6 +1782,16 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
                 mn_optim_name(c->optim), (unsigned long long)res->optim_bytes,
                 (unsigned long long)res->optim_predicted);
         TR_TRY(mn_cache_summary_write(&res->stats, 0, 0, mn_cache_write_file, out));
+    }
+    if (c->json) {
+        tr_json_ctx j;
+        mn_result r;
+        j.m = m, j.res = res, j.pred = NULL;
+        if ((r = mn_write_file_atomic(c->json, tr_json_body, &j)) != MN_OK) {
+            snprintf(m->error, sizeof m->error, "cannot write --json %.120s: %s", c->json,
+                     mn_result_str(r));
+            return r;
+        }
     }
     return tr_write_memory(m, out);
 }
