@@ -551,8 +551,10 @@ static void test_prediction_exact(void) {
         cfg.precision = precs[mnt_rand_u64() % 3];
         cfg.checkpointing = (int)(mnt_rand_u64() % 3);
         cfg.optim = (mn_optim)(MN_OPTIM_ADAMW + mnt_rand_u64() % 6);
-        if (draw == 0)
-            cfg.precision = MN_PREC_FP16, cfg.checkpointing = TR_CKPT_FULL, cfg.optim = MN_OPTIM_SGD;
+        if (draw == 0) {
+            cfg.precision = MN_PREC_FP16, cfg.checkpointing = TR_CKPT_FULL;
+            cfg.optim = MN_OPTIM_SGD;
+        }
         if (draw == 1) {
             cfg.precision = MN_PREC_BF16, cfg.checkpointing = TR_CKPT_SELECTIVE, cfg.K = 3;
             cfg.tied = 0, cfg.optim = MN_OPTIM_ADAMW_8BIT;
