@@ -520,7 +520,7 @@ typedef struct mn_setup {
     uint32_t gpus;             // data-parallel GPUs, 0 = 1
     mn_offload offload;        // 0 = none
     uint64_t trainable_params; // only this many parameters train (adapters), 0 = all / LoRA's
-    const char *gpu;           // GPU table name, NULL = "a100-80gb"
+    const char *gpu;           // GPU table name, NULL = "a100-80gb" ("cpu" for --framework memanat)
     uint64_t capacity;         // device bytes, 0 = the GPU's
     uint64_t context;          // CUDA context bytes, 0 = the GPU's typical value
     int infer;                 // inference (generation) instead of training
@@ -616,7 +616,8 @@ typedef struct mn_plan_step {
 
 typedef struct mn_fit_result {
     uint64_t max_batch;     // largest micro-batch that fits at setup->seq, 0 = none
-    uint64_t max_seq;       // longest sequence that fits at setup->batch, 0 = none
+    uint64_t max_seq;       // longest sequence that fits at setup->batch, 0 = none (or not
+                            // searched: memanat's sequence is its model's position table)
     int plan_found;         // a plan reaches the budget
     uint32_t plan_len;
     mn_plan_step plan[12];
@@ -3175,8 +3176,13 @@ MNIMPL const char *mn_framework_describe(mn_framework f) {
                "optimizer (18 bytes per parameter; 6 + 12/N with the distributed optimizer, "
                "--zero 1); flash attention, fused kernels";
     case MN_FW_MEMANAT:
-        return "memanat: this project's trainer: 16-bit weights with fp32 master weights, fp32 "
-               "gradients, fp32 optimizer state, flash-style attention";
+        return "memanat: this project's CPU trainer (trainer.c), its GPT only (mn_gpt_model): its "
+               "exact allocation sequence through one caching allocator in host memory (no "
+               "context, no cuBLAS workspace). fp32, or fp16/bf16 weights and activations (2 B) "
+               "with fp32 master weights; fp32 gradients kept between steps; optimizer state made "
+               "at the first step, one block per stacked parameter tensor; attention "
+               "probabilities kept (selective: none, recomputed); fp32 views of 16-bit tensors "
+               "and the gradients of the backward as short-lived temporaries";
     case MN_FW_COUNT: break;
     }
     return "unknown framework";
@@ -3402,6 +3408,9 @@ static const mn_gpu mn__gpus[] = {
     {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4)},
     {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32)},
     {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32)},
+    // host memory for CPU programs (--framework memanat's default): no context, no cuBLAS
+    // workspace, and no known size (1 PiB, what mn_hostdev reports when unlimited)
+    {"cpu",       "host memory (CPU)",     1ull << 50,      0,            0,  1, 0},
 };
 
 MNIMPL uint32_t mn_gpu_count(void) { return (uint32_t)(sizeof mn__gpus / sizeof mn__gpus[0]); }
@@ -4696,6 +4705,336 @@ MN__PRIVATE void mn__generate(mn__sim *S) {
     mn__drop(S, x), mn__drop(S, ids);
 }
 
+// ---- the memanat framework: trainer.c's allocation sequence -------------------------------------
+// trainer.c takes every tensor from one caching allocator, so its statistics are reproduced by
+// emitting its allocations and frees in its own order and replaying them through a cache with
+// the same (default) configuration. Each function below mirrors one trainer function, named in
+// its comment, call for call; the sizes come from the shared tables MN_GPT_PARAMS and
+// MN_GPT_ACTS. Storage: fp32 4 bytes; with --precision fp16|bf16 the weights and the activations
+// take 2 bytes (MN_GPT_ACTS rows marked fp32 and the probabilities stay fp32), every op computes
+// on an fp32 view of what it reads (a temporary), and the block's weights are converted into one
+// fp32 temporary while the block runs. Gradients, master weights and optimizer state are fp32.
+
+#define MN__GP_ENUM(name, rows, cols, init) MN__GP_##name,
+enum { MN_GPT_PARAMS(MN__GP_ENUM) MN__GP_COUNT };
+#undef MN__GP_ENUM
+#define MN__GA_ENUM(name, numel, fp32) MN__GA_##name,
+enum { MN_GPT_ACTS(MN__GA_ENUM) MN__GA_COUNT };
+#undef MN__GA_ENUM
+enum { MN__G_BLOCK, MN__G_EMBED, MN__G_HEAD };  // the trainer's weight groups (TR_G_*)
+
+typedef struct mn__gt {  // tr_tensor: the storage and its fp32 view, tensor ids (MN__NONE: none)
+    uint32_t data, f;
+    uint64_t n;          // elements
+    int half;            // stored in 16 bits (the view is then a temporary of its own)
+} mn__gt;
+
+typedef struct mn__gpt {  // tr_model, as far as memory goes
+    mn__sim *S;
+    uint64_t L, C, NH, T, V, B, N, HV;  // HV: rows of an untied head, 0 when tied
+    uint64_t pn[MN__GP_COUNT];          // elements of each parameter tensor (stacked per layer)
+    uint64_t an[MN__GA_COUNT];          // elements of each activation a block keeps
+    int af[MN__GA_COUNT];               // the activation is stored in fp32 at every precision
+    int half, ckpt;                     // 16-bit storage; MN_CKPT_NONE, _SELECTIVE, _FULL
+    uint32_t wview;                     // tr_model.wview: the fp32 weights one part reads
+    mn__gt *x;                          // [L + 1] the residual stream
+    mn__gt *acts;                       // [L][MN__GA_COUNT] what each block keeps
+    mn__gt lnf, lnf_mean, lnf_rstd, probs;
+    uint32_t logits, losses, dlosses, dlogits, dx, dln, dfch, datty, dqkv;  // tr_temps
+} mn__gpt;
+
+// Shapes and table sizes. The tables' largest products (the attention probabilities
+// B*NH*T*T, the MLP activations N*4C, the logits N*V, the stacked MLP weights L*4C*C and the
+// embedding V*C, in bytes) are checked once; every other entry divides one of them, so the
+// tables' plain expressions cannot wrap.
+MN__PRIVATE void mn__gpt_shapes(mn__gpt *G, mn__sim *S) {
+    const mn__cfg *c = S->c;
+    uint64_t L, C, NH, T, V, B, N, HV;
+    G->S = S;
+    L = G->L = c->m.layers, C = G->C = c->m.hidden, NH = G->NH = c->m.heads;
+    T = G->T = c->seq, V = G->V = c->m.vocab, B = G->B = c->batch, N = G->N = c->ntok;
+    HV = G->HV = c->m.tie_embeddings ? 0 : V;
+    G->half = c->a_esz == 2, G->ckpt = c->s.checkpointing;
+    G->wview = MN__NONE;
+    mn__prod(S, mn__prod(S, mn__prod3(S, B, NH, T), T), 4);
+    mn__prod3(S, N, 4 * C, 4);
+    mn__prod3(S, N, V, 4);
+    mn__prod3(S, mn__prod3(S, L, 4 * C, C), 4, 1);
+    mn__prod3(S, V, C, 4);
+    if (S->err) return;
+#define MN__GP_SIZE(name, rows, cols, init) G->pn[MN__GP_##name] = (rows) * (cols);
+    MN_GPT_PARAMS(MN__GP_SIZE)
+#undef MN__GP_SIZE
+#define MN__GA_SIZE(name, numel, fp32) G->an[MN__GA_##name] = (numel), G->af[MN__GA_##name] = fp32;
+    MN_GPT_ACTS(MN__GA_SIZE)
+#undef MN__GA_SIZE
+    G->lnf.data = G->lnf_mean.data = G->lnf_rstd.data = G->probs.data = MN__NONE;
+    G->lnf.f = G->lnf_mean.f = G->lnf_rstd.f = G->probs.f = MN__NONE;
+    G->logits = G->losses = G->dlosses = G->dlogits = G->dx = MN__NONE;
+    G->dln = G->dfch = G->datty = G->dqkv = MN__NONE;
+}
+
+// tr_new: a new activation of n elements (fp32 set: fp32 at every precision), opened.
+MN__PRIVATE void mn__gpt_new(mn__gpt *G, mn__gt *t, uint64_t n, int fp32) {
+    t->n = n, t->half = G->half && !fp32;
+    t->data = mn__tensor_new(G->S, n, t->half ? 2 : 4, MN_CAT_ACTIVATIONS);
+    t->f = t->half ? mn__tensor_new(G->S, n, 4, MN_CAT_TEMPORARY) : t->data;
+}
+
+// tr_open: the fp32 view of a stored tensor, a temporary copy for a 16-bit one.
+MN__PRIVATE void mn__gpt_open(mn__gpt *G, mn__gt *t) {
+    if (t->f == MN__NONE && t->n) t->f = mn__tensor_new(G->S, t->n, 4, MN_CAT_TEMPORARY);
+}
+
+// tr_close: releases a 16-bit tensor's view.
+MN__PRIVATE void mn__gpt_close(mn__gpt *G, mn__gt *t) {
+    if (!t->half) return;
+    mn__drop(G->S, t->f);
+    t->f = MN__NONE;
+}
+
+// tr_free: the view, then the storage.
+MN__PRIVATE void mn__gpt_free(mn__gpt *G, mn__gt *t) {
+    mn__gpt_close(G, t);
+    mn__drop(G->S, t->data);
+    t->data = t->f = MN__NONE, t->n = 0, t->half = 0;
+}
+
+// tr_temp and tr_release: fp32 temporaries.
+MN__PRIVATE uint32_t mn__gpt_temp(mn__gpt *G, uint64_t n) {
+    return mn__tensor_new(G->S, n, 4, MN_CAT_TEMPORARY);
+}
+MN__PRIVATE void mn__gpt_release(mn__gpt *G, uint32_t *id) {
+    mn__drop(G->S, *id);
+    *id = MN__NONE;
+}
+
+// tr_in_group: the parameters one part of the model reads.
+MN__PRIVATE int mn__gpt_in_group(const mn__gpt *G, int i, int group) {
+    if (group == MN__G_BLOCK) return i >= MN__GP_ln1w && i <= MN__GP_fcprojb;
+    if (group == MN__G_EMBED) return i == MN__GP_wte || i == MN__GP_wpe;
+    return i == MN__GP_lnfw || i == MN__GP_lnfb || i == (G->HV ? MN__GP_lmw : MN__GP_wte);
+}
+
+// tr_weights_open, tr_weights_close: with 16-bit weights, one fp32 temporary holding the
+// group's weights (one layer's rows of the stacked block tensors).
+MN__PRIVATE void mn__gpt_weights_open(mn__gpt *G, int group) {
+    uint64_t total = 0;
+    int i;
+    if (!G->half) return;
+    for (i = 0; i < MN__GP_COUNT; i++)
+        if (mn__gpt_in_group(G, i, group))
+            total += group == MN__G_BLOCK ? G->pn[i] / G->L : G->pn[i];  // layer l's rows
+    G->wview = mn__gpt_temp(G, total);
+}
+MN__PRIVATE void mn__gpt_weights_close(mn__gpt *G) { mn__gpt_release(G, &G->wview); }
+
+// tr_model_init: per parameter its 16-bit copy (half), its fp32 weights (the master when half)
+// and its fp32 gradient; then the input batch, tokens and targets int[B,T].
+MN__PRIVATE void mn__gpt_model_init(mn__gpt *G) {
+    mn__sim *S = G->S;
+    uint64_t i;
+    for (i = 0; i < S->np; i++) {
+        uint64_t n = S->params[i].numel;
+        if (G->half) mn__tensor_new(S, n, 2, MN_CAT_WEIGHTS);
+        mn__tensor_new(S, n, 4, G->half ? MN_CAT_MASTER_WEIGHTS : MN_CAT_WEIGHTS);
+        mn__tensor_new(S, n, 4, MN_CAT_GRADIENTS);
+    }
+    mn__tensor_new(S, G->N, 4, MN_CAT_OTHER);
+    mn__tensor_new(S, G->N, 4, MN_CAT_OTHER);
+}
+
+// tr_block_forward: block l's activations from x[l] (recompute: checkpointing's re-run, which
+// makes no x[l + 1]); every view of a 16-bit model is released at the end of the block.
+MN__PRIVATE void mn__gpt_block_forward(mn__gpt *G, uint64_t l, int recompute) {
+    mn__gt *a = &G->acts[l * MN__GA_COUNT];
+    int i;
+    mn__gpt_weights_open(G, MN__G_BLOCK);
+    mn__gpt_open(G, &G->x[l]);
+    for (i = 0; i < MN__GA_COUNT; i++)
+        if (i != MN__GA_att || G->ckpt != MN_CKPT_SELECTIVE)  // selective: no probabilities
+            mn__gpt_new(G, &a[i], G->an[i], G->af[i]);
+    if (!recompute) {
+        mn__gpt_new(G, &G->x[l + 1], G->N * G->C, 0);
+        mn__gpt_close(G, &G->x[l + 1]);
+    }
+    for (i = 0; i < MN__GA_COUNT; i++) mn__gpt_close(G, &a[i]);
+    mn__gpt_close(G, &G->x[l]);
+    mn__gpt_weights_close(G);
+}
+
+// tr_block_backward: the gradient temporaries of block l, each saved activation opened right
+// before its first use and freed after its last.
+MN__PRIVATE void mn__gpt_block_backward(mn__gpt *G, uint64_t l) {
+    mn__gt *a = &G->acts[l * MN__GA_COUNT];
+    uint64_t N = G->N, C = G->C;
+    int i;
+    mn__gpt_free(G, &G->x[l + 1]);
+    if (G->ckpt == MN_CKPT_FULL) mn__gpt_block_forward(G, l, 1);
+    mn__gpt_weights_open(G, MN__G_BLOCK);
+    G->dfch = mn__gpt_temp(G, N * 4 * C);  // fc projection
+    mn__gpt_open(G, &a[MN__GA_fch_gelu]);
+    mn__gpt_free(G, &a[MN__GA_fch_gelu]);
+    G->dln = mn__gpt_temp(G, N * C);  // fc with the GELU
+    mn__gpt_open(G, &a[MN__GA_ln2]);
+    mn__gpt_open(G, &a[MN__GA_fch]);
+    mn__gpt_release(G, &G->dfch);
+    mn__gpt_free(G, &a[MN__GA_fch]);
+    mn__gpt_free(G, &a[MN__GA_ln2]);
+    mn__gpt_open(G, &a[MN__GA_res2]);  // layernorm 2
+    mn__gpt_free(G, &a[MN__GA_res2]);
+    mn__gpt_free(G, &a[MN__GA_ln2_mean]);
+    mn__gpt_free(G, &a[MN__GA_ln2_rstd]);
+    G->datty = mn__gpt_temp(G, N * C);  // attention projection
+    mn__gpt_open(G, &a[MN__GA_atty]);
+    mn__gpt_free(G, &a[MN__GA_atty]);
+    G->dqkv = mn__gpt_temp(G, N * 3 * C);  // attention
+    mn__gpt_open(G, &a[MN__GA_qkv]);
+    if (a[MN__GA_att].data != MN__NONE) mn__gpt_open(G, &a[MN__GA_att]);
+    mn__gpt_release(G, &G->datty);
+    mn__gpt_free(G, &a[MN__GA_att]);
+    mn__gpt_free(G, &a[MN__GA_qkv]);
+    mn__gpt_open(G, &a[MN__GA_ln1]);  // qkv
+    mn__gpt_release(G, &G->dqkv);
+    mn__gpt_free(G, &a[MN__GA_ln1]);
+    mn__gpt_open(G, &G->x[l]);  // layernorm 1
+    mn__gpt_close(G, &G->x[l]);
+    mn__gpt_release(G, &G->dln);
+    for (i = 0; i < MN__GA_COUNT; i++) mn__gpt_free(G, &a[i]);  // tr_acts_free: the statistics
+    mn__gpt_weights_close(G);
+}
+
+// tr_forward, the embedding: x[0] = wte[tokens] + wpe.
+MN__PRIVATE void mn__gpt_embedding_forward(mn__gpt *G) {
+    mn__gpt_weights_open(G, MN__G_EMBED);
+    mn__gpt_new(G, &G->x[0], G->N * G->C, 0);
+    mn__gpt_close(G, &G->x[0]);
+    mn__gpt_weights_close(G);
+}
+
+// tr_forward, the head: final layernorm, logits (a temporary), probabilities (kept, fp32).
+MN__PRIVATE void mn__gpt_head_forward(mn__gpt *G) {
+    uint64_t N = G->N;
+    mn__gpt_weights_open(G, MN__G_HEAD);
+    mn__gpt_new(G, &G->lnf, N * G->C, 0);
+    mn__gpt_new(G, &G->lnf_mean, N, 1);
+    mn__gpt_new(G, &G->lnf_rstd, N, 1);
+    mn__gpt_open(G, &G->x[G->L]);
+    mn__gpt_close(G, &G->x[G->L]);
+    G->logits = mn__gpt_temp(G, N * G->V);
+    mn__gpt_close(G, &G->lnf);
+    mn__gpt_weights_close(G);
+    mn__gpt_new(G, &G->probs, N * G->V, 1);
+    G->losses = mn__gpt_temp(G, N);
+    mn__gpt_release(G, &G->logits);
+    mn__gpt_release(G, &G->losses);
+}
+
+// tr_backward, the head: dlogits, the head's and the final layernorm's backward, leaving dx.
+MN__PRIVATE void mn__gpt_head_backward(mn__gpt *G) {
+    uint64_t N = G->N;
+    G->dlosses = mn__gpt_temp(G, N);
+    G->dlogits = mn__gpt_temp(G, N * G->V);
+    mn__gpt_release(G, &G->dlosses);
+    mn__gpt_free(G, &G->probs);
+    mn__gpt_weights_open(G, MN__G_HEAD);
+    G->dln = mn__gpt_temp(G, N * G->C);
+    mn__gpt_open(G, &G->lnf);
+    mn__gpt_release(G, &G->dlogits);
+    mn__gpt_free(G, &G->lnf);
+    G->dx = mn__gpt_temp(G, N * G->C);
+    mn__gpt_open(G, &G->x[G->L]);
+    mn__gpt_close(G, &G->x[G->L]);
+    mn__gpt_weights_close(G);
+    mn__gpt_release(G, &G->dln);
+    mn__gpt_free(G, &G->lnf_mean);
+    mn__gpt_free(G, &G->lnf_rstd);
+}
+
+// tr_backward, the embedding: its gradients go straight into dwte, dwpe.
+MN__PRIVATE void mn__gpt_embedding_backward(mn__gpt *G) {
+    mn__gpt_release(G, &G->dx);
+    mn__gpt_free(G, &G->x[0]);
+}
+
+// tr_forward: embedding, blocks (full checkpointing keeps x[l] only), head. Records the
+// activation bytes of each part for mn_estimate_parts.
+MN__PRIVATE void mn__gpt_forward(mn__gpt *G) {
+    mn__sim *S = G->S;
+    uint64_t l, mark = S->cur[MN_CAT_ACTIVATIONS];
+    mn__gpt_embedding_forward(G);
+    mn__part_mark(S, 0, &mark);
+    for (l = 0; l < G->L && !S->err; l++) {
+        mn__gpt_block_forward(G, l, 0);
+        if (G->ckpt == MN_CKPT_FULL) {
+            int i;
+            for (i = 0; i < MN__GA_COUNT; i++) mn__gpt_free(G, &G->acts[l * MN__GA_COUNT + i]);
+        }
+        mn__part_mark(S, (uint32_t)l + 1, &mark);
+    }
+    mn__gpt_head_forward(G);
+    mn__part_mark(S, (uint32_t)G->L + 1, &mark);
+}
+
+// tr_backward: head, blocks in reverse, embedding.
+MN__PRIVATE void mn__gpt_backward(mn__gpt *G) {
+    uint64_t l;
+    mn__gpt_head_backward(G);
+    for (l = G->L; l-- > 0 && !G->S->err;) mn__gpt_block_backward(G, l);
+    mn__gpt_embedding_backward(G);
+}
+
+// tr_update at the first step: tr_optim_state_init makes one block of mn_optim_state_bytes()
+// per parameter tensor (its stacked shape; none for plain SGD), after that step's backward.
+MN__PRIVATE void mn__gpt_optim_init(mn__gpt *G) {
+    mn__sim *S = G->S;
+    uint64_t i, b;
+    for (i = 0; i < S->np && !S->err; i++)
+        if ((b = mn__state_bytes(S, &S->params[i])) != 0) mn__tensor_new(S, b, 1, MN_CAT_OPTIMIZER);
+}
+
+// The run: tr_model_init, then steps of K micro-batches (tr_accumulate) and the update. A
+// micro-batch releases everything it allocates, so the allocated peaks are those of any
+// micro-batch with the optimizer state present (from the first update on); the cache's
+// segments settle within two micro-batches of the same allocations, so the trace holds
+// min(K, 2) micro-batches, the state, then two more (the first two steps, or three when K = 1).
+MN__PRIVATE void mn__gpt_run(mn__sim *S) {
+    mn__cfg *c = S->c;
+    mn__gpt G;
+    uint64_t i, mb, nmb;
+    memset(&G, 0, sizeof G);
+    mn__gpt_shapes(&G, S);
+    if (S->err) return;
+    G.x = (mn__gt *)mn__alloc_array(S->al, (size_t)G.L + 1, sizeof *G.x);
+    G.acts = (mn__gt *)mn__alloc_array(S->al, (size_t)G.L * MN__GA_COUNT, sizeof *G.acts);
+    if (!G.x || !G.acts) {
+        S->err = MN_ERR_OUT_OF_MEMORY;
+        goto free_arrays;
+    }
+    for (i = 0; i <= G.L; i++) G.x[i].data = G.x[i].f = MN__NONE, G.x[i].n = 0, G.x[i].half = 0;
+    for (i = 0; i < G.L * MN__GA_COUNT; i++)
+        G.acts[i].data = G.acts[i].f = MN__NONE, G.acts[i].n = 0, G.acts[i].half = 0;
+    S->phase = MN_PHASE_LOAD;
+    mn__gpt_model_init(&G);
+    if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
+    nmb = c->s.accum < 2 ? 1 : 2;
+    for (mb = 0; mb < nmb + 2 && !S->err; mb++) {
+        if (mb == nmb) {
+            S->phase = MN_PHASE_OPTIMIZER;
+            mn__gpt_optim_init(&G);
+        }
+        S->parts_on = S->parts && mb == nmb;  // the steady state
+        S->phase = MN_PHASE_FORWARD;
+        mn__gpt_forward(&G);
+        S->phase = MN_PHASE_BACKWARD;
+        mn__gpt_backward(&G);
+        S->parts_on = 0;
+    }
+free_arrays:
+    mn__free(S->al, G.x);
+    mn__free(S->al, G.acts);
+}
+
 // ---- >>estimate/inputs: resolving the inputs ----------------------------------------------------
 
 // Logs the reason and returns MN_ERR_INVALID_ARG.
@@ -4809,6 +5148,75 @@ MN__PRIVATE mn_result mn__resolve_model(const mn_model *in, const mn_logger *lg,
     return MN_OK;
 }
 
+// Logs the reason and returns MN_ERR_UNSUPPORTED.
+#define MN__UNSUPPORTED(lg, ...)                                                                   \
+    do {                                                                                           \
+        mn__log(lg, MN_LOG_ERROR, __VA_ARGS__);                                                    \
+        return MN_ERR_UNSUPPORTED;                                                                 \
+    } while (0)
+
+// --framework memanat predicts trainer.c, which trains one model on one device: the GPT of
+// mn_gpt_model() at its own sequence length, in fp32 or mixed fp16/bf16, with an optimizer, no
+// adapters, no sharding. Anything else is MN_ERR_UNSUPPORTED, with the first difference logged.
+MN__PRIVATE mn_result mn__resolve_memanat(const mn_model *m, const mn_setup *s,
+                                          const mn_logger *lg) {
+    mn_model raw, g;
+    if (m->arch != MN_ARCH_DECODER || m->head_dim * m->heads != m->hidden ||
+        mn_gpt_model(m->layers, m->hidden, m->heads, m->max_positions ? m->max_positions : 1,
+                     m->vocab, m->tie_embeddings, &raw) != MN_OK ||
+        mn__resolve_model(&raw, lg, &g) != MN_OK)
+        MN__UNSUPPORTED(lg, "--framework memanat models trainer.c's GPT (a decoder whose heads "
+                        "split the width), not %s", m->name);
+    // field, what the trainer has
+#define MN__GPT_FIELDS(X) \
+    X(kv_heads, "as many key/value heads as heads") X(ffn, "an MLP of 4 x the width") \
+    X(max_positions, "learned positions") X(type_vocab, "no token types") \
+    X(norm, "layernorm") X(act, "the tanh GELU") X(posemb, "learned positions") \
+    X(head, "a language-model head") X(gated_mlp, "no gated MLP") X(qkv_bias, "biases") \
+    X(out_bias, "biases") X(mlp_bias, "biases") X(pooler, "no pooler") \
+    X(final_norm, "a final layernorm") X(embed_norm, "no embedding norm") \
+    X(lm_transform, "no head transform") X(post_norm, "pre-norm blocks") \
+    X(params, "exactly its table's parameters")
+#define MN__GPT_FIELD(f, what) \
+    if ((uint64_t)m->f != (uint64_t)g.f) \
+        MN__UNSUPPORTED(lg, "--framework memanat models trainer.c's GPT, which has %s: %s's " \
+                        #f " is %llu (the trainer's %llu)", what, m->name, \
+                        (unsigned long long)m->f, (unsigned long long)g.f);
+    if (m->posemb != MN_POS_LEARNED) g.max_positions = 0;  // reported as posemb below
+    MN__GPT_FIELDS(MN__GPT_FIELD)
+#undef MN__GPT_FIELD
+#undef MN__GPT_FIELDS
+    if (m->dropout != 0.0f || m->attn_dropout != 0.0f)
+        MN__UNSUPPORTED(lg, "--framework memanat: trainer.c's GPT has no dropout (%s has %g, %g)",
+                        m->name, (double)m->dropout, (double)m->attn_dropout);
+    if (s->seq != m->max_positions)
+        MN__UNSUPPORTED(lg, "--framework memanat: the trainer's sequence is its position table "
+                        "(--seq %llu with %llu positions)", (unsigned long long)s->seq,
+                        (unsigned long long)m->max_positions);
+    if (s->infer)
+        MN__UNSUPPORTED(lg, "--framework memanat: the trainer has no generation (--infer)");
+    if (s->precision != MN_PREC_FP32 && s->precision != MN_PREC_FP16 &&
+        s->precision != MN_PREC_BF16)
+        MN__UNSUPPORTED(lg, "--framework memanat: the trainer keeps fp32 master weights, gradients "
+                        "and state (--precision fp32, fp16 or bf16, not %s)",
+                        mn_precision_name(s->precision));
+    if (s->optim == MN_OPTIM_NONE)
+        MN__UNSUPPORTED(lg, "--framework memanat: the trainer always steps an optimizer");
+    if (s->lora_rank || s->quant > MN_QUANT_NONE || s->trainable_params)
+        MN__UNSUPPORTED(lg, "--framework memanat: the trainer trains every weight (no LoRA, "
+                        "quantization or adapters)");
+    if (s->zero_stage || s->gpus > 1 || s->offload > MN_OFFLOAD_NONE)
+        MN__UNSUPPORTED(lg, "--framework memanat: the trainer runs on one device (no ZeRO, "
+                        "data parallelism or offload)");
+    if (s->attention != MN_ATTN_EAGER)
+        MN__UNSUPPORTED(lg, "--framework memanat: the trainer keeps the attention probabilities "
+                        "(eager), not --attention %s", mn_attn_name(s->attention));
+    if (s->grads != MN_GRADS_KEEP)
+        MN__UNSUPPORTED(lg, "--framework memanat: the trainer keeps its gradients and zeroes them "
+                        "in place");
+    return MN_OK;
+}
+
 MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__cfg *c,
                                   mn_gpu *gpu) {
     const mn_logger *lg = &setup->logger;
@@ -4825,6 +5233,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         MN__INVALID(lg, "--batch %llu is out of range (want 1..4294967296)",
                     (unsigned long long)s->batch);
     if (s->seq == 0 && m->arch == MN_ARCH_STACK) s->seq = 1;
+    if (s->seq == 0 && s->framework == MN_FW_MEMANAT) s->seq = m->max_positions;  // the trainer's T
     if (s->seq == 0)  // 512, or fewer positions of a learned table
         s->seq = m->posemb == MN_POS_LEARNED && m->max_positions < 512 ? m->max_positions : 512;
     if (s->seq > (1ull << 26))
@@ -4853,6 +5262,8 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         int enc = m->arch == MN_ARCH_ENCODER || m->arch == MN_ARCH_ENCODER_DECODER;
         if (s->framework == MN_FW_HF || s->framework == MN_FW_DEEPSPEED)
             s->attention = enc ? MN_ATTN_EAGER : MN_ATTN_SDPA;
+        else if (s->framework == MN_FW_MEMANAT)  // the trainer keeps the probabilities
+            s->attention = MN_ATTN_EAGER;
         else
             s->attention = MN_ATTN_FLASH;
     }
@@ -4861,8 +5272,9 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         MN__INVALID(lg, "--torch %u.%02u is out of range (want 1.00..9.99, torch_version 100..999)",
                     s->torch_version / 100, s->torch_version % 100);
     // torch 2.0 made zero_grad(set_to_none=True) the default (torch.nn.Module.zero_grad docs)
-    if (s->grads == MN_GRADS_DEFAULT)
-        s->grads = s->torch_version < 200 ? MN_GRADS_KEEP : MN_GRADS_RELEASE;
+    if (s->grads == MN_GRADS_DEFAULT)  // the trainer zeroes its gradients in place
+        s->grads = s->torch_version < 200 || s->framework == MN_FW_MEMANAT ? MN_GRADS_KEEP
+                                                                          : MN_GRADS_RELEASE;
     if (s->zero_stage > 3) MN__INVALID(lg, "--zero %u is out of range (want 0..3)", s->zero_stage);
     if (s->gpus == 0) s->gpus = 1;
     if (s->gpus > (1u << 20))
@@ -4892,7 +5304,9 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
                         (unsigned long long)s->new_tokens);
         s->seq = s->prompt, s->accum = 1, s->optim = MN_OPTIM_NONE, s->checkpointing = MN_CKPT_NONE;
     }
-    if (!s->gpu) s->gpu = "a100-80gb";
+    if (s->framework == MN_FW_MEMANAT && (r = mn__resolve_memanat(m, s, lg)) != MN_OK) return r;
+    // the trainer runs on the CPU: host memory, no context, no cuBLAS workspace
+    if (!s->gpu) s->gpu = s->framework == MN_FW_MEMANAT ? "cpu" : "a100-80gb";
     if (mn_gpu_find(s->gpu, gpu) != MN_OK) {
         mn__log(lg, MN_LOG_ERROR, "unknown GPU \"%s\" (see `memanat models`)", s->gpu);
         return MN_ERR_NOT_FOUND;
@@ -4941,9 +5355,8 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         if (mixed || pure) c->w_esz = 2, c->fw_master = 1;
         c->grads_prealloc = 1;
         break;
-    case MN_FW_MEMANAT:
+    case MN_FW_MEMANAT:  // 16-bit weights beside fp32 master weights (pure: refused above)
         if (mixed) c->w_esz = 2, c->fw_master = 2;
-        if (pure) c->w_esz = c->g_esz = 2, c->state_half = 1;
         break;
     case MN_FW_COUNT: break;
     }
@@ -4975,6 +5388,16 @@ MN__PRIVATE mn_result mn__build_params(mn__sim *S) {
     memset(S->block_start, 0, (size_t)nb * sizeof *S->block_start);
     S->counting = 1;
     S->cursor = 0;
+    if (c->s.framework == MN_FW_MEMANAT) {  // the trainer's tensors, per-layer ones stacked
+        uint64_t L = c->m.layers, C = c->m.hidden, T = c->seq, V = c->m.vocab;
+        uint64_t HV = c->m.tie_embeddings ? 0 : V;
+#define MN__GP_REG(name, rows, cols, init) \
+        if ((rows) != 0) mn__next_param(S, rows, cols, 1, 0);
+        MN_GPT_PARAMS(MN__GP_REG)
+#undef MN__GP_REG
+        S->counting = 0;
+        return S->err;
+    }
     if (c->m.arch == MN_ARCH_STACK) mn__stack_forward(S, MN__NONE);
     else mn__forward(S, MN__NONE, MN__NONE);
     if (S->err) return S->err;
@@ -5040,6 +5463,10 @@ MN__PRIVATE void mn__model_states(mn__sim *S, mn_estimate_result *out) {
 MN__PRIVATE void mn__run(mn__sim *S) {
     mn__cfg *c = S->c;
     uint64_t step, mb, nmb = c->s.accum < 2 ? 1 : 2;
+    if (c->s.framework == MN_FW_MEMANAT) {  // resolution made sure this is a training step
+        mn__gpt_run(S);
+        return;
+    }
     mn__load(S);
     if (S->err) return;
     if (c->s.infer) {
@@ -5047,7 +5474,7 @@ MN__PRIVATE void mn__run(mn__sim *S) {
         mn__generate(S);
         return;
     }
-    mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
+    if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
     for (step = 0; step < 2 && !S->err; step++) {
         for (mb = 0; mb < nmb && !S->err; mb++) {
             S->cursor = 0;
@@ -5119,7 +5546,7 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
     out->peak_reserved = S->peak;
     out->context = c.s.context, out->capacity = c.s.capacity;
     if (!c.s.no_replay) {
-        mn_cache_statistics st;
+        mn_cache_statistics st, st2;
         uint64_t limit = c.s.capacity - c.s.context;
         r = mn__replay(S, 0, &st);
         if (r != MN_OK) return r;
@@ -5127,9 +5554,24 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
         out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
         if (out->peak_reserved > limit && out->peak_allocated <= limit) {
             // PyTorch frees cached blocks and retries before it gives up: replay at the real size
-            r = mn__replay(S, limit, &st);
+            r = mn__replay(S, limit, &st2);
             if (r != MN_OK) return r;
-            if (st.num_ooms == 0) out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
+            if (st2.num_ooms == 0) {
+                st = st2;
+                out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
+            }
+        }
+        if (c.s.framework == MN_FW_MEMANAT) {
+            // The trainer reports its cache's block sizes (rounded, unsplit remainders included):
+            // the replay's statistics are the prediction, category by category.
+            out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
+            for (k = 0; k < MN_CAT_COUNT; k++)
+                out->at_peak[k] = st.cat_at_peak[k],
+                out->cat_peak[k] = st.cat_allocated_bytes[k].peak;
+            out->activations = out->at_peak[MN_CAT_ACTIVATIONS];
+            out->temporary = out->at_peak[MN_CAT_TEMPORARY];
+            out->workspace = out->at_peak[MN_CAT_WORKSPACE];
+            out->kv_cache = out->at_peak[MN_CAT_KV_CACHE];
         }
     }
     out->device_used = out->context + out->peak_reserved;
@@ -5334,7 +5776,7 @@ static const struct { double factor; const char *note; } mn__techs[MN__T_COUNT] 
 MN__PRIVATE int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
     switch (k) {
     case MN__T_SDPA:
-        if (s->attention != MN_ATTN_EAGER) return 0;
+        if (s->attention != MN_ATTN_EAGER || s->framework == MN_FW_MEMANAT) return 0;
         s->attention = MN_ATTN_SDPA;
         return 1;
     case MN__T_MIXED:
@@ -5363,8 +5805,8 @@ MN__PRIVATE int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
             return 0;
         s->optim = MN_OPTIM_ADAFACTOR;
         return 1;
-    case MN__T_LORA:
-        if (s->lora_rank || s->infer) return 0;
+    case MN__T_LORA:  // (the memanat trainer has no adapters, no quantization, one device)
+        if (s->lora_rank || s->infer || s->framework == MN_FW_MEMANAT) return 0;
         s->lora_rank = 16, s->lora_targets = MN_LORA_ALL;
         return 1;
     case MN__T_NF4:
@@ -5372,7 +5814,7 @@ MN__PRIVATE int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
         s->quant = MN_QUANT_NF4;
         return 1;
     case MN__T_OFFLOAD:
-        if (s->zero_stage >= 3 || s->infer) return 0;
+        if (s->zero_stage >= 3 || s->infer || s->framework == MN_FW_MEMANAT) return 0;
         s->framework = MN_FW_DEEPSPEED, s->zero_stage = 3, s->offload = MN_OFFLOAD_ALL;
         return 1;
     case MN__T_COUNT: break;
@@ -5434,7 +5876,8 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     if (cur.model.posemb == MN_POS_LEARNED && cur.model.arch != MN_ARCH_STACK)
         cap_seq = cur.model.max_positions;
     if (base.infer) out->max_seq = mn__search(model, &t, &t.prompt, cap_seq, out, &err);
-    else out->max_seq = mn__search(model, &t, &t.seq, cap_seq, out, &err);
+    else if (base.framework != MN_FW_MEMANAT)  // (memanat: T is the model's position table)
+        out->max_seq = mn__search(model, &t, &t.seq, cap_seq, out, &err);
     if (err != MN_OK) return err;
 
     // Greedy: add the cheapest technique that lowers the memory need until the setup fits

@@ -1574,6 +1574,65 @@ static mn_result tr_step(tr_model *m, tr_step_info *st) {
     return MN_OK;
 }
 
+// ---- prediction ---------------------------------------------------------------------------------
+// The estimator's memanat framework predicts this program from its configuration alone: the
+// model from mn_gpt_model, the allocation sequence of tr_model_init, tr_forward, tr_backward and
+// the first tr_update, replayed through a cache with the default configuration.
+
+// *out: memanat's prediction for cfg (host memory: no context, no workspace).
+static mn_result tr_predict(const tr_config *cfg, mn_estimate_result *out) {
+    static const mn_ckpt ckpt[] = {MN_CKPT_NONE, MN_CKPT_SELECTIVE, MN_CKPT_FULL};
+    mn_model model;
+    mn_setup s;
+    TR_TRY(mn_gpt_model(cfg->L, cfg->C, cfg->NH, cfg->T, cfg->V, cfg->tied, &model));
+    memset(&s, 0, sizeof s);
+    s.framework = MN_FW_MEMANAT;
+    s.batch = cfg->B, s.seq = cfg->T, s.accum = cfg->K;
+    s.precision = cfg->precision, s.optim = cfg->optim;
+    s.checkpointing = ckpt[cfg->checkpointing];
+    s.capacity = cfg->capacity;  // 0: the host's, unlimited as mn_hostdev's
+    return mn_estimate(&model, &s, out);
+}
+
+// Predicted vs measured: each category's peak, peak allocated and peak reserved, in MiB, with
+// the error in percent of the measurement. st NULL: the prediction alone, before training.
+static mn_result tr_write_anatomy(const mn_estimate_result *pred, const struct mn_cache_stats *st,
+                                  FILE *out) {
+    static const mn_category cats[] = {MN_CAT_WEIGHTS, MN_CAT_MASTER_WEIGHTS, MN_CAT_GRADIENTS,
+                                       MN_CAT_OPTIMIZER, MN_CAT_ACTIVATIONS, MN_CAT_TEMPORARY,
+                                       MN_CAT_OTHER};
+    const double mib = 1048576.0;
+    uint64_t p[9], m[9] = {0};
+    const char *name[9];
+    size_t i, n = sizeof cats / sizeof cats[0];
+    int w = 0;
+    for (i = 0; i < n; i++) {
+        name[i] = mn_category_name(cats[i]), p[i] = pred->cat_peak[cats[i]];
+        if (st) m[i] = st->cat_allocated_bytes[cats[i]].peak;
+    }
+    name[n] = "peak allocated", p[n] = pred->peak_allocated;
+    name[n + 1] = "peak reserved", p[n + 1] = pred->peak_reserved;
+    if (!st) {
+        w = fprintf(out, "predicted by memanat's estimator (framework memanat): peak allocated "
+                    "%.2f MiB, reserved %.2f MiB\n  peaks:", (double)p[n] / mib,
+                    (double)p[n + 1] / mib);
+        for (i = 0; i < n && w >= 0; i++)
+            w = fprintf(out, "%s %s %.2f", i ? "," : "", name[i], (double)p[i] / mib);
+        if (w >= 0) w = fprintf(out, " MiB\n");
+        return w < 0 ? MN_ERR_IO : MN_OK;
+    }
+    m[n] = st->allocated_bytes[MN_STAT_ALL].peak, m[n + 1] = st->reserved_bytes[MN_STAT_ALL].peak;
+    w = fprintf(out, "memory anatomy, predicted vs measured (peaks):\n%-16s %14s %14s %9s\n",
+                "", "predicted MiB", "measured MiB", "error");
+    for (i = 0; i < n + 2 && w >= 0; i++) {
+        double err = m[i] ? 100.0 * ((double)p[i] - (double)m[i]) / (double)m[i]
+                          : p[i] ? 100.0 : 0.0;
+        w = fprintf(out, "%-16s %14.3f %14.3f %8.2f%%\n", name[i], (double)p[i] / mib,
+                    (double)m[i] / mib, err);
+    }
+    return w < 0 ? MN_ERR_IO : MN_OK;
+}
+
 // ---- the run ------------------------------------------------------------------------------------
 
 typedef struct tr_result {
@@ -1706,6 +1765,8 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     const tr_config *c = &m->cfg;
     double t0 = tr_now(), tail = 0.0, tokens = (double)c->B * (double)c->T * (double)c->K;
     long s, first = m->step, last = c->stop_after ? c->stop_after : c->steps, ntail;
+    mn_estimate_result pred;
+    mn_result pr = out || c->json ? tr_predict(c, &pred) : MN_ERR_STATE;  // reported only
     if (c->steps < 1) return MN_ERR_INVALID_ARG;
     if (first >= last) {
         snprintf(m->error, sizeof m->error, "--resume %.100s is after step %ld already: "
@@ -1730,6 +1791,8 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
             fprintf(out, "data: Markov source, %d successors per byte, entropy rate H = %.4f "
                     "nats/token (uniform guess: ln V = %.4f)\n", TR_SUCC, m->data.entropy,
                     log((double)c->V));
+        if (pr == MN_OK) TR_TRY(tr_write_anatomy(&pred, NULL, out));
+        else fprintf(out, "no prediction: %s\n", mn_result_str(pr));
     }
     res->entropy = m->text ? 0.0 : m->data.entropy;
     res->num_params = m->num_params;
@@ -1778,6 +1841,8 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         fprintf(out, "\nmeasured memory per category:\n");
         TR_TRY(mn_cache_category_summary_write(&res->stats, mn_cache_write_file, out));
         fprintf(out, "\n");
+        if (pr == MN_OK) TR_TRY(tr_write_anatomy(&pred, &res->stats, out));
+        if (pr == MN_OK) fprintf(out, "\n");
         fprintf(out, "optimizer: %s, state %llu bytes (mn_optim_state_bytes: %llu)\n\n",
                 mn_optim_name(c->optim), (unsigned long long)res->optim_bytes,
                 (unsigned long long)res->optim_predicted);
@@ -1786,7 +1851,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     if (c->json) {
         tr_json_ctx j;
         mn_result r;
-        j.m = m, j.res = res, j.pred = NULL;
+        j.m = m, j.res = res, j.pred = pr == MN_OK ? &pred : NULL;
         if ((r = mn_write_file_atomic(c->json, tr_json_body, &j)) != MN_OK) {
             snprintf(m->error, sizeof m->error, "cannot write --json %.120s: %s", c->json,
                      mn_result_str(r));
