@@ -74,6 +74,7 @@ typedef struct tr_config {
     long inject_overflow; // fp16: plant an inf in the gradients of this step (1-based), 0 = none
     uint64_t capacity;    // bytes the host device may hand out, 0 = unlimited
     uint64_t fail_alloc_at;  // the N-th tensor allocation fails as out of memory, 0 = never
+    uint64_t budget;      // plan the techniques to fit this many bytes (mn_fit), 0 = none
     const char *data;     // train on the bytes of this file, NULL = the Markov source
     mn_optim optim;       // MN_OPTIM_ADAMW, _ADAMW_8BIT, _SGD, _SGD_MOMENTUM, _ADAFACTOR, _LION
     const char *memory_svg;  // the cache's timeline as SVG after training, NULL = none
@@ -175,7 +176,7 @@ static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, 
     X(OPTIM, "--optim") X(CHECKPOINTING, "--checkpointing") X(PRECISION, "--precision") \
     X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity") X(SAVE, "--save") \
     X(SAVE_EVERY, "--save-every") X(RESUME, "--resume") X(STOP_AFTER, "--stop-after") \
-    X(FAIL_ALLOC_AT, "--fail-alloc-at") X(JSON, "--json")
+    X(FAIL_ALLOC_AT, "--fail-alloc-at") X(JSON, "--json") X(BUDGET, "--budget")
 #define TR_FLAG_ENUM(id, flag) TR_F_##id,
 typedef enum tr_flag { TR_FLAGS(TR_FLAG_ENUM) TR_FLAG_COUNT } tr_flag;
 #define TR_FLAG_NAME(id, flag) flag,
@@ -301,6 +302,7 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                 break;
             case TR_F_RESUME: cfg->resume = a; break;
             case TR_F_JSON: cfg->json = a; break;
+            case TR_F_BUDGET: TR_TRY(tr_parse_bytes(f, a, &cfg->budget, err, cap)); break;
             case TR_F_FAIL_ALLOC_AT:
                 TR_TRY(tr_parse_size(f, a, 1, UINT64_MAX, &cfg->fail_alloc_at, err, cap));
                 break;
@@ -1633,6 +1635,53 @@ static mn_result tr_write_anatomy(const mn_estimate_result *pred, const struct m
     return w < 0 ? MN_ERR_IO : MN_OK;
 }
 
+// --budget SIZE: mn_fit's plan for this model in SIZE bytes, from the techniques this trainer has
+// (16-bit storage, 8-bit AdamW, a smaller micro-batch with more accumulation, selective or full
+// checkpointing, Adafactor), cheapest in step time first; cfg takes the planned setup, and its
+// --capacity becomes the budget, so that the allocator holds the run to it. err names a budget
+// nothing fits.
+static mn_result tr_plan(tr_config *cfg, FILE *out, char *err, size_t cap) {
+    mn_model model;
+    mn_setup s;
+    mn_fit_result *fit = (mn_fit_result *)malloc(sizeof *fit);  // large for a stack
+    char a[32], b[32];
+    uint32_t i;
+    mn_result r;
+    if (!fit) return MN_ERR_OUT_OF_MEMORY;
+    if ((r = mn_gpt_model(cfg->L, cfg->C, cfg->NH, cfg->T, cfg->V, cfg->tied, &model)) != MN_OK)
+        goto done;
+    memset(&s, 0, sizeof s);
+    s.framework = MN_FW_MEMANAT, s.capacity = cfg->budget;
+    s.batch = cfg->B, s.seq = cfg->T, s.accum = cfg->K, s.precision = cfg->precision;
+    s.optim = cfg->optim;
+    s.checkpointing = cfg->checkpointing == TR_CKPT_FULL ? MN_CKPT_FULL
+                      : cfg->checkpointing == TR_CKPT_SELECTIVE ? MN_CKPT_SELECTIVE : MN_CKPT_NONE;
+    if ((r = mn_fit(&model, &s, fit)) != MN_OK) goto done;
+    mn_size_format(cfg->budget, a, sizeof a);
+    mn_size_format(fit->plan_estimate.peak_reserved, b, sizeof b);
+    if (!fit->plan_found) {
+        snprintf(err, cap, "nothing this trainer can do fits --budget %s: the smallest plan "
+                 "still reserves %s (try a smaller --size or --batch)", a, b);
+        r = MN_ERR_INVALID_ARG;
+        goto done;
+    }
+    if (out) {
+        fprintf(out, "budget %s: %s, peak reserved %s predicted\n", a,
+                fit->plan_len ? "the plan" : "fits as given", b);
+        for (i = 0; i < fit->plan_len; i++)
+            fprintf(out, "  %-28s %s\n", fit->plan[i].what, fit->plan[i].why);
+    }
+    cfg->B = (size_t)fit->plan_setup.batch, cfg->K = (size_t)fit->plan_setup.accum;
+    cfg->precision = fit->plan_setup.precision, cfg->optim = fit->plan_setup.optim;
+    cfg->checkpointing = fit->plan_setup.checkpointing == MN_CKPT_FULL ? TR_CKPT_FULL
+                         : fit->plan_setup.checkpointing == MN_CKPT_SELECTIVE ? TR_CKPT_SELECTIVE
+                         : TR_CKPT_NONE;
+    if (!cfg->capacity || cfg->capacity > cfg->budget) cfg->capacity = cfg->budget;
+done:
+    free(fit);
+    return r;
+}
+
 // ---- the run ------------------------------------------------------------------------------------
 
 typedef struct tr_result {
@@ -1861,10 +1910,12 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     return tr_write_memory(m, out);
 }
 
-static mn_result tr_run(const tr_config *cfg, FILE *out, tr_result *res) {
+static mn_result tr_run(const tr_config *cfg_in, FILE *out, tr_result *res) {
+    tr_config planned = *cfg_in, *cfg = &planned;
     tr_model m;
     mn_result r, r2;
     memset(res, 0, sizeof *res);
+    if (cfg->budget && (r = tr_plan(cfg, out, res->error, sizeof res->error)) != MN_OK) return r;
     r = tr_model_init(&m, cfg);
     if (r == MN_OK && cfg->resume) r = tr_resume(&m);
     if (r == MN_OK) r = tr_run_model(&m, out, res);

@@ -485,6 +485,7 @@ static void test_flags(void) {
         {"--head", "both", NULL}, {"--vocab", "100", NULL}, {"--size", "huge", NULL},
         {"--capacity", "lots", NULL}, {"--capacity", "0", NULL}, {"--save-every", "5", NULL},
         {"--stop-after", "501", NULL}, {"--resume", NULL, NULL}, {"--fail-alloc-at", "0", NULL},
+        {"--budget", "-1G", NULL},
     };
     tr_config cfg;
     char err[256];
@@ -911,6 +912,93 @@ static void test_prediction_unsupported(void) {
     CHECK_EQ_INT(lg.count, 10);
 }
 
+// ---- 14. --budget and --json ---------------------------------------------------------------------
+// A budget the setup fits leaves it as it is; a tighter one gets mn_fit's plan, which the run
+// then keeps to (its reserved peak, measured, is within the budget, which is also its capacity);
+// a budget nothing fits is refused with the reason.
+static void test_budget(void) {
+    tr_config cfg = tt_config(), c;
+    tr_result res;
+    char err[256];
+    uint64_t need;
+    mn_estimate_result pred;
+    cfg.steps = 2, cfg.B = 8, cfg.T = 32;
+    CHECK_OK(tr_predict(&cfg, &pred));
+    need = pred.peak_reserved;
+    c = cfg;
+    c.budget = need;
+    CHECK_OK(tr_plan(&c, NULL, err, sizeof err));
+    CHECK(c.B == cfg.B && c.K == cfg.K && c.precision == cfg.precision &&
+          c.optim == cfg.optim && c.checkpointing == cfg.checkpointing);
+    CHECK_EQ_U64(c.capacity, need);
+    c = cfg;
+    c.budget = need / 2 + mnt_rand_u64() % (need / 4);
+    CHECK_OK(tr_plan(&c, NULL, err, sizeof err));
+    CHECK(c.B < cfg.B || c.precision != cfg.precision || c.optim != cfg.optim ||
+          c.checkpointing != cfg.checkpointing);
+    CHECK_EQ_U64((uint64_t)c.B * c.K, (uint64_t)cfg.B * cfg.K);  // the same effective batch
+    c = cfg;
+    c.budget = need / 2 + mnt_rand_u64() % (need / 4);
+    CHECK_OK(tr_run(&c, NULL, &res));
+    CHECK_MSG(res.stats.reserved_bytes[MN_STAT_ALL].peak <= c.budget,
+              "reserved %llu B over the budget %llu B",
+              (unsigned long long)res.stats.reserved_bytes[MN_STAT_ALL].peak,
+              (unsigned long long)c.budget);
+    c = cfg;
+    c.budget = 1 + mnt_rand_u64() % 65536;
+    CHECK_EQ_INT(tr_run(&c, NULL, &res), MN_ERR_INVALID_ARG);
+    CHECK_MSG(strstr(res.error, "nothing this trainer can do fits --budget") != NULL, "\"%s\"",
+              res.error);
+}
+
+// --json FILE: valid JSON whose memory section is the allocator's measurement beside the
+// estimator's prediction, with one entry per step and the configuration as resolved.
+static void test_json(void) {
+    char dir[] = "/tmp/mnt_jsonXXXXXX", path[64];
+    tr_config cfg = tt_config();
+    tr_result res;
+    mn_json_doc doc;
+    const mn_json_value *mem, *steps, *v;
+    FILE *f;
+    char *text;
+    long len;
+    uint64_t x;
+    int k;
+    CHECK(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof path, "%s/run.json", dir);
+    cfg.steps = 3, cfg.json = path;
+    cfg.precision = mnt_rand_u64() % 2 ? MN_PREC_BF16 : MN_PREC_FP32;
+    CHECK_OK(tr_run(&cfg, NULL, &res));
+    f = fopen(path, "rb");
+    CHECK(f != NULL);
+    if (!f) return;
+    fseek(f, 0, SEEK_END);
+    len = ftell(f);
+    rewind(f);
+    text = (char *)malloc((size_t)len);
+    CHECK(text && fread(text, 1, (size_t)len, f) == (size_t)len);
+    fclose(f);
+    CHECK_OK(mn_json_parse(text, (size_t)len, NULL, &doc));
+    steps = mn_json_get(doc.root, "steps");
+    CHECK(steps && steps->type == MN_JSON_ARRAY && steps->len == 3);
+    v = mn_json_get(mn_json_get(doc.root, "config"), "precision");
+    CHECK(v && v->type == MN_JSON_STRING && strcmp(v->str, mn_precision_name(cfg.precision)) == 0);
+    mem = mn_json_get(doc.root, "memory");
+    for (k = 0; k < MN_CAT_COUNT; k++) {
+        const mn_json_value *e = mn_json_get(mem, mn_category_name((mn_category)k));
+        CHECK_OK(mn_json_u64(mn_json_get(e, "measured"), &x));
+        CHECK_EQ_U64(x, res.stats.cat_allocated_bytes[k].peak);
+        CHECK_OK(mn_json_u64(mn_json_get(e, "predicted"), &x));
+        CHECK_EQ_U64(x, res.stats.cat_allocated_bytes[k].peak);  // predicted to the byte
+    }
+    CHECK_OK(mn_json_u64(mn_json_get(mn_json_get(mem, "peak_reserved"), "measured"), &x));
+    CHECK_EQ_U64(x, res.stats.reserved_bytes[MN_STAT_ALL].peak);
+    mn_json_free(&doc);
+    free(text);
+    remove(path);
+    rmdir(dir);
+}
+
 const mnt_case test_trainer_cases[] = {
     {"gradients_finite_differences", test_gradients_finite_differences},
     {"accumulation", test_accumulation},
@@ -930,5 +1018,7 @@ const mnt_case test_trainer_cases[] = {
     {"step_allocation_failures", test_step_allocation_failures},
     {"prediction_exact", test_prediction_exact},
     {"prediction_unsupported", test_prediction_unsupported},
+    {"budget", test_budget},
+    {"json", test_json},
 };
 const size_t test_trainer_count = sizeof test_trainer_cases / sizeof test_trainer_cases[0];
