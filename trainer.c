@@ -1,26 +1,30 @@
 // trainer.c - a tiny GPT trained on the CPU, every tensor in memanat's caching allocator.
 //
-// A decoder-only transformer over bytes (V = 256): learned positions, pre-norm blocks
-// (layernorm -> qkv -> causal attention -> proj -> residual; layernorm -> fc + GELU -> proj ->
-// residual), a final layernorm and a head tied to the token embedding, trained with AdamW (or
-// another of the header's optimizers, --optim) on a generated first-order Markov source whose
-// entropy rate H is known exactly, so the loss has a floor to fall toward (or on the bytes of a
-// file with --data). Read it top to bottom, as
-// llm.c's train_gpt2.c: config, data, tensor tables, layer forward/backward, model
-// build/forward/backward/update, the run, `main` last.
+// A decoder-only transformer over bytes (V = 256, or more with --vocab): learned positions,
+// pre-norm blocks (layernorm -> qkv -> causal attention -> proj -> residual; layernorm -> fc +
+// GELU -> proj -> residual), a final layernorm and a head tied to the token embedding (or its
+// own), trained with AdamW (or another of the header's optimizers) on a generated first-order
+// Markov source whose entropy rate H is known exactly, so the loss has a floor to fall toward
+// (or on the bytes of a file with --data). Read it top to bottom, as llm.c's train_gpt2.c:
+// config, data, tensor tables, layer forward/backward, model build/forward/backward/update,
+// checkpoints, the prediction, the run, `main` last.
 //
 // Every tensor comes from one mn_cache over host memory (mn_hostdev) under its memory category:
 // weights and gradients at start, optimizer state at the first step, activations allocated in
 // forward and released in backward as soon as they are consumed, short-lived buffers as
-// temporaries. The allocator's statistics are therefore measurements of this program, and the
-// run ends with its peaks per category and PyTorch's memory_summary() table (and, on request,
-// its history as an SVG timeline and a torch.cuda.memory._snapshot() JSON).
+// temporaries. The allocator's statistics are therefore measurements of this program. Before
+// training the run prints the estimator's prediction for exactly this configuration (its
+// memanat framework describes this program's allocations); after it, the measured peaks per
+// category beside the predicted ones, and PyTorch's memory_summary() table (and, on request,
+// the history as an SVG timeline and a torch.cuda.memory._snapshot() JSON).
+//
+// The seeds' techniques, each a flag: gradient accumulation (--accum), activation
+// checkpointing (--checkpointing selective|full), 16-bit storage with fp32 master weights and
+// dynamic loss scaling (--precision fp16|bf16), the optimizers (--optim), a memory budget
+// planned by the estimator (--budget), checkpoints to resume from (--save, --resume).
 //
 // Build:  cc -std=c99 -O2 trainer.c -lm -lpthread -o trainer   (add -fopenmp for threads)
-// Run:    ./trainer [--layers L --dim C --heads NH --seq T --batch B --accum K --steps N
-//                   --lr X --clip X --seed N --checkpointing none|full --data FILE
-//                   --optim adamw|adamw-8bit|sgd|sgd-momentum|adafactor|lion
-//                   --memory-svg FILE --snapshot FILE]
+// Run:    ./trainer [--size NAME] [shape, batch, technique, checkpoint and output flags: --help]
 // Under TRAINER_TESTING the file leaves out main and the header's implementation, so a test
 // can #include it (test/test_trainer.c).
 #ifndef _POSIX_C_SOURCE
@@ -1936,24 +1940,50 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (cfg.help) {
-        printf("usage: trainer [--layers L] [--dim C] [--heads NH] [--seq T] [--batch B]\n"
-               "               [--accum K] [--steps N] [--lr X] [--clip X] [--seed N]\n"
-               "               [--checkpointing none|full] [--data FILE]\n"
+        printf("usage: trainer [--size tiny|small|medium|gpt2] [--layers L] [--dim C]\n"
+               "               [--heads NH] [--seq T] [--vocab V] [--head tied|untied]\n"
+               "               [--batch B] [--accum K] [--steps N] [--lr X] [--clip X]\n"
+               "               [--seed N] [--checkpointing none|selective|full]\n"
+               "               [--precision fp32|fp16|bf16] [--inject-overflow STEP]\n"
                "               [--optim adamw|adamw-8bit|sgd|sgd-momentum|adafactor|lion]\n"
-               "               [--memory-svg FILE] [--snapshot FILE]\n"
+               "               [--budget SIZE] [--capacity SIZE] [--data FILE]\n"
+               "               [--save FILE] [--save-every N] [--resume FILE] [--stop-after S]\n"
+               "               [--json FILE] [--memory-svg FILE] [--snapshot FILE]\n"
+               "               [--fail-alloc-at N]\n"
                "Trains a tiny GPT on a generated Markov source (or the bytes of FILE);\n"
-               "every tensor lives in memanat's caching allocator, whose measured peaks\n"
-               "per memory category end the report.\n"
+               "every tensor lives in memanat's caching allocator. Before training it\n"
+               "prints the estimator's prediction for this configuration, after it the\n"
+               "measured peaks per memory category beside the prediction.\n"
+               "--size: tiny (default: 2 layers, 64 wide, 4 heads, T 64, V 256), small (4,\n"
+               "  128, 4, 128, 256), medium (6, 384, 6, 256, 256), gpt2 (GPT-2 small: 12,\n"
+               "  768, 12, T 256, V 50257); the other shape flags override it.\n"
+               "--checkpointing selective: recompute the attention probabilities in\n"
+               "  backward; full: keep each block's input, recompute the block.\n"
+               "--precision fp16|bf16: weights and activations stored in 16 bits, computed\n"
+               "  in fp32, fp32 master weights, gradients and optimizer state; fp16 scales\n"
+               "  the loss (dynamic, from 65536) and skips a step whose gradients overflow;\n"
+               "  --inject-overflow STEP plants one.\n"
                "--optim: every optimizer steps at --lr (default 1e-2, warmup then cosine),\n"
                "  no weight decay. adamw: betas 0.9, 0.999 (the default). adamw-8bit: the\n"
                "  same, state in 8-bit blocks of 256 (tensors under 4096 elements in fp32).\n"
                "  sgd: plain, no state. sgd-momentum: momentum 0.9. adafactor: factored\n"
                "  second moment, no first moment, step lr without the parameter scale.\n"
                "  lion: betas 0.9, 0.99 (usually wants a 3-10x smaller --lr than adamw).\n"
+               "--budget SIZE (512M, 2G, ...): the estimator's plan of these techniques to\n"
+               "  fit SIZE bytes; the run uses it, with --capacity SIZE.\n"
+               "--capacity SIZE: the host device hands out at most SIZE bytes.\n"
+               "--save FILE: a checkpoint at the end (and every --save-every N steps);\n"
+               "  --resume FILE continues it to --steps; --stop-after S ends the run early\n"
+               "  on the --steps schedule. Checkpoints carry a checksum and are written\n"
+               "  through FILE.tmp, so a failed write leaves the previous FILE intact.\n"
+               "--json FILE: the configuration, every step, the summary, and the memory\n"
+               "  measured and predicted, for scripts.\n"
                "--memory-svg FILE, --snapshot FILE: after training, the allocator's history\n"
                "  (sized for one step, 4096 to 262144 events) as an SVG timeline and as\n"
                "  the JSON of torch.cuda.memory._snapshot(); each written through FILE.tmp,\n"
-               "  then renamed.\n");
+               "  then renamed.\n"
+               "--fail-alloc-at N: the N-th tensor allocation fails as out of memory (for\n"
+               "  testing the failure path).\n");
         return 0;
     }
     r = tr_run(&cfg, stdout, &res);
