@@ -545,7 +545,7 @@ static void test_flags(void) {
     }
 }
 
-// ---- 12. mixed precision ------------------------------------------------------------------------
+// ---- 8. mixed precision -------------------------------------------------------------------------
 // fp16 and bf16 storage train like fp32: over 60 steps every step's loss is within 0.03 nats of
 // the fp32 run's (the default 500-step run stays within 0.0004 for fp16 and 0.003 for bf16). The
 // weights take 6 bytes per parameter (2 in MN_CAT_WEIGHTS, 4 in MN_CAT_MASTER_WEIGHTS), the
@@ -639,7 +639,7 @@ static void test_overflow(void) {
     CHECK_OK(tr_model_free(&m));
 }
 
-// ---- 13. checkpoints ----------------------------------------------------------------------------
+// ---- 9. checkpoints -----------------------------------------------------------------------------
 // N steps, --save, --resume, M more steps: the same losses and weights, bit for bit, as N + M
 // steps uninterrupted, in fp32 and in fp16 (where an overflow before the save changed the loss
 // scaler's state), with accumulation and a non-default optimizer drawn at random.
@@ -814,7 +814,7 @@ static void test_step_allocation_failures(void) {
                (unsigned long long)first, (unsigned long long)last);
 }
 
-// ---- 8. the estimator's prediction -------------------------------------------------------------
+// ---- 10. the estimator's prediction -------------------------------------------------------------
 // mn_estimate with --framework memanat (tr_predict) predicts this program exactly: every
 // category's peak, peak allocated and peak reserved equal, to the byte, what the trainer's cache
 // measured over 2 or 3 steps. Configurations are drawn from a grid with fresh seeds; the first
@@ -912,7 +912,7 @@ static void test_prediction_unsupported(void) {
     CHECK_EQ_INT(lg.count, 10);
 }
 
-// ---- 14. --budget and --json ---------------------------------------------------------------------
+// ---- 11. --budget and --json --------------------------------------------------------------------
 // A budget the setup fits leaves it as it is; a tighter one gets mn_fit's plan, which the run
 // then keeps to (its reserved peak, measured, is within the budget, which is also its capacity);
 // a budget nothing fits is refused with the reason.
