@@ -144,6 +144,15 @@ static mn_result tr_parse_float(const char *flag, const char *s, float lo, float
     return MN_OK;
 }
 
+// A size_t flag: *field = the value in [lo, hi].
+static mn_result tr_parse_count(const char *flag, const char *s, uint64_t lo, uint64_t hi,
+                                size_t *field, char *err, size_t cap) {
+    uint64_t v;
+    TR_TRY(tr_parse_size(flag, s, lo, hi, &v, err, cap));
+    *field = (size_t)v;
+    return MN_OK;
+}
+
 // A byte count: a number with an optional K, M, G or T suffix (powers of 1024, "B" or "iB"
 // after it allowed), e.g. 512M, 1.5GiB.
 static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, char *err,
@@ -181,6 +190,11 @@ static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, 
     X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity") X(SAVE, "--save") \
     X(SAVE_EVERY, "--save-every") X(RESUME, "--resume") X(STOP_AFTER, "--stop-after") \
     X(FAIL_ALLOC_AT, "--fail-alloc-at") X(JSON, "--json") X(BUDGET, "--budget")
+// Of those, the ones that set a size_t field of tr_config: X(id, lo, hi, field).
+#define TR_COUNT_FLAGS(X) \
+    X(LAYERS, 1, TR_MAX_LAYERS, L) X(DIM, 1, TR_MAX_DIM, C) X(HEADS, 1, TR_MAX_DIM, NH) \
+    X(SEQ, 1, TR_MAX_SEQ, T) X(VOCAB, TR_V, TR_MAX_VOCAB, V) X(BATCH, 1, TR_MAX_BATCH, B) \
+    X(ACCUM, 1, 1024, K)
 #define TR_FLAG_ENUM(id, flag) TR_F_##id,
 typedef enum tr_flag { TR_FLAGS(TR_FLAG_ENUM) TR_FLAG_COUNT } tr_flag;
 #define TR_FLAG_NAME(id, flag) flag,
@@ -223,26 +237,15 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
             i++;
             if ((pass == 0) != (k == TR_F_SIZE)) continue;
             switch (k) {
+#define TR_COUNT_CASE(id, lo, hi, field) \
+            case TR_F_##id: TR_TRY(tr_parse_count(f, a, lo, hi, &cfg->field, err, cap)); break;
+            TR_COUNT_FLAGS(TR_COUNT_CASE)
+#undef TR_COUNT_CASE
             case TR_F_SIZE:
                 if (tr_apply_size(a, cfg) != MN_OK) {
                     snprintf(err, cap, "--size takes tiny, small, medium or gpt2, got \"%s\"", a);
                     return MN_ERR_INVALID_ARG;
                 }
-                break;
-            case TR_F_LAYERS:
-                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_LAYERS, &v, err, cap)); cfg->L = (size_t)v;
-                break;
-            case TR_F_DIM:
-                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->C = (size_t)v;
-                break;
-            case TR_F_HEADS:
-                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_DIM, &v, err, cap)); cfg->NH = (size_t)v;
-                break;
-            case TR_F_SEQ:
-                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_SEQ, &v, err, cap)); cfg->T = (size_t)v;
-                break;
-            case TR_F_VOCAB:
-                TR_TRY(tr_parse_size(f, a, TR_V, TR_MAX_VOCAB, &v, err, cap)); cfg->V = (size_t)v;
                 break;
             case TR_F_HEAD:
                 if (strcmp(a, "tied") == 0) cfg->tied = 1;
@@ -251,12 +254,6 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                     snprintf(err, cap, "--head takes tied or untied, got \"%s\"", a);
                     return MN_ERR_INVALID_ARG;
                 }
-                break;
-            case TR_F_BATCH:
-                TR_TRY(tr_parse_size(f, a, 1, TR_MAX_BATCH, &v, err, cap)); cfg->B = (size_t)v;
-                break;
-            case TR_F_ACCUM:
-                TR_TRY(tr_parse_size(f, a, 1, 1024, &v, err, cap)); cfg->K = (size_t)v;
                 break;
             case TR_F_STEPS:
                 TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap)); cfg->steps = (long)v;

@@ -49,6 +49,17 @@ static double tt_grad_rel_diff(tr_model *a, tr_model *b) {
     return worst;
 }
 
+// The bytes of the file at path (malloc'ed, *len bytes), or NULL.
+static char *tt_read_all(const char *path, long *len) {
+    FILE *f = fopen(path, "rb");
+    char *bytes = NULL;
+    if (f && fseek(f, 0, SEEK_END) == 0 && (*len = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0 &&
+        (bytes = (char *)malloc((size_t)*len)) && fread(bytes, 1, (size_t)*len, f) != (size_t)*len)
+        free(bytes), bytes = NULL;
+    if (f) fclose(f);
+    return bytes;
+}
+
 static uint64_t tt_peak(tr_model *m, mn_category cat) {
     struct mn_cache_stats st;
     CHECK_OK(mn_cache_stats(&m->cache, &st));
@@ -729,15 +740,9 @@ static void test_checkpoint_errors(void) {
     CHECK_OK(tr_model_free(&r));
     CHECK_OK(tr_model_free(&m));
     // the file's bytes, to spoil
-    f = fopen(path, "rb");
-    CHECK(f != NULL);
-    if (!f) return;
-    fseek(f, 0, SEEK_END);
-    size = ftell(f);
-    rewind(f);
-    bytes = (char *)malloc((size_t)size);
-    CHECK(bytes && fread(bytes, 1, (size_t)size, f) == (size_t)size);
-    fclose(f);
+    bytes = tt_read_all(path, &size);
+    CHECK(bytes != NULL);
+    if (!bytes) return;
     {
         struct { long at, len; int flip; const char *why; } cases[] = {
             {0, 0, 0, "truncated"},                       // shortened below
@@ -959,7 +964,6 @@ static void test_json(void) {
     tr_result res;
     mn_json_doc doc;
     const mn_json_value *mem, *steps, *v;
-    FILE *f;
     char *text;
     long len;
     uint64_t x;
@@ -969,15 +973,9 @@ static void test_json(void) {
     cfg.steps = 3, cfg.json = path;
     cfg.precision = mnt_rand_u64() % 2 ? MN_PREC_BF16 : MN_PREC_FP32;
     CHECK_OK(tr_run(&cfg, NULL, &res));
-    f = fopen(path, "rb");
-    CHECK(f != NULL);
-    if (!f) return;
-    fseek(f, 0, SEEK_END);
-    len = ftell(f);
-    rewind(f);
-    text = (char *)malloc((size_t)len);
-    CHECK(text && fread(text, 1, (size_t)len, f) == (size_t)len);
-    fclose(f);
+    text = tt_read_all(path, &len);
+    CHECK(text != NULL);
+    if (!text) return;
     CHECK_OK(mn_json_parse(text, (size_t)len, NULL, &doc));
     steps = mn_json_get(doc.root, "steps");
     CHECK(steps && steps->type == MN_JSON_ARRAY && steps->len == 3);
