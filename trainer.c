@@ -1892,6 +1892,10 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         TR_TRY(mn_cache_category_summary_write(&res->stats, mn_cache_write_file, out));
         fprintf(out, "\n");
         if (pr == MN_OK) TR_TRY(tr_write_anatomy(&pred, &res->stats, out));
+        if (pr == MN_OK && first == 0 && last == 1)
+            fprintf(out, "(one step: the optimizer state is made after its backward, so the step "
+                    "the prediction\n describes, a forward and backward beside that state, did "
+                    "not run here)\n");
         if (pr == MN_OK) fprintf(out, "\n");
         fprintf(out, "optimizer: %s, state %llu bytes (mn_optim_state_bytes: %llu)\n\n",
                 mn_optim_name(c->optim), (unsigned long long)res->optim_bytes,
