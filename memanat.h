@@ -1411,7 +1411,7 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 //   - With OpenMP (-fopenmp) the heavy loops run in parallel; threads own disjoint outputs and
 //     every sum runs in a fixed order, so results do not depend on the thread count. Every op
 //     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
-//     their packed tiles on the stack (about 160 KiB per thread).
+//     their packed tiles on the stack (about 300 KiB per thread).
 //   - exp (softmax, attention, cross-entropy, GELU, SiLU) is computed inline to about 1 ulp so the
 //     loops vectorize; results below ~1e-38 may flush to zero.
 
@@ -9867,12 +9867,14 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 // Row-major fp32 arrays, llm.c layout. Reductions use eight independent float lanes (vectorizable
 // without -ffast-math, and closer to pairwise summation than one running sum).
 // Matmul is a packed, register-tiled GEMM: a task computes a block of rows x columns of the
-// output; within it the B operand is packed into KC x NR panels and the A operand into MR x KC
-// tiles, and an MR x NR register tile accumulates. The summation order over k does not depend on
+// output (up to 512 x 256: the B block is packed once per task into KC x NR panels and reused by
+// every row tile); the A operand is read in place where its rows are contiguous, else packed into
+// MR x KC tiles, and an MR x NR register tile accumulates. The summation order over k does not depend on
 // the thread count, so results are bitwise identical with and without OpenMP.
 
 #define MN__PRAGMA(x) _Pragma(#x)
 #ifdef _OPENMP
+#include <omp.h>
 #define MN__OMP_FOR_DYNAMIC MN__PRAGMA(omp parallel for schedule(dynamic, 1))
 #define MN__OMP_FOR_IF(cond) MN__PRAGMA(omp parallel for schedule(static) if (cond))
 #else
@@ -10042,8 +10044,8 @@ typedef float mn__vf __attribute__((vector_size(MN__VW * sizeof(float))));
 #endif
 #define MN__NR (2 * MN__VW)  // columns of the register tile
 #define MN__KC 256           // depth of a packed block
-#define MN__JB 128           // columns per task (a multiple of MN__NR)
-#define MN__MB 64            // rows per task (a multiple of MN__MR)
+#define MN__JB 256           // columns per task (a multiple of MN__NR)
+#define MN__MB 512           // rows per task (a multiple of MN__MR)
 
 // GCC in ISO C mode does not contract a*b+c into one FMA; the register tile asks for it
 // (clang contracts within an expression by default).
@@ -10063,10 +10065,11 @@ typedef struct mn__gemm {
     size_t M, NC, K;
 } mn__gemm;
 
-// Register tile: acc = sum_k ap[k][0..MR) (outer) bp[k][0..NR), then c += acc on the valid part
-// (mr rows, nr columns).
+// Register tile: acc = sum_k A(0..MR, k) (outer) bp[k][0..NR), then c += acc on the valid part
+// (mr rows, nr columns). A(m, k) = ap[m*ars + k*acs]: a packed tile (ars 1, acs MR) or MR rows
+// of the caller's matrix read in place (ars its row stride, acs 1); the same products either way.
 MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr, const float *ap,
-                                            const float *bp, int kc) {
+                                            size_t ars, size_t acs, const float *bp, int kc) {
     float out[MN__MR][MN__NR];
     int k, m, j;
 #if MN__SIMD
@@ -10074,11 +10077,11 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     memset(&zero, 0, sizeof zero);
     for (m = 0; m < MN__MR; m++) acc0[m] = zero, acc1[m] = zero;
     for (k = 0; k < kc; k++) {
-        const float *av = ap + (size_t)k * MN__MR, *bv = bp + (size_t)k * MN__NR;
+        const float *av = ap + (size_t)k * acs, *bv = bp + (size_t)k * MN__NR;
         memcpy(&b0, bv, sizeof b0);
         memcpy(&b1, bv + MN__VW, sizeof b1);
         // the row loop written out, so that -O2 keeps the accumulators in registers too
-#define MN__ROW(m) acc0[m] += b0 * av[m], acc1[m] += b1 * av[m];
+#define MN__ROW(m) acc0[m] += b0 * av[(m) * ars], acc1[m] += b1 * av[(m) * ars];
         MN__EACH_ROW(MN__ROW)
 #undef MN__ROW
     }
@@ -10090,9 +10093,9 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     for (m = 0; m < MN__MR; m++)
         for (j = 0; j < MN__NR; j++) out[m][j] = 0.0f;
     for (k = 0; k < kc; k++) {
-        const float *av = ap + (size_t)k * MN__MR, *bv = bp + (size_t)k * MN__NR;
+        const float *av = ap + (size_t)k * acs, *bv = bp + (size_t)k * MN__NR;
         for (m = 0; m < MN__MR; m++)
-            for (j = 0; j < MN__NR; j++) out[m][j] += av[m] * bv[j];
+            for (j = 0; j < MN__NR; j++) out[m][j] += av[(size_t)m * ars] * bv[j];
     }
 #endif
     if (mr == MN__MR && nr == MN__NR) {
@@ -10133,9 +10136,17 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, 
         }
         for (i = 0; i < mb; i += MN__MR) {
             int mr = mb - i < MN__MR ? mb - i : MN__MR;
-            // pack A(m0+i.., k0..) as [k][MR]; rows past the end repeat the last row (discarded)
-            const float *src = g->a + (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs;
-            if (g->a_cs == 1) {  // rows of A are contiguous
+            // A(m0+i.., k0..): full tiles of contiguous rows are read in place; others are packed
+            // as [k][MR], rows past the end repeating the last row (discarded)
+            const float *src = g->a + (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs, *ap = apack;
+            size_t ars = 1, acs = MN__MR;
+            if (g->a_cs == 1 && mr == MN__MR) {
+                ap = src, ars = g->a_rs, acs = 1;
+            } else if (g->a_rs == 1 && mr == MN__MR) {  // columns of A: MR floats per k
+                for (k = 0; k < kc; k++)
+                    memcpy(apack + (size_t)k * MN__MR, src + (size_t)k * g->a_cs,
+                           MN__MR * sizeof(float));
+            } else if (g->a_cs == 1) {  // rows of A are contiguous
                 for (m = 0; m < MN__MR; m++) {
                     const float *row = src + (size_t)(m < mr ? m : mr - 1) * g->a_rs;
                     for (k = 0; k < kc; k++) apack[(size_t)k * MN__MR + m] = row[k];
@@ -10149,22 +10160,30 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, 
             for (p = 0; p < npanel; p++) {
                 int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
                 float *c = g->c + (m0 + (size_t)i) * g->ldc + j0 + (size_t)p * MN__NR;
-                mn__gemm_tile(c, g->ldc, mr, jn, apack, bpack + (size_t)p * MN__KC * MN__NR, kc);
+                mn__gemm_tile(c, g->ldc, mr, jn, ap, ars, acs,
+                              bpack + (size_t)p * MN__KC * MN__NR, kc);
             }
         }
     }
 }
 
 // Runs every task; the tasks write disjoint blocks of c, so any schedule gives the same bits.
+// A task packs its B block once for mb rows: mb starts at MN__MB and halves (down to 64) while
+// there are fewer than four tasks per thread. Block sizes change which thread computes an output,
+// never the order of its sum over k.
 MN__PRIVATE void mn__gemm_run(const mn__gemm *g) {
-    size_t mt = (g->M + MN__MB - 1) / MN__MB, jt = (g->NC + MN__JB - 1) / MN__JB;
-    size_t t, ntask = mt * jt;
+    size_t jt = (g->NC + MN__JB - 1) / MN__JB, mt, t, ntask;
+    int mb = MN__MB, threads = 1;
     if (g->M == 0 || g->NC == 0 || g->K == 0) return;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    while (mb > 64 && ((g->M + (size_t)mb - 1) / (size_t)mb) * jt < 4 * (size_t)threads) mb /= 2;
+    mt = (g->M + (size_t)mb - 1) / (size_t)mb, ntask = mt * jt;
     MN__OMP_FOR_DYNAMIC
     for (t = 0; t < ntask; t++) {
-        size_t m0 = (t / jt) * MN__MB, j0 = (t % jt) * MN__JB;
-        mn__gemm_task(g, m0, mn__tile_len(g->M - m0, MN__MB), j0,
-                      mn__tile_len(g->NC - j0, MN__JB));
+        size_t m0 = (t / jt) * (size_t)mb, j0 = (t % jt) * MN__JB;
+        mn__gemm_task(g, m0, mn__tile_len(g->M - m0, mb), j0, mn__tile_len(g->NC - j0, MN__JB));
     }
 }
 
