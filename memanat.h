@@ -9057,24 +9057,63 @@ MNIMPL float mn_bf16_to_fp32(uint16_t b) {
     return mn__opt_float(x);
 }
 
+// The array conversions: the same bits as the scalar functions above (checked for every fp32 and
+// every 16-bit value), written without branches or loops per element so that they vectorize.
+// fp32 -> fp16 with a = |x|: normal results are (a - 112 * 2^23) >> 13 rounded to nearest even
+// (adding 0xfff plus the kept lsb carries into the exponent as it should); below 2^-14 the float
+// sum a + 0.5 rounds a to a multiple of 2^-24 (the ulp of 0.5) in the hardware's round-to-nearest-
+// even, and its low bits are that multiple, the subnormal's bits; from 2^16 on inf, NaN quieted.
+MN__PRIVATE uint16_t mn__fp32_to_fp16_flat(float f) {
+    uint32_t x = mn__opt_bits(f), a = x & 0x7fffffffu, r;
+    uint32_t nrm = ((a - 0x38000000u) + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    uint32_t sub = mn__opt_bits(mn__opt_float(a) + 0.5f) - 0x3f000000u;
+    r = a < 0x38800000u ? sub : nrm;
+    r = a >= 0x47800000u ? 0x7c00u : r;
+    r = a > 0x7f800000u ? 0x7e00u | ((a >> 13) & 0x3ffu) : r;
+    return (uint16_t)(((x >> 16) & 0x8000u) | r);
+}
+
+// fp16 -> fp32: normals move the exponent and mantissa up by 13 bits and rebias by 112;
+// subnormals m * 2^-24 are (0.5 + m * 2^-24) - 0.5, both steps exact (2^-24 is the ulp of 0.5).
+MN__PRIVATE float mn__fp16_to_fp32_flat(uint16_t h) {
+    uint32_t em = h & 0x7fffu, m = h & 0x3ffu, r;
+    uint32_t nrm = (em << 13) + 0x38000000u;
+    uint32_t sub = mn__opt_bits(mn__opt_float(0x3f000000u + em) - 0.5f);
+    uint32_t nan = 0x7f800000u | (m << 13) | ((0u - (uint32_t)(m != 0)) & 0x400000u);
+    r = em >= 0x400u ? nrm : sub;
+    r = em >= 0x7c00u ? nan : r;
+    return mn__opt_float(((uint32_t)(h & 0x8000u) << 16) | r);
+}
+
+MN__PRIVATE uint16_t mn__fp32_to_bf16_flat(float f) {
+    uint32_t x = mn__opt_bits(f);
+    uint32_t rne = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16, nan = (x >> 16) | 0x40u;
+    return (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? nan : rne);
+}
+
+MN__PRIVATE float mn__bf16_to_fp32_flat(uint16_t b) {
+    uint32_t x = (uint32_t)b << 16;
+    return mn__opt_float((x & 0x7fffffffu) > 0x7f800000u ? x | 0x400000u : x);
+}
+
 MNIMPL void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i;
-    for (i = 0; i < n; i++) dst[i] = mn_fp32_to_fp16(src[i]);
+    for (i = 0; i < n; i++) dst[i] = mn__fp32_to_fp16_flat(src[i]);
 }
 
 MNIMPL void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i;
-    for (i = 0; i < n; i++) dst[i] = mn_fp16_to_fp32(src[i]);
+    for (i = 0; i < n; i++) dst[i] = mn__fp16_to_fp32_flat(src[i]);
 }
 
 MNIMPL void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i;
-    for (i = 0; i < n; i++) dst[i] = mn_fp32_to_bf16(src[i]);
+    for (i = 0; i < n; i++) dst[i] = mn__fp32_to_bf16_flat(src[i]);
 }
 
 MNIMPL void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i;
-    for (i = 0; i < n; i++) dst[i] = mn_bf16_to_fp32(src[i]);
+    for (i = 0; i < n; i++) dst[i] = mn__bf16_to_fp32_flat(src[i]);
 }
 
 // ---- shared optimizer plumbing ------------------------------------------------------------------
