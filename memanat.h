@@ -9914,10 +9914,10 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 #define MN__PRAGMA(x) _Pragma(#x)
 #ifdef _OPENMP
 #include <omp.h>
-#define MN__OMP_FOR_DYNAMIC MN__PRAGMA(omp parallel for schedule(dynamic, 1))
+#define MN__OMP_FOR_DYNAMIC_IF(cond) MN__PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
 #define MN__OMP_FOR_IF(cond) MN__PRAGMA(omp parallel for schedule(static) if (cond))
 #else
-#define MN__OMP_FOR_DYNAMIC
+#define MN__OMP_FOR_DYNAMIC_IF(cond)
 #define MN__OMP_FOR_IF(cond)
 #endif
 
@@ -9929,8 +9929,10 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 #define MN__INLINE static inline
 #endif
 
-// Elementwise loops go parallel above this many elements (below it the thread start costs more).
+// Elementwise loops go parallel above this many elements, a GEMM above this many flops (below
+// them the thread start costs more).
 #define MN__OMP_MIN_ELEMS 32768
+#define MN__OMP_MIN_FLOPS 4194304.0
 
 // Fused multiply-add where the hardware has it (one rounding), plain multiply-add elsewhere, so
 // the tests do not call a libm fmaf emulation in their inner loops.
@@ -10219,7 +10221,8 @@ MN__PRIVATE void mn__gemm_run(const mn__gemm *g) {
 #endif
     while (mb > 64 && ((g->M + (size_t)mb - 1) / (size_t)mb) * jt < 4 * (size_t)threads) mb /= 2;
     mt = (g->M + (size_t)mb - 1) / (size_t)mb, ntask = mt * jt;
-    MN__OMP_FOR_DYNAMIC
+    MN__OMP_FOR_DYNAMIC_IF(ntask > 1 && 2.0 * (double)g->M * (double)g->NC * (double)g->K >=
+                           MN__OMP_MIN_FLOPS)
     for (t = 0; t < ntask; t++) {
         size_t m0 = (t / jt) * (size_t)mb, j0 = (t % jt) * MN__JB;
         mn__gemm_task(g, m0, mn__tile_len(g->M - m0, mb), j0, mn__tile_len(g->NC - j0, MN__JB));
@@ -10882,21 +10885,28 @@ MN__PRIVATE void mn__logsumexp(const float *x, size_t V, float *mx, double *lse)
 
 MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const float *logits,
                                          const int *targets, size_t N, size_t V) {
-    // loss = logsumexp(x) - x[y]; p = exp(x - logsumexp(x)) (llm.c crossentropy_forward over
-    // softmax_forward, fused as in llm.c fused_classifier)
+    // loss = logsumexp(x) - x[y]; p = exp(x - max) / sum exp(x - max) (llm.c crossentropy_forward
+    // over softmax_forward, fused as in llm.c fused_classifier). With probs the exponentials are
+    // stored while they are summed (one exp per logit), then scaled.
     size_t n;
     if (!losses || !logits || !targets || V == 0) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * V >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = logits + n * V;
-        float mx;
+        float mx, inv, *p = probs ? probs + n * V : NULL;
         double lse;
         size_t j;
-        mn__logsumexp(x, V, &mx, &lse);
+        if (p) {
+            double sum;
+            mx = mn__max_scaled(x, 1.0f, V);
+            sum = mn__exp_store_sum(p, x, 1.0f, mx, V);
+            lse = log(sum), inv = (float)(1.0 / sum);
+            for (j = 0; j < V; j++) p[j] *= inv;
+        } else {
+            mn__logsumexp(x, V, &mx, &lse);
+        }
         losses[n] = targets[n] < 0 ? 0.0f : (float)(lse - (x[targets[n]] - mx));
-        if (probs)
-            for (j = 0; j < V; j++) probs[n * V + j] = mn__expf((x[j] - mx) - (float)lse);
     }
     return MN_OK;
 }
@@ -10919,11 +10929,11 @@ MNIMPL mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, 
             const float *p = probs + n * V;
             for (j = 0; j < V; j++) dx[j] += p[j] * d;
         } else {
+            // the forward's probabilities, recomputed the same way
             const float *x = logits + n * V;
-            float mx;
-            double lse;
-            mn__logsumexp(x, V, &mx, &lse);
-            for (j = 0; j < V; j++) dx[j] += mn__expf((x[j] - mx) - (float)lse) * d;
+            float mx = mn__max_scaled(x, 1.0f, V), inv;
+            inv = (float)(1.0 / mn__sumexp(x, mx, V));
+            for (j = 0; j < V; j++) dx[j] += mn__expf(1.0f * x[j] - mx) * inv * d;
         }
         dx[y] -= d;
     }
