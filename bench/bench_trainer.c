@@ -2,6 +2,8 @@
 // tiny model and GPT-2 small's shape, next to the reference matmul at the same shapes.
 //   make bench && ./build/bench_trainer [--steps N] [--models tiny,gpt2] [--threads 1,2]
 //                                       [--parts step,matmul,cost] [--cost-threads T]
+//                                       [--cost-steps N]
+// Defaults take about 5 minutes on 2 cores (GPT-2 small: ~9 s a step on one Zen 5 core).
 // step:   the median seconds of N timed optimizer steps after two warm-up steps (the first
 //         creates the optimizer state), tokens/s = B*T*K / step, and the model FLOP/s.
 // matmul: mn_matmul_forward (and _backward) GFLOP/s at the model's shapes, N = B*T rows:
@@ -9,7 +11,9 @@
 //         weights them as a step does (L times each block shape, the head once). The step's
 //         FLOP/s is printed as a percentage of the forward mix (and of the fwd+bwd mix).
 // cost:   the step time with --checkpointing selective / full and --precision fp16 / bf16,
-//         as ratios to the plain fp32 step (at --cost-threads threads, default the most listed).
+//         as ratios to the plain fp32 step (at --cost-threads threads, default the most listed;
+//         median of --cost-steps steps, default 1, after the same two warm-up steps; the fp32
+//         step is the one the step part measured at that thread count, when it did).
 //
 // Model FLOPs of one step (the llm.c / nanoGPT estimate_mfu / PaLM appendix B convention):
 //   6 * Nc * tokens  +  6 * L * C * T * (T + 1) * (B * K)
@@ -192,6 +196,18 @@ static int bt_has(const char *list, const char *item) {
     return 0;
 }
 
+// The load average: on a shared machine other processes take cores from the threads timed here.
+static void bt_loadavg(const char *when) {
+    char line[128] = "?";
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f) {
+        if (!fgets(line, sizeof line, f)) line[0] = '\0';
+        fclose(f);
+    }
+    line[strcspn(line, "\n")] = '\0';
+    printf("load average %s: %s\n", when, line);
+}
+
 static void bt_machine(void) {
     char model[256];
     int ncpu = bench_cpu_model(model, sizeof model);
@@ -208,7 +224,7 @@ static void bt_machine(void) {
 int main(int argc, char **argv) {
     const char *models = "tiny,gpt2", *parts = "step,matmul,cost", *thr = "1,2";
     static const char *const names[2] = {"tiny", "gpt2"};
-    int steps = 3, cost_threads = 0, threads[2] = {1, 2}, nthr = 0, i, mi, ti;
+    int steps = 3, cost_steps = 1, cost_threads = 0, threads[2] = {1, 2}, nthr = 0, i, mi, ti;
     (void)tr_parse_args, (void)tr_run;  // the trainer's command line and run: not used here
     for (i = 1; i < argc; i++) {
         const char *a = i + 1 < argc ? argv[i + 1] : NULL;
@@ -218,11 +234,14 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[i], "--threads") == 0) thr = a;
         else if (strcmp(argv[i], "--parts") == 0) parts = a;
         else if (strcmp(argv[i], "--cost-threads") == 0) cost_threads = atoi(a);
+        else if (strcmp(argv[i], "--cost-steps") == 0) cost_steps = atoi(a);
         else { fprintf(stderr, "bench_trainer: unknown flag %s\n", argv[i]); return 2; }
         i++;
     }
     if (steps < 1) steps = 1;
     if (steps > BT_MAX_STEPS) steps = BT_MAX_STEPS;
+    if (cost_steps < 1) cost_steps = 1;
+    if (cost_steps > BT_MAX_STEPS) cost_steps = BT_MAX_STEPS;
     if (bt_has(thr, "1")) threads[nthr++] = 1;
     if (bt_has(thr, "2")) threads[nthr++] = 2;
 #ifndef _OPENMP
@@ -231,10 +250,12 @@ int main(int argc, char **argv) {
     if (nthr == 0) { fprintf(stderr, "bench_trainer: --threads takes 1, 2 or 1,2\n"); return 2; }
     if (cost_threads < 1) cost_threads = threads[nthr - 1];
     bt_machine();
+    bt_loadavg("at the start");
     printf("median of %d timed steps after 2 warm-up steps; model FLOPs = 6*Nc*tokens + "
            "6*L*C*T*(T+1)*sequences\n", steps);
     for (mi = 0; mi < 2; mi++) {
         tr_config cfg;
+        double base = 0.0;  // the fp32 step at cost_threads, once measured
         if (!bt_has(models, names[mi])) continue;
         bt_config(names[mi], &cfg);
         printf("\n== %s: L=%zu C=%zu NH=%zu T=%zu V=%zu B=%zu K=%zu head=%s optim=%s\n",
@@ -257,6 +278,7 @@ int main(int argc, char **argv) {
                    "%llu params)", threads[ti], st.seconds * 1e3, st.tokens_per_s,
                    st.flops / st.seconds * 1e-9, st.flops * 1e-9,
                    (unsigned long long)st.params);
+            if (threads[ti] == cost_threads) base = st.seconds;
             if (mm_f > 0.0)
                 printf("  = %.0f%% of matmul fwd mix, %.0f%% of fwd+bwd mix",
                        100.0 * st.flops / st.seconds * 1e-9 / mm_f,
@@ -271,15 +293,18 @@ int main(int argc, char **argv) {
                 {"--checkpointing full", TR_CKPT_FULL, MN_PREC_FP32},
                 {"--precision fp16", TR_CKPT_NONE, MN_PREC_FP16},
                 {"--precision bf16", TR_CKPT_NONE, MN_PREC_BF16}};
-            double base = 0.0;
             int k;
             bt_set_threads(cost_threads);
-            for (k = 0; k < 5; k++) {
+            if (base > 0.0)
+                printf("  cost  %d thr: %-26s %9.2f ms  %9.1f tok/s  x1.000 (the step above)\n",
+                       cost_threads, v[0].name, base * 1e3,
+                       (double)(cfg.B * cfg.T * cfg.K) / base);
+            for (k = base > 0.0 ? 1 : 0; k < 5; k++) {
                 tr_config c2 = cfg;
                 bt_step st;
                 mn_result r;
                 c2.checkpointing = v[k].ckpt, c2.precision = v[k].prec;
-                r = bt_time_steps(&c2, steps, &st);
+                r = bt_time_steps(&c2, cost_steps, &st);
                 if (r != MN_OK) {
                     fprintf(stderr, "bench_trainer: %s %s: %s\n", names[mi], v[k].name,
                             mn_result_str(r));
@@ -291,5 +316,6 @@ int main(int argc, char **argv) {
             }
         }
     }
+    bt_loadavg("at the end");
     return 0;
 }
