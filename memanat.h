@@ -1411,7 +1411,7 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 //   - With OpenMP (-fopenmp) the heavy loops run in parallel; threads own disjoint outputs and
 //     every sum runs in a fixed order, so results do not depend on the thread count. Every op
 //     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
-//     their packed tiles on the stack (about 300 KiB per thread).
+//     their packed tiles on the stack (about 360 KiB per thread).
 //   - exp (softmax, attention, cross-entropy, GELU, SiLU) is computed inline to about 1 ulp so the
 //     loops vectorize; results below ~1e-38 may flush to zero.
 
@@ -10531,6 +10531,7 @@ MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out
 
 #define MN__AQ 32  // queries per tile
 #define MN__AK 64  // keys per tile
+#define MN__AC 4   // key tiles whose scores (and dp) a query tile keeps on the stack (T <= 256)
 
 typedef struct mn__att {
     const float *q, *k, *v;  // this (b, h): position t of each at + t * stride
@@ -10575,13 +10576,16 @@ MN__PRIVATE size_t mn__att_kend(const mn__att *a, size_t t0, int nq) {
 }
 
 // Row statistics of the query tile: mx[i] = max_j s_ij, inv[i] = 1 / sum_j exp(s_ij - mx[i]).
-MN__PRIVATE void mn__att_stats(const mn__att *a, size_t t0, int nq, float *mx, float *inv) {
-    float s[MN__AQ][MN__AK];
+// keep non-NULL (the query tile sees at most MN__AC key tiles): the score tiles are kept there.
+MN__PRIVATE void mn__att_stats(const mn__att *a, size_t t0, int nq, float *mx, float *inv,
+                               float (*keep)[MN__AQ][MN__AK]) {
+    float tile[MN__AQ][MN__AK];
     double l[MN__AQ];
     size_t j0, kend = mn__att_kend(a, t0, nq);
     int i, j, nk;
     for (i = 0; i < nq; i++) mx[i] = -INFINITY, l[i] = 0.0;
     for (j0 = 0; j0 < kend; j0 += MN__AK) {
+        float (*s)[MN__AK] = keep ? keep[j0 / MN__AK] : tile;
         nk = mn__tile_len(kend - j0, MN__AK);
         mn__att_scores(a, t0, nq, j0, nk, s);
         for (i = 0; i < nq; i++) {
@@ -10599,11 +10603,14 @@ MN__PRIVATE void mn__att_stats(const mn__att *a, size_t t0, int nq, float *mx, f
     for (i = 0; i < nq; i++) inv[i] = (float)(1.0 / l[i]);
 }
 
-// Probabilities of a tile: p[i][j] for visible keys, 0 for masked ones and the padding.
+// Probabilities of a tile: p[i][j] for visible keys, 0 for masked ones and the padding. kept:
+// the tile's scores from mn__att_stats, or NULL to compute them again (the same floats).
 MN__PRIVATE void mn__att_probs(const mn__att *a, size_t t0, int nq, size_t j0, int nk,
-                               const float *mx, const float *inv, float p[MN__AQ][MN__AK]) {
+                               const float *mx, const float *inv, float p[MN__AQ][MN__AK],
+                               float (*kept)[MN__AK]) {
     int i, j;
-    mn__att_scores(a, t0, nq, j0, nk, p);
+    if (!kept) mn__att_scores(a, t0, nq, j0, nk, p);
+    else if (kept != p) memcpy(p, kept, (size_t)nq * sizeof p[0]);
     for (i = 0; i < nq; i++) {
         int vis = mn__att_visible(a, t0, i, j0, nk);
         float m = mx[i], iv = inv[i], *row = p[i];
@@ -10625,18 +10632,19 @@ MN__PRIVATE void mn__att_probs_kept(const float *att, size_t T, size_t t0, int n
 
 MN__PRIVATE void mn__att_forward_bh(const mn__att *a, float *out, size_t os,
                                                  float *att) {
-    float p[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ];
+    float p[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ], sk[MN__AC][MN__AQ][MN__AK];
     size_t t0, j0, j, d, kend;
-    int nq, nk, i;
+    int nq, nk, i, keep;
     for (t0 = 0; t0 < a->T; t0 += MN__AQ) {
         nq = mn__tile_len(a->T - t0, MN__AQ);
         kend = mn__att_kend(a, t0, nq);
-        mn__att_stats(a, t0, nq, mx, inv);
+        keep = kend <= (size_t)MN__AC * MN__AK;
+        mn__att_stats(a, t0, nq, mx, inv, keep ? sk : NULL);
         for (i = 0; i < nq; i++)
             for (d = 0; d < a->hs; d++) out[(t0 + (size_t)i) * os + d] = 0.0f;
         for (j0 = 0; j0 < kend; j0 += MN__AK) {
             nk = mn__tile_len(kend - j0, MN__AK);
-            mn__att_probs(a, t0, nq, j0, nk, mx, inv, p);
+            mn__att_probs(a, t0, nq, j0, nk, mx, inv, p, keep ? sk[j0 / MN__AK] : NULL);
             if (att)
                 for (i = 0; i < nq; i++)
                     memcpy(att + (t0 + (size_t)i) * a->T + j0, p[i], (size_t)nk * sizeof(float));
@@ -10652,35 +10660,44 @@ MN__PRIVATE void mn__att_forward_bh(const mn__att *a, float *out, size_t os,
 
 MN__PRIVATE void mn__att_backward_bh(const mn__att *a, float *dq, float *dk, float *dv,
                                                   const float *att) {
+    // with at most MN__AC key tiles in view, pass 0 leaves each tile's p and dp on the stack for
+    // pass 1; otherwise pass 1 computes them again (the same floats either way)
     float p[MN__AQ][MN__AK], dp[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ], D[MN__AQ];
+    float pk[MN__AC][MN__AQ][MN__AK], dpk[MN__AC][MN__AQ][MN__AK];
     size_t t0, j0, kend;
-    int nq, nk, i, j, pass;
+    int nq, nk, i, j, pass, keep;
     for (t0 = 0; t0 < a->T; t0 += MN__AQ) {
         nq = mn__tile_len(a->T - t0, MN__AQ);
         kend = mn__att_kend(a, t0, nq);
-        if (!att) mn__att_stats(a, t0, nq, mx, inv);
+        keep = kend <= (size_t)MN__AC * MN__AK;
+        if (!att) mn__att_stats(a, t0, nq, mx, inv, keep ? pk : NULL);
         for (i = 0; i < nq; i++) D[i] = 0.0f;
         // pass 0: D_i = sum_j p_ij dp_ij; pass 1: the gradients
         for (pass = 0; pass < 2; pass++) {
             for (j0 = 0; j0 < kend; j0 += MN__AK) {
+                float (*pt)[MN__AK] = keep ? pk[j0 / MN__AK] : p;
+                float (*dt)[MN__AK] = keep ? dpk[j0 / MN__AK] : dp;
                 nk = mn__tile_len(kend - j0, MN__AK);
-                if (att) mn__att_probs_kept(att, a->T, t0, nq, j0, nk, p);
-                else mn__att_probs(a, t0, nq, j0, nk, mx, inv, p);
-                mn__att_dots(a->dout, a->dstride, t0, nq, a->v, a->stride, j0, nk, a->hs, dp);
+                if (pass == 0 || !keep) {
+                    if (att) mn__att_probs_kept(att, a->T, t0, nq, j0, nk, pt);
+                    else mn__att_probs(a, t0, nq, j0, nk, mx, inv, pt, keep ? pt : NULL);
+                    mn__att_dots(a->dout, a->dstride, t0, nq, a->v, a->stride, j0, nk, a->hs,
+                                 dt);
+                }
                 if (pass == 0) {
                     for (i = 0; i < nq; i++)
-                        for (j = 0; j < nk; j++) D[i] += p[i][j] * dp[i][j];
+                        for (j = 0; j < nk; j++) D[i] += pt[i][j] * dt[i][j];
                     continue;
                 }
                 // dp becomes ds = p (dp - D) / sqrt(hs); masked entries have p = 0, so ds = 0
                 for (i = 0; i < nq; i++)
-                    for (j = 0; j < nk; j++) dp[i][j] = p[i][j] * (dp[i][j] - D[i]) * a->scale;
+                    for (j = 0; j < nk; j++) dt[i][j] = pt[i][j] * (dt[i][j] - D[i]) * a->scale;
                 // dq_tile += ds k_tile / dk_tile += ds^T q_tile / dv_tile += p^T dout_tile
-                mn__gemm_acc(dq + t0 * a->stride, a->stride, &dp[0][0], MN__AK, 1,
+                mn__gemm_acc(dq + t0 * a->stride, a->stride, &dt[0][0], MN__AK, 1,
                              a->k + j0 * a->stride, a->stride, 1, (size_t)nq, a->hs, (size_t)nk);
-                mn__gemm_acc(dk + j0 * a->stride, a->stride, &dp[0][0], 1, MN__AK,
+                mn__gemm_acc(dk + j0 * a->stride, a->stride, &dt[0][0], 1, MN__AK,
                              a->q + t0 * a->stride, a->stride, 1, (size_t)nk, a->hs, (size_t)nq);
-                mn__gemm_acc(dv + j0 * a->stride, a->stride, &p[0][0], 1, MN__AK,
+                mn__gemm_acc(dv + j0 * a->stride, a->stride, &pt[0][0], 1, MN__AK,
                              a->dout + t0 * a->dstride, a->dstride, 1, (size_t)nk, a->hs,
                              (size_t)nq);
             }
