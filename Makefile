@@ -78,6 +78,8 @@ bench: $(BENCHES)
 build/%: bench/%.c bench/bench.h $(HDRS) | build
 	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< $(LDLIBS)
 
+build/bench_trainer: trainer.c  # includes the trainer
+
 cuda-probe:
 	@if [ -n "$(NVCC)" ]; then echo "cuda-probe: nvcc found: $(NVCC) ($$($(NVCC) --version | tail -n 2 | head -n 1))"; \
 	else echo "cuda-probe: nvcc not found; the CUDA backend is not built"; fi

@@ -1412,7 +1412,7 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 //   - With OpenMP (-fopenmp) the heavy loops run in parallel; threads own disjoint outputs and
 //     every sum runs in a fixed order, so results do not depend on the thread count. Every op
 //     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
-//     their packed tiles on the stack (about 160 KiB per thread).
+//     their packed tiles on the stack (about 360 KiB per thread).
 //   - exp (softmax, attention, cross-entropy, GELU, SiLU) is computed inline to about 1 ulp so the
 //     loops vectorize; results below ~1e-38 may flush to zero.
 
@@ -9500,24 +9500,63 @@ MNIMPL float mn_bf16_to_fp32(uint16_t b) {
     return mn__opt_float(x);
 }
 
+// The array conversions: the same bits as the scalar functions above (checked for every fp32 and
+// every 16-bit value), written without branches or loops per element so that they vectorize.
+// fp32 -> fp16 with a = |x|: normal results are (a - 112 * 2^23) >> 13 rounded to nearest even
+// (adding 0xfff plus the kept lsb carries into the exponent as it should); below 2^-14 the float
+// sum a + 0.5 rounds a to a multiple of 2^-24 (the ulp of 0.5) in the hardware's round-to-nearest-
+// even, and its low bits are that multiple, the subnormal's bits; from 2^16 on inf, NaN quieted.
+MN__PRIVATE uint16_t mn__fp32_to_fp16_flat(float f) {
+    uint32_t x = mn__opt_bits(f), a = x & 0x7fffffffu, r;
+    uint32_t nrm = ((a - 0x38000000u) + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    uint32_t sub = mn__opt_bits(mn__opt_float(a) + 0.5f) - 0x3f000000u;
+    r = a < 0x38800000u ? sub : nrm;
+    r = a >= 0x47800000u ? 0x7c00u : r;
+    r = a > 0x7f800000u ? 0x7e00u | ((a >> 13) & 0x3ffu) : r;
+    return (uint16_t)(((x >> 16) & 0x8000u) | r);
+}
+
+// fp16 -> fp32: normals move the exponent and mantissa up by 13 bits and rebias by 112;
+// subnormals m * 2^-24 are (0.5 + m * 2^-24) - 0.5, both steps exact (2^-24 is the ulp of 0.5).
+MN__PRIVATE float mn__fp16_to_fp32_flat(uint16_t h) {
+    uint32_t em = h & 0x7fffu, m = h & 0x3ffu, r;
+    uint32_t nrm = (em << 13) + 0x38000000u;
+    uint32_t sub = mn__opt_bits(mn__opt_float(0x3f000000u + em) - 0.5f);
+    uint32_t nan = 0x7f800000u | (m << 13) | ((0u - (uint32_t)(m != 0)) & 0x400000u);
+    r = em >= 0x400u ? nrm : sub;
+    r = em >= 0x7c00u ? nan : r;
+    return mn__opt_float(((uint32_t)(h & 0x8000u) << 16) | r);
+}
+
+MN__PRIVATE uint16_t mn__fp32_to_bf16_flat(float f) {
+    uint32_t x = mn__opt_bits(f);
+    uint32_t rne = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16, nan = (x >> 16) | 0x40u;
+    return (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? nan : rne);
+}
+
+MN__PRIVATE float mn__bf16_to_fp32_flat(uint16_t b) {
+    uint32_t x = (uint32_t)b << 16;
+    return mn__opt_float((x & 0x7fffffffu) > 0x7f800000u ? x | 0x400000u : x);
+}
+
 MNIMPL void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i;
-    for (i = 0; i < n; i++) dst[i] = mn_fp32_to_fp16(src[i]);
+    for (i = 0; i < n; i++) dst[i] = mn__fp32_to_fp16_flat(src[i]);
 }
 
 MNIMPL void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i;
-    for (i = 0; i < n; i++) dst[i] = mn_fp16_to_fp32(src[i]);
+    for (i = 0; i < n; i++) dst[i] = mn__fp16_to_fp32_flat(src[i]);
 }
 
 MNIMPL void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i;
-    for (i = 0; i < n; i++) dst[i] = mn_fp32_to_bf16(src[i]);
+    for (i = 0; i < n; i++) dst[i] = mn__fp32_to_bf16_flat(src[i]);
 }
 
 MNIMPL void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i;
-    for (i = 0; i < n; i++) dst[i] = mn_bf16_to_fp32(src[i]);
+    for (i = 0; i < n; i++) dst[i] = mn__bf16_to_fp32_flat(src[i]);
 }
 
 // ---- shared optimizer plumbing ------------------------------------------------------------------
@@ -10310,16 +10349,18 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 // Row-major fp32 arrays, llm.c layout. Reductions use eight independent float lanes (vectorizable
 // without -ffast-math, and closer to pairwise summation than one running sum).
 // Matmul is a packed, register-tiled GEMM: a task computes a block of rows x columns of the
-// output; within it the B operand is packed into KC x NR panels and the A operand into MR x KC
-// tiles, and an MR x NR register tile accumulates. The summation order over k does not depend on
+// output (up to 512 x 256: the B block is packed once per task into KC x NR panels and reused by
+// every row tile); the A operand is read in place where its rows are contiguous, else packed into
+// MR x KC tiles, and an MR x NR register tile accumulates. The summation order over k does not depend on
 // the thread count, so results are bitwise identical with and without OpenMP.
 
 #define MN__PRAGMA(x) _Pragma(#x)
 #ifdef _OPENMP
-#define MN__OMP_FOR_DYNAMIC MN__PRAGMA(omp parallel for schedule(dynamic, 1))
+#include <omp.h>
+#define MN__OMP_FOR_DYNAMIC_IF(cond) MN__PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
 #define MN__OMP_FOR_IF(cond) MN__PRAGMA(omp parallel for schedule(static) if (cond))
 #else
-#define MN__OMP_FOR_DYNAMIC
+#define MN__OMP_FOR_DYNAMIC_IF(cond)
 #define MN__OMP_FOR_IF(cond)
 #endif
 
@@ -10331,8 +10372,10 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 #define MN__INLINE static inline
 #endif
 
-// Elementwise loops go parallel above this many elements (below it the thread start costs more).
+// Elementwise loops go parallel above this many elements, a GEMM above this many flops (below
+// them the thread start costs more).
 #define MN__OMP_MIN_ELEMS 32768
+#define MN__OMP_MIN_FLOPS 4194304.0
 
 // Fused multiply-add where the hardware has it (one rounding), plain multiply-add elsewhere, so
 // the tests do not call a libm fmaf emulation in their inner loops.
@@ -10485,8 +10528,8 @@ typedef float mn__vf __attribute__((vector_size(MN__VW * sizeof(float))));
 #endif
 #define MN__NR (2 * MN__VW)  // columns of the register tile
 #define MN__KC 256           // depth of a packed block
-#define MN__JB 128           // columns per task (a multiple of MN__NR)
-#define MN__MB 64            // rows per task (a multiple of MN__MR)
+#define MN__JB 256           // columns per task (a multiple of MN__NR)
+#define MN__MB 512           // rows per task (a multiple of MN__MR)
 
 // GCC in ISO C mode does not contract a*b+c into one FMA; the register tile asks for it
 // (clang contracts within an expression by default).
@@ -10506,10 +10549,11 @@ typedef struct mn__gemm {
     size_t M, NC, K;
 } mn__gemm;
 
-// Register tile: acc = sum_k ap[k][0..MR) (outer) bp[k][0..NR), then c += acc on the valid part
-// (mr rows, nr columns).
+// Register tile: acc = sum_k A(0..MR, k) (outer) bp[k][0..NR), then c += acc on the valid part
+// (mr rows, nr columns). A(m, k) = ap[m*ars + k*acs]: a packed tile (ars 1, acs MR) or MR rows
+// of the caller's matrix read in place (ars its row stride, acs 1); the same products either way.
 MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr, const float *ap,
-                                            const float *bp, int kc) {
+                                            size_t ars, size_t acs, const float *bp, int kc) {
     float out[MN__MR][MN__NR];
     int k, m, j;
 #if MN__SIMD
@@ -10517,11 +10561,11 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     memset(&zero, 0, sizeof zero);
     for (m = 0; m < MN__MR; m++) acc0[m] = zero, acc1[m] = zero;
     for (k = 0; k < kc; k++) {
-        const float *av = ap + (size_t)k * MN__MR, *bv = bp + (size_t)k * MN__NR;
+        const float *av = ap + (size_t)k * acs, *bv = bp + (size_t)k * MN__NR;
         memcpy(&b0, bv, sizeof b0);
         memcpy(&b1, bv + MN__VW, sizeof b1);
         // the row loop written out, so that -O2 keeps the accumulators in registers too
-#define MN__ROW(m) acc0[m] += b0 * av[m], acc1[m] += b1 * av[m];
+#define MN__ROW(m) acc0[m] += b0 * av[(m) * ars], acc1[m] += b1 * av[(m) * ars];
         MN__EACH_ROW(MN__ROW)
 #undef MN__ROW
     }
@@ -10533,9 +10577,9 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     for (m = 0; m < MN__MR; m++)
         for (j = 0; j < MN__NR; j++) out[m][j] = 0.0f;
     for (k = 0; k < kc; k++) {
-        const float *av = ap + (size_t)k * MN__MR, *bv = bp + (size_t)k * MN__NR;
+        const float *av = ap + (size_t)k * acs, *bv = bp + (size_t)k * MN__NR;
         for (m = 0; m < MN__MR; m++)
-            for (j = 0; j < MN__NR; j++) out[m][j] += av[m] * bv[j];
+            for (j = 0; j < MN__NR; j++) out[m][j] += av[(size_t)m * ars] * bv[j];
     }
 #endif
     if (mr == MN__MR && nr == MN__NR) {
@@ -10576,9 +10620,17 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, 
         }
         for (i = 0; i < mb; i += MN__MR) {
             int mr = mb - i < MN__MR ? mb - i : MN__MR;
-            // pack A(m0+i.., k0..) as [k][MR]; rows past the end repeat the last row (discarded)
-            const float *src = g->a + (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs;
-            if (g->a_cs == 1) {  // rows of A are contiguous
+            // A(m0+i.., k0..): full tiles of contiguous rows are read in place; others are packed
+            // as [k][MR], rows past the end repeating the last row (discarded)
+            const float *src = g->a + (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs, *ap = apack;
+            size_t ars = 1, acs = MN__MR;
+            if (g->a_cs == 1 && mr == MN__MR) {
+                ap = src, ars = g->a_rs, acs = 1;
+            } else if (g->a_rs == 1 && mr == MN__MR) {  // columns of A: MR floats per k
+                for (k = 0; k < kc; k++)
+                    memcpy(apack + (size_t)k * MN__MR, src + (size_t)k * g->a_cs,
+                           MN__MR * sizeof(float));
+            } else if (g->a_cs == 1) {  // rows of A are contiguous
                 for (m = 0; m < MN__MR; m++) {
                     const float *row = src + (size_t)(m < mr ? m : mr - 1) * g->a_rs;
                     for (k = 0; k < kc; k++) apack[(size_t)k * MN__MR + m] = row[k];
@@ -10592,22 +10644,31 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, 
             for (p = 0; p < npanel; p++) {
                 int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
                 float *c = g->c + (m0 + (size_t)i) * g->ldc + j0 + (size_t)p * MN__NR;
-                mn__gemm_tile(c, g->ldc, mr, jn, apack, bpack + (size_t)p * MN__KC * MN__NR, kc);
+                mn__gemm_tile(c, g->ldc, mr, jn, ap, ars, acs,
+                              bpack + (size_t)p * MN__KC * MN__NR, kc);
             }
         }
     }
 }
 
 // Runs every task; the tasks write disjoint blocks of c, so any schedule gives the same bits.
+// A task packs its B block once for mb rows: mb starts at MN__MB and halves (down to 64) while
+// there are fewer than four tasks per thread. Block sizes change which thread computes an output,
+// never the order of its sum over k.
 MN__PRIVATE void mn__gemm_run(const mn__gemm *g) {
-    size_t mt = (g->M + MN__MB - 1) / MN__MB, jt = (g->NC + MN__JB - 1) / MN__JB;
-    size_t t, ntask = mt * jt;
+    size_t jt = (g->NC + MN__JB - 1) / MN__JB, mt, t, ntask;
+    int mb = MN__MB, threads = 1;
     if (g->M == 0 || g->NC == 0 || g->K == 0) return;
-    MN__OMP_FOR_DYNAMIC
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    while (mb > 64 && ((g->M + (size_t)mb - 1) / (size_t)mb) * jt < 4 * (size_t)threads) mb /= 2;
+    mt = (g->M + (size_t)mb - 1) / (size_t)mb, ntask = mt * jt;
+    MN__OMP_FOR_DYNAMIC_IF(ntask > 1 && 2.0 * (double)g->M * (double)g->NC * (double)g->K >=
+                           MN__OMP_MIN_FLOPS)
     for (t = 0; t < ntask; t++) {
-        size_t m0 = (t / jt) * MN__MB, j0 = (t % jt) * MN__JB;
-        mn__gemm_task(g, m0, mn__tile_len(g->M - m0, MN__MB), j0,
-                      mn__tile_len(g->NC - j0, MN__JB));
+        size_t m0 = (t / jt) * (size_t)mb, j0 = (t % jt) * MN__JB;
+        mn__gemm_task(g, m0, mn__tile_len(g->M - m0, mb), j0, mn__tile_len(g->NC - j0, MN__JB));
     }
 }
 
@@ -10913,6 +10974,7 @@ MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out
 
 #define MN__AQ 32  // queries per tile
 #define MN__AK 64  // keys per tile
+#define MN__AC 4   // key tiles whose scores (and dp) a query tile keeps on the stack (T <= 256)
 
 typedef struct mn__att {
     const float *q, *k, *v;  // this (b, h): position t of each at + t * stride
@@ -10957,13 +11019,16 @@ MN__PRIVATE size_t mn__att_kend(const mn__att *a, size_t t0, int nq) {
 }
 
 // Row statistics of the query tile: mx[i] = max_j s_ij, inv[i] = 1 / sum_j exp(s_ij - mx[i]).
-MN__PRIVATE void mn__att_stats(const mn__att *a, size_t t0, int nq, float *mx, float *inv) {
-    float s[MN__AQ][MN__AK];
+// keep non-NULL (the query tile sees at most MN__AC key tiles): the score tiles are kept there.
+MN__PRIVATE void mn__att_stats(const mn__att *a, size_t t0, int nq, float *mx, float *inv,
+                               float (*keep)[MN__AQ][MN__AK]) {
+    float tile[MN__AQ][MN__AK];
     double l[MN__AQ];
     size_t j0, kend = mn__att_kend(a, t0, nq);
     int i, j, nk;
     for (i = 0; i < nq; i++) mx[i] = -INFINITY, l[i] = 0.0;
     for (j0 = 0; j0 < kend; j0 += MN__AK) {
+        float (*s)[MN__AK] = keep ? keep[j0 / MN__AK] : tile;
         nk = mn__tile_len(kend - j0, MN__AK);
         mn__att_scores(a, t0, nq, j0, nk, s);
         for (i = 0; i < nq; i++) {
@@ -10981,11 +11046,14 @@ MN__PRIVATE void mn__att_stats(const mn__att *a, size_t t0, int nq, float *mx, f
     for (i = 0; i < nq; i++) inv[i] = (float)(1.0 / l[i]);
 }
 
-// Probabilities of a tile: p[i][j] for visible keys, 0 for masked ones and the padding.
+// Probabilities of a tile: p[i][j] for visible keys, 0 for masked ones and the padding. kept:
+// the tile's scores from mn__att_stats, or NULL to compute them again (the same floats).
 MN__PRIVATE void mn__att_probs(const mn__att *a, size_t t0, int nq, size_t j0, int nk,
-                               const float *mx, const float *inv, float p[MN__AQ][MN__AK]) {
+                               const float *mx, const float *inv, float p[MN__AQ][MN__AK],
+                               float (*kept)[MN__AK]) {
     int i, j;
-    mn__att_scores(a, t0, nq, j0, nk, p);
+    if (!kept) mn__att_scores(a, t0, nq, j0, nk, p);
+    else if (kept != p) memcpy(p, kept, (size_t)nq * sizeof p[0]);
     for (i = 0; i < nq; i++) {
         int vis = mn__att_visible(a, t0, i, j0, nk);
         float m = mx[i], iv = inv[i], *row = p[i];
@@ -11007,18 +11075,19 @@ MN__PRIVATE void mn__att_probs_kept(const float *att, size_t T, size_t t0, int n
 
 MN__PRIVATE void mn__att_forward_bh(const mn__att *a, float *out, size_t os,
                                                  float *att) {
-    float p[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ];
+    float p[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ], sk[MN__AC][MN__AQ][MN__AK];
     size_t t0, j0, j, d, kend;
-    int nq, nk, i;
+    int nq, nk, i, keep;
     for (t0 = 0; t0 < a->T; t0 += MN__AQ) {
         nq = mn__tile_len(a->T - t0, MN__AQ);
         kend = mn__att_kend(a, t0, nq);
-        mn__att_stats(a, t0, nq, mx, inv);
+        keep = kend <= (size_t)MN__AC * MN__AK;
+        mn__att_stats(a, t0, nq, mx, inv, keep ? sk : NULL);
         for (i = 0; i < nq; i++)
             for (d = 0; d < a->hs; d++) out[(t0 + (size_t)i) * os + d] = 0.0f;
         for (j0 = 0; j0 < kend; j0 += MN__AK) {
             nk = mn__tile_len(kend - j0, MN__AK);
-            mn__att_probs(a, t0, nq, j0, nk, mx, inv, p);
+            mn__att_probs(a, t0, nq, j0, nk, mx, inv, p, keep ? sk[j0 / MN__AK] : NULL);
             if (att)
                 for (i = 0; i < nq; i++)
                     memcpy(att + (t0 + (size_t)i) * a->T + j0, p[i], (size_t)nk * sizeof(float));
@@ -11034,35 +11103,44 @@ MN__PRIVATE void mn__att_forward_bh(const mn__att *a, float *out, size_t os,
 
 MN__PRIVATE void mn__att_backward_bh(const mn__att *a, float *dq, float *dk, float *dv,
                                                   const float *att) {
+    // with at most MN__AC key tiles in view, pass 0 leaves each tile's p and dp on the stack for
+    // pass 1; otherwise pass 1 computes them again (the same floats either way)
     float p[MN__AQ][MN__AK], dp[MN__AQ][MN__AK], mx[MN__AQ], inv[MN__AQ], D[MN__AQ];
+    float pk[MN__AC][MN__AQ][MN__AK], dpk[MN__AC][MN__AQ][MN__AK];
     size_t t0, j0, kend;
-    int nq, nk, i, j, pass;
+    int nq, nk, i, j, pass, keep;
     for (t0 = 0; t0 < a->T; t0 += MN__AQ) {
         nq = mn__tile_len(a->T - t0, MN__AQ);
         kend = mn__att_kend(a, t0, nq);
-        if (!att) mn__att_stats(a, t0, nq, mx, inv);
+        keep = kend <= (size_t)MN__AC * MN__AK;
+        if (!att) mn__att_stats(a, t0, nq, mx, inv, keep ? pk : NULL);
         for (i = 0; i < nq; i++) D[i] = 0.0f;
         // pass 0: D_i = sum_j p_ij dp_ij; pass 1: the gradients
         for (pass = 0; pass < 2; pass++) {
             for (j0 = 0; j0 < kend; j0 += MN__AK) {
+                float (*pt)[MN__AK] = keep ? pk[j0 / MN__AK] : p;
+                float (*dt)[MN__AK] = keep ? dpk[j0 / MN__AK] : dp;
                 nk = mn__tile_len(kend - j0, MN__AK);
-                if (att) mn__att_probs_kept(att, a->T, t0, nq, j0, nk, p);
-                else mn__att_probs(a, t0, nq, j0, nk, mx, inv, p);
-                mn__att_dots(a->dout, a->dstride, t0, nq, a->v, a->stride, j0, nk, a->hs, dp);
+                if (pass == 0 || !keep) {
+                    if (att) mn__att_probs_kept(att, a->T, t0, nq, j0, nk, pt);
+                    else mn__att_probs(a, t0, nq, j0, nk, mx, inv, pt, keep ? pt : NULL);
+                    mn__att_dots(a->dout, a->dstride, t0, nq, a->v, a->stride, j0, nk, a->hs,
+                                 dt);
+                }
                 if (pass == 0) {
                     for (i = 0; i < nq; i++)
-                        for (j = 0; j < nk; j++) D[i] += p[i][j] * dp[i][j];
+                        for (j = 0; j < nk; j++) D[i] += pt[i][j] * dt[i][j];
                     continue;
                 }
                 // dp becomes ds = p (dp - D) / sqrt(hs); masked entries have p = 0, so ds = 0
                 for (i = 0; i < nq; i++)
-                    for (j = 0; j < nk; j++) dp[i][j] = p[i][j] * (dp[i][j] - D[i]) * a->scale;
+                    for (j = 0; j < nk; j++) dt[i][j] = pt[i][j] * (dt[i][j] - D[i]) * a->scale;
                 // dq_tile += ds k_tile / dk_tile += ds^T q_tile / dv_tile += p^T dout_tile
-                mn__gemm_acc(dq + t0 * a->stride, a->stride, &dp[0][0], MN__AK, 1,
+                mn__gemm_acc(dq + t0 * a->stride, a->stride, &dt[0][0], MN__AK, 1,
                              a->k + j0 * a->stride, a->stride, 1, (size_t)nq, a->hs, (size_t)nk);
-                mn__gemm_acc(dk + j0 * a->stride, a->stride, &dp[0][0], 1, MN__AK,
+                mn__gemm_acc(dk + j0 * a->stride, a->stride, &dt[0][0], 1, MN__AK,
                              a->q + t0 * a->stride, a->stride, 1, (size_t)nk, a->hs, (size_t)nq);
-                mn__gemm_acc(dv + j0 * a->stride, a->stride, &p[0][0], 1, MN__AK,
+                mn__gemm_acc(dv + j0 * a->stride, a->stride, &pt[0][0], 1, MN__AK,
                              a->dout + t0 * a->dstride, a->dstride, 1, (size_t)nk, a->hs,
                              (size_t)nq);
             }
@@ -11267,21 +11345,28 @@ MN__PRIVATE void mn__logsumexp(const float *x, size_t V, float *mx, double *lse)
 
 MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const float *logits,
                                          const int *targets, size_t N, size_t V) {
-    // loss = logsumexp(x) - x[y]; p = exp(x - logsumexp(x)) (llm.c crossentropy_forward over
-    // softmax_forward, fused as in llm.c fused_classifier)
+    // loss = logsumexp(x) - x[y]; p = exp(x - max) / sum exp(x - max) (llm.c crossentropy_forward
+    // over softmax_forward, fused as in llm.c fused_classifier). With probs the exponentials are
+    // stored while they are summed (one exp per logit), then scaled.
     size_t n;
     if (!losses || !logits || !targets || V == 0) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * V >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = logits + n * V;
-        float mx;
+        float mx, inv, *p = probs ? probs + n * V : NULL;
         double lse;
         size_t j;
-        mn__logsumexp(x, V, &mx, &lse);
+        if (p) {
+            double sum;
+            mx = mn__max_scaled(x, 1.0f, V);
+            sum = mn__exp_store_sum(p, x, 1.0f, mx, V);
+            lse = log(sum), inv = (float)(1.0 / sum);
+            for (j = 0; j < V; j++) p[j] *= inv;
+        } else {
+            mn__logsumexp(x, V, &mx, &lse);
+        }
         losses[n] = targets[n] < 0 ? 0.0f : (float)(lse - (x[targets[n]] - mx));
-        if (probs)
-            for (j = 0; j < V; j++) probs[n * V + j] = mn__expf((x[j] - mx) - (float)lse);
     }
     return MN_OK;
 }
@@ -11304,11 +11389,11 @@ MNIMPL mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, 
             const float *p = probs + n * V;
             for (j = 0; j < V; j++) dx[j] += p[j] * d;
         } else {
+            // the forward's probabilities, recomputed the same way
             const float *x = logits + n * V;
-            float mx;
-            double lse;
-            mn__logsumexp(x, V, &mx, &lse);
-            for (j = 0; j < V; j++) dx[j] += mn__expf((x[j] - mx) - (float)lse) * d;
+            float mx = mn__max_scaled(x, 1.0f, V), inv;
+            inv = (float)(1.0 / mn__sumexp(x, mx, V));
+            for (j = 0; j < V; j++) dx[j] += mn__expf(1.0f * x[j] - mx) * inv * d;
         }
         dx[y] -= d;
     }

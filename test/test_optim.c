@@ -1225,6 +1225,49 @@ static void test_conversion_arrays(void) {
     free(x), free(y), free(h);
 }
 
+// The array conversions are written apart from the scalar ones (branch-free, to vectorize): the
+// same bits for every 16-bit value, and for fp32 values on a stride over all 2^32 bit patterns
+// plus every value within 2^14 ulps of fp16's edges (subnormal and normal range, overflow, zero,
+// inf and NaN), both signs. (Checked exhaustively over all 2^32 when the arrays were rewritten.)
+static uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static void test_conversion_arrays_bits(void) {
+    enum { N = 65536 };
+    static const uint32_t edges[] = {0x00000000u, 0x33000000u, 0x38800000u, 0x3f800000u,
+                                     0x477fe000u, 0x47800000u, 0x7f800000u, 0x7fc00000u};
+    float *x = mnt_fvec(N), *y = mnt_fvec(N);
+    uint16_t *h = (uint16_t *)malloc(N * 2);
+    uint64_t bad = 0, u, k;
+    size_t e;
+    int i;
+    for (i = 0; i < N; i++) h[i] = (uint16_t)i;
+    mn_fp16_to_fp32_array(h, y, N);
+    for (i = 0; i < N; i++) bad += float_bits(y[i]) != float_bits(mn_fp16_to_fp32(h[i]));
+    mn_bf16_to_fp32_array(h, y, N);
+    for (i = 0; i < N; i++) bad += float_bits(y[i]) != float_bits(mn_bf16_to_fp32(h[i]));
+    for (k = 0; k < 2 * (sizeof edges / sizeof edges[0]) + 64; k++) {
+        // a chunk of N patterns: around an edge (either sign), or a stride over all of them
+        e = (size_t)(k / 2);
+        for (i = 0; i < N; i++) {
+            if (e < sizeof edges / sizeof edges[0])
+                u = (uint64_t)edges[e] - N / 2 + (uint64_t)i + (k & 1 ? 0x80000000u : 0u);
+            else
+                u = ((uint64_t)(k - 16) * N + (uint64_t)i) * 1031u;
+            x[i] = bits_to_float((uint32_t)u);
+        }
+        mn_fp32_to_fp16_array(x, h, N);
+        for (i = 0; i < N; i++) bad += h[i] != mn_fp32_to_fp16(x[i]);
+        mn_fp32_to_bf16_array(x, h, N);
+        for (i = 0; i < N; i++) bad += h[i] != mn_fp32_to_bf16(x[i]);
+    }
+    CHECK_MSG(bad == 0, "%llu conversions differ from the scalar ones", (unsigned long long)bad);
+    free(x), free(y), free(h);
+}
+
 // Unscale + found-inf over fp32, fp16 and bf16 arrays, against products in double.
 static void test_unscale(void) {
     enum { N = 1000 };
@@ -1328,5 +1371,6 @@ const mnt_case test_optim_cases[] = {
     {"fp32_to_half_random", test_fp32_to_half_random},
     {"fp32_to_half_edges", test_fp32_to_half_edges},
     {"conversion_arrays", test_conversion_arrays},
+    {"conversion_arrays_bits", test_conversion_arrays_bits},
 };
 const size_t test_optim_count = sizeof test_optim_cases / sizeof test_optim_cases[0];
