@@ -9580,6 +9580,18 @@ MN__PRIVATE mn_result mn__opt_dtype(mn_dtype *dt) {
 }
 
 // One zero-filled block of `bytes` for a state; NULL when bytes is 0.
+// OpenMP, when the build has it, for the element-wise optimizer steps and the ops: each thread
+// owns a disjoint range of elements, so results do not depend on the thread count.
+#define MN__PRAGMA(x) _Pragma(#x)
+#ifdef _OPENMP
+#include <omp.h>
+#define MN__OMP_FOR_DYNAMIC_IF(cond) MN__PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
+#define MN__OMP_FOR_IF(cond) MN__PRAGMA(omp parallel for schedule(static) if (cond))
+#else
+#define MN__OMP_FOR_DYNAMIC_IF(cond)
+#define MN__OMP_FOR_IF(cond)
+#endif
+
 MN__PRIVATE mn_result mn__opt_alloc(const mn_allocator *a, uint64_t bytes, void **out) {
     *out = NULL;
     if (bytes == 0) return MN_OK;
@@ -9746,6 +9758,19 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
     step_size = (float)((double)p->lr / bc1);
     bc2_sqrt = (float)sqrt(bc2);
     w1 = 1.0f - p->beta1, b2 = p->beta2;
+    if (!p->maximize && !p->amsgrad) {  // the common case: no branch in the loop, threads
+        float *ea = s->exp_avg, *eb = s->exp_avg_sq;
+        int64_t j, n = (int64_t)s->n;
+        MN__OMP_FOR_IF(n >= 65536)
+        for (j = 0; j < n; j++) {  // the same arithmetic, in the same order, as below
+            float g = grad[j], th = param[j] * decay, m, v;
+            m = ea[j] = mn__opt_lerp(ea[j], g, w1);
+            v = eb[j] = eb[j] * b2 + (1.0f - b2) * g * g;
+            param[j] = th - step_size * (m / (sqrtf(v) / bc2_sqrt + p->eps));
+        }
+        mn__opt_store16(p->dtype, param, param16, s->n);
+        return MN_OK;
+    }
     for (i = 0; i < s->n; i++) {
         float g = p->maximize ? -grad[i] : grad[i];
         float th = param[i] * decay, m, v, denom;
@@ -10351,18 +10376,9 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 // Matmul is a packed, register-tiled GEMM: a task computes a block of rows x columns of the
 // output (up to 512 x 256: the B block is packed once per task into KC x NR panels and reused by
 // every row tile); the A operand is read in place where its rows are contiguous, else packed into
-// MR x KC tiles, and an MR x NR register tile accumulates. The summation order over k does not depend on
-// the thread count, so results are bitwise identical with and without OpenMP.
+// MR x KC tiles, and an MR x NR register tile accumulates. The summation order over k does not
+// depend on the thread count, so results are bitwise identical with and without OpenMP.
 
-#define MN__PRAGMA(x) _Pragma(#x)
-#ifdef _OPENMP
-#include <omp.h>
-#define MN__OMP_FOR_DYNAMIC_IF(cond) MN__PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
-#define MN__OMP_FOR_IF(cond) MN__PRAGMA(omp parallel for schedule(static) if (cond))
-#else
-#define MN__OMP_FOR_DYNAMIC_IF(cond)
-#define MN__OMP_FOR_IF(cond)
-#endif
 
 // Small math helpers are inlined into every loop that uses them, which is what lets those loops
 // vectorize (a call per element would not).

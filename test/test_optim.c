@@ -1343,10 +1343,48 @@ static void test_loss_scaler_with_fp16_grads(void) {
     }
 }
 
+// AdamW's common case (no maximize, no amsgrad) runs a loop of its own, threaded for large
+// tensors: it must give the same bits as the general loop, reached here through maximize with
+// the gradient negated (the same g). Sizes on both sides of the threading threshold, 3 steps.
+static void test_adamw_fast_path_bits(void) {
+    static const uint64_t sizes[] = {1, 1000, 65535, 65536, 200003};
+    size_t q;
+    for (q = 0; q < sizeof sizes / sizeof sizes[0]; q++) {
+        uint64_t n = sizes[q], dims[1], k;
+        float *pa = mnt_fvec(n), *pb = mnt_fvec(n), *g = mnt_fvec(n), *ng = mnt_fvec(n);
+        mn_adamw a, b;
+        mn_adamw_params prm;
+        int step;
+        dims[0] = n;
+        memset(&prm, 0, sizeof prm);
+        prm.lr = 1e-2f, prm.weight_decay = 0.1f;
+        CHECK_OK(mn_adamw_init(&a, dims, 1, &prm, NULL));
+        prm.maximize = 1;
+        CHECK_OK(mn_adamw_init(&b, dims, 1, &prm, NULL));
+        mnt_fill_normal(pa, n, 1.0);
+        memcpy(pb, pa, n * sizeof(float));
+        for (step = 0; step < 3; step++) {
+            mnt_fill_normal(g, n, 1e-2);
+            for (k = 0; k < n; k++) ng[k] = -g[k];
+            CHECK_OK(mn_adamw_step(&a, pa, g, NULL));
+            CHECK_OK(mn_adamw_step(&b, pb, ng, NULL));
+        }
+        CHECK_MSG(memcmp(pa, pb, n * sizeof(float)) == 0 &&
+                  memcmp(a.exp_avg, b.exp_avg, n * sizeof(float)) == 0 &&
+                  memcmp(a.exp_avg_sq, b.exp_avg_sq, n * sizeof(float)) == 0,
+                  "n %llu: the common-case loop differs from the general one",
+                  (unsigned long long)n);
+        mn_adamw_free(&a);
+        mn_adamw_free(&b);
+        free(pa), free(pb), free(g), free(ng);
+    }
+}
+
 const mnt_case test_optim_cases[] = {
     {"adamw_steps", test_adamw_steps},
     {"adamw_first_step_closed_form", test_adamw_first_step_closed_form},
     {"adamw_1000_steps", test_adamw_1000_steps},
+    {"adamw_fast_path_bits", test_adamw_fast_path_bits},
     {"sgd_steps", test_sgd_steps},
     {"sgd_first_step_closed_form", test_sgd_first_step_closed_form},
     {"adafactor_steps", test_adafactor_steps},
