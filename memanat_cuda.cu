@@ -458,7 +458,7 @@ static mn_result mn__dev_unreserve(void *u, void *base, uint64_t size) {
 static mn_result mn__dev_unmap(void *u, void *addr, uint64_t size) {
     mn_cuda *ctx = (mn_cuda *)u;
     uint64_t off;
-    MN__CU(ctx, cudaStreamSynchronize(mn__stream(ctx)));  // work in flight may still use it
+    MN__CU(ctx, cudaDeviceSynchronize());  // work in flight on any stream may still use it
     for (off = 0; off < size; off += MN__VM_GRANULE)
         MN__DRV(ctx, ctx->p->mem_unmap((CUdeviceptr)addr + off, MN__VM_GRANULE));
     return MN_OK;

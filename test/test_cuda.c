@@ -371,7 +371,7 @@ static void test_adamw(void) {
                 dims[0] = n;
                 OK(mn_adamw_init(&st, dims, 1, &prm, NULL));
                 for (t = 1; t <= 3; t++) {
-                    OK(mn_unscale_grads_to_fp32(gdt == MN_FP32 ? MN_FP32 : MN_FP32, gs, g, n,
+                    OK(mn_unscale_grads_to_fp32(MN_FP32, gs, g, n,
                                                 inv_scale, &found_inf));
                     gp[0] = g, sz[0] = n;
                     OK(mn_clip_grad_norm(gp, sz, 1, clip ? max_norm : 1e30f, 2.0f, &norm));
