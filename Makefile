@@ -2,6 +2,10 @@
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
 # under clang, also with MEMANAT_STATIC and the trainer, and the ops with MEMANAT_NO_SIMD), fuzz (bounded
 # fuzzing of the parsers), bench (benchmark programs), cuda-probe.
+# With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
+# (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and `make test` first runs
+# build/test_cuda (the GPU tests; one SKIP line without a device). `make gpu-bench` builds the GPU
+# benchmark; bench/gpu.sh runs everything on a GPU machine.
 
 CC      ?= cc
 CXX     ?= c++
@@ -12,16 +16,30 @@ CFLAGS  ?= $(OPT) -g
 CSTD    := -std=c99
 LDLIBS  := -lm -lpthread
 HDRS    := memanat.h
-TESTSRC := test/main.c $(wildcard test/test_*.c)
+TESTSRC := test/main.c $(filter-out test/test_cuda.c,$(wildcard test/test_*.c))  # test_cuda.c: its own program
 BENCHES := $(patsubst bench/%.c,build/%,$(wildcard bench/*.c))
 
 # OpenMP when the compiler has it (the reference ops use it; the build works without it).
 OPENMP  := $(shell echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
 NVCC    := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 
-.PHONY: all test sanitize cxx clang fuzz bench cuda-probe check clean
+# The CUDA backend: explicit architectures (the build machine may have no GPU, so never
+# -arch=native); sm_90 also carries PTX for newer GPUs. Link with nvcc (static cudart) and the
+# toolkit's cuBLASLt, found through an rpath.
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_LIB  := $(CUDA_HOME)/lib64
+NVCCFLAGS ?= -O3
+NVCCARCH  := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
+NVCCWARN  := -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
+CUDA_LINK := -L$(CUDA_LIB) -lcublasLt -Xlinker -rpath,$(CUDA_LIB) -lm -lpthread
+ifneq ($(NVCC),)
+CUDA_OBJ  := build/memanat_cuda.o
+CUDA_TEST := build/test_cuda
+endif
 
-all: memanat trainer cuda-probe
+.PHONY: all test sanitize cxx clang fuzz bench gpu-bench cuda-probe check clean
+
+all: memanat trainer cuda-probe $(CUDA_OBJ)
 
 memanat: memanat.c $(HDRS)
 	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ memanat.c $(LDLIBS)
@@ -36,8 +54,32 @@ build:
 build/test_all: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
 	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ $(TESTSRC) $(LDLIBS)
 
-test: memanat build/test_all
+test: memanat build/test_all $(CUDA_TEST)
+	@if [ -n "$(CUDA_TEST)" ]; then ./$(CUDA_TEST); fi
 	./build/test_all
+
+# ptxas -v (registers, spills, shared memory per kernel) goes to build/ptxas.log.
+build/memanat_cuda.o: memanat_cuda.cu $(HDRS) | build
+	$(NVCC) -std=c++14 $(NVCCFLAGS) $(NVCCARCH) $(NVCCWARN) -Xptxas -v -c -o $@ memanat_cuda.cu \
+	    2> build/ptxas.log || { cat build/ptxas.log; exit 1; }
+	@echo "memanat_cuda.o: $$(grep -c 'Compiling entry' build/ptxas.log) kernel builds, \
+	$$(grep -c '[1-9][0-9]* bytes spill' build/ptxas.log) with spills (build/ptxas.log)"
+
+build/test_cuda.o: test/test_cuda.c $(HDRS) | build
+	$(CC) $(CSTD) $(CFLAGS) $(WARN) -c -o $@ test/test_cuda.c
+
+build/test_cuda: build/test_cuda.o build/memanat_cuda.o
+	$(NVCC) -o $@ build/test_cuda.o build/memanat_cuda.o $(CUDA_LINK)
+
+build/memanat_impl.o: $(HDRS) | build
+	printf '#define MEMANAT_IMPLEMENTATION\n#include "../memanat.h"\n' > build/memanat_impl.c
+	$(CC) $(CSTD) $(CFLAGS) $(WARN) -c -o $@ build/memanat_impl.c
+
+build/bench_gpu: bench/bench_gpu.cu build/memanat_cuda.o build/memanat_impl.o $(HDRS) | build
+	$(NVCC) -std=c++14 -O3 $(NVCCARCH) $(NVCCWARN) -o $@ bench/bench_gpu.cu build/memanat_cuda.o \
+	    build/memanat_impl.o $(CUDA_LINK)
+
+gpu-bench: build/bench_gpu
 
 build/test_asan: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \

@@ -63,6 +63,7 @@
 //     /fit             the largest micro-batch, the longest sequence, a plan that fits
 //     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space), names
 //     /gpt             the model of memanat's own trainer: its tensor tables, shared with trainer.c
+//   >>cuda           the CUDA backend: kernel math (always), memanat_cuda.cu API (MEMANAT_CUDA)
 //   >>hfconfig       Hugging Face config.json and model-folder reader
 //   >>cache          the caching allocator with PyTorch's policy:
 //     /simdev          the simulated device
@@ -709,6 +710,345 @@ enum { MN_GPT_INIT_NORMAL, MN_GPT_INIT_RESID, MN_GPT_INIT_ONE, MN_GPT_INIT_ZERO 
 // MN_ERR_INVALID_ARG when a size is 0 or heads do not divide the width.
 MNDEF mn_result mn_gpt_model(uint64_t layers, uint64_t dim, uint64_t heads, uint64_t seq,
                              uint64_t vocab, int tied, mn_model *out);
+
+// >>cuda ------------------------------------------------------------------------------------------
+//
+// The CUDA backend (memanat_cuda.cu, built when nvcc is present) in two parts.
+//
+// 1. The kernels' math, always compiled: per-element and per-row functions that the kernels of
+//    memanat_cuda.cu call on the device and the host tests call on the CPU, so the formulas the
+//    GPU runs are checked against the reference ops (>>ops, >>optim) in every build, GPU or not.
+//    MN_HD is `static inline` in C and C++, `static __host__ __device__ inline` under nvcc. All
+//    math is fp32; storage conversion (fp16/bf16, round to nearest even) happens in the kernels.
+//
+// 2. The C API of memanat_cuda.cu (define MEMANAT_CUDA before including this header): a context
+//    (mn_cuda: device, stream, cuBLASLt handle and workspace), the caching allocator's device
+//    backend over cudaMalloc with pooled events and CUDA virtual memory for expandable segments,
+//    GEMMs through cuBLASLt with fused epilogues, and fused kernels whose launchers take the
+//    arguments of the CPU ops (>>ops) in the same order, plus the context and a storage dtype.
+//    Pointers given to the launchers are device pointers; every call runs on ctx->stream and is
+//    asynchronous unless it says otherwise. Every entry point returns mn_result: MN_ERR_DEVICE
+//    (MN_ERR_DEVICE_OOM when cudaMalloc is refused) with the CUDA or cuBLAS error text sent to
+//    the context's logger.
+#include <math.h>
+#if defined(__CUDACC__)
+#define MN_HD static __host__ __device__ inline
+#else
+#define MN_HD static inline
+#endif
+#define MN_HD_GELU_K 0.7978845608028654f   // sqrt(2 / pi)
+#define MN_HD_GELU_C 0.044715f
+#define MN_HD_NEG_MAX (-3.402823466e+38f)  // -FLT_MAX: the start of a running max
+
+// GELU, tanh approximation: 0.5 x (1 + tanh(k (x + c x^3))) and its derivative
+// 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) k (1 + 3 c x^2), u = k (x + c x^3).
+MN_HD float mn_hd_gelu(float x) {
+    float u = MN_HD_GELU_K * (x + MN_HD_GELU_C * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+MN_HD float mn_hd_gelu_grad(float x) {
+    float u = MN_HD_GELU_K * (x + MN_HD_GELU_C * x * x * x), t = tanhf(u);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * MN_HD_GELU_K *
+                                   (1.0f + 3.0f * MN_HD_GELU_C * x * x);
+}
+
+// LayerNorm, per element: y = (x - mu) r w + b with r = 1/sqrt(var + eps); backward, with
+// g = w dy and xh = (x - mu) r: dx = r (g - mean(g) - xh mean(g xh)).
+MN_HD float mn_hd_rstd(float var, float eps) { return 1.0f / sqrtf(var + eps); }
+MN_HD float mn_hd_layernorm_out(float x, float mu, float r, float w, float b) {
+    return (x - mu) * r * w + b;
+}
+MN_HD float mn_hd_layernorm_dinp(float g, float xh, float g_mean, float gxh_mean, float r) {
+    return r * (g - g_mean - xh * gxh_mean);
+}
+
+// Running max and sum of exp for softmax and cross-entropy (one pass, "online softmax",
+// Milakov & Gimelshein 2018): after adding x_1..x_k, sum = sum_i exp(x_i - max). Start from
+// mn_hd_maxsum_init(); merge partial states of a split row with mn_hd_maxsum_merge.
+typedef struct mn_hd_maxsum {
+    float max, sum;
+} mn_hd_maxsum;
+MN_HD mn_hd_maxsum mn_hd_maxsum_init(void) {
+    mn_hd_maxsum s;
+    s.max = MN_HD_NEG_MAX, s.sum = 0.0f;
+    return s;
+}
+MN_HD mn_hd_maxsum mn_hd_maxsum_add(mn_hd_maxsum s, float x) {
+    if (x > s.max) s.sum = s.sum * expf(s.max - x) + 1.0f, s.max = x;
+    else s.sum += expf(x - s.max);
+    return s;
+}
+MN_HD mn_hd_maxsum mn_hd_maxsum_merge(mn_hd_maxsum a, mn_hd_maxsum b) {
+    mn_hd_maxsum r;
+    r.max = a.max > b.max ? a.max : b.max;
+    r.sum = a.sum * expf(a.max - r.max) + b.sum * expf(b.max - r.max);
+    return r;
+}
+// Softmax of row n of [N,L] rows: the columns that take part (causal: row n is query position
+// t = n % L and sees keys 0..t), the probability of one (already scaled) input, the backward.
+MN_HD uint64_t mn_hd_softmax_len(uint64_t n, uint64_t L, int causal) {
+    return causal ? n % L + 1 : L;
+}
+MN_HD float mn_hd_softmax_prob(float scaled_x, mn_hd_maxsum s) {
+    return expf(scaled_x - s.max) / s.sum;
+}
+MN_HD float mn_hd_softmax_dinp(float out, float dout, float dot, float scale) {
+    return scale * out * (dout - dot);  // dot = sum_j out_j dout_j over the row
+}
+
+// Cross-entropy from a row's running max/sum: loss = log(sum) + max - logit[target], and the
+// fused gradient dlogit = (p - onehot) dloss with p = exp(logit - max) / sum.
+MN_HD float mn_hd_ce_loss(mn_hd_maxsum s, float logit_target) {
+    return logf(s.sum) + s.max - logit_target;
+}
+MN_HD float mn_hd_ce_dlogit(float logit, mn_hd_maxsum s, int is_target, float dloss) {
+    return (expf(logit - s.max) / s.sum - (is_target ? 1.0f : 0.0f)) * dloss;
+}
+
+// Gradient clipping coefficient from the global norm (torch clip_grad_norm_): min(1, max / (norm
+// + 1e-6)); 1 when max_norm is 0 (no clipping).
+MN_HD float mn_hd_clip_coef(float norm, float max_norm) {
+    float c;
+    if (max_norm == 0.0f) return 1.0f;
+    c = max_norm / (norm + 1e-6f);
+    return c < 1.0f ? c : 1.0f;
+}
+MN_HD int mn_hd_isfinite(float x) { return x - x == 0.0f; }  // false for inf and NaN
+
+// AdamW per element, the arithmetic of mn_adamw_step (torch.optim.AdamW, decoupled decay):
+//   g *= grad_scale;  th = p (1 - lr wd);  m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g^2;
+//   p = th - step_size m / (sqrt(v) / sqrt(1 - b2^t) + eps),  step_size = lr / (1 - b1^t).
+// The coefficients depend on the step only: mn_hd_adamw_coef computes them in double as the host
+// step does. grad_scale folds the loss scaler's 1/scale and the clipping coefficient.
+typedef struct mn_hd_adamw_coef {
+    float decay;      // 1 - lr * weight_decay
+    float step_size;  // lr / (1 - beta1^t)
+    float bc2_sqrt;   // sqrt(1 - beta2^t)
+    float w1;         // 1 - beta1: the lerp weight
+    float beta2, eps;
+    int maximize;
+} mn_hd_adamw_coef;
+MN_HD mn_hd_adamw_coef mn_hd_adamw_coefs(float lr, float beta1, float beta2, float eps,
+                                         float weight_decay, int maximize,
+                                         uint64_t t) {
+    mn_hd_adamw_coef k;
+    double bc1 = 1.0 - pow((double)beta1, (double)t), bc2 = 1.0 - pow((double)beta2, (double)t);
+    k.decay = (float)(1.0 - (double)lr * (double)weight_decay);
+    k.step_size = (float)((double)lr / bc1);
+    k.bc2_sqrt = (float)sqrt(bc2);
+    k.w1 = 1.0f - beta1, k.beta2 = beta2, k.eps = eps, k.maximize = maximize;
+    return k;
+}
+MN_HD void mn_hd_adamw(float *p, float *m, float *v, float g, float grad_scale,
+                       const mn_hd_adamw_coef *k) {
+    float th, mm, vv, denom;
+    g *= grad_scale;
+    if (k->maximize) g = -g;
+    th = *p * k->decay;
+    mm = k->w1 < 0.5f ? *m + k->w1 * (g - *m) : g - (g - *m) * (1.0f - k->w1);  // torch lerp
+    vv = *v * k->beta2 + (1.0f - k->beta2) * g * g;
+    denom = sqrtf(vv) / k->bc2_sqrt + k->eps;
+    *m = mm, *v = vv;
+    *p = th - k->step_size * (mm / denom);
+}
+
+// Serial row versions, the order of operations a single device thread uses; the host tests run
+// them against the reference ops. LayerNorm of one row x[C] (two-pass variance): y[C], *mu, *r.
+MN_HD void mn_hd_layernorm_row(float *y, float *mu, float *r, const float *x, const float *w,
+                               const float *b, uint64_t C, float eps) {
+    uint64_t i;
+    float s = 0.0f, m, v = 0.0f, rs;
+    for (i = 0; i < C; i++) s += x[i];
+    m = s / (float)C;
+    for (i = 0; i < C; i++) v += (x[i] - m) * (x[i] - m);
+    rs = mn_hd_rstd(v / (float)C, eps);
+    for (i = 0; i < C; i++) y[i] = mn_hd_layernorm_out(x[i], m, rs, w[i], b ? b[i] : 0.0f);
+    *mu = m, *r = rs;
+}
+// Softmax of one row (n is the row index, for the causal mask): y[L] = softmax(scale x[L]),
+// masked columns exactly 0.
+MN_HD void mn_hd_softmax_row(float *y, const float *x, uint64_t n, uint64_t L,
+                             float scale, int causal) {
+    uint64_t j, len = mn_hd_softmax_len(n, L, causal);
+    mn_hd_maxsum s = mn_hd_maxsum_init();
+    for (j = 0; j < len; j++) s = mn_hd_maxsum_add(s, scale * x[j]);
+    for (j = 0; j < L; j++) y[j] = j < len ? mn_hd_softmax_prob(scale * x[j], s) : 0.0f;
+}
+// Fused cross-entropy of one row: *loss, and dlogit[V] = (p - onehot) dloss (may equal logit).
+// target < 0: an ignored row, loss 0 and zero gradient.
+MN_HD void mn_hd_crossentropy_row(float *loss, float *dlogit, const float *logit, int target,
+                                  uint64_t V, float dloss) {
+    uint64_t j;
+    mn_hd_maxsum s = mn_hd_maxsum_init();
+    if (target < 0) {
+        *loss = 0.0f;
+        for (j = 0; j < V; j++) dlogit[j] = 0.0f;
+        return;
+    }
+    for (j = 0; j < V; j++) s = mn_hd_maxsum_add(s, logit[j]);
+    *loss = mn_hd_ce_loss(s, logit[target]);
+    for (j = 0; j < V; j++) dlogit[j] = mn_hd_ce_dlogit(logit[j], s, (long long)j == target, dloss);
+}
+
+#ifdef MEMANAT_CUDA
+// This block precedes >>cache and >>optim (its place in the file), so it names their types by
+// struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params, and a
+// stream is an mn_stream (uint32_t).
+struct mn_device;
+struct mn_adamw_params;
+#define MN_CUDA_MAX_STREAMS 8  // streams a context hands out (mn_stream 0 is ctx->stream)
+
+typedef struct mn_cuda_desc {
+    int device;                // CUDA device index, 0 = device 0
+    int tf32;                  // 1 = fp32 GEMMs on TF32 tensor cores, 0 = full fp32
+    int no_fused_epilogues;    // 1 = GEMMs never use cuBLASLt epilogues (the unfused kernels run)
+    uint64_t workspace;        // cuBLASLt workspace bytes, 0 = the GPU table's cublas_workspace
+                               // for the device's SM (32 MiB on sm 90+, 4 MiB otherwise)
+    mn_allocator allocator;    // host memory for the private state, all-zero = malloc/free
+    mn_logger logger;          // CUDA / cuBLAS failures: the call, the error name and text
+} mn_cuda_desc;
+
+typedef struct mn_cuda {       // fields are read-only for callers
+    mn_cuda_desc desc;         // resolved
+    int sm;                    // compute capability x 10 (90 = H100)
+    int sm_count;              // streaming multiprocessors
+    char name[256];            // cudaDeviceProp.name
+    uint64_t total_bytes;      // device memory (cudaMemGetInfo)
+    uint64_t workspace_bytes;  // the resolved cuBLASLt workspace, held for the context's life
+    void *stream;              // cudaStream_t (non-blocking) every call runs on
+    void *lt;                  // cublasLtHandle_t
+    void *workspace;           // [workspace_bytes] device memory
+    uint64_t gemm_fused, gemm_unfused;  // GEMMs served with a fused epilogue / by the fallback
+    struct mn__cuda_priv *p;   // streams, event pool, GEMM heuristics cache, scratch, driver API
+} mn_cuda;
+
+// Whether a device answers: *count CUDA devices, MN_OK; MN_ERR_DEVICE with the reason in
+// reason[cap] (e.g. "cudaGetDeviceCount: no CUDA-capable device is detected") when none does.
+MNDEF mn_result mn_cuda_device_count(int *count, char *reason, size_t cap);
+MNDEF mn_result mn_cuda_init(mn_cuda *ctx, const mn_cuda_desc *desc);
+MNDEF void mn_cuda_free(mn_cuda *ctx);   // waits for the stream, releases everything
+MNDEF mn_result mn_cuda_sync(mn_cuda *ctx);  // waits for ctx->stream
+// Another stream for the caching allocator's cross-stream tests and programs: *out is the
+// mn_stream number (1..MN_CUDA_MAX_STREAMS-1); mn_cuda_stream_get gives its cudaStream_t.
+MNDEF mn_result mn_cuda_stream_create(mn_cuda *ctx, uint32_t *out);
+MNDEF mn_result mn_cuda_stream_get(mn_cuda *ctx, uint32_t s, void **cuda_stream_out);
+
+// Plain device memory and copies (tests, benchmarks). Copies are synchronous (cudaMemcpyDefault
+// on ctx->stream, then a wait); mem_set is asynchronous.
+MNDEF mn_result mn_cuda_mem_alloc(mn_cuda *ctx, uint64_t bytes, void **ptr_out);
+MNDEF mn_result mn_cuda_mem_release(mn_cuda *ctx, void *ptr);
+MNDEF mn_result mn_cuda_mem_copy(mn_cuda *ctx, void *dst, const void *src, uint64_t bytes);
+MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t bytes);
+
+// The caching allocator's device: cudaMalloc/cudaFree/cudaMemGetInfo, events from a pool
+// (cudaEventDisableTiming) recorded on the context's streams, and reserve/map through the CUDA
+// virtual memory API (cuMemAddressReserve, cuMemCreate + cuMemMap + cuMemSetAccess per 2 MiB
+// granule, the driver entry points resolved at init through cudaGetDriverEntryPointByVersion;
+// reserve_fn is NULL when the driver lacks them). The mn_device refers to ctx: keep ctx alive
+// and at the same address while the cache lives.
+MNDEF struct mn_device mn_cuda_device(mn_cuda *ctx);
+
+// >>ops on the device. dtype (0 = MN_FP32, MN_FP16, MN_BF16) is the storage type of every
+// float tensor argument except those marked fp32; the math is fp32. Same semantics as the CPU
+// op of the same name unless a comment says otherwise (backwards accumulate +=).
+
+// out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (bias may be NULL); pre_gelu [N,OC] non-NULL:
+// pre_gelu = inp @ weight^T + bias and out = gelu(pre_gelu). cuBLASLt's BIAS / GELU_AUX_BIAS
+// epilogue when it accepts the shape, else the plain GEMM and a bias/GELU kernel.
+MNDEF mn_result mn_cuda_matmul_forward(mn_cuda *ctx, void *out, void *pre_gelu, const void *inp,
+                                       const void *weight, const void *bias, size_t N, size_t C,
+                                       size_t OC, mn_dtype dtype);
+// dinp[N,C] += dpre @ weight, dweight[OC,C] += dpre^T @ inp, dbias[OC] += sum_n dpre (any of the
+// three may be NULL); dpre = dout, or dout * gelu'(pre_gelu) written over dout when pre_gelu is
+// non-NULL. dbias through the BGRADB epilogue of the dweight GEMM when accepted, else a
+// deterministic column-sum kernel (fused with the GELU backward when pre_gelu is given).
+MNDEF mn_result mn_cuda_matmul_backward(mn_cuda *ctx, void *dinp, void *dweight, void *dbias,
+                                        void *dout, const void *inp, const void *weight,
+                                        const void *pre_gelu, size_t N, size_t C, size_t OC,
+                                        mn_dtype dtype);
+
+// LayerNorm: out[N,C], mean[N] and rstd[N] fp32 (may be NULL), inp[N,C], weight[C], bias[C] or
+// NULL. One warp per row.
+MNDEF mn_result mn_cuda_layernorm_forward(mn_cuda *ctx, void *out, float *mean, float *rstd,
+                                          const void *inp, const void *weight, const void *bias,
+                                          size_t N, size_t C, float eps, mn_dtype dtype);
+// Residual add fused with the LayerNorm that follows it: residual[N,C] = inp1 + inp2 (stored in
+// dtype), then out = layernorm(residual) as above (computed from the stored residual).
+MNDEF mn_result mn_cuda_residual_layernorm_forward(mn_cuda *ctx, void *residual, void *out,
+                                                   float *mean, float *rstd, const void *inp1,
+                                                   const void *inp2, const void *weight,
+                                                   const void *bias, size_t N, size_t C,
+                                                   float eps, mn_dtype dtype);
+// dinp[N,C] +=, dweight[C] +=, dbias[C] += (either may be NULL; deterministic: per-block partial
+// sums in fp32, then a fixed-order reduction); mean, rstd fp32 from the forward.
+MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweight, void *dbias,
+                                           const void *dout, const void *inp, const void *weight,
+                                           const float *mean, const float *rstd, size_t N,
+                                           size_t C, mn_dtype dtype);
+
+// Softmax over rows of L: out[N,L] = softmax(scale inp[N,L]), causal as the CPU op (masked 0).
+MNDEF mn_result mn_cuda_softmax_forward(mn_cuda *ctx, void *out, const void *inp, size_t N,
+                                        size_t L, float scale, int causal, mn_dtype dtype);
+MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *dout,
+                                         const void *out, size_t N, size_t L, float scale,
+                                         int causal, mn_dtype dtype);
+
+// GELU (tanh): out[n] = gelu(inp[n]) (out may equal inp); dinp[n] += dout * gelu'(inp).
+MNDEF mn_result mn_cuda_gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n,
+                                     mn_dtype dtype);
+MNDEF mn_result mn_cuda_gelu_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *inp,
+                                      size_t n, mn_dtype dtype);
+
+// The LM head's softmax + cross-entropy + gradient in one kernel, probabilities never stored:
+// losses[N] fp32 = -log softmax(logits[n,:])[targets[n]]; dlogits[N,V] = (softmax - onehot) *
+// dloss, WRITTEN (not accumulated; dlogits may equal logits, as llm.c's fused classifier).
+// dlogits NULL: the loss only. targets[N] int32 on the device; a negative target is an ignored row
+// (loss 0, zero gradient); a target >= V is not checked on the device and gives a NaN loss.
+MNDEF mn_result mn_cuda_crossentropy_forward_backward(mn_cuda *ctx, float *losses, void *dlogits,
+                                                      const void *logits, const int *targets,
+                                                      float dloss, size_t N, size_t V,
+                                                      mn_dtype dtype);
+
+// Embedding: out[B,T,C] = wte[tokens[b,t],:] + wpe[t,:] (wpe may be NULL); tokens[B,T] int32 on
+// the device; a token outside [0,V) gives a NaN row (not an error: it is not checked on the host).
+MNDEF mn_result mn_cuda_embedding_forward(mn_cuda *ctx, void *out, const int *tokens,
+                                          const void *wte, const void *wpe, size_t B, size_t T,
+                                          size_t C, size_t V, mn_dtype dtype);
+// Deterministic scatter-add: dwte[tokens[b,t],:] += dout[b,t,:], dwpe[t,:] += dout[b,t,:]
+// (either may be NULL). The tokens are copied to the host and bucketed there (a stable counting
+// sort), so every row of dwte sums its positions in order, without atomics: the call waits for
+// the stream. MN_ERR_INVALID_ARG for a token outside [0,V), nothing written.
+MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe, const void *dout,
+                                           const int *tokens, size_t B, size_t T, size_t C,
+                                           size_t V, mn_dtype dtype);
+
+// Global gradient norm: norm_out [1] fp32 on the device = sqrt(sum grad[i]^2) over grad[n]
+// (deterministic two-pass sum); inf or NaN when any element is non-finite (the found-inf check).
+MNDEF mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *grad, uint64_t n,
+                                    mn_dtype dtype);
+
+// AdamW step over flat buffers, mn_adamw_step's arithmetic per element (mn_hd_adamw).
+typedef struct mn_cuda_adamw_args {
+    float *param;              // [n] fp32 master weights, updated
+    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
+    const void *grad;          // [n] gradients (grad_dtype), read only
+    float *exp_avg;            // [n] m
+    float *exp_avg_sq;         // [n] v
+    uint64_t n;
+    mn_dtype grad_dtype;       // 0 = fp32
+    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
+    uint64_t step;             // t, 1 for the first step (the bias corrections)
+    const float *grad_norm;    // [1] on the device from mn_cuda_global_norm over the (scaled)
+                               // gradients, or NULL. Non-finite: the step is skipped on the
+                               // device (found inf; nothing written, read it back for the scaler)
+    float inv_scale;           // the loss scaler's 1/scale, 0 = 1 (the unscale, fused)
+    float max_norm;            // clip by the unscaled global norm (needs grad_norm), 0 = none
+} mn_cuda_adamw_args;
+// p: lr, betas, eps, weight_decay, maximize as mn_adamw_params with its defaults (0 = default,
+// MN_OPTIM_ZERO = exactly zero); amsgrad is MN_ERR_UNSUPPORTED here.
+MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const struct mn_adamw_params *p,
+                                   const mn_cuda_adamw_args *a);
+#endif  // MEMANAT_CUDA
 
 // >>hfconfig --------------------------------------------------------------------------------------
 //

@@ -1,5 +1,6 @@
 // The header compiles as C++ (the CUDA backend is compiled by nvcc as C++).
 #define MEMANAT_IMPLEMENTATION
+#define MEMANAT_CUDA  // the CUDA API declarations compile as C++ too (nothing of it is called)
 #include "../memanat.h"
 #include <cstdio>
 

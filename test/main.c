@@ -30,6 +30,7 @@ MNT_DECLARE(cache)
 MNT_DECLARE(optim)
 MNT_DECLARE(ops)
 MNT_DECLARE(trainer)
+MNT_DECLARE(cudamath)
 
 static const mnt_suite suites[] = {
     {"types", test_types_cases, &test_types_count},
@@ -41,6 +42,7 @@ static const mnt_suite suites[] = {
     {"optim", test_optim_cases, &test_optim_count},
     {"ops", test_ops_cases, &test_ops_count},
     {"trainer", test_trainer_cases, &test_trainer_count},
+    {"cudamath", test_cudamath_cases, &test_cudamath_count},
 };
 
 static int cur_failed, cur_skipped;

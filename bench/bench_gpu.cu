@@ -1,0 +1,234 @@
+// GPU benchmark of memanat_cuda.cu: one table.
+//   - memory-bound kernels: GB/s (bytes each must move / time) against the device-to-device
+//     cudaMemcpy bandwidth measured in the same run (2 x bytes per copy: read + write);
+//   - GEMMs: TFLOP/s (2 N C OC per GEMM) with each epilogue, fused and unfused, against a plain
+//     cuBLASLt GEMM of the same shape;
+//   - the caching allocator: ns per cached malloc+free on the device backend against
+//     cudaMalloc+cudaFree.
+// Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, a
+// 12-head 1024-token causal softmax, AdamW over 124M parameters. Build: make gpu-bench (nvcc),
+// run: build/bench_gpu (bench/gpu.sh does both). Times: median of 20 runs after 3 warm-ups.
+#define MEMANAT_CUDA
+#include "../memanat.h"
+
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static mn_cuda ctx, ctx_unfused;
+static double copy_gbs;
+
+#define DIE(...) do { fprintf(stderr, "bench_gpu: " __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } while (0)
+#define CU(call) do { cudaError_t e_ = (call); if (e_ != cudaSuccess) \
+    DIE("%s: %s", #call, cudaGetErrorString(e_)); } while (0)
+#define MN(call) do { mn_result r_ = (call); if (r_ != MN_OK) \
+    DIE("%s: %s", #call, mn_result_str(r_)); } while (0)
+
+static void *dalloc(size_t bytes) {
+    void *p = NULL;
+    MN(mn_cuda_mem_alloc(&ctx, bytes, &p));
+    MN(mn_cuda_mem_set(&ctx, p, 0, bytes));
+    return p;
+}
+
+static int cmp_f(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+// Median milliseconds of fn over 20 timed runs on ctx's stream.
+typedef void (*bench_fn)(void *);
+static float time_ms(bench_fn fn, void *arg) {
+    cudaEvent_t a, b;
+    float t[20];
+    int i;
+    cudaStream_t s = (cudaStream_t)ctx.stream;
+    CU(cudaEventCreate(&a));
+    CU(cudaEventCreate(&b));
+    for (i = 0; i < 3; i++) fn(arg);
+    for (i = 0; i < 20; i++) {
+        CU(cudaEventRecord(a, s));
+        fn(arg);
+        CU(cudaEventRecord(b, s));
+        CU(cudaEventSynchronize(b));
+        CU(cudaEventElapsedTime(&t[i], a, b));
+    }
+    CU(cudaEventDestroy(a));
+    CU(cudaEventDestroy(b));
+    qsort(t, 20, sizeof t[0], cmp_f);
+    return t[10];
+}
+
+static void row_bw(const char *name, double bytes, float ms) {
+    double gbs = bytes / (ms * 1e-3) / 1e9;
+    printf("| %-44s | %9.3f ms | %8.1f GB/s | %5.1f %% of copy |\n", name, ms, gbs,
+           100.0 * gbs / copy_gbs);
+}
+
+// ---- the benchmarks ------------------------------------------------------------------------------
+enum { BT = 8192, C = 768, C4 = 3072, V = 50257, NH = 12, T = 1024 };
+static void *x, *y, *w, *bias, *mean, *rstd, *big_a, *big_b, *logits, *targets, *losses;
+static void *pre, *dres;
+static size_t copy_bytes;
+static size_t adam_n = 124000000ull;
+static void *ap, *ag, *am, *av, *a16, *anorm;
+
+static void f_copy(void *) { CU(cudaMemcpyAsync(big_b, big_a, copy_bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)ctx.stream)); }
+static void f_ln_fwd(void *) { MN(mn_cuda_layernorm_forward(&ctx, y, (float *)mean, (float *)rstd, x, w, bias, BT, C, 1e-5f, MN_BF16)); }
+static void f_resln_fwd(void *) { MN(mn_cuda_residual_layernorm_forward(&ctx, dres, y, (float *)mean, (float *)rstd, x, pre, w, bias, BT, C, 1e-5f, MN_BF16)); }
+static void f_ln_bwd(void *) { MN(mn_cuda_layernorm_backward(&ctx, dres, w, bias, y, x, w, (const float *)mean, (const float *)rstd, BT, C, MN_BF16)); }
+static void f_gelu_fwd(void *) { MN(mn_cuda_gelu_forward(&ctx, big_b, big_a, (size_t)BT * C4, MN_BF16)); }
+static void f_gelu_bwd(void *) { MN(mn_cuda_gelu_backward(&ctx, big_b, pre, big_a, (size_t)BT * C4, MN_BF16)); }
+static void f_sm_fwd(void *) { MN(mn_cuda_softmax_forward(&ctx, big_b, big_a, (size_t)NH * T, T, 0.125f, 1, MN_BF16)); }
+static void f_sm_bwd(void *) { MN(mn_cuda_softmax_backward(&ctx, big_b, pre, big_a, (size_t)NH * T, T, 0.125f, 1, MN_BF16)); }
+static void f_ce(void *) { MN(mn_cuda_crossentropy_forward_backward(&ctx, (float *)losses, logits, logits, (const int *)targets, 1.0f / BT, BT, V, MN_BF16)); }
+static void f_norm(void *) { MN(mn_cuda_global_norm(&ctx, (float *)anorm, ag, adam_n, MN_BF16)); }
+static void f_adamw(void *) {
+    mn_cuda_adamw_args a;
+    memset(&a, 0, sizeof a);
+    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
+    a.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.exp_avg_sq = (float *)av, a.n = adam_n;
+    a.step = 1, a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    MN(mn_cuda_adamw_step(&ctx, NULL, &a));
+}
+
+typedef struct gemm_arg {
+    mn_cuda *c;
+    int bias, gelu, backward;
+} gemm_arg;
+static void f_gemm(void *p) {
+    gemm_arg *g = (gemm_arg *)p;
+    if (g->backward)
+        MN(mn_cuda_matmul_backward(g->c, x, w, g->bias ? bias : NULL, big_b, x, w,
+                                   g->gelu ? pre : NULL, BT, C, C4, MN_BF16));
+    else
+        MN(mn_cuda_matmul_forward(g->c, big_b, g->gelu ? pre : NULL, x, w, g->bias ? bias : NULL,
+                                  BT, C, C4, MN_BF16));
+}
+
+static void gemms(void) {
+    static const struct {
+        const char *name;
+        int fused, bias, gelu, backward;
+    } rows[] = {
+        {"GEMM fwd plain (no epilogue)", 1, 0, 0, 0},
+        {"GEMM fwd + bias, fused (BIAS)", 1, 1, 0, 0},
+        {"GEMM fwd + bias, unfused (GEMM + kernel)", 0, 1, 0, 0},
+        {"GEMM fwd + bias + GELU, fused (GELU_AUX_BIAS)", 1, 1, 1, 0},
+        {"GEMM fwd + bias + GELU, unfused", 0, 1, 1, 0},
+        {"GEMM bwd dinp+dweight (2 GEMMs)", 1, 0, 0, 1},
+        {"GEMM bwd + dbias, fused (BGRADB)", 1, 1, 0, 1},
+        {"GEMM bwd + dbias, unfused (column kernel)", 0, 1, 0, 1},
+        {"GEMM bwd + dGELU + dbias (one kernel + 2 GEMMs)", 1, 1, 1, 1},
+    };
+    double flops_f = 2.0 * BT * C * C4, plain_f = 0, plain_b = 0;
+    size_t i;
+    printf("\n| GEMM %dx%dx%d bf16 (fp32 accumulate)              |      time |     TFLOP/s | vs plain |\n",
+           BT, C, C4);
+    printf("|---|---|---|---|\n");
+    for (i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        gemm_arg g = {rows[i].fused ? &ctx : &ctx_unfused, rows[i].bias, rows[i].gelu,
+                      rows[i].backward};
+        uint64_t f0 = g.c->gemm_fused;
+        float ms = time_ms(f_gemm, &g);
+        double fl = rows[i].backward ? 2 * flops_f : flops_f, tf = fl / (ms * 1e-3) / 1e12;
+        if (i == 0) plain_f = tf;
+        if (rows[i].backward && plain_b == 0) plain_b = tf;
+        printf("| %-50s | %6.3f ms | %7.1f | %5.1f %% %s|\n", rows[i].name, ms, tf,
+               100.0 * tf / (rows[i].backward ? plain_b : plain_f),
+               rows[i].fused && (rows[i].bias || rows[i].gelu) && g.c->gemm_fused == f0
+                   ? "(epilogue refused: fallback ran) " : "");
+    }
+}
+
+static void allocator(void) {
+    mn_cache c;
+    mn_cache_desc cd;
+    cudaEvent_t a, b;
+    void *p;
+    float ms_cache, ms_raw;
+    int i, n = 20000, nr = 2000;
+    memset(&cd, 0, sizeof cd);
+    cd.device = mn_cuda_device(&ctx);
+    MN(mn_cache_init(&c, &cd));
+    MN(mn_cache_alloc(&c, 1 << 20, 0, MN_CAT_ACTIVATIONS, "warm", &p));
+    MN(mn_cache_release(&c, p));
+    CU(cudaEventCreate(&a));
+    CU(cudaEventCreate(&b));
+    CU(cudaEventRecord(a, 0));
+    for (i = 0; i < n; i++) {
+        MN(mn_cache_alloc(&c, 1 << 20, 0, MN_CAT_ACTIVATIONS, "x", &p));
+        MN(mn_cache_release(&c, p));
+    }
+    CU(cudaEventRecord(b, 0));
+    CU(cudaEventSynchronize(b));
+    CU(cudaEventElapsedTime(&ms_cache, a, b));
+    CU(cudaEventRecord(a, 0));
+    for (i = 0; i < nr; i++) {
+        CU(cudaMalloc(&p, 1 << 20));
+        CU(cudaFree(p));
+    }
+    CU(cudaEventRecord(b, 0));
+    CU(cudaEventSynchronize(b));
+    CU(cudaEventElapsedTime(&ms_raw, a, b));
+    printf("\n| allocator, 1 MiB blocks                        | ns per malloc+free |\n|---|---|\n");
+    printf("| mn_cache on mn_cuda_device (cached)            | %10.0f |\n", ms_cache * 1e6 / n);
+    printf("| cudaMalloc + cudaFree                          | %10.0f |\n", ms_raw * 1e6 / nr);
+    mn_cache_free(&c);
+}
+
+int main(void) {
+    char reason[256];
+    int count;
+    mn_cuda_desc d;
+    size_t eb = 2;  // bf16
+    if (mn_cuda_device_count(&count, reason, sizeof reason) != MN_OK)
+        DIE("no CUDA device (%s)", reason);
+    memset(&d, 0, sizeof d);
+    MN(mn_cuda_init(&ctx, &d));
+    d.no_fused_epilogues = 1;
+    MN(mn_cuda_init(&ctx_unfused, &d));
+    printf("bench_gpu on %s (sm %d, %d SMs, %.1f GiB), cuBLASLt workspace %llu MiB\n\n", ctx.name,
+           ctx.sm, ctx.sm_count, ctx.total_bytes / 1073741824.0,
+           (unsigned long long)(ctx.workspace_bytes >> 20));
+    copy_bytes = (size_t)BT * C4 * eb * 4;  // 200 MB
+    big_a = dalloc((size_t)BT * V * eb > copy_bytes ? copy_bytes : copy_bytes);
+    big_b = dalloc(copy_bytes);
+    x = dalloc((size_t)BT * C * eb), y = dalloc((size_t)BT * C * eb), dres = dalloc((size_t)BT * C * eb);
+    w = dalloc((size_t)C4 * C * eb), bias = dalloc((size_t)C4 * eb);
+    mean = dalloc(BT * 4), rstd = dalloc(BT * 4), pre = dalloc((size_t)BT * C4 * eb * 4);
+    logits = dalloc((size_t)BT * V * eb), targets = dalloc(BT * 4), losses = dalloc(BT * 4);
+    ap = dalloc(adam_n * 4), ag = dalloc(adam_n * 2), am = dalloc(adam_n * 4), av = dalloc(adam_n * 4);
+    a16 = dalloc(adam_n * 2), anorm = dalloc(4);
+    MN(mn_cuda_mem_set(&ctx, w, 0x3c, (size_t)C4 * C * eb));  // small nonzero bf16 values
+    MN(mn_cuda_mem_set(&ctx, x, 0x3c, (size_t)BT * C * eb));
+    MN(mn_cuda_sync(&ctx));
+
+    copy_gbs = 2.0 * copy_bytes / (time_ms(f_copy, NULL) * 1e-3) / 1e9;
+    printf("| kernel (bf16 storage, GPT-2 small sizes)     |      time |    bandwidth | vs copy        |\n");
+    printf("|---|---|---|---|\n");
+    printf("| cudaMemcpy device-to-device, %4zu MB          |           | %8.1f GB/s | 100.0 %% of copy |\n",
+           copy_bytes >> 20, copy_gbs);
+    {
+        double nc = (double)BT * C * eb;
+        row_bw("layernorm forward 8192x768", 2 * nc + BT * 8.0, time_ms(f_ln_fwd, NULL));
+        row_bw("residual + layernorm forward 8192x768", 4 * nc + BT * 8.0, time_ms(f_resln_fwd, NULL));
+        row_bw("layernorm backward 8192x768 (dx, dw, db)", 4 * nc + BT * 8.0, time_ms(f_ln_bwd, NULL));
+        row_bw("GELU forward 8192x3072", 2.0 * BT * C4 * eb, time_ms(f_gelu_fwd, NULL));
+        row_bw("GELU backward 8192x3072", 4.0 * BT * C4 * eb, time_ms(f_gelu_bwd, NULL));
+        row_bw("softmax forward causal 12x1024x1024", 2.0 * NH * T * T * eb, time_ms(f_sm_fwd, NULL));
+        row_bw("softmax backward causal 12x1024x1024", 4.0 * NH * T * T * eb, time_ms(f_sm_bwd, NULL));
+        row_bw("cross-entropy fused 8192x50257 (in place)", 2.0 * BT * V * eb, time_ms(f_ce, NULL));
+        row_bw("global norm 124M bf16", adam_n * 2.0, time_ms(f_norm, NULL));
+        row_bw("AdamW 124M (fp32 master, m, v; bf16 g, copy)", adam_n * (4 * 2 + 2 + 4 * 4 + 2.0),
+               time_ms(f_adamw, NULL));
+    }
+    gemms();
+    allocator();
+    printf("\nGEMM epilogue counters: fused %llu, fallback %llu (fused context)\n",
+           (unsigned long long)ctx.gemm_fused, (unsigned long long)ctx.gemm_unfused);
+    mn_cuda_free(&ctx_unfused);
+    mn_cuda_free(&ctx);
+    return 0;
+}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# bench/gpu.sh - everything the CUDA backend needs a GPU for, in one call (about 5 minutes on an
+# H100; at most 10): build, the GPU tests, the same tests under compute-sanitizer (memcheck, and
+# racecheck on the kernels with shared memory), then the benchmark table (build/bench_gpu).
+# Needs only the CUDA toolkit (nvcc, cuBLASLt, compute-sanitizer), a C compiler and make.
+# Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit)
+# Exit status: 0 when every test passed under every tool; the table is printed either way.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { echo "gpu.sh: $*"; }
+die() { echo "gpu.sh: error: $*" >&2; exit 1; }
+
+NVCC=${NVCC:-$(command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)}
+[ -n "$NVCC" ] && [ -x "$NVCC" ] || die "nvcc not found on PATH or in /usr/local/cuda/bin (set NVCC=)"
+CUDA_BIN=$(dirname "$NVCC")
+command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || die "no C compiler (cc)"
+command -v make >/dev/null 2>&1 || die "make not found"
+CC=${CC:-$(command -v cc 2>/dev/null || command -v gcc)}
+SAN=$(command -v compute-sanitizer 2>/dev/null || ls "$CUDA_BIN"/compute-sanitizer \
+      "$CUDA_BIN"/../compute-sanitizer/compute-sanitizer 2>/dev/null | head -n 1 || true)
+TIMEOUT=$(command -v timeout 2>/dev/null || true)
+limit() { local s=$1; shift; if [ -n "$TIMEOUT" ]; then "$TIMEOUT" "$s" "$@"; else "$@"; fi; }
+
+say "toolkit: $("$NVCC" --version | tail -n 2 | head -n 1)"
+if command -v nvidia-smi >/dev/null 2>&1; then
+    say "device: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n 1)"
+fi
+
+say "building (make NVCC=$NVCC)"
+make -j"$(nproc 2>/dev/null || echo 4)" NVCC="$NVCC" CC="$CC" memanat build/test_cuda build/bench_gpu
+say "kernels: $(grep -c 'Compiling entry' build/ptxas.log) builds, \
+$(grep -Ec '[1-9][0-9]* bytes spill (stores|loads)' build/ptxas.log || true) with spills (build/ptxas.log)"
+
+status=0
+run() {  # run NAME SECONDS CMD...: one result line per run
+    local name=$1 secs=$2 rc=0
+    shift 2
+    say "== $name"
+    limit "$secs" "$@" > "build/gpu_$name.log" 2>&1 || rc=$?
+    grep -E '^\[FAIL\]|^SKIP|passed, .* failed|ERROR SUMMARY|RACECHECK SUMMARY' \
+        "build/gpu_$name.log" | tail -n 20 || true
+    if [ "$rc" = 124 ]; then say "$name: timed out after ${secs}s (log: build/gpu_$name.log)"; fi
+    if [ "$rc" != 0 ]; then say "$name: FAILED (exit $rc, log: build/gpu_$name.log)"; status=1;
+    else say "$name: ok"; fi
+}
+
+# a run that selects no test: one SKIP line without a device, else the device's name
+first=$(./build/test_cuda no-such-test 2>&1 | head -n 1 || true)
+case "$first" in SKIP*) die "no CUDA device answers on this machine: $first" ;; esac
+say "$first"
+run tests 240 env MN_TEST_VERBOSE=1 ./build/test_cuda
+cp build/gpu_tests.log build/gpu_tests_errors.log  # max abs/rel errors per kernel and dtype
+if [ -n "$SAN" ]; then
+    run memcheck 150 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda cache
+    for t in gelu layernorm softmax crossentropy embedding adamw; do
+        run "memcheck_$t" 120 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda "$t"
+    done
+    for t in layernorm crossentropy adamw; do
+        run "racecheck_$t" 120 "$SAN" --tool racecheck --error-exitcode 3 ./build/test_cuda "$t"
+    done
+else
+    say "compute-sanitizer not found next to nvcc: memcheck/racecheck skipped"; status=1
+fi
+
+say "== benchmark"
+limit 180 ./build/bench_gpu || { say "benchmark FAILED"; status=1; }
+say "errors per kernel: build/gpu_tests_errors.log; ptxas: build/ptxas.log"
+exit $status

@@ -1,0 +1,1584 @@
+// memanat_cuda.cu - the CUDA backend of memanat.h (cudart + cuBLASLt, nothing else).
+//
+// Build: nvcc -c memanat_cuda.cu (the Makefile does it when nvcc is present, for sm_80 and
+// sm_90); link the object with cudart and cublasLt into a program that instantiates memanat.h
+// (MEMANAT_IMPLEMENTATION) somewhere. The API is declared in memanat.h under MEMANAT_CUDA
+// (>>cuda). All state lives in the caller's mn_cuda; this file has no mutable file-scope state.
+//
+// Layout (the order of >>cuda in the header):
+//   context      errors and logging, init/free, streams, plain memory
+//   device       the caching allocator's mn_device: cudaMalloc, pooled events, virtual memory
+//   kernels      storage types, reductions, then one section per op, each with the grep tag of
+//                its CPU reference op (>>ops/...): kernels are `static __global__ *_kernel` with
+//                their launcher right below
+//   gemm         cuBLASLt with epilogues, a per-context heuristics cache, the unfused fallback
+//
+// Shapes as in >>ops: N rows, C channels, OC output channels, L softmax row length, V vocabulary,
+// B batch, T sequence, n elements. The per-element math is the header's mn_hd_* functions.
+#define MEMANAT_CUDA
+#include "memanat.h"
+
+#include <cublasLt.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MN__GEMM_CACHE 64          // heuristics cache entries per context
+#define MN__VM_GRANULE (2ull << 20)  // expandable segments map 2 MiB granules
+#define MN__ROWS_PER_BLOCK 8       // warp-per-row kernels: 8 warps of 32 threads
+#define MN__EW_THREADS 256         // element-wise kernels
+#define MN__CE_THREADS 512         // cross-entropy: one block per row
+
+// ---- context: errors and logging ----------------------------------------------------------------
+
+typedef struct mn__gemm_key {
+    int32_t ta, tb, dtype, epilogue, tf32, beta1, bias_type;
+    int32_t pad;
+    int64_t m, n, k, lda, ldb, ldd;
+    uint32_t align[5];  // A, B, C/D, bias, aux pointer alignments (bytes, <= 256)
+    uint32_t pad2;
+} mn__gemm_key;
+
+typedef struct mn__gemm_entry {
+    mn__gemm_key key;
+    cublasLtMatmulAlgo_t algo;
+    int used, ok;  // ok 0: cuBLASLt refused this shape/epilogue, go straight to the fallback
+} mn__gemm_entry;
+
+struct mn__cuda_priv {
+    cudaStream_t streams[MN_CUDA_MAX_STREAMS];  // [0] is ctx->stream
+    uint32_t nstreams;
+    // event pool: mn_event = index + 1; free events are kept for reuse
+    cudaEvent_t *events;
+    uint32_t *free_ids;
+    uint32_t nevents, cap, nfree;
+    mn__gemm_entry gemm[MN__GEMM_CACHE];
+    uint32_t gemm_next;
+    void *scratch;            // device scratch (partial sums, BGRADB output, embedding buckets)
+    size_t scratch_bytes;
+    void *host;               // host scratch (embedding bucketing)
+    size_t host_bytes;
+    // driver API for virtual memory (NULL when not available)
+    PFN_cuMemAddressReserve_v10020 mem_reserve;
+    PFN_cuMemAddressFree_v10020 mem_addr_free;
+    PFN_cuMemCreate_v10020 mem_create;
+    PFN_cuMemRelease_v10020 mem_release;
+    PFN_cuMemMap_v10020 mem_map;
+    PFN_cuMemUnmap_v10020 mem_unmap;
+    PFN_cuMemSetAccess_v10020 mem_set_access;
+    PFN_cuGetErrorString_v6000 get_error_string;
+};
+
+static void mn__cu_log(const mn_cuda *ctx, mn_log_level level, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    if (!ctx || !ctx->desc.logger.log_fn) return;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    ctx->desc.logger.log_fn(ctx->desc.logger.user_data, level, msg);
+}
+
+// A failed CUDA runtime call: logged with its name and text, cleared, mapped to a result.
+static mn_result mn__cu_fail(const mn_cuda *ctx, const char *call, cudaError_t e, int line) {
+    mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda.cu:%d: %s: %s (%s)", line, call,
+               cudaGetErrorString(e), cudaGetErrorName(e));
+    (void)cudaGetLastError();  // clears a non-sticky error
+    return e == cudaErrorMemoryAllocation ? MN_ERR_DEVICE_OOM : MN_ERR_DEVICE;
+}
+
+static mn_result mn__lt_fail(const mn_cuda *ctx, const char *call, cublasStatus_t s, int line) {
+    mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda.cu:%d: %s: %s (%s)", line, call,
+               cublasLtGetStatusString(s), cublasLtGetStatusName(s));
+    return s == CUBLAS_STATUS_ALLOC_FAILED ? MN_ERR_DEVICE_OOM : MN_ERR_DEVICE;
+}
+
+static mn_result mn__bad(const mn_cuda *ctx, const char *what) {
+    mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda: invalid argument: %s", what);
+    return MN_ERR_INVALID_ARG;
+}
+
+#define MN__CU(ctx, call) do { cudaError_t mn_e_ = (call); \
+    if (mn_e_ != cudaSuccess) return mn__cu_fail(ctx, #call, mn_e_, __LINE__); } while (0)
+#define MN__LT(ctx, call) do { cublasStatus_t mn_s_ = (call); \
+    if (mn_s_ != CUBLAS_STATUS_SUCCESS) return mn__lt_fail(ctx, #call, mn_s_, __LINE__); } while (0)
+#define MN__LAUNCHED(ctx) MN__CU(ctx, cudaGetLastError())
+#define MN__CHECK(ctx, cond) do { if (!(cond)) return mn__bad(ctx, #cond); } while (0)
+
+static cudaStream_t mn__stream(const mn_cuda *ctx) { return (cudaStream_t)ctx->stream; }
+
+static void *mn__host_alloc(const mn_cuda *ctx, size_t size) {
+    const mn_allocator *a = &ctx->desc.allocator;
+    return a->alloc_fn ? a->alloc_fn(a->user_data, size) : malloc(size);
+}
+static void mn__host_free(const mn_cuda *ctx, void *p) {
+    const mn_allocator *a = &ctx->desc.allocator;
+    if (!p) return;
+    if (a->free_fn) a->free_fn(a->user_data, p);
+    else free(p);
+}
+
+// Device scratch of at least bytes (grown, never shrunk; the old buffer is freed after a wait).
+static mn_result mn__scratch(mn_cuda *ctx, size_t bytes, void **out) {
+    struct mn__cuda_priv *p = ctx->p;
+    if (bytes > p->scratch_bytes) {
+        size_t want = bytes < (1u << 20) ? (size_t)(1u << 20) : bytes;
+        MN__CU(ctx, cudaStreamSynchronize(mn__stream(ctx)));
+        if (p->scratch) MN__CU(ctx, cudaFree(p->scratch));
+        p->scratch = NULL, p->scratch_bytes = 0;
+        MN__CU(ctx, cudaMalloc(&p->scratch, want));
+        p->scratch_bytes = want;
+    }
+    *out = p->scratch;
+    return MN_OK;
+}
+
+static mn_result mn__host_scratch(mn_cuda *ctx, size_t bytes, void **out) {
+    struct mn__cuda_priv *p = ctx->p;
+    if (bytes > p->host_bytes) {
+        void *q = mn__host_alloc(ctx, bytes);
+        if (!q) return MN_ERR_OUT_OF_MEMORY;
+        mn__host_free(ctx, p->host);
+        p->host = q, p->host_bytes = bytes;
+    }
+    *out = p->host;
+    return MN_OK;
+}
+
+// ---- context: init / free / streams / memory ----------------------------------------------------
+
+MNDEF mn_result mn_cuda_device_count(int *count, char *reason, size_t cap) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (count) *count = 0;
+    if (e != cudaSuccess || n <= 0) {
+        if (reason && cap)
+            snprintf(reason, cap, "cudaGetDeviceCount: %s",
+                     e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        (void)cudaGetLastError();
+        return MN_ERR_DEVICE;
+    }
+    if (count) *count = n;
+    if (reason && cap) reason[0] = 0;
+    return MN_OK;
+}
+
+// The cuBLASLt workspace for an SM: the GPU table's value for the first GPU of that SM, else the
+// cuBLAS recommendation the table follows (32 MiB from sm 90 on, 4 MiB before).
+static uint64_t mn__workspace_for_sm(int sm) {
+    uint32_t i, n = mn_gpu_count();
+    for (i = 0; i < n; i++) {
+        const mn_gpu *g = mn_gpu_get(i);
+        if (g && (int)g->sm == sm && g->cublas_workspace) return g->cublas_workspace;
+    }
+    return sm >= 90 ? 32ull << 20 : 4ull << 20;
+}
+
+// Driver entry points for the virtual-memory API, resolved through the runtime so that nothing
+// links libcuda (on a machine without a driver the program still starts and reports no device).
+static void mn__resolve_driver(mn_cuda *ctx) {
+    struct mn__cuda_priv *p = ctx->p;
+    struct {
+        const char *name;
+        void **fn;
+    } want[] = {
+        {"cuMemAddressReserve", (void **)&p->mem_reserve},
+        {"cuMemAddressFree", (void **)&p->mem_addr_free},
+        {"cuMemCreate", (void **)&p->mem_create},
+        {"cuMemRelease", (void **)&p->mem_release},
+        {"cuMemMap", (void **)&p->mem_map},
+        {"cuMemUnmap", (void **)&p->mem_unmap},
+        {"cuMemSetAccess", (void **)&p->mem_set_access},
+        {"cuGetErrorString", (void **)&p->get_error_string},
+    };
+    size_t i;
+    for (i = 0; i < sizeof want / sizeof want[0]; i++) {
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        void *fn = NULL;
+        cudaError_t e = cudaGetDriverEntryPointByVersion(want[i].name, &fn, 12000,
+                                                         cudaEnableDefault, &q);
+        if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) {
+            (void)cudaGetLastError();
+            mn__cu_log(ctx, MN_LOG_WARN, "memanat_cuda: driver entry point %s not found: "
+                       "expandable_segments unavailable", want[i].name);
+            p->mem_reserve = NULL;
+            return;
+        }
+        *want[i].fn = fn;
+    }
+}
+
+static void mn__release(mn_cuda *ctx) {
+    struct mn__cuda_priv *p = ctx->p;
+    uint32_t i;
+    if (!p) return;
+    if (ctx->stream) (void)cudaStreamSynchronize(mn__stream(ctx));
+    for (i = 0; i < p->nevents; i++)
+        if (p->events[i]) (void)cudaEventDestroy(p->events[i]);
+    mn__host_free(ctx, p->events);
+    mn__host_free(ctx, p->free_ids);
+    for (i = 1; i < p->nstreams; i++) (void)cudaStreamDestroy(p->streams[i]);
+    if (p->scratch) (void)cudaFree(p->scratch);
+    mn__host_free(ctx, p->host);
+    if (ctx->workspace) (void)cudaFree(ctx->workspace);
+    if (ctx->lt) (void)cublasLtDestroy((cublasLtHandle_t)ctx->lt);
+    if (ctx->stream) (void)cudaStreamDestroy(mn__stream(ctx));
+    mn__host_free(ctx, p);
+    ctx->p = NULL, ctx->stream = NULL, ctx->lt = NULL, ctx->workspace = NULL;
+}
+
+MNDEF mn_result mn_cuda_init(mn_cuda *ctx, const mn_cuda_desc *desc) {
+    cudaDeviceProp prop;
+    cudaStream_t s = NULL;
+    cublasLtHandle_t lt = NULL;
+    size_t free_b = 0, total_b = 0;
+    int count = 0;
+    mn_result r;
+    char reason[160];
+    if (!ctx) return MN_ERR_INVALID_ARG;
+    memset(ctx, 0, sizeof *ctx);
+    if (desc) ctx->desc = *desc;
+    if ((r = mn_cuda_device_count(&count, reason, sizeof reason)) != MN_OK) {
+        mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda: no CUDA device (%s)", reason);
+        return r;
+    }
+    if (ctx->desc.device < 0 || ctx->desc.device >= count) {
+        mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda: device %d does not exist (%d devices)",
+                   ctx->desc.device, count);
+        return MN_ERR_INVALID_ARG;
+    }
+    ctx->p = (struct mn__cuda_priv *)mn__host_alloc(ctx, sizeof *ctx->p);
+    if (!ctx->p) return MN_ERR_OUT_OF_MEMORY;
+    memset(ctx->p, 0, sizeof *ctx->p);
+    if ((r = [&]() -> mn_result {
+             MN__CU(ctx, cudaSetDevice(ctx->desc.device));
+             MN__CU(ctx, cudaGetDeviceProperties(&prop, ctx->desc.device));
+             MN__CU(ctx, cudaMemGetInfo(&free_b, &total_b));
+             MN__CU(ctx, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+             ctx->stream = s;
+             MN__LT(ctx, cublasLtCreate(&lt));
+             ctx->lt = lt;
+             return MN_OK;
+         }()) != MN_OK)
+        goto undo_all;
+    ctx->sm = prop.major * 10 + prop.minor;
+    ctx->sm_count = prop.multiProcessorCount;
+    snprintf(ctx->name, sizeof ctx->name, "%s", prop.name);
+    ctx->total_bytes = total_b;
+    ctx->workspace_bytes = ctx->desc.workspace ? ctx->desc.workspace
+                                               : mn__workspace_for_sm(ctx->sm);
+    ctx->desc.workspace = ctx->workspace_bytes;
+    {
+        cudaError_t e = cudaMalloc(&ctx->workspace, ctx->workspace_bytes);
+        if (e != cudaSuccess) {
+            ctx->workspace = NULL;
+            r = mn__cu_fail(ctx, "cudaMalloc(workspace)", e, __LINE__);
+            goto undo_all;
+        }
+    }
+    ctx->p->streams[0] = s;
+    ctx->p->nstreams = 1;
+    mn__resolve_driver(ctx);
+    return MN_OK;
+undo_all:
+    mn__release(ctx);
+    memset(ctx, 0, sizeof *ctx);
+    return r;
+}
+
+MNDEF void mn_cuda_free(mn_cuda *ctx) {
+    if (!ctx) return;
+    mn__release(ctx);
+    memset(ctx, 0, sizeof *ctx);
+}
+
+MNDEF mn_result mn_cuda_sync(mn_cuda *ctx) {
+    if (!ctx || !ctx->p) return MN_ERR_INVALID_ARG;
+    MN__CU(ctx, cudaStreamSynchronize(mn__stream(ctx)));
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_stream_create(mn_cuda *ctx, mn_stream *out) {
+    struct mn__cuda_priv *p;
+    if (!ctx || !ctx->p || !out) return MN_ERR_INVALID_ARG;
+    p = ctx->p;
+    if (p->nstreams >= MN_CUDA_MAX_STREAMS) return MN_ERR_UNSUPPORTED;
+    MN__CU(ctx, cudaStreamCreateWithFlags(&p->streams[p->nstreams], cudaStreamNonBlocking));
+    *out = p->nstreams++;
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_stream_get(mn_cuda *ctx, mn_stream s, void **cuda_stream_out) {
+    if (!ctx || !ctx->p || !cuda_stream_out || s >= ctx->p->nstreams) return MN_ERR_INVALID_ARG;
+    *cuda_stream_out = (void *)ctx->p->streams[s];
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_mem_alloc(mn_cuda *ctx, uint64_t bytes, void **ptr_out) {
+    if (!ctx || !ctx->p || !ptr_out) return MN_ERR_INVALID_ARG;
+    *ptr_out = NULL;
+    MN__CU(ctx, cudaMalloc(ptr_out, bytes ? (size_t)bytes : 1));
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_mem_release(mn_cuda *ctx, void *ptr) {
+    if (!ctx || !ctx->p) return MN_ERR_INVALID_ARG;
+    if (ptr) MN__CU(ctx, cudaFree(ptr));
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_mem_copy(mn_cuda *ctx, void *dst, const void *src, uint64_t bytes) {
+    if (!ctx || !ctx->p || (bytes && (!dst || !src))) return MN_ERR_INVALID_ARG;
+    if (!bytes) return MN_OK;
+    MN__CU(ctx, cudaMemcpyAsync(dst, src, (size_t)bytes, cudaMemcpyDefault, mn__stream(ctx)));
+    MN__CU(ctx, cudaStreamSynchronize(mn__stream(ctx)));
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t bytes) {
+    if (!ctx || !ctx->p || (bytes && !ptr)) return MN_ERR_INVALID_ARG;
+    if (bytes) MN__CU(ctx, cudaMemsetAsync(ptr, byte, (size_t)bytes, mn__stream(ctx)));
+    return MN_OK;
+}
+
+// ---- device: the caching allocator's backend ----------------------------------------------------
+// Called by mn_cache under its lock, so the event pool needs no lock of its own.
+
+static mn_result mn__dev_alloc(void *u, uint64_t size, void **ptr_out) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    cudaError_t e = cudaMalloc(ptr_out, (size_t)size);
+    if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();  // an OOM is not sticky: clear it, the allocator retries
+        *ptr_out = NULL;
+        return MN_ERR_DEVICE_OOM;
+    }
+    if (e != cudaSuccess) return mn__cu_fail(ctx, "cudaMalloc", e, __LINE__);
+    return MN_OK;
+}
+
+static mn_result mn__dev_free(void *u, void *ptr, uint64_t size) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    (void)size;
+    MN__CU(ctx, cudaFree(ptr));
+    return MN_OK;
+}
+
+static mn_result mn__dev_mem_info(void *u, uint64_t *free_out, uint64_t *total_out) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    size_t f = 0, t = 0;
+    MN__CU(ctx, cudaMemGetInfo(&f, &t));
+    *free_out = f, *total_out = t;
+    return MN_OK;
+}
+
+static mn_result mn__dev_event_record(void *u, mn_stream stream, mn_event *event_out) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    struct mn__cuda_priv *p = ctx->p;
+    uint32_t id;
+    if (stream >= p->nstreams) return mn__bad(ctx, "event on an unknown mn_stream");
+    if (!p->nfree) {  // grow the pool by one event (the arrays double)
+        if (p->nevents == p->cap) {
+            uint32_t cap = p->cap ? p->cap * 2 : 16;
+            cudaEvent_t *ev = (cudaEvent_t *)mn__host_alloc(ctx, cap * sizeof *ev);
+            uint32_t *fr = (uint32_t *)mn__host_alloc(ctx, cap * sizeof *fr);
+            if (!ev || !fr) {
+                mn__host_free(ctx, ev);
+                mn__host_free(ctx, fr);
+                return MN_ERR_OUT_OF_MEMORY;
+            }
+            if (p->nevents) memcpy(ev, p->events, p->nevents * sizeof *ev);
+            mn__host_free(ctx, p->events);
+            mn__host_free(ctx, p->free_ids);
+            p->events = ev, p->free_ids = fr, p->cap = cap;
+        }
+        MN__CU(ctx, cudaEventCreateWithFlags(&p->events[p->nevents], cudaEventDisableTiming));
+        p->free_ids[p->nfree++] = p->nevents++;
+    }
+    id = p->free_ids[--p->nfree];
+    {
+        cudaError_t e = cudaEventRecord(p->events[id], p->streams[stream]);
+        if (e != cudaSuccess) {
+            p->free_ids[p->nfree++] = id;
+            return mn__cu_fail(ctx, "cudaEventRecord", e, __LINE__);
+        }
+    }
+    *event_out = (mn_event)id + 1;
+    return MN_OK;
+}
+
+static int mn__dev_event_query(void *u, mn_event event) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    cudaError_t e = cudaEventQuery(ctx->p->events[event - 1]);
+    if (e == cudaErrorNotReady) return 0;
+    if (e != cudaSuccess) (void)mn__cu_fail(ctx, "cudaEventQuery", e, __LINE__);
+    return 1;  // done, or failed (a failed event would never complete: reported, not waited on)
+}
+
+static mn_result mn__dev_event_sync(void *u, mn_event event) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    MN__CU(ctx, cudaEventSynchronize(ctx->p->events[event - 1]));
+    return MN_OK;
+}
+
+static void mn__dev_event_free(void *u, mn_event event) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    if (event) ctx->p->free_ids[ctx->p->nfree++] = (uint32_t)(event - 1);
+}
+
+static mn_result mn__drv_fail(mn_cuda *ctx, const char *call, CUresult e, int line) {
+    const char *s = NULL;
+    if (ctx->p->get_error_string) ctx->p->get_error_string(e, &s);
+    mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda.cu:%d: %s: %s (CUresult %d)", line, call,
+               s ? s : "unknown error", (int)e);
+    return e == CUDA_ERROR_OUT_OF_MEMORY ? MN_ERR_DEVICE_OOM : MN_ERR_DEVICE;
+}
+#define MN__DRV(ctx, call) do { CUresult mn_d_ = (call); \
+    if (mn_d_ != CUDA_SUCCESS) return mn__drv_fail(ctx, #call, mn_d_, __LINE__); } while (0)
+
+static mn_result mn__dev_reserve(void *u, uint64_t size, void **base_out) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    CUdeviceptr base = 0;
+    MN__DRV(ctx, ctx->p->mem_reserve(&base, (size_t)size, MN__VM_GRANULE, 0, 0));
+    *base_out = (void *)base;
+    return MN_OK;
+}
+
+static mn_result mn__dev_unreserve(void *u, void *base, uint64_t size) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    MN__DRV(ctx, ctx->p->mem_addr_free((CUdeviceptr)base, (size_t)size));
+    return MN_OK;
+}
+
+// Unmaps [addr, addr + size) granule by granule (each granule is its own mapping).
+static mn_result mn__dev_unmap(void *u, void *addr, uint64_t size) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    uint64_t off;
+    MN__CU(ctx, cudaDeviceSynchronize());  // work in flight on any stream may still use it
+    for (off = 0; off < size; off += MN__VM_GRANULE)
+        MN__DRV(ctx, ctx->p->mem_unmap((CUdeviceptr)addr + off, MN__VM_GRANULE));
+    return MN_OK;
+}
+
+// Maps physical memory behind [addr, addr + size): one cuMemCreate per 2 MiB granule, mapped,
+// made accessible, and its handle released at once (the mapping keeps the memory alive until
+// cuMemUnmap), so any granule-aligned range can be unmapped later. On failure the granules
+// mapped by this call are unmapped again.
+static mn_result mn__dev_map(void *u, void *addr, uint64_t size) {
+    mn_cuda *ctx = (mn_cuda *)u;
+    struct mn__cuda_priv *p = ctx->p;
+    CUmemAllocationProp prop;
+    CUmemAccessDesc acc;
+    uint64_t off;
+    mn_result r = MN_OK;
+    if (size % MN__VM_GRANULE || (uint64_t)(uintptr_t)addr % MN__VM_GRANULE)
+        return mn__bad(ctx, "map range not in 2 MiB granules");
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ctx->desc.device;
+    memset(&acc, 0, sizeof acc);
+    acc.location = prop.location;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    for (off = 0; off < size; off += MN__VM_GRANULE) {
+        CUmemGenericAllocationHandle h = 0;
+        CUdeviceptr a = (CUdeviceptr)addr + off;
+        CUresult e = p->mem_create(&h, MN__VM_GRANULE, &prop, 0);
+        if (e == CUDA_ERROR_OUT_OF_MEMORY) {
+            r = MN_ERR_DEVICE_OOM;  // the allocator's OOM ladder takes over: not an error line
+            break;
+        }
+        if (e != CUDA_SUCCESS) {
+            r = mn__drv_fail(ctx, "cuMemCreate", e, __LINE__);
+            break;
+        }
+        e = p->mem_map(a, MN__VM_GRANULE, 0, h, 0);
+        if (e == CUDA_SUCCESS) {
+            e = p->mem_set_access(a, MN__VM_GRANULE, &acc, 1);
+            if (e != CUDA_SUCCESS) (void)p->mem_unmap(a, MN__VM_GRANULE);
+        }
+        (void)p->mem_release(h);
+        if (e != CUDA_SUCCESS) {
+            r = mn__drv_fail(ctx, "cuMemMap/cuMemSetAccess", e, __LINE__);
+            break;
+        }
+    }
+    if (r != MN_OK) {
+        uint64_t back;
+        for (back = 0; back < off; back += MN__VM_GRANULE)
+            (void)p->mem_unmap((CUdeviceptr)addr + back, MN__VM_GRANULE);
+    }
+    return r;
+}
+
+MNDEF mn_device mn_cuda_device(mn_cuda *ctx) {
+    mn_device d;
+    memset(&d, 0, sizeof d);
+    if (!ctx || !ctx->p) return d;
+    d.alloc_fn = mn__dev_alloc;
+    d.free_fn = mn__dev_free;
+    d.mem_info_fn = mn__dev_mem_info;
+    d.event_record_fn = mn__dev_event_record;
+    d.event_query_fn = mn__dev_event_query;
+    d.event_sync_fn = mn__dev_event_sync;
+    d.event_free_fn = mn__dev_event_free;
+    if (ctx->p->mem_reserve) {
+        d.reserve_fn = mn__dev_reserve;
+        d.unreserve_fn = mn__dev_unreserve;
+        d.map_fn = mn__dev_map;
+        d.unmap_fn = mn__dev_unmap;
+    }
+    d.user_data = ctx;
+    return d;
+}
+
+// ---- kernels: storage types and reductions ------------------------------------------------------
+
+template <typename T> __device__ __forceinline__ float mn__ld(const T *p);
+template <> __device__ __forceinline__ float mn__ld<float>(const float *p) { return *p; }
+template <> __device__ __forceinline__ float mn__ld<__half>(const __half *p) {
+    return __half2float(*p);
+}
+template <> __device__ __forceinline__ float mn__ld<__nv_bfloat16>(const __nv_bfloat16 *p) {
+    return __bfloat162float(*p);
+}
+template <typename T> __device__ __forceinline__ T mn__cvt(float x);
+template <> __device__ __forceinline__ float mn__cvt<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half mn__cvt<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 mn__cvt<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+// x as stored in T and read back: what a later kernel sees.
+template <typename T> __device__ __forceinline__ float mn__round(float x) {
+    T t = mn__cvt<T>(x);
+    return mn__ld<T>(&t);
+}
+
+__device__ __forceinline__ float mn__warp_sum(float v) {
+    int o;
+    for (o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ mn_hd_maxsum mn__warp_maxsum(mn_hd_maxsum s) {
+    int o;
+    for (o = 16; o > 0; o >>= 1) {
+        mn_hd_maxsum t;
+        t.max = __shfl_xor_sync(0xffffffffu, s.max, o);
+        t.sum = __shfl_xor_sync(0xffffffffu, s.sum, o);
+        s = mn_hd_maxsum_merge(s, t);
+    }
+    return s;
+}
+
+static unsigned mn__blocks(uint64_t n, unsigned per_block) {
+    uint64_t b = (n + per_block - 1) / per_block;
+    return (unsigned)(b > 0x7fffffffull ? 0x7fffffffull : b);
+}
+
+// Grid for grid-stride element-wise kernels: enough blocks to fill the device a few times over.
+static unsigned mn__ew_grid(const mn_cuda *ctx, uint64_t n) {
+    unsigned cap = (unsigned)(ctx->sm_count > 0 ? ctx->sm_count : 1) * 32u;
+    unsigned b = mn__blocks(n, MN__EW_THREADS);
+    return b < 1 ? 1 : b > cap ? cap : b;
+}
+
+// Dispatch on the storage dtype to fn<float>, fn<__half> or fn<__nv_bfloat16>.
+#define MN__DISPATCH(ctx, dtype, fn, ...) do { switch (dtype) { \
+    case MN_DTYPE_DEFAULT: case MN_FP32: return fn<float>(__VA_ARGS__); \
+    case MN_FP16: return fn<__half>(__VA_ARGS__); \
+    case MN_BF16: return fn<__nv_bfloat16>(__VA_ARGS__); \
+    default: return mn__bad(ctx, "dtype is not fp32, fp16 or bf16"); } } while (0)
+
+#define MN__CTX(ctx) do { if (!(ctx) || !(ctx)->p) return MN_ERR_INVALID_ARG; } while (0)
+
+// Column partial sums, shared by the LayerNorm parameter gradients and the bias gradient: block
+// (32, 8) covers 32 columns and a chunk of rows; partial[chunk, c] is written; the finish kernel
+// adds sum_chunk partial[chunk, c] (in chunk order: deterministic) into dst[c].
+#define MN__COL_THREADS_Y 8
+static unsigned mn__row_chunks(size_t N) {
+    size_t chunks = (N + 63) / 64;  // 64 rows per chunk, at most 512 chunks
+    return (unsigned)(chunks > 512 ? 512 : chunks < 1 ? 1 : chunks);
+}
+
+template <typename T>
+static __global__ void __launch_bounds__(256) mn__col_finish_kernel(T *dst, const float *partial,
+                                                                    unsigned chunks, size_t C) {
+    size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned k;
+    float s = 0.0f;
+    if (c >= C) return;
+    for (k = 0; k < chunks; k++) s += partial[(size_t)k * C + c];
+    dst[c] = mn__cvt<T>(mn__ld<T>(dst + c) + s);
+}
+
+// ---- kernels: >>ops layernorm -------------------------------------------------------------------
+// One warp per row: the mean, then the centred variance (two passes, as the CPU op), then the
+// output; a third read of the row comes from L1/L2. RESID: residual = inp1 + inp2 is stored first
+// and the statistics are taken over the stored (rounded) values.
+
+template <typename T, int RESID>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__layernorm_forward_kernel(T *residual, T *out, float *mean, float *rstd, const T *inp1,
+                             const T *inp2, const T *weight, const T *bias, size_t N, size_t C,
+                             float eps) {
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i;
+    unsigned lane = threadIdx.x % 32;
+    const T *x;
+    float s = 0.0f, m, v = 0.0f, r;
+    if (row >= N) return;
+    x = (RESID ? residual : inp1) + row * C;
+    if (RESID) {
+        T *res = residual + row * C;
+        const T *a = inp1 + row * C, *b = inp2 + row * C;
+        for (i = lane; i < C; i += 32) {
+            T t = mn__cvt<T>(mn__ld<T>(a + i) + mn__ld<T>(b + i));
+            res[i] = t;
+            s += mn__ld<T>(&t);
+        }
+    } else {
+        for (i = lane; i < C; i += 32) s += mn__ld<T>(x + i);
+    }
+    m = mn__warp_sum(s) / (float)C;
+    for (i = lane; i < C; i += 32) {
+        float d = mn__ld<T>(x + i) - m;
+        v += d * d;
+    }
+    r = mn_hd_rstd(mn__warp_sum(v) / (float)C, eps);
+    for (i = lane; i < C; i += 32) {
+        float b = bias ? mn__ld<T>(bias + i) : 0.0f;
+        out[row * C + i] = mn__cvt<T>(mn_hd_layernorm_out(mn__ld<T>(x + i), m, r,
+                                                          mn__ld<T>(weight + i), b));
+    }
+    if (lane == 0) {
+        if (mean) mean[row] = m;
+        if (rstd) rstd[row] = r;
+    }
+}
+
+template <typename T>
+static mn_result mn__layernorm_forward(mn_cuda *ctx, void *residual, void *out, float *mean,
+                                       float *rstd, const void *inp1, const void *inp2,
+                                       const void *weight, const void *bias, size_t N, size_t C,
+                                       float eps) {
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    if (residual)
+        mn__layernorm_forward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
+            (const T *)weight, (const T *)bias, N, C, eps);
+    else
+        mn__layernorm_forward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            NULL, (T *)out, mean, rstd, (const T *)inp1, NULL, (const T *)weight,
+            (const T *)bias, N, C, eps);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_layernorm_forward(mn_cuda *ctx, void *out, float *mean, float *rstd,
+                                          const void *inp, const void *weight, const void *bias,
+                                          size_t N, size_t C, float eps, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, out && inp && weight);
+    MN__CHECK(ctx, C > 0);
+    if (N == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__layernorm_forward, ctx, NULL, out, mean, rstd, inp, NULL, weight,
+                 bias, N, C, eps);
+}
+
+MNDEF mn_result mn_cuda_residual_layernorm_forward(mn_cuda *ctx, void *residual, void *out,
+                                                   float *mean, float *rstd, const void *inp1,
+                                                   const void *inp2, const void *weight,
+                                                   const void *bias, size_t N, size_t C,
+                                                   float eps, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, residual && out && inp1 && inp2 && weight);
+    MN__CHECK(ctx, C > 0);
+    if (N == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__layernorm_forward, ctx, residual, out, mean, rstd, inp1, inp2,
+                 weight, bias, N, C, eps);
+}
+
+// dinp: one warp per row, sums of g = w dy and g xh in fp32, then dx += r (g - mean g - xh mean).
+template <typename T>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__layernorm_backward_kernel(T *dinp, const T *dout, const T *inp, const T *weight,
+                              const float *mean, const float *rstd, size_t N, size_t C) {
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i;
+    unsigned lane = threadIdx.x % 32;
+    const T *x, *dy;
+    T *dx;
+    float m, r, sg = 0.0f, sgx = 0.0f, gm, gxm;
+    if (row >= N) return;
+    x = inp + row * C, dy = dout + row * C, dx = dinp + row * C;
+    m = mean[row], r = rstd[row];
+    for (i = lane; i < C; i += 32) {
+        float g = mn__ld<T>(weight + i) * mn__ld<T>(dy + i);
+        sg += g;
+        sgx += g * ((mn__ld<T>(x + i) - m) * r);
+    }
+    gm = mn__warp_sum(sg) / (float)C;
+    gxm = mn__warp_sum(sgx) / (float)C;
+    for (i = lane; i < C; i += 32) {
+        float g = mn__ld<T>(weight + i) * mn__ld<T>(dy + i), xh = (mn__ld<T>(x + i) - m) * r;
+        dx[i] = mn__cvt<T>(mn__ld<T>(dx + i) + mn_hd_layernorm_dinp(g, xh, gm, gxm, r));
+    }
+}
+
+// dweight / dbias partial sums per chunk of rows: pw[chunk, c] = sum dy xh, pb[chunk, c] = sum dy.
+template <typename T>
+static __global__ void __launch_bounds__(32 * MN__COL_THREADS_Y)
+mn__layernorm_param_partial_kernel(float *pw, float *pb, const T *dout, const T *inp,
+                                   const float *mean, const float *rstd, size_t N, size_t C,
+                                   size_t rows_per_chunk) {
+    __shared__ float sw[MN__COL_THREADS_Y][32], sb[MN__COL_THREADS_Y][32];
+    size_t c = (size_t)blockIdx.x * 32 + threadIdx.x, r0 = blockIdx.y * rows_per_chunk, r;
+    size_t r1 = r0 + rows_per_chunk < N ? r0 + rows_per_chunk : N;
+    float aw = 0.0f, ab = 0.0f;
+    unsigned k;
+    if (c < C)
+        for (r = r0 + threadIdx.y; r < r1; r += MN__COL_THREADS_Y) {
+            float dy = mn__ld<T>(dout + r * C + c);
+            aw += dy * ((mn__ld<T>(inp + r * C + c) - mean[r]) * rstd[r]);
+            ab += dy;
+        }
+    sw[threadIdx.y][threadIdx.x] = aw, sb[threadIdx.y][threadIdx.x] = ab;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= C) return;
+    aw = 0.0f, ab = 0.0f;
+    for (k = 0; k < MN__COL_THREADS_Y; k++) aw += sw[k][threadIdx.x], ab += sb[k][threadIdx.x];
+    if (pw) pw[(size_t)blockIdx.y * C + c] = aw;
+    if (pb) pb[(size_t)blockIdx.y * C + c] = ab;
+}
+
+template <typename T>
+static mn_result mn__layernorm_backward(mn_cuda *ctx, void *dinp, void *dweight, void *dbias,
+                                        const void *dout, const void *inp, const void *weight,
+                                        const float *mean, const float *rstd, size_t N,
+                                        size_t C) {
+    cudaStream_t s = mn__stream(ctx);
+    if (dinp) {
+        mn__layernorm_backward_kernel<T><<<mn__blocks(N, MN__ROWS_PER_BLOCK),
+                                           32 * MN__ROWS_PER_BLOCK, 0, s>>>(
+            (T *)dinp, (const T *)dout, (const T *)inp, (const T *)weight, mean, rstd, N, C);
+        MN__LAUNCHED(ctx);
+    }
+    if (dweight || dbias) {
+        unsigned chunks = mn__row_chunks(N);
+        size_t rows = (N + chunks - 1) / chunks;
+        void *scr;
+        float *pw, *pb;
+        mn_result r;
+        dim3 grid(mn__blocks(C, 32), chunks), block(32, MN__COL_THREADS_Y);
+        if ((r = mn__scratch(ctx, 2 * (size_t)chunks * C * sizeof(float), &scr)) != MN_OK) return r;
+        pw = dweight ? (float *)scr : NULL;
+        pb = dbias ? (float *)scr + (size_t)chunks * C : NULL;
+        mn__layernorm_param_partial_kernel<T><<<grid, block, 0, s>>>(
+            pw, pb, (const T *)dout, (const T *)inp, mean, rstd, N, C, rows);
+        MN__LAUNCHED(ctx);
+        if (dweight) {
+            mn__col_finish_kernel<T><<<mn__blocks(C, 256), 256, 0, s>>>((T *)dweight, pw, chunks, C);
+            MN__LAUNCHED(ctx);
+        }
+        if (dbias) {
+            mn__col_finish_kernel<T><<<mn__blocks(C, 256), 256, 0, s>>>((T *)dbias, pb, chunks, C);
+            MN__LAUNCHED(ctx);
+        }
+    }
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweight, void *dbias,
+                                           const void *dout, const void *inp, const void *weight,
+                                           const float *mean, const float *rstd, size_t N,
+                                           size_t C, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, dout && inp && mean && rstd);
+    MN__CHECK(ctx, !dinp || weight);
+    MN__CHECK(ctx, C > 0);
+    if (N == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__layernorm_backward, ctx, dinp, dweight, dbias, dout, inp, weight,
+                 mean, rstd, N, C);
+}
+
+// ---- kernels: >>ops softmax ---------------------------------------------------------------------
+// One warp per row: the online max/sum over the visible columns, then the probabilities (masked
+// columns exactly 0). Backward: dot = sum out dout, then dinp += scale out (dout - dot).
+
+template <typename T>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__softmax_forward_kernel(T *out, const T *inp, size_t N, size_t L, float scale, int causal) {
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, j, len;
+    unsigned lane = threadIdx.x % 32;
+    const T *x;
+    mn_hd_maxsum s = mn_hd_maxsum_init();
+    if (row >= N) return;
+    x = inp + row * L;
+    len = (size_t)mn_hd_softmax_len(row, L, causal);
+    for (j = lane; j < len; j += 32) s = mn_hd_maxsum_add(s, scale * mn__ld<T>(x + j));
+    s = mn__warp_maxsum(s);
+    for (j = lane; j < L; j += 32)
+        out[row * L + j] = mn__cvt<T>(j < len ? mn_hd_softmax_prob(scale * mn__ld<T>(x + j), s)
+                                              : 0.0f);
+}
+
+template <typename T>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__softmax_backward_kernel(T *dinp, const T *dout, const T *out, size_t N, size_t L, float scale,
+                            int causal) {
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, j, len;
+    unsigned lane = threadIdx.x % 32;
+    const T *y, *dy;
+    float dot = 0.0f;
+    if (row >= N) return;
+    y = out + row * L, dy = dout + row * L;
+    len = (size_t)mn_hd_softmax_len(row, L, causal);
+    for (j = lane; j < len; j += 32) dot += mn__ld<T>(y + j) * mn__ld<T>(dy + j);
+    dot = mn__warp_sum(dot);
+    for (j = lane; j < len; j += 32) {
+        T *d = dinp + row * L + j;
+        *d = mn__cvt<T>(mn__ld<T>(d) +
+                        mn_hd_softmax_dinp(mn__ld<T>(y + j), mn__ld<T>(dy + j), dot, scale));
+    }
+}
+
+template <typename T>
+static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, size_t N, size_t L,
+                                     float scale, int causal) {
+    mn__softmax_forward_kernel<T><<<mn__blocks(N, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK, 0,
+                                    mn__stream(ctx)>>>((T *)out, (const T *)inp, N, L, scale,
+                                                       causal);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+template <typename T>
+static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *out,
+                                      size_t N, size_t L, float scale, int causal) {
+    mn__softmax_backward_kernel<T><<<mn__blocks(N, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK,
+                                     0, mn__stream(ctx)>>>((T *)dinp, (const T *)dout,
+                                                           (const T *)out, N, L, scale, causal);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_softmax_forward(mn_cuda *ctx, void *out, const void *inp, size_t N,
+                                        size_t L, float scale, int causal, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, out && inp);
+    MN__CHECK(ctx, L > 0);
+    if (N == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__softmax_forward, ctx, out, inp, N, L, scale, causal);
+}
+
+MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *dout,
+                                         const void *out, size_t N, size_t L, float scale,
+                                         int causal, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, dinp && dout && out);
+    MN__CHECK(ctx, L > 0);
+    if (N == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__softmax_backward, ctx, dinp, dout, out, N, L, scale, causal);
+}
+
+// ---- kernels: >>ops gelu ------------------------------------------------------------------------
+
+template <typename T>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__gelu_forward_kernel(T *out, const T *inp, size_t n) {
+    size_t i;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = mn__cvt<T>(mn_hd_gelu(mn__ld<T>(inp + i)));
+}
+
+template <typename T>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__gelu_backward_kernel(T *dinp, const T *dout, const T *inp, size_t n) {
+    size_t i;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dinp[i] = mn__cvt<T>(mn__ld<T>(dinp + i) +
+                             mn__ld<T>(dout + i) * mn_hd_gelu_grad(mn__ld<T>(inp + i)));
+}
+
+template <typename T>
+static mn_result mn__gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n) {
+    mn__gelu_forward_kernel<T><<<mn__ew_grid(ctx, n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+        (T *)out, (const T *)inp, n);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+template <typename T>
+static mn_result mn__gelu_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *inp,
+                                   size_t n) {
+    mn__gelu_backward_kernel<T><<<mn__ew_grid(ctx, n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+        (T *)dinp, (const T *)dout, (const T *)inp, n);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n,
+                                     mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, out && inp);
+    if (n == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__gelu_forward, ctx, out, inp, n);
+}
+
+MNDEF mn_result mn_cuda_gelu_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *inp,
+                                      size_t n, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, dinp && dout && inp);
+    if (n == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__gelu_backward, ctx, dinp, dout, inp, n);
+}
+
+// ---- kernels: >>ops crossentropy (the LM head, fused) -------------------------------------------
+// One block per row: the target logit is read first (dlogits may overwrite logits), then the
+// online max/sum over the row (thread, warp, block), then dlogit = (p - onehot) dloss.
+
+template <typename T>
+static __global__ void __launch_bounds__(MN__CE_THREADS)
+mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *targets,
+                        float dloss, size_t N, size_t V) {
+    __shared__ mn_hd_maxsum warp_s[MN__CE_THREADS / 32];
+    __shared__ mn_hd_maxsum row_s;
+    __shared__ float target_logit;
+    size_t row = blockIdx.x, j;
+    const T *x = logits + row * V;
+    int tgt = targets[row];
+    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, k;
+    mn_hd_maxsum s = mn_hd_maxsum_init();
+    if (threadIdx.x == 0)
+        target_logit = tgt >= 0 && (size_t)tgt < V ? mn__ld<T>(x + tgt) : __int_as_float(0x7fc00000);
+    for (j = threadIdx.x; j < V; j += blockDim.x) s = mn_hd_maxsum_add(s, mn__ld<T>(x + j));
+    s = mn__warp_maxsum(s);
+    if (lane == 0) warp_s[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mn_hd_maxsum t = warp_s[0];
+        for (k = 1; k < blockDim.x / 32; k++) t = mn_hd_maxsum_merge(t, warp_s[k]);
+        row_s = t;
+        losses[row] = tgt < 0 ? 0.0f : mn_hd_ce_loss(t, target_logit);
+    }
+    __syncthreads();
+    if (!dlogits) return;
+    s = row_s;
+    for (j = threadIdx.x; j < V; j += blockDim.x) {
+        float d = tgt < 0 ? 0.0f : mn_hd_ce_dlogit(mn__ld<T>(x + j), s, (size_t)tgt == j, dloss);
+        dlogits[row * V + j] = mn__cvt<T>(d);
+    }
+}
+
+template <typename T>
+static mn_result mn__crossentropy(mn_cuda *ctx, float *losses, void *dlogits, const void *logits,
+                                  const int *targets, float dloss, size_t N, size_t V) {
+    mn__crossentropy_kernel<T><<<(unsigned)N, MN__CE_THREADS, 0, mn__stream(ctx)>>>(
+        losses, (T *)dlogits, (const T *)logits, targets, dloss, N, V);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_crossentropy_forward_backward(mn_cuda *ctx, float *losses, void *dlogits,
+                                                      const void *logits, const int *targets,
+                                                      float dloss, size_t N, size_t V,
+                                                      mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, losses && logits && targets);
+    MN__CHECK(ctx, V > 0);
+    MN__CHECK(ctx, N <= 0x7fffffffu);
+    if (N == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__crossentropy, ctx, losses, dlogits, logits, targets, dloss, N, V);
+}
+
+// ---- kernels: >>ops embedding -------------------------------------------------------------------
+
+template <typename T>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__embedding_forward_kernel(T *out, const int *tokens, const T *wte, const T *wpe, size_t B,
+                             size_t T_, size_t C, size_t V) {
+    size_t i, n = B * T_ * C;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t bt = i / C, c = i % C, t = bt % T_;
+        int tok = tokens[bt];
+        float v = tok >= 0 && (size_t)tok < V ? mn__ld<T>(wte + (size_t)tok * C + c)
+                                              : __int_as_float(0x7fc00000);
+        if (wpe) v += mn__ld<T>(wpe + t * C + c);
+        out[i] = mn__cvt<T>(v);
+    }
+}
+
+// dwte: block (bucket, channel tile); the bucket's positions are summed in order.
+template <typename T>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__embedding_dwte_kernel(T *dwte, const T *dout, const int *order, const int *start,
+                          const int *btok, size_t C) {
+    int b = blockIdx.x, k;
+    size_t c = (size_t)blockIdx.y * blockDim.x + threadIdx.x;
+    float s = 0.0f;
+    T *d;
+    if (c >= C) return;
+    for (k = start[b]; k < start[b + 1]; k++) s += mn__ld<T>(dout + (size_t)order[k] * C + c);
+    d = dwte + (size_t)btok[b] * C + c;
+    *d = mn__cvt<T>(mn__ld<T>(d) + s);
+}
+
+template <typename T>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__embedding_dwpe_kernel(T *dwpe, const T *dout, size_t B, size_t T_, size_t C) {
+    size_t i, b;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < T_ * C;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (b = 0; b < B; b++) s += mn__ld<T>(dout + b * T_ * C + i);
+        dwpe[i] = mn__cvt<T>(mn__ld<T>(dwpe + i) + s);
+    }
+}
+
+template <typename T>
+static mn_result mn__embedding_forward(mn_cuda *ctx, void *out, const int *tokens, const void *wte,
+                                       const void *wpe, size_t B, size_t T_, size_t C, size_t V) {
+    mn__embedding_forward_kernel<T><<<mn__ew_grid(ctx, B * T_ * C), MN__EW_THREADS, 0,
+                                      mn__stream(ctx)>>>((T *)out, tokens, (const T *)wte,
+                                                         (const T *)wpe, B, T_, C, V);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+// Host bucketing: tokens copied down, a stable counting sort by token into order[BT], one
+// bucket per distinct token (start[nb + 1], btok[nb]), uploaded, then one kernel per gradient.
+template <typename T>
+static mn_result mn__embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe, const void *dout,
+                                        const int *tokens, size_t B, size_t T_, size_t C,
+                                        size_t V) {
+    cudaStream_t s = mn__stream(ctx);
+    size_t BT = B * T_, i;
+    mn_result r;
+    if (dwte) {
+        // host layout: tok[BT] | order[BT] | start[BT+1] | btok[BT] | count[V+1]
+        size_t host_ints = 4 * BT + 1 + V + 1, nb = 0;
+        int *tok, *order, *start, *btok, *count;
+        void *h, *d;
+        if (BT > 0x7fffffffu || V > 0x7fffffffu) return mn__bad(ctx, "B*T or V above 2^31");
+        if ((r = mn__host_scratch(ctx, host_ints * sizeof(int), &h)) != MN_OK) return r;
+        tok = (int *)h, order = tok + BT, start = order + BT, btok = start + BT + 1;
+        count = btok + BT;
+        MN__CU(ctx, cudaMemcpyAsync(tok, tokens, BT * sizeof(int), cudaMemcpyDeviceToHost, s));
+        MN__CU(ctx, cudaStreamSynchronize(s));
+        for (i = 0; i < BT; i++)
+            if (tok[i] < 0 || (size_t)tok[i] >= V) {
+                mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda: embedding backward: token %d at "
+                           "position %zu is outside [0, %zu)", tok[i], i, V);
+                return MN_ERR_INVALID_ARG;
+            }
+        memset(count, 0, (V + 1) * sizeof(int));
+        for (i = 0; i < BT; i++) count[tok[i] + 1]++;
+        for (i = 0; i < V; i++) {
+            if (count[i + 1]) start[nb] = count[i], btok[nb] = (int)i, nb++;
+            count[i + 1] += count[i];
+        }
+        start[nb] = (int)BT;
+        for (i = 0; i < BT; i++) order[count[tok[i]]++] = (int)i;  // stable: positions ascending
+        if ((r = mn__scratch(ctx, (3 * BT + 1) * sizeof(int), &d)) != MN_OK) return r;
+        // order | start[nb+1] | btok[nb]: one upload of the contiguous host region
+        memmove(start + nb + 1, btok, nb * sizeof(int));
+        MN__CU(ctx, cudaMemcpyAsync(d, order, (BT + 2 * nb + 1) * sizeof(int),
+                                    cudaMemcpyHostToDevice, s));
+        {
+            int *d_order = (int *)d, *d_start = d_order + BT, *d_btok = d_start + nb + 1;
+            dim3 grid((unsigned)nb, mn__blocks(C, MN__EW_THREADS));
+            mn__embedding_dwte_kernel<T><<<grid, MN__EW_THREADS, 0, s>>>(
+                (T *)dwte, (const T *)dout, d_order, d_start, d_btok, C);
+            MN__LAUNCHED(ctx);
+        }
+        MN__CU(ctx, cudaStreamSynchronize(s));  // the host scratch is reused by the next call
+    }
+    if (dwpe) {
+        mn__embedding_dwpe_kernel<T><<<mn__ew_grid(ctx, T_ * C), MN__EW_THREADS, 0, s>>>(
+            (T *)dwpe, (const T *)dout, B, T_, C);
+        MN__LAUNCHED(ctx);
+    }
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_embedding_forward(mn_cuda *ctx, void *out, const int *tokens,
+                                          const void *wte, const void *wpe, size_t B, size_t T,
+                                          size_t C, size_t V, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, out && tokens && wte);
+    MN__CHECK(ctx, C > 0 && V > 0);
+    if (B * T == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__embedding_forward, ctx, out, tokens, wte, wpe, B, T, C, V);
+}
+
+MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe, const void *dout,
+                                           const int *tokens, size_t B, size_t T, size_t C,
+                                           size_t V, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, dout && tokens);
+    MN__CHECK(ctx, C > 0 && V > 0);
+    if (B * T == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__embedding_backward, ctx, dwte, dwpe, dout, tokens, B, T, C, V);
+}
+
+// ---- kernels: >>optim global norm and AdamW -----------------------------------------------------
+// Norm: each of a fixed number of blocks sums squares over a grid-stride range (fp32), writes its
+// partial; one thread adds the partials in order in double: deterministic on a given device.
+
+#define MN__NORM_THREADS 512
+template <typename T>
+static __global__ void __launch_bounds__(MN__NORM_THREADS)
+mn__norm_partial_kernel(float *partial, const T *g, size_t n) {
+    __shared__ float ws[MN__NORM_THREADS / 32];
+    size_t i;
+    float s = 0.0f;
+    unsigned k;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float v = mn__ld<T>(g + i);
+        s += v * v;
+    }
+    s = mn__warp_sum(s);
+    if (threadIdx.x % 32 == 0) ws[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    s = 0.0f;
+    for (k = 0; k < MN__NORM_THREADS / 32; k++) s += ws[k];
+    partial[blockIdx.x] = s;
+}
+
+static __global__ void mn__norm_finish_kernel(float *norm, const float *partial, unsigned count) {
+    double acc = 0.0;
+    unsigned k;
+    for (k = 0; k < count; k++) acc += (double)partial[k];
+    *norm = (float)sqrt(acc);
+}
+
+template <typename T>
+static mn_result mn__global_norm(mn_cuda *ctx, float *norm_out, const void *grad, uint64_t n) {
+    unsigned grid = (unsigned)(ctx->sm_count > 0 ? ctx->sm_count : 1) * 4u;
+    void *scr;
+    mn_result r;
+    if (grid > mn__blocks(n, MN__NORM_THREADS)) grid = mn__blocks(n, MN__NORM_THREADS);
+    if (grid < 1) grid = 1;
+    if ((r = mn__scratch(ctx, grid * sizeof(float), &scr)) != MN_OK) return r;
+    mn__norm_partial_kernel<T><<<grid, MN__NORM_THREADS, 0, mn__stream(ctx)>>>(
+        (float *)scr, (const T *)grad, (size_t)n);
+    MN__LAUNCHED(ctx);
+    mn__norm_finish_kernel<<<1, 1, 0, mn__stream(ctx)>>>(norm_out, (const float *)scr, grid);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *grad, uint64_t n,
+                                    mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, norm_out && (grad || n == 0));
+    MN__DISPATCH(ctx, dtype, mn__global_norm, ctx, norm_out, grad, n);
+}
+
+// AdamW: found-inf (a non-finite norm skips the whole step), unscale, clip and the update in one
+// pass; the 16-bit copy is written from the new master weight.
+template <typename G, typename P>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__adamw_kernel(float *param, P *param16, const G *grad, float *m, float *v, size_t n,
+                 mn_hd_adamw_coef k, const float *grad_norm, float inv_scale, float max_norm) {
+    size_t i;
+    float clip = 1.0f;
+    if (grad_norm) {
+        float nrm = *grad_norm;
+        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
+        clip = mn_hd_clip_coef(nrm * inv_scale, max_norm);
+    }
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float p = param[i], mm = m[i], vv = v[i];
+        float g = mn__ld<G>(grad + i) * inv_scale;  // unscale, rounded as mn_unscale_grads
+        mn_hd_adamw(&p, &mm, &vv, g, clip, &k);
+        param[i] = p, m[i] = mm, v[i] = vv;
+        if (param16) param16[i] = mn__cvt<P>(p);
+    }
+}
+
+template <typename G, typename P>
+static mn_result mn__adamw(mn_cuda *ctx, const mn_cuda_adamw_args *a, mn_hd_adamw_coef k,
+                           float inv_scale) {
+    mn__adamw_kernel<G, P><<<mn__ew_grid(ctx, a->n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+        a->param, (P *)a->param16, (const G *)a->grad, a->exp_avg, a->exp_avg_sq, (size_t)a->n, k,
+        a->grad_norm, inv_scale, a->max_norm);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+template <typename G>
+static mn_result mn__adamw_g(mn_cuda *ctx, const mn_cuda_adamw_args *a, mn_hd_adamw_coef k,
+                             float inv_scale) {
+    if (!a->param16) return mn__adamw<G, float>(ctx, a, k, inv_scale);
+    if (a->param16_dtype == MN_FP16) return mn__adamw<G, __half>(ctx, a, k, inv_scale);
+    if (a->param16_dtype == MN_BF16) return mn__adamw<G, __nv_bfloat16>(ctx, a, k, inv_scale);
+    return mn__bad(ctx, "param16_dtype must be MN_FP16 or MN_BF16");
+}
+
+// mn_adamw_params defaults as mn_adamw_init resolves them (0 = default, MN_OPTIM_ZERO = 0).
+static float mn__z(float v, float def) { return v == 0.0f ? def : v == MN_OPTIM_ZERO ? 0.0f : v; }
+
+MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const mn_adamw_params *p,
+                                   const mn_cuda_adamw_args *a) {
+    mn_adamw_params q;
+    mn_hd_adamw_coef k;
+    float inv_scale;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, a && a->param && a->grad && a->exp_avg && a->exp_avg_sq);
+    MN__CHECK(ctx, a->step >= 1);
+    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
+    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    if (q.amsgrad) return MN_ERR_UNSUPPORTED;
+    q.lr = mn__z(q.lr, 1e-3f), q.beta1 = mn__z(q.beta1, 0.9f), q.beta2 = mn__z(q.beta2, 0.999f);
+    q.eps = mn__z(q.eps, 1e-8f), q.weight_decay = mn__z(q.weight_decay, 1e-2f);
+    MN__CHECK(ctx, q.lr >= 0.0f && q.eps >= 0.0f && q.weight_decay >= 0.0f);
+    MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f && q.beta2 >= 0.0f && q.beta2 < 1.0f);
+    if (a->n == 0) return MN_OK;
+    k = mn_hd_adamw_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.maximize, a->step);
+    inv_scale = a->inv_scale == 0.0f ? 1.0f : a->inv_scale;
+    MN__DISPATCH(ctx, a->grad_dtype, mn__adamw_g, ctx, a, k, inv_scale);
+}
+
+// ---- gemm: >>ops matmul through cuBLASLt --------------------------------------------------------
+// Row-major out[N,OC] = inp[N,C] @ weight[OC,C]^T is column-major out^T (OC x N) = weight^T-op
+// (A = weight, transa = T, lda = C) times inp^T (B = inp, ldb = C): m = OC, n = N, k = C, so the
+// bias (one per OC) runs along the rows of D, as cuBLASLt's BIAS epilogue adds it.
+//   dinp^T (C x N) += weight (A, no transpose, lda = C) @ dpre^T (B, ldb = OC):  m = C, n = N, k = OC
+//   dweight^T (C x OC) += inp^T (A, lda = C) @ dpre (B transposed, ldb = OC):   m = C, n = OC, k = N
+// and BGRADB on the second sums B = dpre over k = N: dbias, one per column of D.
+
+typedef struct mn__gemm_args {
+    int ta, tb;                 // 1 = transposed
+    int64_t m, n, k, lda, ldb, ldd;
+    const void *A, *B;
+    void *D;                    // also C (beta)
+    float beta;                 // 0 = overwrite, 1 = accumulate
+    cublasLtEpilogue_t epi;
+    void *bias;                 // BIAS: [m] input; BGRADB: [n] output
+    void *aux;                  // GELU_AUX: [ldd, n] pre-activation output
+} mn__gemm_args;
+
+static cudaDataType_t mn__cuda_type(mn_dtype dt) {
+    return dt == MN_FP16 ? CUDA_R_16F : dt == MN_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+static uint32_t mn__align(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    uint32_t al = 256;
+    if (!p) return 256;
+    while (al > 1 && a % al) al >>= 1;
+    return al;
+}
+
+// Runs one GEMM. MN_ERR_UNSUPPORTED (nothing logged, nothing launched) when cuBLASLt has no
+// algorithm for this epilogue and shape: the caller falls back to the plain GEMM and a kernel.
+static mn_result mn__gemm(mn_cuda *ctx, const mn__gemm_args *g, mn_dtype dt) {
+    struct mn__cuda_priv *p = ctx->p;
+    cublasLtHandle_t lt = (cublasLtHandle_t)ctx->lt;
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    cudaDataType_t ty = mn__cuda_type(dt);
+    cublasComputeType_t ct = (dt == MN_FP32 || dt == MN_DTYPE_DEFAULT) && ctx->desc.tf32
+                                 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasOperation_t ta = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    mn__gemm_key key;
+    mn__gemm_entry *e = NULL;
+    float alpha = 1.0f, beta = g->beta;
+    uint64_t ws = ctx->workspace_bytes;
+    uint32_t i, al[5];
+    int nres = 0;
+    mn_result r = MN_OK;
+    memset(&key, 0, sizeof key);
+    key.ta = g->ta, key.tb = g->tb, key.dtype = (int32_t)ty, key.epilogue = (int32_t)g->epi;
+    key.tf32 = ct == CUBLAS_COMPUTE_32F_FAST_TF32, key.beta1 = beta != 0.0f;
+    key.m = g->m, key.n = g->n, key.k = g->k, key.lda = g->lda, key.ldb = g->ldb, key.ldd = g->ldd;
+    al[0] = mn__align(g->A), al[1] = mn__align(g->B), al[2] = mn__align(g->D);
+    al[3] = mn__align(g->bias), al[4] = mn__align(g->aux);
+    memcpy(key.align, al, sizeof al);
+    for (i = 0; i < MN__GEMM_CACHE; i++)
+        if (p->gemm[i].used && !memcmp(&p->gemm[i].key, &key, sizeof key)) {
+            e = &p->gemm[i];
+            break;
+        }
+    if (e && !e->ok) return MN_ERR_UNSUPPORTED;
+
+#define MN__LTG(call) do { cublasStatus_t mn_s_ = (call); \
+    if (mn_s_ != CUBLAS_STATUS_SUCCESS) { r = mn__lt_fail(ctx, #call, mn_s_, __LINE__); goto undo; } } while (0)
+    MN__LTG(cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
+    MN__LTG(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    MN__LTG(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    MN__LTG(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g->epi,
+                                           sizeof g->epi));
+    if (g->bias)
+        MN__LTG(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g->bias,
+                                               sizeof g->bias));
+    if (g->aux) {
+        int64_t aux_ld = g->ldd;
+        MN__LTG(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                               &g->aux, sizeof g->aux));
+        MN__LTG(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
+                                               sizeof aux_ld));
+    }
+    // stored shapes: A is (ta ? k x m : m x k) column-major, B is (tb ? n x k : k x n)
+    MN__LTG(cublasLtMatrixLayoutCreate(&la, ty, g->ta ? g->k : g->m, g->ta ? g->m : g->k, g->lda));
+    MN__LTG(cublasLtMatrixLayoutCreate(&lb, ty, g->tb ? g->n : g->k, g->tb ? g->k : g->n, g->ldb));
+    MN__LTG(cublasLtMatrixLayoutCreate(&ld, ty, g->m, g->n, g->ldd));
+    if (!e) {  // ask the heuristic once per shape and remember the answer
+        MN__LTG(cublasLtMatmulPreferenceCreate(&pref));
+        MN__LTG(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                     &ws, sizeof ws));
+        MN__LTG(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                     &al[0], sizeof al[0]));
+        MN__LTG(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                     &al[1], sizeof al[1]));
+        MN__LTG(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                     &al[2], sizeof al[2]));
+        MN__LTG(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                     &al[2], sizeof al[2]));
+        memset(&res, 0, sizeof res);
+        {
+            cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1,
+                                                               &res, &nres);
+            if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
+                r = mn__lt_fail(ctx, "cublasLtMatmulAlgoGetHeuristic", st, __LINE__);
+                goto undo;
+            }
+            if (st != CUBLAS_STATUS_SUCCESS) nres = 0;
+        }
+        e = &p->gemm[p->gemm_next];
+        p->gemm_next = (p->gemm_next + 1) % MN__GEMM_CACHE;
+        e->key = key, e->used = 1, e->ok = nres > 0;
+        if (nres > 0) e->algo = res.algo;
+        if (!e->ok) {
+            r = MN_ERR_UNSUPPORTED;
+            goto undo;
+        }
+    }
+    {
+        cublasStatus_t st = cublasLtMatmul(lt, op, &alpha, g->A, la, g->B, lb, &beta, g->D, ld,
+                                           g->D, ld, &e->algo, ctx->workspace, ctx->workspace_bytes,
+                                           mn__stream(ctx));
+        if (st == CUBLAS_STATUS_NOT_SUPPORTED && g->epi != CUBLASLT_EPILOGUE_DEFAULT) {
+            e->ok = 0;  // refused at launch: remember, fall back
+            r = MN_ERR_UNSUPPORTED;
+        } else if (st != CUBLAS_STATUS_SUCCESS) {
+            r = mn__lt_fail(ctx, "cublasLtMatmul", st, __LINE__);
+        }
+    }
+undo:
+#undef MN__LTG
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+    return r;
+}
+
+// The unfused forward epilogue: x = D (+ bias[oc]); GELU: pre_gelu = x, out = gelu(x).
+template <typename T>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__bias_gelu_kernel(T *out, T *pre_gelu, const T *bias, size_t N, size_t OC) {
+    size_t i, n = N * OC;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        T *src = pre_gelu ? pre_gelu : out;
+        float x = mn__ld<T>(src + i);
+        if (bias) {
+            x += mn__ld<T>(bias + i % OC);
+            src[i] = mn__cvt<T>(x);
+            x = mn__ld<T>(src + i);  // GELU of the stored pre-activation, as the fused path
+        }
+        if (pre_gelu) out[i] = mn__cvt<T>(mn_hd_gelu(x));
+    }
+}
+
+// dpre = dout * gelu'(pre_gelu) in place (when pre_gelu) and, when partial, the column sums of
+// dpre per chunk of rows (for dbias), in one pass over dout.
+template <typename T>
+static __global__ void __launch_bounds__(32 * MN__COL_THREADS_Y)
+mn__dgelu_bias_partial_kernel(float *partial, T *dout, const T *pre_gelu, size_t N, size_t OC,
+                              size_t rows_per_chunk) {
+    __shared__ float sb[MN__COL_THREADS_Y][32];
+    size_t c = (size_t)blockIdx.x * 32 + threadIdx.x, r0 = blockIdx.y * rows_per_chunk, r;
+    size_t r1 = r0 + rows_per_chunk < N ? r0 + rows_per_chunk : N;
+    float acc = 0.0f;
+    unsigned k;
+    if (c < OC)
+        for (r = r0 + threadIdx.y; r < r1; r += MN__COL_THREADS_Y) {
+            T *d = dout + r * OC + c;
+            float v = mn__ld<T>(d);
+            if (pre_gelu) {
+                T t = mn__cvt<T>(v * mn_hd_gelu_grad(mn__ld<T>(pre_gelu + r * OC + c)));
+                *d = t;
+                v = mn__ld<T>(&t);
+            }
+            acc += v;
+        }
+    if (!partial) return;
+    sb[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= OC) return;
+    acc = 0.0f;
+    for (k = 0; k < MN__COL_THREADS_Y; k++) acc += sb[k][threadIdx.x];
+    partial[(size_t)blockIdx.y * OC + c] = acc;
+}
+
+template <typename T>
+static __global__ void __launch_bounds__(256) mn__add_kernel(T *dst, const T *src, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = mn__cvt<T>(mn__ld<T>(dst + i) + mn__ld<T>(src + i));
+}
+
+template <typename T>
+static mn_result mn__matmul_forward_fallback(mn_cuda *ctx, void *out, void *pre_gelu,
+                                             const void *bias, size_t N, size_t OC) {
+    if (!bias && !pre_gelu) return MN_OK;
+    mn__bias_gelu_kernel<T><<<mn__ew_grid(ctx, N * OC), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+        (T *)out, (T *)pre_gelu, (const T *)bias, N, OC);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_matmul_forward(mn_cuda *ctx, void *out, void *pre_gelu, const void *inp,
+                                       const void *weight, const void *bias, size_t N, size_t C,
+                                       size_t OC, mn_dtype dtype) {
+    mn__gemm_args g;
+    mn_result r;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, out && inp && weight);
+    MN__CHECK(ctx, C > 0 && OC > 0);
+    MN__CHECK(ctx, dtype == MN_DTYPE_DEFAULT || dtype == MN_FP32 || dtype == MN_FP16 ||
+                   dtype == MN_BF16);
+    if (N == 0) return MN_OK;
+    memset(&g, 0, sizeof g);
+    g.ta = 1, g.tb = 0, g.m = (int64_t)OC, g.n = (int64_t)N, g.k = (int64_t)C;
+    g.lda = (int64_t)C, g.ldb = (int64_t)C, g.ldd = (int64_t)OC;
+    g.A = weight, g.B = inp, g.D = out, g.beta = 0.0f;
+    // fused: BIAS, GELU_AUX(_BIAS); the aux leading dimension must be a multiple of 8
+    if (!ctx->desc.no_fused_epilogues && (bias || pre_gelu) && (!pre_gelu || OC % 8 == 0)) {
+        g.epi = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
+                         : CUBLASLT_EPILOGUE_BIAS;
+        g.bias = (void *)bias, g.aux = pre_gelu;
+        r = mn__gemm(ctx, &g, dtype);
+        if (r == MN_OK) {
+            ctx->gemm_fused++;
+            return MN_OK;
+        }
+        if (r != MN_ERR_UNSUPPORTED) return r;
+    }
+    g.epi = CUBLASLT_EPILOGUE_DEFAULT, g.bias = NULL, g.aux = NULL;
+    g.D = pre_gelu ? pre_gelu : out;
+    if ((r = mn__gemm(ctx, &g, dtype)) != MN_OK) return r;
+    if (bias || pre_gelu) ctx->gemm_unfused++;
+    MN__DISPATCH(ctx, dtype, mn__matmul_forward_fallback, ctx, out, pre_gelu, bias, N, OC);
+}
+
+// dpre in place and/or dbias by the column kernel (the path when BGRADB is not used).
+template <typename T>
+static mn_result mn__dgelu_bias(mn_cuda *ctx, void *dbias, void *dout, const void *pre_gelu,
+                                size_t N, size_t OC) {
+    unsigned chunks = mn__row_chunks(N);
+    size_t rows = (N + chunks - 1) / chunks;
+    float *part = NULL;
+    dim3 grid(mn__blocks(OC, 32), chunks), block(32, MN__COL_THREADS_Y);
+    if (dbias) {
+        void *scr;
+        mn_result r = mn__scratch(ctx, (size_t)chunks * OC * sizeof(float), &scr);
+        if (r != MN_OK) return r;
+        part = (float *)scr;
+    }
+    mn__dgelu_bias_partial_kernel<T><<<grid, block, 0, mn__stream(ctx)>>>(
+        part, (T *)dout, (const T *)pre_gelu, N, OC, rows);
+    MN__LAUNCHED(ctx);
+    if (dbias) {
+        mn__col_finish_kernel<T><<<mn__blocks(OC, 256), 256, 0, mn__stream(ctx)>>>(
+            (T *)dbias, part, chunks, OC);
+        MN__LAUNCHED(ctx);
+    }
+    return MN_OK;
+}
+
+template <typename T>
+static mn_result mn__add(mn_cuda *ctx, void *dst, const void *src, size_t n) {
+    mn__add_kernel<T><<<mn__blocks(n, 256), 256, 0, mn__stream(ctx)>>>((T *)dst, (const T *)src, n);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_matmul_backward(mn_cuda *ctx, void *dinp, void *dweight, void *dbias,
+                                        void *dout, const void *inp, const void *weight,
+                                        const void *pre_gelu, size_t N, size_t C, size_t OC,
+                                        mn_dtype dtype) {
+    mn__gemm_args g;
+    mn_result r;
+    int dbias_done = dbias == NULL;
+    size_t es = dtype == MN_FP16 || dtype == MN_BF16 ? 2 : 4;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, dout);
+    MN__CHECK(ctx, !dinp || weight);
+    MN__CHECK(ctx, !dweight || inp);
+    MN__CHECK(ctx, C > 0 && OC > 0);
+    MN__CHECK(ctx, dtype == MN_DTYPE_DEFAULT || dtype == MN_FP32 || dtype == MN_FP16 ||
+                   dtype == MN_BF16);
+    if (N == 0) return MN_OK;
+    if (pre_gelu) {  // dpre over dout, with dbias from the same pass
+        switch (dtype) {
+        case MN_FP16: r = mn__dgelu_bias<__half>(ctx, dbias, dout, pre_gelu, N, OC); break;
+        case MN_BF16: r = mn__dgelu_bias<__nv_bfloat16>(ctx, dbias, dout, pre_gelu, N, OC); break;
+        default: r = mn__dgelu_bias<float>(ctx, dbias, dout, pre_gelu, N, OC); break;
+        }
+        if (r != MN_OK) return r;
+        dbias_done = 1;
+    }
+    memset(&g, 0, sizeof g);
+    g.beta = 1.0f;
+    if (dinp) {
+        g.ta = 0, g.tb = 0, g.m = (int64_t)C, g.n = (int64_t)N, g.k = (int64_t)OC;
+        g.lda = (int64_t)C, g.ldb = (int64_t)OC, g.ldd = (int64_t)C;
+        g.A = weight, g.B = dout, g.D = dinp, g.epi = CUBLASLT_EPILOGUE_DEFAULT;
+        if ((r = mn__gemm(ctx, &g, dtype)) != MN_OK) return r;
+    }
+    if (dweight) {
+        g.ta = 0, g.tb = 1, g.m = (int64_t)C, g.n = (int64_t)OC, g.k = (int64_t)N;
+        g.lda = (int64_t)C, g.ldb = (int64_t)OC, g.ldd = (int64_t)C;
+        g.A = inp, g.B = dout, g.D = dweight, g.epi = CUBLASLT_EPILOGUE_DEFAULT;
+        if (!dbias_done && !ctx->desc.no_fused_epilogues) {
+            // BGRADB writes sum_n dpre into a scratch [OC] (the epilogue overwrites); then += .
+            void *scr;
+            if ((r = mn__scratch(ctx, OC * es, &scr)) != MN_OK) return r;
+            g.epi = CUBLASLT_EPILOGUE_BGRADB, g.bias = scr;
+            r = mn__gemm(ctx, &g, dtype);
+            if (r == MN_OK) {
+                ctx->gemm_fused++;
+                MN__DISPATCH(ctx, dtype, mn__add, ctx, dbias, scr, OC);
+            }
+            if (r != MN_ERR_UNSUPPORTED) return r;
+            g.epi = CUBLASLT_EPILOGUE_DEFAULT, g.bias = NULL;
+        }
+        if ((r = mn__gemm(ctx, &g, dtype)) != MN_OK) return r;
+    }
+    if (!dbias_done) {
+        ctx->gemm_unfused++;
+        switch (dtype) {
+        case MN_FP16: return mn__dgelu_bias<__half>(ctx, dbias, dout, NULL, N, OC);
+        case MN_BF16: return mn__dgelu_bias<__nv_bfloat16>(ctx, dbias, dout, NULL, N, OC);
+        default: return mn__dgelu_bias<float>(ctx, dbias, dout, NULL, N, OC);
+        }
+    }
+    return MN_OK;
+}

@@ -1,0 +1,634 @@
+// GPU tests of memanat_cuda.cu: every kernel and GEMM epilogue against the CPU reference ops on
+// fresh random inputs (odd sizes: C not a multiple of 8, T = 1, V = 50257), in fp32, fp16 and
+// bf16 storage; the caching allocator's invariants on the real device backend; a device OOM
+// with PyTorch's message. Written outputs are poisoned with NaN (bytes 0xFF) before each run and
+// every element is checked written (finite). Inputs are rounded to the storage type first, so
+// the reference sees what the kernel reads; tolerance |got - want| <= tol (1 + |want|) with tol
+// fp32 1e-4 (GEMMs with TF32 off), fp16 4e-3, bf16 1.6e-2, reported as max abs/rel error.
+//
+// Without a device it prints one line, "SKIP cuda: no CUDA device (<reason>)", and exits 0.
+// Usage: build/test_cuda [substring]   (MN_TEST_SEED=N repeats a run)
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MEMANAT_IMPLEMENTATION
+#define MEMANAT_CUDA
+#include "../memanat.h"
+
+static mn_cuda ctx, ctx_unfused;  // fused epilogues allowed / never
+static int cur_failed;
+static uint64_t rng;
+
+#define FAIL(...) do { printf("[FAIL] %s:%d ", __FILE__, __LINE__); printf(__VA_ARGS__); \
+    printf("\n"); cur_failed++; } while (0)
+#define OK(expr) do { mn_result r_ = (expr); if (r_ != MN_OK) { \
+    FAIL("%s got %d (%s)", #expr, (int)r_, mn_result_str(r_)); return; } } while (0)
+#define CHECK(c) do { if (!(c)) FAIL("%s is false", #c); } while (0)
+
+static void log_stderr(void *u, mn_log_level l, const char *msg) {
+    (void)u, (void)l;
+    fprintf(stderr, "  log: %s\n", msg);
+}
+
+static double urand(void) {
+    uint64_t z = (rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (double)((z ^ (z >> 31)) >> 11) * (1.0 / 9007199254740992.0);
+}
+static float nrand(void) {
+    double u1 = urand(), u2 = urand();
+    if (u1 < 1e-300) u1 = 1e-300;
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static const mn_dtype dts[3] = {MN_FP32, MN_FP16, MN_BF16};
+static const double dt_tol[3] = {1e-4, 4e-3, 1.6e-2};
+static size_t esz(mn_dtype dt) { return dt == MN_FP32 ? 4 : 2; }
+
+static float stf(mn_dtype dt, float x) {
+    if (dt == MN_FP16) return mn_fp16_to_fp32(mn_fp32_to_fp16(x));
+    if (dt == MN_BF16) return mn_bf16_to_fp32(mn_fp32_to_bf16(x));
+    return x;
+}
+
+static float *hvec(size_t n) {
+    float *p = (float *)calloc(n ? n : 1, sizeof(float));
+    if (!p) abort();
+    return p;
+}
+static float *hrand(mn_dtype dt, size_t n, float scale) {
+    float *p = hvec(n);
+    size_t i;
+    for (i = 0; i < n; i++) p[i] = stf(dt, scale * nrand());
+    return p;
+}
+
+// Device copies in a storage type.
+static void *dev(mn_dtype dt, const float *h, size_t n) {
+    void *d = NULL, *tmp = malloc(n * esz(dt) + 1);
+    size_t i;
+    if (!tmp) abort();
+    if (dt == MN_FP32) memcpy(tmp, h, n * 4);
+    else
+        for (i = 0; i < n; i++)
+            ((uint16_t *)tmp)[i] = dt == MN_FP16 ? mn_fp32_to_fp16(h[i]) : mn_fp32_to_bf16(h[i]);
+    if (mn_cuda_mem_alloc(&ctx, n * esz(dt), &d) != MN_OK ||
+        mn_cuda_mem_copy(&ctx, d, tmp, n * esz(dt)) != MN_OK) {
+        printf("[FAIL] device allocation or copy of %zu elements\n", n);
+        exit(1);
+    }
+    free(tmp);
+    return d;
+}
+static void *dev_poisoned(mn_dtype dt, size_t n) {
+    void *d = NULL;
+    if (mn_cuda_mem_alloc(&ctx, n * esz(dt), &d) != MN_OK ||
+        mn_cuda_mem_set(&ctx, d, 0xFF, n * esz(dt)) != MN_OK) {
+        printf("[FAIL] device allocation of %zu elements\n", n);
+        exit(1);
+    }
+    return d;
+}
+static float *down(mn_dtype dt, const void *d, size_t n) {
+    float *h = hvec(n);
+    void *tmp = malloc(n * esz(dt) + 1);
+    size_t i;
+    if (!tmp) abort();
+    if (mn_cuda_mem_copy(&ctx, tmp, d, n * esz(dt)) != MN_OK) {
+        printf("[FAIL] device copy\n");
+        exit(1);
+    }
+    for (i = 0; i < n; i++)
+        h[i] = dt == MN_FP32 ? ((float *)tmp)[i]
+             : dt == MN_FP16 ? mn_fp16_to_fp32(((uint16_t *)tmp)[i])
+                             : mn_bf16_to_fp32(((uint16_t *)tmp)[i]);
+    free(tmp);
+    return h;
+}
+static void release(void *d) { (void)mn_cuda_mem_release(&ctx, d); }
+
+// Every element written (finite) and within tol (1 + |want|); prints the errors with -v.
+static int verbose;
+static void compare(const char *what, mn_dtype dt, double tol, const void *d, const float *want,
+                    size_t n) {
+    float *got = down(dt, d, n);
+    double max_abs = 0, max_rel = 0;
+    size_t i, bad = 0, unwritten = 0, worst = 0;
+    for (i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - want[i]);
+        if (got[i] != got[i] || isinf(got[i])) {
+            unwritten++;
+            continue;
+        }
+        if (e > max_abs) max_abs = e, worst = i;
+        if (want[i] != 0 && e / fabs(want[i]) > max_rel) max_rel = e / fabs(want[i]);
+        if (e > tol * (1.0 + fabs(want[i]))) bad++;
+    }
+    if (bad || unwritten)
+        FAIL("%s (%s, n=%zu): %zu off, %zu not written (NaN/inf); worst [%zu] got %.7g want %.7g; "
+             "max abs %.3g max rel %.3g tol %.1e", what, mn_dtype_name(dt), n, bad, unwritten,
+             worst, got[worst], want[worst], max_abs, max_rel, tol);
+    else if (verbose)
+        printf("  %-34s %-4s n=%-9zu max abs %.3g  max rel %.3g  (tol %.1e)\n", what,
+               mn_dtype_name(dt), n, max_abs, max_rel, tol);
+    free(got);
+}
+
+// ---- kernels ------------------------------------------------------------------------------------
+
+static void test_gelu(void) {
+    static const size_t sizes[] = {1, 1001, 1 << 20};
+    size_t s;
+    int d;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < 3; s++) {
+            mn_dtype dt = dts[d];
+            size_t n = sizes[s];
+            float *x = hrand(dt, n, 3), *dy = hrand(dt, n, 1), *dx = hrand(dt, n, 1);
+            float *ref = hvec(n);
+            void *dx_d = dev(dt, x, n), *dout = dev_poisoned(dt, n), *ddy = dev(dt, dy, n);
+            void *ddx = dev(dt, dx, n);
+            mn_gelu_forward(ref, x, n);
+            OK(mn_cuda_gelu_forward(&ctx, dout, dx_d, n, dt));
+            compare("gelu forward", dt, dt_tol[d], dout, ref, n);
+            mn_gelu_backward(dx, dy, x, n);
+            OK(mn_cuda_gelu_backward(&ctx, ddx, ddy, dx_d, n, dt));
+            compare("gelu backward", dt, dt_tol[d], ddx, dx, n);
+            release(dx_d), release(dout), release(ddy), release(ddx);
+            free(x), free(dy), free(dx), free(ref);
+        }
+}
+
+static void test_layernorm(void) {
+    static const size_t shapes[][2] = {{1, 1}, {3, 37}, {64, 769}, {4096, 768}, {5, 1600}};
+    size_t s, i;
+    int d, fused;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            for (fused = 0; fused < 2; fused++) {
+                mn_dtype dt = dts[d];
+                size_t N = shapes[s][0], C = shapes[s][1];
+                float *a = hrand(dt, N * C, 2), *b = hrand(dt, N * C, 1), *w = hrand(dt, C, 1);
+                float *bias = hrand(dt, C, 1), *dy = hrand(dt, N * C, 1), *x = hvec(N * C);
+                float *out = hvec(N * C), *mu = hvec(N), *rs = hvec(N), *dx = hrand(dt, N * C, 1);
+                float *dw = hrand(dt, C, 1), *db = hrand(dt, C, 1);
+                void *da = dev(dt, a, N * C), *dbb = dev(dt, b, N * C), *dwt = dev(dt, w, C);
+                void *dbias = dev(dt, bias, C), *ddy = dev(dt, dy, N * C);
+                void *dout = dev_poisoned(dt, N * C), *dres = dev_poisoned(dt, N * C);
+                void *dmu = dev_poisoned(MN_FP32, N), *drs = dev_poisoned(MN_FP32, N);
+                void *ddx = dev(dt, dx, N * C), *ddw = dev(dt, dw, C), *ddb = dev(dt, db, C);
+                if (fused) {
+                    for (i = 0; i < N * C; i++) x[i] = stf(dt, a[i] + b[i]);
+                    OK(mn_cuda_residual_layernorm_forward(&ctx, dres, dout, (float *)dmu,
+                                                          (float *)drs, da, dbb, dwt, dbias, N, C,
+                                                          1e-5f, dt));
+                    compare("residual (fused)", dt, dt_tol[d], dres, x, N * C);
+                } else {
+                    memcpy(x, a, N * C * sizeof *x);
+                    OK(mn_cuda_layernorm_forward(&ctx, dout, (float *)dmu, (float *)drs, da, dwt,
+                                                 dbias, N, C, 1e-5f, dt));
+                }
+                mn_layernorm_forward(out, mu, rs, x, w, bias, N, C, 1e-5f);
+                compare(fused ? "residual+layernorm out" : "layernorm out", dt, dt_tol[d], dout,
+                        out, N * C);
+                compare("layernorm mean", MN_FP32, dt_tol[d], dmu, mu, N);
+                compare("layernorm rstd", MN_FP32, dt_tol[d], drs, rs, N);
+                if (!fused) {  // backward from the reference statistics (uploaded)
+                    void *rmu = dev(MN_FP32, mu, N), *rrs = dev(MN_FP32, rs, N);
+                    mn_layernorm_backward(dx, dw, db, dy, x, w, mu, rs, N, C);
+                    OK(mn_cuda_layernorm_backward(&ctx, ddx, ddw, ddb, ddy, da, dwt, (float *)rmu,
+                                                  (float *)rrs, N, C, dt));
+                    compare("layernorm backward dinp", dt, dt_tol[d], ddx, dx, N * C);
+                    // parameter gradients sum N rows: the tolerance grows with sqrt(N)
+                    compare("layernorm backward dweight", dt, dt_tol[d] * sqrt((double)N), ddw, dw, C);
+                    compare("layernorm backward dbias", dt, dt_tol[d] * sqrt((double)N), ddb, db, C);
+                    release(rmu), release(rrs);
+                }
+                release(da), release(dbb), release(dwt), release(dbias), release(ddy);
+                release(dout), release(dres), release(dmu), release(drs), release(ddx);
+                release(ddw), release(ddb);
+                free(a), free(b), free(w), free(bias), free(dy), free(x), free(out), free(mu);
+                free(rs), free(dx), free(dw), free(db);
+            }
+}
+
+static void test_softmax(void) {
+    static const size_t shapes[][2] = {{4, 1}, {6, 5}, {3, 77}, {1024, 1024}, {2, 50257}};
+    size_t s;
+    int d, causal;
+    for (d = 0; d < 3; d++)
+        for (causal = 0; causal < 2; causal++)
+            for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+                mn_dtype dt = dts[d];
+                size_t N = shapes[s][0], L = shapes[s][1];
+                float scale = 1.0f / sqrtf((float)L), *x = hrand(dt, N * L, 3);
+                float *dy = hrand(dt, N * L, 1), *dx = hrand(dt, N * L, 1), *y = hvec(N * L);
+                void *dxin = dev(dt, x, N * L), *dyo = dev_poisoned(dt, N * L);
+                void *ddy = dev(dt, dy, N * L), *ddx = dev(dt, dx, N * L), *dys;
+                size_t i;
+                mn_softmax_forward(y, x, N, L, scale, causal);
+                OK(mn_cuda_softmax_forward(&ctx, dyo, dxin, N, L, scale, causal, dt));
+                compare(causal ? "softmax forward causal" : "softmax forward", dt, dt_tol[d], dyo,
+                        y, N * L);
+                for (i = 0; i < N * L; i++) y[i] = stf(dt, y[i]);
+                dys = dev(dt, y, N * L);
+                mn_softmax_backward(dx, dy, y, N, L, scale, causal);
+                OK(mn_cuda_softmax_backward(&ctx, ddx, ddy, dys, N, L, scale, causal, dt));
+                compare(causal ? "softmax backward causal" : "softmax backward", dt, dt_tol[d],
+                        ddx, dx, N * L);
+                release(dxin), release(dyo), release(ddy), release(ddx), release(dys);
+                free(x), free(dy), free(dx), free(y);
+            }
+}
+
+static void test_crossentropy(void) {
+    static const size_t shapes[][2] = {{1, 50257}, {7, 50257}, {33, 37}};
+    size_t s, n;
+    int d, inplace;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < 3; s++)
+            for (inplace = 0; inplace < 2; inplace++) {
+                mn_dtype dt = dts[d];
+                size_t N = shapes[s][0], V = shapes[s][1];
+                float dloss = 1.0f / (float)N, *x = hrand(dt, N * V, 4), *loss = hvec(N);
+                float *dx = hvec(N * V), *dl = hvec(N);
+                int *tg = (int *)malloc(N * sizeof(int));
+                void *dlog = dev(dt, x, N * V), *dgrad, *dlossd = dev_poisoned(MN_FP32, N), *dtg;
+                if (!tg) abort();
+                for (n = 0; n < N; n++) tg[n] = (int)(urand() * (double)V), dl[n] = dloss;
+                if (N > 2) tg[2] = -1;  // ignored row
+                if (mn_cuda_mem_alloc(&ctx, N * sizeof(int), &dtg) != MN_OK ||
+                    mn_cuda_mem_copy(&ctx, dtg, tg, N * sizeof(int)) != MN_OK) {
+                    FAIL("targets upload");
+                    return;
+                }
+                dgrad = inplace ? dlog : dev_poisoned(dt, N * V);
+                if (mn_crossentropy_forward(loss, NULL, x, tg, N, V) != MN_OK ||
+                    mn_crossentropy_backward(dx, dl, NULL, x, tg, N, V) != MN_OK)
+                    FAIL("reference crossentropy");
+                OK(mn_cuda_crossentropy_forward_backward(&ctx, (float *)dlossd, dgrad, dlog,
+                                                         (const int *)dtg, dloss, N, V, dt));
+                compare("crossentropy loss", MN_FP32, dt_tol[d], dlossd, loss, N);
+                compare(inplace ? "crossentropy dlogits (in place)" : "crossentropy dlogits", dt,
+                        dt_tol[d] * dloss, dgrad, dx, N * V);
+                if (!inplace) release(dgrad);
+                release(dlog), release(dlossd), release(dtg);
+                free(x), free(loss), free(dx), free(dl), free(tg);
+            }
+}
+
+static void test_embedding(void) {
+    static const size_t shapes[][4] = {{2, 1, 37, 11}, {4, 64, 768, 50257}, {3, 17, 5, 3}};
+    size_t s, i;
+    int d;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < 3; s++) {
+            mn_dtype dt = dts[d];
+            size_t B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], V = shapes[s][3];
+            float *wte = hrand(dt, V * C, 1), *wpe = hrand(dt, T * C, 1), *out = hvec(B * T * C);
+            float *dy = hrand(dt, B * T * C, 1), *dwte = hrand(dt, V * C, 1);
+            float *dwpe = hrand(dt, T * C, 1), *first, *second;
+            int *tok = (int *)malloc(B * T * sizeof(int));
+            void *dwt, *dwp, *dout, *ddy, *ddwte, *ddwpe, *dtok;
+            if (!tok) abort();
+            for (i = 0; i < B * T; i++) tok[i] = (int)(urand() * (double)(V < 5 ? V : 5));  // repeats
+            dwt = dev(dt, wte, V * C), dwp = dev(dt, wpe, T * C), dout = dev_poisoned(dt, B * T * C);
+            ddy = dev(dt, dy, B * T * C), ddwte = dev(dt, dwte, V * C), ddwpe = dev(dt, dwpe, T * C);
+            if (mn_cuda_mem_alloc(&ctx, B * T * sizeof(int), &dtok) != MN_OK ||
+                mn_cuda_mem_copy(&ctx, dtok, tok, B * T * sizeof(int)) != MN_OK) {
+                FAIL("tokens upload");
+                return;
+            }
+            if (mn_embedding_forward(out, tok, wte, wpe, B, T, C, V) != MN_OK) FAIL("reference");
+            OK(mn_cuda_embedding_forward(&ctx, dout, (const int *)dtok, dwt, dwp, B, T, C, V, dt));
+            compare("embedding forward", dt, dt_tol[d], dout, out, B * T * C);
+            if (mn_embedding_backward(dwte, dwpe, dy, tok, B, T, C, V) != MN_OK) FAIL("reference");
+            OK(mn_cuda_embedding_backward(&ctx, ddwte, ddwpe, ddy, (const int *)dtok, B, T, C, V, dt));
+            compare("embedding backward dwte", dt, dt_tol[d] * sqrt((double)(B * T)), ddwte, dwte,
+                    V * C);
+            compare("embedding backward dwpe", dt, dt_tol[d] * sqrt((double)B), ddwpe, dwpe, T * C);
+            // deterministic: the same call twice from the same start gives the same bits
+            first = down(dt, ddwte, V * C);
+            OK(mn_cuda_embedding_backward(&ctx, ddwte, NULL, ddy, (const int *)dtok, B, T, C, V, dt));
+            release(ddwte);
+            ddwte = dev(dt, first, V * C);
+            OK(mn_cuda_embedding_backward(&ctx, ddwte, NULL, ddy, (const int *)dtok, B, T, C, V, dt));
+            second = down(dt, ddwte, V * C);
+            OK(mn_cuda_sync(&ctx));
+            {
+                float *third;
+                release(ddwte);
+                ddwte = dev(dt, first, V * C);
+                OK(mn_cuda_embedding_backward(&ctx, ddwte, NULL, ddy, (const int *)dtok, B, T, C, V,
+                                              dt));
+                third = down(dt, ddwte, V * C);
+                CHECK(memcmp(second, third, V * C * sizeof(float)) == 0);
+                free(third);
+            }
+            // a token outside [0, V) is refused
+            tok[0] = (int)V;
+            if (mn_cuda_mem_copy(&ctx, dtok, tok, sizeof(int)) == MN_OK) {
+                mn_result r = mn_cuda_embedding_backward(&ctx, ddwte, NULL, ddy, (const int *)dtok,
+                                                         B, T, C, V, dt);
+                CHECK(r == MN_ERR_INVALID_ARG);
+            }
+            release(dwt), release(dwp), release(dout), release(ddy), release(ddwte);
+            release(ddwpe), release(dtok);
+            free(wte), free(wpe), free(out), free(dy), free(dwte), free(dwpe), free(first);
+            free(second), free(tok);
+        }
+}
+
+// Global norm + AdamW against mn_unscale_grads_to_fp32 + mn_clip_grad_norm + mn_adamw_step.
+static void test_adamw(void) {
+    static const uint64_t sizes[] = {1, 1003, 1 << 20};
+    size_t s, i;
+    int d, clip;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < 3; s++)
+            for (clip = 0; clip < 2; clip++) {
+                mn_dtype gdt = dts[d];
+                uint64_t n = sizes[s], dims[1];
+                float inv_scale = 1.0f / 256.0f, max_norm = clip ? 1.0f : 0.0f, norm;
+                float *p = hrand(MN_FP32, n, 1), *gs = hrand(gdt, n, 256), *g = hvec(n);
+                float *gp[1];
+                uint64_t sz[1];
+                int found_inf = 0, t;
+                mn_adamw st;
+                mn_adamw_params prm;
+                mn_cuda_adamw_args a;
+                void *dp = dev(MN_FP32, p, n), *dg = dev(gdt, gs, n), *dm, *dv, *dn, *d16;
+                dm = dev_poisoned(MN_FP32, n), dv = dev_poisoned(MN_FP32, n);
+                dn = dev_poisoned(MN_FP32, 1), d16 = dev_poisoned(MN_BF16, n);
+                OK(mn_cuda_mem_set(&ctx, dm, 0, n * 4));
+                OK(mn_cuda_mem_set(&ctx, dv, 0, n * 4));
+                memset(&prm, 0, sizeof prm);
+                prm.lr = 1e-2f, prm.weight_decay = 0.1f;
+                dims[0] = n;
+                OK(mn_adamw_init(&st, dims, 1, &prm, NULL));
+                for (t = 1; t <= 3; t++) {
+                    OK(mn_unscale_grads_to_fp32(MN_FP32, gs, g, n,
+                                                inv_scale, &found_inf));
+                    gp[0] = g, sz[0] = n;
+                    OK(mn_clip_grad_norm(gp, sz, 1, clip ? max_norm : 1e30f, 2.0f, &norm));
+                    OK(mn_adamw_step(&st, p, g, NULL));
+                    OK(mn_cuda_global_norm(&ctx, (float *)dn, dg, n, gdt));
+                    memset(&a, 0, sizeof a);
+                    a.param = (float *)dp, a.param16 = d16, a.param16_dtype = MN_BF16;
+                    a.grad = dg, a.grad_dtype = gdt, a.exp_avg = (float *)dm;
+                    a.exp_avg_sq = (float *)dv, a.n = n, a.step = (uint64_t)t;
+                    a.grad_norm = (const float *)dn, a.inv_scale = inv_scale, a.max_norm = max_norm;
+                    OK(mn_cuda_adamw_step(&ctx, &prm, &a));
+                }
+                {
+                    float *gn = down(MN_FP32, dn, 1);
+                    if (fabsf(gn[0] * inv_scale - norm) > 1e-4f * norm)
+                        FAIL("global norm %g want %g", gn[0] * inv_scale, norm);
+                    free(gn);
+                }
+                compare("adamw param", MN_FP32, 1e-5, dp, p, n);
+                compare("adamw exp_avg", MN_FP32, 1e-5, dm, st.exp_avg, n);
+                compare("adamw exp_avg_sq", MN_FP32, 1e-5, dv, st.exp_avg_sq, n);
+                for (i = 0; i < n; i++) p[i] = stf(MN_BF16, p[i]);
+                compare("adamw param16", MN_BF16, 1.6e-2, d16, p, n);
+                // found inf: an inf gradient makes the norm inf and the step leaves param alone
+                if (s == 1) {
+                    float *before = down(MN_FP32, dp, n), inf = INFINITY;
+                    void *ginf = dev(MN_FP32, gs, n);
+                    OK(mn_cuda_mem_copy(&ctx, ginf, &inf, 4));
+                    OK(mn_cuda_global_norm(&ctx, (float *)dn, ginf, n, MN_FP32));
+                    a.grad = ginf, a.grad_dtype = MN_FP32, a.step = 4;
+                    OK(mn_cuda_adamw_step(&ctx, &prm, &a));
+                    compare("adamw skipped on inf", MN_FP32, 0.0, dp, before, n);
+                    free(before);
+                    release(ginf);
+                }
+                mn_adamw_free(&st);
+                release(dp), release(dg), release(dm), release(dv), release(dn), release(d16);
+                free(p), free(gs), free(g);
+            }
+}
+
+// ---- GEMM and epilogues -------------------------------------------------------------------------
+
+static void test_matmul_ctx(mn_cuda *c, const char *tag) {
+    static const size_t shapes[][3] = {{1, 37, 11}, {64, 768, 3072}, {129, 77, 40}, {256, 64, 50257}};
+    size_t s;
+    int d, mode;  // mode 0 plain, 1 bias, 2 bias + gelu, 3 gelu without bias
+    char what[96];
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            for (mode = 0; mode < 4; mode++) {
+                mn_dtype dt = dts[d];
+                size_t N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2], i;
+                double tol = dt_tol[d] * (d == 0 ? 1.0 : 2.0);
+                int has_bias = mode == 1 || mode == 2, gelu = mode >= 2;
+                float *x = hrand(dt, N * C, 1), *w = hrand(dt, OC * C, 0.05f);
+                float *b = hrand(dt, OC, 1), *out = hvec(N * OC), *pre = hvec(N * OC);
+                float *dy = hrand(dt, N * OC, 1), *dx = hrand(dt, N * C, 1);
+                float *dw = hrand(dt, OC * C, 1), *db = hrand(dt, OC, 1);
+                void *dxin, *dwt, *dbias, *dout, *dpre, *ddy, *ddx, *ddw, *ddb;
+                if (N * OC > 4000000 && d > 0) {  // the large-vocabulary shape once, in fp32
+                    free(x), free(w), free(b), free(out), free(pre), free(dy), free(dx), free(dw);
+                    free(db);
+                    continue;
+                }
+                dxin = dev(dt, x, N * C), dwt = dev(dt, w, OC * C), dbias = dev(dt, b, OC);
+                dout = dev_poisoned(dt, N * OC), dpre = gelu ? dev_poisoned(dt, N * OC) : NULL;
+                OK(mn_cuda_matmul_forward(c, dout, dpre, dxin, dwt, has_bias ? dbias : NULL, N, C,
+                                          OC, dt));
+                mn_matmul_forward(out, gelu ? pre : NULL, x, w, has_bias ? b : NULL, N, C, OC);
+                snprintf(what, sizeof what, "%s matmul fwd mode %d %zux%zux%zu", tag, mode, N, C, OC);
+                if (gelu) {
+                    compare(what, dt, tol, dpre, pre, N * OC);
+                    // out = gelu(stored pre-activation)
+                    for (i = 0; i < N * OC; i++) out[i] = (float)0, pre[i] = stf(dt, pre[i]);
+                    mn_gelu_forward(out, pre, N * OC);
+                }
+                compare(what, dt, tol, dout, out, N * OC);
+                // backward (gelu: from the stored pre-activation, dout rewritten to dpre)
+                ddy = dev(dt, dy, N * OC), ddx = dev(dt, dx, N * C), ddw = dev(dt, dw, OC * C);
+                ddb = dev(dt, db, OC);
+                if (gelu) {
+                    release(dpre);
+                    dpre = dev(dt, pre, N * OC);
+                }
+                mn_matmul_backward(dx, dw, has_bias ? db : NULL, dy, x, w, gelu ? pre : NULL, N, C,
+                                   OC);
+                OK(mn_cuda_matmul_backward(c, ddx, ddw, has_bias ? ddb : NULL, ddy, dxin, dwt,
+                                           gelu ? dpre : NULL, N, C, OC, dt));
+                snprintf(what, sizeof what, "%s matmul bwd mode %d %zux%zux%zu", tag, mode, N, C, OC);
+                compare(what, dt, tol, ddx, dx, N * C);
+                compare(what, dt, tol * sqrt((double)N), ddw, dw, OC * C);
+                if (has_bias) compare(what, dt, tol * sqrt((double)N), ddb, db, OC);
+                if (gelu) compare(what, dt, tol, ddy, dy, N * OC);  // dpre over dout
+                release(dxin), release(dwt), release(dbias), release(dout), release(dpre);
+                release(ddy), release(ddx), release(ddw), release(ddb);
+                free(x), free(w), free(b), free(out), free(pre), free(dy), free(dx), free(dw);
+                free(db);
+            }
+}
+
+static void test_matmul(void) {
+    test_matmul_ctx(&ctx, "fused");
+    test_matmul_ctx(&ctx_unfused, "unfused");
+    if (verbose)
+        printf("  GEMMs: %llu fused epilogues, %llu fallbacks (fused context); %llu fallbacks "
+               "(unfused context)\n", (unsigned long long)ctx.gemm_fused,
+               (unsigned long long)ctx.gemm_unfused, (unsigned long long)ctx_unfused.gemm_unfused);
+    CHECK(ctx_unfused.gemm_fused == 0);
+}
+
+// ---- the caching allocator on the device --------------------------------------------------------
+
+static void cache_workout(const char *config) {
+    mn_cache c;
+    mn_cache_desc cd;
+    void *ptrs[64];
+    int i, k;
+    memset(&cd, 0, sizeof cd);
+    memset(ptrs, 0, sizeof ptrs);
+    cd.device = mn_cuda_device(&ctx);
+    cd.config = config;
+    cd.logger.log_fn = log_stderr;
+    OK(mn_cache_init(&c, &cd));
+    for (k = 0; k < 2000; k++) {
+        i = (int)(urand() * 64);
+        if (ptrs[i]) {
+            OK(mn_cache_release(&c, ptrs[i]));
+            ptrs[i] = NULL;
+        } else {
+            uint64_t size = urand() < 0.7 ? (uint64_t)(urand() * (1 << 20)) + 1
+                                          : (uint64_t)(urand() * (64u << 20)) + 1;
+            OK(mn_cache_alloc(&c, size, 0, MN_CAT_ACTIVATIONS, "t", &ptrs[i]));
+            OK(mn_cuda_mem_set(&ctx, ptrs[i], 0x5a, size));  // the memory is real and writable
+        }
+        if (k % 100 == 0) OK(mn_cache_check(&c));
+    }
+    OK(mn_cuda_sync(&ctx));
+    for (i = 0; i < 64; i++) OK(mn_cache_release(&c, ptrs[i]));
+    OK(mn_cache_check(&c));
+    OK(mn_cache_empty(&c));
+    {
+        struct mn_cache_stats st;
+        OK(mn_cache_stats(&c, &st));
+        CHECK(st.allocated_bytes[MN_STAT_ALL].current == 0);
+        CHECK(st.reserved_bytes[MN_STAT_ALL].current == 0);
+    }
+    mn_cache_free(&c);
+}
+
+static void test_cache(void) {
+    cache_workout(NULL);
+    if (mn_cuda_device(&ctx).reserve_fn) cache_workout("expandable_segments:True");
+    else printf("  (expandable segments: the driver's virtual memory entry points are missing)\n");
+}
+
+// Cross-stream use: a block freed after use on a second stream waits for an event.
+static void test_cache_streams(void) {
+    mn_cache c;
+    mn_cache_desc cd;
+    mn_stream s1;
+    void *p = NULL, *q = NULL;
+    memset(&cd, 0, sizeof cd);
+    cd.device = mn_cuda_device(&ctx);
+    OK(mn_cuda_stream_create(&ctx, &s1));
+    OK(mn_cache_init(&c, &cd));
+    OK(mn_cache_alloc(&c, 1 << 20, 0, MN_CAT_TEMPORARY, "x", &p));
+    OK(mn_cache_record_stream(&c, p, s1));
+    OK(mn_cache_release(&c, p));
+    OK(mn_cache_check(&c));
+    OK(mn_cuda_sync(&ctx));
+    OK(mn_cache_alloc(&c, 1 << 20, 0, MN_CAT_TEMPORARY, "y", &q));
+    OK(mn_cache_release(&c, q));
+    OK(mn_cache_check(&c));
+    mn_cache_free(&c);
+}
+
+// An allocation larger than the device: PyTorch's message with the real free and total bytes.
+static void test_cache_oom(void) {
+    mn_cache c;
+    mn_cache_desc cd;
+    void *p = NULL;
+    char msg[2048];
+    mn_result r;
+    memset(&cd, 0, sizeof cd);
+    cd.device = mn_cuda_device(&ctx);
+    OK(mn_cache_init(&c, &cd));
+    r = mn_cache_alloc(&c, ctx.total_bytes + (1ull << 30), 0, MN_CAT_ACTIVATIONS, "huge", &p);
+    CHECK(r == MN_ERR_DEVICE_OOM);
+    mn_cache_oom_message(&c, msg, sizeof msg);
+    CHECK(strstr(msg, "CUDA out of memory") != NULL);
+    {  // the device's real total, as PyTorch formats it
+        char total[64], want[96];
+        mn_cache_format_size(ctx.total_bytes, total, sizeof total);
+        snprintf(want, sizeof want, "total capacity of %s of which", total);
+        CHECK(strstr(msg, want) != NULL);
+    }
+    if (verbose) printf("  OOM message: %s\n", msg);
+    OK(mn_cache_check(&c));
+    mn_cache_free(&c);
+}
+
+typedef struct tcase {
+    const char *name;
+    void (*fn)(void);
+} tcase;
+
+static const tcase cases[] = {
+    {"gelu", test_gelu},
+    {"layernorm", test_layernorm},
+    {"softmax", test_softmax},
+    {"crossentropy", test_crossentropy},
+    {"embedding", test_embedding},
+    {"adamw", test_adamw},
+    {"matmul", test_matmul},
+    {"cache", test_cache},
+    {"cache_streams", test_cache_streams},
+    {"cache_oom", test_cache_oom},
+};
+
+int main(int argc, char **argv) {
+    char reason[256];
+    int count = 0, passed = 0, failed = 0;
+    size_t i;
+    const char *seed = getenv("MN_TEST_SEED");
+    mn_cuda_desc desc;
+    if (mn_cuda_device_count(&count, reason, sizeof reason) != MN_OK) {
+        printf("SKIP cuda: no CUDA device (%s)\n", reason);
+        return 0;
+    }
+    verbose = getenv("MN_TEST_VERBOSE") && *getenv("MN_TEST_VERBOSE") != '0';
+    rng = seed ? strtoull(seed, NULL, 10) : (uint64_t)time(NULL);
+    memset(&desc, 0, sizeof desc);
+    desc.logger.log_fn = log_stderr;
+    if (mn_cuda_init(&ctx, &desc) != MN_OK) {
+        printf("[FAIL] mn_cuda_init\n0 passed, 1 failed\n");
+        return 1;
+    }
+    desc.no_fused_epilogues = 1;
+    if (mn_cuda_init(&ctx_unfused, &desc) != MN_OK) {
+        printf("[FAIL] mn_cuda_init (unfused)\n0 passed, 1 failed\n");
+        return 1;
+    }
+    printf("cuda tests on %s (sm %d, %llu MiB, cuBLASLt workspace %llu MiB), seed %llu\n",
+           ctx.name, ctx.sm, (unsigned long long)(ctx.total_bytes >> 20),
+           (unsigned long long)(ctx.workspace_bytes >> 20), (unsigned long long)rng);
+    for (i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (argc > 1 && !strstr(cases[i].name, argv[1])) continue;
+        cur_failed = 0;
+        cases[i].fn();
+        if (mn_cuda_sync(&ctx) != MN_OK) FAIL("stream error after the test");
+        printf("%s cuda/%s\n", cur_failed ? "[FAIL]" : "[ OK ]", cases[i].name);
+        if (cur_failed) failed++;
+        else passed++;
+    }
+    mn_cuda_free(&ctx_unfused);
+    mn_cuda_free(&ctx);
+    printf("cuda: %d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}

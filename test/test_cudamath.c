@@ -1,0 +1,350 @@
+// The CUDA kernels' math (memanat.h >>cuda, the mn_hd_* functions) on the host, against the CPU
+// reference ops: every build runs these, GPU or not. Each kernel of memanat_cuda.cu reads its
+// inputs from fp32/fp16/bf16 storage, computes in fp32 with these functions and rounds its
+// outputs to the storage type; the tests do the same (storage emulated with the header's
+// round-to-nearest-even conversions) and compare with the reference op run on the same stored
+// inputs. Tolerance |got - want| <= tol + tol |want| with tol per storage type:
+//   fp32 1e-5 (5e-5 for the reductions over 50257 logits), fp16 1e-3 (2 x its unit roundoff
+//   2^-11), bf16 8e-3 (2 x 2^-8).
+// The row reductions are checked in the order the device uses them: 32 lane-strided partial
+// states merged by the warp's xor tree (softmax, layernorm) or 512 thread states merged in order
+// (the cross-entropy block).
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+static const mn_dtype dtypes[3] = {MN_FP32, MN_FP16, MN_BF16};
+static const double dtype_tol[3] = {1e-5, 1e-3, 8e-3};
+
+// x as stored in dtype and read back.
+static float st(mn_dtype dt, float x) {
+    if (dt == MN_FP16) return mn_fp16_to_fp32(mn_fp32_to_fp16(x));
+    if (dt == MN_BF16) return mn_bf16_to_fp32(mn_fp32_to_bf16(x));
+    return x;
+}
+
+static void fill_stored(mn_dtype dt, float *x, size_t n, double scale) {
+    size_t i;
+    mnt_fill_normal(x, n, scale);
+    for (i = 0; i < n; i++) x[i] = st(dt, x[i]);
+}
+
+static double *widen(const float *x, size_t n) {
+    double *d = mnt_dvec(n);
+    mnt_to_double(x, d, n);
+    return d;
+}
+
+#define CHECK_DT(what, dt_i, got, want_f, n) do { double *w_ = widen(want_f, n); \
+    CHECK_CLOSE(what, got, w_, n, dtype_tol[dt_i], dtype_tol[dt_i]); free(w_); } while (0)
+
+static void test_gelu(void) {
+    size_t n = 1001, i;
+    int d;
+    for (d = 0; d < 3; d++) {
+        mn_dtype dt = dtypes[d];
+        float *x = mnt_fvec(n), *dy = mnt_fvec(n), *dx0 = mnt_fvec(n);
+        float *ref = mnt_fvec(n), *got = mnt_fvec(n), *rdx = mnt_fvec(n), *gdx = mnt_fvec(n);
+        fill_stored(dt, x, n, 3.0);
+        fill_stored(dt, dy, n, 1.0);
+        fill_stored(dt, dx0, n, 1.0);
+        mn_gelu_forward(ref, x, n);
+        for (i = 0; i < n; i++) got[i] = st(dt, mn_hd_gelu(x[i]));
+        CHECK_DT("gelu forward", d, got, ref, n);
+        memcpy(rdx, dx0, n * sizeof *rdx);
+        mn_gelu_backward(rdx, dy, x, n);
+        for (i = 0; i < n; i++) gdx[i] = st(dt, dx0[i] + dy[i] * mn_hd_gelu_grad(x[i]));
+        CHECK_DT("gelu backward", d, gdx, rdx, n);
+        free(x), free(dy), free(dx0), free(ref), free(got), free(rdx), free(gdx);
+    }
+}
+
+// The warp's view of a row: lane l sums elements l, l+32, ...; the xor tree adds lane pairs.
+static float warp_sum_rows(const float *v, size_t n) {
+    float lane[32];
+    size_t i;
+    int l, o;
+    for (l = 0; l < 32; l++) lane[l] = 0.0f;
+    for (i = 0; i < n; i++) lane[i % 32] += v[i];
+    for (o = 16; o > 0; o >>= 1) {
+        float next[32];
+        for (l = 0; l < 32; l++) next[l] = lane[l] + lane[l ^ o];
+        memcpy(lane, next, sizeof lane);
+    }
+    return lane[0];
+}
+
+static void test_layernorm(void) {
+    static const size_t shapes[][2] = {{1, 1}, {3, 37}, {5, 769}, {2, 1600}, {7, 8}};
+    size_t s, n, i;
+    int d;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            mn_dtype dt = dtypes[d];
+            size_t N = shapes[s][0], C = shapes[s][1];
+            float *x = mnt_fvec(N * C), *w = mnt_fvec(C), *b = mnt_fvec(C), *dy = mnt_fvec(N * C);
+            float *ref = mnt_fvec(N * C), *got = mnt_fvec(N * C), *mu = mnt_fvec(N);
+            float *rs = mnt_fvec(N), *gmu = mnt_fvec(N), *grs = mnt_fvec(N);
+            float *rdx = mnt_fvec(N * C), *gdx = mnt_fvec(N * C), *tmp = mnt_fvec(C);
+            float *tmp2 = mnt_fvec(C);
+            fill_stored(dt, x, N * C, 2.0);
+            for (i = 0; i < N * C; i++) x[i] = st(dt, x[i] + 0.5f);
+            fill_stored(dt, w, C, 1.0);
+            fill_stored(dt, b, C, 1.0);
+            fill_stored(dt, dy, N * C, 1.0);
+            mn_layernorm_forward(ref, mu, rs, x, w, b, N, C, 1e-5f);
+            for (n = 0; n < N; n++) {
+                // the kernel: mean and variance by warp sums, then the per-element output
+                const float *xr = x + n * C;
+                float m, v, r;
+                for (i = 0; i < C; i++) tmp[i] = xr[i];
+                m = warp_sum_rows(tmp, C) / (float)C;
+                for (i = 0; i < C; i++) tmp[i] = (xr[i] - m) * (xr[i] - m);
+                v = warp_sum_rows(tmp, C) / (float)C;
+                r = mn_hd_rstd(v, 1e-5f);
+                for (i = 0; i < C; i++)
+                    got[n * C + i] = st(dt, mn_hd_layernorm_out(xr[i], m, r, w[i], b[i]));
+                gmu[n] = m, grs[n] = r;
+            }
+            CHECK_DT("layernorm out", d, got, ref, N * C);
+            CHECK_DT("layernorm mean", 0, gmu, mu, N);
+            CHECK_DT("layernorm rstd", 0, grs, rs, N);
+            // the serial row function (one thread's order) agrees too
+            for (n = 0; n < N; n++)
+                mn_hd_layernorm_row(got + n * C, gmu + n, grs + n, x + n * C, w, b, C, 1e-5f);
+            for (i = 0; i < N * C; i++) got[i] = st(dt, got[i]);
+            CHECK_DT("layernorm row", d, got, ref, N * C);
+            // backward dinp from the forward's statistics
+            mn_layernorm_backward(rdx, NULL, NULL, dy, x, w, mu, rs, N, C);
+            for (n = 0; n < N; n++) {
+                const float *xr = x + n * C, *dyr = dy + n * C;
+                float gm, gxm;
+                for (i = 0; i < C; i++) {
+                    tmp[i] = w[i] * dyr[i];
+                    tmp2[i] = tmp[i] * ((xr[i] - mu[n]) * rs[n]);
+                }
+                gm = warp_sum_rows(tmp, C) / (float)C;
+                gxm = warp_sum_rows(tmp2, C) / (float)C;
+                for (i = 0; i < C; i++)
+                    gdx[n * C + i] = st(dt, mn_hd_layernorm_dinp(w[i] * dyr[i],
+                                                                (xr[i] - mu[n]) * rs[n], gm, gxm,
+                                                                rs[n]));
+            }
+            CHECK_DT("layernorm backward dinp", d, gdx, rdx, N * C);
+            free(x), free(w), free(b), free(dy), free(ref), free(got), free(mu), free(rs);
+            free(gmu), free(grs), free(rdx), free(gdx), free(tmp), free(tmp2);
+        }
+}
+
+// The warp's online softmax: lane states over j = l, l+32, ... merged by the xor tree.
+static mn_hd_maxsum warp_maxsum(const float *x, size_t len, float scale) {
+    mn_hd_maxsum lane[32];
+    size_t j;
+    int l, o;
+    for (l = 0; l < 32; l++) lane[l] = mn_hd_maxsum_init();
+    for (j = 0; j < len; j++) lane[j % 32] = mn_hd_maxsum_add(lane[j % 32], scale * x[j]);
+    for (o = 16; o > 0; o >>= 1) {
+        mn_hd_maxsum next[32];
+        for (l = 0; l < 32; l++) next[l] = mn_hd_maxsum_merge(lane[l], lane[l ^ o]);
+        memcpy(lane, next, sizeof lane);
+    }
+    return lane[0];
+}
+
+static void test_softmax(void) {
+    static const size_t shapes[][2] = {{4, 1}, {6, 5}, {3, 77}, {2, 1000}, {64, 64}};
+    size_t s, n, j;
+    int d, causal;
+    for (d = 0; d < 3; d++)
+        for (causal = 0; causal < 2; causal++)
+            for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+                mn_dtype dt = dtypes[d];
+                size_t N = shapes[s][0], L = shapes[s][1];
+                float scale = 1.0f / sqrtf((float)L), *x = mnt_fvec(N * L), *dy = mnt_fvec(N * L);
+                float *ref = mnt_fvec(N * L), *got = mnt_fvec(N * L), *rdx = mnt_fvec(N * L);
+                float *gdx = mnt_fvec(N * L), *tmp = mnt_fvec(L);
+                fill_stored(dt, x, N * L, 3.0);
+                fill_stored(dt, dy, N * L, 1.0);
+                mn_softmax_forward(ref, x, N, L, scale, causal);
+                for (n = 0; n < N; n++) {
+                    size_t len = (size_t)mn_hd_softmax_len(n, L, causal);
+                    mn_hd_maxsum m = warp_maxsum(x + n * L, len, scale);
+                    for (j = 0; j < L; j++)
+                        got[n * L + j] =
+                            st(dt, j < len ? mn_hd_softmax_prob(scale * x[n * L + j], m) : 0.0f);
+                }
+                CHECK_DT("softmax forward", d, got, ref, N * L);
+                for (n = 0; n < N; n++) {  // masked columns exactly 0
+                    for (j = (size_t)mn_hd_softmax_len(n, L, causal); j < L; j++)
+                        CHECK(got[n * L + j] == 0.0f);
+                    mn_hd_softmax_row(got + n * L, x + n * L, n, L, scale, causal);
+                }
+                for (j = 0; j < N * L; j++) got[j] = st(dt, got[j]);
+                CHECK_DT("softmax row", d, got, ref, N * L);
+                // backward from the stored forward output
+                for (j = 0; j < N * L; j++) got[j] = st(dt, ref[j]);
+                mn_softmax_backward(rdx, dy, got, N, L, scale, causal);
+                for (n = 0; n < N; n++) {
+                    size_t len = (size_t)mn_hd_softmax_len(n, L, causal);
+                    float dot;
+                    for (j = 0; j < L; j++) tmp[j] = j < len ? got[n * L + j] * dy[n * L + j] : 0.0f;
+                    dot = warp_sum_rows(tmp, len);
+                    for (j = 0; j < L; j++)
+                        gdx[n * L + j] = j < len ? st(dt, mn_hd_softmax_dinp(got[n * L + j],
+                                                                             dy[n * L + j], dot,
+                                                                             scale))
+                                                 : 0.0f;
+                }
+                CHECK_DT("softmax backward", d, gdx, rdx, N * L);
+                free(x), free(dy), free(ref), free(got), free(rdx), free(gdx), free(tmp);
+            }
+}
+
+static void test_crossentropy(void) {
+    static const size_t shapes[][2] = {{3, 50257}, {5, 37}, {1, 1}};
+    size_t s, n, j;
+    int d;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            mn_dtype dt = dtypes[d];
+            size_t N = shapes[s][0], V = shapes[s][1];
+            float dloss = 1.0f / (float)N, *x = mnt_fvec(N * V), *rl = mnt_fvec(N);
+            float *gl = mnt_fvec(N), *rdx = mnt_fvec(N * V), *gdx = mnt_fvec(N * V);
+            float *dl = mnt_fvec(N), *gl2 = mnt_fvec(N), *gdx2 = mnt_fvec(N * V);
+            int *tg = (int *)calloc(N, sizeof(int));
+            double tol = d == 0 ? 5e-5 : dtype_tol[d];
+            if (!tg) abort();
+            fill_stored(dt, x, N * V, 4.0);
+            for (n = 0; n < N; n++) tg[n] = (int)(mnt_rand_u64() % V), dl[n] = dloss;
+            if (N > 1) tg[1] = -1;  // an ignored row
+            CHECK_OK(mn_crossentropy_forward(rl, NULL, x, tg, N, V));
+            CHECK_OK(mn_crossentropy_backward(rdx, dl, NULL, x, tg, N, V));
+            for (n = 0; n < N; n++) {
+                // the block: 512 thread states over j = t, t+512, ..., merged in order
+                mn_hd_maxsum th[512], m = mn_hd_maxsum_init();
+                int t;
+                for (t = 0; t < 512; t++) th[t] = mn_hd_maxsum_init();
+                for (j = 0; j < V; j++) th[j % 512] = mn_hd_maxsum_add(th[j % 512], x[n * V + j]);
+                for (t = 0; t < 512; t++) m = mn_hd_maxsum_merge(m, th[t]);
+                gl[n] = tg[n] < 0 ? 0.0f : mn_hd_ce_loss(m, x[n * V + (size_t)tg[n]]);
+                for (j = 0; j < V; j++)
+                    gdx[n * V + j] = tg[n] < 0 ? 0.0f : st(dt, mn_hd_ce_dlogit(x[n * V + j], m,
+                                                                           (int)j == tg[n], dloss));
+                mn_hd_crossentropy_row(gl2 + n, gdx2 + n * V, x + n * V, tg[n], V, dloss);
+            }
+            {
+                double *w = widen(rl, N), *wd = widen(rdx, N * V);
+                CHECK_CLOSE("crossentropy loss", gl, w, N, tol, tol);
+                CHECK_CLOSE("crossentropy loss (row)", gl2, w, N, tol, tol);
+                CHECK_CLOSE("crossentropy dlogits", gdx, wd, N * V, tol * dloss, tol);
+                for (j = 0; j < N * V; j++) gdx2[j] = st(dt, gdx2[j]);
+                CHECK_CLOSE("crossentropy dlogits (row)", gdx2, wd, N * V, tol * dloss, tol);
+                free(w), free(wd);
+            }
+            free(x), free(rl), free(gl), free(rdx), free(gdx), free(dl), free(gl2), free(gdx2);
+            free(tg);
+        }
+}
+
+// mn_hd_adamw against mn_adamw_step over several steps: the same fp32 operations in the same
+// order, so the results agree to fp32 rounding (a contracted multiply-add may move one ulp).
+static void test_adamw(void) {
+    uint64_t n = 1003, dims[1];
+    mn_adamw s;
+    mn_adamw_params p;
+    float *param = mnt_fvec(n), *grad = mnt_fvec(n), *hp = mnt_fvec(n), *hm = mnt_fvec(n);
+    float *hv = mnt_fvec(n);
+    uint16_t *p16 = (uint16_t *)calloc(n, sizeof(uint16_t));
+    uint64_t i, t;
+    int maximize;
+    if (!p16) abort();
+    dims[0] = n;
+    for (maximize = 0; maximize < 2; maximize++) {
+        memset(&p, 0, sizeof p);
+        p.lr = 1e-2f, p.weight_decay = 0.1f, p.maximize = maximize, p.dtype = MN_BF16;
+        CHECK_OK(mn_adamw_init(&s, dims, 1, &p, NULL));
+        mnt_fill_normal(param, n, 1.0);
+        memcpy(hp, param, n * sizeof *hp);
+        memset(hm, 0, n * sizeof *hm), memset(hv, 0, n * sizeof *hv);
+        for (t = 1; t <= 5; t++) {
+            mn_hd_adamw_coef k = mn_hd_adamw_coefs(s.params.lr, s.params.beta1, s.params.beta2,
+                                                   s.params.eps, s.params.weight_decay,
+                                                   s.params.maximize, t);
+            mnt_fill_normal(grad, n, 1.0);
+            CHECK_OK(mn_adamw_step(&s, param, grad, p16));
+            for (i = 0; i < n; i++) mn_hd_adamw(hp + i, hm + i, hv + i, grad[i], 1.0f, &k);
+        }
+        {
+            double *w = widen(param, n), *wm = widen(s.exp_avg, n), *wv = widen(s.exp_avg_sq, n);
+            CHECK_CLOSE("adamw param", hp, w, n, 1e-7, 1e-6);
+            CHECK_CLOSE("adamw exp_avg", hm, wm, n, 1e-9, 1e-6);
+            CHECK_CLOSE("adamw exp_avg_sq", hv, wv, n, 1e-12, 1e-6);
+            free(w), free(wm), free(wv);
+        }
+        for (i = 0; i < n; i++) CHECK(p16[i] == mn_fp32_to_bf16(param[i]));
+        mn_adamw_free(&s);
+    }
+    free(param), free(grad), free(hp), free(hm), free(hv), free(p16);
+}
+
+// The fused found-inf / unscale / clip of the AdamW kernel against the host sequence
+// mn_unscale_grads_to_fp32 -> mn_clip_grad_norm -> mn_adamw_step on loss-scaled gradients.
+static void test_adamw_scaled(void) {
+    uint64_t n = 517, dims[1], i;
+    mn_adamw s;
+    mn_adamw_params p;
+    float *param = mnt_fvec(n), *g_scaled = mnt_fvec(n), *g = mnt_fvec(n), *hp = mnt_fvec(n);
+    float *hm = mnt_fvec(n), *hv = mnt_fvec(n), inv_scale = 1.0f / 1024.0f, max_norm = 1.0f;
+    float norm_host, norm_dev, clip;
+    double acc = 0.0;
+    int found_inf = 0;
+    float *gp[1];
+    uint64_t sz[1];
+    mn_hd_adamw_coef k;
+    dims[0] = n;
+    memset(&p, 0, sizeof p);
+    CHECK_OK(mn_adamw_init(&s, dims, 1, &p, NULL));
+    mnt_fill_normal(param, n, 1.0);
+    mnt_fill_normal(g_scaled, n, 1024.0);
+    memcpy(hp, param, n * sizeof *hp);
+    // host
+    CHECK_OK(mn_unscale_grads_to_fp32(MN_FP32, g_scaled, g, n, inv_scale, &found_inf));
+    CHECK(found_inf == 0);
+    gp[0] = g, sz[0] = n;
+    CHECK_OK(mn_clip_grad_norm(gp, sz, 1, max_norm, 2.0f, &norm_host));
+    CHECK_OK(mn_adamw_step(&s, param, g, NULL));
+    // the kernel: the norm of the scaled gradients (mn_cuda_global_norm), unscaled by inv_scale
+    for (i = 0; i < n; i++) acc += (double)(g_scaled[i] * g_scaled[i]);
+    norm_dev = (float)sqrt(acc);
+    CHECK(mn_hd_isfinite(norm_dev));
+    CHECK_NEAR(norm_dev * inv_scale, norm_host, 0.0, 1e-5);
+    clip = mn_hd_clip_coef(norm_dev * inv_scale, max_norm);
+    CHECK(clip < 1.0f);
+    k = mn_hd_adamw_coefs(s.params.lr, s.params.beta1, s.params.beta2, s.params.eps,
+                          s.params.weight_decay, 0, 1);
+    for (i = 0; i < n; i++) mn_hd_adamw(hp + i, hm + i, hv + i, g_scaled[i] * inv_scale, clip, &k);
+    {
+        double *w = widen(param, n);
+        CHECK_CLOSE("adamw scaled+clipped param", hp, w, n, 1e-7, 1e-5);
+        free(w);
+    }
+    // found inf: a non-finite norm skips the step; no clipping when max_norm is 0
+    CHECK(!mn_hd_isfinite((float)INFINITY));
+    CHECK(!mn_hd_isfinite((float)NAN));
+    CHECK(mn_hd_clip_coef(123.0f, 0.0f) == 1.0f);
+    CHECK(mn_hd_clip_coef(0.5f, 1.0f) == 1.0f);
+    mn_adamw_free(&s);
+    free(param), free(g_scaled), free(g), free(hp), free(hm), free(hv);
+}
+
+const mnt_case test_cudamath_cases[] = {
+    {"gelu", test_gelu},
+    {"layernorm", test_layernorm},
+    {"softmax", test_softmax},
+    {"crossentropy", test_crossentropy},
+    {"adamw", test_adamw},
+    {"adamw_scaled", test_adamw_scaled},
+};
+const size_t test_cudamath_count = sizeof test_cudamath_cases / sizeof test_cudamath_cases[0];
