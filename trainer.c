@@ -481,7 +481,8 @@ typedef struct tr_tensor {
 #define TR_A_FIELD(name, numel, fp32) tr_tensor name;
 typedef struct tr_acts { MN_GPT_ACTS(TR_A_FIELD) } tr_acts;
 
-// Temporaries, always fp32 (MN_CAT_TEMPORARY): released as soon as they are consumed. X(name).
+// Temporaries, always fp32 (MN_CAT_TEMPORARY): released as soon as they are consumed; zeroed,
+// since the backward ops add into them, except logits and losses, which are written whole. X(name).
 // The activation gradients among them (dx, dln, dfch, datty, dqkv, dlogits) are rounded to the
 // 16-bit type after every op under --precision fp16|bf16, as a 16-bit backward would hold them:
 // that is where fp16 overflows and the loss scaler earns its keep.
@@ -1148,13 +1149,13 @@ static mn_result tr_forward(tr_model *m, double *loss) {
                          TR_LN_EPS);
     tr_keep(m, &m->lnf);
     TR_TRY(tr_close(m, &m->x[L]));
-    TR_TRY(tr_temp(m, N * V, "logits", &m->tmp.logits));
+    TR_TRY(tr_alloc(m, N * V, sizeof(float), MN_CAT_TEMPORARY, "logits", 0, &m->tmp.logits));
     mn_matmul_forward(m->tmp.logits, NULL, m->lnf.f, m->cfg.tied ? w.wte : w.lmw, NULL, N, C, V);
     TR_TRY(tr_close(m, &m->lnf));
     TR_TRY(tr_weights_close(m));
     // losses [N], probs [N,V] (fp32, kept for the backward; the logits are not)
     TR_TRY(tr_new(m, &m->probs, N * V, 1, "probs"));
-    TR_TRY(tr_temp(m, N, "losses", &m->tmp.losses));
+    TR_TRY(tr_alloc(m, N, sizeof(float), MN_CAT_TEMPORARY, "losses", 0, &m->tmp.losses));
     TR_TRY(mn_crossentropy_forward(m->tmp.losses, m->probs.f, m->tmp.logits, m->targets, N, V));
     TR_TRY(tr_release(m, &m->tmp.logits));
     for (n = 0; n < N; n++) sum += m->tmp.losses[n];
