@@ -5509,19 +5509,23 @@ MN__PRIVATE mn_result mn__resolve_memanat(const mn_model *m, const mn_setup *s,
                         "split the width), not %s", m->name);
     // field, what the trainer has
 #define MN__GPT_FIELDS(X) \
-    X(kv_heads, "as many key/value heads as heads") X(ffn, "an MLP of 4 x the width") \
-    X(max_positions, "learned positions") X(type_vocab, "no token types") \
-    X(norm, "layernorm") X(act, "the tanh GELU") X(posemb, "learned positions") \
-    X(head, "a language-model head") X(gated_mlp, "no gated MLP") X(qkv_bias, "biases") \
-    X(out_bias, "biases") X(mlp_bias, "biases") X(pooler, "no pooler") \
-    X(final_norm, "a final layernorm") X(embed_norm, "no embedding norm") \
-    X(lm_transform, "no head transform") X(post_norm, "pre-norm blocks") \
-    X(params, "exactly its table's parameters")
-#define MN__GPT_FIELD(f, what) \
-    if ((uint64_t)m->f != (uint64_t)g.f) \
-        MN__UNSUPPORTED(lg, "--framework memanat models trainer.c's GPT, which has %s: %s's " \
-                        #f " is %llu (the trainer's %llu)", what, m->name, \
-                        (unsigned long long)m->f, (unsigned long long)g.f);
+    X(kv_heads, "as many key/value heads as heads", 1) X(ffn, "an MLP of 4 x the width", 1) \
+    X(max_positions, "learned positions", 1) X(type_vocab, "no token types", 1) \
+    X(norm, "layernorm", 0) X(act, "the tanh GELU", 0) X(posemb, "learned positions", 0) \
+    X(head, "a language-model head", 0) X(gated_mlp, "no gated MLP", 0) \
+    X(qkv_bias, "biases", 0) X(out_bias, "biases", 0) X(mlp_bias, "biases", 0) \
+    X(pooler, "no pooler", 0) X(final_norm, "a final layernorm", 0) \
+    X(embed_norm, "no embedding norm", 0) X(lm_transform, "no head transform", 0) \
+    X(post_norm, "pre-norm blocks", 0) X(params, "exactly its table's parameters", 1)
+#define MN__GPT_FIELD(f, what, count) \
+    if ((uint64_t)m->f != (uint64_t)g.f) { \
+        if (count) \
+            MN__UNSUPPORTED(lg, "--framework memanat models trainer.c's GPT, which has %s: " \
+                            "%s's " #f " is %llu (the trainer's %llu)", what, m->name, \
+                            (unsigned long long)m->f, (unsigned long long)g.f); \
+        MN__UNSUPPORTED(lg, "--framework memanat models trainer.c's GPT, which has %s; %s " \
+                        "differs in its " #f, what, m->name); \
+    }
     if (m->posemb != MN_POS_LEARNED) g.max_positions = 0;  // reported as posemb below
     MN__GPT_FIELDS(MN__GPT_FIELD)
 #undef MN__GPT_FIELD
