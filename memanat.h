@@ -890,6 +890,19 @@ MN_HD void mn_hd_crossentropy_row(float *loss, float *dlogit, const float *logit
     for (j = 0; j < V; j++) dlogit[j] = mn_hd_ce_dlogit(logit[j], s, (long long)j == target, dloss);
 }
 
+// Attention on the device (mn_cuda_attention_*): q, k, v (and dout) are gathered into per-head
+// buffers [B,NH,T,hsp] so that the score and value GEMMs are uniformly strided batches over the
+// B*NH heads; hsp = hs rounded up to 8 elements keeps every head row 16-byte aligned (the padding
+// is never read). Element i of a [B,T,parts*C] tensor (parts 3: qkv, 1: out/dout) goes to element
+// mn_hd_head_index(...) of head buffer *part (0 = q, 1 = k, 2 = v).
+MN_HD uint64_t mn_hd_head_ld(uint64_t hs) { return (hs + 7) / 8 * 8; }
+MN_HD uint64_t mn_hd_head_index(uint64_t i, uint64_t T, uint64_t C, uint64_t NH, uint64_t hsp,
+                                uint64_t parts, uint64_t *part) {
+    uint64_t hs = C / NH, bt = i / (parts * C), r = i % (parts * C), c = r % C;
+    *part = r / C;
+    return ((bt / T * NH + c / hs) * T + bt % T) * hsp + c % hs;
+}
+
 #ifdef MEMANAT_CUDA
 // This block precedes >>cache and >>optim (its place in the file), so it names their types by
 // struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params, and a
@@ -992,6 +1005,27 @@ MNDEF mn_result mn_cuda_softmax_forward(mn_cuda *ctx, void *out, const void *inp
 MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *dout,
                                          const void *out, size_t N, size_t L, float scale,
                                          int causal, mn_dtype dtype);
+
+// Multi-head attention over a fused qkv [B,T,3C] as mn_attention_forward: out[B,T,C]; att
+// [B,NH,T,T] receives the probabilities (masked entries 0) or is NULL (the backward recomputes
+// them). Two strided-batched cuBLASLt GEMMs over the B*NH heads (scores = q k^T, out = p v, the
+// full T x T product even when causal) around the fused scaled causal softmax of
+// mn_cuda_softmax_forward, run in place on the scores. q, k, v are first gathered into per-head
+// [B,NH,T,hsp] buffers (mn_hd_head_index) in the context's device scratch, because no single
+// batch stride walks the heads of a [B,T,3C] buffer (b moves by T*3C, h by hs); the scratch also
+// holds the scores when att is NULL and the per-head output: 4 B*NH*T*hsp + (att ? 0 :
+// B*NH*T*T) elements of dtype, grown on demand (the call then waits for the stream). Scores and
+// probabilities are stored in dtype between the kernels, as att is.
+MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv,
+                                          size_t B, size_t T, size_t C, size_t NH, int causal,
+                                          mn_dtype dtype);
+// dqkv[B,T,3C] += the gradient, dout[B,T,C], qkv[B,T,3C], att [B,NH,T,T] from the forward or NULL
+// (recomputed into scratch). dp = dout v^T, ds = softmax backward (scaled), dq = ds k,
+// dk = ds^T q, dv = p^T dout: four batched GEMMs (five with att NULL), written into per-head
+// scratch and added into dqkv by one kernel. Scratch: 7 B*NH*T*hsp + (att ? 2 : 3) B*NH*T*T elements of dtype.
+MNDEF mn_result mn_cuda_attention_backward(mn_cuda *ctx, void *dqkv, const void *dout,
+                                           const void *qkv, const void *att, size_t B, size_t T,
+                                           size_t C, size_t NH, int causal, mn_dtype dtype);
 
 // GELU (tanh): out[n] = gelu(inp[n]) (out may equal inp); dinp[n] += dout * gelu'(inp).
 MNDEF mn_result mn_cuda_gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n,

@@ -40,6 +40,7 @@ typedef struct mn__gemm_key {
     int32_t ta, tb, dtype, epilogue, tf32, beta1, bias_type;
     int32_t pad;
     int64_t m, n, k, lda, ldb, ldd;
+    int64_t batch, sa, sb, sd;  // strided batches (batch 0 or 1: one GEMM)
     uint32_t align[5];  // A, B, C/D, bias, aux pointer alignments (bytes, <= 256)
     uint32_t pad2;
 } mn__gemm_key;
@@ -1127,7 +1128,7 @@ MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe,
     MN__DISPATCH(ctx, dtype, mn__embedding_backward, ctx, dwte, dwpe, dout, tokens, B, T, C, V);
 }
 
-// ---- kernels: >>optim global norm and AdamW -----------------------------------------------------
+// ---- kernels: >>optim global norm and AdamW ------------------------------------------------------
 // Norm: each of a fixed number of blocks sums squares over a grid-stride range (fp32), writes its
 // partial; one thread adds the partials in order in double: deterministic on a given device.
 
@@ -1268,6 +1269,8 @@ typedef struct mn__gemm_args {
     cublasLtEpilogue_t epi;
     void *bias;                 // BIAS: [m] input; BGRADB: [n] output
     void *aux;                  // GELU_AUX: [ldd, n] pre-activation output
+    int64_t batch;              // > 1: strided batches, A + i sa, B + i sb, D + i sd (elements)
+    int64_t sa, sb, sd;
 } mn__gemm_args;
 
 static cudaDataType_t mn__cuda_type(mn_dtype dt) {
@@ -1306,6 +1309,7 @@ static mn_result mn__gemm(mn_cuda *ctx, const mn__gemm_args *g, mn_dtype dt) {
     key.ta = g->ta, key.tb = g->tb, key.dtype = (int32_t)ty, key.epilogue = (int32_t)g->epi;
     key.tf32 = ct == CUBLAS_COMPUTE_32F_FAST_TF32, key.beta1 = beta != 0.0f;
     key.m = g->m, key.n = g->n, key.k = g->k, key.lda = g->lda, key.ldb = g->ldb, key.ldd = g->ldd;
+    if (g->batch > 1) key.batch = g->batch, key.sa = g->sa, key.sb = g->sb, key.sd = g->sd;
     al[0] = mn__align(g->A), al[1] = mn__align(g->B), al[2] = mn__align(g->D);
     al[3] = mn__align(g->bias), al[4] = mn__align(g->aux);
     memcpy(key.align, al, sizeof al);
@@ -1337,6 +1341,17 @@ static mn_result mn__gemm(mn_cuda *ctx, const mn__gemm_args *g, mn_dtype dt) {
     MN__LTG(cublasLtMatrixLayoutCreate(&la, ty, g->ta ? g->k : g->m, g->ta ? g->m : g->k, g->lda));
     MN__LTG(cublasLtMatrixLayoutCreate(&lb, ty, g->tb ? g->n : g->k, g->tb ? g->k : g->n, g->ldb));
     MN__LTG(cublasLtMatrixLayoutCreate(&ld, ty, g->m, g->n, g->ldd));
+    if (g->batch > 1) {
+        int32_t nb = (int32_t)g->batch;
+        cublasLtMatrixLayout_t lay[3] = {la, lb, ld};
+        int64_t st[3] = {g->sa, g->sb, g->sd};
+        for (i = 0; i < 3; i++) {
+            MN__LTG(cublasLtMatrixLayoutSetAttribute(lay[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                     &nb, sizeof nb));
+            MN__LTG(cublasLtMatrixLayoutSetAttribute(
+                lay[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &st[i], sizeof st[i]));
+        }
+    }
     if (!e) {  // ask the heuristic once per shape and remember the answer
         MN__LTG(cublasLtMatmulPreferenceCreate(&pref));
         MN__LTG(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -1581,4 +1596,148 @@ MNDEF mn_result mn_cuda_matmul_backward(mn_cuda *ctx, void *dinp, void *dweight,
         }
     }
     return MN_OK;
+}
+
+// ---- kernels: >>ops attention (batched GEMMs + the fused causal softmax) -----------------------
+// Per head (b, h), row-major: S = q k^T [T,T], P = softmax(S / sqrt(hs)) (causal: row t sees keys
+// 0..t), y = P v [T,hs]; backward dP = dy v^T, dS = P (dP - rowsum(P dP)) / sqrt(hs), dq = dS k,
+// dk = dS^T q, dv = P^T dy. q, k, v, dy are gathered into per-head buffers [B*NH, T, hsp] (one
+// batch stride for every head, 16-byte aligned rows), so each product is one strided-batched
+// GEMM over B*NH heads; in cuBLASLt's column-major view a row-major [T,hs] head buffer is the
+// hs x T matrix X^T with ld hsp and a row-major [T,T] buffer the T x T matrix S^T with ld T:
+//   S^T  = (k^T)^T-op . q^T : ta = T, m = T,  n = T, k = hs   (also dP^T from v and dy)
+//   y^T  = v^T . P^T        : ta = N, m = hs, n = T, k = T    (also dq^T from k and dS)
+//   dk^T = q^T . (dS^T)^T-op: tb = T, m = hs, n = T, k = T    (also dv^T from dy and P)
+
+// mode 0: heads[part] <- flat; mode 1: flat <- heads[0] (out); mode 2: flat += heads[part]
+// (dqkv). flat [B,T,parts*C], heads [B,NH,T,hsp] each.
+template <typename T>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__att_heads_kernel(T *flat, T *h0, T *h1, T *h2, size_t n, size_t T_, size_t C, size_t NH,
+                     size_t hsp, unsigned parts, int mode) {
+    size_t i;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t part, j = mn_hd_head_index(i, T_, C, NH, hsp, parts, &part);
+        T *h = part == 0 ? h0 : part == 1 ? h1 : h2;
+        if (mode == 0) h[j] = flat[i];
+        else if (mode == 1) flat[i] = h[j];
+        else flat[i] = mn__cvt<T>(mn__ld<T>(flat + i) + mn__ld<T>(h + j));
+    }
+}
+
+template <typename T>
+static mn_result mn__att_heads(mn_cuda *ctx, const void *flat, T *h0, T *h1, T *h2, size_t B,
+                               size_t T_, size_t C, size_t NH, size_t hsp, unsigned parts,
+                               int mode) {
+    size_t n = B * T_ * parts * C;
+    mn__att_heads_kernel<T><<<mn__ew_grid(ctx, n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+        (T *)flat, h0, h1, h2, n, T_, C, NH, hsp, parts, mode);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+// The three GEMM forms above, batched over the heads; beta 0 (D written).
+enum { MN__ATT_QKT, MN__ATT_PV, MN__ATT_PTV };
+static mn_result mn__att_gemm(mn_cuda *ctx, int form, const void *A, const void *Bm, void *D,
+                              size_t BH, size_t T_, size_t hs, size_t hsp, mn_dtype dt) {
+    mn__gemm_args g;
+    mn_result r;
+    int64_t th = (int64_t)(T_ * hsp), tt = (int64_t)(T_ * T_);
+    memset(&g, 0, sizeof g);
+    g.A = A, g.B = Bm, g.D = D, g.beta = 0.0f, g.epi = CUBLASLT_EPILOGUE_DEFAULT;
+    g.batch = (int64_t)BH;
+    if (form == MN__ATT_QKT) {
+        g.ta = 1, g.tb = 0, g.m = (int64_t)T_, g.n = (int64_t)T_, g.k = (int64_t)hs;
+        g.lda = (int64_t)hsp, g.ldb = (int64_t)hsp, g.ldd = (int64_t)T_;
+        g.sa = th, g.sb = th, g.sd = tt;
+    } else {
+        g.ta = 0, g.tb = form == MN__ATT_PTV, g.m = (int64_t)hs, g.n = (int64_t)T_;
+        g.k = (int64_t)T_, g.lda = (int64_t)hsp, g.ldb = (int64_t)T_, g.ldd = (int64_t)hsp;
+        g.sa = th, g.sb = tt, g.sd = th;
+    }
+    r = mn__gemm(ctx, &g, dt);
+    if (r == MN_ERR_UNSUPPORTED) {
+        mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda: cuBLASLt has no algorithm for the attention "
+                   "GEMM (form %d, T %zu, hs %zu, %zu heads)", form, T_, hs, BH);
+        return MN_ERR_DEVICE;
+    }
+    return r;
+}
+
+static size_t mn__round256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+template <typename T>
+static mn_result mn__attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv,
+                                       size_t B, size_t T_, size_t C, size_t NH, int causal,
+                                       mn_dtype dt) {
+    size_t hs = C / NH, hsp = (size_t)mn_hd_head_ld(hs), BH = B * NH;
+    size_t hb = mn__round256(BH * T_ * hsp * sizeof(T)), sb = mn__round256(BH * T_ * T_ * sizeof(T));
+    char *scr;
+    T *q, *k, *v, *y, *S;
+    mn_result r;
+    float scale = 1.0f / sqrtf((float)hs);
+    if ((r = mn__scratch(ctx, 4 * hb + (att ? 0 : sb), (void **)&scr)) != MN_OK) return r;
+    q = (T *)scr, k = (T *)(scr + hb), v = (T *)(scr + 2 * hb), y = (T *)(scr + 3 * hb);
+    S = att ? (T *)att : (T *)(scr + 4 * hb);
+    if ((r = mn__att_heads<T>(ctx, qkv, q, k, v, B, T_, C, NH, hsp, 3, 0)) != MN_OK) return r;
+    if ((r = mn__att_gemm(ctx, MN__ATT_QKT, k, q, S, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__softmax_forward<T>(ctx, S, S, BH * T_, T_, scale, causal)) != MN_OK) return r;
+    if ((r = mn__att_gemm(ctx, MN__ATT_PV, v, S, y, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    return mn__att_heads<T>(ctx, out, y, y, y, B, T_, C, NH, hsp, 1, 1);
+}
+
+template <typename T>
+static mn_result mn__attention_backward(mn_cuda *ctx, void *dqkv, const void *dout,
+                                        const void *qkv, const void *att, size_t B, size_t T_,
+                                        size_t C, size_t NH, int causal, mn_dtype dt) {
+    size_t hs = C / NH, hsp = (size_t)mn_hd_head_ld(hs), BH = B * NH;
+    size_t hb = mn__round256(BH * T_ * hsp * sizeof(T)), sb = mn__round256(BH * T_ * T_ * sizeof(T));
+    char *scr;
+    T *q, *k, *v, *dy, *dq, *dk, *dv, *dP, *dS, *P;
+    mn_result r;
+    float scale = 1.0f / sqrtf((float)hs);
+    if ((r = mn__scratch(ctx, 7 * hb + (att ? 2 : 3) * sb, (void **)&scr)) != MN_OK) return r;
+    q = (T *)scr, k = (T *)(scr + hb), v = (T *)(scr + 2 * hb), dy = (T *)(scr + 3 * hb);
+    dq = (T *)(scr + 4 * hb), dk = (T *)(scr + 5 * hb), dv = (T *)(scr + 6 * hb);
+    dP = (T *)(scr + 7 * hb), dS = (T *)(scr + 7 * hb + sb);
+    P = att ? (T *)att : (T *)(scr + 7 * hb + 2 * sb);
+    if ((r = mn__att_heads<T>(ctx, qkv, q, k, v, B, T_, C, NH, hsp, 3, 0)) != MN_OK) return r;
+    if ((r = mn__att_heads<T>(ctx, dout, dy, dy, dy, B, T_, C, NH, hsp, 1, 0)) != MN_OK) return r;
+    if (!att) {  // the forward's probabilities again (the same GEMM and kernel: the same values)
+        if ((r = mn__att_gemm(ctx, MN__ATT_QKT, k, q, P, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+        if ((r = mn__softmax_forward<T>(ctx, P, P, BH * T_, T_, scale, causal)) != MN_OK) return r;
+    }
+    if ((r = mn__att_gemm(ctx, MN__ATT_QKT, v, dy, dP, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    MN__CU(ctx, cudaMemsetAsync(dS, 0, BH * T_ * T_ * sizeof(T), mn__stream(ctx)));
+    if ((r = mn__softmax_backward<T>(ctx, dS, dP, P, BH * T_, T_, scale, causal)) != MN_OK)
+        return r;
+    if ((r = mn__att_gemm(ctx, MN__ATT_PV, k, dS, dq, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemm(ctx, MN__ATT_PTV, q, dS, dk, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemm(ctx, MN__ATT_PTV, dy, P, dv, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    return mn__att_heads<T>(ctx, dqkv, dq, dk, dv, B, T_, C, NH, hsp, 3, 2);
+}
+
+MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv,
+                                          size_t B, size_t T, size_t C, size_t NH, int causal,
+                                          mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, out && qkv);
+    MN__CHECK(ctx, NH > 0 && C > 0 && C % NH == 0);
+    MN__CHECK(ctx, T <= 0x7fffffffu && B * NH <= 0x7fffffffu);
+    if (B * T == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__attention_forward, ctx, out, att, qkv, B, T, C, NH, causal,
+                 dtype);
+}
+
+MNDEF mn_result mn_cuda_attention_backward(mn_cuda *ctx, void *dqkv, const void *dout,
+                                           const void *qkv, const void *att, size_t B, size_t T,
+                                           size_t C, size_t NH, int causal, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, dqkv && dout && qkv);
+    MN__CHECK(ctx, NH > 0 && C > 0 && C % NH == 0);
+    MN__CHECK(ctx, T <= 0x7fffffffu && B * NH <= 0x7fffffffu);
+    if (B * T == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__attention_backward, ctx, dqkv, dout, qkv, att, B, T, C, NH,
+                 causal, dtype);
 }

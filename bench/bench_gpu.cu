@@ -142,6 +142,49 @@ static void gemms(void) {
     }
 }
 
+// Attention at GPT-2 small training size: B = 8, T = 1024, 12 heads of 64, causal, bf16. FLOPs
+// count the full T x T products the GEMMs compute (2 per forward, 4 per backward with att kept,
+// 5 with att NULL), 2 B NH T^2 hs each; the permutes and the softmax are in the time.
+static void *qkv, *qkv_d, *att_o, *att_p;
+typedef struct att_arg {
+    int backward, keep;
+} att_arg;
+static void f_att(void *p) {
+    att_arg *a = (att_arg *)p;
+    if (a->backward)
+        MN(mn_cuda_attention_backward(&ctx, qkv_d, att_o, qkv, a->keep ? att_p : NULL, BT / T, T,
+                                      C, NH, 1, MN_BF16));
+    else
+        MN(mn_cuda_attention_forward(&ctx, att_o, a->keep ? att_p : NULL, qkv, BT / T, T, C, NH,
+                                     1, MN_BF16));
+}
+
+static void attention(void) {
+    static const struct {
+        const char *name;
+        int backward, keep, gemms;
+    } rows[] = {
+        {"attention forward, att kept", 0, 1, 2},
+        {"attention forward, att NULL", 0, 0, 2},
+        {"attention backward, att kept", 1, 1, 4},
+        {"attention backward, att NULL (recomputed)", 1, 0, 5},
+    };
+    double per_gemm = 2.0 * (BT / T) * NH * (double)T * T * (C / NH);
+    size_t i;
+    qkv = dalloc((size_t)BT * 3 * C * 2), qkv_d = dalloc((size_t)BT * 3 * C * 2);
+    att_o = dalloc((size_t)BT * C * 2), att_p = dalloc((size_t)(BT / T) * NH * T * T * 2);
+    MN(mn_cuda_mem_set(&ctx, qkv, 0x3c, (size_t)BT * 3 * C * 2));
+    printf("\n| attention B=%d T=%d C=%d NH=%d causal bf16        |      time | TFLOP/s (full T x T) |\n",
+           BT / T, T, C, NH);
+    printf("|---|---|---|\n");
+    for (i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        att_arg a = {rows[i].backward, rows[i].keep};
+        float ms = time_ms(f_att, &a);
+        printf("| %-50s | %6.3f ms | %7.1f |\n", rows[i].name, ms,
+               rows[i].gemms * per_gemm / (ms * 1e-3) / 1e12);
+    }
+}
+
 static void allocator(void) {
     mn_cache c;
     mn_cache_desc cd;
@@ -225,6 +268,7 @@ int main(void) {
                time_ms(f_adamw, NULL));
     }
     gemms();
+    attention();
     allocator();
     printf("\nGEMM epilogue counters: fused %llu, fallback %llu (fused context)\n",
            (unsigned long long)ctx.gemm_fused, (unsigned long long)ctx.gemm_unfused);

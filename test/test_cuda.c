@@ -245,6 +245,48 @@ static void test_softmax(void) {
             }
 }
 
+// Attention (batched GEMMs + fused softmax) against mn_attention_forward / _backward: T = 1, odd
+// T, head sizes not a multiple of 8, att kept and NULL (recomputed), causal and not. The scores,
+// probabilities, dp and ds are stored in the dtype between the kernels, so the 16-bit tolerance
+// is twice the kernels' (test_cudamath's host emulation of the same sequence stays within half
+// of it); fp32 keeps 1e-4 (TF32 off).
+static void test_attention(void) {
+    static const size_t shapes[][4] = {{1, 1, 8, 2}, {2, 7, 60, 4}, {1, 33, 48, 3},
+                                       {1, 257, 120, 5}, {4, 64, 768, 12}};
+    static const double tol_att[3] = {1e-4, 8e-3, 3.2e-2};
+    size_t s;
+    int d, causal, keep;
+    char what[96];
+    for (d = 0; d < 3; d++)
+        for (causal = 0; causal < 2; causal++)
+            for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+                for (keep = 0; keep < 2; keep++) {
+                    mn_dtype dt = dts[d];
+                    size_t B = shapes[s][0], T = shapes[s][1], C = shapes[s][2];
+                    size_t NH = shapes[s][3], nq = B * T * 3 * C, no = B * T * C;
+                    size_t na = B * NH * T * T;
+                    float *qkv = hrand(dt, nq, 1), *dy = hrand(dt, no, 1), *dq = hrand(dt, nq, 1);
+                    float *out = hvec(no), *att = hvec(na);
+                    void *dqkv_in = dev(dt, qkv, nq), *ddy = dev(dt, dy, no), *ddq = dev(dt, dq, nq);
+                    void *dout = dev_poisoned(dt, no), *datt = keep ? dev_poisoned(dt, na) : NULL;
+                    mn_attention_forward(out, att, qkv, B, T, C, NH, causal);
+                    mn_attention_backward(dq, dy, qkv, keep ? att : NULL, B, T, C, NH, causal);
+                    OK(mn_cuda_attention_forward(&ctx, dout, datt, dqkv_in, B, T, C, NH, causal,
+                                                 dt));
+                    snprintf(what, sizeof what, "attention fwd %zux%zux%zux%zu%s%s", B, T, C, NH,
+                             causal ? " causal" : "", keep ? " att" : "");
+                    compare(what, dt, tol_att[d], dout, out, no);
+                    if (keep) compare("attention att", dt, tol_att[d], datt, att, na);
+                    OK(mn_cuda_attention_backward(&ctx, ddq, ddy, dqkv_in, datt, B, T, C, NH,
+                                                  causal, dt));
+                    snprintf(what, sizeof what, "attention bwd %zux%zux%zux%zu%s%s", B, T, C, NH,
+                             causal ? " causal" : "", keep ? " att" : "");
+                    compare(what, dt, tol_att[d], ddq, dq, nq);
+                    release(dqkv_in), release(ddy), release(ddq), release(dout), release(datt);
+                    free(qkv), free(dy), free(dq), free(out), free(att);
+                }
+}
+
 static void test_crossentropy(void) {
     static const size_t shapes[][2] = {{1, 50257}, {7, 50257}, {33, 37}};
     size_t s, n;
@@ -583,6 +625,7 @@ static const tcase cases[] = {
     {"gelu", test_gelu},
     {"layernorm", test_layernorm},
     {"softmax", test_softmax},
+    {"attention", test_attention},
     {"crossentropy", test_crossentropy},
     {"embedding", test_embedding},
     {"adamw", test_adamw},

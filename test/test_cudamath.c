@@ -248,6 +248,150 @@ static void test_crossentropy(void) {
         }
 }
 
+// Attention as the device runs it: q, k, v gathered into per-head buffers [B*NH,T,hsp] through
+// mn_hd_head_index (the padding columns hold NaN, so a product that read them would show it),
+// every GEMM a plain fp32 sum whose result is stored in the dtype (cuBLASLt accumulates in fp32;
+// only its summation order differs), the softmax and its backward per row with the mn_hd_*
+// functions, stored in the dtype between the steps as the scratch buffers are. Compared with
+// mn_attention_forward / mn_attention_backward on the same stored inputs. Tolerance |got - want|
+// <= tol (1 + |want|): fp32 1e-5; 16-bit storage of the scores, probabilities, dp and ds adds
+// its rounding to every intermediate: fp16 4e-3, bf16 3e-2 (the largest error seen over these
+// shapes and many seeds is about half of that).
+static void att_gather(mn_dtype dt, float *heads[3], const float *flat, size_t n, size_t T,
+                       size_t C, size_t NH, size_t hsp, unsigned parts) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint64_t part, j = mn_hd_head_index(i, T, C, NH, hsp, parts, &part);
+        heads[part][j] = st(dt, flat[i]);
+    }
+}
+
+// D[bh][r][c] = sum_e X[bh][r][e] Y[bh][c][e] (xt: X is [e][r]; yt: Y is [e][c]), stored in dt.
+static void att_gemm(mn_dtype dt, float *D, size_t ldd, const float *X, size_t ldx, int xt,
+                     const float *Y, size_t ldy, int yt, size_t BH, size_t R, size_t Cn, size_t E,
+                     size_t sx, size_t sy, size_t sd) {
+    size_t bh, r, c, e;
+    for (bh = 0; bh < BH; bh++)
+        for (r = 0; r < R; r++)
+            for (c = 0; c < Cn; c++) {
+                float s = 0.0f;
+                for (e = 0; e < E; e++)
+                    s += X[bh * sx + (xt ? e * ldx + r : r * ldx + e)] *
+                         Y[bh * sy + (yt ? e * ldy + c : c * ldy + e)];
+                D[bh * sd + r * ldd + c] = st(dt, s);
+            }
+}
+
+static void test_attention(void) {
+    static const size_t shapes[][4] = {{1, 1, 8, 2}, {2, 7, 60, 4}, {1, 33, 48, 3}, {2, 20, 64, 2}};
+    static const double att_tol[3] = {1e-5, 4e-3, 3e-2};
+    size_t s, i, n, j;
+    int d, causal;
+    for (d = 0; d < 3; d++)
+        for (causal = 0; causal < 2; causal++)
+            for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+                mn_dtype dt = dtypes[d];
+                size_t B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], NH = shapes[s][3];
+                size_t hs = C / NH, hsp = (size_t)mn_hd_head_ld(hs), BH = B * NH;
+                size_t nh = BH * T * hsp, ntt = BH * T * T, th = T * hsp, tt = T * T;
+                float scale = 1.0f / sqrtf((float)hs), *qkv = mnt_fvec(B * T * 3 * C);
+                float *dout = mnt_fvec(B * T * C), *dqkv0 = mnt_fvec(B * T * 3 * C);
+                float *out = mnt_fvec(B * T * C), *att = mnt_fvec(ntt), *rdq = mnt_fvec(B * T * 3 * C);
+                float *rdq2 = mnt_fvec(B * T * 3 * C), *gout = mnt_fvec(B * T * C);
+                float *gdq = mnt_fvec(B * T * 3 * C), *buf = mnt_fvec(10 * nh + 3 * ntt);
+                float *q = buf, *k = q + nh, *v = k + nh, *dy = v + nh, *y = dy + nh, *dq = y + nh;
+                float *dk = dq + nh, *dv = dk + nh, *S = buf + 10 * nh, *dP = S + ntt, *dS = dP + ntt;
+                float *qkvh[3], *yh[3], *dyh[3];
+                double tol = att_tol[d];
+                char what[96];
+                for (i = 0; i < 10 * nh; i++) buf[i] = (float)NAN;  // padding must stay unread
+                fill_stored(dt, qkv, B * T * 3 * C, 1.0);
+                fill_stored(dt, dout, B * T * C, 1.0);
+                fill_stored(dt, dqkv0, B * T * 3 * C, 1.0);
+                // the reference: forward keeping att, backward with att and with NULL (same bits)
+                mn_attention_forward(out, att, qkv, B, T, C, NH, causal);
+                memcpy(rdq, dqkv0, B * T * 3 * C * sizeof *rdq);
+                memcpy(rdq2, dqkv0, B * T * 3 * C * sizeof *rdq);
+                mn_attention_backward(rdq, dout, qkv, att, B, T, C, NH, causal);
+                mn_attention_backward(rdq2, dout, qkv, NULL, B, T, C, NH, causal);
+                CHECK(memcmp(rdq, rdq2, B * T * 3 * C * sizeof *rdq) == 0);
+                // the device's sequence
+                qkvh[0] = q, qkvh[1] = k, qkvh[2] = v, yh[0] = yh[1] = yh[2] = y;
+                dyh[0] = dyh[1] = dyh[2] = dy;
+                att_gather(dt, qkvh, qkv, B * T * 3 * C, T, C, NH, hsp, 3);
+                att_gemm(dt, S, T, q, hsp, 0, k, hsp, 0, BH, T, T, hs, th, th, tt);  // q k^T
+                for (n = 0; n < BH * T; n++) {
+                    mn_hd_softmax_row(S + n * T, S + n * T, n, T, scale, causal);
+                    for (j = 0; j < T; j++) S[n * T + j] = st(dt, S[n * T + j]);
+                }
+                att_gemm(dt, y, hsp, S, T, 0, v, hsp, 1, BH, T, hs, T, tt, th, th);  // P v
+                for (i = 0; i < B * T * C; i++) {
+                    uint64_t part, hj = mn_hd_head_index(i, T, C, NH, hsp, 1, &part);
+                    gout[i] = yh[part][hj];
+                }
+                snprintf(what, sizeof what, "attention out %zux%zux%zux%zu%s", B, T, C, NH,
+                         causal ? " causal" : "");
+                {
+                    double *w = widen(out, B * T * C), *wa = widen(att, ntt);
+                    CHECK_CLOSE(what, gout, w, B * T * C, tol, tol);
+                    CHECK_CLOSE("attention att", S, wa, ntt, tol, tol);
+                    free(w), free(wa);
+                }
+                // backward
+                att_gather(dt, dyh, dout, B * T * C, T, C, NH, hsp, 1);
+                att_gemm(dt, dP, T, dy, hsp, 0, v, hsp, 0, BH, T, T, hs, th, th, tt);  // dy v^T
+                for (n = 0; n < BH * T; n++) {
+                    size_t len = (size_t)mn_hd_softmax_len(n, T, causal);
+                    float dot = 0.0f;
+                    for (j = 0; j < len; j++) dot += S[n * T + j] * dP[n * T + j];
+                    for (j = 0; j < T; j++)
+                        dS[n * T + j] = j < len ? st(dt, mn_hd_softmax_dinp(S[n * T + j],
+                                                                            dP[n * T + j], dot,
+                                                                            scale))
+                                                : 0.0f;
+                }
+                att_gemm(dt, dq, hsp, dS, T, 0, k, hsp, 1, BH, T, hs, T, tt, th, th);  // dS k
+                att_gemm(dt, dk, hsp, dS, T, 1, q, hsp, 1, BH, T, hs, T, tt, th, th);  // dS^T q
+                att_gemm(dt, dv, hsp, S, T, 1, dy, hsp, 1, BH, T, hs, T, tt, th, th);  // P^T dy
+                for (i = 0; i < B * T * 3 * C; i++) {
+                    uint64_t part, hj = mn_hd_head_index(i, T, C, NH, hsp, 3, &part);
+                    const float *src = part == 0 ? dq : part == 1 ? dk : dv;
+                    gdq[i] = st(dt, dqkv0[i] + src[hj]);
+                }
+                snprintf(what, sizeof what, "attention dqkv %zux%zux%zux%zu%s", B, T, C, NH,
+                         causal ? " causal" : "");
+                {
+                    double *w = widen(rdq, B * T * 3 * C);
+                    CHECK_CLOSE(what, gdq, w, B * T * 3 * C, tol, tol);
+                    free(w);
+                }
+                free(qkv), free(dout), free(dqkv0), free(out), free(att), free(rdq), free(rdq2);
+                free(gout), free(gdq), free(buf);
+            }
+}
+
+// The head layout: every element of qkv lands in its own place of q, k or v, and out's layout
+// is the same map with one part.
+static void test_head_index(void) {
+    size_t B = 2, T = 5, C = 12, NH = 3, hs = 4, hsp = (size_t)mn_hd_head_ld(hs), i;
+    size_t b, t, sp, h, dd;
+    CHECK(mn_hd_head_ld(1) == 8 && mn_hd_head_ld(8) == 8 && mn_hd_head_ld(15) == 16);
+    CHECK(mn_hd_head_ld(64) == 64);
+    for (i = 0; i < B * T * 3 * C; i++) {
+        uint64_t part, j = mn_hd_head_index(i, T, C, NH, hsp, 3, &part);
+        b = i / (T * 3 * C), t = i / (3 * C) % T, sp = i % (3 * C) / C, h = i % C / hs;
+        dd = i % hs;
+        CHECK(part == sp);
+        CHECK(j == ((b * NH + h) * T + t) * hsp + dd);
+    }
+    for (i = 0; i < B * T * C; i++) {
+        uint64_t part, j = mn_hd_head_index(i, T, C, NH, hsp, 1, &part);
+        b = i / (T * C), t = i / C % T, h = i % C / hs, dd = i % hs;
+        CHECK(part == 0);
+        CHECK(j == ((b * NH + h) * T + t) * hsp + dd);
+    }
+}
+
 // mn_hd_adamw against mn_adamw_step over several steps: the same fp32 operations in the same
 // order, so the results agree to fp32 rounding (a contracted multiply-add may move one ulp).
 static void test_adamw(void) {
@@ -344,6 +488,8 @@ const mnt_case test_cudamath_cases[] = {
     {"layernorm", test_layernorm},
     {"softmax", test_softmax},
     {"crossentropy", test_crossentropy},
+    {"head_index", test_head_index},
+    {"attention", test_attention},
     {"adamw", test_adamw},
     {"adamw_scaled", test_adamw_scaled},
 };
