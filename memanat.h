@@ -903,12 +903,53 @@ MN_HD uint64_t mn_hd_head_index(uint64_t i, uint64_t T, uint64_t C, uint64_t NH,
     return ((bt / T * NH + c / hs) * T + bt % T) * hsp + c % hs;
 }
 
+// SGD per element, the arithmetic of mn_sgd_step (torch.optim.SGD):
+//   g *= grad_scale;  g = -g (maximize);  g += wd p;  b = g (first step) or mu b + (1 - damp) g;
+//   g = g + mu b (nesterov) or b;  p -= lr g.  b may be NULL when momentum is 0.
+typedef struct mn_hd_sgd_coef {
+    float lr, momentum, dampening, weight_decay;
+    int nesterov, maximize, first;  // first: step 1, the buffer starts as the gradient
+} mn_hd_sgd_coef;
+MN_HD void mn_hd_sgd(float *p, float *b, float g, float grad_scale, const mn_hd_sgd_coef *k) {
+    g *= grad_scale;
+    if (k->maximize) g = -g;
+    if (k->weight_decay != 0.0f) g = g + k->weight_decay * *p;
+    if (k->momentum != 0.0f) {
+        *b = k->first ? g : *b * k->momentum + (1.0f - k->dampening) * g;
+        g = k->nesterov ? g + k->momentum * *b : *b;
+    }
+    *p = *p - k->lr * g;
+}
+
+// Lion per element, the arithmetic of mn_lion_step (Chen et al. 2023):
+//   g *= grad_scale;  c = b1 m + (1 - b1) g;  p = p decay - lr sign(c) (sign(0) = 0);
+//   m = b2 m + (1 - b2) g;  decay = 1 - lr wd computed in double as the host step does.
+typedef struct mn_hd_lion_coef {
+    float lr, beta1, beta2, decay;
+} mn_hd_lion_coef;
+MN_HD mn_hd_lion_coef mn_hd_lion_coefs(float lr, float beta1, float beta2, float weight_decay) {
+    mn_hd_lion_coef k;
+    k.lr = lr, k.beta1 = beta1, k.beta2 = beta2;
+    k.decay = (float)(1.0 - (double)lr * (double)weight_decay);
+    return k;
+}
+MN_HD void mn_hd_lion(float *p, float *m, float g, float grad_scale, const mn_hd_lion_coef *k) {
+    float mm = *m, c, sg;
+    g *= grad_scale;
+    c = mm * k->beta1 + (1.0f - k->beta1) * g;
+    sg = c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : 0.0f;
+    *p = *p * k->decay - k->lr * sg;
+    *m = mm * k->beta2 + (1.0f - k->beta2) * g;
+}
+
 #ifdef MEMANAT_CUDA
 // This block precedes >>cache and >>optim (its place in the file), so it names their types by
-// struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params, and a
-// stream is an mn_stream (uint32_t).
+// struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params (likewise
+// mn_sgd_params and mn_lion_params), and a stream is an mn_stream (uint32_t).
 struct mn_device;
 struct mn_adamw_params;
+struct mn_sgd_params;
+struct mn_lion_params;
 #define MN_CUDA_MAX_STREAMS 8  // streams a context hands out (mn_stream 0 is ctx->stream)
 
 typedef struct mn_cuda_desc {
@@ -1082,6 +1123,44 @@ typedef struct mn_cuda_adamw_args {
 // MN_OPTIM_ZERO = exactly zero); amsgrad is MN_ERR_UNSUPPORTED here.
 MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const struct mn_adamw_params *p,
                                    const mn_cuda_adamw_args *a);
+
+// SGD with momentum over flat buffers, mn_sgd_step's arithmetic per element (mn_hd_sgd), with the
+// conventions of mn_cuda_adamw_step (fp32 master, 16-bit copy, found-inf / unscale / clip fused).
+typedef struct mn_cuda_sgd_args {
+    float *param;              // [n] fp32 master weights, updated
+    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
+    const void *grad;          // [n] gradients (grad_dtype), read only
+    float *momentum_buffer;    // [n] b, NULL when momentum is 0 (step 1 writes it whole)
+    uint64_t n;
+    mn_dtype grad_dtype;       // 0 = fp32
+    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
+    uint64_t step;             // t, 1 for the first step (the buffer starts as the gradient)
+    const float *grad_norm;    // [1] device global norm of the (scaled) gradients or NULL;
+                               // non-finite: the step is skipped on the device
+    float inv_scale;           // the loss scaler's 1/scale, 0 = 1
+    float max_norm;            // clip by the unscaled global norm (needs grad_norm), 0 = none
+} mn_cuda_sgd_args;
+// p: mn_sgd_params with its defaults (lr 1e-3, momentum/dampening/weight_decay 0); nesterov
+// needs momentum > 0 and dampening 0 (MN_ERR_INVALID_ARG otherwise, as mn_sgd_init).
+MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const struct mn_sgd_params *p,
+                                 const mn_cuda_sgd_args *a);
+
+// Lion over flat buffers, mn_lion_step's arithmetic per element (mn_hd_lion), same conventions.
+typedef struct mn_cuda_lion_args {
+    float *param;              // [n] fp32 master weights, updated
+    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
+    const void *grad;          // [n] gradients (grad_dtype), read only
+    float *exp_avg;            // [n] m (zero before the first step)
+    uint64_t n;
+    mn_dtype grad_dtype;       // 0 = fp32
+    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
+    const float *grad_norm;    // as mn_cuda_sgd_args
+    float inv_scale;
+    float max_norm;
+} mn_cuda_lion_args;
+// p: mn_lion_params with its defaults (lr 1e-4, betas 0.9 / 0.99, weight_decay 0).
+MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
+                                  const mn_cuda_lion_args *a);
 #endif  // MEMANAT_CUDA
 
 // >>hfconfig --------------------------------------------------------------------------------------

@@ -1128,7 +1128,7 @@ MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe,
     MN__DISPATCH(ctx, dtype, mn__embedding_backward, ctx, dwte, dwpe, dout, tokens, B, T, C, V);
 }
 
-// ---- kernels: >>optim global norm and AdamW ------------------------------------------------------
+// ---- kernels: >>optim global norm, AdamW, SGD, Lion ----------------------------------------------
 // Norm: each of a fixed number of blocks sums squares over a grid-stride range (fp32), writes its
 // partial; one thread adds the partials in order in double: deterministic on a given device.
 
@@ -1250,6 +1250,136 @@ MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const mn_adamw_params *p,
     k = mn_hd_adamw_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.maximize, a->step);
     inv_scale = a->inv_scale == 0.0f ? 1.0f : a->inv_scale;
     MN__DISPATCH(ctx, a->grad_dtype, mn__adamw_g, ctx, a, k, inv_scale);
+}
+
+// SGD and Lion: one kernel over a per-element functor (found inf, unscale, clip and the 16-bit
+// copy as in the AdamW kernel above).
+struct mn__sgd_op {
+    float *b;
+    mn_hd_sgd_coef k;
+    __device__ void operator()(float *p, size_t i, float g, float clip) const {
+        float bb = b ? b[i] : 0.0f;
+        mn_hd_sgd(p, &bb, g, clip, &k);
+        if (b) b[i] = bb;
+    }
+};
+struct mn__lion_op {
+    float *m;
+    mn_hd_lion_coef k;
+    __device__ void operator()(float *p, size_t i, float g, float clip) const {
+        float mm = m[i];
+        mn_hd_lion(p, &mm, g, clip, &k);
+        m[i] = mm;
+    }
+};
+
+template <typename G, typename P, typename OP>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__optim_kernel(float *param, P *param16, const G *grad, size_t n, OP op, const float *grad_norm,
+                 float inv_scale, float max_norm) {
+    size_t i;
+    float clip = 1.0f;
+    if (grad_norm) {
+        float nrm = *grad_norm;
+        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
+        clip = mn_hd_clip_coef(nrm * inv_scale, max_norm);
+    }
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float p = param[i];
+        op(&p, i, mn__ld<G>(grad + i) * inv_scale, clip);
+        param[i] = p;
+        if (param16) param16[i] = mn__cvt<P>(p);
+    }
+}
+
+// The flat-buffer fields the SGD and Lion launchers share.
+typedef struct mn__flat_args {
+    float *param;
+    void *param16;
+    const void *grad;
+    uint64_t n;
+    mn_dtype grad_dtype, param16_dtype;
+    const float *grad_norm;
+    float inv_scale, max_norm;
+} mn__flat_args;
+
+template <typename G, typename P, typename OP>
+static mn_result mn__optim(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+    mn__optim_kernel<G, P, OP><<<mn__ew_grid(ctx, a->n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+        a->param, (P *)a->param16, (const G *)a->grad, (size_t)a->n, op, a->grad_norm,
+        a->inv_scale == 0.0f ? 1.0f : a->inv_scale, a->max_norm);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+template <typename G, typename OP>
+static mn_result mn__optim_g(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+    if (!a->param16) return mn__optim<G, float, OP>(ctx, a, op);
+    if (a->param16_dtype == MN_FP16) return mn__optim<G, __half, OP>(ctx, a, op);
+    if (a->param16_dtype == MN_BF16) return mn__optim<G, __nv_bfloat16, OP>(ctx, a, op);
+    return mn__bad(ctx, "param16_dtype must be MN_FP16 or MN_BF16");
+}
+
+template <typename OP>
+static mn_result mn__optim_step(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+    MN__CHECK(ctx, a->param && a->grad);
+    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
+    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    if (a->n == 0) return MN_OK;
+    switch (a->grad_dtype) {
+    case MN_DTYPE_DEFAULT: case MN_FP32: return mn__optim_g<float, OP>(ctx, a, op);
+    case MN_FP16: return mn__optim_g<__half, OP>(ctx, a, op);
+    case MN_BF16: return mn__optim_g<__nv_bfloat16, OP>(ctx, a, op);
+    default: return mn__bad(ctx, "grad_dtype is not fp32, fp16 or bf16");
+    }
+}
+
+MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const mn_sgd_params *p, const mn_cuda_sgd_args *a) {
+    mn_sgd_params q;
+    mn__flat_args f;
+    mn__sgd_op op;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, a);
+    MN__CHECK(ctx, a->step >= 1);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    q.lr = mn__z(q.lr, 1e-3f), q.momentum = mn__z(q.momentum, 0.0f);
+    q.dampening = mn__z(q.dampening, 0.0f), q.weight_decay = mn__z(q.weight_decay, 0.0f);
+    MN__CHECK(ctx, q.lr >= 0.0f && q.momentum >= 0.0f && q.weight_decay >= 0.0f);
+    MN__CHECK(ctx, q.dampening >= 0.0f && q.dampening <= 1.0f);
+    MN__CHECK(ctx, !q.nesterov || (q.momentum > 0.0f && q.dampening == 0.0f));
+    MN__CHECK(ctx, q.momentum == 0.0f || a->momentum_buffer);
+    memset(&op, 0, sizeof op);
+    op.b = q.momentum != 0.0f ? a->momentum_buffer : NULL;
+    op.k.lr = q.lr, op.k.momentum = q.momentum, op.k.dampening = q.dampening;
+    op.k.weight_decay = q.weight_decay, op.k.nesterov = q.nesterov, op.k.maximize = q.maximize;
+    op.k.first = a->step == 1;
+    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
+    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
+    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
+    return mn__optim_step(ctx, &f, op);
+}
+
+MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const mn_lion_params *p,
+                                  const mn_cuda_lion_args *a) {
+    mn_lion_params q;
+    mn__flat_args f;
+    mn__lion_op op;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, a && a->exp_avg);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    q.lr = mn__z(q.lr, 1e-4f), q.beta1 = mn__z(q.beta1, 0.9f), q.beta2 = mn__z(q.beta2, 0.99f);
+    q.weight_decay = mn__z(q.weight_decay, 0.0f);
+    MN__CHECK(ctx, q.lr >= 0.0f && q.weight_decay >= 0.0f);
+    MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 <= 1.0f && q.beta2 >= 0.0f && q.beta2 <= 1.0f);
+    op.m = a->exp_avg;
+    op.k = mn_hd_lion_coefs(q.lr, q.beta1, q.beta2, q.weight_decay);
+    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
+    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
+    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
+    return mn__optim_step(ctx, &f, op);
 }
 
 // ---- gemm: >>ops matmul through cuBLASLt --------------------------------------------------------

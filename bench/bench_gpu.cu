@@ -6,7 +6,7 @@
 //   - the caching allocator: ns per cached malloc+free on the device backend against
 //     cudaMalloc+cudaFree.
 // Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, a
-// 12-head 1024-token causal softmax, AdamW over 124M parameters. Build: make gpu-bench (nvcc),
+// 12-head 1024-token causal softmax and attention, AdamW, SGD and Lion over 124M parameters. Build: make gpu-bench (nvcc),
 // run: build/bench_gpu (bench/gpu.sh does both). Times: median of 20 runs after 3 warm-ups.
 #define MEMANAT_CUDA
 #include "../memanat.h"
@@ -91,6 +91,25 @@ static void f_adamw(void *) {
     a.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.exp_avg_sq = (float *)av, a.n = adam_n;
     a.step = 1, a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
     MN(mn_cuda_adamw_step(&ctx, NULL, &a));
+}
+
+static void f_sgd(void *) {
+    mn_cuda_sgd_args a;
+    mn_sgd_params p;
+    memset(&a, 0, sizeof a), memset(&p, 0, sizeof p);
+    p.momentum = 0.9f;
+    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
+    a.grad_dtype = MN_BF16, a.momentum_buffer = (float *)am, a.n = adam_n, a.step = 2;
+    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    MN(mn_cuda_sgd_step(&ctx, &p, &a));
+}
+static void f_lion(void *) {
+    mn_cuda_lion_args a;
+    memset(&a, 0, sizeof a);
+    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
+    a.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.n = adam_n;
+    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    MN(mn_cuda_lion_step(&ctx, NULL, &a));
 }
 
 typedef struct gemm_arg {
@@ -266,6 +285,10 @@ int main(void) {
         row_bw("global norm 124M bf16", adam_n * 2.0, time_ms(f_norm, NULL));
         row_bw("AdamW 124M (fp32 master, m, v; bf16 g, copy)", adam_n * (4 * 2 + 2 + 4 * 4 + 2.0),
                time_ms(f_adamw, NULL));
+        row_bw("SGD momentum 124M (fp32 master, b; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
+               time_ms(f_sgd, NULL));
+        row_bw("Lion 124M (fp32 master, m; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
+               time_ms(f_lion, NULL));
     }
     gemms();
     attention();

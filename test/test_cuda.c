@@ -455,6 +455,140 @@ static void test_adamw(void) {
             }
 }
 
+// SGD and Lion after mn_cuda_global_norm, against mn_unscale_grads_to_fp32 + mn_clip_grad_norm +
+// mn_sgd_step / mn_lion_step, 3 steps. Lion moves each parameter by lr sign(c): where c is within
+// an ulp of 0 the device's contracted multiply-adds or its clip coefficient (the norm summed in
+// another order) may flip the sign, so up to 1 + n / 10^5 elements may be off by at most 2 lr per
+// step; every other element is within 1e-5.
+static void compare_lion(const char *what, const void *d, const float *want, size_t n,
+                         float lr, int steps) {
+    float *got = down(MN_FP32, d, n);
+    size_t i, flips = 0, bad = 0;
+    for (i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - want[i]);
+        if (e <= 1e-5 * (1.0 + fabs(want[i]))) continue;
+        if (e <= 2.0 * lr * steps + 1e-5 * (1.0 + fabs(want[i]))) flips++;
+        else bad++;
+    }
+    if (bad || flips > 1 + n / 100000)
+        FAIL("%s (n=%zu): %zu off, %zu sign flips", what, n, bad, flips);
+    free(got);
+}
+
+static void test_sgd_lion(void) {
+    static const uint64_t sizes[] = {1, 1003, 1 << 20};
+    size_t s, i;
+    int d, clip, opt;
+    for (opt = 0; opt < 4; opt++)  // 0 SGD, 1 SGD momentum+dampening, 2 SGD nesterov, 3 Lion
+        for (d = 0; d < 3; d++)
+            for (s = 0; s < 3; s++)
+                for (clip = 0; clip < 2; clip++) {
+                    mn_dtype gdt = dts[d];
+                    uint64_t n = sizes[s], dims[1];
+                    float inv_scale = 1.0f / 256.0f, max_norm = clip ? 1.0f : 0.0f, norm;
+                    float *p = hrand(MN_FP32, n, 1), *gs = hrand(gdt, n, 256), *g = hvec(n);
+                    float *gp[1];
+                    uint64_t sz[1];
+                    int found_inf = 0, t;
+                    mn_sgd sgd;
+                    mn_sgd_params sp;
+                    mn_lion lion;
+                    mn_lion_params lp;
+                    void *dp = dev(MN_FP32, p, n), *dg = dev(gdt, gs, n), *dst, *dn, *d16;
+                    dst = dev_poisoned(MN_FP32, n), dn = dev_poisoned(MN_FP32, 1);
+                    d16 = dev_poisoned(MN_FP16, n);
+                    memset(&sp, 0, sizeof sp), memset(&lp, 0, sizeof lp);
+                    sp.lr = 1e-2f, sp.weight_decay = 0.01f;
+                    sp.momentum = opt == 0 ? MN_OPTIM_ZERO : 0.9f;
+                    sp.dampening = opt == 1 ? 0.1f : 0.0f, sp.nesterov = opt == 2;
+                    sp.maximize = opt == 2;
+                    lp.lr = 1e-3f, lp.weight_decay = 0.1f;
+                    dims[0] = n;
+                    if (opt == 3) {
+                        OK(mn_lion_init(&lion, dims, 1, &lp, NULL));
+                        OK(mn_cuda_mem_set(&ctx, dst, 0, n * 4));  // m starts at 0
+                    } else {
+                        OK(mn_sgd_init(&sgd, dims, 1, &sp, NULL));  // b: step 1 writes it
+                    }
+                    for (t = 1; t <= 3; t++) {
+                        OK(mn_unscale_grads_to_fp32(MN_FP32, gs, g, n, inv_scale, &found_inf));
+                        gp[0] = g, sz[0] = n;
+                        OK(mn_clip_grad_norm(gp, sz, 1, clip ? max_norm : 1e30f, 2.0f, &norm));
+                        OK(mn_cuda_global_norm(&ctx, (float *)dn, dg, n, gdt));
+                        if (opt == 3) {
+                            mn_cuda_lion_args a;
+                            OK(mn_lion_step(&lion, p, g, NULL));
+                            memset(&a, 0, sizeof a);
+                            a.param = (float *)dp, a.param16 = d16, a.param16_dtype = MN_FP16;
+                            a.grad = dg, a.grad_dtype = gdt, a.exp_avg = (float *)dst, a.n = n;
+                            a.grad_norm = (const float *)dn, a.inv_scale = inv_scale;
+                            a.max_norm = max_norm;
+                            OK(mn_cuda_lion_step(&ctx, &lp, &a));
+                        } else {
+                            mn_cuda_sgd_args a;
+                            OK(mn_sgd_step(&sgd, p, g, NULL));
+                            memset(&a, 0, sizeof a);
+                            a.param = (float *)dp, a.param16 = d16, a.param16_dtype = MN_FP16;
+                            a.grad = dg, a.grad_dtype = gdt;
+                            a.momentum_buffer = opt ? (float *)dst : NULL, a.n = n;
+                            a.step = (uint64_t)t, a.grad_norm = (const float *)dn;
+                            a.inv_scale = inv_scale, a.max_norm = max_norm;
+                            OK(mn_cuda_sgd_step(&ctx, &sp, &a));
+                        }
+                    }
+                    if (opt == 3) {
+                        compare_lion("lion param", dp, p, n, lp.lr, 3);
+                        compare("lion exp_avg", MN_FP32, 1e-5, dst, lion.exp_avg, n);
+                    } else {
+                        compare("sgd param", MN_FP32, 1e-5, dp, p, n);
+                        if (opt) compare("sgd momentum_buffer", MN_FP32, 1e-5, dst,
+                                         sgd.momentum_buffer, n);
+                    }
+                    for (i = 0; i < n; i++) p[i] = stf(MN_FP16, p[i]);
+                    if (opt != 3) compare("sgd param16", MN_FP16, 4e-3, d16, p, n);
+                    // found inf: the step leaves param alone
+                    if (s == 1) {
+                        float *before = down(MN_FP32, dp, n), inf = INFINITY;
+                        void *ginf = dev(MN_FP32, gs, n);
+                        OK(mn_cuda_mem_copy(&ctx, ginf, &inf, 4));
+                        OK(mn_cuda_global_norm(&ctx, (float *)dn, ginf, n, MN_FP32));
+                        if (opt == 3) {
+                            mn_cuda_lion_args a;
+                            memset(&a, 0, sizeof a);
+                            a.param = (float *)dp, a.grad = ginf, a.exp_avg = (float *)dst;
+                            a.n = n, a.grad_norm = (const float *)dn;
+                            OK(mn_cuda_lion_step(&ctx, &lp, &a));
+                        } else {
+                            mn_cuda_sgd_args a;
+                            memset(&a, 0, sizeof a);
+                            a.param = (float *)dp, a.grad = ginf, a.n = n, a.step = 4;
+                            a.momentum_buffer = opt ? (float *)dst : NULL;
+                            a.grad_norm = (const float *)dn;
+                            OK(mn_cuda_sgd_step(&ctx, &sp, &a));
+                        }
+                        compare(opt == 3 ? "lion skipped on inf" : "sgd skipped on inf", MN_FP32,
+                                0.0, dp, before, n);
+                        free(before);
+                        release(ginf);
+                    }
+                    if (opt == 3) mn_lion_free(&lion);
+                    else mn_sgd_free(&sgd);
+                    release(dp), release(dg), release(dst), release(dn), release(d16);
+                    free(p), free(gs), free(g);
+                }
+    {  // validation: nesterov needs momentum and no dampening; momentum needs its buffer
+        mn_sgd_params sp;
+        mn_cuda_sgd_args a;
+        float x = 0.0f;
+        memset(&sp, 0, sizeof sp), memset(&a, 0, sizeof a);
+        a.param = &x, a.grad = &x, a.n = 1, a.step = 1;
+        sp.nesterov = 1;
+        CHECK(mn_cuda_sgd_step(&ctx, &sp, &a) == MN_ERR_INVALID_ARG);
+        sp.nesterov = 0, sp.momentum = 0.9f;
+        CHECK(mn_cuda_sgd_step(&ctx, &sp, &a) == MN_ERR_INVALID_ARG);
+    }
+}
+
 // ---- GEMM and epilogues -------------------------------------------------------------------------
 
 static void test_matmul_ctx(mn_cuda *c, const char *tag) {
@@ -629,6 +763,7 @@ static const tcase cases[] = {
     {"crossentropy", test_crossentropy},
     {"embedding", test_embedding},
     {"adamw", test_adamw},
+    {"sgd_lion", test_sgd_lion},
     {"matmul", test_matmul},
     {"cache", test_cache},
     {"cache_streams", test_cache_streams},

@@ -483,6 +483,96 @@ static void test_adamw_scaled(void) {
     free(param), free(g_scaled), free(g), free(hp), free(hm), free(hv);
 }
 
+// mn_hd_sgd against mn_sgd_step over 5 steps in every mode (plain; momentum with dampening and
+// weight decay; nesterov; maximize): the same fp32 operations in the same order, so the host
+// results are bit-for-bit equal (on the device a contracted multiply-add may move one ulp).
+// The loss-scaled form (gradients x 256, grad_scale 1/256: exact powers of two) is bit-equal too.
+static void test_sgd(void) {
+    static const struct {
+        float momentum, dampening, weight_decay;
+        int nesterov, maximize;
+    } modes[] = {{0, 0, 0, 0, 0}, {0, 0, 0.01f, 0, 1}, {0.9f, 0.1f, 0.01f, 0, 0},
+                 {0.9f, 0, 0.05f, 1, 0}, {0.5f, 0, 0, 1, 1}};
+    uint64_t n = 1003, dims[1], i, t;
+    size_t m;
+    float *param = mnt_fvec(n), *grad = mnt_fvec(n), *hp = mnt_fvec(n), *hb = mnt_fvec(n);
+    uint16_t *p16 = (uint16_t *)calloc(n, sizeof(uint16_t));
+    if (!p16) abort();
+    dims[0] = n;
+    for (m = 0; m < sizeof modes / sizeof modes[0]; m++) {
+        mn_sgd s;
+        mn_sgd_params p;
+        memset(&p, 0, sizeof p);
+        p.lr = 1e-2f, p.momentum = modes[m].momentum ? modes[m].momentum : MN_OPTIM_ZERO;
+        p.dampening = modes[m].dampening, p.weight_decay = modes[m].weight_decay;
+        p.nesterov = modes[m].nesterov, p.maximize = modes[m].maximize, p.dtype = MN_FP16;
+        CHECK_OK(mn_sgd_init(&s, dims, 1, &p, NULL));
+        mnt_fill_normal(param, n, 1.0);
+        memcpy(hp, param, n * sizeof *hp);
+        for (i = 0; i < n; i++) hb[i] = (float)NAN;  // step 1 must overwrite the buffer
+        for (t = 1; t <= 5; t++) {
+            mn_hd_sgd_coef k;
+            k.lr = s.params.lr, k.momentum = s.params.momentum, k.dampening = s.params.dampening;
+            k.weight_decay = s.params.weight_decay, k.nesterov = s.params.nesterov;
+            k.maximize = s.params.maximize, k.first = t == 1;
+            mnt_fill_normal(grad, n, 1.0);
+            CHECK_OK(mn_sgd_step(&s, param, grad, p16));
+            for (i = 0; i < n; i++)
+                mn_hd_sgd(hp + i, s.momentum_buffer ? hb + i : NULL,
+                          t % 2 ? grad[i] : grad[i] * 256.0f, t % 2 ? 1.0f : 1.0f / 256.0f, &k);
+        }
+        CHECK(memcmp(hp, param, n * sizeof *hp) == 0);
+        if (s.momentum_buffer) CHECK(memcmp(hb, s.momentum_buffer, n * sizeof *hb) == 0);
+        for (i = 0; i < n; i++) CHECK(p16[i] == mn_fp32_to_fp16(param[i]));
+        mn_sgd_free(&s);
+    }
+    free(param), free(grad), free(hp), free(hb), free(p16);
+}
+
+// mn_hd_lion against mn_lion_step over 5 steps (with and without weight decay, default and
+// custom betas): bit-for-bit on the host; sign(0) = 0 checked on its own.
+static void test_lion(void) {
+    uint64_t n = 1003, dims[1], i, t;
+    int mode;
+    float *param = mnt_fvec(n), *grad = mnt_fvec(n), *hp = mnt_fvec(n), *hm = mnt_fvec(n);
+    uint16_t *p16 = (uint16_t *)calloc(n, sizeof(uint16_t));
+    if (!p16) abort();
+    dims[0] = n;
+    for (mode = 0; mode < 2; mode++) {
+        mn_lion s;
+        mn_lion_params p;
+        mn_hd_lion_coef k;
+        memset(&p, 0, sizeof p);
+        if (mode) p.lr = 3e-4f, p.beta1 = 0.95f, p.beta2 = 0.98f, p.weight_decay = 0.1f;
+        p.dtype = MN_BF16;
+        CHECK_OK(mn_lion_init(&s, dims, 1, &p, NULL));
+        k = mn_hd_lion_coefs(s.params.lr, s.params.beta1, s.params.beta2, s.params.weight_decay);
+        mnt_fill_normal(param, n, 1.0);
+        memcpy(hp, param, n * sizeof *hp);
+        memset(hm, 0, n * sizeof *hm);
+        for (t = 1; t <= 5; t++) {
+            mnt_fill_normal(grad, n, 1.0);
+            if (t == 1) grad[0] = 0.0f;  // c = 0 at the first step: no update but the decay
+            CHECK_OK(mn_lion_step(&s, param, grad, p16));
+            for (i = 0; i < n; i++)
+                mn_hd_lion(hp + i, hm + i, t % 2 ? grad[i] : grad[i] * 256.0f,
+                           t % 2 ? 1.0f : 1.0f / 256.0f, &k);
+            if (t == 1) CHECK(hp[0] == (float)(param[0]));
+        }
+        CHECK(memcmp(hp, param, n * sizeof *hp) == 0);
+        CHECK(memcmp(hm, s.exp_avg, n * sizeof *hm) == 0);
+        for (i = 0; i < n; i++) CHECK(p16[i] == mn_fp32_to_bf16(param[i]));
+        mn_lion_free(&s);
+    }
+    {  // sign(0) = 0: a zero gradient on zero momentum moves the parameter by the decay only
+        mn_hd_lion_coef k = mn_hd_lion_coefs(1e-2f, 0.9f, 0.99f, 0.0f);
+        float p0 = 1.5f, m0 = 0.0f;
+        mn_hd_lion(&p0, &m0, 0.0f, 1.0f, &k);
+        CHECK(p0 == 1.5f && m0 == 0.0f);
+    }
+    free(param), free(grad), free(hp), free(hm), free(p16);
+}
+
 const mnt_case test_cudamath_cases[] = {
     {"gelu", test_gelu},
     {"layernorm", test_layernorm},
@@ -492,5 +582,7 @@ const mnt_case test_cudamath_cases[] = {
     {"attention", test_attention},
     {"adamw", test_adamw},
     {"adamw_scaled", test_adamw_scaled},
+    {"sgd", test_sgd},
+    {"lion", test_lion},
 };
 const size_t test_cudamath_count = sizeof test_cudamath_cases / sizeof test_cudamath_cases[0];
