@@ -942,14 +942,65 @@ MN_HD void mn_hd_lion(float *p, float *m, float g, float grad_scale, const mn_hd
     *m = mm * k->beta2 + (1.0f - k->beta2) * g;
 }
 
+// Adafactor per element, the arithmetic of mn_adafactor_step (transformers Adafactor): the step's
+// scalars from t (rho, beta2_t in double as the host step) and, on the device, alpha from RMS(p);
+// the update before clipping u = g rsqrt(R_i / mean(R)) rsqrt(C_j) (factored) or g rsqrt(V);
+// then u = u / clip_div alpha, m = b1 m + (1 - b1) u (u = m), p += -wd alpha p, p -= u.
+typedef struct mn_hd_adafactor_coef {
+    double rho;               // the relative or fixed step
+    float b2t, w2t;           // beta2_t = 1 - t^decay_rate and 1 - beta2_t
+    float eps1, eps2, beta1, weight_decay;
+    int no_scale_parameter;
+} mn_hd_adafactor_coef;
+MN_HD mn_hd_adafactor_coef mn_hd_adafactor_coefs(float lr, float eps1, float eps2,
+                                                 float decay_rate, float beta1, float weight_decay,
+                                                 int no_scale_parameter, int warmup_init,
+                                                 uint64_t step) {
+    mn_hd_adafactor_coef k;
+    double t = (double)step, beta2t = 1.0 - pow(t, (double)decay_rate);
+    k.rho = lr > 0.0f ? (double)lr : fmin(warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
+    k.b2t = (float)beta2t, k.w2t = (float)(1.0 - beta2t);
+    k.eps1 = eps1, k.eps2 = eps2, k.beta1 = beta1, k.weight_decay = weight_decay;
+    k.no_scale_parameter = no_scale_parameter;
+    return k;
+}
+// alpha_t from the parameter's RMS (rms = (float)sqrt(sum p^2 / n), the sum in double).
+MN_HD float mn_hd_adafactor_alpha(const mn_hd_adafactor_coef *k, float rms) {
+    return (float)(k->no_scale_parameter ? k->rho : fmax((double)k->eps2, (double)rms) * k->rho);
+}
+// A moment's running mean: x = b2t x + w2t mean, mean = (sum of g^2 + eps1 in double) / count.
+MN_HD float mn_hd_adafactor_moment(float x, double sum, uint64_t count,
+                                   const mn_hd_adafactor_coef *k) {
+    return x * k->b2t + k->w2t * (float)(sum / (double)count);
+}
+MN_HD float mn_hd_adafactor_u(float g, float row, float row_mean, float col) {
+    float rf = 1.0f / sqrtf(row / row_mean);
+    return rf * (1.0f / sqrtf(col)) * g;
+}
+MN_HD float mn_hd_adafactor_u_vec(float g, float v) { return (1.0f / sqrtf(v)) * g; }
+// clip_div = max(1, RMS(u) / d) from the sum of u^2 (double) over n elements.
+MN_HD float mn_hd_adafactor_clip_div(double sum_u2, uint64_t n, float clip_threshold) {
+    double c = sqrt(sum_u2 / (double)n) / (double)clip_threshold;
+    return (float)(c > 1.0 ? c : 1.0);
+}
+MN_HD void mn_hd_adafactor_apply(float *p, float *m, float u, float clip_div, float alpha,
+                                 const mn_hd_adafactor_coef *k) {
+    u = u / clip_div * alpha;
+    if (m) u = *m = *m * k->beta1 + (1.0f - k->beta1) * u;
+    if (k->weight_decay != 0.0f) *p = *p + (-k->weight_decay * alpha) * *p;
+    *p = *p - u;
+}
+
 #ifdef MEMANAT_CUDA
 // This block precedes >>cache and >>optim (its place in the file), so it names their types by
 // struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params (likewise
-// mn_sgd_params and mn_lion_params), and a stream is an mn_stream (uint32_t).
+// mn_sgd_params, mn_lion_params and mn_adafactor_params), and a stream is an mn_stream
+// (uint32_t).
 struct mn_device;
 struct mn_adamw_params;
 struct mn_sgd_params;
 struct mn_lion_params;
+struct mn_adafactor_params;
 #define MN_CUDA_MAX_STREAMS 8  // streams a context hands out (mn_stream 0 is ctx->stream)
 
 typedef struct mn_cuda_desc {
@@ -1161,6 +1212,32 @@ typedef struct mn_cuda_lion_args {
 // p: mn_lion_params with its defaults (lr 1e-4, betas 0.9 / 0.99, weight_decay 0).
 MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
                                   const mn_cuda_lion_args *a);
+
+// Adafactor over one parameter tensor, mn_adafactor_step's arithmetic (mn_hd_adafactor_*), with
+// the conventions above. The tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols):
+// factored when exp_avg_sq_row is given (R [batch, rows], C [batch, cols]), else V [n] with
+// batch = rows = 1, cols = n. Kernels in order: RMS(param) and alpha_t, the row means (a warp per
+// row), the column means (a thread per column), mean(R) per batch, the update's RMS, the update;
+// every sum in double, in a fixed order (deterministic). Scratch: 8 per 256 elements + 4 per batch.
+typedef struct mn_cuda_adafactor_args {
+    float *param;              // [n] fp32 master weights, updated
+    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
+    const void *grad;          // [n] gradients (grad_dtype), read only
+    float *exp_avg_sq_row;     // [batch, rows] R (zero before the first step), NULL: not factored
+    float *exp_avg_sq_col;     // [batch, cols] C, factored
+    float *exp_avg_sq;         // [n] V, not factored
+    float *exp_avg;            // [n] m when beta1 is set, else NULL
+    uint64_t batch, rows, cols;  // n = batch * rows * cols
+    mn_dtype grad_dtype;       // 0 = fp32
+    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
+    uint64_t step;             // t, 1 for the first step
+    const float *grad_norm;    // as mn_cuda_sgd_args
+    float inv_scale;
+    float max_norm;
+} mn_cuda_adafactor_args;
+// p: mn_adafactor_params with its defaults (relative step when lr is 0); beta1 set needs exp_avg.
+MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const struct mn_adafactor_params *p,
+                                       const mn_cuda_adafactor_args *a);
 #endif  // MEMANAT_CUDA
 
 // >>hfconfig --------------------------------------------------------------------------------------

@@ -597,6 +597,8 @@ static unsigned mn__ew_grid(const mn_cuda *ctx, uint64_t n) {
     case MN_BF16: return fn<__nv_bfloat16>(__VA_ARGS__); \
     default: return mn__bad(ctx, "dtype is not fp32, fp16 or bf16"); } } while (0)
 
+static size_t mn__round256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 #define MN__CTX(ctx) do { if (!(ctx) || !(ctx)->p) return MN_ERR_INVALID_ARG; } while (0)
 
 // Column partial sums, shared by the LayerNorm parameter gradients and the bias gradient: block
@@ -1128,7 +1130,7 @@ MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe,
     MN__DISPATCH(ctx, dtype, mn__embedding_backward, ctx, dwte, dwpe, dout, tokens, B, T, C, V);
 }
 
-// ---- kernels: >>optim global norm, AdamW, SGD, Lion ----------------------------------------------
+// ---- kernels: >>optim global norm, AdamW, SGD, Lion, Adafactor -----------------------------------
 // Norm: each of a fixed number of blocks sums squares over a grid-stride range (fp32), writes its
 // partial; one thread adds the partials in order in double: deterministic on a given device.
 
@@ -1380,6 +1382,258 @@ MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const mn_lion_params *p,
     f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
     f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
     return mn__optim_step(ctx, &f, op);
+}
+
+// Adafactor: six small kernels in stream order (see the header); each one returns at once when
+// the gradient norm is not finite (found inf), so a skipped step writes nothing. g is the
+// unscaled, clipped gradient, rounded as mn_unscale_grads_to_fp32 + mn_clip_grad_norm round it.
+#define MN__AF_THREADS 256
+typedef struct mn__af_grad {
+    const float *norm;
+    float inv_scale, max_norm;
+} mn__af_grad;
+
+__device__ __forceinline__ int mn__af_skip(const mn__af_grad *q) {
+    return q->norm && !mn_hd_isfinite(*q->norm);
+}
+template <typename G>
+__device__ __forceinline__ float mn__af_g(const G *grad, size_t i, const mn__af_grad *q) {
+    float clip = q->norm ? mn_hd_clip_coef(*q->norm * q->inv_scale, q->max_norm) : 1.0f;
+    return mn__ld<G>(grad + i) * q->inv_scale * clip;
+}
+
+__device__ __forceinline__ double mn__warp_sum_d(double v) {
+    int o;
+    for (o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+// The block's sum (MN__AF_THREADS threads), valid in thread 0; warps added in order.
+__device__ __forceinline__ double mn__block_sum_d(double v) {
+    __shared__ double ws[MN__AF_THREADS / 32];
+    unsigned k;
+    v = mn__warp_sum_d(v);
+    if (threadIdx.x % 32 == 0) ws[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x != 0) return 0.0;
+    for (v = 0.0, k = 0; k < MN__AF_THREADS / 32; k++) v += ws[k];
+    return v;
+}
+
+// sum p^2 per block; then alpha_t into scal[0] from RMS(p).
+static __global__ void __launch_bounds__(MN__AF_THREADS)
+mn__af_sumsq_kernel(double *partial, const float *param, size_t n) {
+    size_t i;
+    double s = 0.0;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        s += (double)param[i] * param[i];
+    s = mn__block_sum_d(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+static __global__ void mn__af_alpha_kernel(float *scal, const double *partial, unsigned count,
+                                           size_t n, mn_hd_adafactor_coef k) {
+    double acc = 0.0;
+    unsigned b;
+    for (b = 0; b < count; b++) acc += partial[b];
+    scal[0] = mn_hd_adafactor_alpha(&k, (float)sqrt(acc / (double)n));
+}
+
+// R: one warp per row r of [batch*rows, cols].
+template <typename G>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__af_row_kernel(float *row, const G *grad, size_t R, size_t cols, mn_hd_adafactor_coef k,
+                  mn__af_grad q) {
+    size_t r = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, j;
+    unsigned lane = threadIdx.x % 32;
+    double s = 0.0;
+    if (r >= R || mn__af_skip(&q)) return;
+    for (j = lane; j < cols; j += 32) {
+        float g = mn__af_g<G>(grad, r * cols + j, &q);
+        s += (double)(g * g + k.eps1);
+    }
+    s = mn__warp_sum_d(s);
+    if (lane == 0) row[r] = mn_hd_adafactor_moment(row[r], s, cols, &k);
+}
+
+// C: one thread per column (b, j), the rows in order.
+template <typename G>
+static __global__ void __launch_bounds__(MN__AF_THREADS)
+mn__af_col_kernel(float *col, const G *grad, size_t batch, size_t rows, size_t cols,
+                  mn_hd_adafactor_coef k, mn__af_grad q) {
+    size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x, b, j, i;
+    double s = 0.0;
+    if (c >= batch * cols || mn__af_skip(&q)) return;
+    b = c / cols, j = c % cols;
+    for (i = 0; i < rows; i++) {
+        float g = mn__af_g<G>(grad, (b * rows + i) * cols + j, &q);
+        s += (double)(g * g + k.eps1);
+    }
+    col[c] = mn_hd_adafactor_moment(col[c], s, rows, &k);
+}
+
+// mean(R) per batch, the rows in order.
+static __global__ void mn__af_rowmean_kernel(float *rmean, const float *row, size_t batch,
+                                             size_t rows) {
+    size_t b = (size_t)blockIdx.x * blockDim.x + threadIdx.x, i;
+    double s = 0.0;
+    if (b >= batch) return;
+    for (i = 0; i < rows; i++) s += row[b * rows + i];
+    rmean[b] = (float)(s / (double)rows);
+}
+
+// The update before clipping (V updated first when not factored).
+template <typename G>
+__device__ __forceinline__ float mn__af_u(float *v, const float *row, const float *col,
+                                          const float *rmean, const G *grad, size_t e,
+                                          size_t rows, size_t cols, int update_v,
+                                          const mn_hd_adafactor_coef *k, const mn__af_grad *q) {
+    float g = mn__af_g<G>(grad, e, q);
+    if (!row) {
+        float vv = v[e];
+        if (update_v) v[e] = vv = mn_hd_adafactor_moment(vv, (double)(g * g + k->eps1), 1, k);
+        return mn_hd_adafactor_u_vec(g, vv);
+    } else {
+        size_t bi = e / cols, b = bi / rows;
+        return mn_hd_adafactor_u(g, row[bi], rmean[b], col[b * cols + e % cols]);
+    }
+}
+
+template <typename G>
+static __global__ void __launch_bounds__(MN__AF_THREADS)
+mn__af_u2_kernel(double *partial, float *v, const float *row, const float *col,
+                 const float *rmean, const G *grad, size_t n, size_t rows, size_t cols,
+                 mn_hd_adafactor_coef k, mn__af_grad q) {
+    size_t e;
+    double s = 0.0;
+    if (mn__af_skip(&q)) return;
+    for (e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x) {
+        float u = mn__af_u<G>(v, row, col, rmean, grad, e, rows, cols, 1, &k, &q);
+        s += (double)u * u;
+    }
+    s = mn__block_sum_d(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+static __global__ void mn__af_clip_kernel(float *scal, const double *partial, unsigned count,
+                                          size_t n, float clip_threshold) {
+    double acc = 0.0;
+    unsigned b;
+    for (b = 0; b < count; b++) acc += partial[b];
+    scal[1] = mn_hd_adafactor_clip_div(acc, n, clip_threshold);
+}
+
+template <typename G, typename P>
+static __global__ void __launch_bounds__(MN__AF_THREADS)
+mn__af_apply_kernel(float *param, P *param16, float *m, float *v, const float *row,
+                    const float *col, const float *rmean, const float *scal, const G *grad,
+                    size_t n, size_t rows, size_t cols, mn_hd_adafactor_coef k, mn__af_grad q) {
+    size_t e;
+    float alpha, clip_div;
+    if (mn__af_skip(&q)) return;
+    alpha = scal[0], clip_div = scal[1];
+    for (e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x) {
+        float u = mn__af_u<G>(v, row, col, rmean, grad, e, rows, cols, 0, &k, &q), p = param[e];
+        float mm = m ? m[e] : 0.0f;
+        mn_hd_adafactor_apply(&p, m ? &mm : NULL, u, clip_div, alpha, &k);
+        param[e] = p;
+        if (m) m[e] = mm;
+        if (param16) param16[e] = mn__cvt<P>(p);
+    }
+}
+
+template <typename G, typename P>
+static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
+                               mn_hd_adafactor_coef k, float clip_threshold, mn__af_grad q) {
+    cudaStream_t s = mn__stream(ctx);
+    size_t n = (size_t)(a->batch * a->rows * a->cols);
+    unsigned grid = mn__ew_grid(ctx, n);
+    size_t pb = mn__round256(grid * sizeof(double));
+    char *scr;
+    double *partial;
+    float *scal, *rmean;
+    const G *g = (const G *)a->grad;
+    mn_result r;
+    if ((r = mn__scratch(ctx, pb + 256 + a->batch * sizeof(float), (void **)&scr)) != MN_OK)
+        return r;
+    partial = (double *)scr, scal = (float *)(scr + pb), rmean = (float *)(scr + pb + 256);
+    mn__af_sumsq_kernel<<<grid, MN__AF_THREADS, 0, s>>>(partial, a->param, n);
+    MN__LAUNCHED(ctx);
+    mn__af_alpha_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, k);
+    MN__LAUNCHED(ctx);
+    if (a->exp_avg_sq_row) {
+        mn__af_row_kernel<G><<<mn__blocks(a->batch * a->rows, MN__ROWS_PER_BLOCK),
+                               32 * MN__ROWS_PER_BLOCK, 0, s>>>(a->exp_avg_sq_row, g,
+                                                                a->batch * a->rows, a->cols, k, q);
+        MN__LAUNCHED(ctx);
+        mn__af_col_kernel<G><<<mn__blocks(a->batch * a->cols, MN__AF_THREADS), MN__AF_THREADS, 0,
+                               s>>>(a->exp_avg_sq_col, g, a->batch, a->rows, a->cols, k, q);
+        MN__LAUNCHED(ctx);
+        mn__af_rowmean_kernel<<<mn__blocks(a->batch, 64), 64, 0, s>>>(rmean, a->exp_avg_sq_row,
+                                                                       a->batch, a->rows);
+        MN__LAUNCHED(ctx);
+    }
+    mn__af_u2_kernel<G><<<grid, MN__AF_THREADS, 0, s>>>(partial, a->exp_avg_sq, a->exp_avg_sq_row,
+                                                        a->exp_avg_sq_col, rmean, g, n, a->rows,
+                                                        a->cols, k, q);
+    MN__LAUNCHED(ctx);
+    mn__af_clip_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, clip_threshold);
+    MN__LAUNCHED(ctx);
+    mn__af_apply_kernel<G, P><<<grid, MN__AF_THREADS, 0, s>>>(
+        a->param, (P *)a->param16, a->exp_avg, a->exp_avg_sq, a->exp_avg_sq_row,
+        a->exp_avg_sq_col, rmean, scal, g, n, a->rows, a->cols, k, q);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+template <typename G>
+static mn_result mn__adafactor_g(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
+                                 mn_hd_adafactor_coef k, float clip_threshold, mn__af_grad q) {
+    if (!a->param16) return mn__adafactor<G, float>(ctx, a, k, clip_threshold, q);
+    if (a->param16_dtype == MN_FP16) return mn__adafactor<G, __half>(ctx, a, k, clip_threshold, q);
+    if (a->param16_dtype == MN_BF16)
+        return mn__adafactor<G, __nv_bfloat16>(ctx, a, k, clip_threshold, q);
+    return mn__bad(ctx, "param16_dtype must be MN_FP16 or MN_BF16");
+}
+
+MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const mn_adafactor_params *p,
+                                       const mn_cuda_adafactor_args *a) {
+    mn_adafactor_params q;
+    mn_hd_adafactor_coef k;
+    mn__af_grad gq;
+    uint64_t n;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, a && a->param && a->grad);
+    MN__CHECK(ctx, a->step >= 1);
+    MN__CHECK(ctx, a->exp_avg_sq_row ? a->exp_avg_sq_col != NULL : a->exp_avg_sq != NULL);
+    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
+    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    if (q.eps1 == 0.0f) q.eps1 = 1e-30f;
+    if (q.eps2 == 0.0f) q.eps2 = 1e-3f;
+    if (q.clip_threshold == 0.0f) q.clip_threshold = 1.0f;
+    if (q.decay_rate == 0.0f) q.decay_rate = -0.8f;
+    q.beta1 = mn__z(q.beta1, 0.0f), q.weight_decay = mn__z(q.weight_decay, 0.0f);
+    MN__CHECK(ctx, q.lr >= 0.0f && q.eps1 >= 0.0f && q.eps2 >= 0.0f && q.clip_threshold > 0.0f);
+    MN__CHECK(ctx, q.decay_rate < 0.0f && q.weight_decay >= 0.0f);
+    MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f);
+    MN__CHECK(ctx, q.beta1 == 0.0f || a->exp_avg);
+    if ((a->rows && a->batch > UINT64_MAX / a->rows) ||
+        (a->cols && a->batch * a->rows > UINT64_MAX / a->cols))
+        return mn__bad(ctx, "batch * rows * cols overflows");
+    n = a->batch * a->rows * a->cols;
+    if (n == 0) return MN_OK;
+    k = mn_hd_adafactor_coefs(q.lr, q.eps1, q.eps2, q.decay_rate, q.beta1, q.weight_decay,
+                              q.no_scale_parameter, q.warmup_init, a->step);
+    gq.norm = a->grad_norm, gq.inv_scale = a->inv_scale == 0.0f ? 1.0f : a->inv_scale;
+    gq.max_norm = a->max_norm;
+    if (q.beta1 == 0.0f) {  // no first moment: exp_avg unused
+        mn_cuda_adafactor_args b = *a;
+        b.exp_avg = NULL;
+        MN__DISPATCH(ctx, a->grad_dtype, mn__adafactor_g, ctx, &b, k, q.clip_threshold, gq);
+    }
+    MN__DISPATCH(ctx, a->grad_dtype, mn__adafactor_g, ctx, a, k, q.clip_threshold, gq);
 }
 
 // ---- gemm: >>ops matmul through cuBLASLt --------------------------------------------------------
@@ -1794,8 +2048,6 @@ static mn_result mn__att_gemm(mn_cuda *ctx, int form, const void *A, const void 
     }
     return r;
 }
-
-static size_t mn__round256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 template <typename T>
 static mn_result mn__attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv,

@@ -6,7 +6,8 @@
 //   - the caching allocator: ns per cached malloc+free on the device backend against
 //     cudaMalloc+cudaFree.
 // Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, a
-// 12-head 1024-token causal softmax and attention, AdamW, SGD and Lion over 124M parameters. Build: make gpu-bench (nvcc),
+// 12-head 1024-token causal softmax and attention, AdamW, SGD, Lion, Adafactor over 124M
+// parameters. Build: make gpu-bench (nvcc),
 // run: build/bench_gpu (bench/gpu.sh does both). Times: median of 20 runs after 3 warm-ups.
 #define MEMANAT_CUDA
 #include "../memanat.h"
@@ -110,6 +111,20 @@ static void f_lion(void *) {
     a.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.n = adam_n;
     a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
     MN(mn_cuda_lion_step(&ctx, NULL, &a));
+}
+
+// Adafactor, factored [161458, 768] (about 124M): reads p once for RMS(p), g four times (rows,
+// columns, the update's RMS, the update), p read+write and the 16-bit copy: 22 bytes per element.
+static void *af_row, *af_col;
+enum { AF_ROWS = 161458 };
+static void f_adafactor(void *) {
+    mn_cuda_adafactor_args a;
+    memset(&a, 0, sizeof a);
+    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
+    a.grad_dtype = MN_BF16, a.exp_avg_sq_row = (float *)af_row, a.exp_avg_sq_col = (float *)af_col;
+    a.batch = 1, a.rows = AF_ROWS, a.cols = C, a.step = 2;
+    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    MN(mn_cuda_adafactor_step(&ctx, NULL, &a));
 }
 
 typedef struct gemm_arg {
@@ -289,6 +304,9 @@ int main(void) {
                time_ms(f_sgd, NULL));
         row_bw("Lion 124M (fp32 master, m; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
                time_ms(f_lion, NULL));
+        af_row = dalloc(AF_ROWS * 4), af_col = dalloc(C * 4);
+        row_bw("Adafactor 161458x768 (factored; bf16 g x4, copy)", (double)AF_ROWS * C * 22.0,
+               time_ms(f_adafactor, NULL));
     }
     gemms();
     attention();

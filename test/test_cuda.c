@@ -589,6 +589,105 @@ static void test_sgd_lion(void) {
     }
 }
 
+// Adafactor after mn_cuda_global_norm against mn_unscale_grads_to_fp32 + mn_clip_grad_norm +
+// mn_adafactor_step, 3 steps: factored [3,5,37] and [768,3072], not factored [1003] and [2^20];
+// relative step, fixed lr with beta1 and weight decay, no_scale_parameter with warmup_init.
+static void test_adafactor(void) {
+    static const uint64_t shapes[][3] = {{3, 5, 37}, {1, 768, 3072}, {1, 1, 1003},
+                                         {1, 1, 1 << 20}};
+    size_t s;
+    int d, clip, mode;
+    for (s = 0; s < 4; s++)
+        for (mode = 0; mode < 3; mode++)
+            for (d = 0; d < 3; d++)
+                for (clip = 0; clip < 2; clip++) {
+                    mn_dtype gdt = dts[d];
+                    uint64_t B = shapes[s][0], R = shapes[s][1], Cc = shapes[s][2], n = B * R * Cc;
+                    uint64_t dims[3], sz[1];
+                    uint32_t ndim;
+                    int factored = s < 2, found_inf = 0, t;
+                    float inv_scale = 1.0f / 256.0f, max_norm = clip ? 1.0f : 0.0f, norm;
+                    float *p = hrand(MN_FP32, n, 1), *gs = hrand(gdt, n, 256), *g = hvec(n);
+                    float *gp[1];
+                    mn_adafactor st;
+                    mn_adafactor_params prm;
+                    mn_cuda_adafactor_args a;
+                    void *dp = dev(MN_FP32, p, n), *dg = dev(gdt, gs, n), *dn, *d16;
+                    void *drow = NULL, *dcol = NULL, *dv = NULL, *dm = NULL;
+                    char what[96];
+                    dn = dev_poisoned(MN_FP32, 1), d16 = dev_poisoned(MN_BF16, n);
+                    if (factored) {
+                        drow = dev_poisoned(MN_FP32, B * R), dcol = dev_poisoned(MN_FP32, B * Cc);
+                        OK(mn_cuda_mem_set(&ctx, drow, 0, B * R * 4));
+                        OK(mn_cuda_mem_set(&ctx, dcol, 0, B * Cc * 4));
+                    } else {
+                        dv = dev_poisoned(MN_FP32, n);
+                        OK(mn_cuda_mem_set(&ctx, dv, 0, n * 4));
+                    }
+                    if (s == 0) dims[0] = B, dims[1] = R, dims[2] = Cc, ndim = 3;
+                    else if (factored) dims[0] = R, dims[1] = Cc, ndim = 2;
+                    else dims[0] = n, ndim = 1;
+                    memset(&prm, 0, sizeof prm);
+                    if (mode == 1) prm.lr = 1e-2f, prm.beta1 = 0.9f, prm.weight_decay = 0.01f;
+                    if (mode == 2) prm.no_scale_parameter = 1, prm.warmup_init = 1;
+                    if (mode == 1) {
+                        dm = dev_poisoned(MN_FP32, n);
+                        OK(mn_cuda_mem_set(&ctx, dm, 0, n * 4));
+                    }
+                    OK(mn_adafactor_init(&st, dims, ndim, &prm, NULL));
+                    memset(&a, 0, sizeof a);
+                    a.param = (float *)dp, a.param16 = d16, a.param16_dtype = MN_BF16;
+                    a.grad = dg, a.grad_dtype = gdt, a.exp_avg_sq_row = (float *)drow;
+                    a.exp_avg_sq_col = (float *)dcol, a.exp_avg_sq = (float *)dv;
+                    a.exp_avg = (float *)dm, a.batch = B, a.rows = R, a.cols = Cc;
+                    a.grad_norm = (const float *)dn, a.inv_scale = inv_scale, a.max_norm = max_norm;
+                    for (t = 1; t <= 3; t++) {
+                        OK(mn_unscale_grads_to_fp32(MN_FP32, gs, g, n, inv_scale, &found_inf));
+                        gp[0] = g, sz[0] = n;
+                        OK(mn_clip_grad_norm(gp, sz, 1, clip ? max_norm : 1e30f, 2.0f, &norm));
+                        OK(mn_adafactor_step(&st, p, g, NULL));
+                        OK(mn_cuda_global_norm(&ctx, (float *)dn, dg, n, gdt));
+                        a.step = (uint64_t)t;
+                        OK(mn_cuda_adafactor_step(&ctx, &prm, &a));
+                    }
+                    snprintf(what, sizeof what, "adafactor param [%llu,%llu,%llu] mode %d",
+                             (unsigned long long)B, (unsigned long long)R,
+                             (unsigned long long)Cc, mode);
+                    compare(what, MN_FP32, 1e-5, dp, p, n);
+                    if (factored) {
+                        compare("adafactor exp_avg_sq_row", MN_FP32, 1e-5, drow, st.exp_avg_sq_row,
+                                B * R);
+                        compare("adafactor exp_avg_sq_col", MN_FP32, 1e-5, dcol, st.exp_avg_sq_col,
+                                B * Cc);
+                    } else {
+                        compare("adafactor exp_avg_sq", MN_FP32, 1e-5, dv, st.exp_avg_sq, n);
+                    }
+                    if (dm) compare("adafactor exp_avg", MN_FP32, 1e-5, dm, st.exp_avg, n);
+                    {
+                        size_t i;
+                        for (i = 0; i < n; i++) p[i] = stf(MN_BF16, p[i]);
+                        compare("adafactor param16", MN_BF16, 1.6e-2, d16, p, n);
+                    }
+                    if (s == 0 && d == 0 && clip) {  // found inf: nothing written
+                        float *before = down(MN_FP32, dp, n), inf = INFINITY;
+                        float *rbefore = down(MN_FP32, drow, B * R);
+                        void *ginf = dev(MN_FP32, gs, n);
+                        OK(mn_cuda_mem_copy(&ctx, ginf, &inf, 4));
+                        OK(mn_cuda_global_norm(&ctx, (float *)dn, ginf, n, MN_FP32));
+                        a.grad = ginf, a.grad_dtype = MN_FP32, a.step = 4;
+                        OK(mn_cuda_adafactor_step(&ctx, &prm, &a));
+                        compare("adafactor skipped on inf", MN_FP32, 0.0, dp, before, n);
+                        compare("adafactor row kept on inf", MN_FP32, 0.0, drow, rbefore, B * R);
+                        free(before), free(rbefore);
+                        release(ginf);
+                    }
+                    mn_adafactor_free(&st);
+                    release(dp), release(dg), release(dn), release(d16), release(drow);
+                    release(dcol), release(dv), release(dm);
+                    free(p), free(gs), free(g);
+                }
+}
+
 // ---- GEMM and epilogues -------------------------------------------------------------------------
 
 static void test_matmul_ctx(mn_cuda *c, const char *tag) {
@@ -764,6 +863,7 @@ static const tcase cases[] = {
     {"embedding", test_embedding},
     {"adamw", test_adamw},
     {"sgd_lion", test_sgd_lion},
+    {"adafactor", test_adafactor},
     {"matmul", test_matmul},
     {"cache", test_cache},
     {"cache_streams", test_cache_streams},

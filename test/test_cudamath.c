@@ -573,6 +573,99 @@ static void test_lion(void) {
     free(param), free(grad), free(hp), free(hm), free(p16);
 }
 
+// The device's Adafactor sequence (alpha from RMS(p), the row and column means, mean(R), the
+// update's RMS, the update; every sum in double) written with the mn_hd_adafactor_* functions,
+// against mn_adafactor_step over 5 steps: factored ([3,5,37], [64,96]) and not ([1003]);
+// relative step, fixed lr with beta1 and weight decay, no_scale_parameter with warmup_init.
+// The host sums run in the host step's order, so the results are bit-for-bit equal; the device
+// adds the same terms in another order (within 1e-5 on the GPU test).
+static void test_adafactor(void) {
+    static const uint64_t shapes[][3] = {{3, 5, 37}, {1, 64, 96}, {1, 1, 1003}};
+    uint64_t sh, b, i, j, e, t;
+    int mode;
+    for (sh = 0; sh < 3; sh++)
+        for (mode = 0; mode < 3; mode++) {
+            uint64_t B = shapes[sh][0], R = shapes[sh][1], Cc = shapes[sh][2], n = B * R * Cc;
+            uint64_t dims[3];
+            uint32_t ndim;
+            int factored = sh < 2;
+            mn_adafactor s;
+            mn_adafactor_params p;
+            float *param = mnt_fvec(n), *grad = mnt_fvec(n), *hp = mnt_fvec(n), *hm = mnt_fvec(n);
+            float *hv = mnt_fvec(n), *hr = mnt_fvec(B * R), *hc = mnt_fvec(B * Cc);
+            float *rmean = mnt_fvec(B);
+            if (sh == 0) dims[0] = B, dims[1] = R, dims[2] = Cc, ndim = 3;
+            else if (sh == 1) dims[0] = R, dims[1] = Cc, ndim = 2;
+            else dims[0] = n, ndim = 1;
+            memset(&p, 0, sizeof p);
+            if (mode == 1) p.lr = 1e-2f, p.beta1 = 0.9f, p.weight_decay = 0.01f;
+            if (mode == 2) p.no_scale_parameter = 1, p.warmup_init = 1, p.clip_threshold = 0.5f;
+            CHECK_OK(mn_adafactor_init(&s, dims, ndim, &p, NULL));
+            mnt_fill_normal(param, n, 1.0);
+            memcpy(hp, param, n * sizeof *hp);
+            for (t = 1; t <= 5; t++) {
+                const mn_adafactor_params *q = &s.params;
+                mn_hd_adafactor_coef k = mn_hd_adafactor_coefs(
+                    q->lr, q->eps1, q->eps2, q->decay_rate, q->beta1, q->weight_decay,
+                    q->no_scale_parameter, q->warmup_init, t);
+                double sum = 0.0;
+                float alpha, clip_div;
+                mnt_fill_normal(grad, n, t == 3 ? 1e-3 : 1.0);
+                CHECK_OK(mn_adafactor_step(&s, param, grad, NULL));
+                for (e = 0; e < n; e++) sum += (double)hp[e] * hp[e];
+                alpha = mn_hd_adafactor_alpha(&k, (float)sqrt(sum / (double)n));
+                CHECK(alpha == s.alpha);
+                if (factored) {
+                    for (i = 0; i < B * R; i++) {
+                        for (sum = 0.0, j = 0; j < Cc; j++)
+                            sum += (double)(grad[i * Cc + j] * grad[i * Cc + j] + k.eps1);
+                        hr[i] = mn_hd_adafactor_moment(hr[i], sum, Cc, &k);
+                    }
+                    for (b = 0; b < B; b++)
+                        for (j = 0; j < Cc; j++) {
+                            for (sum = 0.0, i = 0; i < R; i++) {
+                                float g = grad[(b * R + i) * Cc + j];
+                                sum += (double)(g * g + k.eps1);
+                            }
+                            hc[b * Cc + j] = mn_hd_adafactor_moment(hc[b * Cc + j], sum, R, &k);
+                        }
+                    for (b = 0; b < B; b++) {
+                        for (sum = 0.0, i = 0; i < R; i++) sum += hr[b * R + i];
+                        rmean[b] = (float)(sum / (double)R);
+                    }
+                } else {
+                    for (e = 0; e < n; e++)
+                        hv[e] = mn_hd_adafactor_moment(hv[e], (double)(grad[e] * grad[e] + k.eps1),
+                                                       1, &k);
+                }
+                for (sum = 0.0, e = 0; e < n; e++) {
+                    float u = factored ? mn_hd_adafactor_u(grad[e], hr[e / Cc], rmean[e / Cc / R],
+                                                           hc[e / Cc / R * Cc + e % Cc])
+                                       : mn_hd_adafactor_u_vec(grad[e], hv[e]);
+                    sum += (double)u * u;
+                }
+                clip_div = mn_hd_adafactor_clip_div(sum, n, q->clip_threshold);
+                for (e = 0; e < n; e++) {
+                    float u = factored ? mn_hd_adafactor_u(grad[e], hr[e / Cc], rmean[e / Cc / R],
+                                                           hc[e / Cc / R * Cc + e % Cc])
+                                       : mn_hd_adafactor_u_vec(grad[e], hv[e]);
+                    mn_hd_adafactor_apply(hp + e, s.exp_avg ? hm + e : NULL, u, clip_div, alpha,
+                                          &k);
+                }
+            }
+            CHECK(memcmp(hp, param, n * sizeof *hp) == 0);
+            if (factored) {
+                CHECK(memcmp(hr, s.exp_avg_sq_row, B * R * sizeof *hr) == 0);
+                CHECK(memcmp(hc, s.exp_avg_sq_col, B * Cc * sizeof *hc) == 0);
+            } else {
+                CHECK(memcmp(hv, s.exp_avg_sq, n * sizeof *hv) == 0);
+            }
+            if (s.exp_avg) CHECK(memcmp(hm, s.exp_avg, n * sizeof *hm) == 0);
+            mn_adafactor_free(&s);
+            free(param), free(grad), free(hp), free(hm), free(hv), free(hr), free(hc), free(rmean);
+        }
+}
+
 const mnt_case test_cudamath_cases[] = {
     {"gelu", test_gelu},
     {"layernorm", test_layernorm},
@@ -584,5 +677,6 @@ const mnt_case test_cudamath_cases[] = {
     {"adamw_scaled", test_adamw_scaled},
     {"sgd", test_sgd},
     {"lion", test_lion},
+    {"adafactor", test_adafactor},
 };
 const size_t test_cudamath_count = sizeof test_cudamath_cases / sizeof test_cudamath_cases[0];
