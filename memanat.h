@@ -1217,8 +1217,9 @@ MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
 // the conventions above. The tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols):
 // factored when exp_avg_sq_row is given (R [batch, rows], C [batch, cols]), else V [n] with
 // batch = rows = 1, cols = n. Kernels in order: RMS(param) and alpha_t, the row means (a warp per
-// row), the column means (a thread per column), mean(R) per batch, the update's RMS, the update;
-// every sum in double, in a fixed order (deterministic). Scratch: 8 per 256 elements + 4 per batch.
+// row), the column means (partial sums per 64-row chunk, then the chunks in order), mean(R) (a
+// warp per batch), the update's RMS, the update; every sum in double, in a fixed order
+// (deterministic). Scratch: 8 bytes x batch x cols x min(512, rows / 64) and a few KiB.
 typedef struct mn_cuda_adafactor_args {
     float *param;              // [n] fp32 master weights, updated
     void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL

@@ -1455,30 +1455,55 @@ mn__af_row_kernel(float *row, const G *grad, size_t R, size_t cols, mn_hd_adafac
     if (lane == 0) row[r] = mn_hd_adafactor_moment(row[r], s, cols, &k);
 }
 
-// C: one thread per column (b, j), the rows in order.
+// C: column sums per chunk of rows as the column kernels above (block (32, 8): 32 columns of a
+// chunk; grid z walks the batches), partial [batch, chunks, cols] in double; then one thread per
+// column (b, j) adds its chunks in order.
 template <typename G>
+static __global__ void __launch_bounds__(32 * MN__COL_THREADS_Y)
+mn__af_col_partial_kernel(double *partial, const G *grad, size_t batch, size_t rows, size_t cols,
+                          size_t rows_per_chunk, mn_hd_adafactor_coef k, mn__af_grad q) {
+    __shared__ double sb[MN__COL_THREADS_Y][32];
+    size_t j = (size_t)blockIdx.x * 32 + threadIdx.x, r0 = blockIdx.y * rows_per_chunk, b, i;
+    size_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    unsigned u;
+    if (mn__af_skip(&q)) return;
+    for (b = blockIdx.z; b < batch; b += gridDim.z) {
+        double acc = 0.0;
+        if (j < cols)
+            for (i = r0 + threadIdx.y; i < r1; i += MN__COL_THREADS_Y) {
+                float g = mn__af_g<G>(grad, (b * rows + i) * cols + j, &q);
+                acc += (double)(g * g + k.eps1);
+            }
+        sb[threadIdx.y][threadIdx.x] = acc;
+        __syncthreads();
+        if (threadIdx.y == 0 && j < cols) {
+            for (acc = 0.0, u = 0; u < MN__COL_THREADS_Y; u++) acc += sb[u][threadIdx.x];
+            partial[(b * gridDim.y + blockIdx.y) * cols + j] = acc;
+        }
+        __syncthreads();
+    }
+}
 static __global__ void __launch_bounds__(MN__AF_THREADS)
-mn__af_col_kernel(float *col, const G *grad, size_t batch, size_t rows, size_t cols,
-                  mn_hd_adafactor_coef k, mn__af_grad q) {
-    size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x, b, j, i;
+mn__af_col_finish_kernel(float *col, const double *partial, size_t batch, unsigned chunks,
+                         size_t rows, size_t cols, mn_hd_adafactor_coef k, mn__af_grad q) {
+    size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x, b, j;
     double s = 0.0;
+    unsigned u;
     if (c >= batch * cols || mn__af_skip(&q)) return;
     b = c / cols, j = c % cols;
-    for (i = 0; i < rows; i++) {
-        float g = mn__af_g<G>(grad, (b * rows + i) * cols + j, &q);
-        s += (double)(g * g + k.eps1);
-    }
+    for (u = 0; u < chunks; u++) s += partial[(b * chunks + u) * cols + j];
     col[c] = mn_hd_adafactor_moment(col[c], s, rows, &k);
 }
 
-// mean(R) per batch, the rows in order.
-static __global__ void mn__af_rowmean_kernel(float *rmean, const float *row, size_t batch,
-                                             size_t rows) {
-    size_t b = (size_t)blockIdx.x * blockDim.x + threadIdx.x, i;
+// mean(R) per batch: one warp per batch.
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__af_rowmean_kernel(float *rmean, const float *row, size_t batch, size_t rows) {
+    size_t b = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i;
     double s = 0.0;
     if (b >= batch) return;
-    for (i = 0; i < rows; i++) s += row[b * rows + i];
-    rmean[b] = (float)(s / (double)rows);
+    for (i = threadIdx.x % 32; i < rows; i += 32) s += row[b * rows + i];
+    s = mn__warp_sum_d(s);
+    if (threadIdx.x % 32 == 0) rmean[b] = (float)(s / (double)rows);
 }
 
 // The update before clipping (V updated first when not factored).
@@ -1548,15 +1573,18 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
     cudaStream_t s = mn__stream(ctx);
     size_t n = (size_t)(a->batch * a->rows * a->cols);
     unsigned grid = mn__ew_grid(ctx, n);
+    unsigned chunks = a->exp_avg_sq_row ? mn__row_chunks((size_t)a->rows) : 0;
     size_t pb = mn__round256(grid * sizeof(double));
+    size_t cb = mn__round256((size_t)(a->batch * chunks * a->cols) * sizeof(double));
+    size_t mb = mn__round256((size_t)a->batch * sizeof(float));
     char *scr;
-    double *partial;
+    double *partial, *cpart;
     float *scal, *rmean;
     const G *g = (const G *)a->grad;
     mn_result r;
-    if ((r = mn__scratch(ctx, pb + 256 + a->batch * sizeof(float), (void **)&scr)) != MN_OK)
-        return r;
+    if ((r = mn__scratch(ctx, pb + 256 + mb + cb, (void **)&scr)) != MN_OK) return r;
     partial = (double *)scr, scal = (float *)(scr + pb), rmean = (float *)(scr + pb + 256);
+    cpart = (double *)(scr + pb + 256 + mb);
     mn__af_sumsq_kernel<<<grid, MN__AF_THREADS, 0, s>>>(partial, a->param, n);
     MN__LAUNCHED(ctx);
     mn__af_alpha_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, k);
@@ -1566,11 +1594,20 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
                                32 * MN__ROWS_PER_BLOCK, 0, s>>>(a->exp_avg_sq_row, g,
                                                                 a->batch * a->rows, a->cols, k, q);
         MN__LAUNCHED(ctx);
-        mn__af_col_kernel<G><<<mn__blocks(a->batch * a->cols, MN__AF_THREADS), MN__AF_THREADS, 0,
-                               s>>>(a->exp_avg_sq_col, g, a->batch, a->rows, a->cols, k, q);
-        MN__LAUNCHED(ctx);
-        mn__af_rowmean_kernel<<<mn__blocks(a->batch, 64), 64, 0, s>>>(rmean, a->exp_avg_sq_row,
-                                                                       a->batch, a->rows);
+        {
+            size_t rpc = ((size_t)a->rows + chunks - 1) / chunks;
+            dim3 cgrid(mn__blocks(a->cols, 32), chunks,
+                       (unsigned)(a->batch < 65535 ? a->batch : 65535));
+            mn__af_col_partial_kernel<G><<<cgrid, dim3(32, MN__COL_THREADS_Y), 0, s>>>(
+                cpart, g, a->batch, a->rows, a->cols, rpc, k, q);
+            MN__LAUNCHED(ctx);
+            mn__af_col_finish_kernel<<<mn__blocks(a->batch * a->cols, MN__AF_THREADS),
+                                       MN__AF_THREADS, 0, s>>>(a->exp_avg_sq_col, cpart, a->batch,
+                                                               chunks, a->rows, a->cols, k, q);
+            MN__LAUNCHED(ctx);
+        }
+        mn__af_rowmean_kernel<<<mn__blocks(a->batch, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK,
+                                0, s>>>(rmean, a->exp_avg_sq_row, a->batch, a->rows);
         MN__LAUNCHED(ctx);
     }
     mn__af_u2_kernel<G><<<grid, MN__AF_THREADS, 0, s>>>(partial, a->exp_avg_sq, a->exp_avg_sq_row,
