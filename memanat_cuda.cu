@@ -1186,76 +1186,21 @@ MNDEF mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *g
     MN__DISPATCH(ctx, dtype, mn__global_norm, ctx, norm_out, grad, n);
 }
 
-// AdamW: found-inf (a non-finite norm skips the whole step), unscale, clip and the update in one
-// pass; the 16-bit copy is written from the new master weight.
-template <typename G, typename P>
-static __global__ void __launch_bounds__(MN__EW_THREADS)
-mn__adamw_kernel(float *param, P *param16, const G *grad, float *m, float *v, size_t n,
-                 mn_hd_adamw_coef k, const float *grad_norm, float inv_scale, float max_norm) {
-    size_t i;
-    float clip = 1.0f;
-    if (grad_norm) {
-        float nrm = *grad_norm;
-        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
-        clip = mn_hd_clip_coef(nrm * inv_scale, max_norm);
-    }
-    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float p = param[i], mm = m[i], vv = v[i];
-        float g = mn__ld<G>(grad + i) * inv_scale;  // unscale, rounded as mn_unscale_grads
-        mn_hd_adamw(&p, &mm, &vv, g, clip, &k);
-        param[i] = p, m[i] = mm, v[i] = vv;
-        if (param16) param16[i] = mn__cvt<P>(p);
-    }
-}
-
-template <typename G, typename P>
-static mn_result mn__adamw(mn_cuda *ctx, const mn_cuda_adamw_args *a, mn_hd_adamw_coef k,
-                           float inv_scale) {
-    mn__adamw_kernel<G, P><<<mn__ew_grid(ctx, a->n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
-        a->param, (P *)a->param16, (const G *)a->grad, a->exp_avg, a->exp_avg_sq, (size_t)a->n, k,
-        a->grad_norm, inv_scale, a->max_norm);
-    MN__LAUNCHED(ctx);
-    return MN_OK;
-}
-
-template <typename G>
-static mn_result mn__adamw_g(mn_cuda *ctx, const mn_cuda_adamw_args *a, mn_hd_adamw_coef k,
-                             float inv_scale) {
-    if (!a->param16) return mn__adamw<G, float>(ctx, a, k, inv_scale);
-    if (a->param16_dtype == MN_FP16) return mn__adamw<G, __half>(ctx, a, k, inv_scale);
-    if (a->param16_dtype == MN_BF16) return mn__adamw<G, __nv_bfloat16>(ctx, a, k, inv_scale);
-    return mn__bad(ctx, "param16_dtype must be MN_FP16 or MN_BF16");
-}
-
 // mn_adamw_params defaults as mn_adamw_init resolves them (0 = default, MN_OPTIM_ZERO = 0).
 static float mn__z(float v, float def) { return v == 0.0f ? def : v == MN_OPTIM_ZERO ? 0.0f : v; }
 
-MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const mn_adamw_params *p,
-                                   const mn_cuda_adamw_args *a) {
-    mn_adamw_params q;
+// AdamW, SGD and Lion: one kernel over a per-element functor. Found inf (a non-finite norm skips
+// the whole step), unscale, clip and the update in one pass; the 16-bit copy is written from the
+// new master weight.
+struct mn__adamw_op {
+    float *m, *v;
     mn_hd_adamw_coef k;
-    float inv_scale;
-    MN__CTX(ctx);
-    MN__CHECK(ctx, a && a->param && a->grad && a->exp_avg && a->exp_avg_sq);
-    MN__CHECK(ctx, a->step >= 1);
-    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
-    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
-    if (p) q = *p;
-    else memset(&q, 0, sizeof q);
-    if (q.amsgrad) return MN_ERR_UNSUPPORTED;
-    q.lr = mn__z(q.lr, 1e-3f), q.beta1 = mn__z(q.beta1, 0.9f), q.beta2 = mn__z(q.beta2, 0.999f);
-    q.eps = mn__z(q.eps, 1e-8f), q.weight_decay = mn__z(q.weight_decay, 1e-2f);
-    MN__CHECK(ctx, q.lr >= 0.0f && q.eps >= 0.0f && q.weight_decay >= 0.0f);
-    MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f && q.beta2 >= 0.0f && q.beta2 < 1.0f);
-    if (a->n == 0) return MN_OK;
-    k = mn_hd_adamw_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.maximize, a->step);
-    inv_scale = a->inv_scale == 0.0f ? 1.0f : a->inv_scale;
-    MN__DISPATCH(ctx, a->grad_dtype, mn__adamw_g, ctx, a, k, inv_scale);
-}
-
-// SGD and Lion: one kernel over a per-element functor (found inf, unscale, clip and the 16-bit
-// copy as in the AdamW kernel above).
+    __device__ void operator()(float *p, size_t i, float g, float clip) const {
+        float mm = m[i], vv = v[i];
+        mn_hd_adamw(p, &mm, &vv, g, clip, &k);
+        m[i] = mm, v[i] = vv;
+    }
+};
 struct mn__sgd_op {
     float *b;
     mn_hd_sgd_coef k;
@@ -1335,6 +1280,31 @@ static mn_result mn__optim_step(mn_cuda *ctx, const mn__flat_args *a, OP op) {
     case MN_BF16: return mn__optim_g<__nv_bfloat16, OP>(ctx, a, op);
     default: return mn__bad(ctx, "grad_dtype is not fp32, fp16 or bf16");
     }
+}
+
+MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const mn_adamw_params *p,
+                                   const mn_cuda_adamw_args *a) {
+    mn_adamw_params q;
+    mn__flat_args f;
+    mn__adamw_op op;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, a && a->param && a->grad && a->exp_avg && a->exp_avg_sq);
+    MN__CHECK(ctx, a->step >= 1);
+    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
+    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    if (q.amsgrad) return MN_ERR_UNSUPPORTED;
+    q.lr = mn__z(q.lr, 1e-3f), q.beta1 = mn__z(q.beta1, 0.9f), q.beta2 = mn__z(q.beta2, 0.999f);
+    q.eps = mn__z(q.eps, 1e-8f), q.weight_decay = mn__z(q.weight_decay, 1e-2f);
+    MN__CHECK(ctx, q.lr >= 0.0f && q.eps >= 0.0f && q.weight_decay >= 0.0f);
+    MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f && q.beta2 >= 0.0f && q.beta2 < 1.0f);
+    op.m = a->exp_avg, op.v = a->exp_avg_sq;
+    op.k = mn_hd_adamw_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.maximize, a->step);
+    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
+    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
+    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
+    return mn__optim_step(ctx, &f, op);
 }
 
 MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const mn_sgd_params *p, const mn_cuda_sgd_args *a) {
