@@ -1843,6 +1843,9 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
                     "nats/token (uniform guess: ln V = %.4f)\n", TR_SUCC, m->data.entropy,
                     log((double)c->V));
         if (pr == MN_OK) TR_TRY(tr_write_anatomy(&pred, NULL, out));
+        if (pr == MN_OK && c->capacity && !pred.fits)
+            fprintf(out, "that is more than --capacity %.2f MiB: expect an out-of-memory "
+                    "(--budget plans a configuration that fits)\n", (double)c->capacity / TR_MIB);
         else fprintf(out, "no prediction: %s\n", mn_result_str(pr));
     }
     res->entropy = m->text ? 0.0 : m->data.entropy;
