@@ -674,7 +674,11 @@ def validate():
     ]
     from torch.profiler import ProfilerActivity, profile
     print("case\tmemtracker_peak\tprofiler_peak\tdiff_bytes\tdiff_%")
+    import gc as pygc
     for name, fam, ov, b, s, prec, att, opt, gc, lora in cases:
+        # the previous case's objects must be gone before the count starts: a storage allocated
+        # before the profile and freed inside it would lower the profiler's running sum
+        pygc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             peak, cats, phase, _ = run(fam, b, s, prec, att, opt, gc, lora, ov, fake=False)
         # Allocator events in time order; the bytes alive before the model was built are 0 here,
