@@ -696,6 +696,55 @@ def validate():
 
 
 # ---------------------------------------------------------------------------------------------
+# 7. --check-emulation: forward only, real CUDA autocast on fake "cuda" tensors (forward works
+#    there; only backward needs the driver) against the emulation on fake cpu tensors.
+# ---------------------------------------------------------------------------------------------
+
+def _forward_peak(family, batch, seq, precision, device):
+    autocast_dtype, param_dtype, _ = PRECISIONS[precision]
+    cfg, model_cls = make_config(family, {}, "eager")
+    import transformers.masking_utils as mu
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    with FakeTensorMode():
+        torch.set_default_dtype(param_dtype)
+        with torch.device(device):
+            model = model_cls(cfg)
+        torch.set_default_dtype(torch.float32)
+        model.train()
+        tr = Tracker()
+        tr.dev_type = device
+        tr.track_external(model)
+        with tr:
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+            labels = torch.randint(0, 2, (batch,), device=device) if family == "bert" else ids
+            ac = (torch.autocast(device, dtype=autocast_dtype) if autocast_dtype
+                  else contextlib.nullcontext())
+            with ac:
+                out = model(input_ids=ids, labels=labels)
+            cur = tr.get_tracker_snapshot("current")
+        peak = tr.get_tracker_snapshot("peak")
+    pick = lambda snap: next(v for d, v in snap.items() if d.type == device)[_TOTAL_KEY]
+    del out
+    return pick(peak), pick(cur)
+
+
+def check_emulation():
+    cases = [("gpt2", 4, 512, "bf16"), ("gpt2", 4, 512, "fp16"), ("llama", 2, 1024, "bf16"),
+             ("qwen2", 2, 512, "fp16"), ("bert", 8, 256, "bf16"), ("gemma", 1, 512, "bf16"),
+             ("phi3", 2, 512, "fp16"), ("mistral", 2, 512, "bf16")]
+    import torch.amp.autocast_mode as am
+    am.torch.cuda.amp.common.amp_definitely_not_available = lambda: False
+    torch.cuda.is_bf16_supported = lambda *a, **k: True
+    res = [(c, _forward_peak(*c, "cuda")) for c in cases]  # before the emulation is installed
+    install_cuda_emulation()
+    print("case\tcuda_fwd_peak\temulated_fwd_peak\tcuda_after_fwd\temulated_after_fwd\tdiff_%")
+    for c, (pc, cc) in res:
+        pe, ce = _forward_peak(*c, "cpu")
+        print("%s b%d s%d %s\t%d\t%d\t%d\t%d\t%.3f" % (c[0], c[1], c[2], c[3], pc, pe, cc, ce,
+                                                        100.0 * (pe - pc) / pc))
+
+
+# ---------------------------------------------------------------------------------------------
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
@@ -713,10 +762,14 @@ def main():
     ap.add_argument("--no-write", action="store_true", help="do not write the config.json")
     ap.add_argument("--table", nargs="*", metavar="NAME", help="print the table rows (all or NAMEs)")
     ap.add_argument("--jobs", type=int, default=1, help="--table: rows run in parallel")
+    ap.add_argument("--check-emulation", action="store_true",
+                    help="forward only: real CUDA autocast on fake cuda vs the emulation")
     ap.add_argument("--validate", action="store_true", help="MemTracker vs profiler, CPU, real")
     a = ap.parse_args()
     if a.validate:
         return validate()
+    if a.check_emulation:
+        return check_emulation()
     if a.table is not None:
         return table(a.table, a.jobs)
     ov = {}
