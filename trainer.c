@@ -1584,17 +1584,26 @@ static mn_result tr_step(tr_model *m, tr_step_info *st) {
 // the first tr_update, replayed through a cache with the default configuration.
 
 // *out: memanat's prediction for cfg (host memory: no context, no workspace).
+// The estimator's checkpointing modes, indexed by TR_CKPT_*.
+static const mn_ckpt tr_ckpt_mn[] = {MN_CKPT_NONE, MN_CKPT_SELECTIVE, MN_CKPT_FULL};
+
+// The estimator's model and setup for cfg (framework memanat) on a device of capacity bytes
+// (0: the host's, unlimited as mn_hostdev's).
+static mn_result tr_estimator_inputs(const tr_config *cfg, uint64_t capacity, mn_model *model,
+                                     mn_setup *s) {
+    TR_TRY(mn_gpt_model(cfg->L, cfg->C, cfg->NH, cfg->T, cfg->V, cfg->tied, model));
+    memset(s, 0, sizeof *s);
+    s->framework = MN_FW_MEMANAT, s->capacity = capacity;
+    s->batch = cfg->B, s->seq = cfg->T, s->accum = cfg->K;
+    s->precision = cfg->precision, s->optim = cfg->optim;
+    s->checkpointing = tr_ckpt_mn[cfg->checkpointing];
+    return MN_OK;
+}
+
 static mn_result tr_predict(const tr_config *cfg, mn_estimate_result *out) {
-    static const mn_ckpt ckpt[] = {MN_CKPT_NONE, MN_CKPT_SELECTIVE, MN_CKPT_FULL};
     mn_model model;
     mn_setup s;
-    TR_TRY(mn_gpt_model(cfg->L, cfg->C, cfg->NH, cfg->T, cfg->V, cfg->tied, &model));
-    memset(&s, 0, sizeof s);
-    s.framework = MN_FW_MEMANAT;
-    s.batch = cfg->B, s.seq = cfg->T, s.accum = cfg->K;
-    s.precision = cfg->precision, s.optim = cfg->optim;
-    s.checkpointing = ckpt[cfg->checkpointing];
-    s.capacity = cfg->capacity;  // 0: the host's, unlimited as mn_hostdev's
+    TR_TRY(tr_estimator_inputs(cfg, cfg->capacity, &model, &s));
     return mn_estimate(&model, &s, out);
 }
 
@@ -1605,7 +1614,6 @@ static mn_result tr_write_anatomy(const mn_estimate_result *pred, const struct m
     static const mn_category cats[] = {MN_CAT_WEIGHTS, MN_CAT_MASTER_WEIGHTS, MN_CAT_GRADIENTS,
                                        MN_CAT_OPTIMIZER, MN_CAT_ACTIVATIONS, MN_CAT_TEMPORARY,
                                        MN_CAT_OTHER};
-    const double mib = 1048576.0;
     uint64_t p[9], m[9] = {0};
     const char *name[9];
     size_t i, n = sizeof cats / sizeof cats[0];
@@ -1618,10 +1626,10 @@ static mn_result tr_write_anatomy(const mn_estimate_result *pred, const struct m
     name[n + 1] = "peak reserved", p[n + 1] = pred->peak_reserved;
     if (!st) {
         w = fprintf(out, "predicted by memanat's estimator (framework memanat): peak allocated "
-                    "%.2f MiB, reserved %.2f MiB\n  peaks:", (double)p[n] / mib,
-                    (double)p[n + 1] / mib);
+                    "%.2f MiB, reserved %.2f MiB\n  peaks:", (double)p[n] / TR_MIB,
+                    (double)p[n + 1] / TR_MIB);
         for (i = 0; i < n && w >= 0; i++)
-            w = fprintf(out, "%s %s %.2f", i ? "," : "", name[i], (double)p[i] / mib);
+            w = fprintf(out, "%s %s %.2f", i ? "," : "", name[i], (double)p[i] / TR_MIB);
         if (w >= 0) w = fprintf(out, " MiB\n");
         return w < 0 ? MN_ERR_IO : MN_OK;
     }
@@ -1631,8 +1639,8 @@ static mn_result tr_write_anatomy(const mn_estimate_result *pred, const struct m
     for (i = 0; i < n + 2 && w >= 0; i++) {
         double err = m[i] ? 100.0 * ((double)p[i] - (double)m[i]) / (double)m[i]
                           : p[i] ? 100.0 : 0.0;
-        w = fprintf(out, "%-16s %14.3f %14.3f %8.2f%%\n", name[i], (double)p[i] / mib,
-                    (double)m[i] / mib, err);
+        w = fprintf(out, "%-16s %14.3f %14.3f %8.2f%%\n", name[i], (double)p[i] / TR_MIB,
+                    (double)m[i] / TR_MIB, err);
     }
     return w < 0 ? MN_ERR_IO : MN_OK;
 }
@@ -1648,17 +1656,12 @@ static mn_result tr_plan(tr_config *cfg, FILE *out, char *err, size_t cap) {
     mn_fit_result *fit = (mn_fit_result *)malloc(sizeof *fit);  // large for a stack
     char a[32], b[32];
     uint32_t i;
+    int k;
     mn_result r;
     if (!fit) return MN_ERR_OUT_OF_MEMORY;
-    if ((r = mn_gpt_model(cfg->L, cfg->C, cfg->NH, cfg->T, cfg->V, cfg->tied, &model)) != MN_OK)
+    if ((r = tr_estimator_inputs(cfg, cfg->budget, &model, &s)) != MN_OK ||
+        (r = mn_fit(&model, &s, fit)) != MN_OK)
         goto done;
-    memset(&s, 0, sizeof s);
-    s.framework = MN_FW_MEMANAT, s.capacity = cfg->budget;
-    s.batch = cfg->B, s.seq = cfg->T, s.accum = cfg->K, s.precision = cfg->precision;
-    s.optim = cfg->optim;
-    s.checkpointing = cfg->checkpointing == TR_CKPT_FULL ? MN_CKPT_FULL
-                      : cfg->checkpointing == TR_CKPT_SELECTIVE ? MN_CKPT_SELECTIVE : MN_CKPT_NONE;
-    if ((r = mn_fit(&model, &s, fit)) != MN_OK) goto done;
     mn_size_format(cfg->budget, a, sizeof a);
     mn_size_format(fit->plan_estimate.peak_reserved, b, sizeof b);
     if (!fit->plan_found) {
@@ -1675,9 +1678,8 @@ static mn_result tr_plan(tr_config *cfg, FILE *out, char *err, size_t cap) {
     }
     cfg->B = (size_t)fit->plan_setup.batch, cfg->K = (size_t)fit->plan_setup.accum;
     cfg->precision = fit->plan_setup.precision, cfg->optim = fit->plan_setup.optim;
-    cfg->checkpointing = fit->plan_setup.checkpointing == MN_CKPT_FULL ? TR_CKPT_FULL
-                         : fit->plan_setup.checkpointing == MN_CKPT_SELECTIVE ? TR_CKPT_SELECTIVE
-                         : TR_CKPT_NONE;
+    for (cfg->checkpointing = TR_CKPT_NONE, k = 0; k < 3; k++)
+        if (tr_ckpt_mn[k] == fit->plan_setup.checkpointing) cfg->checkpointing = k;
     if (!cfg->capacity || cfg->capacity > cfg->budget) cfg->capacity = cfg->budget;
 done:
     free(fit);
