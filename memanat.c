@@ -612,7 +612,9 @@ static int load_lengths(const cli *c, mn_seq_dist *d) {
     lg.log_fn = capture_log;
     if (digits && v[digits] == ':') r = mn_seq_dist_range(v, &lg, d);
     else r = mn_seq_dist_read_file(v, NULL, &lg, d);
-    return r == MN_OK ? 0 : fail_result("--seq-lengths", r);
+    if (r == MN_OK) return 0;
+    return first_error[0] ? fail("--seq-lengths %s", first_error)
+                          : fail("--seq-lengths: %s", mn_result_str(r));
 }
 
 static void print_lengths(const cli *c, const mn_lengths_result *l) {

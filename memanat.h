@@ -60,6 +60,7 @@
 //   >>estimate       the estimator:
 //     /inputs          the model (a shape or a custom layer stack) and the setup; their resolution
 //     /step            the symbolic training step or generation, its trace and its result
+//     /lengths         training over a distribution of sequence lengths, steps replayed
 //     /fit             the largest micro-batch, the longest sequence, a plan that fits
 //     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space), names
 //     /gpt             the model of memanat's own trainer: its tensor tables, shared with trainer.c
@@ -71,7 +72,8 @@
 //     /config          PYTORCH_ALLOC_CONF parsing and the rounding policy
 //     /alloc           blocks, segments, pools, allocation, freeing, events, statistics, check
 //     /observe         snapshot, memory_summary(), memory_stats() items, JSON, SVG timeline
-//     /helpers         mn_sim_cache, mn_cache_write_file, mn_write_file_atomic, mn_cache_replay
+//     /helpers         mn_sim_cache, mn_cache_write_file, mn_write_file_atomic, mn_cache_replay,
+//                      mn_cache_replay_marked
 //   >>optim          optimizer steps and state sizes, gradient clipping, loss scaling, fp16/bf16
 //   >>ops            CPU reference ops, forward and backward
 //
@@ -6452,7 +6454,7 @@ MN__PRIVATE int mn__seq_line(const char *p, const char *end, uint64_t v[2], int 
 MN__PRIVATE mn_result mn__seq_parse(const char *text, size_t len, const mn_allocator *al,
                                     const mn_logger *lg, const char *who, mn_seq_dist *out) {
     mn__seq_pair *pairs = NULL;
-    uint64_t cap = 0, np = 0, line = 0, i, total = 0;
+    uint64_t cap = 0, np = 0, line = 0, i;
     size_t at = 0;
     mn_result r = MN_OK;
     char pre[160];
@@ -6516,7 +6518,6 @@ MN__PRIVATE mn_result mn__seq_parse(const char *text, size_t len, const mn_alloc
         goto free_pairs;
     }
     for (i = 0; i < np; i++) {  // counts of at most 10^12 over 2^20 entries: no overflow
-        total += pairs[i].count;
         if (out->n && out->len[out->n - 1] == pairs[i].len) {
             out->count[out->n - 1] += pairs[i].count;
             continue;
@@ -6672,6 +6673,18 @@ MN__PRIVATE int mn__u64_cmp(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+// Messages of the estimate at the longest length say where that length came from.
+typedef struct mn__lengths_log {
+    const mn_logger *inner;
+    uint64_t longest;
+} mn__lengths_log;
+
+MN__PRIVATE void mn__lengths_log_fn(void *user, mn_log_level level, const char *msg) {
+    const mn__lengths_log *x = (const mn__lengths_log *)user;
+    mn__log(x->inner, level, "the longest sequence length (%llu): %s",
+            (unsigned long long)x->longest, msg);
+}
+
 typedef struct mn__lengths_ctx {
     mn_lengths_result *out;
     int limited;  // a replay at the device's size: reserved may fall when cached blocks go back
@@ -6743,7 +6756,14 @@ MNIMPL mn_result mn_estimate_lengths(const mn_model *model, const mn_setup *setu
     lmax = d->n ? d->len[d->n - 1] : d->max;
     s2 = *setup;
     s2.seq = lmax;
-    if ((r = mn_estimate(model, &s2, &out->longest)) != MN_OK) return r;
+    {
+        mn__lengths_log wrap;
+        wrap.inner = lg, wrap.longest = lmax;
+        s2.logger.log_fn = lg->log_fn ? mn__lengths_log_fn : NULL, s2.logger.user_data = &wrap;
+        r = mn_estimate(model, &s2, &out->longest);
+        s2.logger = setup->logger;
+        if (r != MN_OK) return r;
+    }
     nmb = out->longest.setup.accum < 2 ? 1 : 2;
     if (d->n) {
         cum = (uint64_t *)mn__alloc_array(NULL, d->n, sizeof *cum);

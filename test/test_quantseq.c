@@ -3,9 +3,13 @@
 // the lengths file reader, the marked allocator replay). References: per-tensor byte counts
 // computed here from bitsandbytes' layout (functional.py quantize_4bit), the QLoRA paper's
 // 0.127 bit of constants, the plain estimate at one length, an independent prefix replay.
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include "harness.h"
 #include "../memanat.h"
 
@@ -590,6 +594,132 @@ static void test_lengths_alloc_failures(void) {
     CHECK(WALK_ALLOC_FAILURES(lengths_once, &x, 2000) > 0);
 }
 
+// ---- the CLI ------------------------------------------------------------------------------------
+
+typedef struct cli_out {
+    char out[65536], err[2048];
+    int status;
+} cli_out;
+
+// Runs `memanat ARGS` (stderr through a temporary file). 0 when it could not be started.
+static int cli(const char *args, cli_out *r) {
+    char cmd[1024], errpath[] = "/tmp/memanat_qs_XXXXXX";
+    FILE *p, *e;
+    size_t n;
+    int fd = mkstemp(errpath), st;
+    memset(r, 0, sizeof *r);
+    if (fd < 0) return 0;
+    close(fd);
+    snprintf(cmd, sizeof cmd, "%s %s 2>%s", mnt_cli_path(), args, errpath);
+    if (!(p = popen(cmd, "r"))) { remove(errpath); return 0; }
+    n = fread(r->out, 1, sizeof r->out - 1, p);
+    r->out[n] = 0;
+    st = pclose(p);
+    r->status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    if ((e = fopen(errpath, "r")) != NULL) {
+        n = fread(r->err, 1, sizeof r->err - 1, e);
+        r->err[n] = 0;
+        fclose(e);
+    }
+    remove(errpath);
+    return 1;
+}
+
+static int one_line(const char *s) {
+    int n = 0;
+    for (; *s; s++) n += *s == '\n';
+    return n == 1;
+}
+
+static void test_cli_flags(void) {
+    static const char *bad[] = {
+        "estimate --model gpt2 --seq-lengths %s",            // the bad file
+        "estimate --model gpt2 --seq-lengths /nonexistent/lengths.txt",
+        "estimate --model gpt2 --seq 128 --seq-lengths 32:512:100",
+        "estimate --model gpt2 --seq-lengths 32:512:900",
+        "estimate --model gpt2 --seq-lengths 32:512:100 --steps 1",
+        "estimate --model gpt2 --seq-lengths 32:512:100 --percentile 0",
+        "estimate --model gpt2 --seq-lengths 32:512:100 --infer",
+        "estimate --model gpt2 --steps 4",
+        "estimate --model llama-3.2-1b --quant nf4 --lora-rank 8 --bnb-version 0.43",
+        "estimate --model llama-2-7b --quant nf4 --lora-rank 8 --quant-head maybe",
+        "estimate --model gpt2 --quant nf4 --lora-rank 8 --quant-head yes",  // tied head
+        "estimate --model gpt2 --bnb-version 0.43.1",                         // no --quant
+        "estimate --model gpt2 --quant nf5 --lora-rank 8",
+    };
+    char path[] = "/tmp/memanat_len_XXXXXX", args[512];
+    mn_json_doc doc;
+    const mn_json_value *o, *v;
+    cli_out *r = (cli_out *)malloc(sizeof *r);
+    double a0 = 0, a1 = 0;
+    size_t i;
+    int fd;
+    FILE *f;
+    if (access(mnt_cli_path(), X_OK) != 0) { free(r); SKIP("./memanat not built"); }
+    fd = mkstemp(path);
+    CHECK(fd >= 0);
+    f = fdopen(fd, "w");
+    fputs("# lengths\n128 40\n256\n-3\n", f);  // line 4 is wrong
+    fclose(f);
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(args, sizeof args, bad[i], path);
+        CHECK(cli(args, r));
+        CHECK_MSG(r->status == 2 && one_line(r->err) && r->out[0] == 0, "%s: status %d, \"%s\"",
+                  args, r->status, r->err);
+        if (i == 0) CHECK(strstr(r->err, "line 4") != NULL);
+    }
+    // a good file, JSON out
+    f = fopen(path, "w");
+    fputs("# lengths\n128 40\n256\n64 7\n", f);
+    fclose(f);
+    snprintf(args, sizeof args, "estimate --model gpt2 --batch 2 --seq-lengths %s --steps 9 "
+             "--seed 7 --percentile 50 --json", path);
+    CHECK(cli(args, r));
+    CHECK_EQ_INT(r->status, 0);
+    CHECK_OK(mn_json_parse(r->out, strlen(r->out), NULL, &doc));
+    o = doc.root ? mn_json_get(doc.root, "seq_lengths") : NULL;
+    CHECK(o != NULL && o->type == MN_JSON_OBJECT);
+    if (o) {
+        v = mn_json_get(doc.root, "seq");
+        CHECK(v && v->num == 256);  // the plain estimate's fields: the longest length
+        v = mn_json_get(o, "longest");
+        CHECK(v && v->num == 256);
+        v = mn_json_get(o, "step_reserved");
+        CHECK(v && v->type == MN_JSON_ARRAY && v->len == 9);
+        v = mn_json_get(o, "percentile");
+        CHECK(v && v->num == 50);
+        CHECK(mn_json_get(o, "reserved") && mn_json_get(o, "peak_allocated") &&
+              mn_json_get(o, "reserved_percentile") && mn_json_get(o, "fits"));
+        CHECK(mn_json_get(o, "reserved")->num >= mn_json_get(o, "reserved_percentile")->num);
+    }
+    mn_json_free(&doc);
+    remove(path);
+    // MIN:MAX:MEAN, the table
+    CHECK(cli("estimate --model gpt2 --seq-lengths 32:1024:200", r));
+    CHECK(r->status == 0 && strstr(r->out, "sequence lengths: 32 steps") &&
+          strstr(r->out, "reserved p99"));
+    // the quantization flags
+    CHECK(cli("estimate --model llama-3.2-1b --quant fp4-dq --lora-rank 8 --json", r));
+    CHECK(r->status == 0 && strstr(r->out, "\"quant\": \"fp4-dq\""));
+    CHECK(cli("estimate --model llama-2-7b --quant nf4 --lora-rank 8 --seq 256 --json", r));
+    CHECK(r->status == 0);
+    CHECK(mn_json_parse(r->out, strlen(r->out), NULL, &doc) == MN_OK && doc.root);
+    if (doc.root && (v = mn_json_get(doc.root, "activations")) != NULL) a0 = v->num;
+    mn_json_free(&doc);
+    CHECK(cli("estimate --model llama-2-7b --quant nf4 --lora-rank 8 --seq 256 --bnb-version "
+              "0.43.1 --quant-head yes --json", r));
+    CHECK(r->status == 0);
+    CHECK(mn_json_parse(r->out, strlen(r->out), NULL, &doc) == MN_OK && doc.root);
+    if (doc.root && (v = mn_json_get(doc.root, "activations")) != NULL) a1 = v->num;
+    mn_json_free(&doc);
+    CHECK(a1 > a0 && a0 > 0);
+    CHECK(cli("estimate --help", r));
+    CHECK(r->status == 0 && strstr(r->out, "--seq-lengths") && strstr(r->out, "nf4-dq") &&
+          strstr(r->out, "--bnb-version") && strstr(r->out, "--quant-head") &&
+          strstr(r->out, "--percentile"));
+    free(r);
+}
+
 const mnt_case test_quantseq_cases[] = {
     {"quant_storage", test_quant_storage},
     {"quant_weights", test_quant_weights},
@@ -603,5 +733,6 @@ const mnt_case test_quantseq_cases[] = {
     {"lengths_draws", test_lengths_draws},
     {"lengths_bad", test_lengths_bad},
     {"lengths_alloc_failures", test_lengths_alloc_failures},
+    {"cli_flags", test_cli_flags},
 };
 const size_t test_quantseq_count = sizeof test_quantseq_cases / sizeof test_quantseq_cases[0];
