@@ -645,10 +645,13 @@ static void print_lengths(const cli *c, const mn_lengths_result *l) {
            l->steps, (unsigned long long)c->len_seed, l->mean_len,
            (unsigned long long)l->longest_len);
     put_size("peak_allocated", l->peak_allocated, l->longest.capacity);
-    put_size("reserved (last)", l->reserved, l->longest.capacity);
+    put_size("reserved max", l->reserved, l->longest.capacity);
     snprintf(buf, sizeof buf, "reserved p%g", l->percentile);
     put_size(buf, l->reserved_pct, l->longest.capacity);
     put_size("device_used", l->device_used, l->longest.capacity);
+    printf("  (peak_allocated: the longest steps; reserved max: the most during the steps, with\n"
+           "  device_used = context + it; reserved p%g: of the reserved at each step's end)\n",
+           l->percentile);
     printf("\nover the steps: %s (the table above is one length, the longest)\n",
            l->fits ? "FITS" : "DOES NOT FIT");
 }

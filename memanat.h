@@ -665,7 +665,9 @@ typedef struct mn_lengths_result {
     uint64_t peak_allocated;     // the highest allocated during the steps of that length (every
                                  // micro-batch at it; the replay's block sizes, as
                                  // torch.cuda.max_memory_allocated() counts them)
-    uint64_t reserved;           // reserved after the last step (fragmentation included)
+    uint64_t reserved;           // the most reserved during the steps (max_memory_reserved();
+                                 // fragmentation included): with no block given back, the
+                                 // reserved bytes after the last step
     uint64_t reserved_pct;       // the percentile of step_reserved (nearest rank)
     uint64_t device_used;        // longest.context + reserved
     int fits;                    // device_used <= longest.capacity
@@ -674,6 +676,7 @@ typedef struct mn_lengths_result {
     uint64_t step_len[MN_LENGTHS_MAX_STEPS];       // each step's longest padded micro-batch
     uint64_t step_peak[MN_LENGTHS_MAX_STEPS];      // allocated peak during each step
     uint64_t step_reserved[MN_LENGTHS_MAX_STEPS];  // reserved at the end of each step
+                                                   // (memory_reserved() after it)
     // The most bytes each step's live tensors ask for (no allocator rounding, no block reuse):
     // independent of the cache's history, equal to mn_estimate's peak with no_replay set.
     uint64_t step_live[MN_LENGTHS_MAX_STEPS];
@@ -686,7 +689,10 @@ typedef struct mn_lengths_result {
 // the first micro-batch of a step and batch * (accum - 1) for the second: the longest of b
 // draws. When no step after the first drew the longest length for all its micro-batches, the
 // last step gets it for all of them, so the replay contains the worst step in the steady state
-// (peak_allocated and peak_live are those of such steps). setup->seq plays no part. Training only
+// (peak_allocated and peak_live are those of such steps). As mn_estimate does, when the reserved
+// bytes pass the device (capacity - context) and a replay at the device's size refuses nothing,
+// that replay gives the numbers (PyTorch frees its cached blocks and retries), and step_reserved
+// may then fall from step to step. setup->seq plays no part. Training only
 // (not --infer, not --framework memanat, whose sequence is its position table).
 MNDEF mn_result mn_estimate_lengths(const mn_model *model, const mn_setup *setup,
                                     const mn_lengths_desc *desc, mn_lengths_result *out);
@@ -6687,7 +6693,7 @@ MN__PRIVATE void mn__lengths_log_fn(void *user, mn_log_level level, const char *
 
 typedef struct mn__lengths_ctx {
     mn_lengths_result *out;
-    int limited;  // a replay at the device's size: reserved may fall when cached blocks go back
+    uint64_t reserved_peak;  // the most reserved during the steps
 } mn__lengths_ctx;
 
 MN__PRIVATE mn_result mn__lengths_mark(void *user, uint64_t mark, mn_cache *cache) {
@@ -6698,6 +6704,8 @@ MN__PRIVATE mn_result mn__lengths_mark(void *user, uint64_t mark, mn_cache *cach
     if ((r = mn_cache_stats(cache, &st)) != MN_OK) return r;
     x->out->step_peak[mark - 1] = st.allocated_bytes[MN_STAT_ALL].peak;
     x->out->step_reserved[mark - 1] = st.reserved_bytes[MN_STAT_ALL].current;
+    if (st.reserved_bytes[MN_STAT_ALL].peak > x->reserved_peak)
+        x->reserved_peak = st.reserved_bytes[MN_STAT_ALL].peak;
     return MN_OK;
 }
 
@@ -6715,11 +6723,12 @@ MN__PRIVATE mn_result mn__lengths_replay(mn__sim *S, const uint64_t *marks, uint
     dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
     cd.logger = S->c->s.logger;
-    x.out = out, x.limited = capacity != 0;
+    x.out = out, x.reserved_peak = 0;
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
     r = mn_cache_replay_marked(&sc.cache, S->ev, S->nev, marks, S->steps + 1, mn__lengths_mark,
                                &x, &n);
     *ooms = n.failed;
+    out->reserved = x.reserved_peak;
     mn_sim_cache_free(&sc);
     return r;
 }
@@ -6796,7 +6805,7 @@ MNIMPL mn_result mn_estimate_lengths(const mn_model *model, const mn_setup *setu
     if ((r = S.err) != MN_OK) goto free_sim;
     out->steps = steps;
     r = mn__lengths_replay(&S, marks, 0, out, &ooms);
-    if (r == MN_OK && out->step_reserved[steps - 1] > c.s.capacity - c.s.context) {
+    if (r == MN_OK && out->reserved > c.s.capacity - c.s.context) {
         // as mn_estimate: PyTorch frees its cached blocks and retries before it gives up
         mn_lengths_result lim = *out;
         r = mn__lengths_replay(&S, marks, c.s.capacity - c.s.context, &lim, &ooms);
@@ -6823,10 +6832,7 @@ MNIMPL mn_result mn_estimate_lengths(const mn_model *model, const mn_setup *setu
             out->peak_allocated = out->step_peak[k];
         if (l == lmax && all && out->step_live[k] > out->peak_live)
             out->peak_live = out->step_live[k];
-        if (out->step_reserved[k] > out->reserved) out->reserved = out->step_reserved[k];
     }
-    out->reserved = out->step_reserved[steps - 1] > out->reserved ? out->step_reserved[steps - 1]
-                                                                  : out->reserved;
     {  // nearest rank: the smallest value with at least pct % of the steps at or below it
         uint64_t sorted[MN_LENGTHS_MAX_STEPS], rank;
         memcpy(sorted, out->step_reserved, steps * sizeof *sorted);
