@@ -4395,10 +4395,12 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
     uint32_t lb = lora ? mn__next_param(S, out, c->lora_rank, 1, 0) : MN__NONE;
     uint32_t xin = x, w16 = MN__NONE, tmp = MN__NONE, y;
     uint64_t rows, bwd = 0;
-    // bitsandbytes < 0.43.2: MatMul4Bit.forward keeps ctx.tensors = (A, B), its input A, for
-    // backward; 0.43.2 keeps (None, B) (autograd/_functions.py, read in both releases)
-    int keep_a = quant && c->s.bnb_version && c->s.bnb_version < 4302 &&
-                 c->s.quant >= MN_QUANT_NF4 && c->s.quant <= MN_QUANT_FP4_DQ;
+    // bitsandbytes autograd/_functions.py: MatMul4Bit.forward keeps ctx.tensors = (A, B), its
+    // input A, before 0.43.2 and (None, B) from 0.43.2 (read in both releases); MatMul8bitLt keeps
+    // (CAt, subA, A) in every release read (0.43.1 to 0.50.2): A whenever a gradient flows (CAt
+    // only for a trained weight; subA, the outlier columns, depends on the data: not counted)
+    int keep_a = quant && (c->s.quant == MN_QUANT_INT8 ||
+                           (c->s.bnb_version && c->s.bnb_version < 4302));
     mn__op_desc d;
     mn__param *P;
     if (S->counting || S->err || w == MN__NONE) return MN__NONE;

@@ -178,8 +178,14 @@ static void test_bnb_version(void) {
               "extra kept %llu, want %llu..%llu", (unsigned long long)d, (unsigned long long)lo,
               (unsigned long long)hi);
     CHECK(b.peak_allocated > a.peak_allocated);
-    // fp4 keeps the same; int8 is another autograd function (MatMul8bitLt)
+    // fp4 keeps the same; int8 (MatMul8bitLt keeps (CAt, subA, A)) keeps A in every version
     s.quant = MN_QUANT_FP4;
+    CHECK_OK(mn_estimate(&m, &s, &c));
+    CHECK(c.cat_peak[MN_CAT_ACTIVATIONS] == b.cat_peak[MN_CAT_ACTIVATIONS]);
+    s.quant = MN_QUANT_INT8;
+    CHECK_OK(mn_estimate(&m, &s, &c));
+    CHECK(c.cat_peak[MN_CAT_ACTIVATIONS] == b.cat_peak[MN_CAT_ACTIVATIONS]);
+    s.bnb_version = 0;
     CHECK_OK(mn_estimate(&m, &s, &c));
     CHECK(c.cat_peak[MN_CAT_ACTIVATIONS] == b.cat_peak[MN_CAT_ACTIVATIONS]);
 }
@@ -336,8 +342,10 @@ static mn_result check_mark(void *user, uint64_t k, mn_cache *c) {
     CHECK_OK(mn_cache_stats(&sc.cache, &b));
     CHECK_EQ_U64(a.allocated_bytes[MN_STAT_ALL].current, b.allocated_bytes[MN_STAT_ALL].current);
     CHECK_EQ_U64(a.reserved_bytes[MN_STAT_ALL].current, b.reserved_bytes[MN_STAT_ALL].current);
-    if (k == 0) CHECK_EQ_U64(a.allocated_bytes[MN_STAT_ALL].peak, b.allocated_bytes[MN_STAT_ALL].peak);
-    else CHECK(a.allocated_bytes[MN_STAT_ALL].peak <= b.allocated_bytes[MN_STAT_ALL].peak);
+    if (k == 0)
+        CHECK_EQ_U64(a.allocated_bytes[MN_STAT_ALL].peak, b.allocated_bytes[MN_STAT_ALL].peak);
+    else
+        CHECK(a.allocated_bytes[MN_STAT_ALL].peak <= b.allocated_bytes[MN_STAT_ALL].peak);
     mn_sim_cache_free(&sc);
     return MN_OK;
 }
@@ -455,7 +463,8 @@ static void test_lengths_steps(void) {
         uint32_t k, j, n = (uint32_t)rand_in(2, 8), longest_seen = 0;
         memset(&d, 0, sizeof d);
         memset(&desc, 0, sizeof desc);
-        for (k = 0; k < n; k++) len[k] = (k ? len[k - 1] : 0) + rand_in(1, 128), cnt[k] = rand_in(1, 50);
+        for (k = 0; k < n; k++)
+            len[k] = (k ? len[k - 1] : 0) + rand_in(1, 128), cnt[k] = rand_in(1, 50);
         if (i == 5) {  // MIN:MAX:MEAN
             d.min = len[0], d.max = len[n - 1];
             d.mean = (double)d.min + ((double)d.max - (double)d.min) * mnt_rand_uniform();
@@ -523,7 +532,8 @@ static void test_lengths_draws(void) {
     CHECK_OK(mn_estimate_lengths(&m, &s, &desc, &l[1]));
     CHECK(memcmp(l[0].step_len, l[1].step_len, sizeof l[0].step_len) == 0);
     CHECK(memcmp(l[0].step_reserved, l[1].step_reserved, sizeof l[0].step_reserved) == 0);
-    for (k = 0; k + 1 < l[0].steps; k++) mean += (double)l[0].step_len[k];  // the last may be forced
+    for (k = 0; k + 1 < l[0].steps; k++)  // the last may be forced
+        mean += (double)l[0].step_len[k];
     mean /= l[0].steps - 1;
     sd = (double)(d.max - d.min) / sqrt(12.0) * 2.0;  // generous: at most the range's spread
     CHECK_MSG(fabs(mean - d.mean) <= 6 * sd / sqrt((double)l[0].steps - 1),
@@ -532,6 +542,38 @@ static void test_lengths_draws(void) {
     s.batch = 8;
     CHECK_OK(mn_estimate_lengths(&m, &s, &desc, &l[1]));
     CHECK(l[1].mean_len >= l[0].mean_len);
+    free(l);
+}
+
+// A device too small for the unlimited replay's cache: the replay at the device's size (PyTorch
+// gives its cached blocks back and retries) is used when it refuses nothing, and then the reserved
+// bytes stay within the device.
+static void test_lengths_capacity(void) {
+    mn_model m = preset("llama-3.2-1b");
+    mn_setup s;
+    mn_seq_dist d;
+    mn_lengths_desc desc;
+    mn_lengths_result *l = (mn_lengths_result *)malloc(sizeof *l * 2);
+    uint32_t k;
+    memset(&s, 0, sizeof s);
+    memset(&d, 0, sizeof d);
+    memset(&desc, 0, sizeof desc);
+    s.precision = MN_PREC_BF16, s.lora_rank = 16, s.quant = MN_QUANT_NF4_DQ;
+    s.lora_targets = MN_LORA_ALL, s.batch = rand_in(2, 8), s.capacity = 1ull << 50;
+    d.min = 64, d.max = 2048, d.mean = (double)rand_in(200, 800);
+    desc.dist = &d, desc.seed = mnt_rand_u64();
+    CHECK_OK(mn_estimate_lengths(&m, &s, &desc, &l[0]));
+    s.capacity = l[0].longest.context + (l[0].peak_allocated + l[0].reserved) / 2;
+    CHECK_OK(mn_estimate_lengths(&m, &s, &desc, &l[1]));
+    CHECK_EQ_U64(l[1].device_used, l[1].longest.context + l[1].reserved);
+    CHECK(l[1].reserved >= l[1].peak_allocated && l[1].reserved_pct <= l[1].reserved);
+    if (l[1].fits) {
+        CHECK(l[1].reserved <= s.capacity - l[1].longest.context);
+        CHECK(l[1].reserved < l[0].reserved);
+    } else {  // the retry refused an allocation: the unlimited replay's numbers
+        CHECK_EQ_U64(l[1].reserved, l[0].reserved);
+    }
+    for (k = 0; k < l[1].steps; k++) CHECK(l[1].step_reserved[k] <= l[1].reserved);
     free(l);
 }
 
@@ -731,6 +773,7 @@ const mnt_case test_quantseq_cases[] = {
     {"lengths_one", test_lengths_one},
     {"lengths_steps", test_lengths_steps},
     {"lengths_draws", test_lengths_draws},
+    {"lengths_capacity", test_lengths_capacity},
     {"lengths_bad", test_lengths_bad},
     {"lengths_alloc_failures", test_lengths_alloc_failures},
     {"cli_flags", test_cli_flags},
