@@ -523,6 +523,10 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     json_u64("lora_rank", s->lora_rank, f);
     json_str("quant", mn_quant_name(s->quant), f);
     json_str("head", mn_head_name(r->model.head), f);
+    if (s->quant > MN_QUANT_NONE) {  // bitsandbytes: the release modelled (0 = current), the head
+        json_u64("bnb_version", s->bnb_version, f);
+        printf(", \"quant_head\": %s", s->quant_head ? "true" : "false");
+    }
     printf(", \"infer\": %s", s->infer ? "true" : "false");
     if (s->infer) {
         json_u64("prompt", s->prompt, f);
