@@ -6726,6 +6726,7 @@ MN__PRIVATE mn_result mn__lengths_replay(mn__sim *S, const uint64_t *marks, uint
     cd.config = S->c->s.alloc_conf;
     cd.logger = S->c->s.logger;
     x.out = out, x.reserved_peak = 0;
+    memset(&n, 0, sizeof n);
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
     r = mn_cache_replay_marked(&sc.cache, S->ev, S->nev, marks, S->steps + 1, mn__lengths_mark,
                                &x, &n);
