@@ -521,7 +521,8 @@ typedef struct mn_setup {
     uint32_t gpus;             // data-parallel GPUs, 0 = 1
     mn_offload offload;        // 0 = none
     uint64_t trainable_params; // only this many parameters train (adapters), 0 = all / LoRA's
-    const char *gpu;           // GPU table name, NULL = "a100-80gb" ("cpu" for --framework memanat)
+    const char *gpu;           // GPU table name, NULL = "a100-80gb" ("cpu" for --framework memanat;
+                               // memanat on a GPU models trainer.c --device cuda)
     uint64_t capacity;         // device bytes, 0 = the GPU's
     uint64_t context;          // CUDA context bytes, 0 = the GPU's typical value
     int infer;                 // inference (generation) instead of training
@@ -1044,6 +1045,11 @@ MNDEF mn_result mn_cuda_mem_alloc(mn_cuda *ctx, uint64_t bytes, void **ptr_out);
 MNDEF mn_result mn_cuda_mem_release(mn_cuda *ctx, void *ptr);
 MNDEF mn_result mn_cuda_mem_copy(mn_cuda *ctx, void *dst, const void *src, uint64_t bytes);
 MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t bytes);
+// The cuBLASLt workspace from the caller: ptr [bytes] device memory (16-byte aligned) the caller
+// keeps alive while the context uses it, e.g. a block of its caching allocator, so that the
+// allocator's statistics include it. The context's own workspace is freed (after a wait) and the
+// heuristics cache emptied; ptr NULL with bytes 0: GEMMs run without a workspace.
+MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes);
 
 // The caching allocator's device: cudaMalloc/cudaFree/cudaMemGetInfo, events from a pool
 // (cudaEventDisableTiming) recorded on the context's streams, and reserve/map through the CUDA
@@ -1118,6 +1124,10 @@ MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, co
 MNDEF mn_result mn_cuda_attention_backward(mn_cuda *ctx, void *dqkv, const void *dout,
                                            const void *qkv, const void *att, size_t B, size_t T,
                                            size_t C, size_t NH, int causal, mn_dtype dtype);
+
+// Residual: out[n] = inp1[n] + inp2[n] (out may equal either input), as mn_residual_forward.
+MNDEF mn_result mn_cuda_residual_forward(mn_cuda *ctx, void *out, const void *inp1,
+                                         const void *inp2, size_t n, mn_dtype dtype);
 
 // GELU (tanh): out[n] = gelu(inp[n]) (out may equal inp); dinp[n] += dout * gelu'(inp).
 MNDEF mn_result mn_cuda_gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n,
@@ -3713,7 +3723,9 @@ MNIMPL const char *mn_framework_describe(mn_framework f) {
                "with fp32 master weights; fp32 gradients kept between steps; optimizer state made "
                "at the first step, one block per stacked parameter tensor; attention "
                "probabilities kept (selective: none, recomputed); fp32 views of 16-bit tensors "
-               "and the gradients of the backward as short-lived temporaries";
+               "and the gradients of the backward as short-lived temporaries. With --gpu naming a "
+               "GPU: trainer --device cuda (no fp32 views, 16-bit gradients with 16-bit storage, "
+               "logits kept and overwritten by dlogits, the cuBLASLt workspace from the cache)";
     case MN_FW_COUNT: break;
     }
     return "unknown framework";
@@ -4034,6 +4046,7 @@ typedef struct mn__cfg {
     int amp;               // torch autocast (casts per linear, cached 16-bit weights)
     int hf;                // HF modelling code (composite RMSNorm, upcast logits, ...)
     int fw_master;         // a separate fp32 master copy: 1 = in optimizer, 2 = in master_weights
+    int memanat_gpu;       // --framework memanat on a GPU: trainer.c --device cuda's schedule
     int grads_keep;        // gradients stay between steps (zeroed in place), else freed after it
     int grads_prealloc;    // grads and optimizer state made at load (deepspeed, megatron)
     int state_half;        // optimizer state in 16-bit (zeros_like of a 16-bit parameter)
@@ -5245,6 +5258,13 @@ MN__PRIVATE void mn__generate(mn__sim *S) {
 // take 2 bytes (MN_GPT_ACTS rows marked fp32 and the probabilities stay fp32), every op computes
 // on an fp32 view of what it reads (a temporary), and the block's weights are converted into one
 // fp32 temporary while the block runs. Gradients, master weights and optimizer state are fp32.
+// On a GPU (trainer.c --device cuda, c->memanat_gpu) the kernels read and write the storage type
+// directly: no fp32 views, no weight temporaries; the gradients and the backward's temporaries
+// are in the storage type too; the LM head keeps its logits (an activation) and the fused
+// cross-entropy overwrites them with dlogits in the forward, so no probabilities are stored; the
+// model holds a small buffer of per-tensor gradient norms (MN_CAT_OTHER) and takes the cuBLASLt
+// workspace from its cache (MN_CAT_WORKSPACE, the GPU table's cublas_workspace) after its
+// parameters. The kernels' own scratch (attention's per-head buffers) lives outside the cache.
 
 #define MN__GP_ENUM(name, rows, cols, init) MN__GP_##name,
 enum { MN_GPT_PARAMS(MN__GP_ENUM) MN__GP_COUNT };
@@ -5267,6 +5287,8 @@ typedef struct mn__gpt {  // tr_model, as far as memory goes
     uint64_t an[MN__GA_COUNT];          // elements of each activation a block keeps
     int af[MN__GA_COUNT];               // the activation is stored in fp32 at every precision
     int half, ckpt;                     // 16-bit storage; MN_CKPT_NONE, _SELECTIVE, _FULL
+    int gpu;                            // trainer.c --device cuda: no views, 16-bit gradients
+    uint32_t tesz;                      // bytes per element of a backward temporary
     uint32_t wview;                     // tr_model.wview: the fp32 weights one part reads
     mn__gt *x;                          // [L + 1] the residual stream
     mn__gt *acts;                       // [L][MN__GA_COUNT] what each block keeps
@@ -5286,6 +5308,7 @@ MN__PRIVATE void mn__gpt_shapes(mn__gpt *G, mn__sim *S) {
     T = G->T = c->seq, V = G->V = c->m.vocab, B = G->B = c->batch, N = G->N = c->ntok;
     HV = G->HV = c->m.tie_embeddings ? 0 : V;
     G->half = c->a_esz == 2, G->ckpt = c->s.checkpointing;
+    G->gpu = c->memanat_gpu, G->tesz = G->gpu && G->half ? 2 : 4;
     G->wview = MN__NONE;
     mn__prod(S, mn__prod(S, mn__prod3(S, B, NH, T), T), 4);
     mn__prod3(S, N, 4 * C, 4);
@@ -5305,10 +5328,12 @@ MN__PRIVATE void mn__gpt_shapes(mn__gpt *G, mn__sim *S) {
     G->dln = G->dfch = G->datty = G->dqkv = MN__NONE;
 }
 
-// tr_new: a new activation of n elements (fp32 set: fp32 at every precision), opened.
+// tr_new: a new activation of n elements (fp32 set: fp32 at every precision), opened. On a GPU
+// the storage is its own view (half stays 0: nothing to open or close).
 MN__PRIVATE void mn__gpt_new(mn__gpt *G, mn__gt *t, uint64_t n, int fp32) {
-    t->n = n, t->half = G->half && !fp32;
-    t->data = mn__tensor_new(G->S, n, t->half ? 2 : 4, MN_CAT_ACTIVATIONS);
+    int half = G->half && !fp32;
+    t->n = n, t->half = half && !G->gpu;
+    t->data = mn__tensor_new(G->S, n, half ? 2 : 4, MN_CAT_ACTIVATIONS);
     t->f = t->half ? mn__tensor_new(G->S, n, 4, MN_CAT_TEMPORARY) : t->data;
 }
 
@@ -5331,9 +5356,9 @@ MN__PRIVATE void mn__gpt_free(mn__gpt *G, mn__gt *t) {
     t->data = t->f = MN__NONE, t->n = 0, t->half = 0;
 }
 
-// tr_temp and tr_release: fp32 temporaries.
+// tr_temp and tr_release: fp32 temporaries (on a GPU: in the storage type, tr_gpu_temp).
 MN__PRIVATE uint32_t mn__gpt_temp(mn__gpt *G, uint64_t n) {
-    return mn__tensor_new(G->S, n, 4, MN_CAT_TEMPORARY);
+    return mn__tensor_new(G->S, n, G->tesz, MN_CAT_TEMPORARY);
 }
 MN__PRIVATE void mn__gpt_release(mn__gpt *G, uint32_t *id) {
     mn__drop(G->S, *id);
@@ -5352,7 +5377,7 @@ MN__PRIVATE int mn__gpt_in_group(const mn__gpt *G, int i, int group) {
 MN__PRIVATE void mn__gpt_weights_open(mn__gpt *G, int group) {
     uint64_t total = 0;
     int i;
-    if (!G->half) return;
+    if (!G->half || G->gpu) return;
     for (i = 0; i < MN__GP_COUNT; i++)
         if (mn__gpt_in_group(G, i, group))
             total += group == MN__G_BLOCK ? G->pn[i] / G->L : G->pn[i];  // layer l's rows
@@ -5361,7 +5386,8 @@ MN__PRIVATE void mn__gpt_weights_open(mn__gpt *G, int group) {
 MN__PRIVATE void mn__gpt_weights_close(mn__gpt *G) { mn__gpt_release(G, &G->wview); }
 
 // tr_model_init: per parameter its 16-bit copy (half), its fp32 weights (the master when half)
-// and its fp32 gradient; then the input batch, tokens and targets int[B,T].
+// and its gradient (fp32; 16-bit on a GPU when half); then the input batch, tokens and targets
+// int[B,T]; on a GPU (tr_gpu_init) one fp32 gradient norm per parameter tensor.
 MN__PRIVATE void mn__gpt_model_init(mn__gpt *G) {
     mn__sim *S = G->S;
     uint64_t i;
@@ -5369,10 +5395,11 @@ MN__PRIVATE void mn__gpt_model_init(mn__gpt *G) {
         uint64_t n = S->params[i].numel;
         if (G->half) mn__tensor_new(S, n, 2, MN_CAT_WEIGHTS);
         mn__tensor_new(S, n, 4, G->half ? MN_CAT_MASTER_WEIGHTS : MN_CAT_WEIGHTS);
-        mn__tensor_new(S, n, 4, MN_CAT_GRADIENTS);
+        mn__tensor_new(S, n, G->tesz, MN_CAT_GRADIENTS);
     }
     mn__tensor_new(S, G->N, 4, MN_CAT_OTHER);
     mn__tensor_new(S, G->N, 4, MN_CAT_OTHER);
+    if (G->gpu) mn__tensor_new(S, S->np, 4, MN_CAT_OTHER);
 }
 
 // tr_block_forward: block l's activations from x[l] (recompute: checkpointing's re-run, which
@@ -5443,13 +5470,20 @@ MN__PRIVATE void mn__gpt_embedding_forward(mn__gpt *G) {
     mn__gpt_weights_close(G);
 }
 
-// tr_forward, the head: final layernorm, logits (a temporary), probabilities (kept, fp32).
+// tr_forward, the head: final layernorm, logits (a temporary), probabilities (kept, fp32). On a
+// GPU (tr_gpu_head_forward): the logits are kept (they become dlogits in place), losses fp32.
 MN__PRIVATE void mn__gpt_head_forward(mn__gpt *G) {
     uint64_t N = G->N;
     mn__gpt_weights_open(G, MN__G_HEAD);
     mn__gpt_new(G, &G->lnf, N * G->C, 0);
     mn__gpt_new(G, &G->lnf_mean, N, 1);
     mn__gpt_new(G, &G->lnf_rstd, N, 1);
+    if (G->gpu) {
+        mn__gpt_new(G, &G->probs, N * G->V, 0);  // the logits, then dlogits
+        G->losses = mn__tensor_new(G->S, N, 4, MN_CAT_TEMPORARY);
+        mn__gpt_release(G, &G->losses);
+        return;
+    }
     mn__gpt_open(G, &G->x[G->L]);
     mn__gpt_close(G, &G->x[G->L]);
     G->logits = mn__gpt_temp(G, N * G->V);
@@ -5462,8 +5496,19 @@ MN__PRIVATE void mn__gpt_head_forward(mn__gpt *G) {
 }
 
 // tr_backward, the head: dlogits, the head's and the final layernorm's backward, leaving dx.
+// On a GPU (tr_gpu_head_backward) dlogits exist already (G->probs).
 MN__PRIVATE void mn__gpt_head_backward(mn__gpt *G) {
     uint64_t N = G->N;
+    if (G->gpu) {
+        G->dln = mn__gpt_temp(G, N * G->C);
+        mn__gpt_free(G, &G->probs);
+        mn__gpt_free(G, &G->lnf);
+        G->dx = mn__gpt_temp(G, N * G->C);
+        mn__gpt_release(G, &G->dln);
+        mn__gpt_free(G, &G->lnf_mean);
+        mn__gpt_free(G, &G->lnf_rstd);
+        return;
+    }
     G->dlosses = mn__gpt_temp(G, N);
     G->dlogits = mn__gpt_temp(G, N * G->V);
     mn__gpt_release(G, &G->dlosses);
@@ -5892,6 +5937,10 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         break;
     case MN_FW_MEMANAT:  // 16-bit weights beside fp32 master weights (pure: refused above)
         if (mixed) c->w_esz = 2, c->fw_master = 2;
+        // on a GPU (any table entry but "cpu"): trainer.c --device cuda, whose kernels take one
+        // storage type, so the gradients are 16-bit too (llm.c train_gpt2.cu keeps them so)
+        c->memanat_gpu = gpu->sm != 0;
+        if (mixed && c->memanat_gpu) c->g_esz = 2;
         break;
     case MN_FW_COUNT: break;
     }

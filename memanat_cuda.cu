@@ -64,6 +64,7 @@ struct mn__cuda_priv {
     size_t scratch_bytes;
     void *host;               // host scratch (embedding bucketing)
     size_t host_bytes;
+    int foreign_workspace;    // ctx->workspace is the caller's (mn_cuda_workspace_set)
     // driver API for virtual memory (NULL when not available)
     PFN_cuMemAddressReserve_v10020 mem_reserve;
     PFN_cuMemAddressFree_v10020 mem_addr_free;
@@ -226,7 +227,7 @@ static void mn__release(mn_cuda *ctx) {
     for (i = 1; i < p->nstreams; i++) (void)cudaStreamDestroy(p->streams[i]);
     if (p->scratch) (void)cudaFree(p->scratch);
     mn__host_free(ctx, p->host);
-    if (ctx->workspace) (void)cudaFree(ctx->workspace);
+    if (ctx->workspace && !p->foreign_workspace) (void)cudaFree(ctx->workspace);
     if (ctx->lt) (void)cublasLtDestroy((cublasLtHandle_t)ctx->lt);
     if (ctx->stream) (void)cudaStreamDestroy(mn__stream(ctx));
     mn__host_free(ctx, p);
@@ -344,6 +345,23 @@ MNDEF mn_result mn_cuda_mem_copy(mn_cuda *ctx, void *dst, const void *src, uint6
 MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t bytes) {
     if (!ctx || !ctx->p || (bytes && !ptr)) return MN_ERR_INVALID_ARG;
     if (bytes) MN__CU(ctx, cudaMemsetAsync(ptr, byte, (size_t)bytes, mn__stream(ctx)));
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes) {
+    struct mn__cuda_priv *p;
+    if (!ctx || !ctx->p || (bytes && !ptr) || (ptr && !bytes) || ((uintptr_t)ptr & 15u) != 0) {
+        mn__cu_log(ctx, MN_LOG_ERROR, "mn_cuda_workspace_set: want 16-byte aligned ptr with "
+                   "bytes > 0, or NULL with 0 (got %p, %llu)", ptr, (unsigned long long)bytes);
+        return MN_ERR_INVALID_ARG;
+    }
+    p = ctx->p;
+    MN__CU(ctx, cudaStreamSynchronize(mn__stream(ctx)));  // no GEMM still uses the old one
+    if (ctx->workspace && !p->foreign_workspace) MN__CU(ctx, cudaFree(ctx->workspace));
+    ctx->workspace = ptr, ctx->workspace_bytes = bytes, ctx->desc.workspace = bytes;
+    p->foreign_workspace = ptr != NULL;
+    memset(p->gemm, 0, sizeof p->gemm);  // algorithms were chosen for the old workspace size
+    p->gemm_next = 0;
     return MN_OK;
 }
 
@@ -887,6 +905,35 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
     MN__CHECK(ctx, L > 0);
     if (N == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__softmax_backward, ctx, dinp, dout, out, N, L, scale, causal);
+}
+
+// ---- kernels: >>ops residual ---------------------------------------------------------------------
+// out = inp1 + inp2, element by element (each thread reads both inputs before it writes, so out
+// may alias either).
+
+template <typename T>
+static __global__ void __launch_bounds__(MN__EW_THREADS)
+mn__residual_forward_kernel(T *out, const T *inp1, const T *inp2, size_t n) {
+    size_t i;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = mn__cvt<T>(mn__ld<T>(inp1 + i) + mn__ld<T>(inp2 + i));
+}
+
+template <typename T>
+static mn_result mn__residual_forward(mn_cuda *ctx, void *out, const void *inp1, const void *inp2,
+                                      size_t n) {
+    mn__residual_forward_kernel<T><<<mn__ew_grid(ctx, n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+        (T *)out, (const T *)inp1, (const T *)inp2, n);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_residual_forward(mn_cuda *ctx, void *out, const void *inp1,
+                                         const void *inp2, size_t n, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, out && inp1 && inp2);
+    if (n == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__residual_forward, ctx, out, inp1, inp2, n);
 }
 
 // ---- kernels: >>ops gelu ------------------------------------------------------------------------
