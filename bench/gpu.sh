@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # bench/gpu.sh - everything the CUDA backend needs a GPU for, in one call (about 5 minutes on an
 # H100; at most 10): build, the GPU tests, the same tests under compute-sanitizer (memcheck, and
-# racecheck on the kernels with shared memory), then the benchmark table (build/bench_gpu).
+# racecheck on the kernels with shared memory), then the benchmark table (build/bench_gpu), then
+# the GPU trainer (bench/gpu_trainer.sh: its fp32 curve against the CPU's, fp16 and bf16, the
+# predicted-vs-measured grid, GPT-2 small's tokens/s and MFU).
 # Needs only the CUDA toolkit (nvcc, cuBLASLt, compute-sanitizer), a C compiler and make.
 # Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit)
 # Exit status: 0 when every test passed under every tool; the table is printed either way.
@@ -27,7 +29,8 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 
 say "building (make NVCC=$NVCC)"
-make -j"$(nproc 2>/dev/null || echo 4)" NVCC="$NVCC" CC="$CC" memanat build/test_cuda build/bench_gpu
+make -j"$(nproc 2>/dev/null || echo 4)" NVCC="$NVCC" CC="$CC" memanat trainer build/test_cuda \
+    build/bench_gpu
 say "kernels: $(grep -c 'Compiling entry' build/ptxas.log) builds, \
 $(grep -Ec '[1-9][0-9]* bytes spill (stores|loads)' build/ptxas.log || true) with spills (build/ptxas.log)"
 
@@ -64,5 +67,7 @@ fi
 
 say "== benchmark"
 limit 180 ./build/bench_gpu || { say "benchmark FAILED"; status=1; }
+say "== trainer --device cuda"
+limit 300 bash bench/gpu_trainer.sh || { say "GPU trainer checks FAILED (build/gpu_trainer/)"; status=1; }
 say "errors per kernel: build/gpu_tests_errors.log; ptxas: build/ptxas.log"
 exit $status
