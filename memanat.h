@@ -853,6 +853,85 @@ MN_HD void mn_hd_adamw(float *p, float *m, float *v, float g, float grad_scale,
     *p = th - k->step_size * (mm / denom);
 }
 
+// 8-bit AdamW, the arithmetic of mn_adamw8bit_step (bitsandbytes AdamW8bit, csrc/kernels.cu
+// kOptimizerStatic8bit2StateBlockwise): the step's scalars from t in double as the host step; per
+// element the moments from the dequantized state (map[code] * absmax; 0 where g is not finite),
+// the update from the fp32 moments with the decay after it, and the new codes: the nearest map
+// entry (ties to the larger), a negative m never coded at 0 or above (its sign is kept).
+typedef struct mn_hd_adamw8bit_coef {
+    float beta1, beta2;
+    float step_size;  // -lr sqrt(1 - beta2^t) / (1 - beta1^t)
+    float eps_c;      // eps sqrt(1 - beta2^t)
+    float decay;      // 1 - lr weight_decay, applied when decay_on
+    int decay_on;     // weight_decay > 0
+} mn_hd_adamw8bit_coef;
+MN_HD mn_hd_adamw8bit_coef mn_hd_adamw8bit_coefs(float lr, float beta1, float beta2, float eps,
+                                                 float weight_decay, uint64_t t) {
+    mn_hd_adamw8bit_coef k;
+    double c1 = 1.0 - pow((double)beta1, (double)t);
+    double c2 = sqrt(1.0 - pow((double)beta2, (double)t));
+    k.beta1 = beta1, k.beta2 = beta2;
+    k.step_size = (float)(-(double)lr * c2 / c1);
+    k.eps_c = (float)((double)eps * c2);
+    k.decay = (float)(1.0 - (double)lr * (double)weight_decay);
+    k.decay_on = weight_decay > 0.0f;
+    return k;
+}
+// m = b1 m_old + (1 - b1) g, v = b2 v_old + (1 - b2) g^2 (m_old, v_old dequantized or fp32);
+// 0 when g is not finite (returns 0 then, 1 otherwise).
+MN_HD int mn_hd_adamw8bit_moments(float *m, float *v, float g, float m_old, float v_old,
+                                  const mn_hd_adamw8bit_coef *k) {
+    if (!mn_hd_isfinite(g)) {
+        *m = 0.0f, *v = 0.0f;
+        return 0;
+    }
+    *m = m_old * k->beta1 + (1.0f - k->beta1) * g;
+    *v = v_old * k->beta2 + (1.0f - k->beta2) * g * g;
+    return 1;
+}
+MN_HD void mn_hd_adamw8bit_param(float *p, float m, float v, const mn_hd_adamw8bit_coef *k) {
+    *p = *p + k->step_size * (m / (sqrtf(v) + k->eps_c));
+    if (k->decay_on) *p = *p * k->decay;
+}
+// Index of the entry of map[256] (ascending) nearest to x, ties to the larger: a branch-free
+// binary search (i ends as the number of entries below x).
+MN_HD uint32_t mn_hd_q8_nearest(const float *map, float x) {
+    uint32_t i = 0, step;
+    for (step = 128; step > 0; step >>= 1) i += step & (0u - (uint32_t)(map[i + step - 1] < x));
+    if (i == 0) return 0;
+    return i - (uint32_t)(x - map[i - 1] < map[i] - x);
+}
+// The code of m in the signed map at scale inv = 1 / absmax (0 when absmax is 0).
+MN_HD uint32_t mn_hd_q8_code_signed(const float *map, float m, float inv) {
+    uint32_t c = mn_hd_q8_nearest(map, m * inv);
+    if (m < 0.0f && map[c] >= 0.0f) c--;
+    return c;
+}
+// One quantization block of len elements, serially: the order of operations the device kernel
+// keeps per element (its block maxima are order-free). g = grad * grad_scale; mbuf, vbuf [len].
+MN_HD void mn_hd_adamw8bit_block(float *param, uint8_t *code1, uint8_t *code2, float *absmax1,
+                                 float *absmax2, const float *grad, uint64_t len,
+                                 float grad_scale, const float *map1, const float *map2,
+                                 const mn_hd_adamw8bit_coef *k, float *mbuf, float *vbuf) {
+    float a1 = *absmax1, a2 = *absmax2, n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+    uint64_t j;
+    for (j = 0; j < len; j++) {
+        mn_hd_adamw8bit_moments(&mbuf[j], &vbuf[j], grad[j] * grad_scale, map1[code1[j]] * a1,
+                                map2[code2[j]] * a2, k);
+        if (fabsf(mbuf[j]) > n1) n1 = fabsf(mbuf[j]);
+        if (vbuf[j] > n2) n2 = vbuf[j];
+    }
+    *absmax1 = n1, *absmax2 = n2;
+    inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+    inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+    for (j = 0; j < len; j++) {
+        if (mn_hd_isfinite(grad[j] * grad_scale))
+            mn_hd_adamw8bit_param(&param[j], mbuf[j], vbuf[j], k);
+        code1[j] = (uint8_t)mn_hd_q8_code_signed(map1, mbuf[j], inv1);
+        code2[j] = (uint8_t)mn_hd_q8_nearest(map2, vbuf[j] * inv2);
+    }
+}
+
 // Serial row versions, the order of operations a single device thread uses; the host tests run
 // them against the reference ops. LayerNorm of one row x[C] (two-pass variance): y[C], *mu, *r.
 MN_HD void mn_hd_layernorm_row(float *y, float *mu, float *r, const float *x, const float *w,
@@ -995,10 +1074,11 @@ MN_HD void mn_hd_adafactor_apply(float *p, float *m, float u, float clip_div, fl
 #ifdef MEMANAT_CUDA
 // This block precedes >>cache and >>optim (its place in the file), so it names their types by
 // struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params (likewise
-// mn_sgd_params, mn_lion_params and mn_adafactor_params), and a stream is an mn_stream
-// (uint32_t).
+// mn_adamw8bit_params, mn_sgd_params, mn_lion_params and mn_adafactor_params), and a stream is an
+// mn_stream (uint32_t).
 struct mn_device;
 struct mn_adamw_params;
+struct mn_adamw8bit_params;
 struct mn_sgd_params;
 struct mn_lion_params;
 struct mn_adafactor_params;
@@ -1163,88 +1243,87 @@ MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe,
 MNDEF mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *grad, uint64_t n,
                                     mn_dtype dtype);
 
-// AdamW step over flat buffers, mn_adamw_step's arithmetic per element (mn_hd_adamw).
-typedef struct mn_cuda_adamw_args {
+// The optimizer steps over flat buffers share these fields (each args struct embeds them first as
+// .flat): fp32 master weights updated in place, a 16-bit copy rewritten from them, the gradients
+// read in their own type, and the loss scaler's found-inf check, unscale and the clipping by the
+// global norm fused into the step.
+typedef struct mn_cuda_optim_flat {
     float *param;              // [n] fp32 master weights, updated
     void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
     const void *grad;          // [n] gradients (grad_dtype), read only
-    float *exp_avg;            // [n] m
-    float *exp_avg_sq;         // [n] v
-    uint64_t n;
+    uint64_t n;                // elements (Adafactor: batch * rows * cols)
     mn_dtype grad_dtype;       // 0 = fp32
     mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step (the bias corrections)
+    uint64_t step;             // t, 1 for the first step (bias corrections; unused by Lion)
     const float *grad_norm;    // [1] on the device from mn_cuda_global_norm over the (scaled)
                                // gradients, or NULL. Non-finite: the step is skipped on the
                                // device (found inf; nothing written, read it back for the scaler)
     float inv_scale;           // the loss scaler's 1/scale, 0 = 1 (the unscale, fused)
     float max_norm;            // clip by the unscaled global norm (needs grad_norm), 0 = none
+} mn_cuda_optim_flat;
+
+// AdamW step over flat buffers, mn_adamw_step's arithmetic per element (mn_hd_adamw).
+typedef struct mn_cuda_adamw_args {
+    mn_cuda_optim_flat flat;
+    float *exp_avg;            // [n] m
+    float *exp_avg_sq;         // [n] v
 } mn_cuda_adamw_args;
 // p: lr, betas, eps, weight_decay, maximize as mn_adamw_params with its defaults (0 = default,
 // MN_OPTIM_ZERO = exactly zero); amsgrad is MN_ERR_UNSUPPORTED here.
 MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const struct mn_adamw_params *p,
                                    const mn_cuda_adamw_args *a);
 
-// SGD with momentum over flat buffers, mn_sgd_step's arithmetic per element (mn_hd_sgd), with the
-// conventions of mn_cuda_adamw_step (fp32 master, 16-bit copy, found-inf / unscale / clip fused).
+// 8-bit AdamW over flat buffers, mn_adamw8bit_step's arithmetic (mn_hd_adamw8bit_*): the state of
+// mn_adamw8bit (its layout: quantized, the per-block scales absmax1, absmax2 [blocks] and the
+// codes code1, code2 [n] into the signed and unsigned dynamic maps; else fp32 exp_avg and
+// exp_avg_sq [n]). One thread block per quantization block: dequantize, the moments, the block's
+// new scales (max |m|, max v), the parameter update from the fp32 moments, re-quantize. The two
+// maps (mn_dynamic_map) are uploaded once per context. An element with a non-finite gradient is
+// left unchanged, as on the host.
+typedef struct mn_cuda_adamw8bit_args {
+    mn_cuda_optim_flat flat;
+    uint8_t *code1, *code2;    // [n] quantized m and v, or NULL for a small tensor
+    float *absmax1, *absmax2;  // [ceil(n / block_size)] their block scales
+    float *exp_avg, *exp_avg_sq;  // [n] fp32 m and v of a small tensor (codes NULL)
+} mn_cuda_adamw8bit_args;
+// p: mn_adamw8bit_params with its defaults (block_size 256, up to 4096); min_8bit_size is not
+// read: the codes being given or not decide.
+MNDEF mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const struct mn_adamw8bit_params *p,
+                                       const mn_cuda_adamw8bit_args *a);
+
+// SGD with momentum over flat buffers, mn_sgd_step's arithmetic per element (mn_hd_sgd).
 typedef struct mn_cuda_sgd_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *momentum_buffer;    // [n] b, NULL when momentum is 0 (step 1 writes it whole)
-    uint64_t n;
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step (the buffer starts as the gradient)
-    const float *grad_norm;    // [1] device global norm of the (scaled) gradients or NULL;
-                               // non-finite: the step is skipped on the device
-    float inv_scale;           // the loss scaler's 1/scale, 0 = 1
-    float max_norm;            // clip by the unscaled global norm (needs grad_norm), 0 = none
 } mn_cuda_sgd_args;
 // p: mn_sgd_params with its defaults (lr 1e-3, momentum/dampening/weight_decay 0); nesterov
 // needs momentum > 0 and dampening 0 (MN_ERR_INVALID_ARG otherwise, as mn_sgd_init).
 MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const struct mn_sgd_params *p,
                                  const mn_cuda_sgd_args *a);
 
-// Lion over flat buffers, mn_lion_step's arithmetic per element (mn_hd_lion), same conventions.
+// Lion over flat buffers, mn_lion_step's arithmetic per element (mn_hd_lion).
 typedef struct mn_cuda_lion_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *exp_avg;            // [n] m (zero before the first step)
-    uint64_t n;
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    const float *grad_norm;    // as mn_cuda_sgd_args
-    float inv_scale;
-    float max_norm;
 } mn_cuda_lion_args;
 // p: mn_lion_params with its defaults (lr 1e-4, betas 0.9 / 0.99, weight_decay 0).
 MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
                                   const mn_cuda_lion_args *a);
 
-// Adafactor over one parameter tensor, mn_adafactor_step's arithmetic (mn_hd_adafactor_*), with
-// the conventions above. The tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols):
+// Adafactor over one parameter tensor, mn_adafactor_step's arithmetic (mn_hd_adafactor_*). The
+// tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols; flat.n their product):
 // factored when exp_avg_sq_row is given (R [batch, rows], C [batch, cols]), else V [n] with
 // batch = rows = 1, cols = n. Kernels in order: RMS(param) and alpha_t, the row means (a warp per
 // row), the column means (partial sums per 64-row chunk, then the chunks in order), mean(R) (a
 // warp per batch), the update's RMS, the update; every sum in double, in a fixed order
 // (deterministic). Scratch: 8 bytes x batch x cols x min(512, rows / 64) and a few KiB.
 typedef struct mn_cuda_adafactor_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *exp_avg_sq_row;     // [batch, rows] R (zero before the first step), NULL: not factored
     float *exp_avg_sq_col;     // [batch, cols] C, factored
     float *exp_avg_sq;         // [n] V, not factored
     float *exp_avg;            // [n] m when beta1 is set, else NULL
     uint64_t batch, rows, cols;  // n = batch * rows * cols
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step
-    const float *grad_norm;    // as mn_cuda_sgd_args
-    float inv_scale;
-    float max_norm;
 } mn_cuda_adafactor_args;
 // p: mn_adafactor_params with its defaults (relative step when lr is 0); beta1 set needs exp_avg.
 MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const struct mn_adafactor_params *p,

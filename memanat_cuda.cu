@@ -65,6 +65,7 @@ struct mn__cuda_priv {
     void *host;               // host scratch (embedding bucketing)
     size_t host_bytes;
     int foreign_workspace;    // ctx->workspace is the caller's (mn_cuda_workspace_set)
+    float *q8_maps;           // [512] device: the signed, then the unsigned dynamic map (8-bit)
     // driver API for virtual memory (NULL when not available)
     PFN_cuMemAddressReserve_v10020 mem_reserve;
     PFN_cuMemAddressFree_v10020 mem_addr_free;
@@ -226,6 +227,7 @@ static void mn__release(mn_cuda *ctx) {
     mn__host_free(ctx, p->free_ids);
     for (i = 1; i < p->nstreams; i++) (void)cudaStreamDestroy(p->streams[i]);
     if (p->scratch) (void)cudaFree(p->scratch);
+    if (p->q8_maps) (void)cudaFree(p->q8_maps);
     mn__host_free(ctx, p->host);
     if (ctx->workspace && !p->foreign_workspace) (void)cudaFree(ctx->workspace);
     if (ctx->lt) (void)cublasLtDestroy((cublasLtHandle_t)ctx->lt);
@@ -907,7 +909,7 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
     MN__DISPATCH(ctx, dtype, mn__softmax_backward, ctx, dinp, dout, out, N, L, scale, causal);
 }
 
-// ---- kernels: >>ops residual ---------------------------------------------------------------------
+// ---- kernels: >>ops residual --------------------------------------------------------------------
 // out = inp1 + inp2, element by element (each thread reads both inputs before it writes, so out
 // may alias either).
 
@@ -915,7 +917,8 @@ template <typename T>
 static __global__ void __launch_bounds__(MN__EW_THREADS)
 mn__residual_forward_kernel(T *out, const T *inp1, const T *inp2, size_t n) {
     size_t i;
-    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
         out[i] = mn__cvt<T>(mn__ld<T>(inp1 + i) + mn__ld<T>(inp2 + i));
 }
 
@@ -1287,19 +1290,8 @@ mn__optim_kernel(float *param, P *param16, const G *grad, size_t n, OP op, const
     }
 }
 
-// The flat-buffer fields the SGD and Lion launchers share.
-typedef struct mn__flat_args {
-    float *param;
-    void *param16;
-    const void *grad;
-    uint64_t n;
-    mn_dtype grad_dtype, param16_dtype;
-    const float *grad_norm;
-    float inv_scale, max_norm;
-} mn__flat_args;
-
 template <typename G, typename P, typename OP>
-static mn_result mn__optim(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+static mn_result mn__optim(mn_cuda *ctx, const mn_cuda_optim_flat *a, OP op) {
     mn__optim_kernel<G, P, OP><<<mn__ew_grid(ctx, a->n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
         a->param, (P *)a->param16, (const G *)a->grad, (size_t)a->n, op, a->grad_norm,
         a->inv_scale == 0.0f ? 1.0f : a->inv_scale, a->max_norm);
@@ -1308,7 +1300,7 @@ static mn_result mn__optim(mn_cuda *ctx, const mn__flat_args *a, OP op) {
 }
 
 template <typename G, typename OP>
-static mn_result mn__optim_g(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+static mn_result mn__optim_g(mn_cuda *ctx, const mn_cuda_optim_flat *a, OP op) {
     if (!a->param16) return mn__optim<G, float, OP>(ctx, a, op);
     if (a->param16_dtype == MN_FP16) return mn__optim<G, __half, OP>(ctx, a, op);
     if (a->param16_dtype == MN_BF16) return mn__optim<G, __nv_bfloat16, OP>(ctx, a, op);
@@ -1316,7 +1308,7 @@ static mn_result mn__optim_g(mn_cuda *ctx, const mn__flat_args *a, OP op) {
 }
 
 template <typename OP>
-static mn_result mn__optim_step(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+static mn_result mn__optim_step(mn_cuda *ctx, const mn_cuda_optim_flat *a, OP op) {
     MN__CHECK(ctx, a->param && a->grad);
     MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
     MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
@@ -1332,13 +1324,12 @@ static mn_result mn__optim_step(mn_cuda *ctx, const mn__flat_args *a, OP op) {
 MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const mn_adamw_params *p,
                                    const mn_cuda_adamw_args *a) {
     mn_adamw_params q;
-    mn__flat_args f;
     mn__adamw_op op;
     MN__CTX(ctx);
-    MN__CHECK(ctx, a && a->param && a->grad && a->exp_avg && a->exp_avg_sq);
-    MN__CHECK(ctx, a->step >= 1);
-    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
-    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    MN__CHECK(ctx, a && a->flat.param && a->flat.grad && a->exp_avg && a->exp_avg_sq);
+    MN__CHECK(ctx, a->flat.step >= 1);
+    MN__CHECK(ctx, a->flat.max_norm == 0.0f || a->flat.grad_norm);
+    MN__CHECK(ctx, a->flat.max_norm >= 0.0f && a->flat.inv_scale >= 0.0f);
     if (p) q = *p;
     else memset(&q, 0, sizeof q);
     if (q.amsgrad) return MN_ERR_UNSUPPORTED;
@@ -1347,20 +1338,17 @@ MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const mn_adamw_params *p,
     MN__CHECK(ctx, q.lr >= 0.0f && q.eps >= 0.0f && q.weight_decay >= 0.0f);
     MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f && q.beta2 >= 0.0f && q.beta2 < 1.0f);
     op.m = a->exp_avg, op.v = a->exp_avg_sq;
-    op.k = mn_hd_adamw_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.maximize, a->step);
-    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
-    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
-    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
-    return mn__optim_step(ctx, &f, op);
+    op.k = mn_hd_adamw_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.maximize,
+                             a->flat.step);
+    return mn__optim_step(ctx, &a->flat, op);
 }
 
 MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const mn_sgd_params *p, const mn_cuda_sgd_args *a) {
     mn_sgd_params q;
-    mn__flat_args f;
     mn__sgd_op op;
     MN__CTX(ctx);
     MN__CHECK(ctx, a);
-    MN__CHECK(ctx, a->step >= 1);
+    MN__CHECK(ctx, a->flat.step >= 1);
     if (p) q = *p;
     else memset(&q, 0, sizeof q);
     q.lr = mn__z(q.lr, 1e-3f), q.momentum = mn__z(q.momentum, 0.0f);
@@ -1373,17 +1361,13 @@ MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const mn_sgd_params *p, const mn_
     op.b = q.momentum != 0.0f ? a->momentum_buffer : NULL;
     op.k.lr = q.lr, op.k.momentum = q.momentum, op.k.dampening = q.dampening;
     op.k.weight_decay = q.weight_decay, op.k.nesterov = q.nesterov, op.k.maximize = q.maximize;
-    op.k.first = a->step == 1;
-    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
-    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
-    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
-    return mn__optim_step(ctx, &f, op);
+    op.k.first = a->flat.step == 1;
+    return mn__optim_step(ctx, &a->flat, op);
 }
 
 MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const mn_lion_params *p,
                                   const mn_cuda_lion_args *a) {
     mn_lion_params q;
-    mn__flat_args f;
     mn__lion_op op;
     MN__CTX(ctx);
     MN__CHECK(ctx, a && a->exp_avg);
@@ -1395,10 +1379,148 @@ MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const mn_lion_params *p,
     MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 <= 1.0f && q.beta2 >= 0.0f && q.beta2 <= 1.0f);
     op.m = a->exp_avg;
     op.k = mn_hd_lion_coefs(q.lr, q.beta1, q.beta2, q.weight_decay);
-    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
-    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
-    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
-    return mn__optim_step(ctx, &f, op);
+    return mn__optim_step(ctx, &a->flat, op);
+}
+
+// ---- kernels: >>optim 8-bit AdamW ---------------------------------------------------------------
+// One thread block per quantization block (a grid-stride loop over the blocks): the moments of
+// each element from its dequantized codes into shared memory with the block's maxima (a warp
+// shuffle, then the warps in order: max is order-free, so the scales equal the host's), then the
+// parameter update and the new codes. The maps live in shared memory, the block's moments too:
+// dynamic shared memory of (512 + 2 block_size) floats (at most 34 KiB for 4096-element blocks).
+// A small tensor (fp32 moments) runs the element-wise optimizer kernel.
+#define MN__Q8_THREADS 256
+struct mn__adamw8bit32_op {
+    float *m, *v;
+    mn_hd_adamw8bit_coef k;
+    __device__ void operator()(float *p, size_t i, float g, float clip) const {
+        float mm, vv;
+        g *= clip;
+        if (!mn_hd_adamw8bit_moments(&mm, &vv, g, m[i], v[i], &k)) return;  // left unchanged
+        m[i] = mm, v[i] = vv;
+        mn_hd_adamw8bit_param(p, mm, vv, &k);
+    }
+};
+
+__device__ __forceinline__ float mn__warp_max(float v) {
+    int o;
+    for (o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+template <typename G, typename P>
+static __global__ void __launch_bounds__(MN__Q8_THREADS)
+mn__adamw8bit_kernel(float *param, P *param16, const G *grad, uint8_t *code1, uint8_t *code2,
+                     float *absmax1, float *absmax2, const float *maps, size_t n,
+                     unsigned block_size, mn_hd_adamw8bit_coef k, const float *grad_norm,
+                     float inv_scale, float max_norm) {
+    extern __shared__ float mn__q8_smem[];
+    __shared__ float red[2][MN__Q8_THREADS / 32];
+    float *map1 = mn__q8_smem, *map2 = map1 + 256, *mbuf = map2 + 256, *vbuf = mbuf + block_size;
+    size_t nblocks = (n + block_size - 1) / block_size, b;
+    unsigned j, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float scale = inv_scale;
+    if (grad_norm) {
+        float nrm = *grad_norm;
+        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
+        scale = inv_scale * mn_hd_clip_coef(nrm * inv_scale, max_norm);
+    }
+    for (j = threadIdx.x; j < 512; j += blockDim.x) map1[j] = maps[j];
+    __syncthreads();
+    for (b = blockIdx.x; b < nblocks; b += gridDim.x) {
+        size_t i0 = b * block_size;
+        unsigned len = (unsigned)(n - i0 < block_size ? n - i0 : block_size);
+        float a1 = absmax1[b], a2 = absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+        for (j = threadIdx.x; j < len; j += blockDim.x) {
+            float g = mn__ld<G>(grad + i0 + j) * scale;
+            mn_hd_adamw8bit_moments(&mbuf[j], &vbuf[j], g, map1[code1[i0 + j]] * a1,
+                                    map2[code2[i0 + j]] * a2, &k);
+            n1 = fmaxf(n1, fabsf(mbuf[j])), n2 = fmaxf(n2, vbuf[j]);
+        }
+        n1 = mn__warp_max(n1), n2 = mn__warp_max(n2);
+        if (lane == 0) red[0][w] = n1, red[1][w] = n2;
+        __syncthreads();
+        for (n1 = 0.0f, n2 = 0.0f, j = 0; j < MN__Q8_THREADS / 32; j++)
+            n1 = fmaxf(n1, red[0][j]), n2 = fmaxf(n2, red[1][j]);
+        if (threadIdx.x == 0) absmax1[b] = n1, absmax2[b] = n2;
+        inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+        inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+        for (j = threadIdx.x; j < len; j += blockDim.x) {
+            size_t i = i0 + j;
+            float p = param[i];
+            if (mn_hd_isfinite(mn__ld<G>(grad + i) * scale)) {
+                mn_hd_adamw8bit_param(&p, mbuf[j], vbuf[j], &k);
+                param[i] = p;
+            }
+            if (param16) param16[i] = mn__cvt<P>(p);
+            code1[i] = (uint8_t)mn_hd_q8_code_signed(map1, mbuf[j], inv1);
+            code2[i] = (uint8_t)mn_hd_q8_nearest(map2, vbuf[j] * inv2);
+        }
+        __syncthreads();  // red, mbuf and vbuf are reused by the next block
+    }
+}
+
+template <typename G, typename P>
+static mn_result mn__adamw8bit(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a, unsigned block_size,
+                               mn_hd_adamw8bit_coef k) {
+    const mn_cuda_optim_flat *f = &a->flat;
+    size_t nblocks = (f->n + block_size - 1) / block_size;
+    unsigned grid = (unsigned)(nblocks < 65535u * 16u ? nblocks : 65535u * 16u);
+    size_t smem = (512 + 2 * (size_t)block_size) * sizeof(float);
+    if (smem > 48 * 1024)
+        MN__CU(ctx, cudaFuncSetAttribute(mn__adamw8bit_kernel<G, P>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    mn__adamw8bit_kernel<G, P><<<grid, MN__Q8_THREADS, smem, mn__stream(ctx)>>>(
+        f->param, (P *)f->param16, (const G *)f->grad, a->code1, a->code2, a->absmax1, a->absmax2,
+        ctx->p->q8_maps, (size_t)f->n, block_size, k, f->grad_norm,
+        f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+template <typename G>
+static mn_result mn__adamw8bit_g(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a,
+                                 unsigned block_size, mn_hd_adamw8bit_coef k) {
+    if (!a->flat.param16) return mn__adamw8bit<G, float>(ctx, a, block_size, k);
+    if (a->flat.param16_dtype == MN_FP16) return mn__adamw8bit<G, __half>(ctx, a, block_size, k);
+    if (a->flat.param16_dtype == MN_BF16)
+        return mn__adamw8bit<G, __nv_bfloat16>(ctx, a, block_size, k);
+    return mn__bad(ctx, "param16_dtype must be MN_FP16 or MN_BF16");
+}
+
+MNDEF mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const mn_adamw8bit_params *p,
+                                       const mn_cuda_adamw8bit_args *a) {
+    mn_adamw8bit_params q;
+    mn_hd_adamw8bit_coef k;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, a && a->flat.param && a->flat.grad);
+    MN__CHECK(ctx, a->flat.step >= 1);
+    MN__CHECK(ctx, a->code1 ? a->code2 && a->absmax1 && a->absmax2
+                            : a->exp_avg && a->exp_avg_sq);
+    MN__CHECK(ctx, a->flat.max_norm == 0.0f || a->flat.grad_norm);
+    MN__CHECK(ctx, a->flat.max_norm >= 0.0f && a->flat.inv_scale >= 0.0f);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    q.lr = mn__z(q.lr, 1e-3f), q.beta1 = mn__z(q.beta1, 0.9f), q.beta2 = mn__z(q.beta2, 0.999f);
+    q.eps = mn__z(q.eps, 1e-8f), q.weight_decay = mn__z(q.weight_decay, 1e-2f);
+    if (q.block_size == 0) q.block_size = 256;
+    MN__CHECK(ctx, q.lr >= 0.0f && q.eps >= 0.0f && q.weight_decay >= 0.0f);
+    MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f && q.beta2 >= 0.0f && q.beta2 < 1.0f);
+    MN__CHECK(ctx, q.block_size <= 4096);
+    k = mn_hd_adamw8bit_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, a->flat.step);
+    if (!a->code1) {  // a small tensor: fp32 moments, element by element
+        mn__adamw8bit32_op op;
+        op.m = a->exp_avg, op.v = a->exp_avg_sq, op.k = k;
+        return mn__optim_step(ctx, &a->flat, op);
+    }
+    if (a->flat.n == 0) return MN_OK;
+    if (!ctx->p->q8_maps) {  // once per context: mn_dynamic_map's two maps
+        float maps[512];
+        mn_dynamic_map(1, maps), mn_dynamic_map(0, maps + 256);
+        MN__CU(ctx, cudaMalloc((void **)&ctx->p->q8_maps, sizeof maps));
+        MN__CU(ctx, cudaMemcpy(ctx->p->q8_maps, maps, sizeof maps, cudaMemcpyHostToDevice));
+    }
+    MN__DISPATCH(ctx, a->flat.grad_dtype, mn__adamw8bit_g, ctx, a, q.block_size, k);
 }
 
 // Adafactor: six small kernels in stream order (see the header); each one returns at once when
@@ -1597,12 +1719,12 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
     char *scr;
     double *partial, *cpart;
     float *scal, *rmean;
-    const G *g = (const G *)a->grad;
+    const G *g = (const G *)a->flat.grad;
     mn_result r;
     if ((r = mn__scratch(ctx, pb + 256 + mb + cb, (void **)&scr)) != MN_OK) return r;
     partial = (double *)scr, scal = (float *)(scr + pb), rmean = (float *)(scr + pb + 256);
     cpart = (double *)(scr + pb + 256 + mb);
-    mn__af_sumsq_kernel<<<grid, MN__AF_THREADS, 0, s>>>(partial, a->param, n);
+    mn__af_sumsq_kernel<<<grid, MN__AF_THREADS, 0, s>>>(partial, a->flat.param, n);
     MN__LAUNCHED(ctx);
     mn__af_alpha_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, k);
     MN__LAUNCHED(ctx);
@@ -1634,7 +1756,7 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
     mn__af_clip_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, clip_threshold);
     MN__LAUNCHED(ctx);
     mn__af_apply_kernel<G, P><<<grid, MN__AF_THREADS, 0, s>>>(
-        a->param, (P *)a->param16, a->exp_avg, a->exp_avg_sq, a->exp_avg_sq_row,
+        a->flat.param, (P *)a->flat.param16, a->exp_avg, a->exp_avg_sq, a->exp_avg_sq_row,
         a->exp_avg_sq_col, rmean, scal, g, n, a->rows, a->cols, k, q);
     MN__LAUNCHED(ctx);
     return MN_OK;
@@ -1643,9 +1765,10 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
 template <typename G>
 static mn_result mn__adafactor_g(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
                                  mn_hd_adafactor_coef k, float clip_threshold, mn__af_grad q) {
-    if (!a->param16) return mn__adafactor<G, float>(ctx, a, k, clip_threshold, q);
-    if (a->param16_dtype == MN_FP16) return mn__adafactor<G, __half>(ctx, a, k, clip_threshold, q);
-    if (a->param16_dtype == MN_BF16)
+    if (!a->flat.param16) return mn__adafactor<G, float>(ctx, a, k, clip_threshold, q);
+    if (a->flat.param16_dtype == MN_FP16)
+        return mn__adafactor<G, __half>(ctx, a, k, clip_threshold, q);
+    if (a->flat.param16_dtype == MN_BF16)
         return mn__adafactor<G, __nv_bfloat16>(ctx, a, k, clip_threshold, q);
     return mn__bad(ctx, "param16_dtype must be MN_FP16 or MN_BF16");
 }
@@ -1657,11 +1780,11 @@ MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const mn_adafactor_params *
     mn__af_grad gq;
     uint64_t n;
     MN__CTX(ctx);
-    MN__CHECK(ctx, a && a->param && a->grad);
-    MN__CHECK(ctx, a->step >= 1);
+    MN__CHECK(ctx, a && a->flat.param && a->flat.grad);
+    MN__CHECK(ctx, a->flat.step >= 1);
     MN__CHECK(ctx, a->exp_avg_sq_row ? a->exp_avg_sq_col != NULL : a->exp_avg_sq != NULL);
-    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
-    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    MN__CHECK(ctx, a->flat.max_norm == 0.0f || a->flat.grad_norm);
+    MN__CHECK(ctx, a->flat.max_norm >= 0.0f && a->flat.inv_scale >= 0.0f);
     if (p) q = *p;
     else memset(&q, 0, sizeof q);
     if (q.eps1 == 0.0f) q.eps1 = 1e-30f;
@@ -1677,17 +1800,19 @@ MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const mn_adafactor_params *
         (a->cols && a->batch * a->rows > UINT64_MAX / a->cols))
         return mn__bad(ctx, "batch * rows * cols overflows");
     n = a->batch * a->rows * a->cols;
+    MN__CHECK(ctx, a->flat.n == n);
     if (n == 0) return MN_OK;
     k = mn_hd_adafactor_coefs(q.lr, q.eps1, q.eps2, q.decay_rate, q.beta1, q.weight_decay,
-                              q.no_scale_parameter, q.warmup_init, a->step);
-    gq.norm = a->grad_norm, gq.inv_scale = a->inv_scale == 0.0f ? 1.0f : a->inv_scale;
-    gq.max_norm = a->max_norm;
+                              q.no_scale_parameter, q.warmup_init, a->flat.step);
+    gq.norm = a->flat.grad_norm;
+    gq.inv_scale = a->flat.inv_scale == 0.0f ? 1.0f : a->flat.inv_scale;
+    gq.max_norm = a->flat.max_norm;
     if (q.beta1 == 0.0f) {  // no first moment: exp_avg unused
         mn_cuda_adafactor_args b = *a;
         b.exp_avg = NULL;
-        MN__DISPATCH(ctx, a->grad_dtype, mn__adafactor_g, ctx, &b, k, q.clip_threshold, gq);
+        MN__DISPATCH(ctx, a->flat.grad_dtype, mn__adafactor_g, ctx, &b, k, q.clip_threshold, gq);
     }
-    MN__DISPATCH(ctx, a->grad_dtype, mn__adafactor_g, ctx, a, k, q.clip_threshold, gq);
+    MN__DISPATCH(ctx, a->flat.grad_dtype, mn__adafactor_g, ctx, a, k, q.clip_threshold, gq);
 }
 
 // ---- gemm: >>ops matmul through cuBLASLt --------------------------------------------------------

@@ -232,9 +232,6 @@ static mn_result tr_check_cuda_flags(const tr_config *cfg, char *err, size_t cap
 #ifndef MEMANAT_CUDA
     no = "this trainer was built without CUDA (build it where nvcc is found)";
 #endif
-    if (!no && (cfg->optim == MN_OPTIM_ADAMW_8BIT || cfg->optim == MN_OPTIM_ADAFACTOR))
-        no = cfg->optim == MN_OPTIM_ADAFACTOR ? "--optim adafactor is CPU-only for now"
-                                              : "--optim adamw-8bit is CPU-only for now";
     if (!no && (cfg->save || cfg->resume)) no = "--save and --resume are CPU-only for now";
     if (!no && cfg->budget) no = "--budget is CPU-only for now (--capacity works)";
     if (!no) return MN_OK;
@@ -1717,56 +1714,81 @@ static mn_result tr_gpu_backward(tr_model *m) {
     return tr_free(m, &m->x[0]);
 }
 
-// One step of parameter i's state (made at the first update: one zeroed block of
-// mn_optim_state_bytes, AdamW's m then v, SGD's momentum, Lion's m) at step size lr, t the
-// optimizer's step. The gradient norm, the loss scaler's 1/scale (0 = 1) and the clipping go to
-// the kernel, which unscales and clips as it reads each gradient.
+// One step of parameter i's state at step size lr, t the optimizer's step. The state is one
+// zeroed block of mn_optim_state_bytes made at the first update, laid out as the host optimizers
+// lay theirs out: AdamW m then v; SGD's momentum; Lion's m; 8-bit AdamW [absmax1 | absmax2 |
+// code1 | code2] for a tensor of 4096 elements or more (256-element blocks), else m then v;
+// Adafactor the row then the column means of the [rows, cols] tensor. The gradient norm, the loss
+// scaler's 1/scale (0 = 1) and the clipping go to the kernel, which unscales and clips as it reads.
 static mn_result tr_gpu_optim_step(tr_model *m, int i, float lr, uint64_t t, float inv) {
     float **ps[TR_NUM_PARAMS], **gs[TR_NUM_PARAMS], *state = (float *)m->opt_block[i];
-    uint64_t n = m->dims[i][0] * m->dims[i][1], words;
-    mn_dtype gdt = tr_gpu_dtype(m);
-    void *p16 = m->half ? (void *)m->w16[i] : NULL;
-    words = m->cfg.optim == MN_OPTIM_SGD ? 0 : m->cfg.optim == MN_OPTIM_SGD_MOMENTUM ||
-            m->cfg.optim == MN_OPTIM_LION ? 1 : 2;  // fp32 state words per element
-    if (m->opt_bytes[i] != words * 4 * n) return MN_ERR_STATE;  // not the layout read below
+    uint64_t n = m->dims[i][0] * m->dims[i][1], want, blocks = (n + 255) / 256;
+    int q8 = n >= 4096;  // mn_adamw8bit's min_8bit_size
+    mn_cuda_optim_flat f;
     tr_param_slots(&m->params, ps);
     tr_param_slots(&m->grads, gs);
-    switch (m->cfg.optim) {
-    case MN_OPTIM_DEFAULT:
-    case MN_OPTIM_ADAMW: {
-        mn_adamw_params p;
-        mn_cuda_adamw_args a;
-        memset(&p, 0, sizeof p), memset(&a, 0, sizeof a);
-        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
-        a.param = *ps[i], a.param16 = p16, a.grad = *gs[i], a.exp_avg = state;
-        a.exp_avg_sq = state + n, a.n = n, a.grad_dtype = gdt, a.param16_dtype = m->half;
-        a.step = t, a.grad_norm = m->norms, a.inv_scale = inv, a.max_norm = m->cfg.clip;
-        return mn_cuda_adamw_step(&m->cuda, &p, &a);
+    switch (m->cfg.optim) {  // the layout below must be the block's size
+    case MN_OPTIM_SGD: want = 0; break;
+    case MN_OPTIM_SGD_MOMENTUM: case MN_OPTIM_LION: want = 4 * n; break;
+    case MN_OPTIM_ADAMW_8BIT: want = q8 ? 2 * n + 8 * blocks : 8 * n; break;
+    case MN_OPTIM_ADAFACTOR: want = 4 * (m->dims[i][0] + m->dims[i][1]); break;
+    default: want = 8 * n; break;
     }
+    if (m->opt_bytes[i] != want) return MN_ERR_STATE;
+    memset(&f, 0, sizeof f);
+    f.param = *ps[i], f.param16 = m->half ? (void *)m->w16[i] : NULL, f.grad = *gs[i], f.n = n;
+    f.grad_dtype = tr_gpu_dtype(m), f.param16_dtype = m->half, f.step = t;
+    f.grad_norm = m->norms, f.inv_scale = inv, f.max_norm = m->cfg.clip;
+    switch (m->cfg.optim) {
     case MN_OPTIM_SGD:
     case MN_OPTIM_SGD_MOMENTUM: {
         mn_sgd_params p;
         mn_cuda_sgd_args a;
-        memset(&p, 0, sizeof p), memset(&a, 0, sizeof a);
+        memset(&p, 0, sizeof p);
         p.lr = lr, p.momentum = m->cfg.optim == MN_OPTIM_SGD_MOMENTUM ? 0.9f : 0.0f;
-        a.param = *ps[i], a.param16 = p16, a.grad = *gs[i], a.momentum_buffer = state;
-        a.n = n, a.grad_dtype = gdt, a.param16_dtype = m->half;
-        a.step = t, a.grad_norm = m->norms, a.inv_scale = inv, a.max_norm = m->cfg.clip;
+        a.flat = f, a.momentum_buffer = state;
         return mn_cuda_sgd_step(&m->cuda, &p, &a);
     }
     case MN_OPTIM_LION: {
         mn_lion_params p;
         mn_cuda_lion_args a;
-        memset(&p, 0, sizeof p), memset(&a, 0, sizeof a);
+        memset(&p, 0, sizeof p);
         p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
-        a.param = *ps[i], a.param16 = p16, a.grad = *gs[i], a.exp_avg = state;
-        a.n = n, a.grad_dtype = gdt, a.param16_dtype = m->half;
-        a.grad_norm = m->norms, a.inv_scale = inv, a.max_norm = m->cfg.clip;
+        a.flat = f, a.exp_avg = state;
         return mn_cuda_lion_step(&m->cuda, &p, &a);
     }
-    default: break;  // refused by tr_check_cuda_flags
+    case MN_OPTIM_ADAMW_8BIT: {
+        mn_adamw8bit_params p;
+        mn_cuda_adamw8bit_args a;
+        memset(&p, 0, sizeof p), memset(&a, 0, sizeof a);
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        a.flat = f;
+        if (q8) {
+            a.absmax1 = state, a.absmax2 = state + blocks;
+            a.code1 = (uint8_t *)(state + 2 * blocks), a.code2 = a.code1 + n;
+        } else {
+            a.exp_avg = state, a.exp_avg_sq = state + n;
+        }
+        return mn_cuda_adamw8bit_step(&m->cuda, &p, &a);
     }
-    return MN_ERR_UNSUPPORTED;
+    case MN_OPTIM_ADAFACTOR: {
+        mn_adafactor_params p;
+        mn_cuda_adafactor_args a;
+        memset(&p, 0, sizeof p), memset(&a, 0, sizeof a);
+        p.lr = lr, p.no_scale_parameter = 1;
+        a.flat = f, a.exp_avg_sq_row = state, a.exp_avg_sq_col = state + m->dims[i][0];
+        a.batch = 1, a.rows = m->dims[i][0], a.cols = m->dims[i][1];
+        return mn_cuda_adafactor_step(&m->cuda, &p, &a);
+    }
+    default: {
+        mn_adamw_params p;
+        mn_cuda_adamw_args a;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        a.flat = f, a.exp_avg = state, a.exp_avg_sq = state + n;
+        return mn_cuda_adamw_step(&m->cuda, &p, &a);
+    }
+    }
 }
 
 // tr_update on the device. The norm of every gradient tensor into m->norms, read back and summed
@@ -2566,8 +2588,8 @@ int main(int argc, char **argv) {
                "--fail-alloc-at N: the N-th tensor allocation fails as out of memory (for\n"
                "  testing the failure path).\n"
                "--device cuda: train on the GPU (a build with nvcc): the same model, log and\n"
-               "  prediction; gradients in the storage type; not yet with adamw-8bit,\n"
-               "  adafactor, --save, --resume or --budget.\n");
+               "  prediction; gradients in the storage type; not yet with --save,\n"
+               "  --resume or --budget.\n");
         return 0;
     }
     r = tr_run(&cfg, stdout, &res);

@@ -88,10 +88,22 @@ static void f_norm(void *) { MN(mn_cuda_global_norm(&ctx, (float *)anorm, ag, ad
 static void f_adamw(void *) {
     mn_cuda_adamw_args a;
     memset(&a, 0, sizeof a);
-    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
-    a.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.exp_avg_sq = (float *)av, a.n = adam_n;
-    a.step = 1, a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16, a.flat.grad = ag;
+    a.flat.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.exp_avg_sq = (float *)av, a.flat.n = adam_n;
+    a.flat.step = 1, a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
     MN(mn_cuda_adamw_step(&ctx, NULL, &a));
+}
+
+// 8-bit AdamW: codes in am (m then v, a byte each), block scales in av.
+static void f_adamw8bit(void *) {
+    mn_cuda_adamw8bit_args a;
+    memset(&a, 0, sizeof a);
+    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16;
+    a.flat.grad = ag, a.flat.grad_dtype = MN_BF16, a.flat.n = adam_n, a.flat.step = 1;
+    a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
+    a.code1 = (uint8_t *)am, a.code2 = (uint8_t *)am + adam_n;
+    a.absmax1 = (float *)av, a.absmax2 = (float *)av + (adam_n + 255) / 256;
+    MN(mn_cuda_adamw8bit_step(&ctx, NULL, &a));
 }
 
 static void f_sgd(void *) {
@@ -99,17 +111,17 @@ static void f_sgd(void *) {
     mn_sgd_params p;
     memset(&a, 0, sizeof a), memset(&p, 0, sizeof p);
     p.momentum = 0.9f;
-    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
-    a.grad_dtype = MN_BF16, a.momentum_buffer = (float *)am, a.n = adam_n, a.step = 2;
-    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16, a.flat.grad = ag;
+    a.flat.grad_dtype = MN_BF16, a.momentum_buffer = (float *)am, a.flat.n = adam_n, a.flat.step = 2;
+    a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
     MN(mn_cuda_sgd_step(&ctx, &p, &a));
 }
 static void f_lion(void *) {
     mn_cuda_lion_args a;
     memset(&a, 0, sizeof a);
-    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
-    a.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.n = adam_n;
-    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16, a.flat.grad = ag;
+    a.flat.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.flat.n = adam_n;
+    a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
     MN(mn_cuda_lion_step(&ctx, NULL, &a));
 }
 
@@ -120,10 +132,10 @@ enum { AF_ROWS = 161458 };
 static void f_adafactor(void *) {
     mn_cuda_adafactor_args a;
     memset(&a, 0, sizeof a);
-    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
-    a.grad_dtype = MN_BF16, a.exp_avg_sq_row = (float *)af_row, a.exp_avg_sq_col = (float *)af_col;
-    a.batch = 1, a.rows = AF_ROWS, a.cols = C, a.step = 2;
-    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16, a.flat.grad = ag;
+    a.flat.grad_dtype = MN_BF16, a.exp_avg_sq_row = (float *)af_row, a.exp_avg_sq_col = (float *)af_col;
+    a.batch = 1, a.rows = AF_ROWS, a.cols = C, a.flat.n = (uint64_t)AF_ROWS * C, a.flat.step = 2;
+    a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
     MN(mn_cuda_adafactor_step(&ctx, NULL, &a));
 }
 
@@ -300,6 +312,8 @@ int main(void) {
         row_bw("global norm 124M bf16", adam_n * 2.0, time_ms(f_norm, NULL));
         row_bw("AdamW 124M (fp32 master, m, v; bf16 g, copy)", adam_n * (4 * 2 + 2 + 4 * 4 + 2.0),
                time_ms(f_adamw, NULL));
+        row_bw("AdamW 8-bit 124M (fp32 master, 8-bit m, v; bf16 g, copy)",
+               adam_n * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit, NULL));
         row_bw("SGD momentum 124M (fp32 master, b; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
                time_ms(f_sgd, NULL));
         row_bw("Lion 124M (fp32 master, m; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),

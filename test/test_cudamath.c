@@ -433,6 +433,102 @@ static void test_adamw(void) {
     free(param), free(grad), free(hp), free(hm), free(hv), free(p16);
 }
 
+// 8-bit AdamW's per-block math (mn_hd_adamw8bit_block, the device kernel's order of operations)
+// and its per-element fp32 path against mn_adamw8bit_step, 5 steps with fresh gradients, one of
+// them inf (left unchanged, moments 0) and one NaN, and a few tiny negative gradients (moments
+// that round to the map's 0 and must be coded below it): a quantized tensor whose last block is short
+// (n = 5000, blocks of 256) and one of 1024-element blocks, parameters, codes and block scales
+// bit for bit (the same arithmetic in the same order on the host); a small tensor (n = 1003)
+// keeps fp32 moments.
+static void test_adamw8bit(void) {
+    static const uint64_t sizes[] = {5000, 9000, 1003};
+    static const uint32_t blocks[] = {256, 1024, 256};
+    float map1[256], map2[256];
+    size_t c;
+    mn_dynamic_map(1, map1), mn_dynamic_map(0, map2);
+    for (c = 0; c < 3; c++) {
+        uint64_t n = sizes[c], dims[1], i, t, b;
+        mn_adamw8bit s;
+        mn_adamw8bit_params p;
+        float *param = mnt_fvec(n), *grad = mnt_fvec(n), *hp = mnt_fvec(n), *hm = mnt_fvec(n);
+        float *hv = mnt_fvec(n), *mbuf = mnt_fvec(4096), *vbuf = mnt_fvec(4096);
+        float *a1 = mnt_fvec(n / 256 + 1), *a2 = mnt_fvec(n / 256 + 1);
+        uint8_t *c1 = (uint8_t *)calloc(n, 1), *c2 = (uint8_t *)calloc(n, 1);
+        uint64_t bad_p = 0, bad_c = 0, bad_a = 0;
+        if (!c1 || !c2) abort();
+        memset(&p, 0, sizeof p);
+        p.lr = 1e-2f, p.weight_decay = 0.1f, p.block_size = blocks[c];
+        dims[0] = n;
+        CHECK_OK(mn_adamw8bit_init(&s, dims, 1, &p, NULL));
+        memset(s.quantized ? (void *)s.absmax1 : (void *)s.exp_avg, 0, (size_t)s.state_bytes);
+        CHECK_EQ_INT(s.quantized, n >= 4096);
+        mnt_fill_normal(param, n, 1.0);
+        memcpy(hp, param, n * sizeof *hp);
+        for (t = 1; t <= 5; t++) {
+            mn_hd_adamw8bit_coef k = mn_hd_adamw8bit_coefs(s.params.lr, s.params.beta1,
+                                                           s.params.beta2, s.params.eps,
+                                                           s.params.weight_decay, t);
+            mnt_fill_normal(grad, n, 1.0);
+            if (t == 2) grad[mnt_rand_u64() % n] = (float)HUGE_VAL;
+            if (t == 4) grad[mnt_rand_u64() % n] = (float)NAN;
+            for (i = 0; i < 8; i++)  // tiny negative moments: coded below 0, never at 0
+                grad[mnt_rand_u64() % n] = -1e-12f * (float)(1 + i);
+            CHECK_OK(mn_adamw8bit_step(&s, param, grad, NULL));
+            if (!s.quantized) {
+                for (i = 0; i < n; i++) {
+                    float m, v;
+                    if (mn_hd_adamw8bit_moments(&m, &v, grad[i], hm[i], hv[i], &k))
+                        hm[i] = m, hv[i] = v, mn_hd_adamw8bit_param(&hp[i], m, v, &k);
+                }
+                continue;
+            }
+            for (b = 0, i = 0; i < n; b++, i += blocks[c])
+                mn_hd_adamw8bit_block(hp + i, c1 + i, c2 + i, a1 + b, a2 + b, grad + i,
+                                      n - i < blocks[c] ? n - i : blocks[c], 1.0f, map1, map2,
+                                      &k, mbuf, vbuf);
+        }
+        for (i = 0; i < n; i++) bad_p += memcmp(&hp[i], &param[i], sizeof(float)) != 0;
+        if (s.quantized) {
+            for (i = 0; i < n; i++) bad_c += c1[i] != s.code1[i] || c2[i] != s.code2[i];
+            for (b = 0; b < s.blocks; b++)
+                bad_a += a1[b] != s.absmax1[b] || a2[b] != s.absmax2[b];
+            CHECK(s.blocks == (n + blocks[c] - 1) / blocks[c]);
+        } else {
+            for (i = 0; i < n; i++) bad_c += hm[i] != s.exp_avg[i] || hv[i] != s.exp_avg_sq[i];
+        }
+        CHECK_MSG(bad_p == 0 && bad_c == 0 && bad_a == 0, "n %llu: %llu parameters, %llu codes "
+                  "or moments, %llu scales differ", (unsigned long long)n,
+                  (unsigned long long)bad_p, (unsigned long long)bad_c, (unsigned long long)bad_a);
+        mn_adamw8bit_free(&s);
+        free(param), free(grad), free(hp), free(hm), free(hv), free(mbuf), free(vbuf);
+        free(a1), free(a2), free(c1), free(c2);
+    }
+}
+
+// The quantization helpers against a linear scan of the map: the nearest entry (ties to the
+// larger), and a negative value never coded at 0 or above (tiny negatives included).
+static void test_q8_codes(void) {
+    float map1[256], map2[256];
+    int k;
+    mn_dynamic_map(1, map1), mn_dynamic_map(0, map2);
+    for (k = 0; k < 20000; k++) {
+        const float *map = k % 2 ? map1 : map2;
+        float x = (float)(k % 2 ? 2.0 * mnt_rand_uniform() - 1.0 : mnt_rand_uniform());
+        uint32_t got = mn_hd_q8_nearest(map, x), want = 0, j;
+        if (k % 7 == 0) x = map[mnt_rand_u64() % 256];  // exact entries
+        if (k % 10 == 1) x = (float)(-1e-8 * mnt_rand_uniform());  // nearest to 0, negative
+        got = mn_hd_q8_nearest(map, x);
+        for (j = 1; j < 256; j++)
+            if (fabsf(map[j] - x) <= fabsf(map[want] - x)) want = j;
+        CHECK_MSG(got == want, "nearest to %.9g: got %u (%.9g) want %u (%.9g)", (double)x, got,
+                  (double)map[got], want, (double)map[want]);
+        if (k % 2) {
+            uint32_t c = mn_hd_q8_code_signed(map1, x, 1.0f);
+            CHECK(!(x < 0.0f) || map1[c] < 0.0f);
+        }
+    }
+}
+
 // The fused found-inf / unscale / clip of the AdamW kernel against the host sequence
 // mn_unscale_grads_to_fp32 -> mn_clip_grad_norm -> mn_adamw_step on loss-scaled gradients.
 static void test_adamw_scaled(void) {
@@ -675,6 +771,8 @@ const mnt_case test_cudamath_cases[] = {
     {"attention", test_attention},
     {"adamw", test_adamw},
     {"adamw_scaled", test_adamw_scaled},
+    {"adamw8bit", test_adamw8bit},
+    {"q8_codes", test_q8_codes},
     {"sgd", test_sgd},
     {"lion", test_lion},
     {"adafactor", test_adafactor},

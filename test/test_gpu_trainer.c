@@ -189,28 +189,43 @@ mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *grad, u
 }
 
 // The flat-buffer conventions every optimizer step shares.
-static int tg_flat(const float *param, const void *param16, const void *grad, uint64_t n,
-                   const float *grad_norm) {
-    return param && grad && n && TG_DEV4(param, param16, grad, grad_norm);
+static int tg_flat(const mn_cuda_optim_flat *f) {
+    return f->param && f->grad && f->n && TG_DEV4(f->param, f->param16, f->grad, f->grad_norm) &&
+           f->step >= 1;
 }
 
 mn_result mn_cuda_adamw_step(mn_cuda *ctx, const struct mn_adamw_params *p,
                              const mn_cuda_adamw_args *a) {
     (void)ctx, (void)p;
-    TG_RET(tg_flat(a->param, a->param16, a->grad, a->n, a->grad_norm) && a->step >= 1 &&
-           a->exp_avg && TG_DEV2(a->exp_avg, a->exp_avg_sq) && a->exp_avg_sq == a->exp_avg + a->n);
+    TG_RET(tg_flat(&a->flat) && a->exp_avg && TG_DEV2(a->exp_avg, a->exp_avg_sq) &&
+           a->exp_avg_sq == a->exp_avg + a->flat.n);
+}
+
+mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const struct mn_adamw8bit_params *p,
+                                 const mn_cuda_adamw8bit_args *a) {
+    (void)ctx, (void)p;
+    TG_RET(tg_flat(&a->flat) && (a->code1 ? a->code2 == a->code1 + a->flat.n &&
+                                            TG_DEV4(a->code1, a->code2, a->absmax1, a->absmax2)
+                                          : a->exp_avg && TG_DEV2(a->exp_avg, a->exp_avg_sq)));
 }
 
 mn_result mn_cuda_sgd_step(mn_cuda *ctx, const struct mn_sgd_params *p, const mn_cuda_sgd_args *a) {
-    TG_RET(ctx && tg_flat(a->param, a->param16, a->grad, a->n, a->grad_norm) && a->step >= 1 &&
-           tg_dev(a->momentum_buffer) && (p->momentum == 0.0f) == (a->momentum_buffer == NULL));
+    TG_RET(ctx && tg_flat(&a->flat) && tg_dev(a->momentum_buffer) &&
+           (p->momentum == 0.0f) == (a->momentum_buffer == NULL));
 }
 
 mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
                             const mn_cuda_lion_args *a) {
     (void)ctx, (void)p;
-    TG_RET(tg_flat(a->param, a->param16, a->grad, a->n, a->grad_norm) && a->exp_avg &&
-           tg_dev(a->exp_avg));
+    TG_RET(tg_flat(&a->flat) && a->exp_avg && tg_dev(a->exp_avg));
+}
+
+mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const struct mn_adafactor_params *p,
+                                 const mn_cuda_adafactor_args *a) {
+    (void)ctx, (void)p;
+    TG_RET(tg_flat(&a->flat) && a->flat.n == a->batch * a->rows * a->cols && a->exp_avg_sq_row &&
+           a->exp_avg_sq_col == a->exp_avg_sq_row + a->batch * a->rows &&
+           TG_DEV2(a->exp_avg_sq_row, a->exp_avg_sq_col));
 }
 
 // ---- tests --------------------------------------------------------------------------------------
@@ -229,15 +244,15 @@ static tr_config tg_config(void) {
 // peak, peak allocated, peak reserved and the categories at the peak equal to the byte, over 3
 // steps (the estimator's steady state), on a grid drawn with fresh seeds. The first draws force
 // fp16 with full checkpointing and SGD, bf16 with selective checkpointing, accumulation, an
-// untied head and Lion, fp32 with momentum. The schedule differs from the CPU trainer's (a
+// untied head and Lion, fp32 with momentum, 8-bit AdamW, Adafactor. The schedule differs from the CPU trainer's (a
 // cuBLASLt workspace, 16-bit gradients, no views), so the CPU prediction must not match it.
 static void test_gpu_prediction_exact(void) {
     static const mn_precision precs[] = {MN_PREC_FP32, MN_PREC_FP16, MN_PREC_BF16};
     static const mn_optim optims[] = {MN_OPTIM_ADAMW, MN_OPTIM_SGD, MN_OPTIM_SGD_MOMENTUM,
-                                      MN_OPTIM_LION};
+                                      MN_OPTIM_LION, MN_OPTIM_ADAMW_8BIT, MN_OPTIM_ADAFACTOR};
     long live = mnt_live_allocs();
     int draw, k;
-    for (draw = 0; draw < 8; draw++) {
+    for (draw = 0; draw < 10; draw++) {
         tr_config cfg = tg_config(), cpu;
         tr_model m;
         tr_step_info st;
@@ -252,7 +267,7 @@ static void test_gpu_prediction_exact(void) {
         cfg.tied = (int)(mnt_rand_u64() % 2);
         cfg.precision = precs[mnt_rand_u64() % 3];
         cfg.checkpointing = (int)(mnt_rand_u64() % 3);
-        cfg.optim = optims[mnt_rand_u64() % 4];
+        cfg.optim = optims[mnt_rand_u64() % 6];
         if (draw == 0)
             cfg.precision = MN_PREC_FP16, cfg.checkpointing = TR_CKPT_FULL, cfg.optim = MN_OPTIM_SGD;
         if (draw == 1) {
@@ -260,6 +275,10 @@ static void test_gpu_prediction_exact(void) {
             cfg.tied = 0, cfg.optim = MN_OPTIM_LION;
         }
         if (draw == 2) cfg.precision = MN_PREC_FP32, cfg.optim = MN_OPTIM_SGD_MOMENTUM;
+        if (draw == 3) {  // 8-bit blocks: tensors of 4096 elements and more
+            cfg.optim = MN_OPTIM_ADAMW_8BIT, cfg.C = 64, cfg.NH = 4;
+        }
+        if (draw == 4) cfg.optim = MN_OPTIM_ADAFACTOR, cfg.precision = MN_PREC_BF16;
         CHECK_OK(tr_model_init(&m, &cfg));
         for (s = 0; s < cfg.steps && !mnt_failed(); s++) CHECK_OK(tr_step(&m, &st));
         CHECK_OK(mn_cache_stats(&m.cache, &stats));
@@ -298,8 +317,6 @@ static void test_gpu_prediction_exact(void) {
 static void test_gpu_flags(void) {
     static const char *bad[][4] = {
         {"--device", "tpu", NULL, NULL},
-        {"--device", "cuda", "--optim", "adafactor"},
-        {"--device", "cuda", "--optim", "adamw-8bit"},
         {"--device", "cuda", "--save", "x.ckpt"},
         {"--device", "cuda", "--resume", "x.ckpt"},
         {"--device", "cuda", "--budget", "1G"},
