@@ -55,10 +55,11 @@ run tests 240 env MN_TEST_VERBOSE=1 ./build/test_cuda
 cp build/gpu_tests.log build/gpu_tests_errors.log  # max abs/rel errors per kernel and dtype
 if [ -n "$SAN" ]; then
     run memcheck 150 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda cache
-    for t in gelu layernorm softmax attention crossentropy embedding adamw sgd_lion adafactor; do
+    for t in gelu residual workspace layernorm softmax attention crossentropy embedding adamw \
+             adamw8bit sgd_lion adafactor; do
         run "memcheck_$t" 120 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda "$t"
     done
-    for t in layernorm crossentropy adamw adafactor; do
+    for t in layernorm crossentropy adamw adamw8bit adafactor; do
         run "racecheck_$t" 120 "$SAN" --tool racecheck --error-exitcode 3 ./build/test_cuda "$t"
     done
 else

@@ -163,6 +163,78 @@ static void test_gelu(void) {
         }
 }
 
+// Residual add, out = inp1 + inp2 and in place (out = inp1), against mn_residual_forward; the
+// sizes take both the 16-byte and the element path (1001 is not a multiple of the pack; a pointer
+// one element in is not 16-byte aligned).
+static void test_residual(void) {
+    static const size_t sizes[] = {1, 1001, 1 << 20};
+    size_t s;
+    int d;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < 3; s++) {
+            mn_dtype dt = dts[d];
+            size_t n = sizes[s], i;
+            float *a = hrand(dt, n + 1, 1), *b = hrand(dt, n + 1, 1), *ref = hvec(n + 1);
+            void *da = dev(dt, a, n + 1), *db = dev(dt, b, n + 1), *dout = dev_poisoned(dt, n);
+            mn_residual_forward(ref, a, b, n);
+            for (i = 0; i < n; i++) ref[i] = stf(dt, ref[i]);
+            OK(mn_cuda_residual_forward(&ctx, dout, da, db, n, dt));
+            compare("residual", dt, dt_tol[d], dout, ref, n);
+            mn_residual_forward(ref, a + 1, b + 1, n);  // misaligned by one element
+            for (i = 0; i < n; i++) ref[i] = stf(dt, ref[i]);
+            OK(mn_cuda_residual_forward(&ctx, dout, (char *)da + esz(dt), (char *)db + esz(dt), n,
+                                        dt));
+            compare("residual (unaligned)", dt, dt_tol[d], dout, ref, n);
+            mn_residual_forward(ref, a, b, n);
+            for (i = 0; i < n; i++) ref[i] = stf(dt, ref[i]);
+            OK(mn_cuda_residual_forward(&ctx, da, da, db, n, dt));  // in place
+            compare("residual in place", dt, dt_tol[d], da, ref, n);
+            release(da), release(db), release(dout);
+            free(a), free(b), free(ref);
+        }
+}
+
+// The cuBLASLt workspace from the caller (mn_cuda_workspace_set): a GEMM with a bias epilogue on a
+// context whose workspace is a block of its own caching allocator, then with none, against
+// mn_matmul_forward; a misaligned workspace is refused.
+static void test_workspace(void) {
+    mn_cuda c2;
+    mn_cuda_desc desc;
+    mn_cache cache;
+    mn_cache_desc cd;
+    size_t N = 64, C = 768, OC = 3072, pass;
+    float *x = hrand(MN_FP32, N * C, 1), *w = hrand(MN_FP32, OC * C, 0.05f);
+    float *b = hrand(MN_FP32, OC, 1), *ref = hvec(N * OC);
+    void *dx = dev(MN_FP32, x, N * C), *dw = dev(MN_FP32, w, OC * C), *db = dev(MN_FP32, b, OC);
+    void *dout = dev_poisoned(MN_FP32, N * OC), *ws = NULL;
+    uint64_t bytes;
+    memset(&desc, 0, sizeof desc), memset(&cd, 0, sizeof cd);
+    desc.logger.log_fn = log_stderr;
+    OK(mn_cuda_init(&c2, &desc));
+    bytes = c2.workspace_bytes;
+    cd.device = mn_cuda_device(&c2);
+    OK(mn_cache_init(&cache, &cd));
+    OK(mn_cache_alloc(&cache, bytes, 0, MN_CAT_WORKSPACE, "workspace", &ws));
+    mn_matmul_forward(ref, NULL, x, w, b, N, C, OC);
+    for (pass = 0; pass < 2; pass++) {
+        OK(mn_cuda_workspace_set(&c2, pass ? NULL : ws, pass ? 0 : bytes));
+        CHECK(c2.workspace == (pass ? NULL : ws) && c2.workspace_bytes == (pass ? 0 : bytes));
+        OK(mn_cuda_mem_set(&ctx, dout, 0xFF, N * OC * 4));
+        OK(mn_cuda_sync(&ctx));
+        OK(mn_cuda_matmul_forward(&c2, dout, NULL, dx, dw, db, N, C, OC, MN_FP32));
+        OK(mn_cuda_sync(&c2));
+        compare(pass ? "matmul without workspace" : "matmul, workspace from the cache", MN_FP32,
+                dt_tol[0], dout, ref, N * OC);
+    }
+    CHECK(mn_cuda_workspace_set(&c2, (char *)ws + 4, 1024) == MN_ERR_INVALID_ARG);
+    CHECK(mn_cuda_workspace_set(&c2, ws, 0) == MN_ERR_INVALID_ARG);
+    OK(mn_cache_release(&cache, ws));
+    mn_cache_free(&cache);
+    mn_cuda_free(&c2);
+    release(dx), release(dw), release(db), release(dout);
+    free(x), free(w), free(b), free(ref);
+}
+
 static void test_layernorm(void) {
     static const size_t shapes[][2] = {{1, 1}, {3, 37}, {64, 769}, {4096, 768}, {5, 1600}};
     size_t s, i;
@@ -974,6 +1046,8 @@ typedef struct tcase {
 
 static const tcase cases[] = {
     {"gelu", test_gelu},
+    {"residual", test_residual},
+    {"workspace", test_workspace},
     {"layernorm", test_layernorm},
     {"softmax", test_softmax},
     {"attention", test_attention},
