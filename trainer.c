@@ -232,7 +232,6 @@ static mn_result tr_check_cuda_flags(const tr_config *cfg, char *err, size_t cap
 #ifndef MEMANAT_CUDA
     no = "this trainer was built without CUDA (build it where nvcc is found)";
 #endif
-    if (!no && (cfg->save || cfg->resume)) no = "--save and --resume are CPU-only for now";
     if (!no && cfg->budget) no = "--budget is CPU-only for now (--capacity works)";
     if (!no) return MN_OK;
     snprintf(err, cap, "--device cuda: %s", no);
@@ -832,6 +831,7 @@ static mn_result tr_gpu_zero_grad(tr_model *m);
 static mn_result tr_gpu_forward(tr_model *m, float dloss, double *loss);
 static mn_result tr_gpu_backward(tr_model *m);
 static mn_result tr_gpu_update(tr_model *m, float lr, float *norm, int *skipped);
+static mn_result tr_gpu_optim_init(tr_model *m, int i);
 #endif
 
 // Sets up the device, the cache, the weights (tr_param_fill; their 16-bit copies), zeroed
@@ -1791,13 +1791,22 @@ static mn_result tr_gpu_optim_step(tr_model *m, int i, float lr, uint64_t t, flo
     }
 }
 
+// Parameter i's optimizer state on the device: one zeroed block of mn_optim_state_bytes
+// (MN_CAT_OPTIMIZER; none for plain SGD).
+static mn_result tr_gpu_optim_init(tr_model *m, int i) {
+    mn_optim_desc od = tr_optim_desc(&m->cfg);
+    TR_TRY(mn_optim_state_bytes(&od, m->dims[i], 2, &m->opt_bytes[i]));
+    if (!m->opt_bytes[i]) return MN_OK;
+    return tr_alloc(m, m->opt_bytes[i], 1, MN_CAT_OPTIMIZER, mn_optim_name(m->cfg.optim), 1,
+                    &m->opt_block[i]);
+}
+
 // tr_update on the device. The norm of every gradient tensor into m->norms, read back and summed
 // on the host: non-finite is fp16's found-inf (the scaler skips the step and backs off);
 // otherwise the global norm of the (scaled) gradients goes back to norms[0] for the kernels.
 static mn_result tr_gpu_update(tr_model *m, float lr, float *norm, int *skipped) {
     float **gs[TR_NUM_PARAMS], inv = 0.0f, total;
     mn_cuda *cu = &m->cuda;
-    mn_optim_desc od = tr_optim_desc(&m->cfg);
     double sq = 0.0;
     int i, j = 0, skip = 0;
     tr_param_slots(&m->grads, gs);
@@ -1825,13 +1834,8 @@ static mn_result tr_gpu_update(tr_model *m, float lr, float *norm, int *skipped)
     *norm = inv != 0.0f ? total * inv : total;
     TR_TRY(mn_cuda_mem_copy(cu, m->norms, &total, sizeof total));
     if (!m->opt_ready) {
-        for (i = 0; i < TR_NUM_PARAMS; i++) {
-            if (!*gs[i]) continue;
-            TR_TRY(mn_optim_state_bytes(&od, m->dims[i], 2, &m->opt_bytes[i]));
-            if (m->opt_bytes[i])
-                TR_TRY(tr_alloc(m, m->opt_bytes[i], 1, MN_CAT_OPTIMIZER,
-                                mn_optim_name(m->cfg.optim), 1, &m->opt_block[i]));
-        }
+        for (i = 0; i < TR_NUM_PARAMS; i++)
+            if (*gs[i]) TR_TRY(tr_gpu_optim_init(m, i));
         m->opt_ready = 1;
     }
     m->opt_steps++;
@@ -1950,6 +1954,89 @@ static void tr_ckpt_value(int i, uint64_t v, char *buf, size_t cap) {
 }
 
 // The checkpoint body (ctx: the tr_model), for mn_write_file_atomic.
+// Model memory through the stream: host memory as is; on a GPU through a host buffer, 64 KiB at a
+// time (the layouts are the host's, so a checkpoint moves between the CPU and a GPU).
+static mn_result tr_put_buf(tr_model *m, tr_stream *s, const void *p, uint64_t n) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {
+        unsigned char buf[65536];
+        uint64_t at, k;
+        for (at = 0; at < n; at += k) {
+            k = n - at < sizeof buf ? n - at : sizeof buf;
+            TR_TRY(mn_cuda_mem_copy(&m->cuda, buf, (const unsigned char *)p + at, k));
+            TR_TRY(tr_put(s, buf, (size_t)k));
+        }
+        return MN_OK;
+    }
+#endif
+    (void)m;
+    return tr_put(s, p, (size_t)n);
+}
+static mn_result tr_get_buf(tr_model *m, tr_stream *s, void *p, uint64_t n) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {
+        unsigned char buf[65536];
+        uint64_t at, k;
+        for (at = 0; at < n; at += k) {
+            k = n - at < sizeof buf ? n - at : sizeof buf;
+            TR_TRY(tr_get(s, buf, (size_t)k));
+            TR_TRY(mn_cuda_mem_copy(&m->cuda, (unsigned char *)p + at, buf, k));
+        }
+        return MN_OK;
+    }
+#endif
+    (void)m;
+    return tr_get(s, p, (size_t)n);
+}
+
+// Parameter i [n] from the stream, and its 16-bit copy rewritten.
+static mn_result tr_get_param(tr_model *m, tr_stream *s, int i, uint64_t n) {
+    float **ps[TR_NUM_PARAMS];
+    tr_param_slots(&m->params, ps);
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {
+        float *h = n <= SIZE_MAX / 4 ? (float *)malloc((size_t)n * 4) : NULL;
+        uint16_t *h16 = m->half && h ? (uint16_t *)malloc((size_t)n * 2) : NULL;
+        mn_result r = !h || (m->half && !h16) ? MN_ERR_OUT_OF_MEMORY : tr_get(s, h, (size_t)n * 4);
+        if (r == MN_OK) r = mn_cuda_mem_copy(&m->cuda, *ps[i], h, n * 4);
+        if (r == MN_OK && m->half) {
+            tr_to16(m, h, h16, n);
+            r = mn_cuda_mem_copy(&m->cuda, m->w16[i], h16, n * 2);
+        }
+        free(h), free(h16);
+        return r;
+    }
+#endif
+    TR_TRY(tr_get(s, *ps[i], (size_t)n * 4));
+    if (m->half) tr_to16(m, *ps[i], m->w16[i], n);
+    return MN_OK;
+}
+
+// Parameter i's optimizer state: its bytes (0 before the first step), its step counter, making it.
+static uint64_t tr_state_bytes(const tr_model *m, int i) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) return m->opt_ready ? m->opt_bytes[i] : 0;
+#endif
+    return m->opt_ready ? tr_optim_state_bytes(m, i) : 0;
+}
+static uint64_t tr_state_steps(tr_model *m, int i) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) return m->opt_ready ? m->opt_steps : 0;
+#endif
+    return m->opt_ready ? *tr_optim_state_steps(m, i) : 0;
+}
+static mn_result tr_state_init(tr_model *m, int i, uint64_t steps) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {
+        m->opt_steps = steps;
+        return tr_gpu_optim_init(m, i);
+    }
+#endif
+    TR_TRY(tr_optim_state_init(m, i, m->cfg.lr));
+    *tr_optim_state_steps(m, i) = steps;
+    return MN_OK;
+}
+
 static mn_result tr_ckpt_body(void *ctx, FILE *f) {
     tr_model *m = (tr_model *)ctx;
     tr_stream s;
@@ -1974,13 +2061,13 @@ static mn_result tr_ckpt_body(void *ctx, FILE *f) {
     TR_TRY(tr_put_u64(&s, m->scaler.skipped));
     tr_param_slots(&m->params, ps);
     for (i = 0; i < TR_NUM_PARAMS; i++)
-        if (*ps[i]) TR_TRY(tr_put(&s, *ps[i], (size_t)(m->dims[i][0] * m->dims[i][1]) * 4));
+        if (*ps[i]) TR_TRY(tr_put_buf(m, &s, *ps[i], m->dims[i][0] * m->dims[i][1] * 4));
     for (i = 0; i < TR_NUM_PARAMS; i++) {
-        uint64_t bytes = m->opt_ready ? tr_optim_state_bytes(m, i) : 0;
+        uint64_t bytes = tr_state_bytes(m, i);
         if (!*ps[i]) continue;
-        TR_TRY(tr_put_u64(&s, m->opt_ready ? *tr_optim_state_steps(m, i) : 0));
+        TR_TRY(tr_put_u64(&s, tr_state_steps(m, i)));
         TR_TRY(tr_put_u64(&s, bytes));
-        TR_TRY(tr_put(&s, m->opt_block[i], (size_t)bytes));
+        TR_TRY(tr_put_buf(m, &s, m->opt_block[i], bytes));
     }
     return tr_put_u64(&s, s.hash);
 }
@@ -2093,19 +2180,18 @@ static mn_result tr_resume(tr_model *m) {
     tr_param_slots(&m->params, ps);
     for (i = 0; i < TR_NUM_PARAMS; i++) {
         uint64_t n = m->dims[i][0] * m->dims[i][1];
-        if (n && tr_get(&s, *ps[i], (size_t)n * 4) != MN_OK) goto io;
-        if (n && m->half) tr_to16(m, *ps[i], m->w16[i], n);
+        if (n && tr_get_param(m, &s, i, n) != MN_OK) goto io;
     }
     for (i = 0; i < TR_NUM_PARAMS; i++) {
         uint64_t opt_steps, bytes;
         if (!*ps[i]) continue;
         if (tr_get_u64(&s, &opt_steps) != MN_OK || tr_get_u64(&s, &bytes) != MN_OK) goto io;
         if (step == 0) continue;
-        if ((r = tr_optim_state_init(m, i, m->cfg.lr)) != MN_OK) goto close;
+        if ((r = tr_state_init(m, i, opt_steps)) != MN_OK) goto close;
         r = MN_ERR_IO;
-        if (bytes != tr_optim_state_bytes(m, i) || tr_get(&s, m->opt_block[i], bytes) != MN_OK)
+        m->opt_ready = 1;  // (tr_state_bytes reads it)
+        if (bytes != tr_state_bytes(m, i) || tr_get_buf(m, &s, m->opt_block[i], bytes) != MN_OK)
             goto io;
-        *tr_optim_state_steps(m, i) = opt_steps;
     }
     m->opt_ready = step > 0;
     m->step = (long)step;
@@ -2588,8 +2674,7 @@ int main(int argc, char **argv) {
                "--fail-alloc-at N: the N-th tensor allocation fails as out of memory (for\n"
                "  testing the failure path).\n"
                "--device cuda: train on the GPU (a build with nvcc): the same model, log and\n"
-               "  prediction; gradients in the storage type; not yet with --save,\n"
-               "  --resume or --budget.\n");
+               "  prediction; gradients in the storage type; not yet with --budget.\n");
         return 0;
     }
     r = tr_run(&cfg, stdout, &res);

@@ -4,7 +4,8 @@
 #   1. the fp32 loss curve on the GPU against the CPU trainer's, 50 steps of the tiny model, the
 #      largest difference in loss against a stated tolerance (0.02 nats: the two differ in the
 #      order of their sums only);
-#   2. fp16 with loss scaling and an overflow planted at step 5 (the skipped step logged), bf16;
+#   2. fp16 with loss scaling and an overflow planted at step 5 (the skipped step logged), bf16,
+#      and a run stopped, saved and resumed against the uninterrupted one (losses bit-identical);
 #   3. predicted vs measured peak per memory category on 8 configurations (target: within 2 %);
 #   4. GPT-2 small (12 layers, 768 wide, T 1024, V 50257) in bf16: tokens/s (the mean of the last
 #      10 of 20 steps) and MFU = tokens/s x (6 N + 6 L C T) / the device's dense bf16 peak
@@ -46,6 +47,17 @@ if train gpu_fp16 --device cuda --steps 50 --precision fp16 --inject-overflow 5;
 fi
 if train gpu_bf16 --device cuda --steps 50 --precision bf16; then
     echo "bf16: $(grep '^done' "$out/gpu_bf16.log")"
+fi
+
+say "== 2b. --save after step 10 of 20 and --resume: the same losses as the run without a stop"
+if train gpu_full --device cuda --steps 20 && \
+   train gpu_part --device cuda --steps 20 --stop-after 10 --save "$out/gpu.ckpt" && \
+   train gpu_resumed --device cuda --steps 20 --resume "$out/gpu.ckpt"; then
+    if [ "$(losses "$out/gpu_full.json" | tail -n 10)" = "$(losses "$out/gpu_resumed.json")" ]; then
+        echo "resume: steps 11-20 bit-identical to the uninterrupted run"
+    else
+        say "resume: the resumed losses differ from the uninterrupted run's"; status=1
+    fi
 fi
 
 say "== 3. predicted vs measured peaks per category, 8 configurations (3 steps each)"

@@ -317,8 +317,6 @@ static void test_gpu_prediction_exact(void) {
 static void test_gpu_flags(void) {
     static const char *bad[][4] = {
         {"--device", "tpu", NULL, NULL},
-        {"--device", "cuda", "--save", "x.ckpt"},
-        {"--device", "cuda", "--resume", "x.ckpt"},
         {"--device", "cuda", "--budget", "1G"},
     };
     tr_config cfg;
@@ -366,7 +364,75 @@ static void test_gpu_alloc_failures(void) {
     CHECK_EQ_INT(mnt_live_allocs(), live);
 }
 
+// --save and --resume on the GPU path: a run stopped after step 2 of 4 saves a checkpoint of the
+// size the format gives (tr_ckpt_size, optimizer state included, copied down from the device),
+// the GPU run resumes it to the end, and so does the CPU trainer (the layouts are the host's), for
+// AdamW, 8-bit AdamW and Adafactor, fp32 and bf16.
+static void test_gpu_checkpoint(void) {
+    static const mn_optim optims[] = {MN_OPTIM_ADAMW, MN_OPTIM_ADAMW_8BIT, MN_OPTIM_ADAFACTOR};
+    char path[64];
+    long live = mnt_live_allocs();
+    int k;
+    snprintf(path, sizeof path, "/tmp/mn_gpu_ckpt_%llu.bin",
+             (unsigned long long)(mnt_rand_u64() % 1000000));
+    for (k = 0; k < 6; k++) {
+        tr_config cfg = tg_config();
+        tr_result res;
+        tr_model m;
+        FILE *f;
+        long len = -1;
+        cfg.optim = optims[k % 3], cfg.precision = k < 3 ? MN_PREC_FP32 : MN_PREC_BF16;
+        cfg.C = 64, cfg.NH = 4;  // 8-bit blocks: tensors of 4096 elements and more
+        cfg.steps = 4, cfg.stop_after = 2, cfg.save = path;
+        CHECK_OK(tr_run(&cfg, NULL, &res));
+        CHECK_EQ_INT(res.steps_run, 2);
+        CHECK_OK(tr_model_init(&m, &cfg));
+        if ((f = fopen(path, "rb")) != NULL && fseek(f, 0, SEEK_END) == 0) len = ftell(f);
+        if (f) fclose(f);
+        CHECK_EQ_U64((uint64_t)len, tr_ckpt_size(&m, 1));
+        CHECK_OK(tr_model_free(&m));
+        cfg.stop_after = 0, cfg.save = NULL, cfg.resume = path;
+        CHECK_OK(tr_run(&cfg, NULL, &res));
+        CHECK_EQ_INT(res.steps_run, 2);
+        cfg.device = TR_DEVICE_CPU;
+        CHECK_OK(tr_run(&cfg, NULL, &res));
+        CHECK_EQ_INT(res.steps_run, 2);
+    }
+    remove(path);
+    CHECK_EQ_INT(mnt_live_allocs(), live);
+}
+
+// --memory-svg and --snapshot of a GPU run: both files written, the snapshot holding the trainer's
+// blocks (its cuBLASLt workspace among them, by its label).
+static void test_gpu_history(void) {
+    char svg[64], snap[64];
+    tr_config cfg = tg_config();
+    tr_result res;
+    long live = mnt_live_allocs();
+    FILE *f;
+    char *text = NULL;
+    long len = 0;
+    unsigned long long tag = (unsigned long long)(mnt_rand_u64() % 1000000);
+    snprintf(svg, sizeof svg, "/tmp/mn_gpu_hist_%llu.svg", tag);
+    snprintf(snap, sizeof snap, "/tmp/mn_gpu_hist_%llu.json", tag);
+    cfg.memory_svg = svg, cfg.snapshot = snap, cfg.precision = MN_PREC_FP16;
+    CHECK_OK(tr_run(&cfg, NULL, &res));
+    CHECK((f = fopen(svg, "rb")) != NULL);
+    if (f) fclose(f);
+    if ((f = fopen(snap, "rb")) != NULL && fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) > 0 &&
+        fseek(f, 0, SEEK_SET) == 0 && (text = (char *)calloc((size_t)len + 1, 1)) != NULL &&
+        fread(text, 1, (size_t)len, f) != (size_t)len)
+        len = 0;
+    if (f) fclose(f);
+    CHECK(len > 0 && text && strstr(text, "cublaslt_workspace") != NULL);
+    free(text);
+    remove(svg), remove(snap);
+    CHECK_EQ_INT(mnt_live_allocs(), live);
+}
+
 const mnt_case test_gpu_trainer_cases[] = {
+    {"history", test_gpu_history},
+    {"checkpoint", test_gpu_checkpoint},
     {"prediction_exact", test_gpu_prediction_exact},
     {"flags", test_gpu_flags},
     {"alloc_failures", test_gpu_alloc_failures},
