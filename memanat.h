@@ -559,6 +559,7 @@ typedef struct mn_gpu {
     uint32_t sm;           // compute capability x 10: 70 = V100 (sm_70), 80 = A100, 90 = H100
     int bf16;              // supports bf16 (sm >= 80)
     uint64_t cublas_workspace;  // bytes of the cuBLAS workspace a training step holds
+    double bf16_tflops;    // dense bf16 tensor-core peak (MFU's denominator), 0 = not known
 } mn_gpu;
 
 typedef struct mn_estimate_result {
@@ -4014,25 +4015,27 @@ MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
 // with eager loading takes 0.9-1.8 GiB, e.g. the HF V100 runs' 1343 MiB: pass --context).
 // sm = compute capability x 10 (NVIDIA's CUDA GPUs page); bf16 needs sm >= 80. cublas_workspace
 // is the cuBLAS documentation's recommendation for cublasSetWorkspace, as quoted in PyTorch PR
-// #120925: 32 MiB on Hopper (sm 90), 4 MiB on earlier GPUs.
-// Columns: name, label, capacity, context, sm, bf16, cublas_workspace.
+// #120925: 32 MiB on Hopper (sm 90), 4 MiB on earlier GPUs. bf16_tflops is the dense bf16 peak of
+// llm.c's llmc/mfu.h (A100 312; H100 SXM 989, derived there from the PCIe card's 756 by tensor
+// cores x clock; H200 has the H100 SXM's SMs and clocks), 0 where that table has none.
+// Columns: name, label, capacity, context, sm, bf16, cublas_workspace, bf16_tflops.
 static const mn_gpu mn__gpus[] = {
-    {"v100-16gb", "Tesla V100 16GB",       MN__MIB(16160),  MN__MIB(600), 70, 0, MN__MIB(4)},
-    {"v100-32gb", "Tesla V100 32GB",       MN__MIB(32510),  MN__MIB(600), 70, 0, MN__MIB(4)},
-    {"t4",        "Tesla T4 16GB",         MN__MIB(15360),  MN__MIB(500), 75, 0, MN__MIB(4)},
-    {"a10g",      "NVIDIA A10G 24GB",      MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
-    {"a10",       "NVIDIA A10 24GB",       MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
-    {"l4",        "NVIDIA L4 24GB",        MN__MIB(23034),  MN__MIB(500), 89, 1, MN__MIB(4)},
-    {"l40s",      "NVIDIA L40S 48GB",      MN__MIB(46068),  MN__MIB(520), 89, 1, MN__MIB(4)},
-    {"rtx3090",   "GeForce RTX 3090 24GB", MN__MIB(24576),  MN__MIB(520), 86, 1, MN__MIB(4)},
-    {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4)},
-    {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4)},
-    {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4)},
-    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32)},
-    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32)},
+    {"v100-16gb", "Tesla V100 16GB",       MN__MIB(16160),  MN__MIB(600), 70, 0, MN__MIB(4), 0.0},
+    {"v100-32gb", "Tesla V100 32GB",       MN__MIB(32510),  MN__MIB(600), 70, 0, MN__MIB(4), 0.0},
+    {"t4",        "Tesla T4 16GB",         MN__MIB(15360),  MN__MIB(500), 75, 0, MN__MIB(4), 0.0},
+    {"a10g",      "NVIDIA A10G 24GB",      MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4), 0.0},
+    {"a10",       "NVIDIA A10 24GB",       MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4), 0.0},
+    {"l4",        "NVIDIA L4 24GB",        MN__MIB(23034),  MN__MIB(500), 89, 1, MN__MIB(4), 0.0},
+    {"l40s",      "NVIDIA L40S 48GB",      MN__MIB(46068),  MN__MIB(520), 89, 1, MN__MIB(4), 0.0},
+    {"rtx3090",   "GeForce RTX 3090 24GB", MN__MIB(24576),  MN__MIB(520), 86, 1, MN__MIB(4), 0.0},
+    {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4), 0.0},
+    {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4), 312.0},
+    {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4), 312.0},
+    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32), 989.0},
+    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32), 989.0},
     // host memory for CPU programs (--framework memanat's default): no context, no cuBLAS
     // workspace, and no known size (1 PiB, what mn_hostdev reports when unlimited)
-    {"cpu",       "host memory (CPU)",     1ull << 50,      0,            0,  1, 0},
+    {"cpu",       "host memory (CPU)",     1ull << 50,      0,            0,  1, 0, 0.0},
 };
 
 MNIMPL uint32_t mn_gpu_count(void) { return (uint32_t)(sizeof mn__gpus / sizeof mn__gpus[0]); }

@@ -1848,9 +1848,20 @@ static mn_result tr_gpu_update(tr_model *m, float lr, float *norm, int *skipped)
 // cache's reservation; what remains is outside the cache (the kernels' scratch: attention's
 // per-head buffers, partial sums), and the prediction's device total (context + peak reserved).
 static mn_result tr_gpu_report(tr_model *m, const struct mn_cache_stats *st,
-                               const mn_estimate_result *pred, FILE *out) {
+                               const mn_estimate_result *pred, double tokens_per_s, FILE *out) {
     mn_device dev = mn_cuda_device(&m->cuda);
+    const tr_config *c = &m->cfg;
+    mn_gpu g;
+    // model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; llm.c gpt2_estimate_mfu):
+    // 6 per parameter (forward and backward) plus the attention's 6 L C T
+    double flops = 6.0 * (double)m->num_params + 6.0 * (double)c->L * (double)c->C * (double)c->T;
     uint64_t free_b = 0, total_b = 0, used, cached;
+    fprintf(out, "speed: %.0f tokens/s over the last steps, %.3g model FLOPs per token (6N + "
+            "6LCT): %.2f TFLOP/s", tokens_per_s, flops, tokens_per_s * flops / 1e12);
+    if (mn_gpu_find(c->gpu, &g) == MN_OK && g.bf16_tflops > 0.0)
+        fprintf(out, ", MFU %.1f%% of %s's dense bf16 peak %.0f TFLOP/s (GPU table)\n",
+                100.0 * tokens_per_s * flops / (g.bf16_tflops * 1e12), g.name, g.bf16_tflops);
+    else fprintf(out, "; MFU unknown (no bf16 peak in the GPU table for %s)\n", c->gpu);
     TR_TRY(mn_cuda_sync(&m->cuda));
     if (!dev.mem_info_fn) return MN_OK;
     TR_TRY(dev.mem_info_fn(dev.user_data, &free_b, &total_b));
@@ -2282,11 +2293,15 @@ static mn_result tr_write_anatomy(const mn_estimate_result *pred, const struct m
                                   FILE *out) {
     static const mn_category cats[] = {MN_CAT_WEIGHTS, MN_CAT_MASTER_WEIGHTS, MN_CAT_GRADIENTS,
                                        MN_CAT_OPTIMIZER, MN_CAT_ACTIVATIONS, MN_CAT_TEMPORARY,
-                                       MN_CAT_OTHER};
-    uint64_t p[9], m[9] = {0};
-    const char *name[9];
+                                       MN_CAT_OTHER, MN_CAT_WORKSPACE};
+    uint64_t p[10], m[10] = {0};
+    const char *name[10];
     size_t i, n = sizeof cats / sizeof cats[0];
     int w = 0;
+    // the workspace (a cuBLASLt workspace: --device cuda) only when there is one
+    if (!pred->cat_peak[MN_CAT_WORKSPACE] &&
+        (!st || !st->cat_allocated_bytes[MN_CAT_WORKSPACE].peak))
+        n--;
     for (i = 0; i < n; i++) {
         name[i] = mn_category_name(cats[i]), p[i] = pred->cat_peak[cats[i]];
         if (st) m[i] = st->cat_allocated_bytes[cats[i]].peak;
@@ -2361,6 +2376,8 @@ typedef struct tr_result {
     double entropy;               // H of the Markov source, nats per token (0 with --data)
     double first_loss, last_loss; // the first step's, the mean of the last min(10, steps)
     double seconds;
+    double tail_seconds;          // the last min(10, steps) steps' (the loss's tail) seconds
+    long tail_steps;
     uint64_t num_params;
     uint64_t optim_bytes;         // optimizer state the parameters hold (cfg.optim)
     uint64_t optim_predicted;     // mn_optim_state_bytes for the same descriptor and shapes
@@ -2525,7 +2542,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         if (pr == MN_OK && c->capacity && !pred.fits)
             fprintf(out, "that is more than --capacity %.2f MiB: expect an out-of-memory "
                     "(--budget plans a configuration that fits)\n", (double)c->capacity / TR_MIB);
-        else fprintf(out, "no prediction: %s\n", mn_result_str(pr));
+        else if (pr != MN_OK) fprintf(out, "no prediction: %s\n", mn_result_str(pr));
     }
     res->entropy = m->text ? 0.0 : m->data.entropy;
     res->num_params = m->num_params;
@@ -2540,7 +2557,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         TR_TRY(tr_step(m, &st));
         if (m->history) m->history[m->history_len++] = st;
         if (s == first) res->first_loss = st.loss;
-        if (s >= last - ntail) tail += st.loss;
+        if (s >= last - ntail) tail += st.loss, res->tail_seconds += st.seconds;
         res->skipped += st.skipped;
         res->steps_run++;
         if (out) {
@@ -2562,6 +2579,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     }
     res->seconds = tr_now() - t0;
     res->last_loss = tail / (double)ntail;
+    res->tail_steps = ntail;
     res->loss_scale = m->scaler.scale;
     TR_TRY(mn_cache_stats(&m->cache, &res->stats));
     TR_TRY(tr_optim_bytes(m, &res->optim_bytes, &res->optim_predicted));
@@ -2584,7 +2602,9 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
                 mn_optim_name(c->optim), (unsigned long long)res->optim_bytes,
                 (unsigned long long)res->optim_predicted);
 #ifdef MEMANAT_CUDA
-        if (m->gpu) TR_TRY(tr_gpu_report(m, &res->stats, pr == MN_OK ? &pred : NULL, out));
+        if (m->gpu)
+            TR_TRY(tr_gpu_report(m, &res->stats, pr == MN_OK ? &pred : NULL,
+                                 tokens * (double)res->tail_steps / res->tail_seconds, out));
 #endif
         TR_TRY(mn_cache_summary_write(&res->stats, 0, 0, mn_cache_write_file, out));
     }

@@ -8,9 +8,9 @@
 #      and a run stopped, saved and resumed against the uninterrupted one (losses bit-identical);
 #   3. predicted vs measured peak per memory category on 8 configurations (target: within 2 %);
 #   4. GPT-2 small (12 layers, 768 wide, T 1024, V 50257) in bf16: tokens/s (the mean of the last
-#      10 of 20 steps) and MFU = tokens/s x (6 N + 6 L C T) / the device's dense bf16 peak
-#      (PaLM, Chowdhery et al. 2022, appendix B: 6N per token for the weights plus the attention's
-#      6 L C T); the peak from NVIDIA's data sheets for the GPUs it knows, else MFU is not printed.
+#      10 of 20 steps) and the trainer's MFU line: tokens/s x (6 N + 6 L C T) over the dense bf16
+#      peak of the header's GPU table entry for the device (PaLM, Chowdhery et al. 2022, appendix
+#      B: 6N per token for the weights plus the attention's 6 L C T).
 # Exit status: 1 when a check fails. Logs and JSON in build/gpu_trainer/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,24 +91,10 @@ done
 
 say "== 4. GPT-2 small, bf16, B 8 x T 1024, 20 steps"
 if train gpt2 --device cuda --size gpt2 --seq 1024 --batch 8 --steps 20 --precision bf16; then
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)
-    # dense (no sparsity) bf16 tensor-core TFLOP/s, NVIDIA data sheets: H100 SXM 989.4,
-    # H100 PCIe 756, H200 989.4 (same SM and clocks as H100 SXM), A100 312
-    case "$gpu" in
-        *H200*) peak=989.4 ;; *H100*PCIe*) peak=756 ;; *H100*) peak=989.4 ;; *A100*) peak=312 ;;
-        *) peak=0 ;;
-    esac
-    params=$(grep -o '"parameters": [0-9]*' "$out/gpt2.json" | awk '{print $2}')
+    grep -E '^speed' "$out/gpt2.log"
     grep -o '"tokens_per_second": [0-9.]*' "$out/gpt2.json" | awk '{print $2}' | tail -n 10 |
-        awk -v N="$params" -v peak="$peak" -v gpu="$gpu" '
-            { s += $1; n++ }
-            END {
-                tps = s / n; f = 6 * N + 6 * 12 * 768 * 1024
-                printf "GPT-2 small bf16 on %s: %.0f tokens/s (llm.c train_gpt2.cu with cuDNN: " \
-                       "~145000 on an H100)", gpu, tps
-                if (peak > 0) printf ", MFU %.1f%% of %.1f TFLOP/s", 100 * tps * f / (peak * 1e12), peak
-                printf "\n"
-            }'
+        awk '{ s += $1; n++ } END { printf "mean of the last 10 steps: %.0f tokens/s (llm.c " \
+             "train_gpt2.cu with cuDNN: ~145000 on an H100)\n", s / n }'
     grep -E '^peak allocated|^peak reserved|^device memory' "$out/gpt2.log"
 fi
 exit $status

@@ -416,7 +416,7 @@ static void test_gpu_history(void) {
     snprintf(svg, sizeof svg, "/tmp/mn_gpu_hist_%llu.svg", tag);
     snprintf(snap, sizeof snap, "/tmp/mn_gpu_hist_%llu.json", tag);
     cfg.memory_svg = svg, cfg.snapshot = snap, cfg.precision = MN_PREC_FP16;
-    CHECK_OK(tr_run(&cfg, NULL, &res));
+    CHECK_OK(tr_run(&cfg, mnt_verbose() ? stdout : NULL, &res));  // -v: the GPU run's log
     CHECK((f = fopen(svg, "rb")) != NULL);
     if (f) fclose(f);
     if ((f = fopen(snap, "rb")) != NULL && fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) > 0 &&
