@@ -1194,7 +1194,12 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
 // batch stride walks the heads of a [B,T,3C] buffer (b moves by T*3C, h by hs); the scratch also
 // holds the scores when att is NULL and the per-head output: 4 B*NH*T*hsp + (att ? 0 :
 // B*NH*T*T) elements of dtype, grown on demand (the call then waits for the stream). Scores and
-// probabilities are stored in dtype between the kernels, as att is.
+// probabilities are stored in dtype between the kernels, as att is. Causal: the softmax reads
+// only the t + 1 visible scores of row t (forward) and touches no masked entry (backward), but the
+// GEMMs compute the masked half too: a cuBLASLt batch has one shape for every member, and it has
+// no triangular product, so skipping that half takes the rows split into k query blocks, each a
+// batched GEMM against only the keys it sees (k launches per product save (k - 1) / 2k of the
+// FLOPs: 44 % at k = 8), or a fused flash-attention kernel; neither is here yet.
 MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv,
                                           size_t B, size_t T, size_t C, size_t NH, int causal,
                                           mn_dtype dtype);

@@ -581,6 +581,31 @@ template <typename T> __device__ __forceinline__ float mn__round(float x) {
     return mn__ld<T>(&t);
 }
 
+// 128-bit accesses: a pack of 16 / sizeof(T) elements (4 fp32 or 8 fp16/bf16) in one uint4 load
+// or store, as llm.c's x128; mn__ldk / mn__stk move K elements, the pack (VEC) or one.
+template <typename T> struct __align__(16) mn__pack {
+    T v[16 / sizeof(T)];
+};
+template <typename T> __device__ __forceinline__ mn__pack<T> mn__ld16(const T *p) {
+    mn__pack<T> r;
+    *reinterpret_cast<uint4 *>(&r) = *reinterpret_cast<const uint4 *>(p);
+    return r;
+}
+template <typename T> __device__ __forceinline__ void mn__st16(T *p, const mn__pack<T> &r) {
+    *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&r);
+}
+static int mn__is16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+template <typename T, int VEC> __device__ __forceinline__ mn__pack<T> mn__ldk(const T *p) {
+    mn__pack<T> r;
+    if (VEC) r = mn__ld16(p);
+    else r.v[0] = *p;
+    return r;
+}
+template <typename T, int VEC> __device__ __forceinline__ void mn__stk(T *p, const mn__pack<T> &r) {
+    if (VEC) mn__st16(p, r);
+    else *p = r.v[0];
+}
+
 __device__ __forceinline__ float mn__warp_sum(float v) {
     int o;
     for (o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -644,40 +669,50 @@ static __global__ void __launch_bounds__(256) mn__col_finish_kernel(T *dst, cons
 // ---- kernels: >>ops layernorm -------------------------------------------------------------------
 // One warp per row: the mean, then the centred variance (two passes, as the CPU op), then the
 // output; a third read of the row comes from L1/L2. RESID: residual = inp1 + inp2 is stored first
-// and the statistics are taken over the stored (rounded) values.
+// and the statistics are taken over the stored (rounded) values. VEC: each lane moves 16-byte
+// packs (C a multiple of the pack, every pointer 16-byte aligned), else one element at a time.
 
-template <typename T, int RESID>
+template <typename T, int RESID, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__layernorm_forward_kernel(T *residual, T *out, float *mean, float *rstd, const T *inp1,
                              const T *inp2, const T *weight, const T *bias, size_t N, size_t C,
                              float eps) {
+    const int K = VEC ? (int)(16 / sizeof(T)) : 1;
     size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i;
     unsigned lane = threadIdx.x % 32;
     const T *x;
     float s = 0.0f, m, v = 0.0f, r;
+    int k;
     if (row >= N) return;
     x = (RESID ? residual : inp1) + row * C;
-    if (RESID) {
-        T *res = residual + row * C;
-        const T *a = inp1 + row * C, *b = inp2 + row * C;
-        for (i = lane; i < C; i += 32) {
-            T t = mn__cvt<T>(mn__ld<T>(a + i) + mn__ld<T>(b + i));
-            res[i] = t;
-            s += mn__ld<T>(&t);
+    for (i = lane * K; i < C; i += 32 * K) {
+        mn__pack<T> p;
+        if (RESID) {  // residual = inp1 + inp2, stored; the statistics of the stored values
+            mn__pack<T> a = mn__ldk<T, VEC>(inp1 + row * C + i);
+            mn__pack<T> b = mn__ldk<T, VEC>(inp2 + row * C + i);
+            for (k = 0; k < K; k++) p.v[k] = mn__cvt<T>(mn__ld<T>(&a.v[k]) + mn__ld<T>(&b.v[k]));
+            mn__stk<T, VEC>(residual + row * C + i, p);
+        } else {
+            p = mn__ldk<T, VEC>(x + i);
         }
-    } else {
-        for (i = lane; i < C; i += 32) s += mn__ld<T>(x + i);
+        for (k = 0; k < K; k++) s += mn__ld<T>(&p.v[k]);
     }
     m = mn__warp_sum(s) / (float)C;
-    for (i = lane; i < C; i += 32) {
-        float d = mn__ld<T>(x + i) - m;
-        v += d * d;
+    for (i = lane * K; i < C; i += 32 * K) {  // the lane reads back what it wrote
+        mn__pack<T> p = mn__ldk<T, VEC>(x + i);
+        for (k = 0; k < K; k++) {
+            float d = mn__ld<T>(&p.v[k]) - m;
+            v += d * d;
+        }
     }
     r = mn_hd_rstd(mn__warp_sum(v) / (float)C, eps);
-    for (i = lane; i < C; i += 32) {
-        float b = bias ? mn__ld<T>(bias + i) : 0.0f;
-        out[row * C + i] = mn__cvt<T>(mn_hd_layernorm_out(mn__ld<T>(x + i), m, r,
-                                                          mn__ld<T>(weight + i), b));
+    for (i = lane * K; i < C; i += 32 * K) {
+        mn__pack<T> p = mn__ldk<T, VEC>(x + i), w = mn__ldk<T, VEC>(weight + i), b, o;
+        if (bias) b = mn__ldk<T, VEC>(bias + i);
+        for (k = 0; k < K; k++)
+            o.v[k] = mn__cvt<T>(mn_hd_layernorm_out(mn__ld<T>(&p.v[k]), m, r, mn__ld<T>(&w.v[k]),
+                                                    bias ? mn__ld<T>(&b.v[k]) : 0.0f));
+        mn__stk<T, VEC>(out + row * C + i, o);
     }
     if (lane == 0) {
         if (mean) mean[row] = m;
@@ -685,20 +720,37 @@ mn__layernorm_forward_kernel(T *residual, T *out, float *mean, float *rstd, cons
     }
 }
 
+// 16-byte packs when every row and vector starts 16-byte aligned (C a multiple of the pack).
+template <typename T, int RESID>
+static void mn__layernorm_launch(mn_cuda *ctx, void *residual, void *out, float *mean, float *rstd,
+                                 const void *inp1, const void *inp2, const void *weight,
+                                 const void *bias, size_t N, size_t C, float eps) {
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    int vec = C % (16 / sizeof(T)) == 0 && mn__is16(residual) && mn__is16(out) &&
+              mn__is16(inp1) && mn__is16(inp2) && mn__is16(weight) && mn__is16(bias);
+    if (vec)
+        mn__layernorm_forward_kernel<T, RESID, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0,
+                                                    mn__stream(ctx)>>>(
+            (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
+            (const T *)weight, (const T *)bias, N, C, eps);
+    else
+        mn__layernorm_forward_kernel<T, RESID, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0,
+                                                    mn__stream(ctx)>>>(
+            (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
+            (const T *)weight, (const T *)bias, N, C, eps);
+}
+
 template <typename T>
 static mn_result mn__layernorm_forward(mn_cuda *ctx, void *residual, void *out, float *mean,
                                        float *rstd, const void *inp1, const void *inp2,
                                        const void *weight, const void *bias, size_t N, size_t C,
                                        float eps) {
-    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
     if (residual)
-        mn__layernorm_forward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
-            (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
-            (const T *)weight, (const T *)bias, N, C, eps);
+        mn__layernorm_launch<T, 1>(ctx, residual, out, mean, rstd, inp1, inp2, weight, bias, N, C,
+                                   eps);
     else
-        mn__layernorm_forward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
-            NULL, (T *)out, mean, rstd, (const T *)inp1, NULL, (const T *)weight,
-            (const T *)bias, N, C, eps);
+        mn__layernorm_launch<T, 0>(ctx, NULL, out, mean, rstd, inp1, NULL, weight, bias, N, C,
+                                   eps);
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -912,20 +964,8 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
 // ---- kernels: element-wise maps with 128-bit accesses ---------------------------------------------
 // out[i] = op(a[i], b[i], c[i]) (b, c may be NULL: read as 0). When n is a multiple of the pack
 // and every pointer is 16-byte aligned, each thread moves 16 bytes per access (4 fp32 or 8
-// fp16/bf16 elements in one uint4 load or store, as llm.c's x128 packs), else one element. Each
-// thread reads all its inputs before it writes, so out may alias any of them.
-template <typename T> struct __align__(16) mn__pack {
-    T v[16 / sizeof(T)];
-};
-template <typename T> __device__ __forceinline__ mn__pack<T> mn__ld16(const T *p) {
-    mn__pack<T> r;
-    *reinterpret_cast<uint4 *>(&r) = *reinterpret_cast<const uint4 *>(p);
-    return r;
-}
-template <typename T> __device__ __forceinline__ void mn__st16(T *p, const mn__pack<T> &r) {
-    *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&r);
-}
-static int mn__is16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+// fp16/bf16 elements in one uint4 load or store), else one element. Each thread reads all its
+// inputs before it writes, so out may alias any of them.
 
 template <typename T, int VEC, typename OP>
 static __global__ void __launch_bounds__(MN__EW_THREADS)
