@@ -4036,8 +4036,8 @@ static const mn_gpu mn__gpus[] = {
     {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4), 0.0},
     {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4), 312.0},
     {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4), 312.0},
-    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32), 989.0},
-    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32), 989.0},
+    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32), 989},
+    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32), 989},
     // host memory for CPU programs (--framework memanat's default): no context, no cuBLAS
     // workspace, and no known size (1 PiB, what mn_hostdev reports when unlimited)
     {"cpu",       "host memory (CPU)",     1ull << 50,      0,            0,  1, 0, 0.0},

@@ -961,7 +961,7 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
     MN__DISPATCH(ctx, dtype, mn__softmax_backward, ctx, dinp, dout, out, N, L, scale, causal);
 }
 
-// ---- kernels: element-wise maps with 128-bit accesses ---------------------------------------------
+// ---- kernels: element-wise maps with 128-bit accesses -------------------------------------------
 // out[i] = op(a[i], b[i], c[i]) (b, c may be NULL: read as 0). When n is a multiple of the pack
 // and every pointer is 16-byte aligned, each thread moves 16 bytes per access (4 fp32 or 8
 // fp16/bf16 elements in one uint4 load or store), else one element. Each thread reads all its

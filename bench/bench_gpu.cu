@@ -85,12 +85,20 @@ static void f_sm_fwd(void *) { MN(mn_cuda_softmax_forward(&ctx, big_b, big_a, (s
 static void f_sm_bwd(void *) { MN(mn_cuda_softmax_backward(&ctx, big_b, pre, big_a, (size_t)NH * T, T, 0.125f, 1, MN_BF16)); }
 static void f_ce(void *) { MN(mn_cuda_crossentropy_forward_backward(&ctx, (float *)losses, logits, logits, (const int *)targets, 1.0f / BT, BT, V, MN_BF16)); }
 static void f_norm(void *) { MN(mn_cuda_global_norm(&ctx, (float *)anorm, ag, adam_n, MN_BF16)); }
+// The flat-buffer arguments every optimizer row shares: 124M fp32 master weights with a bf16
+// copy and bf16 gradients, clipped by the global norm.
+static mn_cuda_optim_flat bench_flat(uint64_t n, uint64_t step) {
+    mn_cuda_optim_flat f;
+    memset(&f, 0, sizeof f);
+    f.param = (float *)ap, f.param16 = a16, f.param16_dtype = MN_BF16, f.grad = ag;
+    f.grad_dtype = MN_BF16, f.n = n, f.step = step;
+    f.grad_norm = (const float *)anorm, f.max_norm = 1.0f;
+    return f;
+}
+
 static void f_adamw(void *) {
     mn_cuda_adamw_args a;
-    memset(&a, 0, sizeof a);
-    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16, a.flat.grad = ag;
-    a.flat.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.exp_avg_sq = (float *)av, a.flat.n = adam_n;
-    a.flat.step = 1, a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
+    a.flat = bench_flat(adam_n, 1), a.exp_avg = (float *)am, a.exp_avg_sq = (float *)av;
     MN(mn_cuda_adamw_step(&ctx, NULL, &a));
 }
 
@@ -98,9 +106,7 @@ static void f_adamw(void *) {
 static void f_adamw8bit(void *) {
     mn_cuda_adamw8bit_args a;
     memset(&a, 0, sizeof a);
-    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16;
-    a.flat.grad = ag, a.flat.grad_dtype = MN_BF16, a.flat.n = adam_n, a.flat.step = 1;
-    a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
+    a.flat = bench_flat(adam_n, 1);
     a.code1 = (uint8_t *)am, a.code2 = (uint8_t *)am + adam_n;
     a.absmax1 = (float *)av, a.absmax2 = (float *)av + (adam_n + 255) / 256;
     MN(mn_cuda_adamw8bit_step(&ctx, NULL, &a));
@@ -109,19 +115,14 @@ static void f_adamw8bit(void *) {
 static void f_sgd(void *) {
     mn_cuda_sgd_args a;
     mn_sgd_params p;
-    memset(&a, 0, sizeof a), memset(&p, 0, sizeof p);
+    memset(&p, 0, sizeof p);
     p.momentum = 0.9f;
-    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16, a.flat.grad = ag;
-    a.flat.grad_dtype = MN_BF16, a.momentum_buffer = (float *)am, a.flat.n = adam_n, a.flat.step = 2;
-    a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
+    a.flat = bench_flat(adam_n, 2), a.momentum_buffer = (float *)am;
     MN(mn_cuda_sgd_step(&ctx, &p, &a));
 }
 static void f_lion(void *) {
     mn_cuda_lion_args a;
-    memset(&a, 0, sizeof a);
-    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16, a.flat.grad = ag;
-    a.flat.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.flat.n = adam_n;
-    a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
+    a.flat = bench_flat(adam_n, 1), a.exp_avg = (float *)am;
     MN(mn_cuda_lion_step(&ctx, NULL, &a));
 }
 
@@ -132,10 +133,9 @@ enum { AF_ROWS = 161458 };
 static void f_adafactor(void *) {
     mn_cuda_adafactor_args a;
     memset(&a, 0, sizeof a);
-    a.flat.param = (float *)ap, a.flat.param16 = a16, a.flat.param16_dtype = MN_BF16, a.flat.grad = ag;
-    a.flat.grad_dtype = MN_BF16, a.exp_avg_sq_row = (float *)af_row, a.exp_avg_sq_col = (float *)af_col;
-    a.batch = 1, a.rows = AF_ROWS, a.cols = C, a.flat.n = (uint64_t)AF_ROWS * C, a.flat.step = 2;
-    a.flat.grad_norm = (const float *)anorm, a.flat.max_norm = 1.0f;
+    a.flat = bench_flat((uint64_t)AF_ROWS * C, 2);
+    a.exp_avg_sq_row = (float *)af_row, a.exp_avg_sq_col = (float *)af_col;
+    a.batch = 1, a.rows = AF_ROWS, a.cols = C;
     MN(mn_cuda_adafactor_step(&ctx, NULL, &a));
 }
 

@@ -69,6 +69,7 @@ fi
 say "== benchmark"
 limit 180 ./build/bench_gpu || { say "benchmark FAILED"; status=1; }
 say "== trainer --device cuda"
-limit 300 bash bench/gpu_trainer.sh || { say "GPU trainer checks FAILED (build/gpu_trainer/)"; status=1; }
+limit 300 bash bench/gpu_trainer.sh || { say "GPU trainer checks FAILED (build/gpu_trainer/)";
+                                         status=1; }
 say "errors per kernel: build/gpu_tests_errors.log; ptxas: build/ptxas.log"
 exit $status

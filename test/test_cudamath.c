@@ -433,13 +433,13 @@ static void test_adamw(void) {
     free(param), free(grad), free(hp), free(hm), free(hv), free(p16);
 }
 
-// 8-bit AdamW's per-block math (mn_hd_adamw8bit_block, the device kernel's order of operations)
-// and its per-element fp32 path against mn_adamw8bit_step, 5 steps with fresh gradients, one of
-// them inf (left unchanged, moments 0) and one NaN, and a few tiny negative gradients (moments
-// that round to the map's 0 and must be coded below it): a quantized tensor whose last block is short
-// (n = 5000, blocks of 256) and one of 1024-element blocks, parameters, codes and block scales
-// bit for bit (the same arithmetic in the same order on the host); a small tensor (n = 1003)
-// keeps fp32 moments.
+// 8-bit AdamW's per-block math (mn_hd_adamw8bit_block, the device kernel's order of operations) and
+// its per-element fp32 path against mn_adamw8bit_step, 5 steps with fresh gradients, one of them
+// inf (left unchanged, moments 0) and one NaN, and a few tiny negative gradients (moments that
+// round to the map's 0 and must be coded below it): a quantized tensor whose last block is short (n
+// = 5000, blocks of 256) and one of 1024-element blocks, parameters, codes and block scales bit for
+// bit (the same arithmetic in the same order on the host); a small tensor (n = 1003) keeps fp32
+// moments.
 static void test_adamw8bit(void) {
     static const uint64_t sizes[] = {5000, 9000, 1003};
     static const uint32_t blocks[] = {256, 1024, 256};

@@ -243,9 +243,10 @@ static tr_config tg_config(void) {
 // the estimator's memanat framework on the GPU table entry the trainer chose: every category's
 // peak, peak allocated, peak reserved and the categories at the peak equal to the byte, over 3
 // steps (the estimator's steady state), on a grid drawn with fresh seeds. The first draws force
-// fp16 with full checkpointing and SGD, bf16 with selective checkpointing, accumulation, an
-// untied head and Lion, fp32 with momentum, 8-bit AdamW, Adafactor. The schedule differs from the CPU trainer's (a
-// cuBLASLt workspace, 16-bit gradients, no views), so the CPU prediction must not match it.
+// fp16 with full checkpointing and SGD, bf16 with selective checkpointing, accumulation, an untied
+// head and Lion, fp32 with momentum, 8-bit AdamW, Adafactor. The schedule differs from the CPU
+// trainer's (a cuBLASLt workspace, 16-bit gradients, no views), so the CPU prediction must not
+// match it.
 static void test_gpu_prediction_exact(void) {
     static const mn_precision precs[] = {MN_PREC_FP32, MN_PREC_FP16, MN_PREC_BF16};
     static const mn_optim optims[] = {MN_OPTIM_ADAMW, MN_OPTIM_SGD, MN_OPTIM_SGD_MOMENTUM,
@@ -268,8 +269,10 @@ static void test_gpu_prediction_exact(void) {
         cfg.precision = precs[mnt_rand_u64() % 3];
         cfg.checkpointing = (int)(mnt_rand_u64() % 3);
         cfg.optim = optims[mnt_rand_u64() % 6];
-        if (draw == 0)
-            cfg.precision = MN_PREC_FP16, cfg.checkpointing = TR_CKPT_FULL, cfg.optim = MN_OPTIM_SGD;
+        if (draw == 0) {
+            cfg.precision = MN_PREC_FP16, cfg.checkpointing = TR_CKPT_FULL;
+            cfg.optim = MN_OPTIM_SGD;
+        }
         if (draw == 1) {
             cfg.precision = MN_PREC_BF16, cfg.checkpointing = TR_CKPT_SELECTIVE, cfg.K = 3;
             cfg.tied = 0, cfg.optim = MN_OPTIM_LION;
