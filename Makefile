@@ -1,6 +1,7 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang, also with MEMANAT_STATIC and the trainer, and the ops with MEMANAT_NO_SIMD), fuzz
+# under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, and the
+# ops with MEMANAT_NO_SIMD), fuzz
 # (bounded fuzzing of the parsers), bench (benchmark programs), cuda-probe.
 # With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
 # (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and links it into the
@@ -115,6 +116,7 @@ clang: $(TESTSRC) $(HDRS) memanat.c trainer.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/memanat_clang memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/trainer_clang trainer.c $(LDLIBS)
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_CUDA -c -o build/trainer_cuda_clang.o trainer.c
 	./build/test_clang > build/test_clang.log || (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_NO_SIMD -o build/test_nosimd $(TESTSRC) $(LDLIBS)
