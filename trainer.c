@@ -1475,7 +1475,7 @@ static mn_result tr_gpu_init(tr_model *m, mn_cache_desc *cd) {
     cd->device = dev;
     TR_TRY(mn_cache_init(&m->cache, cd));
     m->cache_ready = 1;
-    if (m->cfg.capacity && total_b)
+    if (m->cfg.capacity && m->cfg.capacity < total_b)  // (more than the device: no limit)
         TR_TRY(mn_cache_set_memory_fraction(&m->cache, (double)m->cfg.capacity / (double)total_b));
     return MN_OK;
 }

@@ -75,7 +75,7 @@ fi
 
 say "errors per kernel: build/gpu_tests_errors.log; ptxas: build/ptxas.log"
 if [ -n "${GPU_LOGS:-}" ]; then  # GPU_LOGS=DIR: keep the logs there too
-    mkdir -p "$GPU_LOGS" && cp build/gpu_*.log build/ptxas.log "$GPU_LOGS"/ 2>/dev/null
-    cp -r build/gpu_trainer "$GPU_LOGS"/ 2>/dev/null || true
+    { mkdir -p "$GPU_LOGS" && cp build/gpu_*.log build/ptxas.log "$GPU_LOGS"/ &&
+      cp -r build/gpu_trainer "$GPU_LOGS"/; } 2>/dev/null || say "could not copy the logs"
 fi
 exit $status
