@@ -2463,11 +2463,12 @@ static mn_result tr_json_body(void *ctx, FILE *f) {
             "\"heads\": %zu, \"seq\": %zu, \"vocab\": %zu, \"head\": \"%s\", \"batch\": %zu, "
             "\"accum\": %zu, \"steps\": %ld, \"lr\": %.9g, \"clip\": %.9g, \"seed\": %llu, "
             "\"checkpointing\": \"%s\", \"precision\": \"%s\", \"optim\": \"%s\", "
-            "\"capacity\": %llu, \"data\": ", MEMANAT_VERSION, c->L, c->C, c->NH, c->T, c->V,
-            c->tied ? "tied" : "untied", c->B, c->K, c->steps, (double)c->lr, (double)c->clip,
-            (unsigned long long)c->seed, tr_ckpt_names[c->checkpointing],
-            mn_precision_name(c->precision), mn_optim_name(c->optim),
-            (unsigned long long)c->capacity);
+            "\"capacity\": %llu, \"device\": \"%s\", \"gpu\": \"%s\", \"data\": ",
+            MEMANAT_VERSION, c->L, c->C, c->NH, c->T, c->V, c->tied ? "tied" : "untied", c->B,
+            c->K, c->steps, (double)c->lr, (double)c->clip, (unsigned long long)c->seed,
+            tr_ckpt_names[c->checkpointing], mn_precision_name(c->precision),
+            mn_optim_name(c->optim), (unsigned long long)c->capacity,
+            c->device == TR_DEVICE_CUDA ? "cuda" : "cpu", c->gpu ? c->gpu : "cpu");
     if (c->data) mn_json_fputs_escaped(f, c->data);
     else fputs("null", f);
     fprintf(f, "},\n  \"parameters\": %llu,\n  \"entropy\": ", (unsigned long long)m->num_params);

@@ -230,6 +230,19 @@ mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const struct mn_adafactor_params 
 
 // ---- tests --------------------------------------------------------------------------------------
 
+// The bytes of the file at path, NUL-terminated (malloc'ed, *len bytes), or NULL.
+static char *tg_read(const char *path, long *len) {
+    FILE *f = fopen(path, "rb");
+    char *text = NULL;
+    *len = 0;
+    if (f && fseek(f, 0, SEEK_END) == 0 && (*len = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0 &&
+        (text = (char *)calloc((size_t)*len + 1, 1)) != NULL &&
+        fread(text, 1, (size_t)*len, f) != (size_t)*len)
+        free(text), text = NULL;
+    if (f) fclose(f);
+    return text;
+}
+
 static tr_config tg_config(void) {
     tr_config c;
     tr_config_default(&c);
@@ -382,7 +395,7 @@ static void test_gpu_checkpoint(void) {
         tr_config cfg = tg_config();
         tr_result res;
         tr_model m;
-        FILE *f;
+        char *text;
         long len = -1;
         cfg.optim = optims[k % 3], cfg.precision = k < 3 ? MN_PREC_FP32 : MN_PREC_BF16;
         cfg.C = 64, cfg.NH = 4;  // 8-bit blocks: tensors of 4096 elements and more
@@ -390,8 +403,8 @@ static void test_gpu_checkpoint(void) {
         CHECK_OK(tr_run(&cfg, NULL, &res));
         CHECK_EQ_INT(res.steps_run, 2);
         CHECK_OK(tr_model_init(&m, &cfg));
-        if ((f = fopen(path, "rb")) != NULL && fseek(f, 0, SEEK_END) == 0) len = ftell(f);
-        if (f) fclose(f);
+        text = tg_read(path, &len);
+        free(text);
         CHECK_EQ_U64((uint64_t)len, tr_ckpt_size(&m, 1));
         CHECK_OK(tr_model_free(&m));
         cfg.stop_after = 0, cfg.save = NULL, cfg.resume = path;
@@ -405,31 +418,40 @@ static void test_gpu_checkpoint(void) {
     CHECK_EQ_INT(mnt_live_allocs(), live);
 }
 
-// --memory-svg and --snapshot of a GPU run: both files written, the snapshot holding the trainer's
-// blocks (its cuBLASLt workspace among them, by its label).
+// --memory-svg, --snapshot and --json of a GPU run: all three written, the snapshot holding the
+// trainer's blocks (its cuBLASLt workspace among them, by its label), the JSON naming the device
+// and the GPU table entry.
 static void test_gpu_history(void) {
-    char svg[64], snap[64];
+    char svg[64], snap[64], json[64], *text;
     tr_config cfg = tg_config();
     tr_result res;
-    long live = mnt_live_allocs();
-    FILE *f;
-    char *text = NULL;
-    long len = 0;
+    mn_json_doc doc;
+    const mn_json_value *v;
+    long live = mnt_live_allocs(), len;
     unsigned long long tag = (unsigned long long)(mnt_rand_u64() % 1000000);
     snprintf(svg, sizeof svg, "/tmp/mn_gpu_hist_%llu.svg", tag);
     snprintf(snap, sizeof snap, "/tmp/mn_gpu_hist_%llu.json", tag);
-    cfg.memory_svg = svg, cfg.snapshot = snap, cfg.precision = MN_PREC_FP16;
+    snprintf(json, sizeof json, "/tmp/mn_gpu_hist_%llu.run.json", tag);
+    cfg.memory_svg = svg, cfg.snapshot = snap, cfg.json = json, cfg.precision = MN_PREC_FP16;
     CHECK_OK(tr_run(&cfg, mnt_verbose() ? stdout : NULL, &res));  // -v: the GPU run's log
-    CHECK((f = fopen(svg, "rb")) != NULL);
-    if (f) fclose(f);
-    if ((f = fopen(snap, "rb")) != NULL && fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) > 0 &&
-        fseek(f, 0, SEEK_SET) == 0 && (text = (char *)calloc((size_t)len + 1, 1)) != NULL &&
-        fread(text, 1, (size_t)len, f) != (size_t)len)
-        len = 0;
-    if (f) fclose(f);
-    CHECK(len > 0 && text && strstr(text, "cublaslt_workspace") != NULL);
+    text = tg_read(svg, &len);
+    CHECK(text && strstr(text, "<svg") != NULL);
     free(text);
-    remove(svg), remove(snap);
+    text = tg_read(snap, &len);
+    CHECK(text && strstr(text, "cublaslt_workspace") != NULL);
+    free(text);
+    text = tg_read(json, &len);
+    if (text && mn_json_parse(text, (size_t)len, NULL, &doc) == MN_OK) {
+        v = mn_json_get(mn_json_get(doc.root, "config"), "device");
+        CHECK(v && v->type == MN_JSON_STRING && strcmp(v->str, "cuda") == 0);
+        v = mn_json_get(mn_json_get(doc.root, "config"), "gpu");
+        CHECK(v && v->type == MN_JSON_STRING && strcmp(v->str, "h100-80gb") == 0);
+        mn_json_free(&doc);
+    } else {
+        CHECK(!"the --json file parses");
+    }
+    free(text);
+    remove(svg), remove(snap), remove(json);
     CHECK_EQ_INT(mnt_live_allocs(), live);
 }
 
