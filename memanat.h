@@ -61,8 +61,10 @@
 //     /inputs          the model (a shape or a custom layer stack) and the setup; their resolution
 //     /step            the symbolic training step or generation, its trace and its result
 //     /fit             the largest micro-batch, the longest sequence, a plan that fits
-//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space), names
-//     /gpt             the model of memanat's own trainer: its tensor tables, shared with trainer.c
+//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space, bf16
+//                      peak), names
+//     /gpt             the model of memanat's own trainer (CPU or --device cuda): its tensor
+//                      tables, shared with trainer.c
 //   >>cuda           the CUDA backend: kernel math (always), memanat_cuda.cu API (MEMANAT_CUDA)
 //   >>hfconfig       Hugging Face config.json and model-folder reader
 //   >>cache          the caching allocator with PyTorch's policy:
@@ -76,7 +78,9 @@
 //   >>ops            CPU reference ops, forward and backward
 //
 // HISTORY
-//   0.1.0  estimator, CLI, caching allocator, optimizers and reference ops
+//   0.1.0  estimator, CLI, caching allocator, optimizers and reference ops; the CUDA backend
+//          (allocator device, cuBLASLt GEMMs, fused kernels and optimizer steps, 8-bit AdamW)
+//          and the trainer on a GPU
 //
 // LICENSE: MIT, see the end of this file.
 
