@@ -883,51 +883,77 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 
 // ---- kernels: >>ops softmax ---------------------------------------------------------------------
 // One warp per row: the online max/sum over the visible columns, then the probabilities (masked
-// columns exactly 0). Backward: dot = sum out dout, then dinp += scale out (dout - dot).
+// columns exactly 0). Backward: dot = sum out dout, then dinp += scale out (dout - dot). VEC: each
+// lane moves 16-byte packs (L a multiple of the pack, the tensors 16-byte aligned), else single
+// elements; a pack wholly past the visible columns is not read.
 
-template <typename T>
+template <typename T, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__softmax_forward_kernel(T *out, const T *inp, size_t N, size_t L, float scale, int causal) {
-    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, j, len;
+    const int K = VEC ? (int)(16 / sizeof(T)) : 1;
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i, len;
     unsigned lane = threadIdx.x % 32;
     const T *x;
     mn_hd_maxsum s = mn_hd_maxsum_init();
+    int k;
     if (row >= N) return;
     x = inp + row * L;
     len = (size_t)mn_hd_softmax_len(row, L, causal);
-    for (j = lane; j < len; j += 32) s = mn_hd_maxsum_add(s, scale * mn__ld<T>(x + j));
+    for (i = lane * K; i < len; i += 32 * K) {
+        mn__pack<T> p = mn__ldk<T, VEC>(x + i);
+        for (k = 0; k < K && i + k < len; k++) s = mn_hd_maxsum_add(s, scale * mn__ld<T>(&p.v[k]));
+    }
     s = mn__warp_maxsum(s);
-    for (j = lane; j < L; j += 32)
-        out[row * L + j] = mn__cvt<T>(j < len ? mn_hd_softmax_prob(scale * mn__ld<T>(x + j), s)
-                                              : 0.0f);
+    for (i = lane * K; i < L; i += 32 * K) {
+        mn__pack<T> p, o;
+        if (i < len) p = mn__ldk<T, VEC>(x + i);
+        for (k = 0; k < K; k++)
+            o.v[k] = mn__cvt<T>(i + k < len ? mn_hd_softmax_prob(scale * mn__ld<T>(&p.v[k]), s)
+                                            : 0.0f);
+        mn__stk<T, VEC>(out + row * L + i, o);
+    }
 }
 
-template <typename T>
+template <typename T, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__softmax_backward_kernel(T *dinp, const T *dout, const T *out, size_t N, size_t L, float scale,
                             int causal) {
-    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, j, len;
+    const int K = VEC ? (int)(16 / sizeof(T)) : 1;
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i, len;
     unsigned lane = threadIdx.x % 32;
     const T *y, *dy;
+    T *dx;
     float dot = 0.0f;
+    int k;
     if (row >= N) return;
-    y = out + row * L, dy = dout + row * L;
+    y = out + row * L, dy = dout + row * L, dx = dinp + row * L;
     len = (size_t)mn_hd_softmax_len(row, L, causal);
-    for (j = lane; j < len; j += 32) dot += mn__ld<T>(y + j) * mn__ld<T>(dy + j);
+    for (i = lane * K; i < len; i += 32 * K) {
+        mn__pack<T> p = mn__ldk<T, VEC>(y + i), q = mn__ldk<T, VEC>(dy + i);
+        for (k = 0; k < K && i + k < len; k++) dot += mn__ld<T>(&p.v[k]) * mn__ld<T>(&q.v[k]);
+    }
     dot = mn__warp_sum(dot);
-    for (j = lane; j < len; j += 32) {
-        T *d = dinp + row * L + j;
-        *d = mn__cvt<T>(mn__ld<T>(d) +
-                        mn_hd_softmax_dinp(mn__ld<T>(y + j), mn__ld<T>(dy + j), dot, scale));
+    for (i = lane * K; i < len; i += 32 * K) {  // a pack across len keeps its masked entries
+        mn__pack<T> p = mn__ldk<T, VEC>(y + i), q = mn__ldk<T, VEC>(dy + i);
+        mn__pack<T> d = mn__ldk<T, VEC>(dx + i);
+        for (k = 0; k < K && i + k < len; k++)
+            d.v[k] = mn__cvt<T>(mn__ld<T>(&d.v[k]) + mn_hd_softmax_dinp(mn__ld<T>(&p.v[k]),
+                                                                         mn__ld<T>(&q.v[k]), dot,
+                                                                         scale));
+        mn__stk<T, VEC>(dx + i, d);
     }
 }
 
 template <typename T>
 static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, size_t N, size_t L,
                                      float scale, int causal) {
-    mn__softmax_forward_kernel<T><<<mn__blocks(N, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK, 0,
-                                    mn__stream(ctx)>>>((T *)out, (const T *)inp, N, L, scale,
-                                                       causal);
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    if (L % (16 / sizeof(T)) == 0 && mn__is16(out) && mn__is16(inp))
+        mn__softmax_forward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)out, (const T *)inp, N, L, scale, causal);
+    else
+        mn__softmax_forward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)out, (const T *)inp, N, L, scale, causal);
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -935,9 +961,13 @@ static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, s
 template <typename T>
 static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *out,
                                       size_t N, size_t L, float scale, int causal) {
-    mn__softmax_backward_kernel<T><<<mn__blocks(N, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK,
-                                     0, mn__stream(ctx)>>>((T *)dinp, (const T *)dout,
-                                                           (const T *)out, N, L, scale, causal);
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    if (L % (16 / sizeof(T)) == 0 && mn__is16(dinp) && mn__is16(dout) && mn__is16(out))
+        mn__softmax_backward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)dinp, (const T *)dout, (const T *)out, N, L, scale, causal);
+    else
+        mn__softmax_backward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)dinp, (const T *)dout, (const T *)out, N, L, scale, causal);
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
