@@ -988,6 +988,49 @@ MN_HD uint64_t mn_hd_head_index(uint64_t i, uint64_t T, uint64_t C, uint64_t NH,
     return ((bt / T * NH + c / hs) * T + bt % T) * hsp + c % hs;
 }
 
+// The attention GEMMs per head in cuBLAS's column-major view (a row-major [T,hs] head buffer is
+// the hs x T matrix with ld hsp, a row-major [T,T] score buffer the T x T matrix with ld T), and
+// causal attention's split into query blocks so that the masked half is not computed: block c of
+// nb holds query rows [r0, r1) (multiples of 8 but the end) and sees keys [0, r1):
+//   QKT  S^T[keys 0..r1, queries r0..r1] = k . q^T      (also dP^T from v and dy)
+//   PV   y^T[:, queries r0..r1] = v^T[:, keys 0..r1] . P^T[keys 0..r1, queries r0..r1]
+//                                                       (also dq^T from k and dS)
+//   PTV  dk^T[:, keys r0..r1] = q^T[:, queries r0..T] . dS[queries r0..T, keys r0..r1]
+//                                                       (also dv^T from dy and P; rows = keys)
+// Scores right of a block's keys are never computed; the softmax reads none of them and writes
+// them 0. Without causal one block covers all: the plain T x T products.
+enum { MN_HD_ATT_QKT, MN_HD_ATT_PV, MN_HD_ATT_PTV };
+typedef struct mn_hd_att_gemm {
+    int ta, tb;                   // op(A), op(B) transposed
+    uint64_t m, n, k;             // D is m x n = op(A) (m x k) . op(B) (k x n)
+    uint64_t lda, ldb, ldd;
+    uint64_t a, b, d;             // element offsets of A, B and D within a head's buffers
+} mn_hd_att_gemm;
+// Query blocks of causal attention over T positions: 4 from T = 256 on, else 1.
+MN_HD uint64_t mn_hd_att_blocks(uint64_t T, int causal) { return causal && T >= 256 ? 4 : 1; }
+MN_HD void mn_hd_att_block_rows(uint64_t T, uint64_t nb, uint64_t c, uint64_t *r0, uint64_t *r1) {
+    uint64_t step = ((T + nb - 1) / nb + 7) / 8 * 8;
+    *r0 = c * step < T ? c * step : T;
+    *r1 = (c + 1) * step < T && c + 1 < nb ? (c + 1) * step : T;
+}
+MN_HD mn_hd_att_gemm mn_hd_att_gemm_block(int form, uint64_t T, uint64_t hs, uint64_t hsp,
+                                          uint64_t r0, uint64_t r1) {
+    mn_hd_att_gemm g;
+    g.lda = hsp, g.ldb = form == MN_HD_ATT_QKT ? hsp : T, g.ldd = form == MN_HD_ATT_QKT ? T : hsp;
+    g.n = r1 - r0;
+    if (form == MN_HD_ATT_QKT) {
+        g.ta = 1, g.tb = 0, g.m = r1, g.k = hs;
+        g.a = 0, g.b = r0 * hsp, g.d = r0 * T;
+    } else if (form == MN_HD_ATT_PV) {
+        g.ta = 0, g.tb = 0, g.m = hs, g.k = r1;
+        g.a = 0, g.b = r0 * T, g.d = r0 * hsp;
+    } else {
+        g.ta = 0, g.tb = 1, g.m = hs, g.k = T - r0;
+        g.a = r0 * hsp, g.b = r0 * T + r0, g.d = r0 * hsp;
+    }
+    return g;
+}
+
 // SGD per element, the arithmetic of mn_sgd_step (torch.optim.SGD):
 //   g *= grad_scale;  g = -g (maximize);  g += wd p;  b = g (first step) or mu b + (1 - damp) g;
 //   g = g + mu b (nesterov) or b;  p -= lr g.  b may be NULL when momentum is 0.
@@ -1199,11 +1242,11 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
 // holds the scores when att is NULL and the per-head output: 4 B*NH*T*hsp + (att ? 0 :
 // B*NH*T*T) elements of dtype, grown on demand (the call then waits for the stream). Scores and
 // probabilities are stored in dtype between the kernels, as att is. Causal: the softmax reads
-// only the t + 1 visible scores of row t (forward) and touches no masked entry (backward), but the
-// GEMMs compute the masked half too: a cuBLASLt batch has one shape for every member, and it has
-// no triangular product, so skipping that half takes the rows split into k query blocks, each a
-// batched GEMM against only the keys it sees (k launches per product save (k - 1) / 2k of the
-// FLOPs: 44 % at k = 8), or a fused flash-attention kernel; neither is here yet.
+// only the t + 1 visible scores of row t (forward) and touches no masked entry (backward); from
+// T = 256 on every GEMM runs as 4 query blocks, each against only the keys it sees (a cuBLASLt
+// batch has one shape for all its members and no triangular product, so the blocks are separate
+// launches; k blocks save (k - 1) / 2k of the FLOPs, 37.5 % at 4), mn_hd_att_gemm_block. The
+// masked scores are then not written by the GEMMs; att's masked entries are 0 all the same.
 MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv,
                                           size_t B, size_t T, size_t C, size_t NH, int causal,
                                           mn_dtype dtype);

@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MN__GEMM_CACHE 64          // heuristics cache entries per context
+#define MN__GEMM_CACHE 128         // heuristics cache entries per context
 #define MN__VM_GRANULE (2ull << 20)  // expandable segments map 2 MiB granules
 #define MN__ROWS_PER_BLOCK 8       // warp-per-row kernels: 8 warps of 32 threads
 #define MN__EW_THREADS 256         // element-wise kernels
@@ -2271,6 +2271,8 @@ MNDEF mn_result mn_cuda_matmul_backward(mn_cuda *ctx, void *dinp, void *dweight,
 //   S^T  = (k^T)^T-op . q^T : ta = T, m = T,  n = T, k = hs   (also dP^T from v and dy)
 //   y^T  = v^T . P^T        : ta = N, m = hs, n = T, k = T    (also dq^T from k and dS)
 //   dk^T = q^T . (dS^T)^T-op: tb = T, m = hs, n = T, k = T    (also dv^T from dy and P)
+// Causal from T = 256 on, each product runs as 4 query blocks that skip the masked keys (the
+// header's mn_hd_att_gemm_block: shapes and offsets, tested on the host), 37 % fewer FLOPs.
 
 // mode 0: heads[part] <- flat; mode 1: flat <- heads[0] (out); mode 2: flat += heads[part]
 // (dqkv). flat [B,T,parts*C], heads [B,NH,T,hsp] each.
@@ -2300,32 +2302,45 @@ static mn_result mn__att_heads(mn_cuda *ctx, const void *flat, T *h0, T *h1, T *
     return MN_OK;
 }
 
-// The three GEMM forms above, batched over the heads; beta 0 (D written).
-enum { MN__ATT_QKT, MN__ATT_PV, MN__ATT_PTV };
+// One query block [r0, r1) of one of the three GEMM forms (mn_hd_att_gemm_block gives its shape,
+// leading dimensions and offsets), batched over the heads; beta 0 (D written).
 static mn_result mn__att_gemm(mn_cuda *ctx, int form, const void *A, const void *Bm, void *D,
-                              size_t BH, size_t T_, size_t hs, size_t hsp, mn_dtype dt) {
+                              size_t BH, size_t T_, size_t hs, size_t hsp, uint64_t r0,
+                              uint64_t r1, mn_dtype dt) {
+    mn_hd_att_gemm b = mn_hd_att_gemm_block(form, T_, hs, hsp, r0, r1);
     mn__gemm_args g;
     mn_result r;
+    size_t es = dt == MN_FP16 || dt == MN_BF16 ? 2 : 4;
     int64_t th = (int64_t)(T_ * hsp), tt = (int64_t)(T_ * T_);
+    if (b.n == 0) return MN_OK;
     memset(&g, 0, sizeof g);
-    g.A = A, g.B = Bm, g.D = D, g.beta = 0.0f, g.epi = CUBLASLT_EPILOGUE_DEFAULT;
-    g.batch = (int64_t)BH;
-    if (form == MN__ATT_QKT) {
-        g.ta = 1, g.tb = 0, g.m = (int64_t)T_, g.n = (int64_t)T_, g.k = (int64_t)hs;
-        g.lda = (int64_t)hsp, g.ldb = (int64_t)hsp, g.ldd = (int64_t)T_;
-        g.sa = th, g.sb = th, g.sd = tt;
-    } else {
-        g.ta = 0, g.tb = form == MN__ATT_PTV, g.m = (int64_t)hs, g.n = (int64_t)T_;
-        g.k = (int64_t)T_, g.lda = (int64_t)hsp, g.ldb = (int64_t)T_, g.ldd = (int64_t)hsp;
-        g.sa = th, g.sb = tt, g.sd = th;
-    }
+    g.A = (const char *)A + b.a * es, g.B = (const char *)Bm + b.b * es, g.D = (char *)D + b.d * es;
+    g.beta = 0.0f, g.epi = CUBLASLT_EPILOGUE_DEFAULT, g.batch = (int64_t)BH;
+    g.ta = b.ta, g.tb = b.tb, g.m = (int64_t)b.m, g.n = (int64_t)b.n, g.k = (int64_t)b.k;
+    g.lda = (int64_t)b.lda, g.ldb = (int64_t)b.ldb, g.ldd = (int64_t)b.ldd;
+    g.sa = th, g.sb = form == MN_HD_ATT_QKT ? th : tt, g.sd = form == MN_HD_ATT_QKT ? tt : th;
     r = mn__gemm(ctx, &g, dt);
     if (r == MN_ERR_UNSUPPORTED) {
         mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda: cuBLASLt has no algorithm for the attention "
-                   "GEMM (form %d, T %zu, hs %zu, %zu heads)", form, T_, hs, BH);
+                   "GEMM (form %d, T %zu, hs %zu, %zu heads, rows %llu..%llu)", form, T_, hs, BH,
+                   (unsigned long long)r0, (unsigned long long)r1);
         return MN_ERR_DEVICE;
     }
     return r;
+}
+
+// Every query block of a form: causal from T = 256 on skips the masked half (mn_hd_att_blocks).
+static mn_result mn__att_gemms(mn_cuda *ctx, int form, const void *A, const void *Bm, void *D,
+                               size_t BH, size_t T_, size_t hs, size_t hsp, int causal,
+                               mn_dtype dt) {
+    uint64_t nb = mn_hd_att_blocks(T_, causal), c, r0, r1;
+    mn_result r;
+    for (c = 0; c < nb; c++) {
+        mn_hd_att_block_rows(T_, nb, c, &r0, &r1);
+        if ((r = mn__att_gemm(ctx, form, A, Bm, D, BH, T_, hs, hsp, r0, r1, dt)) != MN_OK)
+            return r;
+    }
+    return MN_OK;
 }
 
 template <typename T>
@@ -2342,9 +2357,11 @@ static mn_result mn__attention_forward(mn_cuda *ctx, void *out, void *att, const
     q = (T *)scr, k = (T *)(scr + hb), v = (T *)(scr + 2 * hb), y = (T *)(scr + 3 * hb);
     S = att ? (T *)att : (T *)(scr + 4 * hb);
     if ((r = mn__att_heads<T>(ctx, qkv, q, k, v, B, T_, C, NH, hsp, 3, 0)) != MN_OK) return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_QKT, k, q, S, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_QKT, k, q, S, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
     if ((r = mn__softmax_forward<T>(ctx, S, S, BH * T_, T_, scale, causal)) != MN_OK) return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_PV, v, S, y, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_PV, v, S, y, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
     return mn__att_heads<T>(ctx, out, y, y, y, B, T_, C, NH, hsp, 1, 1);
 }
 
@@ -2366,16 +2383,21 @@ static mn_result mn__attention_backward(mn_cuda *ctx, void *dqkv, const void *do
     if ((r = mn__att_heads<T>(ctx, qkv, q, k, v, B, T_, C, NH, hsp, 3, 0)) != MN_OK) return r;
     if ((r = mn__att_heads<T>(ctx, dout, dy, dy, dy, B, T_, C, NH, hsp, 1, 0)) != MN_OK) return r;
     if (!att) {  // the forward's probabilities again (the same GEMM and kernel: the same values)
-        if ((r = mn__att_gemm(ctx, MN__ATT_QKT, k, q, P, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+        r = mn__att_gemms(ctx, MN_HD_ATT_QKT, k, q, P, BH, T_, hs, hsp, causal, dt);
+        if (r != MN_OK) return r;
         if ((r = mn__softmax_forward<T>(ctx, P, P, BH * T_, T_, scale, causal)) != MN_OK) return r;
     }
-    if ((r = mn__att_gemm(ctx, MN__ATT_QKT, v, dy, dP, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_QKT, v, dy, dP, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
     MN__CU(ctx, cudaMemsetAsync(dS, 0, BH * T_ * T_ * sizeof(T), mn__stream(ctx)));
     if ((r = mn__softmax_backward<T>(ctx, dS, dP, P, BH * T_, T_, scale, causal)) != MN_OK)
         return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_PV, k, dS, dq, BH, T_, hs, hsp, dt)) != MN_OK) return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_PTV, q, dS, dk, BH, T_, hs, hsp, dt)) != MN_OK) return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_PTV, dy, P, dv, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_PV, k, dS, dq, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_PTV, q, dS, dk, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_PTV, dy, P, dv, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
     return mn__att_heads<T>(ctx, dqkv, dq, dk, dv, B, T_, C, NH, hsp, 3, 2);
 }
 

@@ -370,6 +370,108 @@ static void test_attention(void) {
             }
 }
 
+// D = op(A) . op(B) for each of BH heads in cuBLAS's column-major convention, exactly as the
+// descriptor g says (offsets, leading dimensions, transposes), sums in fp32; heads sa, sb, sd
+// elements apart.
+static void att_cm_gemm(const mn_hd_att_gemm *g, float *D, const float *A, const float *Bm,
+                        size_t BH, size_t sa, size_t sb, size_t sd) {
+    size_t h, i, j, e;
+    for (h = 0; h < BH; h++)
+        for (j = 0; j < g->n; j++)
+            for (i = 0; i < g->m; i++) {
+                const float *a = A + h * sa + g->a, *b = Bm + h * sb + g->b;
+                float sum = 0.0f;
+                for (e = 0; e < g->k; e++)
+                    sum += (g->ta ? a[i * g->lda + e] : a[e * g->lda + i]) *
+                           (g->tb ? b[e * g->ldb + j] : b[j * g->ldb + e]);
+                D[h * sd + g->d + j * g->ldd + i] = sum;
+            }
+}
+
+// The device's attention GEMMs as mn_hd_att_gemm_block describes them, block by block (causal
+// from T = 256 on: 4 query blocks, the masked half not computed), run on the host in fp32 and
+// compared with mn_attention_forward / mn_attention_backward: the output and dqkv within 1e-5.
+// Every score the blocks leave uncomputed holds NaN, as does the head buffers' padding, so a
+// read of either would show; the blocks tile the rows exactly.
+static void test_attention_blocks(void) {
+    static const size_t shapes[][4] = {{1, 300, 48, 2}, {2, 256, 32, 2}, {1, 37, 16, 1},
+                                       {1, 263, 24, 3}};
+    size_t s, i, n, j, c;
+    int causal;
+    for (causal = 0; causal < 2; causal++)
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            size_t B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], NH = shapes[s][3];
+            size_t hs = C / NH, hsp = (size_t)mn_hd_head_ld(hs), BH = B * NH;
+            size_t nh = BH * T * hsp, ntt = BH * T * T, th = T * hsp, tt = T * T;
+            uint64_t nb = mn_hd_att_blocks(T, causal), r0, r1, rows = 0;
+            float scale = 1.0f / sqrtf((float)hs), *qkv = mnt_fvec(B * T * 3 * C);
+            float *dout = mnt_fvec(B * T * C), *out = mnt_fvec(B * T * C), *att = mnt_fvec(ntt);
+            float *rdq = mnt_fvec(B * T * 3 * C), *gout = mnt_fvec(B * T * C);
+            float *gdq = mnt_fvec(B * T * 3 * C), *buf = mnt_fvec(8 * nh + 3 * ntt);
+            float *q = buf, *k = q + nh, *v = k + nh, *dy = v + nh, *y = dy + nh, *dq = y + nh;
+            float *dk = dq + nh, *dv = dk + nh, *S = buf + 8 * nh, *dP = S + ntt, *dS = dP + ntt;
+            float *qkvh[3], *dyh[3];
+            mn_hd_att_gemm g;
+            CHECK(nb == (causal && T >= 256 ? 4u : 1u));
+            for (i = 0; i < 8 * nh + 2 * ntt; i++) buf[i] = (float)NAN;
+            for (i = 0; i < ntt; i++) dS[i] = 0.0f;  // the device zeroes dS before its kernel
+            mnt_fill_normal(qkv, B * T * 3 * C, 1.0);
+            mnt_fill_normal(dout, B * T * C, 1.0);
+            mn_attention_forward(out, att, qkv, B, T, C, NH, causal);
+            mn_attention_backward(rdq, dout, qkv, att, B, T, C, NH, causal);
+            qkvh[0] = q, qkvh[1] = k, qkvh[2] = v, dyh[0] = dyh[1] = dyh[2] = dy;
+            att_gather(MN_FP32, qkvh, qkv, B * T * 3 * C, T, C, NH, hsp, 3);
+            att_gather(MN_FP32, dyh, dout, B * T * C, T, C, NH, hsp, 1);
+            for (c = 0; c < nb; c++) {  // S = q k^T
+                mn_hd_att_block_rows(T, nb, c, &r0, &r1);
+                rows += r1 - r0;
+                g = mn_hd_att_gemm_block(MN_HD_ATT_QKT, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, S, k, q, BH, th, th, tt);
+            }
+            CHECK_EQ_U64(rows, T);
+            for (n = 0; n < BH * T; n++)
+                mn_hd_softmax_row(S + n * T, S + n * T, n, T, scale, causal);
+            for (c = 0; c < nb; c++) {  // y = P v, dP = dy v^T
+                mn_hd_att_block_rows(T, nb, c, &r0, &r1);
+                g = mn_hd_att_gemm_block(MN_HD_ATT_PV, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, y, v, S, BH, th, tt, th);
+                g = mn_hd_att_gemm_block(MN_HD_ATT_QKT, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, dP, v, dy, BH, th, th, tt);
+            }
+            for (i = 0; i < B * T * C; i++) {
+                uint64_t part, hj = mn_hd_head_index(i, T, C, NH, hsp, 1, &part);
+                gout[i] = y[hj];
+            }
+            for (n = 0; n < BH * T; n++) {  // dS = softmax backward over the visible columns
+                size_t len = (size_t)mn_hd_softmax_len(n, T, causal);
+                float dot = 0.0f;
+                for (j = 0; j < len; j++) dot += S[n * T + j] * dP[n * T + j];
+                for (j = 0; j < len; j++)
+                    dS[n * T + j] = mn_hd_softmax_dinp(S[n * T + j], dP[n * T + j], dot, scale);
+            }
+            for (c = 0; c < nb; c++) {  // dq = dS k; dk = dS^T q, dv = P^T dy (blocks of keys)
+                mn_hd_att_block_rows(T, nb, c, &r0, &r1);
+                g = mn_hd_att_gemm_block(MN_HD_ATT_PV, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, dq, k, dS, BH, th, tt, th);
+                g = mn_hd_att_gemm_block(MN_HD_ATT_PTV, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, dk, q, dS, BH, th, tt, th);
+                att_cm_gemm(&g, dv, dy, S, BH, th, tt, th);
+            }
+            for (i = 0; i < B * T * 3 * C; i++) {
+                uint64_t part, hj = mn_hd_head_index(i, T, C, NH, hsp, 3, &part);
+                gdq[i] = (part == 0 ? dq : part == 1 ? dk : dv)[hj];
+            }
+            {
+                double *w = widen(out, B * T * C), *wd = widen(rdq, B * T * 3 * C);
+                CHECK_CLOSE("attention blocks out", gout, w, B * T * C, 1e-5, 1e-5);
+                CHECK_CLOSE("attention blocks dqkv", gdq, wd, B * T * 3 * C, 1e-5, 1e-5);
+                free(w), free(wd);
+            }
+            free(qkv), free(dout), free(out), free(att), free(rdq), free(gout), free(gdq);
+            free(buf);
+        }
+}
+
 // The head layout: every element of qkv lands in its own place of q, k or v, and out's layout
 // is the same map with one part.
 static void test_head_index(void) {
@@ -769,6 +871,7 @@ const mnt_case test_cudamath_cases[] = {
     {"crossentropy", test_crossentropy},
     {"head_index", test_head_index},
     {"attention", test_attention},
+    {"attention_blocks", test_attention_blocks},
     {"adamw", test_adamw},
     {"adamw_scaled", test_adamw_scaled},
     {"adamw8bit", test_adamw8bit},
