@@ -1,9 +1,11 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang, also with MEMANAT_STATIC and the trainer, and the ops with MEMANAT_NO_SIMD), fuzz
+# under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, and the
+# ops with MEMANAT_NO_SIMD), fuzz
 # (bounded fuzzing of the parsers), bench (benchmark programs), cuda-probe.
 # With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
-# (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and `make test` first runs
+# (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and links it into the
+# trainer (--device cuda), and `make test` first runs
 # build/test_cuda (the GPU tests; one SKIP line without a device). `make gpu-bench` builds the GPU
 # benchmark; bench/gpu.sh runs everything on a GPU machine.
 
@@ -49,8 +51,16 @@ memanat: memanat.c $(HDRS)
 # this machine's CPU: the matmuls that are most of a step run about 3x faster with its vector
 # units (AVX2/AVX-512) than with the baseline SSE2; TRAINER_OPT=-O2 builds a portable binary.
 TRAINER_OPT ?= -O3 -march=native
+# With nvcc the trainer has the GPU path too (--device cuda): compiled with MEMANAT_CUDA by the C
+# compiler, linked with memanat_cuda.o by nvcc. Without it, the plain C build.
+ifneq ($(NVCC),)
+trainer: trainer.c $(HDRS) build/memanat_cuda.o | build
+	$(CC) $(CSTD) $(TRAINER_OPT) -g $(WARN) $(OPENMP) -DMEMANAT_CUDA -c -o build/trainer.o trainer.c
+	$(NVCC) -o $@ build/trainer.o build/memanat_cuda.o $(CUDA_LINK) $(if $(OPENMP),-lgomp)
+else
 trainer: trainer.c $(HDRS)
 	$(CC) $(CSTD) $(TRAINER_OPT) -g $(WARN) $(OPENMP) -o $@ trainer.c $(LDLIBS)
+endif
 
 build:
 	@mkdir -p build
@@ -106,6 +116,7 @@ clang: $(TESTSRC) $(HDRS) memanat.c trainer.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/memanat_clang memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/trainer_clang trainer.c $(LDLIBS)
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_CUDA -c -o build/trainer_cuda_clang.o trainer.c
 	./build/test_clang > build/test_clang.log || (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_NO_SIMD -o build/test_nosimd $(TESTSRC) $(LDLIBS)

@@ -62,8 +62,10 @@
 //     /step            the symbolic training step or generation, its trace and its result
 //     /lengths         training over a distribution of sequence lengths, steps replayed
 //     /fit             the largest micro-batch, the longest sequence, a plan that fits
-//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space), names
-//     /gpt             the model of memanat's own trainer: its tensor tables, shared with trainer.c
+//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space, bf16
+//                      peak), names
+//     /gpt             the model of memanat's own trainer (CPU or --device cuda): its tensor
+//                      tables, shared with trainer.c
 //   >>cuda           the CUDA backend: kernel math (always), memanat_cuda.cu API (MEMANAT_CUDA)
 //   >>hfconfig       Hugging Face config.json and model-folder reader
 //   >>cache          the caching allocator with PyTorch's policy:
@@ -78,7 +80,9 @@
 //   >>ops            CPU reference ops, forward and backward
 //
 // HISTORY
-//   0.1.0  estimator, CLI, caching allocator, optimizers and reference ops
+//   0.1.0  estimator, CLI, caching allocator, optimizers and reference ops; the CUDA backend
+//          (allocator device, cuBLASLt GEMMs, fused kernels and optimizer steps, 8-bit AdamW)
+//          and the trainer on a GPU
 //
 // LICENSE: MIT, see the end of this file.
 
@@ -535,7 +539,8 @@ typedef struct mn_setup {
                                // 0 = current; before 0.43.2 MatMul4Bit keeps its 16-bit input
     int quant_head;            // 1: the LM head is quantized too; 0 = kept 16-bit (transformers)
     uint64_t trainable_params; // only this many parameters train (adapters), 0 = all / LoRA's
-    const char *gpu;           // GPU table name, NULL = "a100-80gb" ("cpu" for --framework memanat)
+    const char *gpu;           // GPU table name, NULL = "a100-80gb" ("cpu" for --framework memanat;
+                               // memanat on a GPU models trainer.c --device cuda)
     uint64_t capacity;         // device bytes, 0 = the GPU's
     uint64_t context;          // CUDA context bytes, 0 = the GPU's typical value
     int infer;                 // inference (generation) instead of training
@@ -572,6 +577,7 @@ typedef struct mn_gpu {
     uint32_t sm;           // compute capability x 10: 70 = V100 (sm_70), 80 = A100, 90 = H100
     int bf16;              // supports bf16 (sm >= 80)
     uint64_t cublas_workspace;  // bytes of the cuBLAS workspace a training step holds
+    double bf16_tflops;    // dense bf16 tensor-core peak (MFU's denominator), 0 = not known
 } mn_gpu;
 
 typedef struct mn_estimate_result {
@@ -958,6 +964,85 @@ MN_HD void mn_hd_adamw(float *p, float *m, float *v, float g, float grad_scale,
     *p = th - k->step_size * (mm / denom);
 }
 
+// 8-bit AdamW, the arithmetic of mn_adamw8bit_step (bitsandbytes AdamW8bit, csrc/kernels.cu
+// kOptimizerStatic8bit2StateBlockwise): the step's scalars from t in double as the host step; per
+// element the moments from the dequantized state (map[code] * absmax; 0 where g is not finite),
+// the update from the fp32 moments with the decay after it, and the new codes: the nearest map
+// entry (ties to the larger), a negative m never coded at 0 or above (its sign is kept).
+typedef struct mn_hd_adamw8bit_coef {
+    float beta1, beta2;
+    float step_size;  // -lr sqrt(1 - beta2^t) / (1 - beta1^t)
+    float eps_c;      // eps sqrt(1 - beta2^t)
+    float decay;      // 1 - lr weight_decay, applied when decay_on
+    int decay_on;     // weight_decay > 0
+} mn_hd_adamw8bit_coef;
+MN_HD mn_hd_adamw8bit_coef mn_hd_adamw8bit_coefs(float lr, float beta1, float beta2, float eps,
+                                                 float weight_decay, uint64_t t) {
+    mn_hd_adamw8bit_coef k;
+    double c1 = 1.0 - pow((double)beta1, (double)t);
+    double c2 = sqrt(1.0 - pow((double)beta2, (double)t));
+    k.beta1 = beta1, k.beta2 = beta2;
+    k.step_size = (float)(-(double)lr * c2 / c1);
+    k.eps_c = (float)((double)eps * c2);
+    k.decay = (float)(1.0 - (double)lr * (double)weight_decay);
+    k.decay_on = weight_decay > 0.0f;
+    return k;
+}
+// m = b1 m_old + (1 - b1) g, v = b2 v_old + (1 - b2) g^2 (m_old, v_old dequantized or fp32);
+// 0 when g is not finite (returns 0 then, 1 otherwise).
+MN_HD int mn_hd_adamw8bit_moments(float *m, float *v, float g, float m_old, float v_old,
+                                  const mn_hd_adamw8bit_coef *k) {
+    if (!mn_hd_isfinite(g)) {
+        *m = 0.0f, *v = 0.0f;
+        return 0;
+    }
+    *m = m_old * k->beta1 + (1.0f - k->beta1) * g;
+    *v = v_old * k->beta2 + (1.0f - k->beta2) * g * g;
+    return 1;
+}
+MN_HD void mn_hd_adamw8bit_param(float *p, float m, float v, const mn_hd_adamw8bit_coef *k) {
+    *p = *p + k->step_size * (m / (sqrtf(v) + k->eps_c));
+    if (k->decay_on) *p = *p * k->decay;
+}
+// Index of the entry of map[256] (ascending) nearest to x, ties to the larger: a branch-free
+// binary search (i ends as the number of entries below x).
+MN_HD uint32_t mn_hd_q8_nearest(const float *map, float x) {
+    uint32_t i = 0, step;
+    for (step = 128; step > 0; step >>= 1) i += step & (0u - (uint32_t)(map[i + step - 1] < x));
+    if (i == 0) return 0;
+    return i - (uint32_t)(x - map[i - 1] < map[i] - x);
+}
+// The code of m in the signed map at scale inv = 1 / absmax (0 when absmax is 0).
+MN_HD uint32_t mn_hd_q8_code_signed(const float *map, float m, float inv) {
+    uint32_t c = mn_hd_q8_nearest(map, m * inv);
+    if (m < 0.0f && map[c] >= 0.0f) c--;
+    return c;
+}
+// One quantization block of len elements, serially: the order of operations the device kernel
+// keeps per element (its block maxima are order-free). g = grad * grad_scale; mbuf, vbuf [len].
+MN_HD void mn_hd_adamw8bit_block(float *param, uint8_t *code1, uint8_t *code2, float *absmax1,
+                                 float *absmax2, const float *grad, uint64_t len,
+                                 float grad_scale, const float *map1, const float *map2,
+                                 const mn_hd_adamw8bit_coef *k, float *mbuf, float *vbuf) {
+    float a1 = *absmax1, a2 = *absmax2, n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+    uint64_t j;
+    for (j = 0; j < len; j++) {
+        mn_hd_adamw8bit_moments(&mbuf[j], &vbuf[j], grad[j] * grad_scale, map1[code1[j]] * a1,
+                                map2[code2[j]] * a2, k);
+        if (fabsf(mbuf[j]) > n1) n1 = fabsf(mbuf[j]);
+        if (vbuf[j] > n2) n2 = vbuf[j];
+    }
+    *absmax1 = n1, *absmax2 = n2;
+    inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+    inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+    for (j = 0; j < len; j++) {
+        if (mn_hd_isfinite(grad[j] * grad_scale))
+            mn_hd_adamw8bit_param(&param[j], mbuf[j], vbuf[j], k);
+        code1[j] = (uint8_t)mn_hd_q8_code_signed(map1, mbuf[j], inv1);
+        code2[j] = (uint8_t)mn_hd_q8_nearest(map2, vbuf[j] * inv2);
+    }
+}
+
 // Serial row versions, the order of operations a single device thread uses; the host tests run
 // them against the reference ops. LayerNorm of one row x[C] (two-pass variance): y[C], *mu, *r.
 MN_HD void mn_hd_layernorm_row(float *y, float *mu, float *r, const float *x, const float *w,
@@ -1007,6 +1092,49 @@ MN_HD uint64_t mn_hd_head_index(uint64_t i, uint64_t T, uint64_t C, uint64_t NH,
     uint64_t hs = C / NH, bt = i / (parts * C), r = i % (parts * C), c = r % C;
     *part = r / C;
     return ((bt / T * NH + c / hs) * T + bt % T) * hsp + c % hs;
+}
+
+// The attention GEMMs per head in cuBLAS's column-major view (a row-major [T,hs] head buffer is
+// the hs x T matrix with ld hsp, a row-major [T,T] score buffer the T x T matrix with ld T), and
+// causal attention's split into query blocks so that the masked half is not computed: block c of
+// nb holds query rows [r0, r1) (multiples of 8 but the end) and sees keys [0, r1):
+//   QKT  S^T[keys 0..r1, queries r0..r1] = k . q^T      (also dP^T from v and dy)
+//   PV   y^T[:, queries r0..r1] = v^T[:, keys 0..r1] . P^T[keys 0..r1, queries r0..r1]
+//                                                       (also dq^T from k and dS)
+//   PTV  dk^T[:, keys r0..r1] = q^T[:, queries r0..T] . dS[queries r0..T, keys r0..r1]
+//                                                       (also dv^T from dy and P; rows = keys)
+// Scores right of a block's keys are never computed; the softmax reads none of them and writes
+// them 0. Without causal one block covers all: the plain T x T products.
+enum { MN_HD_ATT_QKT, MN_HD_ATT_PV, MN_HD_ATT_PTV };
+typedef struct mn_hd_att_gemm {
+    int ta, tb;                   // op(A), op(B) transposed
+    uint64_t m, n, k;             // D is m x n = op(A) (m x k) . op(B) (k x n)
+    uint64_t lda, ldb, ldd;
+    uint64_t a, b, d;             // element offsets of A, B and D within a head's buffers
+} mn_hd_att_gemm;
+// Query blocks of causal attention over T positions: 4 from T = 256 on, else 1.
+MN_HD uint64_t mn_hd_att_blocks(uint64_t T, int causal) { return causal && T >= 256 ? 4 : 1; }
+MN_HD void mn_hd_att_block_rows(uint64_t T, uint64_t nb, uint64_t c, uint64_t *r0, uint64_t *r1) {
+    uint64_t step = ((T + nb - 1) / nb + 7) / 8 * 8;
+    *r0 = c * step < T ? c * step : T;
+    *r1 = (c + 1) * step < T && c + 1 < nb ? (c + 1) * step : T;
+}
+MN_HD mn_hd_att_gemm mn_hd_att_gemm_block(int form, uint64_t T, uint64_t hs, uint64_t hsp,
+                                          uint64_t r0, uint64_t r1) {
+    mn_hd_att_gemm g;
+    g.lda = hsp, g.ldb = form == MN_HD_ATT_QKT ? hsp : T, g.ldd = form == MN_HD_ATT_QKT ? T : hsp;
+    g.n = r1 - r0;
+    if (form == MN_HD_ATT_QKT) {
+        g.ta = 1, g.tb = 0, g.m = r1, g.k = hs;
+        g.a = 0, g.b = r0 * hsp, g.d = r0 * T;
+    } else if (form == MN_HD_ATT_PV) {
+        g.ta = 0, g.tb = 0, g.m = hs, g.k = r1;
+        g.a = 0, g.b = r0 * T, g.d = r0 * hsp;
+    } else {
+        g.ta = 0, g.tb = 1, g.m = hs, g.k = T - r0;
+        g.a = r0 * hsp, g.b = r0 * T + r0, g.d = r0 * hsp;
+    }
+    return g;
 }
 
 // SGD per element, the arithmetic of mn_sgd_step (torch.optim.SGD):
@@ -1100,10 +1228,11 @@ MN_HD void mn_hd_adafactor_apply(float *p, float *m, float u, float clip_div, fl
 #ifdef MEMANAT_CUDA
 // This block precedes >>cache and >>optim (its place in the file), so it names their types by
 // struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params (likewise
-// mn_sgd_params, mn_lion_params and mn_adafactor_params), and a stream is an mn_stream
-// (uint32_t).
+// mn_adamw8bit_params, mn_sgd_params, mn_lion_params and mn_adafactor_params), and a stream is an
+// mn_stream (uint32_t).
 struct mn_device;
 struct mn_adamw_params;
+struct mn_adamw8bit_params;
 struct mn_sgd_params;
 struct mn_lion_params;
 struct mn_adafactor_params;
@@ -1150,6 +1279,11 @@ MNDEF mn_result mn_cuda_mem_alloc(mn_cuda *ctx, uint64_t bytes, void **ptr_out);
 MNDEF mn_result mn_cuda_mem_release(mn_cuda *ctx, void *ptr);
 MNDEF mn_result mn_cuda_mem_copy(mn_cuda *ctx, void *dst, const void *src, uint64_t bytes);
 MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t bytes);
+// The cuBLASLt workspace from the caller: ptr [bytes] device memory (16-byte aligned) the caller
+// keeps alive while the context uses it, e.g. a block of its caching allocator, so that the
+// allocator's statistics include it. The context's own workspace is freed (after a wait) and the
+// heuristics cache emptied; ptr NULL with bytes 0: GEMMs run without a workspace.
+MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes);
 
 // The caching allocator's device: cudaMalloc/cudaFree/cudaMemGetInfo, events from a pool
 // (cudaEventDisableTiming) recorded on the context's streams, and reserve/map through the CUDA
@@ -1213,7 +1347,12 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
 // batch stride walks the heads of a [B,T,3C] buffer (b moves by T*3C, h by hs); the scratch also
 // holds the scores when att is NULL and the per-head output: 4 B*NH*T*hsp + (att ? 0 :
 // B*NH*T*T) elements of dtype, grown on demand (the call then waits for the stream). Scores and
-// probabilities are stored in dtype between the kernels, as att is.
+// probabilities are stored in dtype between the kernels, as att is. Causal: the softmax reads
+// only the t + 1 visible scores of row t (forward) and touches no masked entry (backward); from
+// T = 256 on every GEMM runs as 4 query blocks, each against only the keys it sees (a cuBLASLt
+// batch has one shape for all its members and no triangular product, so the blocks are separate
+// launches; k blocks save (k - 1) / 2k of the FLOPs, 37.5 % at 4), mn_hd_att_gemm_block. The
+// masked scores are then not written by the GEMMs; att's masked entries are 0 all the same.
 MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv,
                                           size_t B, size_t T, size_t C, size_t NH, int causal,
                                           mn_dtype dtype);
@@ -1224,6 +1363,10 @@ MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, co
 MNDEF mn_result mn_cuda_attention_backward(mn_cuda *ctx, void *dqkv, const void *dout,
                                            const void *qkv, const void *att, size_t B, size_t T,
                                            size_t C, size_t NH, int causal, mn_dtype dtype);
+
+// Residual: out[n] = inp1[n] + inp2[n] (out may equal either input), as mn_residual_forward.
+MNDEF mn_result mn_cuda_residual_forward(mn_cuda *ctx, void *out, const void *inp1,
+                                         const void *inp2, size_t n, mn_dtype dtype);
 
 // GELU (tanh): out[n] = gelu(inp[n]) (out may equal inp); dinp[n] += dout * gelu'(inp).
 MNDEF mn_result mn_cuda_gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n,
@@ -1259,88 +1402,87 @@ MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe,
 MNDEF mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *grad, uint64_t n,
                                     mn_dtype dtype);
 
-// AdamW step over flat buffers, mn_adamw_step's arithmetic per element (mn_hd_adamw).
-typedef struct mn_cuda_adamw_args {
+// The optimizer steps over flat buffers share these fields (each args struct embeds them first as
+// .flat): fp32 master weights updated in place, a 16-bit copy rewritten from them, the gradients
+// read in their own type, and the loss scaler's found-inf check, unscale and the clipping by the
+// global norm fused into the step.
+typedef struct mn_cuda_optim_flat {
     float *param;              // [n] fp32 master weights, updated
     void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
     const void *grad;          // [n] gradients (grad_dtype), read only
-    float *exp_avg;            // [n] m
-    float *exp_avg_sq;         // [n] v
-    uint64_t n;
+    uint64_t n;                // elements (Adafactor: batch * rows * cols)
     mn_dtype grad_dtype;       // 0 = fp32
     mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step (the bias corrections)
+    uint64_t step;             // t, 1 for the first step (bias corrections; unused by Lion)
     const float *grad_norm;    // [1] on the device from mn_cuda_global_norm over the (scaled)
                                // gradients, or NULL. Non-finite: the step is skipped on the
                                // device (found inf; nothing written, read it back for the scaler)
     float inv_scale;           // the loss scaler's 1/scale, 0 = 1 (the unscale, fused)
     float max_norm;            // clip by the unscaled global norm (needs grad_norm), 0 = none
+} mn_cuda_optim_flat;
+
+// AdamW step over flat buffers, mn_adamw_step's arithmetic per element (mn_hd_adamw).
+typedef struct mn_cuda_adamw_args {
+    mn_cuda_optim_flat flat;
+    float *exp_avg;            // [n] m
+    float *exp_avg_sq;         // [n] v
 } mn_cuda_adamw_args;
 // p: lr, betas, eps, weight_decay, maximize as mn_adamw_params with its defaults (0 = default,
 // MN_OPTIM_ZERO = exactly zero); amsgrad is MN_ERR_UNSUPPORTED here.
 MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const struct mn_adamw_params *p,
                                    const mn_cuda_adamw_args *a);
 
-// SGD with momentum over flat buffers, mn_sgd_step's arithmetic per element (mn_hd_sgd), with the
-// conventions of mn_cuda_adamw_step (fp32 master, 16-bit copy, found-inf / unscale / clip fused).
+// 8-bit AdamW over flat buffers, mn_adamw8bit_step's arithmetic (mn_hd_adamw8bit_*): the state of
+// mn_adamw8bit (its layout: quantized, the per-block scales absmax1, absmax2 [blocks] and the
+// codes code1, code2 [n] into the signed and unsigned dynamic maps; else fp32 exp_avg and
+// exp_avg_sq [n]). One thread block per quantization block: dequantize, the moments, the block's
+// new scales (max |m|, max v), the parameter update from the fp32 moments, re-quantize. The two
+// maps (mn_dynamic_map) are uploaded once per context. An element with a non-finite gradient is
+// left unchanged, as on the host.
+typedef struct mn_cuda_adamw8bit_args {
+    mn_cuda_optim_flat flat;
+    uint8_t *code1, *code2;    // [n] quantized m and v, or NULL for a small tensor
+    float *absmax1, *absmax2;  // [ceil(n / block_size)] their block scales
+    float *exp_avg, *exp_avg_sq;  // [n] fp32 m and v of a small tensor (codes NULL)
+} mn_cuda_adamw8bit_args;
+// p: mn_adamw8bit_params with its defaults (block_size 256, up to 4096); min_8bit_size is not
+// read: the codes being given or not decide.
+MNDEF mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const struct mn_adamw8bit_params *p,
+                                       const mn_cuda_adamw8bit_args *a);
+
+// SGD with momentum over flat buffers, mn_sgd_step's arithmetic per element (mn_hd_sgd).
 typedef struct mn_cuda_sgd_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *momentum_buffer;    // [n] b, NULL when momentum is 0 (step 1 writes it whole)
-    uint64_t n;
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step (the buffer starts as the gradient)
-    const float *grad_norm;    // [1] device global norm of the (scaled) gradients or NULL;
-                               // non-finite: the step is skipped on the device
-    float inv_scale;           // the loss scaler's 1/scale, 0 = 1
-    float max_norm;            // clip by the unscaled global norm (needs grad_norm), 0 = none
 } mn_cuda_sgd_args;
 // p: mn_sgd_params with its defaults (lr 1e-3, momentum/dampening/weight_decay 0); nesterov
 // needs momentum > 0 and dampening 0 (MN_ERR_INVALID_ARG otherwise, as mn_sgd_init).
 MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const struct mn_sgd_params *p,
                                  const mn_cuda_sgd_args *a);
 
-// Lion over flat buffers, mn_lion_step's arithmetic per element (mn_hd_lion), same conventions.
+// Lion over flat buffers, mn_lion_step's arithmetic per element (mn_hd_lion).
 typedef struct mn_cuda_lion_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *exp_avg;            // [n] m (zero before the first step)
-    uint64_t n;
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    const float *grad_norm;    // as mn_cuda_sgd_args
-    float inv_scale;
-    float max_norm;
 } mn_cuda_lion_args;
 // p: mn_lion_params with its defaults (lr 1e-4, betas 0.9 / 0.99, weight_decay 0).
 MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
                                   const mn_cuda_lion_args *a);
 
-// Adafactor over one parameter tensor, mn_adafactor_step's arithmetic (mn_hd_adafactor_*), with
-// the conventions above. The tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols):
+// Adafactor over one parameter tensor, mn_adafactor_step's arithmetic (mn_hd_adafactor_*). The
+// tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols; flat.n their product):
 // factored when exp_avg_sq_row is given (R [batch, rows], C [batch, cols]), else V [n] with
 // batch = rows = 1, cols = n. Kernels in order: RMS(param) and alpha_t, the row means (a warp per
 // row), the column means (partial sums per 64-row chunk, then the chunks in order), mean(R) (a
 // warp per batch), the update's RMS, the update; every sum in double, in a fixed order
 // (deterministic). Scratch: 8 bytes x batch x cols x min(512, rows / 64) and a few KiB.
 typedef struct mn_cuda_adafactor_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *exp_avg_sq_row;     // [batch, rows] R (zero before the first step), NULL: not factored
     float *exp_avg_sq_col;     // [batch, cols] C, factored
     float *exp_avg_sq;         // [n] V, not factored
     float *exp_avg;            // [n] m when beta1 is set, else NULL
     uint64_t batch, rows, cols;  // n = batch * rows * cols
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step
-    const float *grad_norm;    // as mn_cuda_sgd_args
-    float inv_scale;
-    float max_norm;
 } mn_cuda_adafactor_args;
 // p: mn_adafactor_params with its defaults (relative step when lr is 0); beta1 set needs exp_avg.
 MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const struct mn_adafactor_params *p,
@@ -3829,7 +3971,9 @@ MNIMPL const char *mn_framework_describe(mn_framework f) {
                "with fp32 master weights; fp32 gradients kept between steps; optimizer state made "
                "at the first step, one block per stacked parameter tensor; attention "
                "probabilities kept (selective: none, recomputed); fp32 views of 16-bit tensors "
-               "and the gradients of the backward as short-lived temporaries";
+               "and the gradients of the backward as short-lived temporaries. With --gpu naming a "
+               "GPU: trainer --device cuda (no fp32 views, 16-bit gradients with 16-bit storage, "
+               "logits kept and overwritten by dlogits, the cuBLASLt workspace from the cache)";
     case MN_FW_COUNT: break;
     }
     return "unknown framework";
@@ -4039,25 +4183,27 @@ MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
 // with eager loading takes 0.9-1.8 GiB, e.g. the HF V100 runs' 1343 MiB: pass --context).
 // sm = compute capability x 10 (NVIDIA's CUDA GPUs page); bf16 needs sm >= 80. cublas_workspace
 // is the cuBLAS documentation's recommendation for cublasSetWorkspace, as quoted in PyTorch PR
-// #120925: 32 MiB on Hopper (sm 90), 4 MiB on earlier GPUs.
-// Columns: name, label, capacity, context, sm, bf16, cublas_workspace.
+// #120925: 32 MiB on Hopper (sm 90), 4 MiB on earlier GPUs. bf16_tflops is the dense bf16 peak of
+// llm.c's llmc/mfu.h (A100 312; H100 SXM 989, derived there from the PCIe card's 756 by tensor
+// cores x clock; H200 has the H100 SXM's SMs and clocks), 0 where that table has none.
+// Columns: name, label, capacity, context, sm, bf16, cublas_workspace, bf16_tflops.
 static const mn_gpu mn__gpus[] = {
-    {"v100-16gb", "Tesla V100 16GB",       MN__MIB(16160),  MN__MIB(600), 70, 0, MN__MIB(4)},
-    {"v100-32gb", "Tesla V100 32GB",       MN__MIB(32510),  MN__MIB(600), 70, 0, MN__MIB(4)},
-    {"t4",        "Tesla T4 16GB",         MN__MIB(15360),  MN__MIB(500), 75, 0, MN__MIB(4)},
-    {"a10g",      "NVIDIA A10G 24GB",      MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
-    {"a10",       "NVIDIA A10 24GB",       MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
-    {"l4",        "NVIDIA L4 24GB",        MN__MIB(23034),  MN__MIB(500), 89, 1, MN__MIB(4)},
-    {"l40s",      "NVIDIA L40S 48GB",      MN__MIB(46068),  MN__MIB(520), 89, 1, MN__MIB(4)},
-    {"rtx3090",   "GeForce RTX 3090 24GB", MN__MIB(24576),  MN__MIB(520), 86, 1, MN__MIB(4)},
-    {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4)},
-    {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4)},
-    {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4)},
-    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32)},
-    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32)},
+    {"v100-16gb", "Tesla V100 16GB",       MN__MIB(16160),  MN__MIB(600), 70, 0, MN__MIB(4), 0.0},
+    {"v100-32gb", "Tesla V100 32GB",       MN__MIB(32510),  MN__MIB(600), 70, 0, MN__MIB(4), 0.0},
+    {"t4",        "Tesla T4 16GB",         MN__MIB(15360),  MN__MIB(500), 75, 0, MN__MIB(4), 0.0},
+    {"a10g",      "NVIDIA A10G 24GB",      MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4), 0.0},
+    {"a10",       "NVIDIA A10 24GB",       MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4), 0.0},
+    {"l4",        "NVIDIA L4 24GB",        MN__MIB(23034),  MN__MIB(500), 89, 1, MN__MIB(4), 0.0},
+    {"l40s",      "NVIDIA L40S 48GB",      MN__MIB(46068),  MN__MIB(520), 89, 1, MN__MIB(4), 0.0},
+    {"rtx3090",   "GeForce RTX 3090 24GB", MN__MIB(24576),  MN__MIB(520), 86, 1, MN__MIB(4), 0.0},
+    {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4), 0.0},
+    {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4), 312.0},
+    {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4), 312.0},
+    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32), 989},
+    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32), 989},
     // host memory for CPU programs (--framework memanat's default): no context, no cuBLAS
     // workspace, and no known size (1 PiB, what mn_hostdev reports when unlimited)
-    {"cpu",       "host memory (CPU)",     1ull << 50,      0,            0,  1, 0},
+    {"cpu",       "host memory (CPU)",     1ull << 50,      0,            0,  1, 0, 0.0},
 };
 
 MNIMPL uint32_t mn_gpu_count(void) { return (uint32_t)(sizeof mn__gpus / sizeof mn__gpus[0]); }
@@ -4150,6 +4296,7 @@ typedef struct mn__cfg {
     int amp;               // torch autocast (casts per linear, cached 16-bit weights)
     int hf;                // HF modelling code (composite RMSNorm, upcast logits, ...)
     int fw_master;         // a separate fp32 master copy: 1 = in optimizer, 2 = in master_weights
+    int memanat_gpu;       // --framework memanat on a GPU: trainer.c --device cuda's schedule
     int grads_keep;        // gradients stay between steps (zeroed in place), else freed after it
     int grads_prealloc;    // grads and optimizer state made at load (deepspeed, megatron)
     int state_half;        // optimizer state in 16-bit (zeros_like of a 16-bit parameter)
@@ -5436,6 +5583,13 @@ MN__PRIVATE void mn__generate(mn__sim *S) {
 // take 2 bytes (MN_GPT_ACTS rows marked fp32 and the probabilities stay fp32), every op computes
 // on an fp32 view of what it reads (a temporary), and the block's weights are converted into one
 // fp32 temporary while the block runs. Gradients, master weights and optimizer state are fp32.
+// On a GPU (trainer.c --device cuda, c->memanat_gpu) the kernels read and write the storage type
+// directly: no fp32 views, no weight temporaries; the gradients and the backward's temporaries
+// are in the storage type too; the LM head keeps its logits (an activation) and the fused
+// cross-entropy overwrites them with dlogits in the forward, so no probabilities are stored; the
+// model holds a small buffer of per-tensor gradient norms (MN_CAT_OTHER) and takes the cuBLASLt
+// workspace from its cache (MN_CAT_WORKSPACE, the GPU table's cublas_workspace) after its
+// parameters. The kernels' own scratch (attention's per-head buffers) lives outside the cache.
 
 #define MN__GP_ENUM(name, rows, cols, init) MN__GP_##name,
 enum { MN_GPT_PARAMS(MN__GP_ENUM) MN__GP_COUNT };
@@ -5458,6 +5612,8 @@ typedef struct mn__gpt {  // tr_model, as far as memory goes
     uint64_t an[MN__GA_COUNT];          // elements of each activation a block keeps
     int af[MN__GA_COUNT];               // the activation is stored in fp32 at every precision
     int half, ckpt;                     // 16-bit storage; MN_CKPT_NONE, _SELECTIVE, _FULL
+    int gpu;                            // trainer.c --device cuda: no views, 16-bit gradients
+    uint32_t tesz;                      // bytes per element of a backward temporary
     uint32_t wview;                     // tr_model.wview: the fp32 weights one part reads
     mn__gt *x;                          // [L + 1] the residual stream
     mn__gt *acts;                       // [L][MN__GA_COUNT] what each block keeps
@@ -5477,6 +5633,7 @@ MN__PRIVATE void mn__gpt_shapes(mn__gpt *G, mn__sim *S) {
     T = G->T = c->seq, V = G->V = c->m.vocab, B = G->B = c->batch, N = G->N = c->ntok;
     HV = G->HV = c->m.tie_embeddings ? 0 : V;
     G->half = c->a_esz == 2, G->ckpt = c->s.checkpointing;
+    G->gpu = c->memanat_gpu, G->tesz = G->gpu && G->half ? 2 : 4;
     G->wview = MN__NONE;
     mn__prod(S, mn__prod(S, mn__prod3(S, B, NH, T), T), 4);
     mn__prod3(S, N, 4 * C, 4);
@@ -5496,10 +5653,12 @@ MN__PRIVATE void mn__gpt_shapes(mn__gpt *G, mn__sim *S) {
     G->dln = G->dfch = G->datty = G->dqkv = MN__NONE;
 }
 
-// tr_new: a new activation of n elements (fp32 set: fp32 at every precision), opened.
+// tr_new: a new activation of n elements (fp32 set: fp32 at every precision), opened. On a GPU
+// the storage is its own view (half stays 0: nothing to open or close).
 MN__PRIVATE void mn__gpt_new(mn__gpt *G, mn__gt *t, uint64_t n, int fp32) {
-    t->n = n, t->half = G->half && !fp32;
-    t->data = mn__tensor_new(G->S, n, t->half ? 2 : 4, MN_CAT_ACTIVATIONS);
+    int half = G->half && !fp32;
+    t->n = n, t->half = half && !G->gpu;
+    t->data = mn__tensor_new(G->S, n, half ? 2 : 4, MN_CAT_ACTIVATIONS);
     t->f = t->half ? mn__tensor_new(G->S, n, 4, MN_CAT_TEMPORARY) : t->data;
 }
 
@@ -5522,9 +5681,9 @@ MN__PRIVATE void mn__gpt_free(mn__gpt *G, mn__gt *t) {
     t->data = t->f = MN__NONE, t->n = 0, t->half = 0;
 }
 
-// tr_temp and tr_release: fp32 temporaries.
+// tr_temp and tr_release: fp32 temporaries (on a GPU: in the storage type, tr_gpu_temp).
 MN__PRIVATE uint32_t mn__gpt_temp(mn__gpt *G, uint64_t n) {
-    return mn__tensor_new(G->S, n, 4, MN_CAT_TEMPORARY);
+    return mn__tensor_new(G->S, n, G->tesz, MN_CAT_TEMPORARY);
 }
 MN__PRIVATE void mn__gpt_release(mn__gpt *G, uint32_t *id) {
     mn__drop(G->S, *id);
@@ -5543,7 +5702,7 @@ MN__PRIVATE int mn__gpt_in_group(const mn__gpt *G, int i, int group) {
 MN__PRIVATE void mn__gpt_weights_open(mn__gpt *G, int group) {
     uint64_t total = 0;
     int i;
-    if (!G->half) return;
+    if (!G->half || G->gpu) return;
     for (i = 0; i < MN__GP_COUNT; i++)
         if (mn__gpt_in_group(G, i, group))
             total += group == MN__G_BLOCK ? G->pn[i] / G->L : G->pn[i];  // layer l's rows
@@ -5552,7 +5711,8 @@ MN__PRIVATE void mn__gpt_weights_open(mn__gpt *G, int group) {
 MN__PRIVATE void mn__gpt_weights_close(mn__gpt *G) { mn__gpt_release(G, &G->wview); }
 
 // tr_model_init: per parameter its 16-bit copy (half), its fp32 weights (the master when half)
-// and its fp32 gradient; then the input batch, tokens and targets int[B,T].
+// and its gradient (fp32; 16-bit on a GPU when half); then the input batch, tokens and targets
+// int[B,T]; on a GPU (tr_gpu_init) one fp32 gradient norm per parameter tensor.
 MN__PRIVATE void mn__gpt_model_init(mn__gpt *G) {
     mn__sim *S = G->S;
     uint64_t i;
@@ -5560,10 +5720,11 @@ MN__PRIVATE void mn__gpt_model_init(mn__gpt *G) {
         uint64_t n = S->params[i].numel;
         if (G->half) mn__tensor_new(S, n, 2, MN_CAT_WEIGHTS);
         mn__tensor_new(S, n, 4, G->half ? MN_CAT_MASTER_WEIGHTS : MN_CAT_WEIGHTS);
-        mn__tensor_new(S, n, 4, MN_CAT_GRADIENTS);
+        mn__tensor_new(S, n, G->tesz, MN_CAT_GRADIENTS);
     }
     mn__tensor_new(S, G->N, 4, MN_CAT_OTHER);
     mn__tensor_new(S, G->N, 4, MN_CAT_OTHER);
+    if (G->gpu) mn__tensor_new(S, S->np, 4, MN_CAT_OTHER);
 }
 
 // tr_block_forward: block l's activations from x[l] (recompute: checkpointing's re-run, which
@@ -5634,13 +5795,20 @@ MN__PRIVATE void mn__gpt_embedding_forward(mn__gpt *G) {
     mn__gpt_weights_close(G);
 }
 
-// tr_forward, the head: final layernorm, logits (a temporary), probabilities (kept, fp32).
+// tr_forward, the head: final layernorm, logits (a temporary), probabilities (kept, fp32). On a
+// GPU (tr_gpu_head_forward): the logits are kept (they become dlogits in place), losses fp32.
 MN__PRIVATE void mn__gpt_head_forward(mn__gpt *G) {
     uint64_t N = G->N;
     mn__gpt_weights_open(G, MN__G_HEAD);
     mn__gpt_new(G, &G->lnf, N * G->C, 0);
     mn__gpt_new(G, &G->lnf_mean, N, 1);
     mn__gpt_new(G, &G->lnf_rstd, N, 1);
+    if (G->gpu) {
+        mn__gpt_new(G, &G->probs, N * G->V, 0);  // the logits, then dlogits
+        G->losses = mn__tensor_new(G->S, N, 4, MN_CAT_TEMPORARY);
+        mn__gpt_release(G, &G->losses);
+        return;
+    }
     mn__gpt_open(G, &G->x[G->L]);
     mn__gpt_close(G, &G->x[G->L]);
     G->logits = mn__gpt_temp(G, N * G->V);
@@ -5653,8 +5821,19 @@ MN__PRIVATE void mn__gpt_head_forward(mn__gpt *G) {
 }
 
 // tr_backward, the head: dlogits, the head's and the final layernorm's backward, leaving dx.
+// On a GPU (tr_gpu_head_backward) dlogits exist already (G->probs).
 MN__PRIVATE void mn__gpt_head_backward(mn__gpt *G) {
     uint64_t N = G->N;
+    if (G->gpu) {
+        G->dln = mn__gpt_temp(G, N * G->C);
+        mn__gpt_free(G, &G->probs);
+        mn__gpt_free(G, &G->lnf);
+        G->dx = mn__gpt_temp(G, N * G->C);
+        mn__gpt_release(G, &G->dln);
+        mn__gpt_free(G, &G->lnf_mean);
+        mn__gpt_free(G, &G->lnf_rstd);
+        return;
+    }
     G->dlosses = mn__gpt_temp(G, N);
     G->dlogits = mn__gpt_temp(G, N * G->V);
     mn__gpt_release(G, &G->dlosses);
@@ -6103,6 +6282,10 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         break;
     case MN_FW_MEMANAT:  // 16-bit weights beside fp32 master weights (pure: refused above)
         if (mixed) c->w_esz = 2, c->fw_master = 2;
+        // on a GPU (any table entry but "cpu"): trainer.c --device cuda, whose kernels take one
+        // storage type, so the gradients are 16-bit too (llm.c train_gpt2.cu keeps them so)
+        c->memanat_gpu = gpu->sm != 0;
+        if (mixed && c->memanat_gpu) c->g_esz = 2;
         break;
     case MN_FW_COUNT: break;
     }
