@@ -489,6 +489,15 @@ typedef enum mn_quant {
     MN_QUANT_DEFAULT = 0, MN_QUANT_NONE, MN_QUANT_INT8, MN_QUANT_NF4, MN_QUANT_COUNT
 } mn_quant;
 
+// How a torch optimizer runs its step (torch/optim/optimizer.py, _default_to_fused_or_foreach):
+// foreach (_multi_tensor_*: whole-group temporaries, torch's default for CUDA parameters), fused
+// (one kernel per group, no temporaries; AdamW(fused=True)), loop (_single_tensor_*: one tensor's
+// temporaries at a time). Optimizers outside torch (8-bit AdamW, Adafactor, Lion) ignore it.
+typedef enum mn_optim_impl {
+    MN_OPTIM_IMPL_DEFAULT = 0, MN_OPTIM_IMPL_FOREACH, MN_OPTIM_IMPL_FUSED, MN_OPTIM_IMPL_LOOP,
+    MN_OPTIM_IMPL_COUNT
+} mn_optim_impl;
+
 // When gradients are released: kept between steps and zeroed in place (torch < 2.0 zero_grad)
 // or set to None after each optimizer step (torch >= 2.0 default).
 typedef enum mn_grads {
@@ -512,8 +521,9 @@ typedef struct mn_setup {
     mn_attn attention;         // 0 = framework default
     mn_framework framework;    // 0 = hf
     mn_grads grads;            // 0 = keep with torch < 2.0, release with torch >= 2.0
-    uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 110 with
-                               // --framework hf (the published HF measurements), 200 otherwise
+    uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 200
+    mn_optim_impl optim_impl;  // 0 = what torch picks on CUDA: foreach for --framework hf
+    float lora_dropout;        // PEFT lora_dropout, 0 = none (identity)
     uint32_t lora_rank;        // 0 = no LoRA
     uint32_t lora_targets;     // MN_LORA_* bits, 0 = q|v
     mn_quant quant;            // frozen base weights quantized (QLoRA), 0 = none
@@ -645,6 +655,8 @@ MNDEF const char *mn_optim_name(mn_optim o);
 MNDEF const char *mn_ckpt_name(mn_ckpt c);
 MNDEF const char *mn_attn_name(mn_attn a);
 MNDEF const char *mn_framework_name(mn_framework f);
+MNDEF const char *mn_optim_impl_name(mn_optim_impl i);
+MNDEF mn_result mn_optim_impl_parse(const char *s, mn_optim_impl *out);
 MNDEF const char *mn_framework_describe(mn_framework f);
 MNDEF const char *mn_offload_name(mn_offload o);
 MNDEF const char *mn_quant_name(mn_quant q);
@@ -3645,6 +3657,9 @@ static const mn__name mn__offload_names[] = {
     {NULL, 0}};
 static const mn__name mn__quant_names[] = {
     {"none", MN_QUANT_NONE}, {"int8", MN_QUANT_INT8}, {"nf4", MN_QUANT_NF4}, {NULL, 0}};
+static const mn__name mn__optim_impl_names[] = {
+    {"foreach", MN_OPTIM_IMPL_FOREACH}, {"fused", MN_OPTIM_IMPL_FUSED}, {"loop", MN_OPTIM_IMPL_LOOP},
+    {NULL, 0}};
 static const mn__name mn__head_names[] = {
     {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE},
     {NULL, 0}};
@@ -3684,6 +3699,7 @@ MN__NAMES(framework, mn_framework, mn__framework_names, MN_FW_HF)
 MN__NAMES(offload, mn_offload, mn__offload_names, MN_OFFLOAD_NONE)
 MN__NAMES(quant, mn_quant, mn__quant_names, MN_QUANT_NONE)
 MN__NAMES(head, mn_head, mn__head_names, MN_HEAD_LM)
+MN__NAMES(optim_impl, mn_optim_impl, mn__optim_impl_names, MN_OPTIM_IMPL_FOREACH)
 #undef MN__NAMES
 
 MNIMPL const char *mn_arch_name(mn_arch a) {
@@ -4013,6 +4029,7 @@ typedef struct mn__param {
     uint32_t ndim;
     uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward
     uint32_t grad;           // gradient tensor id
+    uint64_t grad_pass;      // the backward pass that made .grad (tied weights: see param_grad)
     uint8_t trainable, quant, has_state;
 } mn__param;
 
@@ -4033,6 +4050,9 @@ typedef struct mn__cfg {
     uint32_t kv_esz;       // the KV cache
     int amp;               // torch autocast (casts per linear, cached 16-bit weights)
     int hf;                // HF modelling code (composite RMSNorm, upcast logits, ...)
+    int t2;                // torch 2 with today's HF code (transformers 5, peft 0.2x): --torch 2
+    int kv_train;          // the decoder builds a KV cache in training (use_cache left on)
+    mn_optim_impl impl;    // how the optimizer step runs
     int fw_master;         // a separate fp32 master copy: 1 = in optimizer, 2 = in master_weights
     int grads_keep;        // gradients stay between steps (zeroed in place), else freed after it
     int grads_prealloc;    // grads and optimizer state made at load (deepspeed, megatron)
@@ -4042,6 +4062,7 @@ typedef struct mn__cfg {
     uint32_t nblocks;      // encoder + decoder blocks
     uint32_t gpus, zero;
     uint64_t cublas_workspace;  // bytes, from the GPU table
+    uint32_t sm;           // the GPU's compute capability x 10 (SDPA backend choice)
 } mn__cfg;
 
 typedef struct mn__sim {
@@ -4066,6 +4087,9 @@ typedef struct mn__sim {
     uint32_t cursor;         // parameter cursor of the forward pass
     uint32_t cursor_emb;     // the word embedding (shared by a T5 decoder and tied heads)
     uint32_t hold;           // a tensor the caller holds until the end of the micro-batch
+    uint32_t *outs;          // model outputs the training loop holds until zero_grad: nouts, couts
+    uint64_t nouts, couts;
+    uint64_t bw_pass;        // backward passes run so far
     uint32_t blk;            // block being run
     uint64_t *parts;         // mn_estimate_parts: activation bytes kept per part, or NULL
     int parts_on;            // record into parts during this forward
@@ -4258,6 +4282,80 @@ MN__PRIVATE int mn__base_trainable(const mn__cfg *c) {
 
 MN__PRIVATE uint32_t mn__identity(mn__sim *S, uint32_t x) { mn__ref(S, x); return x; }
 
+// x.to(dtype): a new tensor of esz-byte elements (its backward saves nothing), or x itself.
+MN__PRIVATE uint32_t mn__cast(mn__sim *S, uint32_t x, uint32_t esz) {
+    uint32_t y;
+    if (S->counting || S->err || x == MN__NONE || mn__elem_size(S, x) == esz)
+        return mn__identity(S, x);
+    y = mn__tensor_new(S, mn__tensor_numel(S, x), esz, MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, y, x);
+    return y;
+}
+
+// A model output the training loop keeps referencing (`out = model(**batch)`): the logits and,
+// with use_cache on, the KV cache in out.past_key_values stay alive through backward and
+// optimizer.step() until the loop drops `out` (after zero_grad). Takes over the reference.
+MN__PRIVATE void mn__hold_output(mn__sim *S, uint32_t id) {
+    if (id == MN__NONE || S->counting || S->err) return;
+    if (!mn__grow(S, (void **)&S->outs, &S->couts, S->nouts + 1, sizeof *S->outs)) return;
+    S->outs[S->nouts++] = id;
+}
+
+MN__PRIVATE void mn__release_outputs(mn__sim *S) {
+    uint64_t i;
+    for (i = 0; i < S->nouts; i++) mn__drop(S, S->outs[i]);
+    S->nouts = 0;
+}
+
+MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p);
+MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b);
+
+// LoRA as peft 0.2x runs it (peft/tuners/lora/layer.py, Linear.forward): the adapters are kept
+// in fp32 (get_peft_model's autocast_adapter_dtype=True upcasts bf16/fp16 adapter weights), so
+// x = _cast_input_dtype(x, lora_A.weight.dtype) makes an fp32 copy of a 16-bit input;
+// lora_dropout (p > 0) keeps a bool mask and a dropped copy; lora_A's matmul saves its input
+// (under autocast, a 16-bit cast of its own: autocast caches only leaf weights, so the base
+// layer's cast of x is not reused); lora_B saves h; result + z * scaling promotes to the wider
+// dtype and `result.to(torch_result_dtype)` casts back. Returns the new result; y stays.
+MN__PRIVATE uint32_t mn__lora_t2(mn__sim *S, uint32_t x, uint32_t y, uint64_t in, uint64_t out,
+                                 uint32_t la, uint32_t lb) {
+    mn__cfg *c = S->c;
+    uint64_t rows = mn__tensor_numel(S, x) / in, r = c->lora_rank;
+    // xa: the fp32 input; xd: after lora_dropout; x16: autocast's cast for lora_A; h, z: the
+    // adapter's two products; zs = z * scaling; y2 = y + zs; y3: y2 back in y's dtype
+    uint32_t xa, xd, x16, h, z, zs, y2, y3, he = c->amp ? 2 : 4, ye = mn__elem_size(S, y);
+    mn__op_desc d;
+    xa = mn__cast(S, x, 4);
+    xd = mn__dropout(S, xa, c->s.lora_dropout);
+    mn__drop(S, xa);
+    x16 = c->amp ? mn__cast(S, xd, 2) : mn__identity(S, xd);
+    mn__drop(S, xd);
+    h = mn__tensor_new(S, mn__prod(S, rows, r), he, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(h);
+    d.in[0] = x16, d.saved[0] = x16, d.param[0] = la, d.cast16 = c->amp;
+    mn__op_rec(S, &d);
+    mn__drop(S, x16);
+    if (c->amp) {  // autocast's cached 16-bit adapter weights
+        if (S->params[la].w16 == MN__NONE)
+            S->params[la].w16 = mn__tensor_new(S, S->params[la].numel, 2, MN_CAT_WEIGHTS);
+        if (S->params[lb].w16 == MN__NONE)
+            S->params[lb].w16 = mn__tensor_new(S, S->params[lb].numel, 2, MN_CAT_WEIGHTS);
+    }
+    z = mn__tensor_new(S, mn__prod(S, rows, out), he, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(z);
+    d.in[0] = h, d.saved[0] = h, d.param[0] = lb, d.cast16 = c->amp;
+    mn__op_rec(S, &d);
+    mn__drop(S, h);
+    zs = mn__tensor_new(S, mn__prod(S, rows, out), he, MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, zs, z);
+    mn__drop(S, z);
+    y2 = mn__add(S, y, zs);
+    mn__drop(S, zs);
+    y3 = mn__cast(S, y2, ye);
+    mn__drop(S, y2);
+    return y3;
+}
+
 // y = x W^T (+ b) [+ LoRA: y += (x A^T) B^T * scale]. x: [rows, in] -> y: [rows, out].
 // Saves x when W trains (mm saves self for mat2's gradient, derivatives.yaml) and, under autocast,
 // the cached 16-bit weight (for the input gradient). Autocast casts a fp32 input per call.
@@ -4300,7 +4398,11 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
     d.bwd_temp = bwd, d.cast16 = c->amp;
     mn__op_rec(S, &d);
     mn__drop(S, tmp);
-    if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
+    if (lora && c->t2) {
+        uint32_t y2 = mn__lora_t2(S, x, y, in, out, la, lb);
+        mn__drop(S, y);
+        y = y2;
+    } else if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
         uint32_t h, z, z2, y2;
         h = mn__tensor_new(S, mn__prod(S, rows, c->lora_rank), c->a_esz, MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(h);
@@ -4420,6 +4522,27 @@ MN__PRIVATE uint32_t mn__activation(mn__sim *S, uint32_t x) {
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
     n = mn__tensor_numel(S, x), e = mn__elem_size(S, x);
+    if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf && S->c->t2 && S->c->amp) {
+        // transformers' NewGELUActivation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 *
+        // torch.pow(x, 3)))). CUDA autocast runs pow in fp32 (its fp32 op list), so pow casts x
+        // to fp32 and saves that copy; every later op promotes to fp32: the tanh output and
+        // 1 + tanh are fp32, 0.5 * x stays 16-bit, the product is fp32.
+        uint32_t x32 = mn__cast(S, x, 4), p, th, op1, half;
+        p = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);           // pow(x32, 3)
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // 0.044715 *
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // x + ...
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // sqrt(2/pi) *
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p);          // tanh
+        op1 = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);
+        half = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = x, d.saved[0] = x32, d.saved[1] = th, d.saved[2] = op1, d.saved[3] = half;
+        d.bwd_temp = 3 * n * 4;
+        mn__op_rec(S, &d);
+        mn__drop(S, x32), mn__drop(S, th), mn__drop(S, op1), mn__drop(S, half);
+        return y;
+    }
     if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf) {
         // a1, a2: transients of the polynomial inside tanh; th: the tanh; op1 = 1 + th;
         // half = 0.5 x; y = half * op1
@@ -4464,6 +4587,24 @@ MN__PRIVATE uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
 MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
     uint32_t e = mn__elem_size(S, x), y, t1 = MN__NONE, t2, t3 = MN__NONE;
     if (S->counting || S->err) return MN__NONE;
+    if (S->c->hf && S->c->t2) {
+        // transformers' apply_rotary_pos_emb: q * cos + rotate_half(q) * sin. The rotary module
+        // returns cos and sin in the dtype of the hidden states (fp32 under autocast, whose op
+        // lists do not hold mul or add), so a 16-bit q promotes: the result is fp32. The muls
+        // save cos and sin only (q * cos needs no gradient for cos). rotate_half: -x2 (half the
+        // width) and a cat.
+        uint32_t oe = S->c->amp ? 4 : e, neg, rot, a, b;
+        a = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        neg = mn__tensor_new(S, n / 2, e, MN_CAT_ACTIVATIONS);
+        rot = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, neg);
+        b = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        mn__drop(S, rot);
+        y = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, y, x);
+        mn__drop(S, a), mn__drop(S, b);
+        return y;
+    }
     if (S->c->hf) {
         t1 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
         t2 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
@@ -4473,6 +4614,57 @@ MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
     y = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
     mn__op_rec_from(S, y, x);
     mn__drop(S, t1), mn__drop(S, t3);
+    return y;
+}
+
+// torch.nn.functional.scaled_dot_product_attention as torch 2 runs it for HF's sdpa path
+// (transformers/integrations/sdpa_attention.py: GQA through enable_gqa when there is no mask).
+// Autocast casts fp32 inputs (RoPE's fp32 q, k) to 16 bits. The backend is the first that
+// accepts the inputs in torch's priority order (torch/backends/cuda: flash, efficient, math;
+// sdp_utils.cpp, select_sdp_backend): flash for 16-bit inputs without a mask on sm80+, head dim
+// <= 256, GQA allowed; memory-efficient for fp32/16-bit, not for GQA; math otherwise. Flash and
+// memory-efficient save q, k, v, the output and the log-sum-exp per query row; their output is
+// laid out [b, s, heads, d], so HF's transpose(1, 2).contiguous() is a view. The math backend
+// (_scaled_dot_product_attention_math) scales q, repeats k and v to every head for GQA, keeps
+// the softmax probabilities, and returns a contiguous copy of its output.
+MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t nq,
+                                 uint64_t nkv, uint64_t ns, uint64_t sq) {
+    mn__cfg *c = S->c;
+    uint32_t e = c->amp ? 2 : mn__elem_size(S, q), qc, kc, vc, y;
+    int gqa = c->m.kv_heads != c->m.heads;
+    int flash = e == 2 && c->m.arch == MN_ARCH_DECODER && c->m.head_dim <= 256 && c->sm >= 80;
+    mn__op_desc d;
+    qc = mn__cast(S, q, e), kc = mn__cast(S, k, e), vc = mn__cast(S, v, e);
+    if (flash || !gqa) {
+        uint32_t lse = mn__tensor_new(S, mn__prod3(S, c->batch, c->m.heads, sq), 4,
+                                      MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = vc, d.saved[3] = y, d.saved[4] = lse;
+        d.bwd_temp = nq * 4;
+        mn__op_rec(S, &d);
+        mn__drop(S, lse);
+    } else {  // math: qs = q * scale, kr/vr repeated, P = softmax(qs kr^T), y = (P vr).clone()
+        uint64_t nrep = nkv / c->m.kv_heads * c->m.heads;  // k, v repeated to every head
+        uint32_t qs, kr, vr, sc, P, O;
+        qs = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        kr = gqa ? mn__tensor_new(S, nrep, e, MN_CAT_ACTIVATIONS) : mn__identity(S, kc);
+        vr = gqa ? mn__tensor_new(S, nrep, e, MN_CAT_ACTIVATIONS) : mn__identity(S, vc);
+        sc = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS);
+        P = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, sc);
+        O = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, O);
+        d = mn__op_desc_of(y);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = qs, d.saved[1] = kr, d.saved[2] = vr, d.saved[3] = P;
+        d.bwd_temp = 2 * ns * e;
+        mn__op_rec(S, &d);
+        mn__drop(S, qs), mn__drop(S, kr), mn__drop(S, vr), mn__drop(S, P);
+    }
+    mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, vc);
     return y;
 }
 
@@ -4545,6 +4737,8 @@ MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t 
         if (P16 != Pd) mn__drop(S, P16);
         mn__drop(S, mk);
         y = Cc;
+    } else if (c->t2 && c->hf) {
+        y = mn__sdpa_t2(S, q, k, v, nq, nkv, ns, sq);
     } else {
         uint32_t O = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
         uint64_t rows = mn__prod3(S, c->batch, c->m.heads, sq);
@@ -4590,6 +4784,24 @@ MN__PRIVATE uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64
         uint32_t k2 = mn__rope(S, k, mn__prod3(S, c->batch, skv, c->kv_width));
         mn__drop(S, q), mn__drop(S, k);
         q = q2, k = k2;
+    }
+    if (c->kv_train && !cross && !S->counting && S->record) {
+        // transformers 5: LlamaModel.forward (and the other decoders) makes a DynamicCache when
+        // use_cache is on, in training too (gradient checkpointing turns it off). Its first
+        // update (cache_utils.py, DynamicLayer.lazy_initialization + update) is torch.cat onto an
+        // empty tensor of the key's dtype: new copies of k and v (v promoted to the key's dtype,
+        // fp32 after RoPE under autocast) that attention then reads, and that out.past_key_values
+        // keeps until the loop drops the outputs.
+        uint32_t ke = mn__elem_size(S, k), ve = mn__elem_size(S, v), kc, vc;
+        uint64_t n = mn__prod3(S, c->batch, skv, c->kv_width);
+        kc = mn__tensor_new(S, n, ke, MN_CAT_KV_CACHE);
+        mn__op_rec_from(S, kc, k);
+        vc = mn__tensor_new(S, n, ke > ve ? ke : ve, MN_CAT_KV_CACHE);
+        mn__op_rec_from(S, vc, v);
+        mn__drop(S, k), mn__drop(S, v);
+        mn__ref(S, kc), mn__ref(S, vc);
+        mn__hold_output(S, kc), mn__hold_output(S, vc);
+        k = kc, v = vc;
     }
     if (cross) skv = c->enc_seq;
     ctx = mn__attn_core(S, q, k, v, sq, skv);
@@ -4816,7 +5028,8 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
         d = mn__op_desc_of(loss);
         d.in[0] = lg, d.saved[0] = lg;
         mn__op_rec(S, &d);
-        mn__drop(S, lg);
+        if (c->t2) mn__hold_output(S, lg);  // out.logits
+        else mn__drop(S, lg);
         return loss;
     }
     if (c->m.head == MN_HEAD_NONE) {
@@ -4860,7 +5073,8 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     mn__op_rec(S, &d);  // nll backward: the dense grad of lsm
     mn__drop(S, lsm);
     if (l32 != lg) mn__drop(S, l32);
-    mn__drop(S, lg);
+    if (c->t2) mn__hold_output(S, lg);  // out.logits
+    else mn__drop(S, lg);
     return loss;
 }
 
@@ -5020,6 +5234,17 @@ MN__PRIVATE void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
             P->grad = mn__tensor_new(S, mn__shard(c, full, 2), 1, MN_CAT_GRADIENTS);
     } else if (P->grad == MN__NONE) {
         P->grad = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
+        P->grad_pass = S->bw_pass;
+    } else if (c->t2 && P->grad_pass == S->bw_pass) {
+        // a weight used twice in one graph (tied embedding and LM head): both gradients meet in
+        // the AccumulateGrad node's input buffer, which sums them out of place
+        // (torch/csrc/autograd/input_buffer.cpp, InputBuffer::add; the first gradient is a
+        // transposed view, so it cannot be accumulated in place): old, new and the sum are alive
+        // together, then the sum becomes .grad.
+        uint32_t g2 = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_TEMPORARY);
+        uint32_t sum = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
+        mn__drop(S, g2), mn__drop(S, P->grad);
+        P->grad = sum;
     } else {
         mn__transient(S, full, MN_CAT_TEMPORARY);
     }
@@ -5075,6 +5300,12 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo) {
     if (!S->err) S->nops = lo;
 }
 
+// One backward pass from the loss (mn__backward recurses for checkpointed blocks).
+MN__PRIVATE void mn__backward_pass(mn__sim *S) {
+    S->bw_pass++;
+    mn__backward(S, 0);
+}
+
 // Bytes of a parameter as stored on one GPU (quantized base weights: bitsandbytes nf4 with
 // double quantization, 4 + 0.127 bits per parameter (QLoRA paper); int8 with an fp32 scale per
 // row).
@@ -5101,17 +5332,39 @@ MN__PRIVATE uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
     return mn__shard(c, b, 1);
 }
 
-// Largest per-tensor temporary of the optimizer step (fused kernels need none): AdamW's
-// denominator sqrt(v)/... , Adafactor's squared gradient and update, Lion's update.
+// Per-tensor temporary of the optimizer step: Adafactor's squared gradient and update, Lion's
+// update (both loops over tensors); AdamW's per-tensor loop (torch/optim/adam.py,
+// _single_tensor_adam): denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps) holds
+// the sqrt and the quotient at once. Fused kernels (8-bit AdamW, --optim-impl fused, the
+// engines) need none; SGD updates in place (_single_tensor_sgd: param.add_(grad)).
 MN__PRIVATE uint64_t mn__optim_temp(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
     uint64_t e = c->state_half ? 2 : 4;
     if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;  // fused optimizers
     switch (c->s.optim) {
-    case MN_OPTIM_ADAMW: case MN_OPTIM_LION: return mn__prod(S, P->numel, e);
+    case MN_OPTIM_ADAMW:
+        if (c->impl != MN_OPTIM_IMPL_LOOP) return 0;
+        return mn__prod(S, P->numel, c->t2 ? 2 * e : e);
+    case MN_OPTIM_LION: return mn__prod(S, P->numel, e);
     case MN_OPTIM_ADAFACTOR: return mn__prod3(S, P->numel, e, 2);
     default: return 0;
     }
+}
+
+// Whole-group temporaries of a foreach step (torch/optim/adam.py, _multi_tensor_adam): after
+// the in-place moment updates, exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs) makes
+// one buffer per parameter of the group (all trainable parameters of one device and dtype),
+// alive together until _foreach_addcdiv_ has updated the parameters. SGD's foreach step
+// (_multi_tensor_sgd, no nesterov) works in place.
+MN__PRIVATE uint64_t mn__optim_group_temp(mn__sim *S) {
+    const mn__cfg *c = S->c;
+    uint64_t i, b = 0;
+    if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;
+    if (c->impl != MN_OPTIM_IMPL_FOREACH || c->s.optim != MN_OPTIM_ADAMW) return 0;
+    for (i = 0; i < S->np; i++)
+        if (S->params[i].trainable)
+            b += mn__prod(S, S->params[i].numel, c->state_half ? 2 : 4);
+    return b;
 }
 
 MN__PRIVATE void mn__alloc_states(mn__sim *S, uint64_t i) {
@@ -5161,18 +5414,22 @@ MN__PRIVATE void mn__optimizer_step(mn__sim *S) {
     for (i = 0; i < S->np; i++)
         if (S->params[i].trainable)
             mn__transient(S, mn__optim_temp(S, &S->params[i]), MN_CAT_TEMPORARY);
-    if (c->grads_keep || c->grads_prealloc) return;
-    for (i = 0; i < S->np; i++) {  // zero_grad(set_to_none=True)
-        if (S->params[i].grad == MN__NONE) continue;
-        mn__drop(S, S->params[i].grad);
-        S->params[i].grad = MN__NONE;
+    mn__transient(S, mn__optim_group_temp(S), MN_CAT_TEMPORARY);
+    if (!c->grads_keep && !c->grads_prealloc) {
+        for (i = 0; i < S->np; i++) {  // zero_grad(set_to_none=True)
+            if (S->params[i].grad == MN__NONE) continue;
+            mn__drop(S, S->params[i].grad);
+            S->params[i].grad = MN__NONE;
+        }
     }
+    mn__release_outputs(S);  // the loop drops `out` after zero_grad
 }
 
 // One micro-batch: inputs, forward, backward.
 MN__PRIVATE void mn__micro_batch(mn__sim *S) {
     mn__cfg *c = S->c;
     uint32_t ids, labels, mask = MN__NONE, loss;
+    uint64_t prev = S->nouts;
     S->phase = MN_PHASE_FORWARD;
     S->record = 1, S->training = 1, S->hold = MN__NONE;
     if (c->m.arch == MN_ARCH_STACK) {
@@ -5186,6 +5443,12 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
         if (c->m.arch == MN_ARCH_ENCODER) mask = mn__tensor_new(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
         loss = mn__forward(S, ids, labels);
     }
+    if (prev && !S->err) {  // `out = model(...)` replaced the previous micro-batch's outputs
+        uint64_t i;
+        for (i = 0; i < prev; i++) mn__drop(S, S->outs[i]);
+        memmove(S->outs, S->outs + prev, (size_t)(S->nouts - prev) * sizeof *S->outs);
+        S->nouts -= prev;
+    }
     if (c->amp) mn__amp_clear(S);
     if (S->err || loss == MN__NONE) return;
     S->phase = MN_PHASE_BACKWARD;
@@ -5193,7 +5456,7 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
         uint32_t g = mn__tensor_new(S, 1, 4, MN_CAT_TEMPORARY);  // first: S->tensors may move
         if (g != MN__NONE) S->tensors[loss].grad = g;
     }
-    mn__backward(S, 0);
+    mn__backward_pass(S);
     mn__drop(S, loss), mn__drop(S, S->hold);
     mn__drop(S, ids), mn__drop(S, labels), mn__drop(S, mask);
 }
@@ -5802,7 +6065,18 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         else
             s->attention = MN_ATTN_FLASH;
     }
-    if (s->torch_version == 0) s->torch_version = s->framework == MN_FW_HF ? 110 : 200;
+    if (s->torch_version == 0) s->torch_version = 200;  // 1.10 only when asked (--torch 1.10)
+    if ((unsigned)s->optim_impl >= MN_OPTIM_IMPL_COUNT)
+        MN__INVALID(lg, "setup: optim_impl %d is out of range", (int)s->optim_impl);
+    // torch 2's optimizers take foreach for CUDA parameters when neither foreach nor fused is
+    // given (torch/optim/optimizer.py, _default_to_fused_or_foreach with use_fused=False);
+    // torch 1.10 ran the per-tensor loop; the engines (deepspeed, megatron) and the trainer fuse
+    if (s->optim_impl == MN_OPTIM_IMPL_DEFAULT)
+        s->optim_impl = s->framework != MN_FW_HF ? MN_OPTIM_IMPL_FUSED
+                        : s->torch_version >= 200 ? MN_OPTIM_IMPL_FOREACH : MN_OPTIM_IMPL_LOOP;
+    if (!(s->lora_dropout >= 0.0f && s->lora_dropout < 1.0f))
+        MN__INVALID(lg, "--lora-dropout %g is out of range (want 0 <= p < 1)",
+                    (double)s->lora_dropout);
     if (s->torch_version < 100 || s->torch_version > 999)
         MN__INVALID(lg, "--torch %u.%02u is out of range (want 1.00..9.99, torch_version 100..999)",
                     s->torch_version / 100, s->torch_version % 100);
@@ -5868,6 +6142,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     c->lora_rank = s->lora_rank;
     c->gpus = s->gpus, c->zero = s->zero_stage;
     c->cublas_workspace = gpu->cublas_workspace;
+    c->sm = gpu->sm;
     c->attn = s->attention;
     mixed = s->precision == MN_PREC_FP16 || s->precision == MN_PREC_BF16;
     pure = s->precision == MN_PREC_FP16_PURE || s->precision == MN_PREC_BF16_PURE;
@@ -5875,6 +6150,11 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     c->w_esz = c->g_esz = 4;
     c->param_cat = MN_CAT_WEIGHTS;
     c->hf = s->framework == MN_FW_HF || s->framework == MN_FW_DEEPSPEED;
+    c->t2 = s->framework == MN_FW_HF && s->torch_version >= 200 && !s->infer;
+    // transformers 5 decoders build a DynamicCache in training unless gradient checkpointing
+    // is on (GradientCheckpointingLayer sets use_cache=False); encoders have none
+    c->kv_train = c->t2 && m->arch == MN_ARCH_DECODER && s->checkpointing != MN_CKPT_FULL;
+    c->impl = s->optim_impl;
     c->grads_keep = s->grads == MN_GRADS_KEEP;
     switch (s->framework) {
     case MN_FW_DEFAULT:
@@ -5908,7 +6188,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
 
 MN__PRIVATE void mn__sim_free(mn__sim *S) {
     mn__free(S->al, S->tensors), mn__free(S->al, S->ops), mn__free(S->al, S->params);
-    mn__free(S->al, S->ev), mn__free(S->al, S->block_start);
+    mn__free(S->al, S->ev), mn__free(S->al, S->block_start), mn__free(S->al, S->outs);
     memset(S, 0, sizeof *S);
 }
 
