@@ -122,6 +122,16 @@ static int opt_torch(cli *c, const char *flag, const char *v) {
     return 0;
 }
 
+static int opt_lora_dropout(cli *c, const char *flag, const char *v) {
+    char *end = NULL;
+    double p = strtod(v, &end);
+    (void)flag;
+    if (!end || end == v || *end || !(p >= 0.0 && p < 1.0))
+        return fail("--lora-dropout \"%s\": want a probability 0 <= p < 1", v);
+    c->setup.lora_dropout = (float)p;
+    return 0;
+}
+
 static int opt_zero_grad(cli *c, const char *flag, const char *v) {
     (void)flag;
     if (!strcmp(v, "keep")) c->setup.grads = MN_GRADS_KEEP;
@@ -140,6 +150,7 @@ CHOICE(mn_attn_parse, mn_attn)
 CHOICE(mn_framework_parse, mn_framework)
 CHOICE(mn_offload_parse, mn_offload)
 CHOICE(mn_quant_parse, mn_quant)
+CHOICE(mn_optim_impl_parse, mn_optim_impl)
 CHOICE(mn_lora_targets_parse, uint32_t)
 
 typedef enum opt_kind {
@@ -183,6 +194,8 @@ static const opt options[] = {
     CHOOSE("--checkpointing", setup.checkpointing, mn_ckpt_parse),
     CHOOSE("--attention", setup.attention, mn_attn_parse),
     U32("--lora-rank", setup.lora_rank, 1),
+    FN("--lora-dropout", opt_lora_dropout),
+    CHOOSE("--optim-impl", setup.optim_impl, mn_optim_impl_parse),
     CHOOSE("--lora-targets", setup.lora_targets, mn_lora_targets_parse),
     CHOOSE("--quant", setup.quant, mn_quant_parse),
     CHOOSE("--framework", setup.framework, mn_framework_parse),
@@ -358,7 +371,7 @@ static const char *estimate_usage =
     "             --precision fp32|fp16|bf16|fp16-pure|bf16-pure\n"
     "             --optim adamw|adamw-8bit|sgd|sgd-momentum|adafactor|lion|none\n"
     "             --attention eager|sdpa|flash --lora-rank R --lora-targets q,k,v,o,gate,up,down\n"
-    "             --quant none|int8|nf4\n"
+    "             --quant none|int8|nf4 --lora-dropout P --optim-impl foreach|fused|loop\n"
     "  framework: --framework hf|deepspeed|megatron|memanat --torch 1.10|2 --zero 0..3 --gpus N\n"
     "             --offload none|optimizer|all --zero-grad keep|none\n"
     "  device:    --gpu NAME --capacity SIZE --context SIZE --alloc-conf STR\n"
@@ -476,6 +489,7 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     json_str("offload", mn_offload_name(s->offload), f);
     json_u64("lora_rank", s->lora_rank, f);
     json_str("quant", mn_quant_name(s->quant), f);
+    json_str("optim_impl", mn_optim_impl_name(s->optim_impl), f);
     json_str("head", mn_head_name(r->model.head), f);
     printf(", \"infer\": %s", s->infer ? "true" : "false");
     if (s->infer) {

@@ -112,6 +112,89 @@ static void test_dev_tsv(void) {
     CHECK_MSG(rows >= 19, "only %d validation rows ran", rows);
 }
 
+#define TORCH2_TSV "test/validation/torch2.tsv"
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+// The rows the estimator does not reach within 3 %, each with the tolerance it does reach and
+// why (README, "Validation"); every other row is held to 3 %.
+static double torch2_tolerance(const char *name) {
+    static const struct { const char *name; double tol; } known[] = {
+        // eager attention under autocast with RoPE's fp32 q and k: the casts before each matmul,
+        // the fp32 mask add and the probabilities are modelled after the torch 1.x path
+        {"llama-bf16-eager-b4s1024", 0.09},
+        // bf16 weights with fp32 peft adapters: the adapters and their gradients and AdamW state
+        // are counted at the weights' 2 bytes
+        {"phi3-bf16pure-sdpa-lora16-b4s1024", 0.07},
+        // the peak falls in backward1 before any optimizer state; eager GPT-2/Qwen2 backward
+        // temporaries of the attention are approximated (bwd_temp)
+        {"gpt2-fp32-eager-sgd-b2s256", 0.045},
+        {"qwen2-fp16-eager-sgd-b2s1024", 0.04},
+        // BERT with full checkpointing: the measured peak is in step1, the predicted one in
+        // backward (the recompute's temporaries)
+        {"bert-fp32-eager-gc-b8s512", 0.04},
+    };
+    size_t i;
+    for (i = 0; i < sizeof known / sizeof known[0]; i++)
+        if (!strcmp(known[i].name, name)) return known[i].tol;
+    return 0.03;
+}
+
+// Each row of test/validation/torch2.tsv (the real transformers/peft code measured by
+// tools/torchcheck.py): name, peak allocated bytes, 7 category columns, phase, sdpa backends,
+// memanat estimate options. The measurement sees no cuBLAS workspace, so the prediction is
+// compared less its workspace term. Every row within its tolerance, the median within 1 %.
+static void test_torch2_tsv(void) {
+    FILE *f;
+    char line[4096];
+    double errs[256];
+    int rows = 0;
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    f = fopen(TORCH2_TSV, "r");
+    CHECK_MSG(f != NULL, "cannot open %s", TORCH2_TSV);
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        char *col[12], *p = line, args[4096];
+        int n = 0;
+        double want, got, ws, err, tol;
+        run_out r;
+        if (line[0] == '#' || line[0] == '\n') continue;
+        line[strcspn(line, "\n")] = 0;
+        while (n < 12 && p) {
+            col[n++] = p;
+            p = strchr(p, '\t');
+            if (p) *p++ = 0;
+        }
+        CHECK_MSG(n == 12, "malformed row: %s", line);
+        if (n != 12) continue;
+        want = atof(col[1]);
+        snprintf(args, sizeof args, "estimate %s --json", col[11]);
+        CHECK(run(args, &r));
+        CHECK_MSG(r.status == 0, "row %s: exit %d: %s", col[0], r.status, r.err);
+        if (r.status != 0) continue;
+        CHECK(json_number(r.out, "peak_allocated", &got));
+        CHECK(json_number(r.out, "workspace", &ws));
+        err = (got - ws - want) / want, tol = torch2_tolerance(col[0]);
+        printf("       %-38s want %8.1f MiB got %8.1f MiB (%+.2f%%, tol %.1f%%)\n", col[0],
+               want / 1048576.0, (got - ws) / 1048576.0, 100.0 * err, 100.0 * tol);
+        CHECK_NEAR(got - ws, want, 0.0, tol);
+        if (rows < 256) errs[rows] = err < 0 ? -err : err;
+        rows++;
+    }
+    fclose(f);
+    CHECK_MSG(rows >= 40, "only %d torch2 rows ran", rows);
+    if (rows >= 40 && rows <= 256) {
+        double med;
+        qsort(errs, (size_t)rows, sizeof errs[0], cmp_double);
+        med = rows % 2 ? errs[rows / 2] : 0.5 * (errs[rows / 2 - 1] + errs[rows / 2]);
+        printf("       median |error| %.2f%% over %d rows\n", 100.0 * med, rows);
+        CHECK_MSG(med <= 0.01, "median |error| %.2f%% (want <= 1%%)", 100.0 * med);
+    }
+}
+
 // Each bad invocation: non-zero exit, exactly one line on stderr, nothing on stdout.
 static void test_bad_input(void) {
     static const char *bad[] = {
@@ -278,6 +361,7 @@ static void test_pictures(void) {
 const mnt_case test_cli_cases[] = {
     {"pictures", test_pictures},
     {"dev_tsv", test_dev_tsv},
+    {"torch2_tsv", test_torch2_tsv},
     {"bad_input", test_bad_input},
     {"huge_model", test_huge_model},
     {"fit", test_fit_cli},
