@@ -53,7 +53,7 @@ enum { CMD_ESTIMATE = 1, CMD_FIT = 2, CMD_REPLAY = 4, CMD_STEP = CMD_ESTIMATE | 
 typedef struct cli {
     mn_model model;
     mn_setup setup;              // replay uses setup.capacity
-    int have_model, json, parts;
+    int have_model, json, parts, explain;
     const char *model_src;
     uint64_t params;
     int head_set;
@@ -211,6 +211,7 @@ static const opt options[] = {
     U64("--new-tokens", setup.new_tokens, 0),
     U32("--beams", setup.beams, 1),
     KIND("--parts", CMD_ESTIMATE, OPT_FLAG, parts),
+    KIND("--explain", CMD_ESTIMATE, OPT_FLAG, explain),
     KIND("--snapshot", CMD_ESTIMATE, OPT_TEXT, snapshot),
     KIND("--config", CMD_REPLAY, OPT_TEXT, alloc_conf),  // replay's older name for --alloc-conf
     KIND("--alloc-conf", CMD_STEP | CMD_REPLAY, OPT_TEXT, alloc_conf),
@@ -379,6 +380,7 @@ static const char *estimate_usage =
     "  inference: --infer --prompt N --new-tokens N --beams N\n"
     "  output:    --json (one JSON object, byte counts as integers)\n"
     "             --parts (activations each block keeps for backward)\n"
+    "             --explain (every buffer alive at the peak, by the mechanism that made it)\n"
     "             --svg OUT (timeline of the predicted step, stacked by category)\n"
     "             --snapshot OUT (allocator snapshot for pytorch.org/memory_viz)\n";
 
@@ -570,6 +572,27 @@ static void print_parts(const cli *c, const mn_estimate_result *r, const uint64_
     printf("  %-28s %12s\n", r->model.arch == MN_ARCH_STACK ? "loss" : "final norm and head", a);
 }
 
+// --explain: the buffers alive at the peak, one line per mechanism, category and size.
+static int print_explain(const cli *c) {
+    mn_explain_item it[64];
+    uint32_t n = 0, i;
+    uint64_t peak = 0;
+    char a[32], b[32];
+    mn_result res = mn_estimate_explain(&c->model, &c->setup, it, 64, &n, &peak);
+    if (res != MN_OK) return fail_result("explain", res);
+    mn_size_format(peak, a, sizeof a);
+    printf("\nalive at the peak (%s before rounding), by mechanism:\n", a);
+    printf("  %-66s %-15s %6s %10s %10s\n", "mechanism", "category", "count", "each", "total");
+    for (i = 0; i < n && i < 64; i++) {
+        mn_size_format(it[i].bytes_each, a, sizeof a);
+        mn_size_format(it[i].bytes, b, sizeof b);
+        printf("  %-66s %-15s %6llu %10s %10s\n", it[i].mechanism,
+               mn_category_name(it[i].category), (unsigned long long)it[i].count, a, b);
+    }
+    if (n > 64) printf("  (%u smaller groups not shown)\n", n - 64);
+    return 0;
+}
+
 static int cmd_estimate(int argc, char **argv) {
     cli c;
     mn_estimate_result r;
@@ -593,6 +616,10 @@ static int cmd_estimate(int argc, char **argv) {
     } else {
         print_table(&r);
         print_parts(&c, &r, parts, nparts);
+        if (c.explain && (rc = print_explain(&c)) != 0) {
+            free(parts);
+            return rc;
+        }
     }
     free(parts);
     return 0;

@@ -615,6 +615,19 @@ MNDEF mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup,
 MNDEF mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup, uint64_t *parts,
                                   uint32_t cap, uint32_t *count);
 
+// What is alive at the simulated step's peak allocated moment, grouped by the mechanism that
+// made each buffer, its category and its size: items[] sorted by total bytes, largest first
+// (at most cap written, *count = the number of groups); *peak = the bytes alive then (before
+// the allocator's 512-byte rounding). mechanism points to a static string.
+typedef struct mn_explain_item {
+    const char *mechanism;
+    mn_category category;
+    uint64_t bytes_each, count, bytes;
+} mn_explain_item;
+MNDEF mn_result mn_estimate_explain(const mn_model *model, const mn_setup *setup,
+                                    mn_explain_item *items, uint32_t cap, uint32_t *count,
+                                    uint64_t *peak);
+
 // Parameter count of a model (exact from the shape, or model->params when set).
 MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);
 
@@ -4012,6 +4025,8 @@ typedef struct mn__tensor {
     uint8_t requires_grad;  // produced by a recorded op (autograd will reach it)
     uint8_t live;           // allocated and not yet freed
     uint8_t elem_size;      // bytes per element
+    const char *why;        // the mechanism that made it (--explain)
+    uint64_t born, died;    // allocation and free sequence numbers (died 0 = alive)
 } mn__tensor;
 
 typedef struct mn__op {
@@ -4080,6 +4095,8 @@ typedef struct mn__sim {
     uint64_t at_peak[MN_CAT_COUNT];   // cur at that moment
     uint64_t cat_peak[MN_CAT_COUNT];  // the most bytes of each category at any moment
     mn_phase phase, peak_phase;
+    const char *why;                  // label of the tensors made now (mn__tensor.why)
+    uint64_t seq, peak_seq;           // allocation/free events so far; seq at the peak
     int record;              // autograd records ops (grad mode)
     int counting;            // the counting pass: parameters are registered, nothing is allocated
     int events;              // keep the allocation events (for the replay)
@@ -4154,6 +4171,7 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     t = &S->tensors[id];
     t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->category = (uint8_t)cat;
     t->requires_grad = 0, t->live = 1, t->elem_size = (uint8_t)esz;
+    t->why = S->why ? S->why : "other", t->born = ++S->seq, t->died = 0;
     S->cur[cat] += bytes;
     if (S->cur[cat] > S->cat_peak[cat]) S->cat_peak[cat] = S->cur[cat];
     if (mn_add_u64(S->total, bytes, &S->total) != MN_OK) {
@@ -4161,7 +4179,7 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
         return MN__NONE;
     }
     if (S->total > S->peak) {
-        S->peak = S->total, S->peak_phase = S->phase;
+        S->peak = S->total, S->peak_phase = S->phase, S->peak_seq = S->seq;
         for (k = 0; k < MN_CAT_COUNT; k++) S->at_peak[k] = S->cur[k];
     }
     mn__event(S, id, 1);
@@ -4175,6 +4193,7 @@ MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
     MN_ASSERT(t->live && t->refs > 0);
     if (--t->refs) return;
     t->live = 0;
+    t->died = ++S->seq;
     S->cur[t->category] -= t->bytes;
     S->total -= t->bytes;
     mn__event(S, id, 0);
@@ -4319,6 +4338,7 @@ MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b);
 // dtype and `result.to(torch_result_dtype)` casts back. Returns the new result; y stays.
 MN__PRIVATE uint32_t mn__lora_t2(mn__sim *S, uint32_t x, uint32_t y, uint64_t in, uint64_t out,
                                  uint32_t la, uint32_t lb) {
+    S->why = "peft LoRA: fp32 adapters, their input casts and products";
     mn__cfg *c = S->c;
     uint64_t rows = mn__tensor_numel(S, x) / in, r = c->lora_rank;
     // xa: the fp32 input; xd: after lora_dropout; x16: autocast's cast for lora_A; h, z: the
@@ -4361,6 +4381,7 @@ MN__PRIVATE uint32_t mn__lora_t2(mn__sim *S, uint32_t x, uint32_t y, uint64_t in
 // the cached 16-bit weight (for the input gradient). Autocast casts a fp32 input per call.
 MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, int bias,
                                 uint32_t lora_bit, int quantizable, uint32_t shared) {
+    S->why = "linear: outputs and autocast input casts";
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), lora = c->lora_rank && (c->s.lora_targets & lora_bit);
     int quant = quantizable && c->s.quant > MN_QUANT_NONE;
@@ -4382,7 +4403,9 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
         mn__op_rec_from(S, xin, x);
     }
     if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
+        S->why = "autocast: cached 16-bit weight copies";
         if (P->w16 == MN__NONE) P->w16 = mn__tensor_new(S, P->numel, 2, MN_CAT_WEIGHTS);
+        S->why = "linear: outputs and autocast input casts";
         w16 = P->w16;
     }
     if (P->quant || c->zero >= 3) {  // dequantized / gathered full weight, for the matmul only
@@ -4429,6 +4452,7 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
 
 // Dropout keeps a 1-byte mask (native_dropout, derivatives.yaml) and allocates its output.
 MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
+    S->why = "dropout: bool mask and output";
     uint32_t mask, y;
     uint64_t n;
     mn__op_desc d;
@@ -4446,6 +4470,7 @@ MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
 
 // Elementwise a + b; the result takes the wider dtype (type promotion); saves nothing.
 MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
+    S->why = "residual and adds";
     uint32_t y;
     uint32_t ea = mn__elem_size(S, a), eb = mn__elem_size(S, b);
     mn__op_desc d;
@@ -4462,6 +4487,7 @@ MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
 // written in Python ops: an fp32 copy of the input (saved by pow and mul), the normalized values
 // cast back to the input dtype (saved by the weight multiply when the weight trains).
 MN__PRIVATE uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
+    S->why = "norms: layer_norm, HF RMSNorm's fp32 upcast";
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), ln = c->m.norm != MN_NORM_RMSNORM;
     uint32_t w = mn__next_param(S, width, 0, tr, 0);
@@ -4517,6 +4543,7 @@ MN__PRIVATE uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
 // 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3))) in separate ops: it also keeps the tanh output,
 // 0.5 x and 1 + tanh, and makes four more transient copies on the way.
 MN__PRIVATE uint32_t mn__activation(mn__sim *S, uint32_t x) {
+    S->why = "MLP activation (gelu_new: fp32 pow under autocast)";
     uint32_t y, e;
     uint64_t n;
     mn__op_desc d;
@@ -4572,6 +4599,7 @@ MN__PRIVATE uint32_t mn__activation(mn__sim *S, uint32_t x) {
 
 // a * b, saving both operands (mul's gradient needs the other factor).
 MN__PRIVATE uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
+    S->why = "gated MLP product";
     uint32_t y;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
@@ -4585,6 +4613,7 @@ MN__PRIVATE uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
 // Rotary embedding as HF writes it: q*cos + rotate_half(q)*sin (three transients, one result).
 // Fused kernels (megatron, flash) write one output.
 MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
+    S->why = "RoPE (fp32 q, k under autocast)";
     uint32_t e = mn__elem_size(S, x), y, t1 = MN__NONE, t2, t3 = MN__NONE;
     if (S->counting || S->err) return MN__NONE;
     if (S->c->hf && S->c->t2) {
@@ -4629,6 +4658,7 @@ MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
 // the softmax probabilities, and returns a contiguous copy of its output.
 MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t nq,
                                  uint64_t nkv, uint64_t ns, uint64_t sq) {
+    S->why = "SDPA: saved q/k/v casts, output, logsumexp (math: probabilities)";
     mn__cfg *c = S->c;
     uint32_t e = c->amp ? 2 : mn__elem_size(S, q), qc, kc, vc, y;
     int gqa = c->m.kv_heads != c->m.heads;
@@ -4677,6 +4707,7 @@ MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v,
 // Selective checkpointing (Korthikanti et al. 2022) keeps only q, k, v and recomputes the rest.
 MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq,
                                    uint64_t skv) {
+    S->why = "attention core (eager: scores and probabilities)";
     mn__cfg *c = S->c;
     uint32_t e = mn__elem_size(S, q), y;
     uint64_t nq = mn__prod3(S, c->batch, sq, c->q_width);
@@ -4794,6 +4825,7 @@ MN__PRIVATE uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64
         // keeps until the loop drops the outputs.
         uint32_t ke = mn__elem_size(S, k), ve = mn__elem_size(S, v), kc, vc;
         uint64_t n = mn__prod3(S, c->batch, skv, c->kv_width);
+        S->why = "KV cache built in training (use_cache on)";
         kc = mn__tensor_new(S, n, ke, MN_CAT_KV_CACHE);
         mn__op_rec_from(S, kc, k);
         vc = mn__tensor_new(S, n, ke > ve ? ke : ve, MN_CAT_KV_CACHE);
@@ -4936,6 +4968,7 @@ MN__PRIVATE uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32
 
 // Token (+ position, + token type) embeddings, optional norm, dropout. ids: [ntok] int64.
 MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
+    S->why = "embeddings";
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden;
     int tr = mn__base_trainable(c);
@@ -4989,6 +5022,7 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
 // [tokens, vocab] gradient. Classification: pooler + classifier on the first token (BERT), or a
 // score layer on every token (decoders); both tiny, but the pooler keeps the last hidden states.
 MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
+    S->why = "LM head and loss: logits, fp32 upcast, log_softmax";
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden, V = c->m.vocab;
     int tr = mn__base_trainable(c);
@@ -5055,6 +5089,7 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
         y = t;
     }
     lg = mn__linear(S, y, h, V, 0, 0, 0, c->m.tie_embeddings ? S->cursor_emb : MN__NONE);
+    S->why = "LM head and loss: logits, fp32 upcast, log_softmax";
     if (c->m.lm_transform) cb = mn__next_param(S, V, 0, tr, 0);  // decoder bias
     mn__drop(S, y);
     if (S->counting || S->err) return MN__NONE;
@@ -5220,6 +5255,7 @@ MN__PRIVATE uint64_t mn__master_bytes(mn__sim *S, const mn__param *P) {
 // is none (AccumulateGrad steals it) or is added and freed; partitioned and preallocated buffers
 // receive the produced gradient and free it (megatron accumulates in place).
 MN__PRIVATE void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
+    S->why = "parameter gradients (tied weights summed out of place)";
     mn__cfg *c = S->c;
     mn__param *P = &S->params[pi];
     uint32_t h16 = MN__NONE;
@@ -5255,6 +5291,7 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo);
 
 // Backward of one recorded op (see the section comment).
 MN__PRIVATE void mn__backward_op(mn__sim *S, mn__op op) {
+    S->why = "backward: activation gradients and temporaries";
     mn__cfg *c = S->c;
     int i;
     if (op.recomp_block != MN__NONE) {  // re-run a checkpointed block, recording, then its backward
@@ -5387,6 +5424,7 @@ MN__PRIVATE void mn__load(mn__sim *S) {
     mn__cfg *c = S->c;
     uint64_t i;
     S->phase = MN_PHASE_LOAD;
+    S->why = "parameters, master weights, preallocated state";
     for (i = 0; i < S->np; i++) {
         mn_category cat = S->params[i].trainable ? c->param_cat : MN_CAT_WEIGHTS;
         if (c->s.offload != MN_OFFLOAD_ALL)
@@ -5410,7 +5448,9 @@ MN__PRIVATE void mn__optimizer_step(mn__sim *S) {
     uint64_t i;
     S->phase = MN_PHASE_OPTIMIZER;
     if (c->s.optim == MN_OPTIM_NONE) return;
+    S->why = "optimizer state";
     for (i = 0; i < S->np; i++) mn__alloc_states(S, i);
+    S->why = "optimizer step temporaries (foreach: whole group; loop: per tensor)";
     for (i = 0; i < S->np; i++)
         if (S->params[i].trainable)
             mn__transient(S, mn__optim_temp(S, &S->params[i]), MN_CAT_TEMPORARY);
@@ -5431,6 +5471,7 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
     uint32_t ids, labels, mask = MN__NONE, loss;
     uint64_t prev = S->nouts;
     S->phase = MN_PHASE_FORWARD;
+    S->why = "input ids, labels, loss";
     S->record = 1, S->training = 1, S->hold = MN__NONE;
     if (c->m.arch == MN_ARCH_STACK) {
         ids = mn__tensor_new(S, mn__prod(S, c->ntok, c->m.stack_in), c->a_esz, MN_CAT_ACTIVATIONS);
@@ -6289,6 +6330,7 @@ MN__PRIVATE void mn__run(mn__sim *S) {
         mn__generate(S);
         return;
     }
+    S->why = "cuBLAS workspace";
     if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
     for (step = 0; step < 2 && !S->err; step++) {
         for (mb = 0; mb < nmb && !S->err; mb++) {
@@ -6471,6 +6513,47 @@ MNIMPL mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup,
     S.parts = NULL;  // the caller's buffer, not the simulation's
     mn__sim_free(&S);
     mn__free(NULL, buf);
+    return r;
+}
+
+MNIMPL mn_result mn_estimate_explain(const mn_model *model, const mn_setup *setup,
+                                     mn_explain_item *items, uint32_t cap, uint32_t *count,
+                                     uint64_t *peak) {
+    enum { MAXG = 256 };
+    mn__sim S;
+    mn_estimate_result res;
+    mn_setup s2;
+    mn_result r;
+    mn_explain_item g[MAXG], t;
+    uint32_t ng = 0, i, j;
+    uint64_t k;
+    if (!model || !setup || !count || !peak || (cap && !items)) return MN_ERR_INVALID_ARG;
+    s2 = *setup;
+    s2.no_replay = 1;
+    r = mn__estimate(model, &s2, NULL, &res, &S, 0, NULL);
+    if (r == MN_OK) {
+        for (k = 0; k < S.nt; k++) {
+            const mn__tensor *T = &S.tensors[k];
+            if (T->born > S.peak_seq || (T->died && T->died <= S.peak_seq)) continue;
+            for (i = 0; i < ng; i++)
+                if (g[i].category == (mn_category)T->category && g[i].bytes_each == T->bytes &&
+                    !strcmp(g[i].mechanism, T->why))
+                    break;
+            if (i == ng && ng == MAXG) i = MAXG - 1;  // beyond: merged into the last group
+            if (i == ng) {
+                g[ng].mechanism = T->why, g[ng].category = (mn_category)T->category;
+                g[ng].bytes_each = T->bytes, g[ng].count = 0, g[ng].bytes = 0;
+                ng++;
+            }
+            g[i].count++, g[i].bytes += T->bytes;
+        }
+        for (i = 1; i < ng; i++)  // insertion sort, largest total first
+            for (j = i; j > 0 && g[j].bytes > g[j - 1].bytes; j--)
+                t = g[j], g[j] = g[j - 1], g[j - 1] = t;
+        for (i = 0; i < ng && i < cap; i++) items[i] = g[i];
+        *count = ng, *peak = S.peak;
+    }
+    mn__sim_free(&S);
     return r;
 }
 
