@@ -466,6 +466,7 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     json_u64("kv_cache", r->kv_cache, f);
     json_u64("workspace", r->workspace, f);
     json_u64("peak_allocated", r->peak_allocated, f);
+    json_u64("peak_requested", r->peak_requested, f);
     json_u64("peak_reserved", r->peak_reserved, f);
     json_u64("context", r->context, f);
     json_u64("device_used", r->device_used, f);

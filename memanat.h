@@ -578,6 +578,9 @@ typedef struct mn_estimate_result {
     uint64_t kv_cache, workspace;
     uint64_t peak_allocated;    // what torch.cuda.max_memory_allocated() would report
     uint64_t peak_reserved;     // what torch.cuda.max_memory_reserved() would report
+    uint64_t peak_requested;    // the most bytes of live tensors, each rounded up to 512 B: what
+                                // a per-tensor tracker (torch's MemTracker) reports; allocated
+                                // adds the blocks' unsplit remainders (CUDACachingAllocator)
     uint64_t context, device_used, capacity;  // device_used = context + peak_reserved
     int fits;
     uint64_t cpu_bytes;         // offloaded states in host memory
@@ -4092,6 +4095,7 @@ typedef struct mn__sim {
     uint64_t nt, ct, nops, cops, np, cp, nev, cev;
     uint64_t cur[MN_CAT_COUNT];       // bytes live per category
     uint64_t total, peak;             // bytes live, and the most at any moment
+    uint64_t total_r, peak_r;         // the same with each tensor rounded up to 512 bytes
     uint64_t at_peak[MN_CAT_COUNT];   // cur at that moment
     uint64_t cat_peak[MN_CAT_COUNT];  // the most bytes of each category at any moment
     mn_phase phase, peak_phase;
@@ -4178,6 +4182,8 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
         S->err = MN_ERR_OVERFLOW;
         return MN__NONE;
     }
+    S->total_r += (bytes + 511) / 512 * 512;
+    if (S->total_r > S->peak_r) S->peak_r = S->total_r;
     if (S->total > S->peak) {
         S->peak = S->total, S->peak_phase = S->phase, S->peak_seq = S->seq;
         for (k = 0; k < MN_CAT_COUNT; k++) S->at_peak[k] = S->cur[k];
@@ -4196,6 +4202,7 @@ MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
     t->died = ++S->seq;
     S->cur[t->category] -= t->bytes;
     S->total -= t->bytes;
+    S->total_r -= (t->bytes + 511) / 512 * 512;
     mn__event(S, id, 0);
 }
 
@@ -4698,6 +4705,98 @@ MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v,
     return y;
 }
 
+// A copy that makes x contiguous (a reshape of a permuted view inside matmul), or x itself.
+MN__PRIVATE uint32_t mn__contig(mn__sim *S, uint32_t x, int permuted) {
+    uint32_t y;
+    if (!permuted || S->counting || S->err) return mn__identity(S, x);
+    y = mn__tensor_new(S, mn__tensor_numel(S, x), mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, y, x);
+    return y;
+}
+
+// HF's eager_attention_forward in transformers 5 (models/llama, gpt2, bert modeling files):
+// matmul(q, k^T) * scaling (+ mask), softmax, dropout, matmul(p, v), transpose(1, 2).contiguous().
+// - matmul folds the batch dims with reshape: q (and k, v straight from a linear) are permuted
+//   views [b, s, heads, d] -> [b, heads, s, d], so reshape copies them; the KV cache's cat
+//   outputs and repeat_kv's copies (GQA) are contiguous and are saved as they are.
+// - under autocast matmul casts its fp32 inputs to 16 bits first (RoPE's q, the fp32 cache, the
+//   fp32 probabilities); the causal mask is fp32, so the masked scores promote to fp32.
+// - Llama-family code: softmax(dtype=float32).to(query.dtype); GPT-2: softmax (fp32 under
+//   autocast) then .type(value.dtype); BERT: softmax, and dropout on its output.
+// Saved: q's copy, k (or its cast), the softmax output, the dropout mask, the probabilities the
+// second matmul reads, v (or its cast); the output's contiguous copy is the next linear's input.
+MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t nq,
+                                  uint64_t nkv, uint64_t ns) {
+    mn__cfg *c = S->c;
+    int rope = c->m.posemb == MN_POS_ROPE, gqa = c->m.kv_heads != c->m.heads;
+    int cached = c->kv_train, dec = c->m.arch == MN_ARCH_DECODER;
+    uint64_t nrep = nkv / c->m.kv_heads * c->m.heads;
+    uint32_t ce = c->amp ? 2 : mn__elem_size(S, q), pe, t, y;
+    // qc, kc, vc: what the matmuls save; kr, vr: k and v at every head; s0..: the scores;
+    // P: softmax output; Pq: P in the dtype the code casts to; mk, Pd: dropout; Pm: the
+    // probabilities the second matmul reads; C, Cc: its output and the contiguous copy
+    uint32_t qc, kr, kc, vr, vc, s0, s1, P, Pq, mk = MN__NONE, Pd, Pm, C, Cc;
+    mn__op_desc d;
+    t = mn__cast(S, q, ce);
+    qc = mn__contig(S, t, 1);
+    mn__drop(S, t);
+    if (gqa) {
+        kr = mn__tensor_new(S, nrep, mn__elem_size(S, k), MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, kr, k);
+    } else {
+        kr = mn__identity(S, k);
+    }
+    t = mn__cast(S, kr, ce);
+    mn__drop(S, kr);
+    kc = mn__contig(S, t, !cached && !gqa);
+    mn__drop(S, t);
+    s0 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);
+    s1 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);  // * scaling
+    mn__drop(S, s0), s0 = s1;
+    if (dec) {  // + the causal mask, fp32 with fp32 weights (the hidden states' dtype)
+        s1 = mn__tensor_new(S, ns, c->w_esz > ce ? c->w_esz : ce, MN_CAT_ACTIVATIONS);
+        mn__drop(S, s0), s0 = s1;
+    }
+    pe = rope ? 4 : c->amp ? 4 : mn__elem_size(S, s0);
+    P = mn__tensor_new(S, ns, pe, MN_CAT_ACTIVATIONS);
+    mn__drop(S, s0);
+    Pq = rope ? mn__cast(S, P, mn__elem_size(S, q))
+         : dec ? mn__cast(S, P, mn__elem_size(S, v)) : mn__identity(S, P);
+    Pd = Pq;
+    if (c->m.attn_dropout > 0.0f && S->training) {
+        mk = mn__tensor_new(S, ns, 1, MN_CAT_ACTIVATIONS);
+        Pd = mn__tensor_new(S, ns, mn__elem_size(S, Pq), MN_CAT_ACTIVATIONS);
+    } else {
+        mn__ref(S, Pd);
+    }
+    mn__drop(S, Pq);
+    Pm = mn__cast(S, Pd, ce);
+    mn__drop(S, Pd);
+    if (gqa) {
+        vr = mn__tensor_new(S, nrep, mn__elem_size(S, v), MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, vr, v);
+    } else {
+        vr = mn__identity(S, v);
+    }
+    t = mn__cast(S, vr, ce);
+    mn__drop(S, vr);
+    vc = mn__contig(S, t, !cached && !gqa);
+    mn__drop(S, t);
+    C = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
+    Cc = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
+    mn__drop(S, C);
+    y = Cc;
+    d = mn__op_desc_of(y);
+    d.in[0] = q, d.in[1] = k, d.in[2] = v;
+    d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = P, d.saved[3] = mk, d.saved[4] = Pm;
+    d.saved[5] = vc;
+    d.bwd_temp = 2 * ns * pe + 3 * nq * ce;
+    mn__op_rec(S, &d);
+    mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, P), mn__drop(S, mk), mn__drop(S, Pm);
+    mn__drop(S, vc);
+    return y;
+}
+
 // The attention core softmax(q k^T * scale + mask) v for b sequences, sq queries, skv keys.
 // Eager (HF modelling code): bmm copies of q, k (repeated to all heads for GQA) and v are saved,
 // the scores pass through scale and mask ops (new tensors), softmax saves its output (fp32 under
@@ -4717,7 +4816,9 @@ MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t 
     int i;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    if (c->attn == MN_ATTN_EAGER) {
+    if (c->attn == MN_ATTN_EAGER && c->t2 && c->hf && !sel && c->m.posemb != MN_POS_RELATIVE) {
+        y = mn__eager_t2(S, q, k, v, nq, nkv, ns);
+    } else if (c->attn == MN_ATTN_EAGER) {
         int t5 = c->m.posemb == MN_POS_RELATIVE;
         uint32_t sm_e = (c->amp || t5 || c->m.posemb == MN_POS_ROPE) ? 4 : e;
         uint32_t mask_e = (c->amp && c->m.arch == MN_ARCH_ENCODER) ? 4 : e;  // fp32 extended mask
@@ -6392,6 +6493,7 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
                 "the model or setup is too large: a size overflows 64 bits");
     if (r != MN_OK) return r;
     out->peak_allocated = S->peak;
+    out->peak_requested = S->peak_r;
     out->peak_phase = S->peak_phase;
     for (k = 0; k < MN_CAT_COUNT; k++)
         out->at_peak[k] = S->at_peak[k], out->cat_peak[k] = S->cat_peak[k];
