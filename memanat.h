@@ -4705,11 +4705,12 @@ MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v,
     return y;
 }
 
-// A copy that makes x contiguous (a reshape of a permuted view inside matmul), or x itself.
-MN__PRIVATE uint32_t mn__contig(mn__sim *S, uint32_t x, int permuted) {
+// A copy of n elements that makes x contiguous (a reshape of a permuted view inside matmul; n
+// is less than x's size for GPT-2's q, k, v, views into one c_attn output), or x itself.
+MN__PRIVATE uint32_t mn__contig(mn__sim *S, uint32_t x, uint64_t n, int permuted) {
     uint32_t y;
     if (!permuted || S->counting || S->err) return mn__identity(S, x);
-    y = mn__tensor_new(S, mn__tensor_numel(S, x), mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
+    y = mn__tensor_new(S, n, mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
     mn__op_rec_from(S, y, x);
     return y;
 }
@@ -4738,7 +4739,7 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     uint32_t qc, kr, kc, vr, vc, s0, s1, P, Pq, mk = MN__NONE, Pd, Pm, C, Cc;
     mn__op_desc d;
     t = mn__cast(S, q, ce);
-    qc = mn__contig(S, t, 1);
+    qc = mn__contig(S, t, nq, 1);
     mn__drop(S, t);
     if (gqa) {
         kr = mn__tensor_new(S, nrep, mn__elem_size(S, k), MN_CAT_ACTIVATIONS);
@@ -4748,7 +4749,7 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     }
     t = mn__cast(S, kr, ce);
     mn__drop(S, kr);
-    kc = mn__contig(S, t, !cached && !gqa);
+    kc = mn__contig(S, t, nkv, !cached && !gqa);
     mn__drop(S, t);
     s0 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);
     s1 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);  // * scaling
@@ -4780,7 +4781,7 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     }
     t = mn__cast(S, vr, ce);
     mn__drop(S, vr);
-    vc = mn__contig(S, t, !cached && !gqa);
+    vc = mn__contig(S, t, nkv, !cached && !gqa);
     mn__drop(S, t);
     C = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
     Cc = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
