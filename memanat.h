@@ -425,6 +425,8 @@ typedef struct mn_model {
     int embed_norm;           // a norm right after the embeddings (BERT)
     int lm_transform;         // the LM head has dense + act + norm before the projection (BERT MLM)
     int post_norm;            // norms after the residual adds (BERT), not before (GPT-2, Llama)
+    int fused_proj;           // q, k, v in one projection and gate, up in one (Phi-3's qkv_proj,
+                              // gate_up_proj); GPT-2's c_attn is fused whatever this says
     float dropout;            // hidden dropout probability, 0 = none
     float attn_dropout;       // attention-probability dropout, 0 = none
     mn_dtype dtype;           // dtype of the published checkpoint, 0 = fp32
@@ -4354,6 +4356,7 @@ MN__PRIVATE uint32_t mn__lora_t2(mn__sim *S, uint32_t x, uint32_t y, uint64_t in
     mn__op_desc d;
     xa = mn__cast(S, x, 4);
     xd = mn__dropout(S, xa, c->s.lora_dropout);
+    S->why = "peft LoRA: fp32 adapters, their input casts and products";
     mn__drop(S, xa);
     x16 = c->amp ? mn__cast(S, xd, 2) : mn__identity(S, xd);
     mn__drop(S, xd);
@@ -4898,7 +4901,8 @@ MN__PRIVATE uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64
                                    uint64_t skv, int cross) {
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden;
-    int fused = c->m.posemb == MN_POS_LEARNED && c->m.arch == MN_ARCH_DECODER;  // GPT-2 c_attn
+    int fused = (c->m.posemb == MN_POS_LEARNED && c->m.arch == MN_ARCH_DECODER) ||  // GPT-2
+                c->m.fused_proj;
     uint32_t q, k, v, ctx, o;
     if (c->m.posemb == MN_POS_RELATIVE && !cross &&
         (S->blk == 0 || (c->m.arch == MN_ARCH_ENCODER_DECODER && S->blk == c->m.encoder_layers)))
@@ -4951,8 +4955,12 @@ MN__PRIVATE uint32_t mn__mlp(mn__sim *S, uint32_t x) {
     uint32_t u, a, d, y, g;
     int t5 = c->m.posemb == MN_POS_RELATIVE;
     if (c->m.gated_mlp) {
-        g = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_GATE, 1, MN__NONE);
-        u = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
+        // fused gate_up_proj (Phi-3): one matmul, so autocast casts x once; its output's two
+        // halves are the gate and up tensors
+        uint32_t xg = c->m.fused_proj && c->amp ? mn__cast(S, x, 2) : mn__identity(S, x);
+        g = mn__linear(S, xg, h, f, c->m.mlp_bias, MN_LORA_GATE, 1, MN__NONE);
+        u = mn__linear(S, xg, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
+        mn__drop(S, xg);
         a = mn__activation(S, g);
         mn__drop(S, g);
         y = mn__mul(S, a, u);
@@ -7253,7 +7261,10 @@ MN__PRIVATE mn_result mn__hf_llama(mn__hf *c, mn_model *m, const mn__hf_llama_de
     } else {
         m->qkv_bias = f->qkv_bias;
     }
-    if (strcmp(f->type, "phi3") == 0) MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.0, &m->dropout));
+    if (strcmp(f->type, "phi3") == 0) {  // modeling_phi3.py: qkv_proj and gate_up_proj
+        MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.0, &m->dropout));
+        m->fused_proj = 1;
+    }
     return mn__hf_heads(c, m, "num_attention_heads", "num_key_value_heads", given_head_dim);
 }
 
