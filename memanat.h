@@ -4794,7 +4794,7 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     d.in[0] = q, d.in[1] = k, d.in[2] = v;
     d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = P, d.saved[3] = mk, d.saved[4] = Pm;
     d.saved[5] = vc;
-    d.bwd_temp = 2 * ns * pe + 3 * nq * ce;
+    d.bwd_temp = ns * pe;  // the probabilities' gradient (the inputs' gradients come first)
     mn__op_rec(S, &d);
     mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, P), mn__drop(S, mk), mn__drop(S, Pm);
     mn__drop(S, vc);
