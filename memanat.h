@@ -427,6 +427,8 @@ typedef struct mn_model {
     int post_norm;            // norms after the residual adds (BERT), not before (GPT-2, Llama)
     int fused_proj;           // q, k, v in one projection and gate, up in one (Phi-3's qkv_proj,
                               // gate_up_proj); GPT-2's c_attn is fused whatever this says
+    int rope_cat;             // RoPE rotates a slice and concatenates the rest (Phi-3): the
+                              // rotated q, k are new contiguous [b, heads, s, d] tensors
     float dropout;            // hidden dropout probability, 0 = none
     float attn_dropout;       // attention-probability dropout, 0 = none
     mn_dtype dtype;           // dtype of the published checkpoint, 0 = fp32
@@ -4320,6 +4322,16 @@ MN__PRIVATE uint32_t mn__cast(mn__sim *S, uint32_t x, uint32_t esz) {
     return y;
 }
 
+// A copy of n elements that makes x contiguous (a reshape of a permuted view inside matmul; n
+// is less than x's size for GPT-2's q, k, v, views into one c_attn output), or x itself.
+MN__PRIVATE uint32_t mn__contig(mn__sim *S, uint32_t x, uint64_t n, int permuted) {
+    uint32_t y;
+    if (!permuted || S->counting || S->err) return mn__identity(S, x);
+    y = mn__tensor_new(S, n, mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, y, x);
+    return y;
+}
+
 // A model output the training loop keeps referencing (`out = model(**batch)`): the logits and,
 // with use_cache on, the KV cache in out.past_key_values stay alive through backward and
 // optimizer.step() until the loop drops `out` (after zero_grad). Takes over the reference.
@@ -4642,6 +4654,12 @@ MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
         y = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
         mn__op_rec_from(S, y, x);
         mn__drop(S, a), mn__drop(S, b);
+        if (S->c->m.rope_cat) {  // Phi-3: torch.cat([q_rot * cos + ..., q_pass], dim=-1)
+            a = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+            mn__op_rec_from(S, a, y);
+            mn__drop(S, y);
+            y = a;
+        }
         return y;
     }
     if (S->c->hf) {
@@ -4685,6 +4703,14 @@ MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v,
         d.bwd_temp = nq * 4;
         mn__op_rec(S, &d);
         mn__drop(S, lse);
+        if (c->m.rope_cat) {
+            // the kernels allocate the output like q (empty_like of q.transpose(1, 2)); a
+            // contiguous [b, heads, s, d] q (Phi-3's cat) gives an output whose transpose back
+            // is not contiguous, so HF's .contiguous() copies it
+            uint32_t yc = mn__contig(S, y, nq, 1);
+            mn__drop(S, y);
+            y = yc;
+        }
     } else {  // math: qs = q * scale, kr/vr repeated, P = softmax(qs kr^T), y = (P vr).clone()
         uint64_t nrep = nkv / c->m.kv_heads * c->m.heads;  // k, v repeated to every head
         uint32_t qs, kr, vr, sc, P, O;
@@ -4705,16 +4731,6 @@ MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v,
         mn__drop(S, qs), mn__drop(S, kr), mn__drop(S, vr), mn__drop(S, P);
     }
     mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, vc);
-    return y;
-}
-
-// A copy of n elements that makes x contiguous (a reshape of a permuted view inside matmul; n
-// is less than x's size for GPT-2's q, k, v, views into one c_attn output), or x itself.
-MN__PRIVATE uint32_t mn__contig(mn__sim *S, uint32_t x, uint64_t n, int permuted) {
-    uint32_t y;
-    if (!permuted || S->counting || S->err) return mn__identity(S, x);
-    y = mn__tensor_new(S, n, mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
-    mn__op_rec_from(S, y, x);
     return y;
 }
 
@@ -4742,7 +4758,7 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     uint32_t qc, kr, kc, vr, vc, s0, s1, P, Pq, mk = MN__NONE, Pd, Pm, C, Cc;
     mn__op_desc d;
     t = mn__cast(S, q, ce);
-    qc = mn__contig(S, t, nq, 1);
+    qc = mn__contig(S, t, nq, !c->m.rope_cat);  // Phi-3's rotated q is already contiguous
     mn__drop(S, t);
     if (gqa) {
         kr = mn__tensor_new(S, nrep, mn__elem_size(S, k), MN_CAT_ACTIVATIONS);
@@ -7263,7 +7279,7 @@ MN__PRIVATE mn_result mn__hf_llama(mn__hf *c, mn_model *m, const mn__hf_llama_de
     }
     if (strcmp(f->type, "phi3") == 0) {  // modeling_phi3.py: qkv_proj and gate_up_proj
         MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.0, &m->dropout));
-        m->fused_proj = 1;
+        m->fused_proj = 1, m->rope_cat = 1;  // apply_rotary_pos_emb: cat([rotated, pass])
     }
     return mn__hf_heads(c, m, "num_attention_heads", "num_key_value_heads", given_head_dim);
 }
