@@ -4746,7 +4746,7 @@ MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v,
 // Saved: q's copy, k (or its cast), the softmax output, the dropout mask, the probabilities the
 // second matmul reads, v (or its cast); the output's contiguous copy is the next linear's input.
 MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t nq,
-                                  uint64_t nkv, uint64_t ns) {
+                                  uint64_t nkv, uint64_t ns, int sel) {
     mn__cfg *c = S->c;
     int rope = c->m.posemb == MN_POS_ROPE, gqa = c->m.kv_heads != c->m.heads;
     int cached = c->kv_train, dec = c->m.arch == MN_ARCH_DECODER;
@@ -4811,6 +4811,16 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = P, d.saved[3] = mk, d.saved[4] = Pm;
     d.saved[5] = vc;
     d.bwd_temp = ns * pe;  // the probabilities' gradient (the inputs' gradients come first)
+    if (sel) {  // selective recomputation keeps q, k, v; backward remakes the rest
+        int i, j, dup;
+        for (i = 0; i < 6; i++) {
+            for (dup = 0, j = 0; j < i; j++) dup |= d.saved[j] == d.saved[i];
+            if (d.saved[i] != MN__NONE && !dup) d.bwd_temp += S->tensors[d.saved[i]].bytes;
+            d.saved[i] = MN__NONE;
+        }
+        // the contiguous q, k, v that enter core attention (Megatron checkpoints that region)
+        d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = vc;
+    }
     mn__op_rec(S, &d);
     mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, P), mn__drop(S, mk), mn__drop(S, Pm);
     mn__drop(S, vc);
@@ -4836,8 +4846,8 @@ MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t 
     int i;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    if (c->attn == MN_ATTN_EAGER && c->t2 && c->hf && !sel && c->m.posemb != MN_POS_RELATIVE) {
-        y = mn__eager_t2(S, q, k, v, nq, nkv, ns);
+    if (c->attn == MN_ATTN_EAGER && c->t2 && c->hf && c->m.posemb != MN_POS_RELATIVE) {
+        y = mn__eager_t2(S, q, k, v, nq, nkv, ns, sel);
     } else if (c->attn == MN_ATTN_EAGER) {
         int t5 = c->m.posemb == MN_POS_RELATIVE;
         uint32_t sm_e = (c->amp || t5 || c->m.posemb == MN_POS_ROPE) ? 4 : e;
