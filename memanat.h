@@ -4112,6 +4112,9 @@ typedef struct mn__sim {
     uint32_t cursor;         // parameter cursor of the forward pass
     uint32_t cursor_emb;     // the word embedding (shared by a T5 decoder and tied heads)
     uint32_t hold;           // a tensor the caller holds until the end of the micro-batch
+    uint32_t ffn_out;        // BERT: the MLP's inner activation, held by a Python local
+    uint32_t emb_out;        // the embeddings' output, held by the base model's forward
+    uint32_t attn_w;         // eager attention's returned weights, held by the layer's locals
     uint32_t *outs;          // model outputs the training loop holds until zero_grad: nouts, couts
     uint64_t nouts, couts;
     uint64_t bw_pass;        // backward passes run so far
@@ -4690,7 +4693,7 @@ MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v,
     mn__cfg *c = S->c;
     uint32_t e = c->amp ? 2 : mn__elem_size(S, q), qc, kc, vc, y;
     int gqa = c->m.kv_heads != c->m.heads;
-    int flash = e == 2 && c->m.arch == MN_ARCH_DECODER && c->m.head_dim <= 256 && c->sm >= 80;
+    int flash = e == 2 && c->m.head_dim <= 256 && c->sm >= 80;  // no padding mask assumed
     mn__op_desc d;
     qc = mn__cast(S, q, e), kc = mn__cast(S, k, e), vc = mn__cast(S, v, e);
     if (flash || !gqa) {
@@ -4791,7 +4794,11 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     }
     mn__drop(S, Pq);
     Pm = mn__cast(S, Pd, ce);
-    mn__drop(S, Pd);
+    // eager_attention_forward returns (attn_output, attn_weights): the layer keeps the weights
+    // (the dropout output) in a local until it returns (BertLayer's `outputs`, the decoder
+    // layers' `_`), after its MLP
+    if (S->attn_w == MN__NONE) S->attn_w = Pd;
+    else mn__drop(S, Pd);
     if (gqa) {
         vr = mn__tensor_new(S, nrep, mn__elem_size(S, v), MN_CAT_ACTIVATIONS);
         mn__op_rec_from(S, vr, v);
@@ -5002,7 +5009,10 @@ MN__PRIVATE uint32_t mn__mlp(mn__sim *S, uint32_t x) {
         y = d;
     }
     d = mn__linear(S, y, f, h, c->m.mlp_bias, MN_LORA_DOWN, 1, MN__NONE);
-    mn__drop(S, y);
+    // transformers 5 BertLayer.feed_forward_chunk keeps intermediate_output (this y) in a local
+    // until BertOutput's dense, dropout, residual add and LayerNorm have run
+    if (c->t2 && c->hf && c->m.post_norm && !S->counting) S->ffn_out = y;
+    else mn__drop(S, y);
     return d;
 }
 
@@ -5030,16 +5040,20 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
     if (S->counting) S->block_start[blk] = (uint32_t)S->np;
     else S->cursor = S->block_start[blk];
     S->blk = blk;
+    S->attn_w = MN__NONE;
     if (c->m.post_norm) {
         a = mn__attention(S, x, x, s, s, 0);
         x1 = mn__residual(S, x, a);
         n = mn__norm(S, x1, h);
         mn__drop(S, x1);
+        S->ffn_out = MN__NONE;
         a = mn__mlp(S, n);
         x2 = mn__residual(S, n, a);
         mn__drop(S, n);
         n = mn__norm(S, x2, h);
         mn__drop(S, x2);
+        mn__drop(S, S->ffn_out), mn__drop(S, S->attn_w);
+        S->ffn_out = S->attn_w = MN__NONE;
         return n;
     }
     n = mn__norm(S, x, h);
@@ -5059,6 +5073,8 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
     mn__drop(S, n);
     x2 = mn__residual(S, x1, a);
     mn__drop(S, x1);
+    mn__drop(S, S->attn_w);
+    S->attn_w = MN__NONE;
     return x2;
 }
 
@@ -5125,6 +5141,10 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     d = mn__op_desc_of(y);
     d.saved[0] = ids, d.param[0] = w;
     mn__op_rec(S, &d);
+    // transformers 5: GPT2Model.forward keeps inputs_embeds (the token embedding) in a local
+    // until it returns; LlamaModel (and the other decoders) its inputs_embeds, the output here
+    if (first && c->t2 && c->hf && S->emb_out == MN__NONE)
+        S->emb_out = mn__identity(S, y);
     if (pw != MN__NONE) {  // position_ids [1, s]: one row per position, broadcast over the batch
         e2 = mn__tensor_new(S, c->seq * h, mn__elem_size(S, y), MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(e2);
@@ -5150,6 +5170,11 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     }
     e2 = mn__dropout(S, y, c->m.dropout);
     mn__drop(S, y);
+    if (first && c->t2 && c->hf && c->m.arch == MN_ARCH_ENCODER) {
+        // BertModel.forward's embedding_output: the embeddings module's output
+        mn__drop(S, S->emb_out);
+        S->emb_out = mn__identity(S, e2);
+    }
     return e2;
 }
 
@@ -5291,6 +5316,8 @@ MN__PRIVATE uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
         mn__drop(S, x);
         x = y;
     }
+    mn__drop(S, S->emb_out);  // the base model returns
+    S->emb_out = MN__NONE;
     y = mn__head(S, x, labels);
     mn__drop(S, x);
     mn__part_mark(S, L + 1, &mark);
@@ -5608,7 +5635,7 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
     uint64_t prev = S->nouts;
     S->phase = MN_PHASE_FORWARD;
     S->why = "input ids, labels, loss";
-    S->record = 1, S->training = 1, S->hold = MN__NONE;
+    S->record = 1, S->training = 1, S->hold = MN__NONE, S->emb_out = S->ffn_out = MN__NONE;
     if (c->m.arch == MN_ARCH_STACK) {
         ids = mn__tensor_new(S, mn__prod(S, c->ntok, c->m.stack_in), c->a_esz, MN_CAT_ACTIVATIONS);
         labels = MN__NONE;
