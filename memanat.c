@@ -573,7 +573,8 @@ static void print_parts(const cli *c, const mn_estimate_result *r, const uint64_
     printf("  %-28s %12s\n", r->model.arch == MN_ARCH_STACK ? "loss" : "final norm and head", a);
 }
 
-// --explain: the buffers alive at the peak, one line per mechanism, category and size.
+// --explain: the buffers alive at the peak, one line per mechanism, category and size (with
+// --json: an "explain" array of {mechanism, category, count, bytes_each, bytes}).
 static int print_explain(const cli *c) {
     mn_explain_item it[64];
     uint32_t n = 0, i;
@@ -581,6 +582,21 @@ static int print_explain(const cli *c) {
     char a[32], b[32];
     mn_result res = mn_estimate_explain(&c->model, &c->setup, it, 64, &n, &peak);
     if (res != MN_OK) return fail_result("explain", res);
+    if (c->json) {
+        printf(", \"explain_peak\": %llu, \"explain\": [", (unsigned long long)peak);
+        for (i = 0; i < n && i < 64; i++) {
+            int f = 1;
+            printf("%s{", i ? ", " : "");
+            json_str("mechanism", it[i].mechanism, &f);
+            json_str("category", mn_category_name(it[i].category), &f);
+            json_u64("count", it[i].count, &f);
+            json_u64("bytes_each", it[i].bytes_each, &f);
+            json_u64("bytes", it[i].bytes, &f);
+            printf("}");
+        }
+        printf("]");
+        return 0;
+    }
     mn_size_format(peak, a, sizeof a);
     printf("\nalive at the peak (%s before rounding), by mechanism:\n", a);
     printf("  %-66s %-15s %6s %10s %10s\n", "mechanism", "category", "count", "each", "total");
@@ -613,6 +629,10 @@ static int cmd_estimate(int argc, char **argv) {
         printf("{");
         print_json_fields(&r, &f);
         print_parts(&c, &r, parts, nparts);
+        if (c.explain && (rc = print_explain(&c)) != 0) {
+            free(parts);
+            return rc;
+        }
         printf("}\n");
     } else {
         print_table(&r);

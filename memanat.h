@@ -3678,8 +3678,8 @@ static const mn__name mn__offload_names[] = {
 static const mn__name mn__quant_names[] = {
     {"none", MN_QUANT_NONE}, {"int8", MN_QUANT_INT8}, {"nf4", MN_QUANT_NF4}, {NULL, 0}};
 static const mn__name mn__optim_impl_names[] = {
-    {"foreach", MN_OPTIM_IMPL_FOREACH}, {"fused", MN_OPTIM_IMPL_FUSED}, {"loop", MN_OPTIM_IMPL_LOOP},
-    {NULL, 0}};
+    {"foreach", MN_OPTIM_IMPL_FOREACH}, {"fused", MN_OPTIM_IMPL_FUSED},
+    {"loop", MN_OPTIM_IMPL_LOOP}, {NULL, 0}};
 static const mn__name mn__head_names[] = {
     {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE},
     {NULL, 0}};

@@ -734,7 +734,45 @@ static void test_lora_dropout_by_hand(void) {
     CHECK_ERR(mn_estimate_parts(&m, &s, b, 8, &n), MN_ERR_INVALID_ARG);
 }
 
+// mn_estimate_explain: the groups add up to the simulated peak (the no-replay peak_allocated),
+// sorted largest first, each group's bytes = count x bytes_each; a tiny cap truncates only.
+static void test_explain(void) {
+    int it;
+    for (it = 0; it < 12; it++) {
+        mn_model m = random_model();
+        mn_setup s = random_setup();
+        mn_estimate_result r;
+        mn_explain_item items[256], few[2];
+        uint32_t n = 0, n2 = 0, i;
+        uint64_t peak = 0, peak2 = 0, sum = 0;
+        s.no_replay = 1;
+        CHECK_OK(mn_estimate(&m, &s, &r));
+        CHECK_OK(mn_estimate_explain(&m, &s, items, 256, &n, &peak));
+        CHECK_EQ_U64(peak, r.peak_allocated);
+        CHECK(n > 0 && n <= 256);
+        for (i = 0; i < n && i < 256; i++) {
+            sum += items[i].bytes;
+            CHECK_EQ_U64(items[i].bytes, items[i].count * items[i].bytes_each);
+            CHECK(items[i].mechanism != NULL);
+            if (i) CHECK(items[i].bytes <= items[i - 1].bytes);
+        }
+        CHECK_EQ_U64(sum, peak);
+        CHECK_OK(mn_estimate_explain(&m, &s, few, 2, &n2, &peak2));
+        CHECK_EQ_U64(n2, n);
+        CHECK_EQ_U64(few[0].bytes, items[0].bytes);
+    }
+    {
+        mn_model m = preset("gpt2");
+        mn_setup s = setup0();
+        uint32_t n;
+        uint64_t peak;
+        CHECK_ERR(mn_estimate_explain(&m, &s, NULL, 4, &n, &peak), MN_ERR_INVALID_ARG);
+        CHECK_ERR(mn_estimate_explain(NULL, &s, NULL, 0, &n, &peak), MN_ERR_INVALID_ARG);
+    }
+}
+
 const mnt_case test_estimate_cases[] = {
+    {"explain", test_explain},
     {"torch2_by_hand", test_torch2_by_hand},
     {"lora_dropout_by_hand", test_lora_dropout_by_hand},
     {"parts_by_hand", test_parts_by_hand},
