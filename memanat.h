@@ -5544,7 +5544,7 @@ MN__PRIVATE uint64_t mn__optim_temp(mn__sim *S, const mn__param *P) {
     switch (c->s.optim) {
     case MN_OPTIM_ADAMW:
         if (c->impl != MN_OPTIM_IMPL_LOOP) return 0;
-        return mn__prod(S, P->numel, c->t2 ? 2 * e : e);
+        return mn__prod(S, P->numel, 2 * e);  // torch 1.10 _functional.adam: the same two
     case MN_OPTIM_LION: return mn__prod(S, P->numel, e);
     case MN_OPTIM_ADAFACTOR: return mn__prod3(S, P->numel, e, 2);
     default: return 0;
