@@ -4451,11 +4451,12 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
         mn__drop(S, y);
         y = y2;
     } else if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
-        uint32_t h, z, z2, y2;
+        uint32_t h, z, z2, y2, xd = mn__dropout(S, xin, c->s.lora_dropout);  // lora_dropout(x)
         h = mn__tensor_new(S, mn__prod(S, rows, c->lora_rank), c->a_esz, MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(h);
-        d.in[0] = xin, d.saved[0] = xin, d.param[0] = la;
+        d.in[0] = xd, d.saved[0] = xd, d.param[0] = la;
         mn__op_rec(S, &d);
+        mn__drop(S, xd);
         z = mn__tensor_new(S, mn__prod(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(z);
         d.in[0] = h, d.saved[0] = h, d.param[0] = lb;
