@@ -4681,8 +4681,9 @@ MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
 // torch.nn.functional.scaled_dot_product_attention as torch 2 runs it for HF's sdpa path
 // (transformers/integrations/sdpa_attention.py: GQA through enable_gqa when there is no mask).
 // Autocast casts fp32 inputs (RoPE's fp32 q, k) to 16 bits. The backend is the first that
-// accepts the inputs in torch's priority order (torch/backends/cuda: flash, efficient, math;
-// sdp_utils.cpp, select_sdp_backend): flash for 16-bit inputs without a mask on sm80+, head dim
+// accepts the inputs in torch's priority order (ATen/Context.h, sdp_priority_order: flash,
+// efficient, math, cudnn in torch 2.15, so cuDNN attention is never the default choice; it
+// would keep what flash keeps): flash for 16-bit inputs without a mask on sm80+, head dim
 // <= 256, GQA allowed; memory-efficient for fp32/16-bit, not for GQA; math otherwise. Flash and
 // memory-efficient save q, k, v, the output and the log-sum-exp per query row; their output is
 // laid out [b, s, heads, d], so HF's transpose(1, 2).contiguous() is a view. The math backend
