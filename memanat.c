@@ -151,6 +151,7 @@ CHOICE(mn_framework_parse, mn_framework)
 CHOICE(mn_offload_parse, mn_offload)
 CHOICE(mn_quant_parse, mn_quant)
 CHOICE(mn_optim_impl_parse, mn_optim_impl)
+CHOICE(mn_loop_parse, mn_loop)
 CHOICE(mn_lora_targets_parse, uint32_t)
 
 typedef enum opt_kind {
@@ -196,6 +197,7 @@ static const opt options[] = {
     U32("--lora-rank", setup.lora_rank, 1),
     FN("--lora-dropout", opt_lora_dropout),
     CHOOSE("--optim-impl", setup.optim_impl, mn_optim_impl_parse),
+    CHOOSE("--loop", setup.loop, mn_loop_parse),
     CHOOSE("--lora-targets", setup.lora_targets, mn_lora_targets_parse),
     CHOOSE("--quant", setup.quant, mn_quant_parse),
     CHOOSE("--framework", setup.framework, mn_framework_parse),
@@ -374,7 +376,7 @@ static const char *estimate_usage =
     "             --attention eager|sdpa|flash --lora-rank R --lora-targets q,k,v,o,gate,up,down\n"
     "             --quant none|int8|nf4 --lora-dropout P --optim-impl foreach|fused|loop\n"
     "  framework: --framework hf|deepspeed|megatron|memanat --torch 1.10|2 --zero 0..3 --gpus N\n"
-    "             --offload none|optimizer|all --zero-grad keep|none\n"
+    "             --offload none|optimizer|all --zero-grad keep|none --loop plain|trainer\n"
     "  device:    --gpu NAME --capacity SIZE --context SIZE --alloc-conf STR\n"
     "             (SIZE: 512MiB, 16GiB, 80GB; PYTORCH_CUDA_ALLOC_CONF is read when set)\n"
     "  inference: --infer --prompt N --new-tokens N --beams N\n"
@@ -493,6 +495,7 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     json_u64("lora_rank", s->lora_rank, f);
     json_str("quant", mn_quant_name(s->quant), f);
     json_str("optim_impl", mn_optim_impl_name(s->optim_impl), f);
+    json_str("loop", mn_loop_name(s->loop), f);
     json_str("head", mn_head_name(r->model.head), f);
     printf(", \"infer\": %s", s->infer ? "true" : "false");
     if (s->infer) {

@@ -502,6 +502,14 @@ typedef enum mn_optim_impl {
     MN_OPTIM_IMPL_COUNT
 } mn_optim_impl;
 
+// The training loop around the model (what keeps the model's outputs alive): a plain loop
+// (`out = model(**batch); out.loss.backward(); opt.step(); opt.zero_grad()`) holds `out` (logits,
+// the KV cache) until the next iteration; HF's Trainer drops them before backward
+// (Trainer.compute_loss returns the loss alone).
+typedef enum mn_loop {
+    MN_LOOP_DEFAULT = 0, MN_LOOP_PLAIN, MN_LOOP_TRAINER, MN_LOOP_COUNT
+} mn_loop;
+
 // When gradients are released: kept between steps and zeroed in place (torch < 2.0 zero_grad)
 // or set to None after each optimizer step (torch >= 2.0 default).
 typedef enum mn_grads {
@@ -528,6 +536,7 @@ typedef struct mn_setup {
     uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 200
     mn_optim_impl optim_impl;  // 0 = what torch picks on CUDA: foreach for --framework hf
     float lora_dropout;        // PEFT lora_dropout, 0 = none (identity)
+    mn_loop loop;              // 0 = plain
     uint32_t lora_rank;        // 0 = no LoRA
     uint32_t lora_targets;     // MN_LORA_* bits, 0 = q|v
     mn_quant quant;            // frozen base weights quantized (QLoRA), 0 = none
@@ -676,6 +685,8 @@ MNDEF const char *mn_ckpt_name(mn_ckpt c);
 MNDEF const char *mn_attn_name(mn_attn a);
 MNDEF const char *mn_framework_name(mn_framework f);
 MNDEF const char *mn_optim_impl_name(mn_optim_impl i);
+MNDEF const char *mn_loop_name(mn_loop l);
+MNDEF mn_result mn_loop_parse(const char *s, mn_loop *out);
 MNDEF mn_result mn_optim_impl_parse(const char *s, mn_optim_impl *out);
 MNDEF const char *mn_framework_describe(mn_framework f);
 MNDEF const char *mn_offload_name(mn_offload o);
@@ -3680,6 +3691,8 @@ static const mn__name mn__quant_names[] = {
 static const mn__name mn__optim_impl_names[] = {
     {"foreach", MN_OPTIM_IMPL_FOREACH}, {"fused", MN_OPTIM_IMPL_FUSED},
     {"loop", MN_OPTIM_IMPL_LOOP}, {NULL, 0}};
+static const mn__name mn__loop_names[] = {
+    {"plain", MN_LOOP_PLAIN}, {"trainer", MN_LOOP_TRAINER}, {NULL, 0}};
 static const mn__name mn__head_names[] = {
     {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE},
     {NULL, 0}};
@@ -3720,6 +3733,7 @@ MN__NAMES(offload, mn_offload, mn__offload_names, MN_OFFLOAD_NONE)
 MN__NAMES(quant, mn_quant, mn__quant_names, MN_QUANT_NONE)
 MN__NAMES(head, mn_head, mn__head_names, MN_HEAD_LM)
 MN__NAMES(optim_impl, mn_optim_impl, mn__optim_impl_names, MN_OPTIM_IMPL_FOREACH)
+MN__NAMES(loop, mn_loop, mn__loop_names, MN_LOOP_PLAIN)
 #undef MN__NAMES
 
 MNIMPL const char *mn_arch_name(mn_arch a) {
@@ -5655,6 +5669,7 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
         memmove(S->outs, S->outs + prev, (size_t)(S->nouts - prev) * sizeof *S->outs);
         S->nouts -= prev;
     }
+    if (c->s.loop == MN_LOOP_TRAINER) mn__release_outputs(S);  // compute_loss returns the loss
     if (c->amp) mn__amp_clear(S);
     if (S->err || loss == MN__NONE) return;
     S->phase = MN_PHASE_BACKWARD;
@@ -6274,6 +6289,9 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     if (s->torch_version == 0) s->torch_version = 200;  // 1.10 only when asked (--torch 1.10)
     if ((unsigned)s->optim_impl >= MN_OPTIM_IMPL_COUNT)
         MN__INVALID(lg, "setup: optim_impl %d is out of range", (int)s->optim_impl);
+    if (s->loop == MN_LOOP_DEFAULT) s->loop = MN_LOOP_PLAIN;
+    if ((unsigned)s->loop >= MN_LOOP_COUNT)
+        MN__INVALID(lg, "setup: loop %d is out of range", (int)s->loop);
     // torch 2's optimizers take foreach for CUDA parameters when neither foreach nor fused is
     // given (torch/optim/optimizer.py, _default_to_fused_or_foreach with use_fused=False);
     // torch 1.10 ran the per-tensor loop; the engines (deepspeed, megatron) and the trainer fuse

@@ -191,6 +191,7 @@ static void test_bad_input(void) {
         "estimate --model gpt2 --zero 7",
         "estimate --model gpt2 --lora-targets q,x",
         "estimate --model gpt2 --optim-impl turbo",
+        "estimate --model gpt2 --loop accelerate",
         "estimate --model gpt2 --lora-rank 8 --lora-dropout 1",
         "estimate --model gpt2 --lora-rank 8 --lora-dropout x",
         "estimate --model gpt2 --quant nf4",

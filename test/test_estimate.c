@@ -678,6 +678,18 @@ static void test_torch2_by_hand(void) {
     CHECK_EQ_U64(r.cat_peak[MN_CAT_TEMPORARY], 4 * P);
     CHECK_EQ_U64(r.cat_peak[MN_CAT_GRADIENTS], 4 * P + 4 * V * h);
     CHECK_EQ_INT(r.setup.optim_impl, MN_OPTIM_IMPL_FOREACH);
+    {  // the plain loop holds out.logits and out.past_key_values through the step; the
+       // Trainer does not: at the step's peak they differ by B S V and L x 2 x B S h fp32
+        mn_estimate_result t;
+        uint64_t S1 = s.batch * s.seq;
+        s.loop = MN_LOOP_TRAINER;
+        CHECK_OK(mn_estimate(&m, &s, &t));
+        s.loop = MN_LOOP_DEFAULT;
+        CHECK_EQ_INT(r.setup.loop, MN_LOOP_PLAIN);
+        CHECK_EQ_INT(r.peak_phase, MN_PHASE_OPTIMIZER);
+        CHECK_EQ_INT(t.peak_phase, MN_PHASE_OPTIMIZER);
+        CHECK_EQ_U64(r.peak_allocated - t.peak_allocated, 4 * S1 * V + m.layers * 2 * S1 * h * 4);
+    }
     s.optim_impl = MN_OPTIM_IMPL_LOOP;
     CHECK_OK(mn_estimate(&m, &s, &r));
     CHECK_EQ_U64(r.cat_peak[MN_CAT_TEMPORARY], 8 * biggest);
