@@ -431,6 +431,10 @@ typedef struct mn_model {
     int embed_norm;           // a norm right after the embeddings (BERT)
     int lm_transform;         // the LM head has dense + act + norm before the projection (BERT MLM)
     int post_norm;            // norms after the residual adds (BERT), not before (GPT-2, Llama)
+    int fused_proj;           // q, k, v in one projection and gate, up in one (Phi-3's qkv_proj,
+                              // gate_up_proj); GPT-2's c_attn is fused whatever this says
+    int rope_cat;             // RoPE rotates a slice and concatenates the rest (Phi-3): the
+                              // rotated q, k are new contiguous [b, heads, s, d] tensors
     float dropout;            // hidden dropout probability, 0 = none
     float attn_dropout;       // attention-probability dropout, 0 = none
     mn_dtype dtype;           // dtype of the published checkpoint, 0 = fp32
@@ -504,6 +508,23 @@ typedef enum mn_quant {
     MN_QUANT_COUNT
 } mn_quant;
 
+// How a torch optimizer runs its step (torch/optim/optimizer.py, _default_to_fused_or_foreach):
+// foreach (_multi_tensor_*: whole-group temporaries, torch's default for CUDA parameters), fused
+// (one kernel per group, no temporaries; AdamW(fused=True)), loop (_single_tensor_*: one tensor's
+// temporaries at a time). Optimizers outside torch (8-bit AdamW, Adafactor, Lion) ignore it.
+typedef enum mn_optim_impl {
+    MN_OPTIM_IMPL_DEFAULT = 0, MN_OPTIM_IMPL_FOREACH, MN_OPTIM_IMPL_FUSED, MN_OPTIM_IMPL_LOOP,
+    MN_OPTIM_IMPL_COUNT
+} mn_optim_impl;
+
+// The training loop around the model (what keeps the model's outputs alive): a plain loop
+// (`out = model(**batch); out.loss.backward(); opt.step(); opt.zero_grad()`) holds `out` (logits,
+// the KV cache) until the next iteration; HF's Trainer drops them before backward
+// (Trainer.compute_loss returns the loss alone).
+typedef enum mn_loop {
+    MN_LOOP_DEFAULT = 0, MN_LOOP_PLAIN, MN_LOOP_TRAINER, MN_LOOP_COUNT
+} mn_loop;
+
 // When gradients are released: kept between steps and zeroed in place (torch < 2.0 zero_grad)
 // or set to None after each optimizer step (torch >= 2.0 default).
 typedef enum mn_grads {
@@ -527,8 +548,10 @@ typedef struct mn_setup {
     mn_attn attention;         // 0 = framework default
     mn_framework framework;    // 0 = hf
     mn_grads grads;            // 0 = keep with torch < 2.0, release with torch >= 2.0
-    uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 110 with
-                               // --framework hf (the published HF measurements), 200 otherwise
+    uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 200
+    mn_optim_impl optim_impl;  // 0 = what torch picks on CUDA: foreach for --framework hf
+    float lora_dropout;        // PEFT lora_dropout, 0 = none (identity)
+    mn_loop loop;              // 0 = plain
     uint32_t lora_rank;        // 0 = no LoRA
     uint32_t lora_targets;     // MN_LORA_* bits, 0 = q|v
     mn_quant quant;            // frozen base weights quantized (QLoRA), 0 = none
@@ -588,6 +611,9 @@ typedef struct mn_estimate_result {
     uint64_t kv_cache, workspace;
     uint64_t peak_allocated;    // what torch.cuda.max_memory_allocated() would report
     uint64_t peak_reserved;     // what torch.cuda.max_memory_reserved() would report
+    uint64_t peak_requested;    // the most bytes of live tensors, each rounded up to 512 B: what
+                                // a per-tensor tracker (torch's MemTracker) reports; allocated
+                                // adds the blocks' unsplit remainders (CUDACachingAllocator)
     uint64_t context, device_used, capacity;  // device_used = context + peak_reserved
     int fits;
     uint64_t cpu_bytes;         // offloaded states in host memory
@@ -703,6 +729,19 @@ typedef struct mn_lengths_result {
 MNDEF mn_result mn_estimate_lengths(const mn_model *model, const mn_setup *setup,
                                     const mn_lengths_desc *desc, mn_lengths_result *out);
 
+// What is alive at the simulated step's peak allocated moment, grouped by the mechanism that
+// made each buffer, its category and its size: items[] sorted by total bytes, largest first
+// (at most cap written, *count = the number of groups); *peak = the bytes alive then (before
+// the allocator's 512-byte rounding). mechanism points to a static string.
+typedef struct mn_explain_item {
+    const char *mechanism;
+    mn_category category;
+    uint64_t bytes_each, count, bytes;
+} mn_explain_item;
+MNDEF mn_result mn_estimate_explain(const mn_model *model, const mn_setup *setup,
+                                    mn_explain_item *items, uint32_t cap, uint32_t *count,
+                                    uint64_t *peak);
+
 // Parameter count of a model (exact from the shape, or model->params when set).
 MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);
 
@@ -757,6 +796,10 @@ MNDEF const char *mn_optim_name(mn_optim o);
 MNDEF const char *mn_ckpt_name(mn_ckpt c);
 MNDEF const char *mn_attn_name(mn_attn a);
 MNDEF const char *mn_framework_name(mn_framework f);
+MNDEF const char *mn_optim_impl_name(mn_optim_impl i);
+MNDEF const char *mn_loop_name(mn_loop l);
+MNDEF mn_result mn_loop_parse(const char *s, mn_loop *out);
+MNDEF mn_result mn_optim_impl_parse(const char *s, mn_optim_impl *out);
 MNDEF const char *mn_framework_describe(mn_framework f);
 MNDEF const char *mn_offload_name(mn_offload o);
 MNDEF const char *mn_quant_name(mn_quant q);
@@ -3903,6 +3946,11 @@ static const mn__name mn__offload_names[] = {
 static const mn__name mn__quant_names[] = {
     {"none", MN_QUANT_NONE}, {"int8", MN_QUANT_INT8}, {"nf4", MN_QUANT_NF4},
     {"nf4-dq", MN_QUANT_NF4_DQ}, {"fp4", MN_QUANT_FP4}, {"fp4-dq", MN_QUANT_FP4_DQ}, {NULL, 0}};
+static const mn__name mn__optim_impl_names[] = {
+    {"foreach", MN_OPTIM_IMPL_FOREACH}, {"fused", MN_OPTIM_IMPL_FUSED},
+    {"loop", MN_OPTIM_IMPL_LOOP}, {NULL, 0}};
+static const mn__name mn__loop_names[] = {
+    {"plain", MN_LOOP_PLAIN}, {"trainer", MN_LOOP_TRAINER}, {NULL, 0}};
 static const mn__name mn__head_names[] = {
     {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE},
     {NULL, 0}};
@@ -3942,6 +3990,8 @@ MN__NAMES(framework, mn_framework, mn__framework_names, MN_FW_HF)
 MN__NAMES(offload, mn_offload, mn__offload_names, MN_OFFLOAD_NONE)
 MN__NAMES(quant, mn_quant, mn__quant_names, MN_QUANT_NONE)
 MN__NAMES(head, mn_head, mn__head_names, MN_HEAD_LM)
+MN__NAMES(optim_impl, mn_optim_impl, mn__optim_impl_names, MN_OPTIM_IMPL_FOREACH)
+MN__NAMES(loop, mn_loop, mn__loop_names, MN_LOOP_PLAIN)
 #undef MN__NAMES
 
 MNIMPL const char *mn_arch_name(mn_arch a) {
@@ -4258,6 +4308,8 @@ typedef struct mn__tensor {
     uint8_t requires_grad;  // produced by a recorded op (autograd will reach it)
     uint8_t live;           // allocated and not yet freed
     uint8_t elem_size;      // bytes per element
+    const char *why;        // the mechanism that made it (--explain)
+    uint64_t born, died;    // allocation and free sequence numbers (died 0 = alive)
 } mn__tensor;
 
 typedef struct mn__op {
@@ -4275,6 +4327,7 @@ typedef struct mn__param {
     uint32_t ndim;
     uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward
     uint32_t grad;           // gradient tensor id
+    uint64_t grad_pass;      // the backward pass that made .grad (tied weights: see param_grad)
     uint8_t trainable, quant, has_state;
 } mn__param;
 
@@ -4295,6 +4348,9 @@ typedef struct mn__cfg {
     uint32_t kv_esz;       // the KV cache
     int amp;               // torch autocast (casts per linear, cached 16-bit weights)
     int hf;                // HF modelling code (composite RMSNorm, upcast logits, ...)
+    int t2;                // torch 2 with today's HF code (transformers 5, peft 0.2x): --torch 2
+    int kv_train;          // the decoder builds a KV cache in training (use_cache left on)
+    mn_optim_impl impl;    // how the optimizer step runs
     int fw_master;         // a separate fp32 master copy: 1 = in optimizer, 2 = in master_weights
     int memanat_gpu;       // --framework memanat on a GPU: trainer.c --device cuda's schedule
     int grads_keep;        // gradients stay between steps (zeroed in place), else freed after it
@@ -4305,6 +4361,7 @@ typedef struct mn__cfg {
     uint32_t nblocks;      // encoder + decoder blocks
     uint32_t gpus, zero;
     uint64_t cublas_workspace;  // bytes, from the GPU table
+    uint32_t sm;           // the GPU's compute capability x 10 (SDPA backend choice)
 } mn__cfg;
 
 typedef struct mn__sim {
@@ -4319,9 +4376,12 @@ typedef struct mn__sim {
     uint64_t nt, ct, nops, cops, np, cp, nev, cev;
     uint64_t cur[MN_CAT_COUNT];       // bytes live per category
     uint64_t total, peak;             // bytes live, and the most at any moment
+    uint64_t total_r, peak_r;         // the same with each tensor rounded up to 512 bytes
     uint64_t at_peak[MN_CAT_COUNT];   // cur at that moment
     uint64_t cat_peak[MN_CAT_COUNT];  // the most bytes of each category at any moment
     mn_phase phase, peak_phase;
+    const char *why;                  // label of the tensors made now (mn__tensor.why)
+    uint64_t seq, peak_seq;           // allocation/free events so far; seq at the peak
     int record;              // autograd records ops (grad mode)
     int counting;            // the counting pass: parameters are registered, nothing is allocated
     int events;              // keep the allocation events (for the replay)
@@ -4329,6 +4389,12 @@ typedef struct mn__sim {
     uint32_t cursor;         // parameter cursor of the forward pass
     uint32_t cursor_emb;     // the word embedding (shared by a T5 decoder and tied heads)
     uint32_t hold;           // a tensor the caller holds until the end of the micro-batch
+    uint32_t ffn_out;        // BERT: the MLP's inner activation, held by a Python local
+    uint32_t emb_out;        // the embeddings' output, held by the base model's forward
+    uint32_t attn_w;         // eager attention's returned weights, held by the layer's locals
+    uint32_t *outs;          // model outputs the training loop holds until zero_grad: nouts, couts
+    uint64_t nouts, couts;
+    uint64_t bw_pass;        // backward passes run so far
     uint32_t blk;            // block being run
     uint64_t *parts;         // mn_estimate_parts: activation bytes kept per part, or NULL
     int parts_on;            // record into parts during this forward
@@ -4398,14 +4464,17 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     t = &S->tensors[id];
     t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->category = (uint8_t)cat;
     t->requires_grad = 0, t->live = 1, t->elem_size = (uint8_t)esz;
+    t->why = S->why ? S->why : "other", t->born = ++S->seq, t->died = 0;
     S->cur[cat] += bytes;
     if (S->cur[cat] > S->cat_peak[cat]) S->cat_peak[cat] = S->cur[cat];
     if (mn_add_u64(S->total, bytes, &S->total) != MN_OK) {
         S->err = MN_ERR_OVERFLOW;
         return MN__NONE;
     }
+    S->total_r += (bytes + 511) / 512 * 512;
+    if (S->total_r > S->peak_r) S->peak_r = S->total_r;
     if (S->total > S->peak) {
-        S->peak = S->total, S->peak_phase = S->phase;
+        S->peak = S->total, S->peak_phase = S->phase, S->peak_seq = S->seq;
         for (k = 0; k < MN_CAT_COUNT; k++) S->at_peak[k] = S->cur[k];
     }
     mn__event(S, id, 1);
@@ -4419,8 +4488,10 @@ MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
     MN_ASSERT(t->live && t->refs > 0);
     if (--t->refs) return;
     t->live = 0;
+    t->died = ++S->seq;
     S->cur[t->category] -= t->bytes;
     S->total -= t->bytes;
+    S->total_r -= (t->bytes + 511) / 512 * 512;
     mn__event(S, id, 0);
 }
 
@@ -4526,11 +4597,98 @@ MN__PRIVATE int mn__base_trainable(const mn__cfg *c) {
 
 MN__PRIVATE uint32_t mn__identity(mn__sim *S, uint32_t x) { mn__ref(S, x); return x; }
 
+// x.to(dtype): a new tensor of esz-byte elements (its backward saves nothing), or x itself.
+MN__PRIVATE uint32_t mn__cast(mn__sim *S, uint32_t x, uint32_t esz) {
+    uint32_t y;
+    if (S->counting || S->err || x == MN__NONE || mn__elem_size(S, x) == esz)
+        return mn__identity(S, x);
+    y = mn__tensor_new(S, mn__tensor_numel(S, x), esz, MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, y, x);
+    return y;
+}
+
+// A copy of n elements that makes x contiguous (a reshape of a permuted view inside matmul; n
+// is less than x's size for GPT-2's q, k, v, views into one c_attn output), or x itself.
+MN__PRIVATE uint32_t mn__contig(mn__sim *S, uint32_t x, uint64_t n, int permuted) {
+    uint32_t y;
+    if (!permuted || S->counting || S->err) return mn__identity(S, x);
+    y = mn__tensor_new(S, n, mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, y, x);
+    return y;
+}
+
+// A model output the training loop keeps referencing (`out = model(**batch)`): the logits and,
+// with use_cache on, the KV cache in out.past_key_values stay alive through backward and
+// optimizer.step() until the loop drops `out` (after zero_grad). Takes over the reference.
+MN__PRIVATE void mn__hold_output(mn__sim *S, uint32_t id) {
+    if (id == MN__NONE || S->counting || S->err) return;
+    if (!mn__grow(S, (void **)&S->outs, &S->couts, S->nouts + 1, sizeof *S->outs)) return;
+    S->outs[S->nouts++] = id;
+}
+
+MN__PRIVATE void mn__release_outputs(mn__sim *S) {
+    uint64_t i;
+    for (i = 0; i < S->nouts; i++) mn__drop(S, S->outs[i]);
+    S->nouts = 0;
+}
+
+MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p);
+MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b);
+
+// LoRA as peft 0.2x runs it (peft/tuners/lora/layer.py, Linear.forward): the adapters are kept
+// in fp32 (get_peft_model's autocast_adapter_dtype=True upcasts bf16/fp16 adapter weights), so
+// x = _cast_input_dtype(x, lora_A.weight.dtype) makes an fp32 copy of a 16-bit input;
+// lora_dropout (p > 0) keeps a bool mask and a dropped copy; lora_A's matmul saves its input
+// (under autocast, a 16-bit cast of its own: autocast caches only leaf weights, so the base
+// layer's cast of x is not reused); lora_B saves h; result + z * scaling promotes to the wider
+// dtype and `result.to(torch_result_dtype)` casts back. Returns the new result; y stays.
+MN__PRIVATE uint32_t mn__lora_t2(mn__sim *S, uint32_t x, uint32_t y, uint64_t in, uint64_t out,
+                                 uint32_t la, uint32_t lb) {
+    S->why = "peft LoRA: fp32 adapters, their input casts and products";
+    mn__cfg *c = S->c;
+    uint64_t rows = mn__tensor_numel(S, x) / in, r = c->lora_rank;
+    // xa: the fp32 input; xd: after lora_dropout; x16: autocast's cast for lora_A; h, z: the
+    // adapter's two products; zs = z * scaling; y2 = y + zs; y3: y2 back in y's dtype
+    uint32_t xa, xd, x16, h, z, zs, y2, y3, he = c->amp ? 2 : 4, ye = mn__elem_size(S, y);
+    mn__op_desc d;
+    xa = mn__cast(S, x, 4);
+    xd = mn__dropout(S, xa, c->s.lora_dropout);
+    S->why = "peft LoRA: fp32 adapters, their input casts and products";
+    mn__drop(S, xa);
+    x16 = c->amp ? mn__cast(S, xd, 2) : mn__identity(S, xd);
+    mn__drop(S, xd);
+    h = mn__tensor_new(S, mn__prod(S, rows, r), he, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(h);
+    d.in[0] = x16, d.saved[0] = x16, d.param[0] = la, d.cast16 = c->amp;
+    mn__op_rec(S, &d);
+    mn__drop(S, x16);
+    if (c->amp) {  // autocast's cached 16-bit adapter weights
+        if (S->params[la].w16 == MN__NONE)
+            S->params[la].w16 = mn__tensor_new(S, S->params[la].numel, 2, MN_CAT_WEIGHTS);
+        if (S->params[lb].w16 == MN__NONE)
+            S->params[lb].w16 = mn__tensor_new(S, S->params[lb].numel, 2, MN_CAT_WEIGHTS);
+    }
+    z = mn__tensor_new(S, mn__prod(S, rows, out), he, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(z);
+    d.in[0] = h, d.saved[0] = h, d.param[0] = lb, d.cast16 = c->amp;
+    mn__op_rec(S, &d);
+    mn__drop(S, h);
+    zs = mn__tensor_new(S, mn__prod(S, rows, out), he, MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, zs, z);
+    mn__drop(S, z);
+    y2 = mn__add(S, y, zs);
+    mn__drop(S, zs);
+    y3 = mn__cast(S, y2, ye);
+    mn__drop(S, y2);
+    return y3;
+}
+
 // y = x W^T (+ b) [+ LoRA: y += (x A^T) B^T * scale]. x: [rows, in] -> y: [rows, out].
 // Saves x when W trains (mm saves self for mat2's gradient, derivatives.yaml) and, under autocast,
 // the cached 16-bit weight (for the input gradient). Autocast casts a fp32 input per call.
 MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, int bias,
                                 uint32_t lora_bit, int quantizable, uint32_t shared) {
+    S->why = "linear: outputs and autocast input casts";
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), lora = c->lora_rank && (c->s.lora_targets & lora_bit);
     int quant = quantizable && c->s.quant > MN_QUANT_NONE;
@@ -4558,7 +4716,9 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
         mn__op_rec_from(S, xin, x);
     }
     if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
+        S->why = "autocast: cached 16-bit weight copies";
         if (P->w16 == MN__NONE) P->w16 = mn__tensor_new(S, P->numel, 2, MN_CAT_WEIGHTS);
+        S->why = "linear: outputs and autocast input casts";
         w16 = P->w16;
     }
     if (P->quant || c->zero >= 3) {  // dequantized / gathered full weight, for the matmul only
@@ -4574,12 +4734,17 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
     d.bwd_temp = bwd, d.cast16 = c->amp;
     mn__op_rec(S, &d);
     mn__drop(S, tmp);
-    if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
-        uint32_t h, z, z2, y2;
+    if (lora && c->t2) {
+        uint32_t y2 = mn__lora_t2(S, x, y, in, out, la, lb);
+        mn__drop(S, y);
+        y = y2;
+    } else if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
+        uint32_t h, z, z2, y2, xd = mn__dropout(S, xin, c->s.lora_dropout);  // lora_dropout(x)
         h = mn__tensor_new(S, mn__prod(S, rows, c->lora_rank), c->a_esz, MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(h);
-        d.in[0] = xin, d.saved[0] = xin, d.param[0] = la;
+        d.in[0] = xd, d.saved[0] = xd, d.param[0] = la;
         mn__op_rec(S, &d);
+        mn__drop(S, xd);
         z = mn__tensor_new(S, mn__prod(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(z);
         d.in[0] = h, d.saved[0] = h, d.param[0] = lb;
@@ -4601,6 +4766,7 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
 
 // Dropout keeps a 1-byte mask (native_dropout, derivatives.yaml) and allocates its output.
 MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
+    S->why = "dropout: bool mask and output";
     uint32_t mask, y;
     uint64_t n;
     mn__op_desc d;
@@ -4618,6 +4784,7 @@ MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
 
 // Elementwise a + b; the result takes the wider dtype (type promotion); saves nothing.
 MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
+    S->why = "residual and adds";
     uint32_t y;
     uint32_t ea = mn__elem_size(S, a), eb = mn__elem_size(S, b);
     mn__op_desc d;
@@ -4634,6 +4801,7 @@ MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
 // written in Python ops: an fp32 copy of the input (saved by pow and mul), the normalized values
 // cast back to the input dtype (saved by the weight multiply when the weight trains).
 MN__PRIVATE uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
+    S->why = "norms: layer_norm, HF RMSNorm's fp32 upcast";
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), ln = c->m.norm != MN_NORM_RMSNORM;
     uint32_t w = mn__next_param(S, width, 0, tr, 0);
@@ -4689,11 +4857,33 @@ MN__PRIVATE uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
 // 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3))) in separate ops: it also keeps the tanh output,
 // 0.5 x and 1 + tanh, and makes four more transient copies on the way.
 MN__PRIVATE uint32_t mn__activation(mn__sim *S, uint32_t x) {
+    S->why = "MLP activation (gelu_new: fp32 pow under autocast)";
     uint32_t y, e;
     uint64_t n;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
     n = mn__tensor_numel(S, x), e = mn__elem_size(S, x);
+    if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf && S->c->t2 && S->c->amp) {
+        // transformers' NewGELUActivation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 *
+        // torch.pow(x, 3)))). CUDA autocast runs pow in fp32 (its fp32 op list), so pow casts x
+        // to fp32 and saves that copy; every later op promotes to fp32: the tanh output and
+        // 1 + tanh are fp32, 0.5 * x stays 16-bit, the product is fp32.
+        uint32_t x32 = mn__cast(S, x, 4), p, th, op1, half;
+        p = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);           // pow(x32, 3)
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // 0.044715 *
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // x + ...
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // sqrt(2/pi) *
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p);          // tanh
+        op1 = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);
+        half = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = x, d.saved[0] = x32, d.saved[1] = th, d.saved[2] = op1, d.saved[3] = half;
+        d.bwd_temp = 3 * n * 4;
+        mn__op_rec(S, &d);
+        mn__drop(S, x32), mn__drop(S, th), mn__drop(S, op1), mn__drop(S, half);
+        return y;
+    }
     if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf) {
         // a1, a2: transients of the polynomial inside tanh; th: the tanh; op1 = 1 + th;
         // half = 0.5 x; y = half * op1
@@ -4723,6 +4913,7 @@ MN__PRIVATE uint32_t mn__activation(mn__sim *S, uint32_t x) {
 
 // a * b, saving both operands (mul's gradient needs the other factor).
 MN__PRIVATE uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
+    S->why = "gated MLP product";
     uint32_t y;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
@@ -4736,8 +4927,33 @@ MN__PRIVATE uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
 // Rotary embedding as HF writes it: q*cos + rotate_half(q)*sin (three transients, one result).
 // Fused kernels (megatron, flash) write one output.
 MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
+    S->why = "RoPE (fp32 q, k under autocast)";
     uint32_t e = mn__elem_size(S, x), y, t1 = MN__NONE, t2, t3 = MN__NONE;
     if (S->counting || S->err) return MN__NONE;
+    if (S->c->hf && S->c->t2) {
+        // transformers' apply_rotary_pos_emb: q * cos + rotate_half(q) * sin. The rotary module
+        // returns cos and sin in the dtype of the hidden states (fp32 under autocast, whose op
+        // lists do not hold mul or add), so a 16-bit q promotes: the result is fp32. The muls
+        // save cos and sin only (q * cos needs no gradient for cos). rotate_half: -x2 (half the
+        // width) and a cat.
+        uint32_t oe = S->c->amp ? 4 : e, neg, rot, a, b;
+        a = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        neg = mn__tensor_new(S, n / 2, e, MN_CAT_ACTIVATIONS);
+        rot = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, neg);
+        b = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        mn__drop(S, rot);
+        y = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, y, x);
+        mn__drop(S, a), mn__drop(S, b);
+        if (S->c->m.rope_cat) {  // Phi-3: torch.cat([q_rot * cos + ..., q_pass], dim=-1)
+            a = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+            mn__op_rec_from(S, a, y);
+            mn__drop(S, y);
+            y = a;
+        }
+        return y;
+    }
     if (S->c->hf) {
         t1 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
         t2 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
@@ -4750,6 +4966,164 @@ MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
     return y;
 }
 
+// torch.nn.functional.scaled_dot_product_attention as torch 2 runs it for HF's sdpa path
+// (transformers/integrations/sdpa_attention.py: GQA through enable_gqa when there is no mask).
+// Autocast casts fp32 inputs (RoPE's fp32 q, k) to 16 bits. The backend is the first that
+// accepts the inputs in torch's priority order (ATen/Context.h, sdp_priority_order: flash,
+// efficient, math, cudnn in torch 2.15, so cuDNN attention is never the default choice; it
+// would keep what flash keeps): flash for 16-bit inputs without a mask on sm80+, head dim
+// <= 256, GQA allowed; memory-efficient for fp32/16-bit, not for GQA; math otherwise. Flash and
+// memory-efficient save q, k, v, the output and the log-sum-exp per query row; their output is
+// laid out [b, s, heads, d], so HF's transpose(1, 2).contiguous() is a view. The math backend
+// (_scaled_dot_product_attention_math) scales q, repeats k and v to every head for GQA, keeps
+// the softmax probabilities, and returns a contiguous copy of its output.
+MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t nq,
+                                 uint64_t nkv, uint64_t ns, uint64_t sq) {
+    S->why = "SDPA: saved q/k/v casts, output, logsumexp (math: probabilities)";
+    mn__cfg *c = S->c;
+    uint32_t e = c->amp ? 2 : mn__elem_size(S, q), qc, kc, vc, y;
+    int gqa = c->m.kv_heads != c->m.heads;
+    int flash = e == 2 && c->m.head_dim <= 256 && c->sm >= 80;  // no padding mask assumed
+    mn__op_desc d;
+    qc = mn__cast(S, q, e), kc = mn__cast(S, k, e), vc = mn__cast(S, v, e);
+    if (flash || !gqa) {
+        uint32_t lse = mn__tensor_new(S, mn__prod3(S, c->batch, c->m.heads, sq), 4,
+                                      MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = vc, d.saved[3] = y, d.saved[4] = lse;
+        d.bwd_temp = nq * 4;
+        mn__op_rec(S, &d);
+        mn__drop(S, lse);
+        if (c->m.rope_cat) {
+            // the kernels allocate the output like q (empty_like of q.transpose(1, 2)); a
+            // contiguous [b, heads, s, d] q (Phi-3's cat) gives an output whose transpose back
+            // is not contiguous, so HF's .contiguous() copies it
+            uint32_t yc = mn__contig(S, y, nq, 1);
+            mn__drop(S, y);
+            y = yc;
+        }
+    } else {  // math: qs = q * scale, kr/vr repeated, P = softmax(qs kr^T), y = (P vr).clone()
+        uint64_t nrep = nkv / c->m.kv_heads * c->m.heads;  // k, v repeated to every head
+        uint32_t qs, kr, vr, sc, P, O;
+        qs = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        kr = gqa ? mn__tensor_new(S, nrep, e, MN_CAT_ACTIVATIONS) : mn__identity(S, kc);
+        vr = gqa ? mn__tensor_new(S, nrep, e, MN_CAT_ACTIVATIONS) : mn__identity(S, vc);
+        sc = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS);
+        P = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, sc);
+        O = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, O);
+        d = mn__op_desc_of(y);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = qs, d.saved[1] = kr, d.saved[2] = vr, d.saved[3] = P;
+        d.bwd_temp = 2 * ns * e;
+        mn__op_rec(S, &d);
+        mn__drop(S, qs), mn__drop(S, kr), mn__drop(S, vr), mn__drop(S, P);
+    }
+    mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, vc);
+    return y;
+}
+
+// HF's eager_attention_forward in transformers 5 (models/llama, gpt2, bert modeling files):
+// matmul(q, k^T) * scaling (+ mask), softmax, dropout, matmul(p, v), transpose(1, 2).contiguous().
+// - matmul folds the batch dims with reshape: q (and k, v straight from a linear) are permuted
+//   views [b, s, heads, d] -> [b, heads, s, d], so reshape copies them; the KV cache's cat
+//   outputs and repeat_kv's copies (GQA) are contiguous and are saved as they are.
+// - under autocast matmul casts its fp32 inputs to 16 bits first (RoPE's q, the fp32 cache, the
+//   fp32 probabilities); the causal mask is fp32, so the masked scores promote to fp32.
+// - Llama-family code: softmax(dtype=float32).to(query.dtype); GPT-2: softmax (fp32 under
+//   autocast) then .type(value.dtype); BERT: softmax, and dropout on its output.
+// Saved: q's copy, k (or its cast), the softmax output, the dropout mask, the probabilities the
+// second matmul reads, v (or its cast); the output's contiguous copy is the next linear's input.
+MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t nq,
+                                  uint64_t nkv, uint64_t ns, int sel) {
+    mn__cfg *c = S->c;
+    int rope = c->m.posemb == MN_POS_ROPE, gqa = c->m.kv_heads != c->m.heads;
+    int cached = c->kv_train, dec = c->m.arch == MN_ARCH_DECODER;
+    uint64_t nrep = nkv / c->m.kv_heads * c->m.heads;
+    uint32_t ce = c->amp ? 2 : mn__elem_size(S, q), pe, t, y;
+    // qc, kc, vc: what the matmuls save; kr, vr: k and v at every head; s0..: the scores;
+    // P: softmax output; Pq: P in the dtype the code casts to; mk, Pd: dropout; Pm: the
+    // probabilities the second matmul reads; C, Cc: its output and the contiguous copy
+    uint32_t qc, kr, kc, vr, vc, s0, s1, P, Pq, mk = MN__NONE, Pd, Pm, C, Cc;
+    mn__op_desc d;
+    t = mn__cast(S, q, ce);
+    qc = mn__contig(S, t, nq, !c->m.rope_cat);  // Phi-3's rotated q is already contiguous
+    mn__drop(S, t);
+    if (gqa) {
+        kr = mn__tensor_new(S, nrep, mn__elem_size(S, k), MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, kr, k);
+    } else {
+        kr = mn__identity(S, k);
+    }
+    t = mn__cast(S, kr, ce);
+    mn__drop(S, kr);
+    kc = mn__contig(S, t, nkv, !cached && !gqa);
+    mn__drop(S, t);
+    s0 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);
+    s1 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);  // * scaling
+    mn__drop(S, s0), s0 = s1;
+    if (dec) {  // + the causal mask, fp32 with fp32 weights (the hidden states' dtype)
+        s1 = mn__tensor_new(S, ns, c->w_esz > ce ? c->w_esz : ce, MN_CAT_ACTIVATIONS);
+        mn__drop(S, s0), s0 = s1;
+    }
+    pe = rope ? 4 : c->amp ? 4 : mn__elem_size(S, s0);
+    P = mn__tensor_new(S, ns, pe, MN_CAT_ACTIVATIONS);
+    mn__drop(S, s0);
+    Pq = rope ? mn__cast(S, P, mn__elem_size(S, q))
+         : dec ? mn__cast(S, P, mn__elem_size(S, v)) : mn__identity(S, P);
+    Pd = Pq;
+    if (c->m.attn_dropout > 0.0f && S->training) {
+        mk = mn__tensor_new(S, ns, 1, MN_CAT_ACTIVATIONS);
+        Pd = mn__tensor_new(S, ns, mn__elem_size(S, Pq), MN_CAT_ACTIVATIONS);
+    } else {
+        mn__ref(S, Pd);
+    }
+    mn__drop(S, Pq);
+    Pm = mn__cast(S, Pd, ce);
+    // eager_attention_forward returns (attn_output, attn_weights): the layer keeps the weights
+    // (the dropout output) in a local until it returns (BertLayer's `outputs`, the decoder
+    // layers' `_`), after its MLP
+    if (S->attn_w == MN__NONE) S->attn_w = Pd;
+    else mn__drop(S, Pd);
+    if (gqa) {
+        vr = mn__tensor_new(S, nrep, mn__elem_size(S, v), MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, vr, v);
+    } else {
+        vr = mn__identity(S, v);
+    }
+    t = mn__cast(S, vr, ce);
+    mn__drop(S, vr);
+    vc = mn__contig(S, t, nkv, !cached && !gqa);
+    mn__drop(S, t);
+    C = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
+    Cc = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
+    mn__drop(S, C);
+    y = Cc;
+    d = mn__op_desc_of(y);
+    d.in[0] = q, d.in[1] = k, d.in[2] = v;
+    d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = P, d.saved[3] = mk, d.saved[4] = Pm;
+    d.saved[5] = vc;
+    d.bwd_temp = ns * pe;  // the probabilities' gradient (the inputs' gradients come first)
+    if (sel) {  // selective recomputation keeps q, k, v; backward remakes the rest
+        int i, j, dup;
+        for (i = 0; i < 6; i++) {
+            for (dup = 0, j = 0; j < i; j++) dup |= d.saved[j] == d.saved[i];
+            if (d.saved[i] != MN__NONE && !dup) d.bwd_temp += S->tensors[d.saved[i]].bytes;
+            d.saved[i] = MN__NONE;
+        }
+        // the contiguous q, k, v that enter core attention (Megatron checkpoints that region)
+        d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = vc;
+    }
+    mn__op_rec(S, &d);
+    mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, P), mn__drop(S, mk), mn__drop(S, Pm);
+    mn__drop(S, vc);
+    return y;
+}
+
 // The attention core softmax(q k^T * scale + mask) v for b sequences, sq queries, skv keys.
 // Eager (HF modelling code): bmm copies of q, k (repeated to all heads for GQA) and v are saved,
 // the scores pass through scale and mask ops (new tensors), softmax saves its output (fp32 under
@@ -4759,6 +5133,7 @@ MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
 // Selective checkpointing (Korthikanti et al. 2022) keeps only q, k, v and recomputes the rest.
 MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq,
                                    uint64_t skv) {
+    S->why = "attention core (eager: scores and probabilities)";
     mn__cfg *c = S->c;
     uint32_t e = mn__elem_size(S, q), y;
     uint64_t nq = mn__prod3(S, c->batch, sq, c->q_width);
@@ -4768,7 +5143,9 @@ MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t 
     int i;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    if (c->attn == MN_ATTN_EAGER) {
+    if (c->attn == MN_ATTN_EAGER && c->t2 && c->hf && c->m.posemb != MN_POS_RELATIVE) {
+        y = mn__eager_t2(S, q, k, v, nq, nkv, ns, sel);
+    } else if (c->attn == MN_ATTN_EAGER) {
         int t5 = c->m.posemb == MN_POS_RELATIVE;
         uint32_t sm_e = (c->amp || t5 || c->m.posemb == MN_POS_ROPE) ? 4 : e;
         uint32_t mask_e = (c->amp && c->m.arch == MN_ARCH_ENCODER) ? 4 : e;  // fp32 extended mask
@@ -4819,6 +5196,8 @@ MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t 
         if (P16 != Pd) mn__drop(S, P16);
         mn__drop(S, mk);
         y = Cc;
+    } else if (c->t2 && c->hf) {
+        y = mn__sdpa_t2(S, q, k, v, nq, nkv, ns, sq);
     } else {
         uint32_t O = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
         uint64_t rows = mn__prod3(S, c->batch, c->m.heads, sq);
@@ -4845,7 +5224,8 @@ MN__PRIVATE uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64
                                    uint64_t skv, int cross) {
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden;
-    int fused = c->m.posemb == MN_POS_LEARNED && c->m.arch == MN_ARCH_DECODER;  // GPT-2 c_attn
+    int fused = (c->m.posemb == MN_POS_LEARNED && c->m.arch == MN_ARCH_DECODER) ||  // GPT-2
+                c->m.fused_proj;
     uint32_t q, k, v, ctx, o;
     if (c->m.posemb == MN_POS_RELATIVE && !cross &&
         (S->blk == 0 || (c->m.arch == MN_ARCH_ENCODER_DECODER && S->blk == c->m.encoder_layers)))
@@ -4865,6 +5245,25 @@ MN__PRIVATE uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64
         mn__drop(S, q), mn__drop(S, k);
         q = q2, k = k2;
     }
+    if (c->kv_train && !cross && !S->counting && S->record) {
+        // transformers 5: LlamaModel.forward (and the other decoders) makes a DynamicCache when
+        // use_cache is on, in training too (gradient checkpointing turns it off). Its first
+        // update (cache_utils.py, DynamicLayer.lazy_initialization + update) is torch.cat onto an
+        // empty tensor of the key's dtype: new copies of k and v (v promoted to the key's dtype,
+        // fp32 after RoPE under autocast) that attention then reads, and that out.past_key_values
+        // keeps until the loop drops the outputs.
+        uint32_t ke = mn__elem_size(S, k), ve = mn__elem_size(S, v), kc, vc;
+        uint64_t n = mn__prod3(S, c->batch, skv, c->kv_width);
+        S->why = "KV cache built in training (use_cache on)";
+        kc = mn__tensor_new(S, n, ke, MN_CAT_KV_CACHE);
+        mn__op_rec_from(S, kc, k);
+        vc = mn__tensor_new(S, n, ke > ve ? ke : ve, MN_CAT_KV_CACHE);
+        mn__op_rec_from(S, vc, v);
+        mn__drop(S, k), mn__drop(S, v);
+        mn__ref(S, kc), mn__ref(S, vc);
+        mn__hold_output(S, kc), mn__hold_output(S, vc);
+        k = kc, v = vc;
+    }
     if (cross) skv = c->enc_seq;
     ctx = mn__attn_core(S, q, k, v, sq, skv);
     o = mn__linear(S, ctx, c->q_width, h, c->m.out_bias, MN_LORA_O, 1, MN__NONE);
@@ -4879,8 +5278,12 @@ MN__PRIVATE uint32_t mn__mlp(mn__sim *S, uint32_t x) {
     uint32_t u, a, d, y, g;
     int t5 = c->m.posemb == MN_POS_RELATIVE;
     if (c->m.gated_mlp) {
-        g = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_GATE, 1, MN__NONE);
-        u = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
+        // fused gate_up_proj (Phi-3): one matmul, so autocast casts x once; its output's two
+        // halves are the gate and up tensors
+        uint32_t xg = c->m.fused_proj && c->amp ? mn__cast(S, x, 2) : mn__identity(S, x);
+        g = mn__linear(S, xg, h, f, c->m.mlp_bias, MN_LORA_GATE, 1, MN__NONE);
+        u = mn__linear(S, xg, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
+        mn__drop(S, xg);
         a = mn__activation(S, g);
         mn__drop(S, g);
         y = mn__mul(S, a, u);
@@ -4896,7 +5299,10 @@ MN__PRIVATE uint32_t mn__mlp(mn__sim *S, uint32_t x) {
         y = d;
     }
     d = mn__linear(S, y, f, h, c->m.mlp_bias, MN_LORA_DOWN, 1, MN__NONE);
-    mn__drop(S, y);
+    // transformers 5 BertLayer.feed_forward_chunk keeps intermediate_output (this y) in a local
+    // until BertOutput's dense, dropout, residual add and LayerNorm have run
+    if (c->t2 && c->hf && c->m.post_norm && !S->counting) S->ffn_out = y;
+    else mn__drop(S, y);
     return d;
 }
 
@@ -4924,16 +5330,20 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
     if (S->counting) S->block_start[blk] = (uint32_t)S->np;
     else S->cursor = S->block_start[blk];
     S->blk = blk;
+    S->attn_w = MN__NONE;
     if (c->m.post_norm) {
         a = mn__attention(S, x, x, s, s, 0);
         x1 = mn__residual(S, x, a);
         n = mn__norm(S, x1, h);
         mn__drop(S, x1);
+        S->ffn_out = MN__NONE;
         a = mn__mlp(S, n);
         x2 = mn__residual(S, n, a);
         mn__drop(S, n);
         n = mn__norm(S, x2, h);
         mn__drop(S, x2);
+        mn__drop(S, S->ffn_out), mn__drop(S, S->attn_w);
+        S->ffn_out = S->attn_w = MN__NONE;
         return n;
     }
     n = mn__norm(S, x, h);
@@ -4953,6 +5363,8 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
     mn__drop(S, n);
     x2 = mn__residual(S, x1, a);
     mn__drop(S, x1);
+    mn__drop(S, S->attn_w);
+    S->attn_w = MN__NONE;
     return x2;
 }
 
@@ -4998,6 +5410,7 @@ MN__PRIVATE uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32
 
 // Token (+ position, + token type) embeddings, optional norm, dropout. ids: [ntok] int64.
 MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
+    S->why = "embeddings";
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden;
     int tr = mn__base_trainable(c);
@@ -5018,6 +5431,10 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     d = mn__op_desc_of(y);
     d.saved[0] = ids, d.param[0] = w;
     mn__op_rec(S, &d);
+    // transformers 5: GPT2Model.forward keeps inputs_embeds (the token embedding) in a local
+    // until it returns; LlamaModel (and the other decoders) its inputs_embeds, the output here
+    if (first && c->t2 && c->hf && S->emb_out == MN__NONE)
+        S->emb_out = mn__identity(S, y);
     if (pw != MN__NONE) {  // position_ids [1, s]: one row per position, broadcast over the batch
         e2 = mn__tensor_new(S, c->seq * h, mn__elem_size(S, y), MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(e2);
@@ -5043,6 +5460,11 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     }
     e2 = mn__dropout(S, y, c->m.dropout);
     mn__drop(S, y);
+    if (first && c->t2 && c->hf && c->m.arch == MN_ARCH_ENCODER) {
+        // BertModel.forward's embedding_output: the embeddings module's output
+        mn__drop(S, S->emb_out);
+        S->emb_out = mn__identity(S, e2);
+    }
     return e2;
 }
 
@@ -5051,6 +5473,7 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
 // [tokens, vocab] gradient. Classification: pooler + classifier on the first token (BERT), or a
 // score layer on every token (decoders); both tiny, but the pooler keeps the last hidden states.
 MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
+    S->why = "LM head and loss: logits, fp32 upcast, log_softmax";
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden, V = c->m.vocab;
     int tr = mn__base_trainable(c);
@@ -5090,7 +5513,8 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
         d = mn__op_desc_of(loss);
         d.in[0] = lg, d.saved[0] = lg;
         mn__op_rec(S, &d);
-        mn__drop(S, lg);
+        if (c->t2) mn__hold_output(S, lg);  // out.logits
+        else mn__drop(S, lg);
         return loss;
     }
     if (c->m.head == MN_HEAD_NONE) {
@@ -5120,6 +5544,7 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     // code that quantizes it too (an untied head: resolution refuses a tied one)
     lg = mn__linear(S, y, h, V, 0, 0, c->s.quant_head,
                     c->m.tie_embeddings ? S->cursor_emb : MN__NONE);
+    S->why = "LM head and loss: logits, fp32 upcast, log_softmax";
     if (c->m.lm_transform) cb = mn__next_param(S, V, 0, tr, 0);  // decoder bias
     mn__drop(S, y);
     if (S->counting || S->err) return MN__NONE;
@@ -5138,7 +5563,8 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     mn__op_rec(S, &d);  // nll backward: the dense grad of lsm
     mn__drop(S, lsm);
     if (l32 != lg) mn__drop(S, l32);
-    mn__drop(S, lg);
+    if (c->t2) mn__hold_output(S, lg);  // out.logits
+    else mn__drop(S, lg);
     return loss;
 }
 
@@ -5184,6 +5610,8 @@ MN__PRIVATE uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
         mn__drop(S, x);
         x = y;
     }
+    mn__drop(S, S->emb_out);  // the base model returns
+    S->emb_out = MN__NONE;
     y = mn__head(S, x, labels);
     mn__drop(S, x);
     mn__part_mark(S, L + 1, &mark);
@@ -5284,6 +5712,7 @@ MN__PRIVATE uint64_t mn__master_bytes(mn__sim *S, const mn__param *P) {
 // is none (AccumulateGrad steals it) or is added and freed; partitioned and preallocated buffers
 // receive the produced gradient and free it (megatron accumulates in place).
 MN__PRIVATE void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
+    S->why = "parameter gradients (tied weights summed out of place)";
     mn__cfg *c = S->c;
     mn__param *P = &S->params[pi];
     uint32_t h16 = MN__NONE;
@@ -5298,6 +5727,17 @@ MN__PRIVATE void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
             P->grad = mn__tensor_new(S, mn__shard(c, full, 2), 1, MN_CAT_GRADIENTS);
     } else if (P->grad == MN__NONE) {
         P->grad = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
+        P->grad_pass = S->bw_pass;
+    } else if (c->t2 && P->grad_pass == S->bw_pass) {
+        // a weight used twice in one graph (tied embedding and LM head): both gradients meet in
+        // the AccumulateGrad node's input buffer, which sums them out of place
+        // (torch/csrc/autograd/input_buffer.cpp, InputBuffer::add; the first gradient is a
+        // transposed view, so it cannot be accumulated in place): old, new and the sum are alive
+        // together, then the sum becomes .grad.
+        uint32_t g2 = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_TEMPORARY);
+        uint32_t sum = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
+        mn__drop(S, g2), mn__drop(S, P->grad);
+        P->grad = sum;
     } else {
         mn__transient(S, full, MN_CAT_TEMPORARY);
     }
@@ -5308,6 +5748,7 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo);
 
 // Backward of one recorded op (see the section comment).
 MN__PRIVATE void mn__backward_op(mn__sim *S, mn__op op) {
+    S->why = "backward: activation gradients and temporaries";
     mn__cfg *c = S->c;
     int i;
     if (op.recomp_block != MN__NONE) {  // re-run a checkpointed block, recording, then its backward
@@ -5351,6 +5792,12 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo) {
         mn__backward_op(S, op);
     }
     if (!S->err) S->nops = lo;
+}
+
+// One backward pass from the loss (mn__backward recurses for checkpointed blocks).
+MN__PRIVATE void mn__backward_pass(mn__sim *S) {
+    S->bw_pass++;
+    mn__backward(S, 0);
 }
 
 // bitsandbytes storage, tensor by tensor, as its sources make them:
@@ -5430,17 +5877,39 @@ MN__PRIVATE uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
     return mn__shard(c, b, 1);
 }
 
-// Largest per-tensor temporary of the optimizer step (fused kernels need none): AdamW's
-// denominator sqrt(v)/... , Adafactor's squared gradient and update, Lion's update.
+// Per-tensor temporary of the optimizer step: Adafactor's squared gradient and update, Lion's
+// update (both loops over tensors); AdamW's per-tensor loop (torch/optim/adam.py,
+// _single_tensor_adam): denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps) holds
+// the sqrt and the quotient at once. Fused kernels (8-bit AdamW, --optim-impl fused, the
+// engines) need none; SGD updates in place (_single_tensor_sgd: param.add_(grad)).
 MN__PRIVATE uint64_t mn__optim_temp(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
     uint64_t e = c->state_half ? 2 : 4;
     if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;  // fused optimizers
     switch (c->s.optim) {
-    case MN_OPTIM_ADAMW: case MN_OPTIM_LION: return mn__prod(S, P->numel, e);
+    case MN_OPTIM_ADAMW:
+        if (c->impl != MN_OPTIM_IMPL_LOOP) return 0;
+        return mn__prod(S, P->numel, 2 * e);  // torch 1.10 _functional.adam: the same two
+    case MN_OPTIM_LION: return mn__prod(S, P->numel, e);
     case MN_OPTIM_ADAFACTOR: return mn__prod3(S, P->numel, e, 2);
     default: return 0;
     }
+}
+
+// Whole-group temporaries of a foreach step (torch/optim/adam.py, _multi_tensor_adam): after
+// the in-place moment updates, exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs) makes
+// one buffer per parameter of the group (all trainable parameters of one device and dtype),
+// alive together until _foreach_addcdiv_ has updated the parameters. SGD's foreach step
+// (_multi_tensor_sgd, no nesterov) works in place.
+MN__PRIVATE uint64_t mn__optim_group_temp(mn__sim *S) {
+    const mn__cfg *c = S->c;
+    uint64_t i, b = 0;
+    if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;
+    if (c->impl != MN_OPTIM_IMPL_FOREACH || c->s.optim != MN_OPTIM_ADAMW) return 0;
+    for (i = 0; i < S->np; i++)
+        if (S->params[i].trainable)
+            b += mn__prod(S, S->params[i].numel, c->state_half ? 2 : 4);
+    return b;
 }
 
 MN__PRIVATE void mn__alloc_states(mn__sim *S, uint64_t i) {
@@ -5463,6 +5932,7 @@ MN__PRIVATE void mn__load(mn__sim *S) {
     mn__cfg *c = S->c;
     uint64_t i;
     S->phase = MN_PHASE_LOAD;
+    S->why = "parameters, master weights, preallocated state";
     for (i = 0; i < S->np; i++) {
         mn_category cat = S->params[i].trainable ? c->param_cat : MN_CAT_WEIGHTS;
         if (S->params[i].quant && c->zero < 3) {  // each quant_state tensor on its own
@@ -5495,24 +5965,31 @@ MN__PRIVATE void mn__optimizer_step(mn__sim *S) {
     uint64_t i;
     S->phase = MN_PHASE_OPTIMIZER;
     if (c->s.optim == MN_OPTIM_NONE) return;
+    S->why = "optimizer state";
     for (i = 0; i < S->np; i++) mn__alloc_states(S, i);
+    S->why = "optimizer step temporaries (foreach: whole group; loop: per tensor)";
     for (i = 0; i < S->np; i++)
         if (S->params[i].trainable)
             mn__transient(S, mn__optim_temp(S, &S->params[i]), MN_CAT_TEMPORARY);
-    if (c->grads_keep || c->grads_prealloc) return;
-    for (i = 0; i < S->np; i++) {  // zero_grad(set_to_none=True)
-        if (S->params[i].grad == MN__NONE) continue;
-        mn__drop(S, S->params[i].grad);
-        S->params[i].grad = MN__NONE;
+    mn__transient(S, mn__optim_group_temp(S), MN_CAT_TEMPORARY);
+    if (!c->grads_keep && !c->grads_prealloc) {
+        for (i = 0; i < S->np; i++) {  // zero_grad(set_to_none=True)
+            if (S->params[i].grad == MN__NONE) continue;
+            mn__drop(S, S->params[i].grad);
+            S->params[i].grad = MN__NONE;
+        }
     }
+    mn__release_outputs(S);  // the loop drops `out` after zero_grad
 }
 
 // One micro-batch: inputs, forward, backward.
 MN__PRIVATE void mn__micro_batch(mn__sim *S) {
     mn__cfg *c = S->c;
     uint32_t ids, labels, mask = MN__NONE, loss;
+    uint64_t prev = S->nouts;
     S->phase = MN_PHASE_FORWARD;
-    S->record = 1, S->training = 1, S->hold = MN__NONE;
+    S->why = "input ids, labels, loss";
+    S->record = 1, S->training = 1, S->hold = MN__NONE, S->emb_out = S->ffn_out = MN__NONE;
     if (c->m.arch == MN_ARCH_STACK) {
         ids = mn__tensor_new(S, mn__prod(S, c->ntok, c->m.stack_in), c->a_esz, MN_CAT_ACTIVATIONS);
         labels = MN__NONE;
@@ -5524,6 +6001,13 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
         if (c->m.arch == MN_ARCH_ENCODER) mask = mn__tensor_new(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
         loss = mn__forward(S, ids, labels);
     }
+    if (prev && !S->err) {  // `out = model(...)` replaced the previous micro-batch's outputs
+        uint64_t i;
+        for (i = 0; i < prev; i++) mn__drop(S, S->outs[i]);
+        memmove(S->outs, S->outs + prev, (size_t)(S->nouts - prev) * sizeof *S->outs);
+        S->nouts -= prev;
+    }
+    if (c->s.loop == MN_LOOP_TRAINER) mn__release_outputs(S);  // compute_loss returns the loss
     if (c->amp) mn__amp_clear(S);
     if (S->err || loss == MN__NONE) return;
     S->phase = MN_PHASE_BACKWARD;
@@ -5531,7 +6015,7 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
         uint32_t g = mn__tensor_new(S, 1, 4, MN_CAT_TEMPORARY);  // first: S->tensors may move
         if (g != MN__NONE) S->tensors[loss].grad = g;
     }
-    mn__backward(S, 0);
+    mn__backward_pass(S);
     mn__drop(S, loss), mn__drop(S, S->hold);
     mn__drop(S, ids), mn__drop(S, labels), mn__drop(S, mask);
 }
@@ -6191,7 +6675,21 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         else
             s->attention = MN_ATTN_FLASH;
     }
-    if (s->torch_version == 0) s->torch_version = s->framework == MN_FW_HF ? 110 : 200;
+    if (s->torch_version == 0) s->torch_version = 200;  // 1.10 only when asked (--torch 1.10)
+    if ((unsigned)s->optim_impl >= MN_OPTIM_IMPL_COUNT)
+        MN__INVALID(lg, "setup: optim_impl %d is out of range", (int)s->optim_impl);
+    if (s->loop == MN_LOOP_DEFAULT) s->loop = MN_LOOP_PLAIN;
+    if ((unsigned)s->loop >= MN_LOOP_COUNT)
+        MN__INVALID(lg, "setup: loop %d is out of range", (int)s->loop);
+    // torch 2's optimizers take foreach for CUDA parameters when neither foreach nor fused is
+    // given (torch/optim/optimizer.py, _default_to_fused_or_foreach with use_fused=False);
+    // torch 1.10 ran the per-tensor loop; the engines (deepspeed, megatron) and the trainer fuse
+    if (s->optim_impl == MN_OPTIM_IMPL_DEFAULT)
+        s->optim_impl = s->framework != MN_FW_HF ? MN_OPTIM_IMPL_FUSED
+                        : s->torch_version >= 200 ? MN_OPTIM_IMPL_FOREACH : MN_OPTIM_IMPL_LOOP;
+    if (!(s->lora_dropout >= 0.0f && s->lora_dropout < 1.0f))
+        MN__INVALID(lg, "--lora-dropout %g is out of range (want 0 <= p < 1)",
+                    (double)s->lora_dropout);
     if (s->torch_version < 100 || s->torch_version > 999)
         MN__INVALID(lg, "--torch %u.%02u is out of range (want 1.00..9.99, torch_version 100..999)",
                     s->torch_version / 100, s->torch_version % 100);
@@ -6258,6 +6756,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     c->lora_rank = s->lora_rank;
     c->gpus = s->gpus, c->zero = s->zero_stage;
     c->cublas_workspace = gpu->cublas_workspace;
+    c->sm = gpu->sm;
     c->attn = s->attention;
     mixed = s->precision == MN_PREC_FP16 || s->precision == MN_PREC_BF16;
     pure = s->precision == MN_PREC_FP16_PURE || s->precision == MN_PREC_BF16_PURE;
@@ -6265,6 +6764,11 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     c->w_esz = c->g_esz = 4;
     c->param_cat = MN_CAT_WEIGHTS;
     c->hf = s->framework == MN_FW_HF || s->framework == MN_FW_DEEPSPEED;
+    c->t2 = s->framework == MN_FW_HF && s->torch_version >= 200 && !s->infer;
+    // transformers 5 decoders build a DynamicCache in training unless gradient checkpointing
+    // is on (GradientCheckpointingLayer sets use_cache=False); encoders have none
+    c->kv_train = c->t2 && m->arch == MN_ARCH_DECODER && s->checkpointing != MN_CKPT_FULL;
+    c->impl = s->optim_impl;
     c->grads_keep = s->grads == MN_GRADS_KEEP;
     switch (s->framework) {
     case MN_FW_DEFAULT:
@@ -6302,7 +6806,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
 
 MN__PRIVATE void mn__sim_free(mn__sim *S) {
     mn__free(S->al, S->tensors), mn__free(S->al, S->ops), mn__free(S->al, S->params);
-    mn__free(S->al, S->ev), mn__free(S->al, S->block_start);
+    mn__free(S->al, S->ev), mn__free(S->al, S->block_start), mn__free(S->al, S->outs);
     memset(S, 0, sizeof *S);
 }
 
@@ -6410,6 +6914,7 @@ MN__PRIVATE void mn__run(mn__sim *S) {
         mn__generate(S);
         return;
     }
+    S->why = "cuBLAS workspace";
     if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
     if (S->step_marks) S->step_marks[0] = S->nev;
     for (step = 0; step < (S->steps ? S->steps : 2) && !S->err; step++) {
@@ -6474,6 +6979,7 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
                 "the model or setup is too large: a size overflows 64 bits");
     if (r != MN_OK) return r;
     out->peak_allocated = S->peak;
+    out->peak_requested = S->peak_r;
     out->peak_phase = S->peak_phase;
     for (k = 0; k < MN_CAT_COUNT; k++)
         out->at_peak[k] = S->at_peak[k], out->cat_peak[k] = S->cat_peak[k];
@@ -7037,6 +7543,47 @@ free_sched:
     mn__free(NULL, sched);
 free_cum:
     mn__free(NULL, cum);
+    return r;
+}
+
+MNIMPL mn_result mn_estimate_explain(const mn_model *model, const mn_setup *setup,
+                                     mn_explain_item *items, uint32_t cap, uint32_t *count,
+                                     uint64_t *peak) {
+    enum { MAXG = 256 };
+    mn__sim S;
+    mn_estimate_result res;
+    mn_setup s2;
+    mn_result r;
+    mn_explain_item g[MAXG], t;
+    uint32_t ng = 0, i, j;
+    uint64_t k;
+    if (!model || !setup || !count || !peak || (cap && !items)) return MN_ERR_INVALID_ARG;
+    s2 = *setup;
+    s2.no_replay = 1;
+    r = mn__estimate(model, &s2, NULL, &res, &S, 0, NULL);
+    if (r == MN_OK) {
+        for (k = 0; k < S.nt; k++) {
+            const mn__tensor *T = &S.tensors[k];
+            if (T->born > S.peak_seq || (T->died && T->died <= S.peak_seq)) continue;
+            for (i = 0; i < ng; i++)
+                if (g[i].category == (mn_category)T->category && g[i].bytes_each == T->bytes &&
+                    !strcmp(g[i].mechanism, T->why))
+                    break;
+            if (i == ng && ng == MAXG) i = MAXG - 1;  // beyond: merged into the last group
+            if (i == ng) {
+                g[ng].mechanism = T->why, g[ng].category = (mn_category)T->category;
+                g[ng].bytes_each = T->bytes, g[ng].count = 0, g[ng].bytes = 0;
+                ng++;
+            }
+            g[i].count++, g[i].bytes += T->bytes;
+        }
+        for (i = 1; i < ng; i++)  // insertion sort, largest total first
+            for (j = i; j > 0 && g[j].bytes > g[j - 1].bytes; j--)
+                t = g[j], g[j] = g[j - 1], g[j - 1] = t;
+        for (i = 0; i < ng && i < cap; i++) items[i] = g[i];
+        *count = ng, *peak = S.peak;
+    }
+    mn__sim_free(&S);
     return r;
 }
 
@@ -7633,7 +8180,10 @@ MN__PRIVATE mn_result mn__hf_llama(mn__hf *c, mn_model *m, const mn__hf_llama_de
     } else {
         m->qkv_bias = f->qkv_bias;
     }
-    if (strcmp(f->type, "phi3") == 0) MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.0, &m->dropout));
+    if (strcmp(f->type, "phi3") == 0) {  // modeling_phi3.py: qkv_proj and gate_up_proj
+        MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.0, &m->dropout));
+        m->fused_proj = 1, m->rope_cat = 1;  // apply_rotary_pos_emb: cat([rotated, pass])
+    }
     return mn__hf_heads(c, m, "num_attention_heads", "num_key_value_heads", given_head_dim);
 }
 
