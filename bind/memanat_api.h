@@ -21,7 +21,8 @@
 //   fit       the same settings; the answer of `memanat fit --json`
 //   replay    device_traces (a torch.cuda.memory._snapshot() device_traces array: entries with
 //             action, addr, size, stream, and optionally category), alloc_conf, capacity,
-//             svg (true), title; the answer of `memanat replay --json`
+//             svg (true), title; a whole snapshot may be sent (its other members are not
+//             read); the answer of `memanat replay --json`
 //   models    {}: the model presets and the GPU table
 //   options   {}: the setting names estimate and fit accept
 // Counts take a JSON integer or the CLI's text ("7e9", "350M"); sizes an integer of bytes or

@@ -31,6 +31,7 @@ MNT_DECLARE(optim)
 MNT_DECLARE(ops)
 MNT_DECLARE(trainer)
 MNT_DECLARE(cudamath)
+MNT_DECLARE(bindings)
 
 static const mnt_suite suites[] = {
     {"types", test_types_cases, &test_types_count},
@@ -43,6 +44,7 @@ static const mnt_suite suites[] = {
     {"ops", test_ops_cases, &test_ops_count},
     {"trainer", test_trainer_cases, &test_trainer_count},
     {"cudamath", test_cudamath_cases, &test_cudamath_count},
+    {"bindings", test_bindings_cases, &test_bindings_count},
 };
 
 static int cur_failed, cur_skipped;

@@ -322,7 +322,8 @@ def estimate(config: Any = None, **setup: Any) -> Estimate:
         **setup: the CLI's flags, e.g. ``batch=4, seq=2048, precision="bf16", optim="adamw-8bit",
             checkpointing="full", lora_rank=16, quant="nf4", gpus=8, zero=3, gpu="a100-80gb",
             context="1343MiB"``. ``None`` means the default. ``parts=True`` adds ``"parts"``:
-            the activation bytes each block keeps for backward (``memanat estimate --parts``). ``alloc_conf`` defaults to
+            the activation bytes each block keeps for backward (``memanat estimate --parts``).
+            ``alloc_conf`` defaults to
             ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` as in the CLI.
 
     Raises:

@@ -134,7 +134,8 @@ def test_config_dict_and_path(tmp_path) -> None:
 
 
 def test_alloc_conf_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As the CLI: PYTORCH_ALLOC_CONF configures the allocator model when alloc_conf is not given."""
+    """As the CLI: PYTORCH_ALLOC_CONF configures the allocator model when alloc_conf is not
+    given."""
     plain = memanat.estimate("gpt2", batch=8, seq=512)
     given = memanat.estimate("gpt2", batch=8, seq=512, alloc_conf="expandable_segments:True")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
