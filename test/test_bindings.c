@@ -191,7 +191,8 @@ static void print_last_line(const char *log) {
 static void run_pytest(const char *what, const char *log) {
     char cmd[1024];
     int rc;
-    snprintf(cmd, sizeof cmd, "PYTHONPATH=python MEMANAT_BIN=%s %s -m pytest -q -p no:cacheprovider "
+    snprintf(cmd, sizeof cmd, "PYTHONPATH=python MEMANAT_BIN=%s %s -m pytest -q "
+             "-p no:cacheprovider "
              "%s > %s 2>&1", mnt_cli_path(), python(), what, log);
     rc = sh(cmd);
     print_last_line(log);

@@ -283,13 +283,13 @@ def test_timing_and_screenshot(browser):
     set_fields(browser, fields_of(args))
     times = []
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     el = browser.find_element(By.NAME, "batch")
     for b in ("3", "4", "5", "2"):
-        before = browser.execute_script("return window.memanat.updates")
-        el.clear()
-        el.send_keys(b)
-        wait(browser, "return window.memanat.updates > %d && window.memanat.done === "
-                      "window.memanat.updates" % before)
+        el.send_keys(Keys.CONTROL, "a")
+        el.send_keys(b)  # replaces the selection: one edit
+        wait(browser, "return window.memanat.estimate.batch === %s && window.memanat.done === "
+                      "window.memanat.updates" % b)
         times.append(browser.execute_script(
             "return [window.memanat.estimateMs, window.memanat.inputToDrawnMs]"))
     print("\n    llama-3-8b, batch 2..5: estimate %s ms; last keystroke to drawn breakdown %s ms "

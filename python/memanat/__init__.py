@@ -138,8 +138,9 @@ def _config_request(config: Any) -> Dict[str, Any]:
         return {"config_json": config.to_json_string(use_diff=False)}
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
-        if os.path.exists(path):
-            return {"config": path}
+        if os.path.exists(path) or isinstance(config, os.PathLike) or os.sep in path \
+                or path.endswith(".json"):
+            return {"config": path}  # a file or folder (a missing one: the library says so)
         return {"model": path}
     raise TypeError("config: want a path, a preset name, a parameter count, a dict or a "
                     "transformers PretrainedConfig, got %s" % type(config).__name__)
@@ -245,6 +246,20 @@ class PlanStep(NamedTuple):
 
     what: str
     why: str
+
+    @property
+    def settings(self) -> Dict[str, Any]:
+        """``what`` as keywords of :func:`estimate`: ``{"lora_rank": "16", "quant": "nf4"}``."""
+        words = self.what.split()
+        out: Dict[str, Any] = {}
+        i = 0
+        while i < len(words):
+            key = words[i][2:].replace("-", "_")
+            if i + 1 < len(words) and not words[i + 1].startswith("--"):
+                out[key], i = words[i + 1], i + 2
+            else:
+                out[key], i = True, i + 1
+        return out
 
 
 class Fit:

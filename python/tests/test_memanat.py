@@ -47,6 +47,17 @@ def test_dev_row_fit_same_as_cli(row_id: str, args: list, monkeypatch: pytest.Mo
     assert [p.what for p in got.plan] == [p["what"] for p in want["plan"]]
 
 
+def test_plan_settings_reach_the_plan_estimate() -> None:
+    """The plan's steps, applied as keywords, give the estimate the plan arrived at."""
+    f = memanat.fit("llama-2-7b", gpu="a10g", batch=4, seq=1024)
+    assert f.plan and f.plan_found
+    setup = {"batch": 4, "seq": 1024, "gpu": "a10g"}
+    for step in f.plan:
+        setup.update(step.settings)
+    e = memanat.estimate("llama-2-7b", **setup)
+    assert e.fits and e.device_used == f.estimate.device_used
+
+
 def random_setup(rng: random.Random, presets: list) -> list:
     """A fresh random training or inference setup as CLI flags."""
     args = ["--model", rng.choice(presets)]
@@ -214,6 +225,9 @@ def test_bad_config_files(tmp_path) -> None:
         memanat.estimate({"model_type": "llama", "hidden_size": -5})
     with pytest.raises(memanat.MemanatError):
         memanat.estimate(config=str(tmp_path / "absent.json"))
+    with pytest.raises(memanat.MemanatError) as info:  # a missing path is not a preset name
+        memanat.estimate(str(tmp_path / "absent" / "config.json"))
+    assert "absent" in str(info.value) and "unknown model" not in str(info.value)
 
 
 def test_every_cli_setting_is_a_keyword() -> None:
