@@ -88,9 +88,13 @@ build/python-ext.stamp: $(BIND) python/setup.py python/memanat/_native.c | build
 	    || { tail -n 20 ../build/python-ext.log; exit 1; }
 	@touch $@
 
-# A wheel for the stable ABI (one file serves CPython 3.9 and later) in build/wheel.
+# A wheel for the stable ABI (one file serves CPython 3.9 and later) in build/wheel; built with
+# the installed setuptools and wheel when both are there, else in pip's isolated environment.
 python: | build
-	cd python && $(PYTHON) -m pip wheel --no-deps --no-build-isolation -w ../build/wheel .
+	cd python && if $(PYTHON) -c 'import setuptools, wheel' 2>/dev/null; then \
+	    $(PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w ../build/wheel .; \
+	else $(PYTHON) -m pip wheel -q --no-deps -w ../build/wheel .; fi
+	@ls -l build/wheel/*.whl
 
 # The page: memanat_api.c for wasm32-wasi (a reactor exporting mn_api_call), inlined in base64
 # into web/page.html, so that web/index.html works from the file system and any static host.

@@ -38,6 +38,7 @@ setup(
             # one cache per call: no lock needed, and no pthreads to link
             define_macros=[("MEMANAT_NO_THREADS", "1"), ("Py_LIMITED_API", "0x03090000")],
             extra_compile_args=["-std=c99", "-O2"] if unix else [],
+            extra_link_args=["-s"] if sys.platform.startswith("linux") else [],  # no debug info
             libraries=["m"] if unix else [],
             py_limited_api=True,
         )
