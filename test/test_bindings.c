@@ -97,6 +97,50 @@ static void test_api_errors(void) {
     }
 }
 
+// Mangled requests (bytes flipped, cut short, doubled): every answer is a result code and a
+// text, never a crash or a leak (the sanitizer build runs this too).
+static void test_api_mangled(void) {
+    static const char *valid[] = {
+        "{\"model\": \"gpt2\", \"batch\": 2, \"seq\": \"256\", \"precision\": \"bf16\", "
+        "\"lora_rank\": 8, \"alloc_conf\": \"expandable_segments:True\", \"parts\": true}",
+        "{\"config_json\": \"{\\\"model_type\\\": \\\"gpt2\\\", \\\"n_layer\\\": 2, "
+        "\\\"n_embd\\\": 64, \\\"n_head\\\": 2}\", \"batch\": 3, \"seq\": 64}",
+        "{\"device_traces\": [[{\"action\": \"alloc\", \"addr\": 4096, \"size\": 1000}, "
+        "{\"action\": \"free_requested\", \"addr\": 4096, \"size\": 1000}]]}",
+    };
+    static const char *ops[] = {"estimate", "estimate", "replay"};
+    char buf[512];
+    int round, ok = 0;
+    for (round = 0; round < 3; round++) {  // the unmangled requests are answered
+        char *out = NULL;
+        size_t len = 0;
+        CHECK_OK(mn_api_call(ops[round], valid[round], strlen(valid[round]), &out, &len));
+        mn_api_free(out);
+    }
+    for (round = 0; round < 300; round++) {
+        size_t k = mnt_rand_u64() % 3, n = strlen(valid[k]), j, flips;
+        char *out = NULL;
+        size_t len = 0;
+        int rc;
+        memcpy(buf, valid[k], n + 1);
+        flips = 1 + mnt_rand_u64() % 4;
+        for (j = 0; j < flips; j++) {
+            size_t at = mnt_rand_u64() % n;
+            if (round % 2 == 0)  // any byte: mostly broken JSON
+                buf[at] = (char)(32 + mnt_rand_u64() % 95);
+            else if (buf[at] >= '0' && buf[at] <= '9')  // a digit: valid JSON, other values
+                buf[at] = (char)('0' + mnt_rand_u64() % 10);
+        }
+        if (round % 2 == 0 && mnt_rand_u64() % 4 == 0) n = mnt_rand_u64() % n;  // cut short
+        rc = mn_api_call(ops[k], buf, n, &out, &len);
+        CHECK_MSG(out != NULL && (rc == 0 || rc < 0), "round %d: rc %d", round, rc);
+        if (out) CHECK(strlen(out) == len);
+        ok += rc == 0;
+        mn_api_free(out);
+    }
+    if (mnt_verbose()) printf("       %d of 300 mangled requests answered\n", ok);
+}
+
 // ---- the address shift of the simulated device -------------------------------------------------
 
 // Replays an estimated step on a simulated device whose pointers carry address >> shift; the
@@ -231,6 +275,7 @@ static void test_web(void) {
 const mnt_case test_bindings_cases[] = {
     {"api_estimate", test_api_estimate},
     {"api_errors", test_api_errors},
+    {"api_mangled", test_api_mangled},
     {"addr_shift", test_addr_shift},
     {"python", test_python},
     {"web", test_web},
