@@ -3,9 +3,10 @@
 The estimator is memanat.h, the same C header the ``memanat`` command-line tool is built from,
 compiled into this package; the numbers are the CLI's to the byte.
 
->>> import memanat
->>> e = memanat.estimate("llama-3-8b", batch=1, seq=2048, precision="bf16", gpu="h100-80gb")
->>> e.fits, e.breakdown["activations"], e.device_used
+    import memanat
+    e = memanat.estimate("llama-3-8b", batch=1, seq=2048, precision="bf16", gpu="h100-80gb")
+    e.fits, e.breakdown["activations"], e.device_used    # True, bytes, bytes
+    memanat.fit("llama-3-8b", gpu="a10g").plan          # what to turn on so that it fits
 
 Settings are the CLI's flags without dashes (``--lora-rank 16`` is ``lora_rank=16``); counts
 take ints or the CLI's text (``"7e9"``, ``"350M"``), sizes take bytes or text (``"16GiB"``).
@@ -29,8 +30,6 @@ __all__ = [
     "CATEGORIES",
 ]
 __version__ = "0.1.0"
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 #: The memory categories of a breakdown, in the order the CLI prints them.
 CATEGORIES: Tuple[str, ...] = (
@@ -101,7 +100,8 @@ _ERRORS = {
 
 def _call(op: str, request: Mapping[str, Any]) -> Dict[str, Any]:
     """One operation of bind/memanat_api.h; raises the error class of its result code."""
-    code, text = _native.call(op, json.dumps(request, separators=(",", ":")))
+    code, raw = _native.call(op, json.dumps(request, separators=(",", ":")))
+    text = raw.decode("utf-8", errors="replace")
     if code != 0:
         raise _ERRORS.get(code, MemanatError)(text, code)
     return json.loads(text)

@@ -21,14 +21,14 @@ static PyObject *native_call(PyObject *self, PyObject *args) {
     rc = mn_api_call(op, req, (size_t)len, &out, &out_len);
     Py_END_ALLOW_THREADS
     if (!out) return PyErr_NoMemory();
-    res = Py_BuildValue("(is#)", rc, out, (Py_ssize_t)out_len);
+    res = Py_BuildValue("(iy#)", rc, out, (Py_ssize_t)out_len);
     mn_api_free(out);
     return res;
 }
 
 static PyMethodDef native_methods[] = {
     {"call", native_call, METH_VARARGS,
-     "call(op, request_json) -> (code, text): one memanat_api operation."},
+     "call(op, request_json) -> (code, utf8_bytes): one memanat_api operation."},
     {NULL, NULL, 0, NULL},
 };
 
