@@ -391,6 +391,16 @@ static int read_settings(api_call *c, const char *req, size_t len, int need_mode
 
 // ---- estimate -----------------------------------------------------------------------------------
 
+// Where pointers have 32 bits (wasm32) the simulated device addresses 1 TiB (mn_simdev_desc
+// addr_shift); a step that runs past it reserves about that much: no GPU holds it.
+static int failed_step(api_call *c, const char *what, int rc) {
+    if (rc == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX && !c->error[0])
+        return failf(c, rc, "%s: the step needs more device memory than this 32-bit build "
+                     "simulates (about 1 TiB, beyond any single GPU); the CLI and the Python "
+                     "package give the figure", what);
+    return failf(c, rc, "%s: %s", what, mn_result_str((mn_result)rc));
+}
+
 // The keys of `memanat estimate --json` (memanat.c print_json_fields), in its order, then what
 // the CLI prints only as a table: bytes per category at the peak and each category's own peak.
 static void put_estimate(api_buf *b, const mn_estimate_result *r) {
@@ -518,7 +528,7 @@ static int put_parts(api_call *c, api_buf *b, const mn_estimate_result *r) {
 static int op_estimate(api_call *c, api_buf *b) {
     mn_estimate_result r;
     int rc = mn_estimate(&c->model, &c->setup, &r);
-    if (rc != MN_OK) return failf(c, rc, "estimate: %s", mn_result_str((mn_result)rc));
+    if (rc != MN_OK) return failed_step(c, "estimate", rc);
     put_estimate(b, &r);
     if (c->want_parts && (rc = put_parts(c, b, &r)) != MN_OK) return rc;
     if (c->want_svg) {
@@ -539,7 +549,7 @@ static int op_fit(api_call *c, api_buf *b) {
     rc = mn_fit(&c->model, &c->setup, fr);
     if (rc != MN_OK) {
         free(fr);
-        return failf(c, rc, "fit: %s", mn_result_str((mn_result)rc));
+        return failed_step(c, "fit", rc);
     }
     // memanat.c cmd_fit --json
     buf_printf(b, "{\"max_batch\": %llu, \"max_seq\": %llu, \"plan_found\": %s, "
