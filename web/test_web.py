@@ -261,6 +261,10 @@ def test_bad_config_shows_error(browser):
     set_fields(browser, {"model": "gpt2", "batch": "0"})
     err = browser.execute_script("return document.getElementById('error').textContent")
     assert "batch" in err, err
+    # past the 1 TiB the 32-bit build simulates: a message, not a wrong number
+    set_fields(browser, {"params": "1e11", "seq": "16"}, typed=False)
+    err = browser.execute_script("return document.getElementById('error').textContent")
+    assert "32-bit" in err, err
 
 
 def test_nothing_sent_over_the_network(browser):
