@@ -234,6 +234,28 @@ static int fz_one(const uint8_t *data, size_t len, uint64_t seed, fz_stats *st) 
             fz_die("config accepted with an impossible shape", data, len);
     }
     fz_check_alloc(&a, r, data, len, "mn_hf_config_parse");
+    {  // a sequence-lengths file: sorted distinct lengths, positive counts, or a clean refusal
+        mn_seq_dist sq;
+        char *text = (char *)malloc(len + 1);
+        r = mn_seq_dist_parse((const char *)data, len, &jd.allocator, NULL, &sq);
+        if (r == MN_OK) {
+            for (k = 0; k < sq.n; k++)
+                if (sq.count[k] == 0 || sq.len[k] == 0 || (k && sq.len[k] <= sq.len[k - 1]))
+                    fz_die("lengths accepted out of order or empty", data, len);
+            if (sq.n == 0) fz_die("lengths accepted with no entry", data, len);
+        } else if (r != MN_ERR_PARSE && r != MN_ERR_INVALID_ARG && r != MN_ERR_OUT_OF_MEMORY) {
+            fz_die("mn_seq_dist_parse: unexpected result", data, len);
+        }
+        mn_seq_dist_free(&jd.allocator, &sq);
+        fz_check_alloc(&a, r, data, len, "mn_seq_dist_parse");
+        if (len) memcpy(text, data, len);
+        text[len] = 0;
+        r = mn_seq_dist_range(text, NULL, &sq);
+        if (r == MN_OK && (sq.min < 1 || sq.max < sq.min || !(sq.mean >= (double)sq.min) ||
+                           !(sq.mean <= (double)sq.max)))
+            fz_die("a range accepted out of order", data, len);
+        free(text);
+    }
     st->execs++;
     return accepted;
 }
