@@ -46,6 +46,11 @@ static void buf_put(api_buf *b, const char *s, size_t n) {
     b->p[b->n] = 0;
 }
 
+// A string literal, its length counted by the compiler.
+#define BUF_LIT(b, lit) buf_put((b), (lit), sizeof(lit) - 1)
+
+static void buf_str(api_buf *b, const char *s) { buf_put(b, s, strlen(s)); }
+
 static void buf_printf(api_buf *b, const char *fmt, ...) {
     char tmp[512];
     va_list ap;
@@ -77,10 +82,10 @@ static void buf_json_str(api_buf *b, const char *s) {
 }
 
 static void buf_key(api_buf *b, const char *k, int *first) {
-    if (!*first) buf_put(b, ", ", 2);
+    if (!*first) BUF_LIT(b, ", ");
     *first = 0;
     buf_json_str(b, k);
-    buf_put(b, ": ", 2);
+    BUF_LIT(b, ": ");
 }
 
 static void put_u64(api_buf *b, const char *k, uint64_t v, int *first) {
@@ -108,6 +113,10 @@ typedef struct api_call {
     const char *model_src;
     uint64_t params;
     mn_head head;
+    const char *seq_lengths, *seq_lengths_text;  // a file or MIN:MAX:MEAN; a file's text
+    uint32_t len_steps;
+    uint64_t len_seed;
+    double percentile;  // 0 = the library's default
     char error[512];  // the first message (a failed check here or the library's logger)
 } api_call;
 
@@ -171,6 +180,9 @@ typedef enum opt_kind {
     OPT_HEAD,
     OPT_TORCH,
     OPT_ZERO_GRAD,
+    OPT_BNB_VERSION,  // X.Y.Z
+    OPT_QUANT_HEAD,   // true/false or "yes"/"no"
+    OPT_PERCENTILE,   // (0, 100]
     OPT_U64,     // a count into a uint64_t field, at least min
     OPT_U32,     // a count into a uint32_t field, at least min
     OPT_SIZE,    // bytes into a uint64_t field, not 0
@@ -214,6 +226,11 @@ static const api_opt options[] = {
     OPT("batch", OPT_U64, setup.batch, 1),
     OPT("seq", OPT_U64, setup.seq, 1),
     OPT("accum", OPT_U64, setup.accum, 1),
+    OPT("seq_lengths", OPT_TEXT, seq_lengths, 0),
+    OPT("seq_lengths_text", OPT_TEXT, seq_lengths_text, 0),
+    OPT("steps", OPT_U32, len_steps, 2),
+    OPT("seed", OPT_U64, len_seed, 0),
+    OPT("percentile", OPT_PERCENTILE, percentile, 0),
     CHOOSE("precision", setup.precision, mn_precision_parse,
            "fp32, fp16, bf16, fp16-pure, bf16-pure"),
     CHOOSE("optim", setup.optim, mn_optim_parse,
@@ -223,7 +240,9 @@ static const api_opt options[] = {
     OPT("lora_rank", OPT_U32, setup.lora_rank, 1),
     CHOOSE("lora_targets", setup.lora_targets, mn_lora_targets_parse,
            "a comma list of q, k, v, o, gate, up, down"),
-    CHOOSE("quant", setup.quant, mn_quant_parse, "none, int8, nf4"),
+    CHOOSE("quant", setup.quant, mn_quant_parse, "none, int8, nf4, nf4-dq, fp4, fp4-dq"),
+    OPT("bnb_version", OPT_BNB_VERSION, setup.bnb_version, 0),
+    OPT("quant_head", OPT_QUANT_HEAD, setup.quant_head, 0),
     CHOOSE("framework", setup.framework, mn_framework_parse, "hf, deepspeed, megatron, memanat"),
     OPT("torch", OPT_TORCH, setup.torch_version, 0),
     OPT("zero", OPT_U32, setup.zero_stage, 0),
@@ -322,6 +341,35 @@ static int set_option(api_call *c, const api_opt *o, const mn_json_value *v) {
                           value_text(v, t, sizeof t));
         return MN_OK;
     }
+    case OPT_BNB_VERSION: {  // X.Y.Z -> X * 10000 + Y * 100 + Z (memanat.c opt_bnb_version)
+        unsigned x, y, z;
+        int k = 0;
+        const char *str = v->type == MN_JSON_STRING ? v->str : "";
+        if (sscanf(str, "%3u.%2u.%2u%n", &x, &y, &z, &k) != 3 || str[k] || str[0] < '0' ||
+            str[0] > '9' || x > 99 || (x == 0 && y == 0 && z == 0))
+            return failf(c, MN_ERR_INVALID_ARG, "bnb_version=%s: want a bitsandbytes release "
+                         "such as \"0.43.1\"", value_text(v, t, sizeof t));
+        c->setup.bnb_version = x * 10000 + y * 100 + z;
+        return MN_OK;
+    }
+    case OPT_QUANT_HEAD:
+        if (v->type == MN_JSON_TRUE || (v->type == MN_JSON_STRING && !strcmp(v->str, "yes")))
+            c->setup.quant_head = 1;
+        else if (v->type == MN_JSON_FALSE || (v->type == MN_JSON_STRING && !strcmp(v->str, "no")))
+            c->setup.quant_head = 0;
+        else return failf(c, MN_ERR_INVALID_ARG, "quant_head=%s: want true or false",
+                          value_text(v, t, sizeof t));
+        return MN_OK;
+    case OPT_PERCENTILE: {
+        char *end = NULL;
+        double p = v->type == MN_JSON_NUMBER ? v->num
+                   : v->type == MN_JSON_STRING ? strtod(v->str, &end) : -1.0;
+        if ((end && (end == v->str || *end)) || !(p > 0 && p <= 100))
+            return failf(c, MN_ERR_INVALID_ARG, "percentile=%s: want a number above 0, at most "
+                         "100", value_text(v, t, sizeof t));
+        c->percentile = p;
+        return MN_OK;
+    }
     case OPT_ZERO_GRAD:
         if (v->type == MN_JSON_STRING && !strcmp(v->str, "keep")) c->setup.grads = MN_GRADS_KEEP;
         else if (v->type == MN_JSON_STRING && !strcmp(v->str, "none"))
@@ -406,7 +454,7 @@ static int failed_step(api_call *c, const char *what, int rc) {
 static void put_estimate(api_buf *b, const mn_estimate_result *r) {
     const mn_setup *s = &r->setup;
     int f = 1, k;
-    buf_put(b, "{", 1);
+    BUF_LIT(b, "{");
     put_u64(b, "weights", r->weights, &f);
     put_u64(b, "master_weights", r->master_weights, &f);
     put_u64(b, "gradients", r->gradients, &f);
@@ -443,6 +491,10 @@ static void put_estimate(api_buf *b, const mn_estimate_result *r) {
     put_u64(b, "lora_rank", s->lora_rank, &f);
     put_str(b, "quant", mn_quant_name(s->quant), &f);
     put_str(b, "head", mn_head_name(r->model.head), &f);
+    if (s->quant > MN_QUANT_NONE) {  // bitsandbytes: the release modelled (0 = current), the head
+        put_u64(b, "bnb_version", s->bnb_version, &f);
+        put_bool(b, "quant_head", s->quant_head, &f);
+    }
     put_bool(b, "infer", s->infer, &f);
     if (s->infer) {
         put_u64(b, "prompt", s->prompt, &f);
@@ -452,17 +504,17 @@ static void put_estimate(api_buf *b, const mn_estimate_result *r) {
     put_str(b, "gpu_label", r->gpu.label, &f);
     put_u64(b, "alloc_events", r->alloc_events, &f);
     buf_key(b, "at_peak", &f);
-    buf_put(b, "{", 1);
+    BUF_LIT(b, "{");
     for (k = 0; k < MN_CAT_COUNT; k++)
         buf_printf(b, "%s\"%s\": %llu", k ? ", " : "", mn_category_name((mn_category)k),
                    (unsigned long long)r->at_peak[k]);
-    buf_put(b, "}", 1);
+    BUF_LIT(b, "}");
     buf_key(b, "cat_peak", &f);
-    buf_put(b, "{", 1);
+    BUF_LIT(b, "{");
     for (k = 0; k < MN_CAT_COUNT; k++)
         buf_printf(b, "%s\"%s\": %llu", k ? ", " : "", mn_category_name((mn_category)k),
                    (unsigned long long)r->cat_peak[k]);
-    buf_put(b, "}", 1);
+    BUF_LIT(b, "}");
 }
 
 // The timeline picture of a cache that kept its history, as a JSON string value.
@@ -516,26 +568,101 @@ static int put_parts(api_call *c, api_buf *b, const mn_estimate_result *r) {
     if (!parts) return failf(c, MN_ERR_OUT_OF_MEMORY, "parts: out of memory");
     res = mn_estimate_parts(&c->model, &c->setup, parts, blocks + 2, &n);
     if (res == MN_OK) {
-        buf_put(b, ", \"parts\": [", 12);
+        BUF_LIT(b, ", \"parts\": [");
         for (i = 0; i < n; i++)
             buf_printf(b, "%s%llu", i ? ", " : "", (unsigned long long)parts[i]);
-        buf_put(b, "]", 1);
+        BUF_LIT(b, "]");
     }
     free(parts);
     return res == MN_OK ? MN_OK : failf(c, res, "parts: %s", mn_result_str(res));
 }
 
+// The "seq_lengths" member of `memanat estimate --seq-lengths ... --json` (memanat.c
+// print_lengths).
+static void put_lengths(api_call *c, api_buf *b, const mn_lengths_result *l) {
+    uint32_t i;
+    buf_printf(b, ", \"seq_lengths\": {\"longest\": %llu, \"mean\": %.1f, \"steps\": %u, "
+               "\"seed\": %llu, \"percentile\": %g, \"peak_allocated\": %llu, \"reserved\": "
+               "%llu, \"reserved_percentile\": %llu, \"device_used\": %llu, \"fits\": %s",
+               (unsigned long long)l->longest_len, l->mean_len, l->steps,
+               (unsigned long long)c->len_seed, l->percentile,
+               (unsigned long long)l->peak_allocated, (unsigned long long)l->reserved,
+               (unsigned long long)l->reserved_pct, (unsigned long long)l->device_used,
+               l->fits ? "true" : "false");
+    BUF_LIT(b, ", \"step_len\": [");
+    for (i = 0; i < l->steps; i++)
+        buf_printf(b, "%s%llu", i ? ", " : "", (unsigned long long)l->step_len[i]);
+    BUF_LIT(b, "], \"step_peak_allocated\": [");
+    for (i = 0; i < l->steps; i++)
+        buf_printf(b, "%s%llu", i ? ", " : "", (unsigned long long)l->step_peak[i]);
+    BUF_LIT(b, "], \"step_reserved\": [");
+    for (i = 0; i < l->steps; i++)
+        buf_printf(b, "%s%llu", i ? ", " : "", (unsigned long long)l->step_reserved[i]);
+    BUF_LIT(b, "]}");
+}
+
+static int put_outputs(api_call *c, api_buf *b, const mn_estimate_result *r) {
+    int rc;
+    if (c->want_parts && (rc = put_parts(c, b, r)) != MN_OK) return rc;
+    if (c->want_svg) {
+        BUF_LIT(b, ", \"svg\": ");
+        if ((rc = put_step_svg(c, b, r)) != MN_OK) return rc;
+    }
+    return MN_OK;
+}
+
+// A distribution of sequence lengths (memanat.c cmd_estimate_lengths): the plain estimate at the
+// longest length, the replay of the steps, and the outputs at the longest length.
+static int op_estimate_lengths(api_call *c, api_buf *b) {
+    mn_seq_dist d;
+    mn_lengths_desc desc;
+    mn_lengths_result *l;
+    const char *v = c->seq_lengths;
+    int rc;
+    if (c->setup.seq) return failf(c, MN_ERR_INVALID_ARG, "give seq or seq_lengths, not both");
+    if (c->seq_lengths && c->seq_lengths_text)
+        return failf(c, MN_ERR_INVALID_ARG, "give seq_lengths or seq_lengths_text, not both");
+    if (c->seq_lengths_text)
+        rc = mn_seq_dist_parse(c->seq_lengths_text, strlen(c->seq_lengths_text), NULL,
+                               &c->setup.logger, &d);
+    else if (strspn(v, "0123456789") && v[strspn(v, "0123456789")] == ':')
+        rc = mn_seq_dist_range(v, &c->setup.logger, &d);
+    else rc = mn_seq_dist_read_file(v, NULL, &c->setup.logger, &d);
+    if (rc != MN_OK) return failf(c, rc, "seq_lengths: %s", mn_result_str((mn_result)rc));
+    l = (mn_lengths_result *)malloc(sizeof *l);
+    if (!l) {
+        mn_seq_dist_free(NULL, &d);
+        return failf(c, MN_ERR_OUT_OF_MEMORY, "seq_lengths: out of memory");
+    }
+    memset(&desc, 0, sizeof desc);
+    desc.dist = &d, desc.steps = c->len_steps, desc.seed = c->len_seed;
+    desc.percentile = c->percentile;
+    rc = mn_estimate_lengths(&c->model, &c->setup, &desc, l);
+    mn_seq_dist_free(NULL, &d);
+    if (rc == MN_OK) {
+        c->setup.seq = l->longest_len;  // parts and the picture: the longest step
+        put_estimate(b, &l->longest);
+        rc = put_outputs(c, b, &l->longest);
+        if (rc == MN_OK) put_lengths(c, b, l);
+        BUF_LIT(b, "}");
+    } else {
+        rc = failed_step(c, "estimate", rc);
+    }
+    free(l);
+    return rc;
+}
+
 static int op_estimate(api_call *c, api_buf *b) {
     mn_estimate_result r;
-    int rc = mn_estimate(&c->model, &c->setup, &r);
+    int rc;
+    if (c->seq_lengths || c->seq_lengths_text) return op_estimate_lengths(c, b);
+    if (c->len_steps || c->len_seed || c->percentile > 0)
+        return failf(c, MN_ERR_INVALID_ARG, "steps, seed and percentile go with seq_lengths");
+    rc = mn_estimate(&c->model, &c->setup, &r);
     if (rc != MN_OK) return failed_step(c, "estimate", rc);
     put_estimate(b, &r);
-    if (c->want_parts && (rc = put_parts(c, b, &r)) != MN_OK) return rc;
-    if (c->want_svg) {
-        buf_put(b, ", \"svg\": ", 9);
-        if ((rc = put_step_svg(c, b, &r)) != MN_OK) return rc;
-    }
-    buf_put(b, "}", 1);
+    if ((rc = put_outputs(c, b, &r)) != MN_OK) return rc;
+    BUF_LIT(b, "}");
     return MN_OK;
 }
 
@@ -546,6 +673,11 @@ static int op_fit(api_call *c, api_buf *b) {
     uint32_t i;
     int rc;
     if (!fr) return failf(c, MN_ERR_OUT_OF_MEMORY, "fit: out of memory");
+    if (c->seq_lengths || c->seq_lengths_text || c->len_steps || c->len_seed || c->percentile) {
+        free(fr);  // as the CLI: fit takes one sequence length
+        return failf(c, MN_ERR_INVALID_ARG, "seq_lengths, steps, seed and percentile go with "
+                     "estimate");
+    }
     rc = mn_fit(&c->model, &c->setup, fr);
     if (rc != MN_OK) {
         free(fr);
@@ -557,15 +689,15 @@ static int op_fit(api_call *c, api_buf *b) {
                (unsigned long long)fr->max_seq, fr->plan_found ? "true" : "false",
                fr->plan_slowdown);
     for (i = 0; i < fr->plan_len; i++) {
-        buf_put(b, i ? ", {\"what\": " : "{\"what\": ", i ? 11 : 9);
+        buf_str(b, i ? ", {\"what\": " : "{\"what\": ");
         buf_json_str(b, fr->plan[i].what);
-        buf_put(b, ", \"why\": ", 9);
+        BUF_LIT(b, ", \"why\": ");
         buf_json_str(b, fr->plan[i].why);
-        buf_put(b, "}", 1);
+        BUF_LIT(b, "}");
     }
-    buf_put(b, "], \"estimate\": ", 15);
+    BUF_LIT(b, "], \"estimate\": ");
     put_estimate(b, &fr->plan_estimate);
-    buf_put(b, "}}", 2);
+    BUF_LIT(b, "}}");
     free(fr);
     return MN_OK;
 }
@@ -714,7 +846,7 @@ static int op_replay(api_call *c, const char *req, size_t len, api_buf *b) {
         return failf(c, MN_ERR_OUT_OF_MEMORY, "replay: out of memory");
     }
     count = mn_cache_stats_items(&st, items, MN_CACHE_STATS_ITEMS);
-    buf_put(b, "{", 1);  // memanat.c replay_print_json
+    BUF_LIT(b, "{");  // memanat.c replay_print_json
     for (i = 0; i < count; i++)
         buf_printf(b, "%s\"%s\": %lld", i ? ", " : "", items[i].key, (long long)items[i].value);
     free(items);
@@ -723,10 +855,10 @@ static int op_replay(api_call *c, const char *req, size_t len, api_buf *b) {
                (unsigned long long)counts.allocations, (unsigned long long)counts.frees,
                (unsigned long long)counts.unmatched_frees);
     if (q.want_svg) {
-        buf_put(b, ", \"svg\": ", 9);
+        BUF_LIT(b, ", \"svg\": ");
         rc = put_cache_svg(c, b, &sc.cache, q.title ? q.title : "replay");
     }
-    buf_put(b, "}", 1);
+    BUF_LIT(b, "}");
     mn_sim_cache_free(&sc);
     return rc;
 }
@@ -736,13 +868,13 @@ static int op_replay(api_call *c, const char *req, size_t len, api_buf *b) {
 static int op_models(api_call *c, api_buf *b) {
     uint32_t i;
     (void)c;
-    buf_put(b, "{\"models\": [", 12);
+    BUF_LIT(b, "{\"models\": [");
     for (i = 0; i < mn_preset_count(); i++) {
         const mn_model *m = mn_preset_get(i);
         uint64_t n = 0;
         int f = 1;
         mn_model_params(m, &n);
-        buf_put(b, i ? ", {" : "{", i ? 3 : 1);
+        buf_str(b, i ? ", {" : "{");
         put_str(b, "name", m->name, &f);
         put_str(b, "arch", mn_arch_name(m->arch), &f);
         put_u64(b, "params", n, &f);
@@ -752,34 +884,34 @@ static int op_models(api_call *c, api_buf *b) {
         put_u64(b, "kv_heads", m->kv_heads ? m->kv_heads : m->heads, &f);
         put_u64(b, "vocab", m->vocab, &f);
         put_u64(b, "max_positions", m->max_positions, &f);
-        buf_put(b, "}", 1);
+        BUF_LIT(b, "}");
     }
-    buf_put(b, "], \"gpus\": [", 12);
+    BUF_LIT(b, "], \"gpus\": [");
     for (i = 0; i < mn_gpu_count(); i++) {
         const mn_gpu *g = mn_gpu_get(i);
         int f = 1;
-        buf_put(b, i ? ", {" : "{", i ? 3 : 1);
+        buf_str(b, i ? ", {" : "{");
         put_str(b, "name", g->name, &f);
         put_str(b, "label", g->label, &f);
         put_u64(b, "capacity", g->capacity, &f);
         put_u64(b, "context", g->context, &f);
         put_u64(b, "sm", g->sm, &f);
         put_bool(b, "bf16", g->bf16, &f);
-        buf_put(b, "}", 1);
+        BUF_LIT(b, "}");
     }
-    buf_put(b, "], \"version\": \"" MEMANAT_VERSION "\"}", 16 + sizeof MEMANAT_VERSION);
+    BUF_LIT(b, "], \"version\": \"" MEMANAT_VERSION "\"}");
     return MN_OK;
 }
 
 static int op_options(api_call *c, api_buf *b) {
     size_t k;
     (void)c;
-    buf_put(b, "{\"options\": [", 13);
+    BUF_LIT(b, "{\"options\": [");
     for (k = 0; k < sizeof options / sizeof options[0]; k++) {
-        if (k) buf_put(b, ", ", 2);
+        if (k) BUF_LIT(b, ", ");
         buf_json_str(b, options[k].name);
     }
-    buf_put(b, "]}", 2);
+    BUF_LIT(b, "]}");
     return MN_OK;
 }
 

@@ -14,10 +14,12 @@
 // Operations and their requests (every key optional unless said; null = not given):
 //   estimate  model | config (a config.json path or model folder) | config_json (its text) |
 //             params; trainable_params, head, batch, seq, accum, precision, optim,
-//             checkpointing, attention, lora_rank, lora_targets, quant, framework, torch, zero,
-//             gpus, offload, zero_grad, gpu, context, capacity, alloc_conf, infer, prompt,
-//             new_tokens, beams; and the outputs wanted: parts (true), svg (true: the timeline
-//             of the predicted step, the picture `memanat estimate --svg` writes)
+//             checkpointing, attention, lora_rank, lora_targets, quant, bnb_version,
+//             quant_head, framework, torch, zero, gpus, offload, zero_grad, gpu, context,
+//             capacity, alloc_conf, infer, prompt, new_tokens, beams; seq_lengths (a lengths
+//             file or "MIN:MAX:MEAN") or seq_lengths_text (a lengths file's text), steps, seed,
+//             percentile; and the outputs wanted: parts (true), svg (true: the timeline of the
+//             predicted step, the picture `memanat estimate --svg` writes)
 //   fit       the same settings; the answer of `memanat fit --json`
 //   replay    device_traces (a torch.cuda.memory._snapshot() device_traces array: entries with
 //             action, addr, size, stream, and optionally category), alloc_conf, capacity,

@@ -217,7 +217,7 @@ def test_random_setups_same_as_cli(browser):
                 "--checkpointing", rng.choice(["none", "full", "selective"]),
                 "--gpu", rng.choice(["a100-80gb", "t4", "a10g", "h100-80gb"])]
         if rng.random() < 0.4:
-            args += ["--lora-rank", "16", "--quant", rng.choice(["none", "nf4"])]
+            args += ["--lora-rank", "16", "--quant", rng.choice(["none", "nf4", "fp4-dq"])]
         if rng.random() < 0.3:
             args += ["--framework", "deepspeed", "--gpus", "8", "--zero", str(rng.randint(1, 3))]
         check_same(browser, "random %d (seed %d)" % (n, seed), args, typed=n == 0)

@@ -120,7 +120,8 @@ def _options() -> Tuple[str, ...]:
 
 def options() -> List[str]:
     """The setting names :func:`estimate` and :func:`fit` accept (the CLI's flags)."""
-    return [k for k in _options() if k not in _OUTPUT_KEYS and k != "config_json"]
+    return [k for k in _options()
+            if k not in _OUTPUT_KEYS and k not in ("config_json", "seq_lengths_text")]
 
 
 def _config_request(config: Any) -> Dict[str, Any]:
@@ -147,7 +148,7 @@ def _config_request(config: Any) -> Dict[str, Any]:
 
 
 def _request(config: Any, setup: Mapping[str, Any], fn: str) -> Dict[str, Any]:
-    known = set(options()) | ({"parts"} if fn == "estimate" else set())
+    known = set(options()) | ({"parts", "lengths"} if fn == "estimate" else set())
     for key in setup:
         if key not in known:
             raise TypeError("%s() got an unexpected keyword argument %r (settings: %s)"
@@ -157,7 +158,13 @@ def _request(config: Any, setup: Mapping[str, Any], fn: str) -> Dict[str, Any]:
     if req and given:
         raise TypeError("%s(): give the model once (positional config, or one of %s)"
                         % (fn, ", ".join(_MODEL_KEYS)))
+    lengths = setup.get("lengths")
+    setup = {k: v for k, v in setup.items() if k != "lengths"}
     req.update({k: _plain(k, v) for k, v in setup.items() if v is not None})
+    if lengths is not None:  # the text of a lengths file: one sequence length a line
+        if isinstance(lengths, (str, bytes)) or not all(isinstance(n, int) for n in lengths):
+            raise TypeError("lengths: want a list of token counts")
+        req["seq_lengths_text"] = "".join("%d\n" % n for n in lengths)
     if req.get("alloc_conf") is None:  # as the CLI does
         env = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
         if env is not None:
@@ -169,6 +176,9 @@ def _plain(key: str, value: Any) -> Any:
     """A setting as JSON: paths as text, everything else as given."""
     if isinstance(value, os.PathLike):
         return os.fspath(value)
+    if key == "seq_lengths" and not isinstance(value, str):
+        raise TypeError("seq_lengths: a lengths file or \"MIN:MAX:MEAN\"; give a list of "
+                        "lengths as lengths=[...]")
     if key == "config" and isinstance(value, Mapping):
         raise TypeError("config=: a path; give a dict as the positional config")
     return value
@@ -338,6 +348,9 @@ def estimate(config: Any = None, **setup: Any) -> Estimate:
             checkpointing="full", lora_rank=16, quant="nf4", gpus=8, zero=3, gpu="a100-80gb",
             context="1343MiB"``. ``None`` means the default. ``parts=True`` adds ``"parts"``:
             the activation bytes each block keeps for backward (``memanat estimate --parts``).
+            ``seq_lengths="64:2048:300"`` (or a lengths file, or ``lengths=[...]``, the token
+            counts of the data) replays ``steps`` steps over that distribution instead of one
+            ``seq``: the result's ``"seq_lengths"`` holds the CLI's ``--seq-lengths`` answer.
             ``alloc_conf`` defaults to
             ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` as in the CLI.
 

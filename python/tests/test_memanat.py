@@ -330,3 +330,43 @@ def test_transformers_config_object(tmp_path) -> None:
         for key in ("weights", "gradients", "optimizer", "activations", "peak_reserved",
                     "device_used", "params"):
             assert got[key] == want[key], (cfg.model_type, key)
+
+
+def test_seq_lengths_same_as_cli(tmp_path) -> None:
+    """A distribution of sequence lengths (range, file, or a list) gives the CLI's answer."""
+    rng = random.Random()
+    lo = rng.choice([16, 32, 64])
+    hi = lo * rng.choice([4, 8])
+    spec = "%d:%d:%d" % (lo, hi, (lo + hi) // 3)
+    steps, seed = rng.randint(2, 8), rng.randint(0, 99)
+    want = cli_json(["estimate", "--model", "gpt2", "--batch", "2", "--seq-lengths", spec,
+                     "--steps", str(steps), "--seed", str(seed), "--percentile", "90"])
+    got = memanat.estimate("gpt2", batch=2, seq_lengths=spec, steps=steps, seed=seed,
+                           percentile=90)
+    assert got["seq_lengths"] == want["seq_lengths"]
+    assert {k: got[k] for k in want} == want
+    lengths = [rng.randint(8, 300) for _ in range(40)]
+    path = tmp_path / "lengths.txt"
+    path.write_text("".join("%d\n" % n for n in lengths))
+    want = cli_json(["estimate", "--model", "gpt2", "--seq-lengths", str(path), "--steps", "4"])
+    assert memanat.estimate("gpt2", seq_lengths=path, steps=4)["seq_lengths"] == \
+        want["seq_lengths"]
+    assert memanat.estimate("gpt2", lengths=lengths, steps=4)["seq_lengths"] == \
+        want["seq_lengths"]
+    with pytest.raises(memanat.InvalidArgumentError):
+        memanat.estimate("gpt2", seq=128, seq_lengths=spec)
+    with pytest.raises(memanat.InvalidArgumentError):
+        memanat.estimate("gpt2", steps=4)
+    with pytest.raises(memanat.InvalidArgumentError):
+        memanat.estimate("gpt2", seq_lengths=spec, percentile=0)
+
+
+def test_bitsandbytes_settings_same_as_cli() -> None:
+    for quant, bnb, head in (("nf4", "0.43.1", "yes"), ("fp4-dq", "0.44.0", "no")):
+        want = cli_json(["estimate", "--model", "llama-2-7b", "--lora-rank", "8", "--quant",
+                         quant, "--bnb-version", bnb, "--quant-head", head, "--seq", "256"])
+        got = memanat.estimate("llama-2-7b", lora_rank=8, quant=quant, bnb_version=bnb,
+                               quant_head=head == "yes", seq=256)
+        assert {k: got[k] for k in want} == want
+    with pytest.raises(memanat.InvalidArgumentError):
+        memanat.estimate("llama-2-7b", lora_rank=8, quant="nf4", bnb_version="latest")
