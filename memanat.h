@@ -1620,6 +1620,10 @@ typedef struct mn_device {
     mn_result (*map_fn)(void *user_data, void *addr, uint64_t size);  // MN_ERR_DEVICE_OOM if full
     mn_result (*unmap_fn)(void *user_data, void *addr, uint64_t size);
     void *user_data;
+    // Device pointers are addresses >> addr_shift (0..9): a simulated device on a host whose
+    // pointers have 32 bits reaches 2 TiB this way (block addresses are multiples of 512).
+    // 0 = pointers are byte addresses.
+    uint32_t addr_shift;
 } mn_device;
 
 // ---- >>cache/simdev: simulated device -----------------------------------------------------------
@@ -1632,6 +1636,8 @@ typedef struct mn_simdev_desc {
     uint64_t fail_alloc_at;  // the N-th device allocation (alloc or map) fails, 0 = never
     int events_complete;     // 1: events complete as soon as recorded, 0 = when completed by hand
     mn_allocator allocator;  // host memory for the event table
+    uint32_t addr_shift;     // pointers carry addresses >> addr_shift (0..9, see mn_device);
+                             // 0 = 9 where pointers have fewer than 64 bits, else none
 } mn_simdev_desc;
 
 typedef struct mn_simdev_event {
@@ -1644,6 +1650,7 @@ typedef struct mn_simdev {  // fields are read-only for callers
     mn_simdev_desc desc;     // resolved
     uint64_t used, peak_used;                // bytes allocated or mapped
     uint64_t next_addr, next_va;             // bump pointers (physical, reserved ranges)
+    uint64_t end_addr, end_va;               // where each range ends
     uint64_t alloc_calls, free_calls, map_calls, unmap_calls, failed_calls;
     uint64_t live;                           // live device allocations (not maps)
     uint64_t fail_at;                        // alloc_calls + map_calls value that fails, 0 = none
@@ -8515,13 +8522,24 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
 // ---- >>cache/simdev: simulated device -----------------------------------------------------------
 
 MNIMPL mn_result mn_simdev_init(mn_simdev *dev, const mn_simdev_desc *desc) {
+    uint64_t span;
     if (!dev) return MN_ERR_INVALID_ARG;
     memset(dev, 0, sizeof *dev);
     if (desc) dev->desc = *desc;
-    if (dev->desc.base == 0) dev->desc.base = 0x7f0000000000ull;
+    if (dev->desc.addr_shift == 0 && UINTPTR_MAX < UINT64_MAX) dev->desc.addr_shift = 9;
+    if (dev->desc.addr_shift > 9) return MN_ERR_INVALID_ARG;
+    // 64-bit pointers: reserved ranges 16 TiB above the physical ones, no end. Narrower ones:
+    // the addresses they can carry (2 TiB with 32 bits), half physical, half reserved.
+    span = ((uint64_t)UINTPTR_MAX >> 1) + 1;
+    span = UINTPTR_MAX < UINT64_MAX ? span << dev->desc.addr_shift : 1ull << 44;
+    if (dev->desc.base == 0)
+        dev->desc.base = UINTPTR_MAX < UINT64_MAX ? 1ull << 21 : 0x7f0000000000ull;
     if (dev->desc.base % MN__C_MIN_BLOCK) return MN_ERR_INVALID_ARG;
+    if (UINTPTR_MAX < UINT64_MAX && dev->desc.base >= span) return MN_ERR_INVALID_ARG;
     dev->next_addr = dev->desc.base;
-    dev->next_va = dev->desc.base + (1ull << 44);  // reserved ranges live above the physical ones
+    dev->next_va = UINTPTR_MAX < UINT64_MAX ? span : dev->desc.base + span;
+    dev->end_addr = UINTPTR_MAX < UINT64_MAX ? span : UINT64_MAX;
+    dev->end_va = UINTPTR_MAX < UINT64_MAX ? 2 * span : UINT64_MAX;
     dev->fail_at = dev->desc.fail_alloc_at;
     return MN_OK;
 }
@@ -8562,12 +8580,13 @@ MN__PRIVATE mn_result mn__c_simdev_alloc(void *ud, uint64_t size, void **ptr_out
     dev->alloc_calls++;
     // addresses advance by the size rounded to 2 MiB plus a 2 MiB gap: segments never touch
     if (size == 0 || size > (1ull << 62)) return MN_ERR_INVALID_ARG;
+    step =
+        (size + MN__C_ROUND_LARGE - 1) / MN__C_ROUND_LARGE * MN__C_ROUND_LARGE + MN__C_ROUND_LARGE;
+    if (step > dev->end_addr - dev->next_addr) return MN_ERR_UNSUPPORTED;  // addresses run out
     r = mn__c_simdev_take(dev, size);
     if (r != MN_OK) return r;
     dev->live++;
-    *ptr_out = (void *)(uintptr_t)dev->next_addr;
-    step =
-        (size + MN__C_ROUND_LARGE - 1) / MN__C_ROUND_LARGE * MN__C_ROUND_LARGE + MN__C_ROUND_LARGE;
+    *ptr_out = (void *)(uintptr_t)(dev->next_addr >> dev->desc.addr_shift);
     dev->next_addr += step;
     return MN_OK;
 }
@@ -8646,7 +8665,8 @@ MN__PRIVATE mn_result mn__c_simdev_reserve(void *ud, uint64_t size, void **base_
     if (size == 0 || size > (1ull << 56)) return MN_ERR_INVALID_ARG;
     step = (size + MN__C_LARGE_BUFFER - 1) / MN__C_LARGE_BUFFER * MN__C_LARGE_BUFFER;
     step += MN__C_LARGE_BUFFER;
-    *base_out = (void *)(uintptr_t)dev->next_va;
+    if (step > dev->end_va - dev->next_va) return MN_ERR_UNSUPPORTED;  // addresses run out
+    *base_out = (void *)(uintptr_t)(dev->next_va >> dev->desc.addr_shift);
     dev->next_va += step;
     return MN_OK;
 }
@@ -8683,6 +8703,7 @@ MNIMPL mn_device mn_simdev_device(mn_simdev *dev) {
     d.map_fn = mn__c_simdev_map;
     d.unmap_fn = mn__c_simdev_unmap;
     d.user_data = dev;
+    d.addr_shift = dev->desc.addr_shift;
     return d;
 }
 
@@ -9609,7 +9630,13 @@ fail_ring:
 
 // ---- freeing blocks -----------------------------------------------------------------------------
 
-MN__PRIVATE void *mn__c_ptr(uint64_t addr) { return (void *)(uintptr_t)addr; }
+// Device pointer <-> address (mn_device.addr_shift).
+MN__PRIVATE void *mn__c_ptr(const mn__c_cache *c, uint64_t addr) {
+    return (void *)(uintptr_t)(addr >> c->dev.addr_shift);
+}
+MN__PRIVATE uint64_t mn__c_addr(const mn__c_cache *c, const void *ptr) {
+    return (uint64_t)(uintptr_t)ptr << c->dev.addr_shift;
+}
 
 // try_merge_blocks: src joins dst when it is free, has no pending events or stream uses, and is
 // mapped the same way. Returns the bytes taken over (0 = no merge).
@@ -9688,7 +9715,8 @@ MN__PRIVATE void mn__c_release_block(mn__c_cache *c, mn__c_block *b) {
     MN_ASSERT(!s->expandable && !b->prev && !b->next && !b->allocated);
     c->st.num_device_free++;
     mn__c_trace(c, MN_TRACE_SEGMENT_FREE, b->addr, b->size, b->size, b->stream, 0);
-    mn__c_note_dev_error(c, c->dev.free_fn(c->dev.user_data, mn__c_ptr(b->addr), b->size), "free");
+    mn__c_note_dev_error(c, c->dev.free_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size),
+                         "free");
     c->total_allocated_memory -= b->size;
     MN__C_STAT2(c, segment, small, mn__c_stat_dec, 1);
     MN__C_STAT2(c, reserved_bytes, small, mn__c_stat_dec, b->size);
@@ -9716,8 +9744,8 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
         if (bf) mn__c_block_delete(c, bf);
         return;
     }
-    mn__c_note_dev_error(c, c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(s->addr + beg), end - beg),
-                       "unmap");
+    mn__c_note_dev_error(
+        c, c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(c, s->addr + beg), end - beg), "unmap");
     mn__c_pool_erase(p, b);
     if (bf) {  // prev? -> bf -> b
         bf->addr = b->addr, bf->size = s->addr + beg - b->addr;
@@ -9748,8 +9776,10 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
     mn__c_pool_insert(p, b);
     if (!b->prev && !b->next) {  // release_expandable_segment
         if (c->dev.unreserve_fn)
-            mn__c_note_dev_error(
-                c, c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size), "unreserve");
+            mn__c_note_dev_error(c,
+                                 c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr),
+                                                     s->size),
+                                 "unreserve");
         mn__c_pool_erase(p, b);
         mn__c_seg_unlink(c, s);
         mn__c_block_delete(c, b);
@@ -9888,7 +9918,7 @@ MN__PRIVATE mn_result mn__c_map_block(mn__c_cache *c, mn__c_block *to_map, uint6
     MN_ASSERT(!to_map->mapped && size <= to_map->size);
     if (m > to_map->size) m = to_map->size;
     if (m < to_map->size && !(rem = mn__c_block_new(c))) return MN_ERR_OUT_OF_MEMORY;
-    r = c->dev.map_fn(c->dev.user_data, mn__c_ptr(to_map->addr), m);
+    r = c->dev.map_fn(c->dev.user_data, mn__c_ptr(c, to_map->addr), m);
     if (r != MN_OK) {
         if (rem) mn__c_block_delete(c, rem);
         return r;
@@ -9949,7 +9979,7 @@ MN__PRIVATE mn_result mn__c_find_expandable(mn__c_cache *c, mn__c_pool *p, mn_st
     seg = c->spare_seg;
     c->spare_seg = NULL;
     memset(seg, 0, sizeof *seg);
-    seg->addr = (uint64_t)(uintptr_t)base, seg->size = va, seg->stream = s;
+    seg->addr = mn__c_addr(c, base), seg->size = va, seg->stream = s;
     seg->small = (uint8_t)p->small, seg->expandable = 1, seg->head = b;
     mn__c_seg_link(c, seg);
     b->addr = seg->addr, b->size = va, b->mapped = 0, b->stream = s, b->small = seg->small;
@@ -10000,7 +10030,7 @@ MN__PRIVATE mn_result mn__c_alloc_block(mn__c_cache *c, mn__c_pool *p, mn_stream
     seg = c->spare_seg;
     c->spare_seg = NULL;
     memset(seg, 0, sizeof *seg);
-    seg->addr = (uint64_t)(uintptr_t)ptr, seg->size = alloc_size, seg->stream = s;
+    seg->addr = mn__c_addr(c, ptr), seg->size = alloc_size, seg->stream = s;
     seg->small = (uint8_t)p->small;
     mn__c_seg_link(c, seg);
     b = mn__c_block_new(c);  // reserved by the caller, cannot fail
@@ -10225,7 +10255,7 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
         if (r != MN_OK) goto done;
     }
     b = mn__c_alloc_found(c, b, size, orig, mn__c_should_split(c, b, size), cat, label);
-    *ptr_out = mn__c_ptr(b->addr);
+    *ptr_out = mn__c_ptr(c, b->addr);
     r = MN_OK;
 done:
     mn__c_unlock(c);
@@ -10233,7 +10263,7 @@ done:
 }
 
 MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot) {
-    uint64_t i = mn__c_map_slot(c, (uint64_t)(uintptr_t)ptr);
+    uint64_t i = mn__c_map_slot(c, mn__c_addr(c, ptr));
     if (i == UINT64_MAX) return NULL;
     if (slot) *slot = i;
     return c->map[i];
@@ -10450,17 +10480,17 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
     for (s = c->segs; s; s = sn) {
         sn = s->next_seg;
         if (!s->expandable) {
-            c->dev.free_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size);
+            c->dev.free_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         }
         for (b = s->head; b; b = bn) {
             bn = b->next;
             if (s->expandable && b->mapped)
-                c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(b->addr), b->size);
+                c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size);
             for (u = b->uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
             mn__free(&c->alloc, b);
         }
         if (s->expandable && c->dev.unreserve_fn)
-            c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size);
+            c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         mn__free(&c->alloc, s);
     }
     for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b);
@@ -10560,7 +10590,8 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
             at += b->size, sum += b->size;
             if (s->expandable && b->mapped) want.reserved_bytes[t].current += b->size;
             if (b->allocated) {
-                if (b->in_tree || mn__c_lookup(c, mn__c_ptr(b->addr), NULL) != b || b->event_count)
+                if (b->in_tree || mn__c_lookup(c, mn__c_ptr(c, b->addr), NULL) != b ||
+                    b->event_count)
                     MN__C_FAIL("cache check: allocated block %llx not in the map",
                                (unsigned long long)b->addr);
                 allocated++;

@@ -33,6 +33,7 @@ MNT_DECLARE(ops)
 MNT_DECLARE(trainer)
 MNT_DECLARE(cudamath)
 MNT_DECLARE(gpu_trainer)
+MNT_DECLARE(bindings)
 
 static const mnt_suite suites[] = {
     {"types", test_types_cases, &test_types_count},
@@ -47,6 +48,7 @@ static const mnt_suite suites[] = {
     {"trainer", test_trainer_cases, &test_trainer_count},
     {"cudamath", test_cudamath_cases, &test_cudamath_count},
     {"gpu_trainer", test_gpu_trainer_cases, &test_gpu_trainer_count},
+    {"bindings", test_bindings_cases, &test_bindings_count},
 };
 
 static int cur_failed, cur_skipped;
