@@ -109,7 +109,7 @@ typedef struct api_call {
     mn_json_doc doc;
     mn_model model;
     mn_setup setup;
-    int have_model, head_set, want_svg, want_parts;
+    int have_model, head_set, want_svg, want_parts, want_explain;
     const char *model_src;
     uint64_t params;
     mn_head head;
@@ -182,6 +182,7 @@ typedef enum opt_kind {
     OPT_ZERO_GRAD,
     OPT_BNB_VERSION,  // X.Y.Z
     OPT_QUANT_HEAD,   // true/false or "yes"/"no"
+    OPT_PROB,         // [0, 1) into a float
     OPT_PERCENTILE,   // (0, 100]
     OPT_U64,     // a count into a uint64_t field, at least min
     OPT_U32,     // a count into a uint32_t field, at least min
@@ -210,6 +211,8 @@ CHOICE(mn_framework_parse, mn_framework)
 CHOICE(mn_offload_parse, mn_offload)
 CHOICE(mn_quant_parse, mn_quant)
 CHOICE(mn_lora_targets_parse, uint32_t)
+CHOICE(mn_optim_impl_parse, mn_optim_impl)
+CHOICE(mn_loop_parse, mn_loop)
 #undef CHOICE
 
 #define F(member) offsetof(api_call, member)
@@ -243,6 +246,9 @@ static const api_opt options[] = {
     CHOOSE("quant", setup.quant, mn_quant_parse, "none, int8, nf4, nf4-dq, fp4, fp4-dq"),
     OPT("bnb_version", OPT_BNB_VERSION, setup.bnb_version, 0),
     OPT("quant_head", OPT_QUANT_HEAD, setup.quant_head, 0),
+    OPT("lora_dropout", OPT_PROB, setup.lora_dropout, 0),
+    CHOOSE("optim_impl", setup.optim_impl, mn_optim_impl_parse, "foreach, fused, loop"),
+    CHOOSE("loop", setup.loop, mn_loop_parse, "plain, trainer"),
     CHOOSE("framework", setup.framework, mn_framework_parse, "hf, deepspeed, megatron, memanat"),
     OPT("torch", OPT_TORCH, setup.torch_version, 0),
     OPT("zero", OPT_U32, setup.zero_stage, 0),
@@ -258,6 +264,7 @@ static const api_opt options[] = {
     OPT("new_tokens", OPT_U64, setup.new_tokens, 0),
     OPT("beams", OPT_U32, setup.beams, 1),
     OPT("parts", OPT_FLAG, want_parts, 0),
+    OPT("explain", OPT_FLAG, want_explain, 0),
     OPT("svg", OPT_FLAG, want_svg, 0),
 };
 #undef F
@@ -360,6 +367,16 @@ static int set_option(api_call *c, const api_opt *o, const mn_json_value *v) {
         else return failf(c, MN_ERR_INVALID_ARG, "quant_head=%s: want true or false",
                           value_text(v, t, sizeof t));
         return MN_OK;
+    case OPT_PROB: {  // memanat.c opt_lora_dropout
+        char *end = NULL;
+        double p = v->type == MN_JSON_NUMBER ? v->num
+                   : v->type == MN_JSON_STRING ? strtod(v->str, &end) : -1.0;
+        if ((end && (end == v->str || *end)) || !(p >= 0.0 && p < 1.0))
+            return failf(c, MN_ERR_INVALID_ARG, "%s=%s: want a probability 0 <= p < 1", o->name,
+                         value_text(v, t, sizeof t));
+        *(float *)(void *)field = (float)p;
+        return MN_OK;
+    }
     case OPT_PERCENTILE: {
         char *end = NULL;
         double p = v->type == MN_JSON_NUMBER ? v->num
@@ -465,6 +482,7 @@ static void put_estimate(api_buf *b, const mn_estimate_result *r) {
     put_u64(b, "kv_cache", r->kv_cache, &f);
     put_u64(b, "workspace", r->workspace, &f);
     put_u64(b, "peak_allocated", r->peak_allocated, &f);
+    put_u64(b, "peak_requested", r->peak_requested, &f);
     put_u64(b, "peak_reserved", r->peak_reserved, &f);
     put_u64(b, "context", r->context, &f);
     put_u64(b, "device_used", r->device_used, &f);
@@ -490,6 +508,8 @@ static void put_estimate(api_buf *b, const mn_estimate_result *r) {
     put_str(b, "offload", mn_offload_name(s->offload), &f);
     put_u64(b, "lora_rank", s->lora_rank, &f);
     put_str(b, "quant", mn_quant_name(s->quant), &f);
+    put_str(b, "optim_impl", mn_optim_impl_name(s->optim_impl), &f);
+    put_str(b, "loop", mn_loop_name(s->loop), &f);
     put_str(b, "head", mn_head_name(r->model.head), &f);
     if (s->quant > MN_QUANT_NONE) {  // bitsandbytes: the release modelled (0 = current), the head
         put_u64(b, "bnb_version", s->bnb_version, &f);
@@ -601,9 +621,32 @@ static void put_lengths(api_call *c, api_buf *b, const mn_lengths_result *l) {
     BUF_LIT(b, "]}");
 }
 
+// "explain_peak" and "explain" as `memanat estimate --explain --json` (memanat.c print_explain).
+static int put_explain(api_call *c, api_buf *b) {
+    mn_explain_item it[64];
+    uint32_t n = 0, i;
+    uint64_t peak = 0;
+    mn_result res = mn_estimate_explain(&c->model, &c->setup, it, 64, &n, &peak);
+    if (res != MN_OK) return failf(c, res, "explain: %s", mn_result_str(res));
+    buf_printf(b, ", \"explain_peak\": %llu, \"explain\": [", (unsigned long long)peak);
+    for (i = 0; i < n && i < 64; i++) {
+        int f = 1;
+        buf_printf(b, "%s{", i ? ", " : "");
+        put_str(b, "mechanism", it[i].mechanism, &f);
+        put_str(b, "category", mn_category_name(it[i].category), &f);
+        put_u64(b, "count", it[i].count, &f);
+        put_u64(b, "bytes_each", it[i].bytes_each, &f);
+        put_u64(b, "bytes", it[i].bytes, &f);
+        BUF_LIT(b, "}");
+    }
+    BUF_LIT(b, "]");
+    return MN_OK;
+}
+
 static int put_outputs(api_call *c, api_buf *b, const mn_estimate_result *r) {
     int rc;
     if (c->want_parts && (rc = put_parts(c, b, r)) != MN_OK) return rc;
+    if (c->want_explain && (rc = put_explain(c, b)) != MN_OK) return rc;
     if (c->want_svg) {
         BUF_LIT(b, ", \"svg\": ");
         if ((rc = put_step_svg(c, b, r)) != MN_OK) return rc;

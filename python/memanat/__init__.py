@@ -110,7 +110,7 @@ def _call(op: str, request: Mapping[str, Any]) -> Dict[str, Any]:
 # ---- settings -----------------------------------------------------------------------------------
 
 _MODEL_KEYS = ("model", "config", "config_json", "params")
-_OUTPUT_KEYS = ("parts", "svg")
+_OUTPUT_KEYS = ("parts", "explain", "svg")
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,7 +148,7 @@ def _config_request(config: Any) -> Dict[str, Any]:
 
 
 def _request(config: Any, setup: Mapping[str, Any], fn: str) -> Dict[str, Any]:
-    known = set(options()) | ({"parts", "lengths"} if fn == "estimate" else set())
+    known = set(options()) | ({"parts", "explain", "lengths"} if fn == "estimate" else set())
     for key in setup:
         if key not in known:
             raise TypeError("%s() got an unexpected keyword argument %r (settings: %s)"
@@ -347,7 +347,9 @@ def estimate(config: Any = None, **setup: Any) -> Estimate:
         **setup: the CLI's flags, e.g. ``batch=4, seq=2048, precision="bf16", optim="adamw-8bit",
             checkpointing="full", lora_rank=16, quant="nf4", gpus=8, zero=3, gpu="a100-80gb",
             context="1343MiB"``. ``None`` means the default. ``parts=True`` adds ``"parts"``:
-            the activation bytes each block keeps for backward (``memanat estimate --parts``).
+            the activation bytes each block keeps for backward (``memanat estimate --parts``);
+            ``explain=True`` adds ``"explain"``: every buffer alive at the peak, grouped by the
+            mechanism that made it (``memanat estimate --explain``).
             ``seq_lengths="64:2048:300"`` (or a lengths file, or ``lengths=[...]``, the token
             counts of the data) replays ``steps`` steps over that distribution instead of one
             ``seq``: the result's ``"seq_lengths"`` holds the CLI's ``--seq-lengths`` answer.

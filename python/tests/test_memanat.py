@@ -106,6 +106,17 @@ def test_svg_and_parts_same_bytes_as_cli(tmp_path) -> None:
     assert e.to_svg() == svg.read_text(encoding="utf-8")
 
 
+def test_explain_same_as_cli() -> None:
+    """explain=True gives the groups `memanat estimate --explain --json` prints."""
+    args = ["estimate", "--model", "llama-3.2-1b", "--batch", "2", "--seq", "512", "--precision",
+            "bf16", "--lora-rank", "8", "--lora-dropout", "0.1", "--optim-impl", "loop"]
+    want = cli_json(args + ["--explain"])
+    e = memanat.estimate("llama-3.2-1b", batch=2, seq=512, precision="bf16", lora_rank=8,
+                         lora_dropout=0.1, optim_impl="loop", explain=True)
+    assert e["explain"] == want["explain"] and e["explain_peak"] == want["explain_peak"]
+    assert sum(g["bytes"] for g in e["explain"]) == e["explain_peak"]
+
+
 def test_breakdown() -> None:
     e = memanat.estimate("llama-3-8b", batch=1, seq=1024, precision="bf16", lora_rank=16,
                          quant="nf4", gpu="a10g")
@@ -236,7 +247,7 @@ def test_every_cli_setting_is_a_keyword() -> None:
     rc, out, _ = run_cli(["estimate", "--help"])
     assert rc == 0
     flags = {f[2:].replace("-", "_") for f in re.findall(r"--[a-z][a-z0-9-]*", out)}
-    outputs = {"json", "svg", "snapshot", "parts"}
+    outputs = {"json", "svg", "snapshot", "parts", "explain"}
     missing = sorted(flags - outputs - set(memanat.options()))
     assert not missing, "CLI flags the Python package does not take: %s" % missing
 
