@@ -4069,6 +4069,7 @@ typedef struct mn__sim {
     uint32_t blk;            // block being run
     uint64_t *parts;         // mn_estimate_parts: activation bytes kept per part, or NULL
     int parts_on;            // record into parts during this forward
+    uint64_t w16_lo, w16_hi; // parameters [lo, hi) that may hold an autocast copy (amp_clear)
     mn_result err;
 } mn__sim;
 
@@ -4284,7 +4285,11 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
         mn__op_rec_from(S, xin, x);
     }
     if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
-        if (P->w16 == MN__NONE) P->w16 = mn__tensor_new(S, P->numel, 2, MN_CAT_WEIGHTS);
+        if (P->w16 == MN__NONE) {
+            P->w16 = mn__tensor_new(S, P->numel, 2, MN_CAT_WEIGHTS);
+            if (S->w16_hi == 0 || w < S->w16_lo) S->w16_lo = w;
+            if (w + 1 > S->w16_hi) S->w16_hi = w + 1;
+        }
         w16 = P->w16;
     }
     if (P->quant || c->zero >= 3) {  // dequantized / gathered full weight, for the matmul only
@@ -4683,14 +4688,17 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
 }
 
 // Drops the autocast weight cache (autocast exit); tensors saved for backward stay.
+// Only the parameters in [w16_lo, w16_hi) can hold a copy: a checkpointed block's re-run casts
+// its own weights, so the clear after it costs that block's parameters, not the model's.
 MN__PRIVATE void mn__amp_clear(mn__sim *S) {
     uint64_t i;
     if (S->counting) return;
-    for (i = 0; i < S->np; i++) {
+    for (i = S->w16_lo; i < S->w16_hi && i < S->np; i++) {
         if (S->params[i].w16 == MN__NONE) continue;
         mn__drop(S, S->params[i].w16);
         S->params[i].w16 = MN__NONE;
     }
+    S->w16_lo = S->w16_hi = 0;
 }
 
 // A block under full checkpointing: run without recording, keep its input (and the encoder
@@ -7766,6 +7774,7 @@ typedef struct mn__c_pool {
     mn__c_block *gap_l, *gap_r;  // neighbours of the block erased last: often where it returns
     mn__c_block *unmapped;   // unmapped tails of expandable segments, by (stream, addr)
     uint64_t get_free_calls;
+    uint64_t whole;          // blocks in `blocks` that are a whole fixed segment (releasable)
     int small;
 } mn__c_pool;
 
@@ -7942,10 +7951,17 @@ MN__PRIVATE mn__c_block *mn__c_tr_collect(mn__c_block *t, mn__c_block *tail_list
     return mn__c_tr_collect(t->l, t);
 }
 
+// A free block that is its whole fixed-size segment: release_cached_blocks can give it back.
+// A block's neighbours only change while it is out of its pool, so the count stays exact.
+MN__PRIVATE int mn__c_whole(const mn__c_block *b) {
+    return b->mapped && !b->prev && !b->next && !b->seg->expandable;
+}
+
 MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(!b->in_tree);
     b->l = b->r = NULL;
     b->in_tree = 1;
+    p->whole += (uint64_t)mn__c_whole(b);
     if (b->mapped) {
         mn__c_block *gl = p->gap_l, *gr = p->gap_r;
         b->gc_base = p->get_free_calls;  // BlockPool::insert_into_blocks
@@ -7968,6 +7984,7 @@ MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
 
 MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(b->in_tree);
+    p->whole -= (uint64_t)mn__c_whole(b);
     if (b->mapped) {
         p->gap_l = mn__c_tr_prev(b);
         p->gap_r = mn__c_tr_next(b);
@@ -8362,8 +8379,11 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
 
 // release_blocks: every unsplit free segment of the pool goes back; free expandable pages unmap.
 MN__PRIVATE void mn__c_release_blocks(mn__c_cache *c, mn__c_pool *p) {
-    mn__c_block *b = mn__c_tr_collect(p->blocks, NULL), *next, *unmap = NULL, **tail = &unmap;
-    for (; b; b = next) {
+    mn__c_block *b, *next, *unmap = NULL, **tail = &unmap;
+    // Nothing to give back: skip the walk over every cached block (it made each out-of-memory
+    // retry of a long trace cost the whole pool, quadratic over the trace).
+    if (p->whole == 0 && !c->cfg.expandable_segments) return;
+    for (b = mn__c_tr_collect(p->blocks, NULL); b; b = next) {
         next = b->tmp;
         if (b->seg->expandable) {
             *tail = b;
@@ -9132,6 +9152,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
     mn__c_block *b;
     struct mn_cache_stats want;
     uint64_t in_tree[2] = {0, 0}, counted[2] = {0, 0}, unm[2] = {0, 0}, allocated = 0, total = 0;
+    uint64_t whole[2] = {0, 0};
     mn_result r = MN_OK;
     int bad = 0, k, t;
     if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
@@ -9181,6 +9202,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
                                             (unsigned long long)b->addr);
                 if (b->mapped) in_tree[pool]++;
                 else unm[pool]++;
+                whole[pool] += (uint64_t)mn__c_whole(b);
                 if (split && !s->expandable) {
                     want.inactive_split[t].current++;
                     want.inactive_split_bytes[t].current += b->size;
@@ -9209,6 +9231,9 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
         if (counted[k] != in_tree[k] || n != unm[k])
             MN__C_FAIL("cache check: pool holds %llu blocks, %llu are free",
                        (unsigned long long)counted[k], (unsigned long long)in_tree[k]);
+        if (p->whole != whole[k])
+            MN__C_FAIL("cache check: pool counts %llu whole free segments, %llu are",
+                       (unsigned long long)p->whole, (unsigned long long)whole[k]);
     }
     if (allocated != c->map_count) MN__C_FAIL("cache check: address map size");
     for (t = 1; t < MN_STAT_TYPE_COUNT; t++) {
@@ -9771,23 +9796,64 @@ MNIMPL mn_result mn_write_file_atomic(const char *path, mn_file_body_fn body, vo
 }
 
 // Trace id -> live block, open addressing with linear probing; a NULL block marks an empty slot
-// (blocks of size 0 are never stored), so every id value is usable.
+// (blocks of size 0 are never stored), so every id value is usable. The table grows with the
+// blocks live at once (at most half full), not with the length of the trace: a long trace keeps
+// a small, cache-friendly table.
 typedef struct mn__c_idmap {
     uint64_t *id;
     void **block;
-    uint64_t mask;
+    uint64_t mask, live;
+    uint32_t shift;  // 64 - log2(mask + 1)
+    const mn_allocator *al;
 } mn__c_idmap;
 
+// Fibonacci hashing (the top bits of the product): dense ids, as traces use, spread evenly.
 MN__PRIVATE uint64_t mn__c_idmap_slot(const mn__c_idmap *m, uint64_t id) {
-    uint64_t h = ((id * 0x9E3779B97F4A7C15ull) >> 20) & m->mask;
+    uint64_t h = (id * 0x9E3779B97F4A7C15ull) >> m->shift;
     while (m->block[h] && m->id[h] != id) h = (h + 1) & m->mask;
     return h;
+}
+
+// A table of cap slots (a power of two), empty. MN_ERR_OUT_OF_MEMORY leaves m as it was.
+MN__PRIVATE mn_result mn__c_idmap_alloc(mn__c_idmap *m, uint64_t cap) {
+    uint64_t *id;
+    void **block;
+    if (cap > (uint64_t)SIZE_MAX / sizeof(void *) / 2) return MN_ERR_OVERFLOW;
+    id = (uint64_t *)mn__alloc_array(m->al, (size_t)cap, sizeof *id);
+    block = (void **)mn__alloc_array(m->al, (size_t)cap, sizeof *block);
+    if (!id || !block) {
+        mn__free(m->al, id);
+        mn__free(m->al, block);
+        return MN_ERR_OUT_OF_MEMORY;
+    }
+    memset(block, 0, (size_t)cap * sizeof *block);
+    m->id = id, m->block = block, m->mask = cap - 1;
+    m->shift = 64 - mn__c_log2_floor(cap);
+    return MN_OK;
+}
+
+// Room for one more entry: doubles the table when it would be more than half full.
+MN__PRIVATE mn_result mn__c_idmap_reserve(mn__c_idmap *m) {
+    mn__c_idmap old = *m;
+    uint64_t i;
+    mn_result r;
+    if ((m->live + 1) * 2 <= m->mask + 1) return MN_OK;
+    if ((r = mn__c_idmap_alloc(m, (m->mask + 1) * 2)) != MN_OK) return r;
+    for (i = 0; i <= old.mask; i++)
+        if (old.block[i]) {
+            uint64_t h = mn__c_idmap_slot(m, old.id[i]);
+            m->id[h] = old.id[i], m->block[h] = old.block[i];
+        }
+    mn__free(m->al, old.id);
+    mn__free(m->al, old.block);
+    return MN_OK;
 }
 
 // Empties slot h and moves back the entries of its probe run that would no longer be found.
 MN__PRIVATE void mn__c_idmap_remove(mn__c_idmap *m, uint64_t h) {
     uint64_t j;
     m->block[h] = NULL;
+    m->live--;
     for (j = (h + 1) & m->mask; m->block[j]; j = (j + 1) & m->mask) {
         uint64_t id = m->id[j], g;
         void *b = m->block[j];
@@ -9813,12 +9879,13 @@ MN__PRIVATE mn_result mn__c_replay_event(mn_cache *c, mn__c_idmap *m, const mn_t
     if (m->block[h]) {  // the id is live: its free was not recorded
         if ((r = mn_cache_release(c, m->block[h])) != MN_OK) return r;
         mn__c_idmap_remove(m, h);
-        h = mn__c_idmap_slot(m, e->id);
     }
+    if ((r = mn__c_idmap_reserve(m)) != MN_OK) return r;
+    h = mn__c_idmap_slot(m, e->id);
     r = mn_cache_alloc(c, e->size, e->stream, (mn_category)e->category,
                        e->phase ? mn_phase_name((mn_phase)e->phase) : NULL, &p);
     if (r == MN_ERR_DEVICE_OOM) return n->failed++, MN_OK;
-    if (r == MN_OK && p) m->id[h] = e->id, m->block[h] = p;
+    if (r == MN_OK && p) m->id[h] = e->id, m->block[h] = p, m->live++;
     return r;
 }
 
@@ -9826,27 +9893,21 @@ MNIMPL mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint
                                  int release_live, mn_replay_counts *counts) {
     mn__c_idmap m;
     mn_replay_counts n;
-    const mn_allocator *al;
-    uint64_t cap = 1024, i;
+    uint64_t i;
     mn_result r = MN_OK;
     if (!c || !c->p || (!events && count)) return MN_ERR_INVALID_ARG;
-    al = &c->p->alloc;
     memset(&n, 0, sizeof n);
-    while (cap < count + 1 && cap < (1ull << 62)) cap *= 2;  // at most half full
-    if (cap < count + 1) return MN_ERR_OVERFLOW;
-    m.mask = cap - 1;
-    m.id = (uint64_t *)mn__alloc_array(al, (size_t)cap, sizeof *m.id);
-    m.block = (void **)mn__alloc_array(al, (size_t)cap, sizeof *m.block);
-    if (!m.id || !m.block) r = MN_ERR_OUT_OF_MEMORY;
-    else memset(m.block, 0, (size_t)cap * sizeof *m.block);
+    memset(&m, 0, sizeof m);
+    m.al = &c->p->alloc;
+    r = mn__c_idmap_alloc(&m, 1024);
     for (i = 0; i < count && r == MN_OK; i++) r = mn__c_replay_event(c, &m, &events[i], &n);
-    for (i = 0; release_live && m.block && i < cap; i++)
+    for (i = 0; release_live && m.block && i <= m.mask; i++)
         if (m.block[i]) {
             mn_result rr = mn_cache_release(c, m.block[i]);
             if (r == MN_OK) r = rr;
         }
-    mn__free(al, m.id);
-    mn__free(al, m.block);
+    mn__free(m.al, m.id);
+    mn__free(m.al, m.block);
     if (counts) *counts = n;
     return r;
 }
