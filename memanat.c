@@ -21,10 +21,23 @@
 
 static char first_error[512];
 
+// Warnings go to stderr as they come, each text once (fit runs many estimates of one setup);
+// the first error is kept for the one line the command prints when it fails.
 static void capture_log(void *user, mn_log_level level, const char *msg) {
+    static unsigned long long seen[16];
+    static unsigned nseen;
+    unsigned long long h = 1469598103934665603ull;
+    const char *p;
+    unsigned i;
     (void)user;
     if (level == MN_LOG_ERROR && !first_error[0])
         snprintf(first_error, sizeof first_error, "%s", msg);
+    if (level != MN_LOG_WARN) return;
+    for (p = msg; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;  // FNV-1a
+    for (i = 0; i < nseen; i++)
+        if (seen[i] == h) return;
+    if (nseen < sizeof seen / sizeof seen[0]) seen[nseen++] = h;
+    fprintf(stderr, "memanat: warning: %s\n", msg);
 }
 
 static int fail(const char *fmt, ...) {
@@ -53,7 +66,7 @@ enum { CMD_ESTIMATE = 1, CMD_FIT = 2, CMD_REPLAY = 4, CMD_STEP = CMD_ESTIMATE | 
 typedef struct cli {
     mn_model model;
     mn_setup setup;              // replay uses setup.capacity
-    int have_model, json, parts;
+    int have_model, json, parts, no_replay;
     const char *model_src;
     uint64_t params;
     int head_set;
@@ -103,7 +116,9 @@ static int opt_model(cli *c, const char *flag, const char *v) {
     d.logger.log_fn = capture_log;
     r = mn_hf_config_read(v, &d, &c->model);
     if (r == MN_OK) return 0;
-    return first_error[0] ? fail("%s: %s", v, first_error) : fail("%s: %s", v, mn_result_str(r));
+    if (first_error[0])  // the reader's message names the file unless it is about the JSON
+        return strstr(first_error, v) ? fail("%s", first_error) : fail("%s: %s", v, first_error);
+    return fail("%s: %s", v, mn_result_str(r));
 }
 
 static int opt_head(cli *c, const char *flag, const char *v) {
@@ -197,6 +212,7 @@ static const opt options[] = {
     U64("--prompt", setup.prompt, 1),
     U64("--new-tokens", setup.new_tokens, 0),
     U32("--beams", setup.beams, 1),
+    KIND("--no-replay", CMD_STEP, OPT_FLAG, no_replay),
     KIND("--parts", CMD_ESTIMATE, OPT_FLAG, parts),
     KIND("--snapshot", CMD_ESTIMATE, OPT_TEXT, snapshot),
     KIND("--config", CMD_REPLAY, OPT_TEXT, alloc_conf),  // replay's older name for --alloc-conf
@@ -307,7 +323,19 @@ static int parse_args(cli *c, unsigned command, int argc, char **argv, const cha
     }
     if (c->params && c->setup.trainable_params > c->params)
         return fail("--trainable-params exceeds --params");
+    if (c->setup.lora_targets && !c->setup.lora_rank)
+        return fail("--lora-targets without --lora-rank: give the adapters' rank (e.g. 16)");
+    c->setup.no_replay = c->no_replay;
     return 0;
+}
+
+// A step of millions of allocations takes seconds to replay through the allocator: say so, and
+// name the faster mode (peak reserved is then taken as peak allocated).
+static void note_slow(const mn_estimate_result *r) {
+    if (r->setup.no_replay || r->alloc_events < 1000000) return;
+    fprintf(stderr, "memanat: note: the step makes %.1f M allocations; replaying them through the "
+            "allocator takes most of the time (--no-replay skips it: peak reserved = peak "
+            "allocated)\n", (double)r->alloc_events / 1e6);
 }
 
 // ---- files ------------------------------------------------------------------------------------
@@ -367,7 +395,8 @@ static const char *estimate_usage =
     "  output:    --json (one JSON object, byte counts as integers)\n"
     "             --parts (activations each block keeps for backward)\n"
     "             --svg OUT (timeline of the predicted step, stacked by category)\n"
-    "             --snapshot OUT (allocator snapshot for pytorch.org/memory_viz)\n";
+    "             --snapshot OUT (allocator snapshot for pytorch.org/memory_viz)\n"
+    "  speed:     --no-replay (skip the allocator replay: peak reserved = peak allocated)\n";
 
 static const char *fit_usage =
     "usage: memanat fit [same options as estimate]\n"
@@ -566,6 +595,7 @@ static int cmd_estimate(int argc, char **argv) {
     if (rc) return rc == 1 ? 0 : rc;
     res = mn_estimate(&c.model, &c.setup, &r);
     if (res != MN_OK) return fail_result("estimate", res);
+    note_slow(&r);
     if ((c.svg || c.snapshot) && (rc = write_step_pictures(&c, &r)) != 0) return rc;
     if ((rc = compute_parts(&c, &r, &parts, &nparts)) != 0) {
         free(parts);
@@ -593,6 +623,7 @@ static int cmd_fit(int argc, char **argv) {
     if (rc) return rc == 1 ? 0 : rc;
     res = mn_fit(&c.model, &c.setup, &fr);
     if (res != MN_OK) return fail_result("fit", res);
+    note_slow(&fr.plan_estimate);
     if (c.json) {
         printf("{\"max_batch\": %llu, \"max_seq\": %llu, \"plan_found\": %s, \"plan_slowdown\": "
                "%.3f, \"plan\": [",

@@ -3743,6 +3743,21 @@ MNIMPL mn_result mn_lora_targets_parse(const char *s, uint32_t *out) {
     return MN_OK;
 }
 
+// "q,v" for the target bits (a message's text).
+MN__PRIVATE void mn__lora_targets_str(uint32_t bits, char *buf, size_t cap) {
+    static const char *const names[] = {"q", "k", "v", "o", "gate", "up", "down"};
+    static const uint32_t flags[] = {MN_LORA_Q, MN_LORA_K, MN_LORA_V, MN_LORA_O, MN_LORA_GATE,
+                                     MN_LORA_UP, MN_LORA_DOWN};
+    size_t i, n = 0;
+    buf[0] = 0;
+    for (i = 0; i < sizeof flags / sizeof flags[0] && n < cap; i++)
+        if (bits & flags[i]) {
+            int w = snprintf(buf + n, cap - n, "%s%s", n ? "," : "", names[i]);
+            if (w < 0) break;
+            n += (size_t)w;
+        }
+}
+
 // ---- >>estimate/tables: presets (shapes from the published config.json files) -------------------
 
 #define MN__KB(x) ((uint64_t)(x) << 10)
@@ -5837,6 +5852,19 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         mn__log(lg, MN_LOG_ERROR, "--infer: a custom layer stack has no generation to model");
         return MN_ERR_UNSUPPORTED;
     }
+    // Options that contradict --infer or do nothing without it are refused, not dropped.
+    if (s->infer && s->optim != MN_OPTIM_DEFAULT && s->optim != MN_OPTIM_NONE)
+        MN__INVALID(lg, "--optim %s with --infer: generation keeps no optimizer state (drop one)",
+                    mn_optim_name(s->optim));
+    if (s->infer && s->accum > 1)
+        MN__INVALID(lg, "--accum %llu with --infer: generation accumulates no gradients (drop one)",
+                    (unsigned long long)s->accum);
+    if (s->infer && s->checkpointing > MN_CKPT_NONE)
+        MN__INVALID(lg, "--checkpointing %s with --infer: generation keeps no activations for a "
+                    "backward (drop one)", mn_ckpt_name(s->checkpointing));
+    if (!s->infer && (s->prompt || s->new_tokens || s->beams > 1))
+        MN__INVALID(lg, "--%s applies to generation only: add --infer, or use --seq for training",
+                    s->prompt ? "prompt" : s->new_tokens ? "new-tokens" : "beams");
     if (s->infer) {
         if (s->prompt == 0) s->prompt = s->seq;
         if (s->prompt > (1ull << 26))
@@ -5846,7 +5874,24 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
             MN__INVALID(lg, "--new-tokens %llu is out of range (want 0..67108864)",
                         (unsigned long long)s->new_tokens);
         s->seq = s->prompt, s->accum = 1, s->optim = MN_OPTIM_NONE, s->checkpointing = MN_CKPT_NONE;
+        // a learned position table has max_positions rows: generating past it indexes beyond
+        // the table (transformers' GPT-2 / BERT embeddings); rotary models extrapolate
+        if (m->posemb == MN_POS_LEARNED && s->prompt + s->new_tokens > m->max_positions)
+            MN__INVALID(lg, "--prompt %llu + --new-tokens %llu = %llu positions is beyond the "
+                        "model's %llu (a learned position table)", (unsigned long long)s->prompt,
+                        (unsigned long long)s->new_tokens,
+                        (unsigned long long)(s->prompt + s->new_tokens),
+                        (unsigned long long)m->max_positions);
+        if (m->posemb != MN_POS_LEARNED && m->max_positions &&
+            s->prompt + s->new_tokens > m->max_positions)
+            mn__log(lg, MN_LOG_WARN, "--prompt %llu + --new-tokens %llu goes beyond the model's "
+                    "%llu positions: estimated as asked, though quality past them is not assured",
+                    (unsigned long long)s->prompt, (unsigned long long)s->new_tokens,
+                    (unsigned long long)m->max_positions);
     }
+    if (s->zero_stage > 0 && s->gpus == 1 && s->offload == MN_OFFLOAD_NONE)
+        mn__log(lg, MN_LOG_WARN, "--zero %u over 1 GPU shards nothing: the model states stay "
+                "whole on the GPU (give --gpus N, or --offload)", s->zero_stage);
     if (s->framework == MN_FW_MEMANAT && (r = mn__resolve_memanat(m, s, lg)) != MN_OK) return r;
     // the trainer runs on the CPU: host memory, no context, no cuBLAS workspace
     if (!s->gpu) s->gpu = s->framework == MN_FW_MEMANAT ? "cpu" : "a100-80gb";
@@ -5855,11 +5900,20 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         return MN_ERR_NOT_FOUND;
     }
     s->gpu = gpu->name;
+    // bf16 needs sm 80 or newer: transformers' TrainingArguments refuses --bf16 without it
+    // (is_torch_bf16_gpu_available), and autocast has no bf16 kernels there
+    if (!gpu->bf16 && (s->precision == MN_PREC_BF16 || s->precision == MN_PREC_BF16_PURE))
+        MN__INVALID(lg, "--precision %s on the %s (sm %u): bf16 needs sm 80 or newer; use fp16",
+                    mn_precision_name(s->precision), gpu->label, gpu->sm);
     if (s->capacity == 0) s->capacity = gpu->capacity;
     if (s->context == 0) s->context = gpu->context;
     if (s->capacity > (1ull << 50))
         MN__INVALID(lg, "--capacity %llu bytes is out of range (want up to 1125899906842624)",
                     (unsigned long long)s->capacity);
+    if (s->context > s->capacity && setup->context == 0)
+        MN__INVALID(lg, "--capacity %llu bytes is below the %s's context of %llu bytes (CUDA "
+                    "context and kernels): give a larger --capacity, or --context",
+                    (unsigned long long)s->capacity, gpu->label, (unsigned long long)s->context);
     if (s->context > s->capacity)
         MN__INVALID(lg, "--context %llu bytes is out of range (want up to the capacity, %llu)",
                     (unsigned long long)s->context, (unsigned long long)s->capacity);
@@ -5945,6 +5999,13 @@ MN__PRIVATE mn_result mn__build_params(mn__sim *S) {
     else mn__forward(S, MN__NONE, MN__NONE);
     if (S->err) return S->err;
     for (i = 0; i < S->np; i++) counted += S->params[i].numel;
+    if (want && want < counted)  // a count can add to a shape, never take from it
+        mn__log(&c->s.logger, MN_LOG_WARN,
+                "model: the given count of %llu parameters is below the %llu that the shape "
+                "(%llu layers, hidden %llu, vocabulary %llu) implies; the shape's count is used",
+                (unsigned long long)want, (unsigned long long)counted,
+                (unsigned long long)c->m.layers, (unsigned long long)c->m.hidden,
+                (unsigned long long)c->m.vocab);
     if (want > counted) {  // the rest as frozen-or-trainable matrices of the model's width
         uint64_t rest = want - counted, h = c->m.hidden ? c->m.hidden : 1024;
         if (rest / h) mn__next_param(S, rest / h, h, mn__base_trainable(c), 0);
@@ -5966,6 +6027,11 @@ MN__PRIVATE mn_result mn__build_params(mn__sim *S) {
     return S->err;
 }
 
+// *acc += v, checked: an overflow sticks in S->err.
+MN__PRIVATE void mn__acc(mn__sim *S, uint64_t *acc, uint64_t v) {
+    if (mn_add_u64(*acc, v, acc) != MN_OK) S->err = MN_ERR_OVERFLOW;
+}
+
 // Model states per GPU, from the parameter list.
 MN__PRIVATE void mn__model_states(mn__sim *S, mn_estimate_result *out) {
     mn__cfg *c = S->c;
@@ -5973,33 +6039,38 @@ MN__PRIVATE void mn__model_states(mn__sim *S, mn_estimate_result *out) {
     int off = c->s.offload > MN_OFFLOAD_NONE;
     for (i = 0; i < S->np; i++) {
         mn__param *P = &S->params[i];
-        total += P->numel;
+        mn__acc(S, &total, P->numel);
         if (c->amp) {  // fp32 storage of trained parameters is the master; autocast adds casts
-            if (P->trainable) out->master_weights += mn__weight_bytes(S, P);
-            else out->weights += mn__weight_bytes(S, P);
-            if (!P->quant) out->weights += mn__prod(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1);
+            if (P->trainable) mn__acc(S, &out->master_weights, mn__weight_bytes(S, P));
+            else mn__acc(S, &out->weights, mn__weight_bytes(S, P));
+            if (!P->quant)
+                mn__acc(S, &out->weights, mn__prod(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1));
         } else if (c->s.offload != MN_OFFLOAD_ALL) {
-            out->weights += mn__weight_bytes(S, P);
+            mn__acc(S, &out->weights, mn__weight_bytes(S, P));
         } else {
-            out->cpu_bytes += mn__weight_bytes(S, P);
+            mn__acc(S, &out->cpu_bytes, mn__weight_bytes(S, P));
         }
         if (!P->trainable || c->s.infer) continue;
-        trainable += P->numel;
+        mn__acc(S, &trainable, P->numel);
         g = mn__grad_bytes(S, P);
         st = mn__state_bytes(S, P);
         mw = mn__master_bytes(S, P);
         if (off) {
-            out->cpu_bytes += g + st + mw;
+            mn__acc(S, &out->cpu_bytes, g), mn__acc(S, &out->cpu_bytes, st);
+            mn__acc(S, &out->cpu_bytes, mw);
             continue;
         }
-        out->gradients += g;
-        out->optimizer += st + (c->fw_master == 1 ? mw : 0);
-        out->master_weights += c->fw_master == 2 ? mw : 0;
+        mn__acc(S, &out->gradients, g);
+        mn__acc(S, &out->optimizer, st), mn__acc(S, &out->optimizer, c->fw_master == 1 ? mw : 0);
+        mn__acc(S, &out->master_weights, c->fw_master == 2 ? mw : 0);
     }
     if (c->s.optim == MN_OPTIM_NONE) out->optimizer = 0;
     out->params = total;
     out->trainable_params = c->s.infer ? 0 : trainable;
-    out->model_states = out->weights + out->master_weights + out->gradients + out->optimizer;
+    out->model_states = out->weights;
+    mn__acc(S, &out->model_states, out->master_weights);
+    mn__acc(S, &out->model_states, out->gradients);
+    mn__acc(S, &out->model_states, out->optimizer);
 }
 
 // Runs load + two training steps (or a generation), recording allocation events.
@@ -6029,22 +6100,41 @@ MN__PRIVATE void mn__run(mn__sim *S) {
     }
 }
 
+// The replay's logger passes errors on (a bad allocator config) and keeps the out-of-memory
+// warnings of the real-size replay, which are part of the answer, from the caller's log.
+MN__PRIVATE void mn__replay_log(void *user_data, mn_log_level level, const char *msg) {
+    const mn_logger *lg = (const mn_logger *)user_data;
+    if (level == MN_LOG_ERROR) mn__log(lg, level, "%s", msg);
+}
+
 // Replays the events through the caching allocator on a simulated device. capacity 0 = unlimited.
 static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *st) {
     mn_sim_cache sc;
     mn_simdev_desc dd;
     mn_cache_desc cd;
+    mn_replay_counts n;
     mn_result r;
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
     dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
-    cd.logger = S->c->s.logger;
+    cd.logger.log_fn = mn__replay_log, cd.logger.user_data = (void *)&S->c->s.logger;
     if (S->al) cd.allocator = *S->al;
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
-    r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, NULL);
+    r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
     if (r == MN_OK) r = mn_cache_stats(&sc.cache, st);
     mn_sim_cache_free(&sc);
+    if (r == MN_OK && capacity == 0 && n.failed) {
+        // unlimited device: only a tensor of 1 EiB or more is refused (PyTorch's one_exa_bytes)
+        uint64_t i, big = 0;
+        for (i = 0; i < S->nev; i++)
+            if (S->ev[i].alloc && S->ev[i].size > big) big = S->ev[i].size;
+        mn__log(&S->c->s.logger, MN_LOG_ERROR,
+                "the model or setup is too large: one tensor needs %llu bytes, and no allocator "
+                "grants 1 EiB or more (PyTorch refuses it as out of memory)",
+                (unsigned long long)big);
+        r = MN_ERR_OVERFLOW;
+    }
     return r;
 }
 
@@ -6068,6 +6158,15 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
         mn__model_states(S, out);
         r = S->err;
     }
+    if (r == MN_OK && c.lora_rank && !c.s.infer && !c.s.trainable_params &&
+        out->trainable_params == 0) {  // every base weight frozen, no adapter placed
+        char t[64];
+        mn__lora_targets_str(c.s.lora_targets, t, sizeof t);
+        mn__log(&c.s.logger, MN_LOG_ERROR, "--lora-targets %s: %s has none of these projections, "
+                "so nothing would train (q,k,v,o,gate,up,down; gate needs a gated MLP)", t,
+                c.m.name);
+        return MN_ERR_INVALID_ARG;
+    }
     if (r == MN_OK) {
         S->events = keep_events || !c.s.no_replay;
         mn__run(S);
@@ -6075,7 +6174,9 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
     }
     if (r == MN_ERR_OVERFLOW)
         mn__log(&c.s.logger, MN_LOG_ERROR,
-                "the model or setup is too large: a size overflows 64 bits");
+                "the model or setup is too large: a byte count overflows 64 bits (%llu parameters "
+                "counted, batch %llu x seq %llu)", (unsigned long long)out->params,
+                (unsigned long long)c.s.batch, (unsigned long long)c.s.seq);
     if (r != MN_OK) return r;
     out->peak_allocated = S->peak;
     out->peak_phase = S->peak_phase;
@@ -7093,7 +7194,22 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
                 mn__log(&d.logger, MN_LOG_WARN,
                         "%s: quantized checkpoint: parameter count taken from the shape", path);
             } else {
-                m.params = info.params;
+                uint64_t shape = 0;
+                if (mn_model_params(&m, &shape) != MN_OK) shape = 0;
+                if (shape && info.params < shape) {  // a missing shard, or a partial checkpoint
+                    mn__log(&d.logger, MN_LOG_WARN,
+                            "%s: the safetensors files hold %llu parameters, fewer than the %llu "
+                            "of config.json's shape; the shape's count is used", path,
+                            (unsigned long long)info.params, (unsigned long long)shape);
+                } else {
+                    if (shape && info.params - shape > shape / 100)
+                        mn__log(&d.logger, MN_LOG_WARN,
+                                "%s: the safetensors files hold %llu parameters, %llu more than "
+                                "config.json's shape; they are counted as extra matrices", path,
+                                (unsigned long long)info.params,
+                                (unsigned long long)(info.params - shape));
+                    m.params = info.params;
+                }
                 if (info.dtype != MN_DTYPE_DEFAULT) m.dtype = info.dtype;
             }
         } else if (rs != MN_OK && rs != MN_ERR_NOT_FOUND) {

@@ -449,6 +449,7 @@ static void test_setup_bounds(void) {
     mn_estimate_result r;
     mnt_log lg;
     s.logger.log_fn = mnt_log_capture, s.logger.user_data = &lg, s.no_replay = 1, s.seq = 64;
+    s.gpus = 2;  // (ZeRO over one GPU is accepted with a warning)
 #define REJECTS(field, value) do { b = s, b.field = value, memset(&lg, 0, sizeof lg); \
     CHECK_ERR(mn_estimate(&m, &b, &r), MN_ERR_INVALID_ARG); CHECK_EQ_INT(lg.count, 1); } while (0)
 #define ACCEPTS(field, value) do { b = s, b.field = value, memset(&lg, 0, sizeof lg); \
@@ -466,15 +467,23 @@ static void test_setup_bounds(void) {
     REJECTS(gpus, (1u << 20) + 1);
     ACCEPTS(gpus, 1u << 20);
     REJECTS(lora_rank, 65537);
-    REJECTS(beams, 4097);
-    ACCEPTS(beams, 4096);
+    REJECTS(beams, 2);  // generation only
+    REJECTS(prompt, 64);
+    REJECTS(new_tokens, 1);
     REJECTS(capacity, (1ull << 50) + 1);
     ACCEPTS(capacity, 1ull << 50);
     REJECTS(context, (80ull << 30) + 1);  // a100-80gb: more than the capacity
     s.infer = 1;
+    REJECTS(beams, 4097);
+    ACCEPTS(beams, 4096);
     REJECTS(prompt, (1ull << 26) + 1);
     REJECTS(new_tokens, (1ull << 26) + 1);
-    ACCEPTS(new_tokens, 1ull << 26);
+    ACCEPTS(new_tokens, 1024 - 64);  // the prompt (= seq, 64) and new tokens fill the positions
+    REJECTS(new_tokens, 1024 - 64 + 1);
+    REJECTS(optim, MN_OPTIM_ADAMW);   // contradicts --infer
+    ACCEPTS(optim, MN_OPTIM_NONE);
+    REJECTS(accum, 2);
+    REJECTS(checkpointing, MN_CKPT_FULL);
 #undef REJECTS
 #undef ACCEPTS
 }
