@@ -1110,7 +1110,7 @@ static void test_replay_cli(void) {
         CHECK(strstr(out, "\"reserved_bytes.all.peak\": 44040192,") != NULL);
         CHECK(strstr(out, "\"segment.all.current\": 3,") != NULL);
         CHECK(strstr(out, "\"replay.allocations\": 5, \"replay.frees\": 5, "
-                          "\"replay.unmatched_frees\": 0}") != NULL);
+                          "\"replay.unmatched_frees\": 0, \"replay.failed\": 0}") != NULL);
         snprintf(cmd, sizeof cmd, "%s replay test/data/cache_snapshot_sample.json --capacity 40MiB"
                  " 2>&1", cli);
         CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);

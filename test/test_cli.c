@@ -99,8 +99,9 @@ static void test_dev_tsv(void) {
         CHECK_MSG(unit > 0, "row %s: unknown unit %s", col[0], col[2]);
         snprintf(args, sizeof args, "estimate %s --json", col[5]);
         CHECK(run(args, &r));
-        CHECK_MSG(r.status == 0, "row %s: exit %d: %s", col[0], r.status, r.err);
-        if (r.status != 0) continue;
+        // 1: the row's setup does not fit its device (the numbers are printed all the same)
+        CHECK_MSG(r.status == 0 || r.status == 1, "row %s: exit %d: %s", col[0], r.status, r.err);
+        if (r.status != 0 && r.status != 1) continue;
         CHECK_MSG(json_number(r.out, col[1], &got), "row %s: no numeric \"%s\" in the output", col[0], col[1]);
         got /= unit;
         printf("       %-22s %-13s want %9.1f got %11.2f %s (%+.2f%%, tol %.0f%%)\n", col[0], col[1], want, got,
@@ -168,7 +169,7 @@ static void test_huge_model(void) {
     double w = 0, used = 0;
     if (!have_cli()) SKIP("./memanat not built (make test builds it)");
     CHECK(run("estimate --params 1e15 --seq 16 --json", &r));
-    CHECK_EQ_INT(r.status, 0);
+    CHECK_EQ_INT(r.status, 1);  // does not fit
     CHECK(json_number(r.out, "weights", &w));
     CHECK_NEAR(w, 4e15, 0, 1e-9);
     CHECK(json_number(r.out, "device_used", &used));
