@@ -93,7 +93,15 @@ build/memanat_asan: memanat.c $(HDRS) | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ memanat.c $(LDLIBS)
 
-sanitize: build/memanat_asan build/test_asan
+# The library's argument checks do not lean on assert: the bad-argument tests also run with
+# NDEBUG, where an assert would be gone.
+build/test_asan_ndebug: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
+	$(CC) $(CSTD) -O1 -g -DNDEBUG -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
+
+sanitize: build/memanat_asan build/test_asan build/test_asan_ndebug
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/test_asan_ndebug \
+	    bad_arguments | tail -n 1
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MEMANAT_BIN=build/memanat_asan ./build/test_asan
 
 # The header compiles as C++ (nvcc compiles the CUDA backend as C++).

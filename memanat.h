@@ -1916,10 +1916,10 @@ MNDEF float mn_fp16_to_fp32(uint16_t h);
 MNDEF uint16_t mn_fp32_to_bf16(float f);
 MNDEF float mn_bf16_to_fp32(uint16_t b);
 // Bulk versions: src [n] -> dst [n].
-MNDEF void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n);
-MNDEF void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
-MNDEF void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n);
-MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
+MNDEF mn_result mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n);
+MNDEF mn_result mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
+MNDEF mn_result mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n);
+MNDEF mn_result mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 // >>ops -------------------------------------------------------------------------------------------
 //
 // CPU reference ops, forward and backward, on caller-owned fp32 host arrays with fp32 (or double)
@@ -1938,8 +1938,11 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 //     tensor used twice add up and gradient accumulation over micro-batches needs no extra pass.
 //     Zero the gradient buffers before the first backward.
 //   - Output buffers do not alias inputs unless a comment says so.
-//   - Ops that only compute on caller buffers return void; ops that validate data (token ids,
-//     targets, probabilities) return mn_result and write nothing when they fail.
+//   - Every op returns mn_result and writes nothing when it fails: MN_ERR_INVALID_ARG for a
+//     NULL array that is needed, a zero width that divides (C of the norms, L of softmax, NH of
+//     attention, C % NH), a shape whose element count overflows size_t, or bad data (token ids,
+//     targets, probabilities). No op asserts or exits, with or without NDEBUG. What cannot be
+//     checked from inside - array lengths, aliasing not allowed below - is the caller's part.
 //   - With OpenMP (-fopenmp) the heavy loops run in parallel; threads own disjoint outputs and
 //     every sum runs in a fixed order, so results do not depend on the thread count. Every op
 //     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
@@ -1950,44 +1953,46 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 // Matmul: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC], cache-blocked and register-tiled.
 // pre_gelu: [N,OC] or NULL. Non-NULL selects the fused GELU (tanh) epilogue: pre_gelu receives
 //   inp @ weight^T + bias and out = gelu(pre_gelu). bias may be NULL.
-MNDEF void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, const float *weight,
-                             const float *bias, size_t N, size_t C, size_t OC);
+MNDEF mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp,
+                                  const float *weight, const float *bias, size_t N, size_t C,
+                                  size_t OC);
 // dinp[N,C] += dpre @ weight;  dweight[OC,C] += dpre^T @ inp;  dbias[OC] += sum_n dpre[n,:],
 // where dpre = dout, or dout * gelu'(pre_gelu) when pre_gelu is non-NULL. In that case dout [N,OC]
 // is overwritten in place with dpre (as cuBLASLt's DGELU epilogue does). dinp, dweight and dbias
 // may each be NULL to skip that gradient.
-MNDEF void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
-                              const float *inp, const float *weight, const float *pre_gelu,
-                              size_t N, size_t C, size_t OC);
+MNDEF mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
+                                   const float *inp, const float *weight, const float *pre_gelu,
+                                   size_t N, size_t C, size_t OC);
 
 // LayerNorm over the last dimension (Ba, Kiros & Hinton 2016), biased variance, eps e.g. 1e-5.
 // out[N,C], mean[N] and rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C],
 // bias[C] or NULL.
-MNDEF void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                const float *weight, const float *bias, size_t N, size_t C,
-                                float eps);
+MNDEF mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                     const float *weight, const float *bias, size_t N, size_t C,
+                                     float eps);
 // dinp[N,C] +=, dweight[C] +=, dbias[C] += (or NULL); dout[N,C], inp[N,C], weight[C],
 // mean[N] and rstd[N] from the forward.
-MNDEF void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                                 const float *inp, const float *weight, const float *mean,
-                                 const float *rstd, size_t N, size_t C);
+MNDEF mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                                      const float *inp, const float *weight, const float *mean,
+                                      const float *rstd, size_t N, size_t C);
 
 // RMSNorm (Zhang & Sennrich 2019): out = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps).
 // out[N,C], rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C].
-MNDEF void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
-                              size_t N, size_t C, float eps);
+MNDEF mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                                   size_t N, size_t C, float eps);
 // dinp[N,C] +=, dweight[C] +=; dout[N,C], inp[N,C], weight[C], rstd[N] from the forward.
-MNDEF void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
-                               const float *weight, const float *rstd, size_t N, size_t C);
+MNDEF mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
+                                    const float *inp, const float *weight, const float *rstd,
+                                    size_t N, size_t C);
 
 // Softmax over rows of length L: out[n,:] = softmax(scale * inp[n,:]). With causal non-zero the
 // rows form square [L,L] blocks (row n is query position t = n % L) and columns j > t are masked:
 // their probability is exactly 0. out[N,L], inp[N,L].
-MNDEF void mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
-                              int causal);
+MNDEF mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
+                                   int causal);
 // dinp[N,L] += scale * out * (dout - sum_j out_j * dout_j); dout[N,L], out[N,L] from the forward.
-MNDEF void mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
-                               size_t L, float scale, int causal);
+MNDEF mn_result mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
+                                    size_t L, float scale, int causal);
 
 // Multi-head scaled dot-product attention (Vaswani et al. 2017) over a fused qkv buffer
 // [B,T,3C]: q = qkv[..., 0:C], k = qkv[..., C:2C], v = qkv[..., 2C:3C], head h uses channels
@@ -1996,36 +2001,36 @@ MNDEF void mn_softmax_backward(float *dinp, const float *dout, const float *out,
 // backward, or is NULL to keep nothing: the backward then recomputes them (no O(T^2) activation,
 // like FlashAttention; the same gradients, bit for bit). Either way the work is tiled and needs
 // no T x T scratch.
-MNDEF void mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
-                                size_t C, size_t NH, int causal);
+MNDEF mn_result mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
+                                     size_t C, size_t NH, int causal);
 // dqkv[B,T,3C] +=; dout[B,T,C], qkv[B,T,3C], att [B,NH,T,T] from the forward or NULL.
-MNDEF void mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                 const float *att, size_t B, size_t T, size_t C, size_t NH,
-                                 int causal);
+MNDEF mn_result mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                      const float *att, size_t B, size_t T, size_t C, size_t NH,
+                                      int causal);
 
 // GELU, tanh approximation (Hendrycks & Gimpel 2016; GPT-2, llm.c, cuBLASLt's GELU epilogue):
 // out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). out[n], inp[n]; out may equal inp.
-MNDEF void mn_gelu_forward(float *out, const float *inp, size_t n);
+MNDEF mn_result mn_gelu_forward(float *out, const float *inp, size_t n);
 // dinp[n] += dout * gelu'(inp).
-MNDEF void mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n);
+MNDEF mn_result mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n);
 // Exact GELU (Hendrycks & Gimpel 2016; torch.nn.GELU() default): out = 0.5 x (1 + erf(x/sqrt 2)).
-MNDEF void mn_gelu_erf_forward(float *out, const float *inp, size_t n);
-MNDEF void mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n);
+MNDEF mn_result mn_gelu_erf_forward(float *out, const float *inp, size_t n);
+MNDEF mn_result mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n);
 
 // SiLU / swish (Elfwing, Uchibe & Doya 2018; Ramachandran et al. 2017): out = x * sigmoid(x).
 // out[n], inp[n]; out may equal inp. Backward: dinp[n] += dout * silu'(inp).
-MNDEF void mn_silu_forward(float *out, const float *inp, size_t n);
-MNDEF void mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n);
+MNDEF mn_result mn_silu_forward(float *out, const float *inp, size_t n);
+MNDEF mn_result mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n);
 // SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): out = silu(gate) * up.
 // out[n], gate[n], up[n]. Backward: dgate[n] +=, dup[n] += (either may be NULL).
-MNDEF void mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n);
-MNDEF void mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
-                              const float *up, size_t n);
+MNDEF mn_result mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n);
+MNDEF mn_result mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
+                                   const float *up, size_t n);
 
 // Residual add: out[n] = a[n] + b[n] (out may equal a or b). Backward: da[n] += dout,
 // db[n] += dout (either may be NULL).
-MNDEF void mn_residual_forward(float *out, const float *a, const float *b, size_t n);
-MNDEF void mn_residual_backward(float *da, float *db, const float *dout, size_t n);
+MNDEF mn_result mn_residual_forward(float *out, const float *a, const float *b, size_t n);
+MNDEF mn_result mn_residual_backward(float *da, float *db, const float *dout, size_t n);
 
 // Embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]. out[B,T,C], tokens[B,T] in [0,V),
 // wte[V,C], wpe[T,C] or NULL (no position embedding). MN_ERR_INVALID_ARG for a token outside
@@ -10251,24 +10256,32 @@ MN__PRIVATE float mn__bf16_to_fp32_flat(uint16_t b) {
     return mn__opt_float((x & 0x7fffffffu) > 0x7f800000u ? x | 0x400000u : x);
 }
 
-MNIMPL void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n) {
+MNIMPL mn_result mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i;
+    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) dst[i] = mn__fp32_to_fp16_flat(src[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
+MNIMPL mn_result mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i;
+    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) dst[i] = mn__fp16_to_fp32_flat(src[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n) {
+MNIMPL mn_result mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i;
+    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) dst[i] = mn__fp32_to_bf16_flat(src[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
+MNIMPL mn_result mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i;
+    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) dst[i] = mn__bf16_to_fp32_flat(src[i]);
+    return MN_OK;
 }
 
 // ---- shared optimizer plumbing ------------------------------------------------------------------
@@ -11442,16 +11455,30 @@ MN__INLINE float mn__gelu_grad(float x) {
     return s + 2.0f * x * s * sm * MN__GELU_S * (1.0f + 3.0f * MN__GELU_A * x * x);
 }
 
+// Argument checks of the ops: an array that is needed must not be NULL, a width that divides
+// must not be 0, and a shape's element count (a * b * c floats) must fit size_t; else
+// MN_ERR_INVALID_ARG before anything is written. Aliasing and array lengths cannot be checked
+// from here: they are the caller's part (the comments at each declaration state them).
+MN__PRIVATE int mn__ops_fits(size_t a, size_t b, size_t c) {
+    size_t lim = (size_t)-1 / sizeof(float);
+    if (a && b > lim / a) return 0;
+    if (a != 0 && b != 0 && c > lim / (a * b)) return 0;
+    return 1;
+}
+
 // ---- matmul -------------------------------------------------------------------------------------
 
-MNIMPL void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, const float *weight,
-                              const float *bias, size_t N, size_t C, size_t OC) {
+MNIMPL mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp,
+                                   const float *weight, const float *bias, size_t N, size_t C,
+                                   size_t OC) {
     // y[n,o] = b[o] + sum_c x[n,c] w[o,c]; the GEMM runs into pre_gelu when the epilogue is on,
     // then out = gelu(pre_gelu) (cuBLASLt CUBLASLT_EPILOGUE_GELU_AUX_BIAS semantics).
     float *y = pre_gelu ? pre_gelu : out;
     mn__gemm g;
     size_t n;
-    MN_ASSERT(out && inp && weight);
+    if (!out || !inp || !weight || !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) ||
+        !mn__ops_fits(OC, C, 1))
+        return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         float *row = y + n * OC;
@@ -11471,16 +11498,19 @@ MNIMPL void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, con
             for (o = 0; o < OC; o++) out[n * OC + o] = mn__gelu(pre_gelu[n * OC + o]);
         }
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
-                               const float *inp, const float *weight, const float *pre_gelu,
-                               size_t N, size_t C, size_t OC) {
+MNIMPL mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
+                                    const float *inp, const float *weight, const float *pre_gelu,
+                                    size_t N, size_t C, size_t OC) {
     // dpre = dout * gelu'(pre) (fused epilogue); dx[n,c] += sum_o dpre[n,o] w[o,c];
     // dw[o,c] += sum_n dpre[n,o] x[n,c]; db[o] += sum_n dpre[n,o] (llm.c matmul_backward).
     mn__gemm g;
     size_t n;
-    MN_ASSERT(dout);
+    if (!dout || (dinp && !weight) || (dweight && !inp) || (pre_gelu && !dout) ||
+        !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) || !mn__ops_fits(OC, C, 1))
+        return MN_ERR_INVALID_ARG;
     if (pre_gelu) {
         MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
@@ -11489,7 +11519,6 @@ MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float 
         }
     }
     if (dinp) {
-        MN_ASSERT(weight);
         g.c = dinp, g.ldc = C;
         g.a = dout, g.a_rs = OC, g.a_cs = 1;      // A(n, o) = dpre[n, o]
         g.b = weight, g.b_rs = C, g.b_cs = 1;     // B(o, c) = weight[o, c]
@@ -11497,7 +11526,6 @@ MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float 
         mn__gemm_run(&g);
     }
     if (dweight) {
-        MN_ASSERT(inp);
         g.c = dweight, g.ldc = C;
         g.a = dout, g.a_rs = 1, g.a_cs = OC;      // A(o, n) = dpre[n, o]
         g.b = inp, g.b_rs = C, g.b_cs = 1;        // B(n, c) = inp[n, c]
@@ -11519,17 +11547,18 @@ MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float 
             for (o = o0; o < o1; o++) dbias[o] += acc[o - o0];
         }
     }
+    return MN_OK;
 }
 
 // ---- layernorm / RMSNorm ------------------------------------------------------------------------
 
-MNIMPL void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                 const float *weight, const float *bias, size_t N, size_t C,
-                                 float eps) {
+MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                      const float *weight, const float *bias, size_t N, size_t C,
+                                      float eps) {
     // mu = mean(x), var = mean((x - mu)^2) (biased), r = 1/sqrt(var + eps);
     // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
     size_t n;
-    MN_ASSERT(out && inp && weight && C > 0);
+    if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * C;
@@ -11543,17 +11572,18 @@ MNIMPL void mn_layernorm_forward(float *out, float *mean, float *rstd, const flo
         if (mean) mean[n] = m;
         if (rstd) rstd[n] = s;
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                                  const float *inp, const float *weight, const float *mean,
-                                  const float *rstd, size_t N, size_t C) {
+MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                                       const float *inp, const float *weight, const float *mean,
+                                       const float *rstd, size_t N, size_t C) {
     // xh = (x - mu) r, g = w dy; dx += r (g - mean(g) - xh mean(g xh));
     // dw += sum_n dy xh, db += sum_n dy (llm.c train_gpt2.c layernorm_backward).
     size_t n, blk, nblk = (C + 63) / 64;
-    MN_ASSERT(dout && inp && mean && rstd && C > 0);
+    if (!dout || !inp || !mean || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
+        return MN_ERR_INVALID_ARG;
     if (dinp) {
-        MN_ASSERT(weight);
         MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
@@ -11574,7 +11604,7 @@ MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, con
             }
         }
     }
-    if (!dweight && !dbias) return;
+    if (!dweight && !dbias) return MN_OK;
     // parameter gradients: columns in blocks of 64 per thread, rows summed in order
     MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
@@ -11594,14 +11624,15 @@ MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, con
             if (dbias) dbias[i] += ab[i - c0];
         }
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
-                               size_t N, size_t C, float eps) {
+MNIMPL mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                                    size_t N, size_t C, float eps) {
     // r = 1/sqrt(mean(x^2) + eps); y = x r w (Zhang & Sennrich 2019, "Root Mean Square Layer
     // Normalization", eq. 4; as in LLaMA's RMSNorm).
     size_t n;
-    MN_ASSERT(out && inp && weight && C > 0);
+    if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * C;
@@ -11611,16 +11642,18 @@ MNIMPL void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const 
         for (i = 0; i < C; i++) y[i] = x[i] * s * weight[i];
         if (rstd) rstd[n] = s;
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
-                                const float *weight, const float *rstd, size_t N, size_t C) {
+MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
+                                     const float *inp, const float *weight, const float *rstd,
+                                     size_t N, size_t C) {
     // xh = x r, g = w dy; dx += r (g - xh mean(g xh)); dw += sum_n dy xh
     // (the layernorm backward without the mean terms; derivation in Zhang & Sennrich 2019).
     size_t n, blk, nblk = (C + 63) / 64;
-    MN_ASSERT(dout && inp && rstd && C > 0);
+    if (!dout || !inp || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
+        return MN_ERR_INVALID_ARG;
     if (dinp) {
-        MN_ASSERT(weight);
         MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
@@ -11636,7 +11669,7 @@ MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, 
             }
         }
     }
-    if (!dweight) return;
+    if (!dweight) return MN_OK;
     MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
         size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
@@ -11649,16 +11682,17 @@ MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, 
         }
         for (i = c0; i < c1; i++) dweight[i] += aw[i - c0];
     }
+    return MN_OK;
 }
 
 // ---- softmax ------------------------------------------------------------------------------------
 
-MNIMPL void mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
-                               int causal) {
+MNIMPL mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
+                                    int causal) {
     // z = scale x; p_j = exp(z_j - max z) / sum_k exp(z_k - max z) over the unmasked j
     // (max subtracted for range safety; llm.c train_gpt2.c attention_forward / softmax_forward).
     size_t n;
-    MN_ASSERT(out && inp && L > 0);
+    if (!out || !inp || L == 0 || !mn__ops_fits(N, L, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * L >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * L;
@@ -11669,13 +11703,14 @@ MNIMPL void mn_softmax_forward(float *out, const float *inp, size_t N, size_t L,
         for (j = 0; j < len; j++) y[j] *= inv;
         for (; j < L; j++) y[j] = 0.0f;
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
-                                size_t L, float scale, int causal) {
+MNIMPL mn_result mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
+                                     size_t L, float scale, int causal) {
     // dz_j = p_j (dy_j - sum_k p_k dy_k); dx_j += scale dz_j (softmax Jacobian diag(p) - p p^T).
     size_t n;
-    MN_ASSERT(dinp && dout && out && L > 0);
+    if (!dinp || !dout || !out || L == 0 || !mn__ops_fits(N, L, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * L >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *p = out + n * L, *dy = dout + n * L;
@@ -11684,6 +11719,7 @@ MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out
         float d = mn__dot(p, dy, len);
         for (j = 0; j < len; j++) dx[j] += scale * (p[j] * (dy[j] - d));
     }
+    return MN_OK;
 }
 
 // ---- attention ----------------------------------------------------------------------------------
@@ -11887,10 +11923,13 @@ MN__PRIVATE void mn__att_setup(mn__att *a, const float *qkv, const float *dout, 
     a->scale = 1.0f / sqrtf((float)hs);
 }
 
-MNIMPL void mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
-                                 size_t C, size_t NH, int causal) {
+MNIMPL mn_result mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
+                                      size_t C, size_t NH, int causal) {
     size_t bh;
-    MN_ASSERT(out && qkv && NH > 0 && C % NH == 0);
+    if (!out || !qkv || NH == 0 || C == 0 || C % NH != 0 ||
+        !mn__ops_fits(B, T, C) || !mn__ops_fits(B * T, 3, C) ||
+        (att && (!mn__ops_fits(B, NH, T) || !mn__ops_fits(B * NH, T, T))))
+        return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(B * NH > 1)
     for (bh = 0; bh < B * NH; bh++) {
         size_t b = bh / NH, h = bh % NH;
@@ -11898,13 +11937,17 @@ MNIMPL void mn_attention_forward(float *out, float *att, const float *qkv, size_
         mn__att_setup(&a, qkv, NULL, b, h, T, C, NH, causal);
         mn__att_forward_bh(&a, out + b * T * C + h * a.hs, C, att ? att + bh * T * T : NULL);
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                  const float *att, size_t B, size_t T, size_t C, size_t NH,
-                                  int causal) {
+MNIMPL mn_result mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                       const float *att, size_t B, size_t T, size_t C, size_t NH,
+                                       int causal) {
     size_t bh;
-    MN_ASSERT(dqkv && dout && qkv && NH > 0 && C % NH == 0);
+    if (!dqkv || !dout || !qkv || NH == 0 || C == 0 || C % NH != 0 ||
+        !mn__ops_fits(B, T, C) || !mn__ops_fits(B * T, 3, C) ||
+        (att && (!mn__ops_fits(B, NH, T) || !mn__ops_fits(B * NH, T, T))))
+        return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(B * NH > 1)
     for (bh = 0; bh < B * NH; bh++) {
         size_t b = bh / NH, h = bh % NH;
@@ -11914,35 +11957,43 @@ MNIMPL void mn_attention_backward(float *dqkv, const float *dout, const float *q
         mn__att_backward_bh(&a, dbase + h * a.hs, dbase + C + h * a.hs, dbase + 2 * C + h * a.hs,
                             att ? att + bh * T * T : NULL);
     }
+    return MN_OK;
 }
 
 // ---- elementwise --------------------------------------------------------------------------------
 
-MNIMPL void mn_gelu_forward(float *out, const float *inp, size_t n) {
+MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
     size_t i;
+    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = mn__gelu(inp[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+MNIMPL mn_result mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dx += dy (0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
     size_t i;
+    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) dinp[i] += dout[i] * mn__gelu_grad(inp[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
+MNIMPL mn_result mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
     // y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), Hendrycks & Gimpel 2016 (exact GELU); written
     // with erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2), which does not cancel for negative x
     size_t i;
+    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = 0.5f * inp[i] * erfcf(-inp[i] * 0.70710678118654752f);
+    return MN_OK;
 }
 
-MNIMPL void mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+MNIMPL mn_result mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dy/dx = Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
     size_t i;
+    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float x = inp[i];
@@ -11950,62 +12001,75 @@ MNIMPL void mn_gelu_erf_backward(float *dinp, const float *dout, const float *in
                   x * mn__expf(-0.5f * x * x) * 0.39894228040143268f;
         dinp[i] += dout[i] * g;
     }
+    return MN_OK;
 }
 
 // sigmoid(x) = 1 / (1 + exp(-x)); exp(-x) = inf for very negative x gives 0 as it should.
 MN__INLINE float mn__sigmoid(float x) { return 1.0f / (1.0f + mn__expf(-x)); }
 
-MNIMPL void mn_silu_forward(float *out, const float *inp, size_t n) {
+MNIMPL mn_result mn_silu_forward(float *out, const float *inp, size_t n) {
     // y = x sigmoid(x), Elfwing et al. 2018
     size_t i;
+    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = inp[i] * mn__sigmoid(inp[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+MNIMPL mn_result mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dy/dx = s (1 + x (1 - s)), s = sigmoid(x), 1 - s = sigmoid(-x)
     size_t i;
+    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float x = inp[i], s = mn__sigmoid(x), sm = mn__sigmoid(-x);
         dinp[i] += dout[i] * (s + x * s * sm);
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n) {
+MNIMPL mn_result mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n) {
     // y = silu(g) u, Shazeer 2020 (SwiGLU with the projections done by the caller's matmuls)
     size_t i;
+    if (n && (!out || !gate || !up)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = gate[i] * mn__sigmoid(gate[i]) * up[i];
+    return MN_OK;
 }
 
-MNIMPL void mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
-                               const float *up, size_t n) {
+MNIMPL mn_result mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
+                                    const float *up, size_t n) {
     // dg += dy u silu'(g); du += dy silu(g)
     size_t i;
+    if (n && (!dout || !gate || !up)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float g = gate[i], s = mn__sigmoid(g), sm = mn__sigmoid(-g);
         if (dgate) dgate[i] += dout[i] * up[i] * (s + g * s * sm);
         if (dup) dup[i] += dout[i] * (g * s);
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_residual_forward(float *out, const float *a, const float *b, size_t n) {
+MNIMPL mn_result mn_residual_forward(float *out, const float *a, const float *b, size_t n) {
     // y = a + b (llm.c train_gpt2.c residual_forward)
     size_t i;
+    if (n && (!out || !a || !b)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = a[i] + b[i];
+    return MN_OK;
 }
 
-MNIMPL void mn_residual_backward(float *da, float *db, const float *dout, size_t n) {
+MNIMPL mn_result mn_residual_backward(float *da, float *db, const float *dout, size_t n) {
     // da += dy, db += dy
     size_t i;
+    if (n && (!dout)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         if (da) da[i] += dout[i];
         if (db) db[i] += dout[i];
     }
+    return MN_OK;
 }
 
 // ---- embedding ----------------------------------------------------------------------------------
