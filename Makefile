@@ -1,7 +1,7 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
 # under clang, also with MEMANAT_STATIC and the trainer, and the ops with MEMANAT_NO_SIMD), fuzz
-# (bounded fuzzing of the parsers), bench (benchmark programs), cuda-probe.
+# (bounded fuzzing of every parser), bench (benchmark programs), cuda-probe.
 # With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
 # (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and `make test` first runs
 # build/test_cuda (the GPU tests; one SKIP line without a device). `make gpu-bench` builds the GPU
@@ -114,18 +114,24 @@ clang: $(TESTSRC) $(HDRS) memanat.c trainer.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/memanat_clang memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/trainer_clang trainer.c $(LDLIBS)
-	./build/test_clang > build/test_clang.log || (tail -n 30 build/test_clang.log; exit 1)
+	MEMANAT_BIN=build/memanat_clang ./build/test_clang > build/test_clang.log || \
+	    (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_NO_SIMD -o build/test_nosimd $(TESTSRC) $(LDLIBS)
 	./build/test_nosimd ops > build/test_nosimd.log || (tail -n 30 build/test_nosimd.log; exit 1)
 	@echo "ops without SIMD: $$(tail -n 1 build/test_nosimd.log)"
 
-# Fuzzing the JSON, safetensors and config readers for a bounded time (FUZZ_SECONDS).
-FUZZ_SECONDS ?= 20
-fuzz: test/fuzz.c $(HDRS) | build
+# Fuzzing every parser (test/fuzz/fuzz.c: json, safetensors, config, index, snapshot, csv,
+# allocconf, size), each for FUZZ_SECONDS from its seeds in test/fuzz/corpus/NAME;
+# FUZZ_TARGET=NAME runs one.
+FUZZ_SECONDS ?= 10
+FUZZ_TARGET ?= all
+build/fuzz: test/fuzz/fuzz.c memanat.c $(HDRS) | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined $(WARN) \
-	    -o build/fuzz test/fuzz.c $(LDLIBS)
-	./build/fuzz --seconds $(FUZZ_SECONDS) test/corpus
+	    -o $@ test/fuzz/fuzz.c $(LDLIBS)
+
+fuzz: build/fuzz
+	./build/fuzz --seconds $(FUZZ_SECONDS) --target $(FUZZ_TARGET) test/fuzz/corpus
 
 bench: $(BENCHES)
 

@@ -181,7 +181,7 @@ MNDEF void mn_size_format(uint64_t bytes, char *buf, size_t cap);  // "1.25 GiB"
 //
 // A strict JSON reader (RFC 8259) that builds a read-only tree in one arena, small JSON-writing
 // helpers, and a reader for safetensors headers. Both readers take untrusted files: every rule of
-// the grammar is enforced, every size is checked, and the fuzz driver (test/fuzz.c) runs them.
+// the grammar is enforced, every size is checked, and the fuzz driver (test/fuzz/fuzz.c) runs them.
 
 typedef enum mn_json_type {
     MN_JSON_INVALID = 0,

@@ -1,4 +1,5 @@
 // Test runner: ./build/test_all [substring]  runs every test whose "suite/name" contains it.
+// MN_TEST_STRICT=1 (CI) counts a skipped test as failed: every test must run in every pass.
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdarg.h>
@@ -251,7 +252,7 @@ mn_result mnt_buf_write(void *user_data, const char *data, size_t len) {
 int main(int argc, char **argv) {
     const char *filter = argc > 1 ? argv[1] : NULL;
     const char *env = getenv("MN_TEST_SEED");
-    int passed = 0, failed = 0, skipped = 0;
+    int passed = 0, failed = 0, skipped = 0, strict = env_on("MN_TEST_STRICT");
     size_t s, i;
     char full[160];
     seed_value = env ? strtoull(env, NULL, 10) : (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
@@ -272,7 +273,10 @@ int main(int argc, char **argv) {
                 mnt_fail(__FILE__, __LINE__, "host allocations got %ld live want %ld", live_allocs, live_before);
                 live_allocs = live_before;
             }
-            if (cur_failed) {
+            if (cur_skipped && strict) {  // CI: a test that cannot run is a failure
+                printf("[FAIL] %s: skipped under MN_TEST_STRICT: %s\n", full, cur_skip_reason);
+                failed++;
+            } else if (cur_failed) {
                 printf("[FAIL] %s\n", full);
                 failed++;
             } else if (cur_skipped) {
