@@ -527,6 +527,9 @@ static int write_step_pictures(const cli *c, const mn_estimate_result *r) {
     cd.config = c->setup.alloc_conf;
     cd.trace_entries = (uint32_t)(r->alloc_events * 6 + 64 < 8000000 ? r->alloc_events * 6 + 64
                                                                      : 8000000);
+    if (r->alloc_events * 6 + 64 > 8000000)
+        fprintf(stderr, "memanat: warning: the picture keeps the last 8 M of the step's %.1f M "
+                "trace entries (its start is cut)\n", (double)(r->alloc_events * 6) / 1e6);
     cd.logger.log_fn = capture_log;
     if ((res = mn_sim_cache_init(&sc, NULL, &cd)) != MN_OK) return fail_result("allocator", res);
     res = mn_estimate_replay(&c->model, &c->setup, NULL, &sc.cache);
@@ -721,6 +724,7 @@ typedef struct trace {
     uint32_t nstreams;
     uint64_t skipped;      // rows that are neither allocations nor frees
     const char *file;
+    int streams_shared;    // more than 63 streams were seen (warned once)
 } trace;
 
 static int trace_push(trace *t, uint64_t ptr, uint64_t size, uint64_t stream, int is_alloc,
@@ -741,6 +745,11 @@ static int trace_push(trace *t, uint64_t ptr, uint64_t size, uint64_t stream, in
         for (k = 1; k < t->nstreams && t->streams[k] != stream; k++) continue;
         if (k == t->nstreams) {
             if (t->nstreams == 0) t->nstreams = 1;
+            if (t->nstreams == 64 && !t->streams_shared) {
+                t->streams_shared = 1;
+                fprintf(stderr, "memanat: warning: %s: more than 63 streams; the later ones "
+                        "share the 63rd\n", t->file);
+            }
             k = t->nstreams < 64 ? t->nstreams++ : 63;  // beyond 63 streams: shared
             t->streams[k] = stream;
         }
@@ -1002,7 +1011,12 @@ static int read_snapshot(const char *text, size_t len, trace *t) {
                       (unsigned long long)size, (unsigned long long)TRACE_ONE_EXA);
             break;
         }
-        if (mn_json_u64(mn_json_get(e, "stream"), &stream) != MN_OK) stream = 0;
+        if (mn_json_get(e, "stream") &&
+            mn_json_u64(mn_json_get(e, "stream"), &stream) != MN_OK) {
+            rc = fail("%s: device_traces entry %zu: \"stream\" must be an integer from 0 to "
+                      "2^64-1", file, i);
+            break;
+        }
         for (k = 0; cat && cat->type == MN_JSON_STRING && k < MN_CAT_COUNT; k++)
             if (strcmp(cat->str, mn_category_name((mn_category)k)) == 0) c = (mn_category)k;
         rc = trace_push(t, addr, size, stream, is_alloc, c);
@@ -1111,6 +1125,9 @@ static int cmd_replay(int argc, char **argv) {
     cd.config = c.alloc_conf;
     cd.logger.log_fn = capture_log;
     if (c.svg) cd.trace_entries = t.n * 2 + 64 < (1u << 22) ? (uint32_t)(t.n * 2 + 64) : (1u << 22);
+    if (c.svg && t.n * 2 + 64 > (1u << 22))
+        fprintf(stderr, "memanat: warning: the picture keeps the last %u of %.1f M trace entries "
+                "(its start is cut)\n", 1u << 22, (double)(t.n * 2) / 1e6);
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) {
         rc = fail_result("allocator", r);
         goto done;

@@ -307,6 +307,9 @@ static void test_reliability(void) {
         {"{\"device_traces\": [[{\"action\": \"alloc\", \"addr\": 1, \"size\": "
          "1152921504606846976}]]}", "replay", "entry 0"},
         {"{\"device_traces\": [[{\"action\": \"alloc\", \"addr\": 1,", "replay", "column 51"},
+        // a stream that is not an integer, once read as stream 0
+        {"{\"device_traces\": [[{\"action\": \"alloc\", \"addr\": 1, \"size\": 8, "
+         "\"stream\": -1}]]}", "replay", "entry 0"},
         {"{\"model_type\": \"llama\",\n\"hidden_size\": [}", "estimate --config", "line 2"},
     };
     static const char *const refused[] = {  // contradicting or empty options: one line, exit 2
