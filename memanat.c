@@ -306,7 +306,18 @@ static int parse_args(cli *c, unsigned command, int argc, char **argv, const cha
         }
         if ((rc = set_option(c, o, v)) != 0) return rc;
     }
-    if (!c->alloc_conf) c->alloc_conf = env_alloc_conf();
+    {  // the allocator settings, checked here so that the message names where they came from
+        const char *src = c->alloc_conf ? "--alloc-conf"
+                          : getenv("PYTORCH_ALLOC_CONF") ? "PYTORCH_ALLOC_CONF"
+                                                         : "PYTORCH_CUDA_ALLOC_CONF";
+        mn_cache_config cfg;
+        mn_logger lg;
+        if (!c->alloc_conf) c->alloc_conf = env_alloc_conf();
+        lg.log_fn = capture_log, lg.user_data = NULL;
+        if (c->alloc_conf && mn_cache_config_parse(c->alloc_conf, &cfg, &lg) != MN_OK)
+            return fail("%s \"%s\": %s", src, c->alloc_conf,
+                        first_error[0] ? first_error : "not an allocator setting");
+    }
     c->setup.alloc_conf = c->alloc_conf;
     if (command == CMD_REPLAY) {
         if (!c->trace)
