@@ -14,7 +14,8 @@
 //   MEMANAT_STATIC         make every function static to that file
 //   MN_MALLOC(sz), MN_FREE(p)   host allocation used when a descriptor gives no allocator
 //                          (define both or neither; default malloc/free)
-//   MN_ASSERT(c)           programmer-error check (default assert)
+//   MN_ASSERT(c)           check of an internal invariant (default assert); never used on
+//                          arguments or input: those get an mn_result, with or without NDEBUG
 //   MEMANAT_NO_THREADS     build the caching allocator without its mutex (one thread per cache)
 //   MEMANAT_NO_SIMD        the matmul register tile in plain C instead of GCC/clang vector
 //                          extensions (slower; the tests pass either way)
@@ -1800,7 +1801,7 @@ MNDEF void mn_adamw8bit_free(mn_adamw8bit *s);
 // The 256-entry dynamic quantization map of bitsandbytes create_dynamic_map(signed, 7, 8), sorted
 // ascending: signed = 127 negatives down to -0.993, 0, 128 positives up to 1.0 (smallest
 // magnitude 5.5e-7); unsigned = 0 and 255 positives up to 1.0 (smallest 3.25e-7).
-MNDEF void mn_dynamic_map(int is_signed, float map[256]);
+MNDEF mn_result mn_dynamic_map(int is_signed, float map[256]);  // INVALID_ARG: map NULL
 // Block-wise quantization: absmax[b] = max |x| over block b, codes[i] = index of the map entry
 // nearest to x[i] / absmax[b]. map [256] ascending, x [n], codes [n], absmax [ceil(n/block)].
 MNDEF mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_t n,
@@ -2164,12 +2165,14 @@ MNIMPL const char *mn_category_name(mn_category c) {
 }
 
 MNIMPL mn_result mn_mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
+    if (!out) return MN_ERR_INVALID_ARG;
     if (a != 0 && b > UINT64_MAX / a) return MN_ERR_OVERFLOW;
     *out = a * b;
     return MN_OK;
 }
 
 MNIMPL mn_result mn_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
+    if (!out) return MN_ERR_INVALID_ARG;
     if (b > UINT64_MAX - a) return MN_ERR_OVERFLOW;
     *out = a + b;
     return MN_OK;
@@ -10537,9 +10540,10 @@ MNIMPL void mn_adamw_free(mn_adamw *s) {
 // by 10^(i-6), negated copies when signed, plus 0 and 1. The groups are disjoint and increasing,
 // so writing them in order gives the sorted map. Computed in fp32 with torch.linspace's formula
 // (start + step*k in the first half, end - step*(steps-1-k) in the second).
-MNIMPL void mn_dynamic_map(int is_signed, float map[256]) {
+MNIMPL mn_result mn_dynamic_map(int is_signed, float map[256]) {
     float pos[254];
     int npos = 0, i, k, j = 0;
+    if (!map) return MN_ERR_INVALID_ARG;
     for (i = 0; i < 7; i++) {
         int steps = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1, half = steps / 2;
         float start = 0.1f, end = 1.0f, step = (end - start) / (float)(steps - 1), prev = 0.0f;
@@ -10556,6 +10560,7 @@ MNIMPL void mn_dynamic_map(int is_signed, float map[256]) {
     for (k = 0; k < npos; k++) map[j++] = pos[k];
     map[j++] = 1.0f;
     MN_ASSERT(j == 256);
+    return MN_OK;
 }
 
 // Index of the map entry nearest to x (map ascending); ties go to the larger entry. Branch-free
