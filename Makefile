@@ -102,7 +102,8 @@ build/test_asan_ndebug: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
 sanitize: build/memanat_asan build/test_asan build/test_asan_ndebug
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/test_asan_ndebug \
 	    bad_arguments | tail -n 1
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MEMANAT_BIN=build/memanat_asan ./build/test_asan
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MEMANAT_BIN=build/memanat_asan \
+	    ./build/test_asan
 
 # The header compiles as C++ (nvcc compiles the CUDA backend as C++).
 cxx: test/cxx_check.cpp $(HDRS) | build
@@ -121,7 +122,7 @@ clang: $(TESTSRC) $(HDRS) memanat.c trainer.c | build
 	./build/test_nosimd ops > build/test_nosimd.log || (tail -n 30 build/test_nosimd.log; exit 1)
 	@echo "ops without SIMD: $$(tail -n 1 build/test_nosimd.log)"
 
-# Fuzzing every parser (test/fuzz/fuzz.c: json, safetensors, config, index, snapshot, csv,
+# Fuzzing every parser (test/fuzz/fuzz.c: json, safetensors, config, index, snapshot, csv, lengths,
 # allocconf, size), each for FUZZ_SECONDS from its seeds in test/fuzz/corpus/NAME;
 # FUZZ_TARGET=NAME runs one.
 FUZZ_SECONDS ?= 10

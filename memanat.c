@@ -75,6 +75,10 @@ typedef struct cli {
     const char *alloc_conf;      // --alloc-conf, else from the environment (env_alloc_conf)
     const char *svg, *snapshot;  // the timeline picture / the memory_viz JSON to write
     const char *trace;           // replay: the trace file
+    const char *seq_lengths;     // --seq-lengths FILE or MIN:MAX:MEAN
+    uint32_t len_steps;          // --steps
+    uint64_t len_seed;           // --seed
+    double percentile;           // --percentile, 0 = the library's default
 } cli;
 
 // A count: digits with an optional fraction and exponent (7.5e9) or suffix K/M/B/T (10^3 steps).
@@ -138,6 +142,38 @@ static int opt_torch(cli *c, const char *flag, const char *v) {
     return 0;
 }
 
+// X.Y.Z -> X * 10000 + Y * 100 + Z (0.43.1 -> 4301).
+static int opt_bnb_version(cli *c, const char *flag, const char *v) {
+    unsigned x, y, z;
+    int n = 0;
+    (void)flag;
+    if (sscanf(v, "%3u.%2u.%2u%n", &x, &y, &z, &n) != 3 || v[n] || v[0] < '0' || v[0] > '9' ||
+        x > 99 || (x == 0 && y == 0 && z == 0))
+        return fail("--bnb-version \"%s\": want a bitsandbytes release such as 0.43.1", v);
+    c->setup.bnb_version = x * 10000 + y * 100 + z;
+    return 0;
+}
+
+static int opt_quant_head(cli *c, const char *flag, const char *v) {
+    (void)flag;
+    if (!strcmp(v, "yes")) c->setup.quant_head = 1;
+    else if (!strcmp(v, "no")) c->setup.quant_head = 0;
+    else return fail("--quant-head \"%s\": want yes or no", v);
+    return 0;
+}
+
+static int opt_percentile(cli *c, const char *flag, const char *v) {
+    char *end;
+    double p;
+    (void)flag;
+    errno = 0;
+    p = strtod(v, &end);
+    if (end == v || *end || errno || !(p > 0 && p <= 100))
+        return fail("--percentile \"%s\": want a number above 0, at most 100", v);
+    c->percentile = p;
+    return 0;
+}
+
 static int opt_zero_grad(cli *c, const char *flag, const char *v) {
     (void)flag;
     if (!strcmp(v, "keep")) c->setup.grads = MN_GRADS_KEEP;
@@ -194,6 +230,10 @@ static const opt options[] = {
     U64("--batch", setup.batch, 1),
     U64("--seq", setup.seq, 1),
     U64("--accum", setup.accum, 1),
+    KIND("--seq-lengths", CMD_ESTIMATE, OPT_TEXT, seq_lengths),
+    {"--steps", CMD_ESTIMATE, OPT_U32, F(len_steps), 2, NULL, NULL},
+    {"--seed", CMD_ESTIMATE, OPT_U64, F(len_seed), 0, NULL, NULL},
+    {"--percentile", CMD_ESTIMATE, OPT_FN, 0, 0, NULL, opt_percentile},
     CHOOSE("--precision", setup.precision, mn_precision_parse),
     CHOOSE("--optim", setup.optim, mn_optim_parse),
     CHOOSE("--checkpointing", setup.checkpointing, mn_ckpt_parse),
@@ -201,6 +241,8 @@ static const opt options[] = {
     U32("--lora-rank", setup.lora_rank, 1),
     CHOOSE("--lora-targets", setup.lora_targets, mn_lora_targets_parse),
     CHOOSE("--quant", setup.quant, mn_quant_parse),
+    FN("--bnb-version", opt_bnb_version),
+    FN("--quant-head", opt_quant_head),
     CHOOSE("--framework", setup.framework, mn_framework_parse),
     FN("--torch", opt_torch),
     U32("--zero", setup.zero_stage, 0),
@@ -398,7 +440,11 @@ static const char *estimate_usage =
     "             --precision fp32|fp16|bf16|fp16-pure|bf16-pure\n"
     "             --optim adamw|adamw-8bit|sgd|sgd-momentum|adafactor|lion|none\n"
     "             --attention eager|sdpa|flash --lora-rank R --lora-targets q,k,v,o,gate,up,down\n"
-    "             --quant none|int8|nf4\n"
+    "             --quant none|int8|nf4|nf4-dq|fp4|fp4-dq (bitsandbytes; -dq: double quant)\n"
+    "             --bnb-version X.Y.Z (before 0.43.2 a 4-bit linear keeps its input)\n"
+    "             --quant-head yes|no (quantize an untied LM head too; transformers: no)\n"
+    "  lengths:   --seq-lengths FILE|MIN:MAX:MEAN (instead of --seq: FILE has lines LENGTH\n"
+    "             or LENGTH COUNT) --steps N (32) --seed N (0) --percentile P (99)\n"
     "  framework: --framework hf|deepspeed|megatron|memanat --torch 1.10|2 --zero 0..3 --gpus N\n"
     "             --offload none|optimizer|all --zero-grad keep|none\n"
     "  device:    --gpu NAME --capacity SIZE --context SIZE --alloc-conf STR\n"
@@ -518,6 +564,10 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     json_u64("lora_rank", s->lora_rank, f);
     json_str("quant", mn_quant_name(s->quant), f);
     json_str("head", mn_head_name(r->model.head), f);
+    if (s->quant > MN_QUANT_NONE) {  // bitsandbytes: the release modelled (0 = current), the head
+        json_u64("bnb_version", s->bnb_version, f);
+        printf(", \"quant_head\": %s", s->quant_head ? "true" : "false");
+    }
     printf(", \"infer\": %s", s->infer ? "true" : "false");
     if (s->infer) {
         json_u64("prompt", s->prompt, f);
@@ -600,6 +650,101 @@ static void print_parts(const cli *c, const mn_estimate_result *r, const uint64_
     printf("  %-28s %12s\n", r->model.arch == MN_ARCH_STACK ? "loss" : "final norm and head", a);
 }
 
+// --seq-lengths: MIN:MAX:MEAN when it has that form, else a file.
+static int load_lengths(const cli *c, mn_seq_dist *d) {
+    mn_logger lg;
+    mn_result r;
+    const char *v = c->seq_lengths;
+    size_t digits = strspn(v, "0123456789");
+    memset(&lg, 0, sizeof lg);
+    lg.log_fn = capture_log;
+    if (digits && v[digits] == ':') r = mn_seq_dist_range(v, &lg, d);
+    else r = mn_seq_dist_read_file(v, NULL, &lg, d);
+    if (r == MN_OK) return 0;
+    return first_error[0] ? fail("--seq-lengths %s", first_error)
+                          : fail("--seq-lengths: %s", mn_result_str(r));
+}
+
+static void print_lengths(const cli *c, const mn_lengths_result *l) {
+    char buf[48];
+    uint32_t i;
+    if (c->json) {
+        printf(", \"seq_lengths\": {\"longest\": %llu, \"mean\": %.1f, \"steps\": %u, "
+               "\"seed\": %llu, \"percentile\": %g, \"peak_allocated\": %llu, \"reserved\": "
+               "%llu, \"reserved_percentile\": %llu, \"device_used\": %llu, \"fits\": %s",
+               (unsigned long long)l->longest_len, l->mean_len, l->steps,
+               (unsigned long long)c->len_seed, l->percentile,
+               (unsigned long long)l->peak_allocated, (unsigned long long)l->reserved,
+               (unsigned long long)l->reserved_pct, (unsigned long long)l->device_used,
+               l->fits ? "true" : "false");
+        printf(", \"step_len\": [");
+        for (i = 0; i < l->steps; i++)
+            printf("%s%llu", i ? ", " : "", (unsigned long long)l->step_len[i]);
+        printf("], \"step_peak_allocated\": [");
+        for (i = 0; i < l->steps; i++)
+            printf("%s%llu", i ? ", " : "", (unsigned long long)l->step_peak[i]);
+        printf("], \"step_reserved\": [");
+        for (i = 0; i < l->steps; i++)
+            printf("%s%llu", i ? ", " : "", (unsigned long long)l->step_reserved[i]);
+        printf("]}");
+        return;
+    }
+    printf("\nsequence lengths: %u steps (seed %llu), padded length mean %.0f, longest %llu\n",
+           l->steps, (unsigned long long)c->len_seed, l->mean_len,
+           (unsigned long long)l->longest_len);
+    put_size("peak_allocated", l->peak_allocated, l->longest.capacity);
+    put_size("reserved max", l->reserved, l->longest.capacity);
+    snprintf(buf, sizeof buf, "reserved p%g", l->percentile);
+    put_size(buf, l->reserved_pct, l->longest.capacity);
+    put_size("device_used", l->device_used, l->longest.capacity);
+    printf("  (peak_allocated: the longest steps; reserved max: the most during the steps, with\n"
+           "  device_used = context + it; reserved p%g: of the reserved at each step's end)\n",
+           l->percentile);
+    printf("\nover the steps: %s (the table above is one length, the longest)\n",
+           l->fits ? "FITS" : "DOES NOT FIT");
+}
+
+// estimate --seq-lengths: the plain estimate at the longest length, then the steps' replay.
+static int cmd_estimate_lengths(cli *c) {
+    mn_seq_dist d;
+    mn_lengths_desc desc;
+    mn_lengths_result *l;
+    uint64_t *parts = NULL;
+    uint32_t nparts = 0;
+    int rc = 0, f = 1;
+    mn_result res;
+    if (c->setup.seq) return fail("give --seq or --seq-lengths, not both");
+    if ((rc = load_lengths(c, &d)) != 0) return rc;
+    l = (mn_lengths_result *)malloc(sizeof *l);
+    if (!l) {
+        mn_seq_dist_free(NULL, &d);
+        return fail("out of memory");
+    }
+    memset(&desc, 0, sizeof desc);
+    desc.dist = &d, desc.steps = c->len_steps, desc.seed = c->len_seed;
+    desc.percentile = c->percentile;
+    res = mn_estimate_lengths(&c->model, &c->setup, &desc, l);
+    mn_seq_dist_free(NULL, &d);
+    if (res != MN_OK) rc = fail_result("estimate", res);
+    if (!rc) c->setup.seq = l->longest_len;  // pictures and parts: the longest step
+    if (!rc && (c->svg || c->snapshot)) rc = write_step_pictures(c, &l->longest);
+    if (!rc) rc = compute_parts(c, &l->longest, &parts, &nparts);
+    if (!rc && c->json) {
+        printf("{");
+        print_json_fields(&l->longest, &f);
+        print_parts(c, &l->longest, parts, nparts);
+        print_lengths(c, l);
+        printf("}\n");
+    } else if (!rc) {
+        print_table(&l->longest);
+        print_parts(c, &l->longest, parts, nparts);
+        print_lengths(c, l);
+    }
+    free(parts);
+    free(l);
+    return rc;
+}
+
 static int cmd_estimate(int argc, char **argv) {
     cli c;
     mn_estimate_result r;
@@ -608,6 +753,9 @@ static int cmd_estimate(int argc, char **argv) {
     uint32_t nparts = 0;
     int rc = parse_args(&c, CMD_ESTIMATE, argc, argv, estimate_usage), f = 1;
     if (rc) return rc == 1 ? 0 : rc;
+    if (c.seq_lengths) return cmd_estimate_lengths(&c);
+    if (c.len_steps || c.len_seed || c.percentile)
+        return fail("--steps, --seed and --percentile go with --seq-lengths");
     res = mn_estimate(&c.model, &c.setup, &r);
     if (res != MN_OK) return fail_result("estimate", res);
     note_slow(&r);

@@ -61,6 +61,7 @@
 //   >>estimate       the estimator:
 //     /inputs          the model (a shape or a custom layer stack) and the setup; their resolution
 //     /step            the symbolic training step or generation, its trace and its result
+//     /lengths         training over a distribution of sequence lengths, steps replayed
 //     /fit             the largest micro-batch, the longest sequence, a plan that fits
 //     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space), names
 //     /gpt             the model of memanat's own trainer: its tensor tables, shared with trainer.c
@@ -72,7 +73,8 @@
 //     /config          PYTORCH_ALLOC_CONF parsing and the rounding policy
 //     /alloc           blocks, segments, pools, allocation, freeing, events, statistics, check
 //     /observe         snapshot, memory_summary(), memory_stats() items, JSON, SVG timeline
-//     /helpers         mn_sim_cache, mn_cache_write_file, mn_write_file_atomic, mn_cache_replay
+//     /helpers         mn_sim_cache, mn_cache_write_file, mn_write_file_atomic, mn_cache_replay,
+//                      mn_cache_replay_marked
 //   >>optim          optimizer steps and state sizes, gradient clipping, loss scaling, fp16/bf16
 //   >>ops            CPU reference ops, forward and backward
 //
@@ -486,8 +488,17 @@ typedef enum mn_framework {
 typedef enum mn_offload {
     MN_OFFLOAD_DEFAULT = 0, MN_OFFLOAD_NONE, MN_OFFLOAD_OPTIMIZER, MN_OFFLOAD_ALL, MN_OFFLOAD_COUNT
 } mn_offload;
+// Frozen base weights quantized by bitsandbytes (transformers' BitsAndBytesConfig). nf4 and fp4
+// without "-dq" keep one fp32 absmax per 64 weights, as BitsAndBytesConfig does by default
+// (bnb_4bit_use_double_quant=False); "-dq" is double quantization, QLoRA's recipe.
 typedef enum mn_quant {
-    MN_QUANT_DEFAULT = 0, MN_QUANT_NONE, MN_QUANT_INT8, MN_QUANT_NF4, MN_QUANT_COUNT
+    MN_QUANT_DEFAULT = 0, MN_QUANT_NONE,
+    MN_QUANT_INT8,     // LLM.int8 (Linear8bitLt): int8 weight + fp32 scale per output row
+    MN_QUANT_NF4,      // Linear4bit quant_type nf4, fp32 absmax per block of 64
+    MN_QUANT_NF4_DQ,   // nf4 with double quantization (8-bit absmax, blocks of 256)
+    MN_QUANT_FP4,      // Linear4bit quant_type fp4 (BitsAndBytesConfig's default type)
+    MN_QUANT_FP4_DQ,   // fp4 with double quantization
+    MN_QUANT_COUNT
 } mn_quant;
 
 // When gradients are released: kept between steps and zeroed in place (torch < 2.0 zero_grad)
@@ -521,6 +532,9 @@ typedef struct mn_setup {
     uint32_t zero_stage;       // 0..3
     uint32_t gpus;             // data-parallel GPUs, 0 = 1
     mn_offload offload;        // 0 = none
+    uint32_t bnb_version;      // bitsandbytes as major*10000 + minor*100 + patch (4301 = 0.43.1),
+                               // 0 = current; before 0.43.2 MatMul4Bit keeps its 16-bit input
+    int quant_head;            // 1: the LM head is quantized too; 0 = kept 16-bit (transformers)
     uint64_t trainable_params; // only this many parameters train (adapters), 0 = all / LoRA's
     const char *gpu;           // GPU table name, NULL = "a100-80gb" ("cpu" for --framework memanat)
     uint64_t capacity;         // device bytes, 0 = the GPU's
@@ -606,8 +620,100 @@ MNDEF mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup,
 MNDEF mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup, uint64_t *parts,
                                   uint32_t cap, uint32_t *count);
 
+// ---- >>estimate/lengths: training over a distribution of sequence lengths ----------------------
+// Fine-tuning data has a length distribution: each micro-batch is padded to its longest sequence
+// (transformers' DataCollatorWithPadding, padding="longest"), so each step allocates differently
+// and the caching allocator fragments across steps. mn_estimate_lengths draws the padded length
+// of every micro-batch, simulates the steps and replays them through the allocator.
+//
+// A distribution: a histogram (len[i] seen count[i] times, lengths ascending and distinct), or,
+// when n == 0, min:max:mean: a truncated exponential over [min, max + 1) whose mean is mean + 1/2,
+// rounded down to whole tokens (mean (min + max) / 2 is the uniform distribution; real data, mean
+// near min, is skewed towards short sequences as exponentials are).
+typedef struct mn_seq_dist {
+    uint64_t *len, *count;  // n entries (mn_seq_dist_parse allocates them)
+    uint32_t n;
+    uint64_t min, max;      // n == 0: the range, 1 <= min <= max
+    double mean;            // n == 0: min <= mean <= max
+} mn_seq_dist;
+
+// A lengths file: one entry a line, "LENGTH" (one sequence of that length) or "LENGTH COUNT" (a
+// histogram line), mixed freely; blank lines and lines starting with '#' are skipped; a length
+// given twice adds up. LENGTH 1..67108864, COUNT 1..10^12, at most 1048576 entries, lines of at
+// most 255 bytes. Errors name the line ("line 12: ...") through logger. Release with
+// mn_seq_dist_free and the same allocator (NULL = default).
+MNDEF mn_result mn_seq_dist_parse(const char *text, size_t len, const mn_allocator *allocator,
+                                  const mn_logger *logger, mn_seq_dist *out);
+// The same from a file of at most 64 MiB; messages start with the path.
+MNDEF mn_result mn_seq_dist_read_file(const char *path, const mn_allocator *allocator,
+                                      const mn_logger *logger, mn_seq_dist *out);
+// "MIN:MAX:MEAN" (whole MIN and MAX, MEAN may have a fraction).
+MNDEF mn_result mn_seq_dist_range(const char *spec, const mn_logger *logger, mn_seq_dist *out);
+MNDEF void mn_seq_dist_free(const mn_allocator *allocator, mn_seq_dist *d);
+
+#define MN_LENGTHS_MAX_STEPS 256
+typedef struct mn_lengths_desc {
+    const mn_seq_dist *dist;
+    uint32_t steps;     // optimizer steps replayed, 0 = 32 (2..MN_LENGTHS_MAX_STEPS)
+    uint64_t seed;      // of the draws (splitmix64); 0 is a seed like any other
+    double percentile;  // of the per-step reserved bytes, 0 = 99 (PEFT's method comparison
+                        // reports the 99th percentile of memory_reserved() over steps)
+} mn_lengths_desc;
+
+typedef struct mn_lengths_result {
+    mn_estimate_result longest;  // the plain estimate (two steps) at the longest length
+    uint64_t longest_len;        // the distribution's longest length
+    uint64_t peak_allocated;     // the highest allocated during the steps of that length (every
+                                 // micro-batch at it; the replay's block sizes, as
+                                 // torch.cuda.max_memory_allocated() counts them)
+    uint64_t reserved;           // the most reserved during the steps (max_memory_reserved();
+                                 // fragmentation included): with no block given back, the
+                                 // reserved bytes after the last step
+    uint64_t reserved_pct;       // the percentile of step_reserved (nearest rank)
+    uint64_t device_used;        // longest.context + reserved
+    int fits;                    // device_used <= longest.capacity
+    double percentile, mean_len; // the percentile used; the mean padded length of the steps
+    uint32_t steps;
+    uint64_t step_len[MN_LENGTHS_MAX_STEPS];       // each step's longest padded micro-batch
+    uint64_t step_peak[MN_LENGTHS_MAX_STEPS];      // allocated peak during each step
+    uint64_t step_reserved[MN_LENGTHS_MAX_STEPS];  // reserved at the end of each step
+                                                   // (memory_reserved() after it)
+    // The most bytes each step's live tensors ask for (no allocator rounding, no block reuse):
+    // independent of the cache's history, equal to mn_estimate's peak with no_replay set.
+    uint64_t step_live[MN_LENGTHS_MAX_STEPS];
+    uint64_t peak_live;          // the highest step_live of the steps of the longest length
+} mn_lengths_result;
+
+// The draws, for reproducing them: micro-batch j of step k (nmb = 1, or 2 with accum > 1: the
+// second stands for the accumulation's later micro-batches) gets the quantile u^(1/b) of the
+// distribution, u uniform in [0, 1) from splitmix64(seed) in that order (53 bits), b = batch for
+// the first micro-batch of a step and batch * (accum - 1) for the second: the longest of b
+// draws. When no step after the first drew the longest length for all its micro-batches, the
+// last step gets it for all of them, so the replay contains the worst step in the steady state
+// (peak_allocated and peak_live are those of such steps). As mn_estimate does, when the reserved
+// bytes pass the device (capacity - context) and a replay at the device's size refuses nothing,
+// that replay gives the numbers (PyTorch frees its cached blocks and retries), and step_reserved
+// may then fall from step to step. setup->seq plays no part. Training only
+// (not --infer, not --framework memanat, whose sequence is its position table).
+MNDEF mn_result mn_estimate_lengths(const mn_model *model, const mn_setup *setup,
+                                    const mn_lengths_desc *desc, mn_lengths_result *out);
+
 // Parameter count of a model (exact from the shape, or model->params when set).
 MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);
+
+// The device tensors of one weight [rows, cols] (numel = rows * cols) quantized by bitsandbytes,
+// in bytes as requested (the allocator rounds each on its own). 4-bit (functional.py
+// quantize_4bit, blocksize 64): data packs two codes a byte; absmax one fp32 per block, or with
+// double quantization one uint8 per block plus offset (fp32 scalar), absmax2 (fp32 per 256
+// blocks) and code2 (the 256-entry fp32 map); code the 16-entry fp32 map. int8 (Linear8bitLt):
+// data the int8 weight, absmax one fp32 scale per row. bnb_version as in mn_setup.
+typedef struct mn_quant_tensors {
+    uint64_t data, absmax, code, offset, absmax2, code2;
+    uint64_t total;  // the sum
+    uint32_t count;  // tensors allocated (those of nonzero size)
+} mn_quant_tensors;
+MNDEF mn_result mn_quant_storage(mn_quant q, uint64_t rows, uint64_t cols, uint32_t bnb_version,
+                                 mn_quant_tensors *out);
 
 // ---- >>estimate/fit: the largest batch, the longest sequence, a plan ----------------------------
 // A plan step: one technique applied to reach the budget, in order of its cost in speed.
@@ -1673,6 +1779,15 @@ typedef struct mn_replay_counts {
 // allocator (MN_ERR_OUT_OF_MEMORY); any other allocator error stops the replay and is returned.
 MNDEF mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint64_t count,
                                 int release_live, mn_replay_counts *counts);
+// mn_cache_replay that stops at marks: after the events [0, marks[k]) it calls at_mark(user_data,
+// k, c), which reads what it wants (mn_cache_stats), and then resets the peak statistics, so the
+// peaks seen at mark k cover the events since mark k - 1. marks ascend, each at most count; an
+// error from at_mark stops the replay and is returned. Blocks stay live at the end.
+typedef mn_result (*mn_replay_mark_fn)(void *user_data, uint64_t mark, mn_cache *c);
+MNDEF mn_result mn_cache_replay_marked(mn_cache *c, const mn_trace_event *events, uint64_t count,
+                                       const uint64_t *marks, uint64_t nmarks,
+                                       mn_replay_mark_fn at_mark, void *user_data,
+                                       mn_replay_counts *counts);
 // >>optim -----------------------------------------------------------------------------------------
 //
 // Optimizers on host arrays, one state struct per parameter tensor (init / step / free), the state
@@ -3652,7 +3767,8 @@ static const mn__name mn__offload_names[] = {
     {"none", MN_OFFLOAD_NONE}, {"optimizer", MN_OFFLOAD_OPTIMIZER}, {"all", MN_OFFLOAD_ALL},
     {NULL, 0}};
 static const mn__name mn__quant_names[] = {
-    {"none", MN_QUANT_NONE}, {"int8", MN_QUANT_INT8}, {"nf4", MN_QUANT_NF4}, {NULL, 0}};
+    {"none", MN_QUANT_NONE}, {"int8", MN_QUANT_INT8}, {"nf4", MN_QUANT_NF4},
+    {"nf4-dq", MN_QUANT_NF4_DQ}, {"fp4", MN_QUANT_FP4}, {"fp4-dq", MN_QUANT_FP4_DQ}, {NULL, 0}};
 static const mn__name mn__head_names[] = {
     {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE},
     {NULL, 0}};
@@ -4093,6 +4209,11 @@ typedef struct mn__sim {
     uint64_t *parts;         // mn_estimate_parts: activation bytes kept per part, or NULL
     int parts_on;            // record into parts during this forward
     uint64_t w16_lo, w16_hi; // parameters [lo, hi) that may hold an autocast copy (amp_clear)
+    // mn_estimate_lengths: steps run (0 = 2), each micro-batch's sequence length (NULL = the
+    // setup's), and the event count at the start of the first step and the end of each step
+    uint64_t steps;
+    const uint64_t *mb_seq;
+    uint64_t *step_marks;
     mn_result err;
 } mn__sim;
 
@@ -4298,6 +4419,12 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
     uint32_t lb = lora ? mn__next_param(S, out, c->lora_rank, 1, 0) : MN__NONE;
     uint32_t xin = x, w16 = MN__NONE, tmp = MN__NONE, y;
     uint64_t rows, bwd = 0;
+    // bitsandbytes autograd/_functions.py: MatMul4Bit.forward keeps ctx.tensors = (A, B), its
+    // input A, before 0.43.2 and (None, B) from 0.43.2 (read in both releases); MatMul8bitLt keeps
+    // (CAt, subA, A) in every release read (0.43.1 to 0.50.2): A whenever a gradient flows (CAt
+    // only for a trained weight; subA, the outlier columns, depends on the data: not counted)
+    int keep_a = quant && (c->s.quant == MN_QUANT_INT8 ||
+                           (c->s.bnb_version && c->s.bnb_version < 4302));
     mn__op_desc d;
     mn__param *P;
     if (S->counting || S->err || w == MN__NONE) return MN__NONE;
@@ -4322,7 +4449,7 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
     y = mn__tensor_new(S, mn__prod(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
     d = mn__op_desc_of(y);
     d.in[0] = xin;
-    d.saved[0] = P->trainable ? xin : MN__NONE;
+    d.saved[0] = P->trainable || keep_a ? xin : MN__NONE;
     d.saved[1] = mn__requires_grad(S, xin) ? w16 : MN__NONE;
     d.param[0] = w, d.param[1] = bb;
     d.bwd_temp = bwd, d.cast16 = c->amp;
@@ -4872,7 +4999,11 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
         mn__drop(S, y);
         y = t;
     }
-    lg = mn__linear(S, y, h, V, 0, 0, 0, c->m.tie_embeddings ? S->cursor_emb : MN__NONE);
+    // transformers keeps the output embedding 16-bit (quantizers/base.py get_keys_to_not_convert
+    // skips the output embeddings, the last module and tied weights); --quant-head yes models
+    // code that quantizes it too (an untied head: resolution refuses a tied one)
+    lg = mn__linear(S, y, h, V, 0, 0, c->s.quant_head,
+                    c->m.tie_embeddings ? S->cursor_emb : MN__NONE);
     if (c->m.lm_transform) cb = mn__next_param(S, V, 0, tr, 0);  // decoder bias
     mn__drop(S, y);
     if (S->counting || S->err) return MN__NONE;
@@ -5106,14 +5237,65 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo) {
     if (!S->err) S->nops = lo;
 }
 
-// Bytes of a parameter as stored on one GPU (quantized base weights: bitsandbytes nf4 with
-// double quantization, 4 + 0.127 bits per parameter (QLoRA paper); int8 with an fp32 scale per
-// row).
+// bitsandbytes storage, tensor by tensor, as its sources make them:
+//   4-bit: bitsandbytes/functional.py quantize_4bit (read in 0.43.1, 0.43.2 and 0.50.2): blocksize
+//     64 (Params4bit and quantize_4bit default); out = (n + 1) // 2 uint8 (two codes a byte,
+//     quant_storage uint8); absmax fp32 [ceil(n / 64)] (the "bitsandbytes::quantize_4bit" fake in
+//     _ops.py: blocks = -(n // -blocksize)); code = get_4bit_type(), a fresh 16-entry fp32 tensor
+//     per weight. compress_statistics (double quantization): offset = absmax.mean() (fp32 scalar),
+//     quantize_blockwise(absmax - offset, blocksize=256) -> uint8 [ceil(n / 64)] and state2 with
+//     absmax fp32 [ceil(blocks / 256)] and code: 0.50.2 copies the 256-entry fp32 dynamic map per
+//     weight (code.to(device, copy=True)); 0.43.1 and 0.43.2 share one map (not counted). The
+//     release between them that started copying is not known here: from 0.44 it is counted.
+//     Per weight: 4 + 32/64 = 4.5 bits (+ small tensors); double-quantized 4 + 8/64 + 32/16384 =
+//     4.127 bits, the QLoRA paper's 0.127 bit of constants.
+//   int8: bitsandbytes/nn/modules.py Int8Params / autograd MatMul8bitLt (int8_vectorwise_quant):
+//     CB int8 [rows, cols] and SCB fp32 [rows].
+MNIMPL mn_result mn_quant_storage(mn_quant q, uint64_t rows, uint64_t cols, uint32_t bnb_version,
+                                  mn_quant_tensors *out) {
+    uint64_t n, nb, *f[6];
+    int i;
+    if (!out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    if (rows == 0 || cols == 0 || q <= MN_QUANT_NONE || q >= MN_QUANT_COUNT)
+        return MN_ERR_INVALID_ARG;
+    if (mn_mul_u64(rows, cols, &n) != MN_OK) return MN_ERR_OVERFLOW;
+    if (q == MN_QUANT_INT8) {
+        out->data = n;
+        if (mn_mul_u64(rows, 4, &out->absmax) != MN_OK) return MN_ERR_OVERFLOW;
+    } else {
+        int dq = q == MN_QUANT_NF4_DQ || q == MN_QUANT_FP4_DQ;
+        out->data = n / 2 + n % 2;
+        nb = n / 64 + (n % 64 != 0);
+        out->code = 16 * 4;
+        if (!dq && mn_mul_u64(nb, 4, &out->absmax) != MN_OK) return MN_ERR_OVERFLOW;
+        if (dq) {
+            out->absmax = nb, out->offset = 4;
+            out->absmax2 = (nb / 256 + (nb % 256 != 0)) * 4;
+            out->code2 = bnb_version == 0 || bnb_version >= 4400 ? 256 * 4 : 0;
+        }
+    }
+    f[0] = &out->data, f[1] = &out->absmax, f[2] = &out->code;
+    f[3] = &out->offset, f[4] = &out->absmax2, f[5] = &out->code2;
+    for (i = 0; i < 6; i++) {
+        if (mn_add_u64(out->total, *f[i], &out->total) != MN_OK) return MN_ERR_OVERFLOW;
+        out->count += *f[i] != 0;
+    }
+    return MN_OK;
+}
+
+MN__PRIVATE mn_quant_tensors mn__quant_tensors(mn__sim *S, const mn__param *P) {
+    mn_quant_tensors t;
+    if (mn_quant_storage(S->c->s.quant, P->dims[0], P->dims[1], S->c->s.bnb_version, &t) != MN_OK)
+        S->err = MN_ERR_OVERFLOW;
+    return t;
+}
+
+// Bytes of a parameter as stored on one GPU (quantized base weights: mn_quant_storage).
 MN__PRIVATE uint64_t mn__weight_bytes(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
     uint64_t b;
-    if (P->quant && c->s.quant == MN_QUANT_NF4) b = mn__prod(S, P->numel, 4127) / 8000;
-    else if (P->quant) b = P->numel + P->dims[0] * 4;
+    if (P->quant) b = mn__quant_tensors(S, P).total;
     else b = mn__prod(S, P->numel, c->w_esz);
     return mn__shard(c, b, 3);
 }
@@ -5167,8 +5349,17 @@ MN__PRIVATE void mn__load(mn__sim *S) {
     S->phase = MN_PHASE_LOAD;
     for (i = 0; i < S->np; i++) {
         mn_category cat = S->params[i].trainable ? c->param_cat : MN_CAT_WEIGHTS;
-        if (c->s.offload != MN_OFFLOAD_ALL)
+        if (S->params[i].quant && c->zero < 3) {  // each quant_state tensor on its own
+            mn_quant_tensors t = mn__quant_tensors(S, &S->params[i]);
+            uint64_t part[6];
+            int k;
+            part[0] = t.data, part[1] = t.absmax, part[2] = t.code;
+            part[3] = t.offset, part[4] = t.absmax2, part[5] = t.code2;
+            for (k = 0; k < 6; k++)
+                if (part[k]) mn__tensor_new(S, part[k], 1, MN_CAT_WEIGHTS);
+        } else if (c->s.offload != MN_OFFLOAD_ALL) {
             mn__tensor_new(S, mn__weight_bytes(S, &S->params[i]), 1, cat);
+        }
     }
     if (c->s.infer) return;
     for (i = 0; i < S->np; i++) {
@@ -5783,6 +5974,25 @@ MN__PRIVATE mn_result mn__resolve_memanat(const mn_model *m, const mn_setup *s,
     return MN_OK;
 }
 
+// The bitsandbytes fields: a version needs bitsandbytes quantization; a quantized head needs a
+// head of its own (bitsandbytes replaces nn.Linear modules, never the embedding a tied head uses).
+MN__PRIVATE mn_result mn__resolve_quant(const mn_setup *s, const mn_model *m,
+                                        const mn_logger *lg) {
+    if (s->bnb_version > 999999)
+        MN__INVALID(lg, "--bnb-version %u is out of range (want major*10000 + minor*100 + patch)",
+                    s->bnb_version);
+    if (s->bnb_version && s->quant <= MN_QUANT_NONE)
+        MN__INVALID(lg, "--bnb-version %u.%u.%u applies to bitsandbytes quantization: add --quant",
+                    s->bnb_version / 10000, s->bnb_version / 100 % 100, s->bnb_version % 100);
+    if (s->quant_head && s->quant <= MN_QUANT_NONE)
+        MN__INVALID(lg, "--quant-head yes needs --quant");
+    if (s->quant_head && (m->head != MN_HEAD_LM || m->tie_embeddings || m->arch == MN_ARCH_STACK))
+        MN__INVALID(lg, "--quant-head yes: the model has no LM head of its own (%s)",
+                    m->tie_embeddings ? "tied to the embedding, which bitsandbytes never quantizes"
+                                      : "not an LM head");
+    return MN_OK;
+}
+
 MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, mn__cfg *c,
                                   mn_gpu *gpu) {
     const mn_logger *lg = &setup->logger;
@@ -5852,6 +6062,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     if (s->quant > MN_QUANT_NONE && !s->lora_rank && !s->infer)
         MN__INVALID(lg, "--quant %s freezes the base weights: add --lora-rank, or --infer",
                     mn_quant_name(s->quant));
+    if ((r = mn__resolve_quant(s, m, lg)) != MN_OK) return r;
     if (s->offload == MN_OFFLOAD_ALL && s->zero_stage < 3)
         MN__INVALID(lg, "--offload all needs --zero 3");
     if (s->beams == 0) s->beams = 1;
@@ -6081,6 +6292,13 @@ MN__PRIVATE void mn__model_states(mn__sim *S, mn_estimate_result *out) {
     mn__acc(S, &out->model_states, out->optimizer);
 }
 
+// The sequence length of the next micro-batch (mn_estimate_lengths; resolution checked the
+// longest).
+MN__PRIVATE void mn__set_seq(mn__cfg *c, uint64_t seq) {
+    c->s.seq = c->seq = c->enc_seq = seq;
+    c->ntok = c->batch * seq;
+}
+
 // Runs load + two training steps (or a generation), recording allocation events.
 MN__PRIVATE void mn__run(mn__sim *S) {
     mn__cfg *c = S->c;
@@ -6097,14 +6315,17 @@ MN__PRIVATE void mn__run(mn__sim *S) {
         return;
     }
     if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
-    for (step = 0; step < 2 && !S->err; step++) {
+    if (S->step_marks) S->step_marks[0] = S->nev;
+    for (step = 0; step < (S->steps ? S->steps : 2) && !S->err; step++) {
         for (mb = 0; mb < nmb && !S->err; mb++) {
+            if (S->mb_seq) mn__set_seq(c, S->mb_seq[step * nmb + mb]);
             S->cursor = 0;
             S->parts_on = S->parts && step == 1 && mb == 0;  // the steady state
             mn__micro_batch(S);
             S->parts_on = 0;
         }
         if (!S->err) mn__optimizer_step(S);
+        if (S->step_marks) S->step_marks[step + 1] = S->nev;
     }
 }
 
@@ -6311,6 +6532,448 @@ MNIMPL mn_result mn_estimate_parts(const mn_model *model, const mn_setup *setup,
     return r;
 }
 
+// ---- >>estimate/lengths implementation ----------------------------------------------------------
+// The draws are inverse-CDF samples of the longest of b sequences (quantile u^(1/b)); the steps
+// run through the same simulation as mn_estimate with each micro-batch's length set before its
+// forward, and the events replay once through a simulated cache that stops at each step's end.
+
+#define MN__SEQ_MAX (1ull << 26)
+#define MN__SEQ_MAX_ENTRIES (1u << 20)
+
+typedef struct mn__seq_pair { uint64_t len, count; } mn__seq_pair;
+
+MN__PRIVATE int mn__seq_pair_cmp(const void *a, const void *b) {
+    uint64_t x = ((const mn__seq_pair *)a)->len, y = ((const mn__seq_pair *)b)->len;
+    return x < y ? -1 : x > y;
+}
+
+// A whole number of at most 19 digits at *p (advanced past it); 0 when there is none.
+MN__PRIVATE int mn__seq_number(const char **p, const char *end, uint64_t *out) {
+    const char *q = *p;
+    uint64_t v = 0;
+    int digits = 0;
+    while (q < end && *q >= '0' && *q <= '9' && digits < 20)
+        v = v * 10 + (uint64_t)(*q++ - '0'), digits++;
+    if (digits == 0 || digits > 19) return 0;
+    *p = q, *out = v;
+    return 1;
+}
+
+MN__PRIVATE const char *mn__seq_skip_blank(const char *p, const char *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\r')) p++;
+    return p;
+}
+
+// One line [p, end): *n = 0 (nothing), 1 (a length) or 2 (length and count). 0 when malformed.
+MN__PRIVATE int mn__seq_line(const char *p, const char *end, uint64_t v[2], int *n) {
+    *n = 0;
+    for (;;) {
+        p = mn__seq_skip_blank(p, end);
+        if (p == end || *p == '#') return 1;
+        if (*n == 2 || (*n && p[-1] != ' ' && p[-1] != '\t')) return 0;
+        if (!mn__seq_number(&p, end, &v[*n])) return 0;
+        ++*n;
+    }
+}
+
+MN__PRIVATE mn_result mn__seq_parse(const char *text, size_t len, const mn_allocator *al,
+                                    const mn_logger *lg, const char *who, mn_seq_dist *out) {
+    mn__seq_pair *pairs = NULL;
+    uint64_t cap = 0, np = 0, line = 0, i;
+    size_t at = 0;
+    mn_result r = MN_OK;
+    char pre[160];
+    snprintf(pre, sizeof pre, "%.140s%s", who ? who : "", who ? ": " : "");
+    memset(out, 0, sizeof *out);
+    while (at < len && r == MN_OK) {
+        const char *b = text + at, *e = (const char *)memchr(b, '\n', len - at);
+        uint64_t v[2] = {0, 1};
+        int n;
+        size_t ll = e ? (size_t)(e - b) : len - at;
+        line++;
+        at += ll + (e != NULL);
+        if (ll > 255) {
+            mn__log(lg, MN_LOG_ERROR, "%sline %llu: longer than 255 bytes", pre,
+                    (unsigned long long)line);
+            r = MN_ERR_PARSE;
+        } else if (memchr(b, 0, ll)) {
+            mn__log(lg, MN_LOG_ERROR, "%sline %llu: a NUL byte (not a text file)", pre,
+                    (unsigned long long)line);
+            r = MN_ERR_PARSE;
+        } else if (!mn__seq_line(b, b + ll, v, &n)) {
+            mn__log(lg, MN_LOG_ERROR, "%sline %llu: \"%.*s\": want LENGTH or LENGTH COUNT (whole "
+                    "numbers)", pre, (unsigned long long)line, (int)(ll > 60 ? 60 : ll), b);
+            r = MN_ERR_PARSE;
+        } else if (n && (v[0] < 1 || v[0] > MN__SEQ_MAX)) {
+            mn__log(lg, MN_LOG_ERROR, "%sline %llu: length %llu is out of range (want 1..%llu)",
+                    pre, (unsigned long long)line, (unsigned long long)v[0], MN__SEQ_MAX);
+            r = MN_ERR_INVALID_ARG;
+        } else if (n == 2 && (v[1] < 1 || v[1] > 1000000000000ull)) {
+            mn__log(lg, MN_LOG_ERROR, "%sline %llu: count %llu is out of range (want 1..10^12)",
+                    pre, (unsigned long long)line, (unsigned long long)v[1]);
+            r = MN_ERR_INVALID_ARG;
+        } else if (n && np == MN__SEQ_MAX_ENTRIES) {
+            mn__log(lg, MN_LOG_ERROR, "%sline %llu: more than %u entries", pre,
+                    (unsigned long long)line, MN__SEQ_MAX_ENTRIES);
+            r = MN_ERR_INVALID_ARG;
+        } else if (n) {
+            if (np == cap) {
+                mn__seq_pair *g;
+                cap = cap ? cap * 2 : 256;
+                g = (mn__seq_pair *)mn__alloc_array(al, (size_t)cap, sizeof *g);
+                if (!g) { r = MN_ERR_OUT_OF_MEMORY; break; }
+                if (np) memcpy(g, pairs, (size_t)np * sizeof *g);
+                mn__free(al, pairs);
+                pairs = g;
+            }
+            pairs[np].len = v[0], pairs[np].count = v[1], np++;
+        }
+    }
+    if (r == MN_OK && np == 0) {
+        mn__log(lg, MN_LOG_ERROR, "%sno lengths (want lines of LENGTH or LENGTH COUNT)", pre);
+        r = MN_ERR_INVALID_ARG;
+    }
+    if (r != MN_OK) goto free_pairs;
+    qsort(pairs, (size_t)np, sizeof *pairs, mn__seq_pair_cmp);
+    out->len = (uint64_t *)mn__alloc_array(al, (size_t)np, sizeof *out->len);
+    out->count = (uint64_t *)mn__alloc_array(al, (size_t)np, sizeof *out->count);
+    if (!out->len || !out->count) {
+        r = MN_ERR_OUT_OF_MEMORY;
+        mn_seq_dist_free(al, out);
+        goto free_pairs;
+    }
+    for (i = 0; i < np; i++) {  // counts of at most 10^12 over 2^20 entries: no overflow
+        if (out->n && out->len[out->n - 1] == pairs[i].len) {
+            out->count[out->n - 1] += pairs[i].count;
+            continue;
+        }
+        out->len[out->n] = pairs[i].len, out->count[out->n] = pairs[i].count, out->n++;
+    }
+    out->min = out->len[0], out->max = out->len[out->n - 1];
+free_pairs:
+    mn__free(al, pairs);
+    return r;
+}
+
+MNIMPL mn_result mn_seq_dist_parse(const char *text, size_t len, const mn_allocator *allocator,
+                                   const mn_logger *logger, mn_seq_dist *out) {
+    if (!out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    if (!text && len) return MN_ERR_INVALID_ARG;
+    return mn__seq_parse(text, len, allocator, logger, NULL, out);
+}
+
+MNIMPL mn_result mn_seq_dist_read_file(const char *path, const mn_allocator *allocator,
+                                       const mn_logger *logger, mn_seq_dist *out) {
+    char *text;
+    size_t len;
+    mn_result r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    if (!path) return MN_ERR_INVALID_ARG;
+    r = mn__read_file(allocator, path, 64ull << 20, &text, &len);
+    if (r == MN_ERR_NOT_FOUND) mn__log(logger, MN_LOG_ERROR, "%s: no such file", path);
+    else if (r == MN_ERR_IO)
+        mn__log(logger, MN_LOG_ERROR, "%s: cannot be read, or larger than 64 MiB", path);
+    if (r != MN_OK) return r;
+    r = mn__seq_parse(text, len, allocator, logger, path, out);
+    mn__free(allocator, text);
+    return r;
+}
+
+MNIMPL mn_result mn_seq_dist_range(const char *spec, const mn_logger *logger, mn_seq_dist *out) {
+    const char *p = spec, *end;
+    char *fend;
+    uint64_t lo = 0, hi = 0;
+    double mean;
+    if (!out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    if (!spec) return MN_ERR_INVALID_ARG;
+    end = spec + strlen(spec);
+    if (!mn__seq_number(&p, end, &lo) || *p++ != ':' || !mn__seq_number(&p, end, &hi) ||
+        *p++ != ':' || !(*p >= '0' && *p <= '9')) {
+        mn__log(logger, MN_LOG_ERROR, "\"%.60s\": want MIN:MAX:MEAN such as 32:2048:400", spec);
+        return MN_ERR_PARSE;
+    }
+    mean = strtod(p, &fend);
+    if (*fend || !(mean == mean)) {
+        mn__log(logger, MN_LOG_ERROR, "\"%.60s\": want MIN:MAX:MEAN such as 32:2048:400", spec);
+        return MN_ERR_PARSE;
+    }
+    if (lo < 1 || hi < lo || hi > MN__SEQ_MAX || mean < (double)lo || mean > (double)hi) {
+        mn__log(logger, MN_LOG_ERROR, "\"%.60s\": want 1 <= MIN <= MEAN <= MAX <= %llu", spec,
+                MN__SEQ_MAX);
+        return MN_ERR_INVALID_ARG;
+    }
+    out->min = lo, out->max = hi, out->mean = mean;
+    return MN_OK;
+}
+
+MNIMPL void mn_seq_dist_free(const mn_allocator *allocator, mn_seq_dist *d) {
+    if (!d) return;
+    mn__free(allocator, d->len);
+    mn__free(allocator, d->count);
+    d->len = d->count = NULL, d->n = 0;
+}
+
+MN__PRIVATE uint64_t mn__splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Mean / width of an exponential density exp(-a t / W) truncated to [0, W): 1/a - 1/(e^a - 1).
+MN__PRIVATE double mn__texp_mean(double a) {
+    if (a > -1e-6 && a < 1e-6) return 0.5 - a / 12.0;
+    if (a > 700.0) return 1.0 / a;
+    if (a < -700.0) return 1.0 + 1.0 / a;
+    return 1.0 / a - 1.0 / expm1(a);
+}
+
+// The rate a (per width) whose truncated mean / width is m, 0 < m < 1 (bisection; the mean falls
+// as a grows).
+MN__PRIVATE double mn__texp_rate(double m) {
+    double lo = -1e6, hi = 1e6;
+    int i;
+    for (i = 0; i < 200; i++) {
+        double mid = 0.5 * (lo + hi);
+        if (mn__texp_mean(mid) > m) lo = mid;
+        else hi = mid;
+    }
+    return 0.5 * (lo + hi);
+}
+
+// Quantile q in [0, 1] of the truncated exponential of rate a, as a fraction of the width.
+MN__PRIVATE double mn__texp_quantile(double q, double a) {
+    if (a > -1e-9 && a < 1e-9) return q;
+    if (a < 0) return 1.0 - mn__texp_quantile(1.0 - q, -a);
+    return -log1p(-q * -expm1(-a)) / a;
+}
+
+// The length at quantile q of d (cum: the histogram's running counts; a: the range's rate).
+MN__PRIVATE uint64_t mn__seq_quantile(const mn_seq_dist *d, const uint64_t *cum, double a,
+                                      double q) {
+    if (d->n) {
+        double t = q * (double)cum[d->n - 1];
+        uint32_t lo = 0, hi = d->n - 1;
+        while (lo < hi) {  // first entry whose running count exceeds t
+            uint32_t mid = lo + (hi - lo) / 2;
+            if ((double)cum[mid] > t) hi = mid;
+            else lo = mid + 1;
+        }
+        return d->len[lo];
+    } else {
+        double w = (double)(d->max - d->min + 1), x = floor(mn__texp_quantile(q, a) * w);
+        uint64_t l = d->min + (x > 0 ? (uint64_t)x : 0);
+        return l > d->max ? d->max : l;
+    }
+}
+
+MN__PRIVATE mn_result mn__seq_dist_check(const mn_seq_dist *d, const mn_logger *lg) {
+    uint32_t i;
+    if (d->n == 0) {
+        if (d->min < 1 || d->max < d->min || d->max > MN__SEQ_MAX || !(d->mean >= (double)d->min) ||
+            !(d->mean <= (double)d->max))
+            MN__INVALID(lg, "sequence lengths %llu:%llu:%g: want 1 <= MIN <= MEAN <= MAX <= %llu",
+                        (unsigned long long)d->min, (unsigned long long)d->max, d->mean,
+                        MN__SEQ_MAX);
+        return MN_OK;
+    }
+    if (!d->len || !d->count || d->n > MN__SEQ_MAX_ENTRIES)
+        MN__INVALID(lg, "sequence lengths: a histogram without arrays, or too long");
+    for (i = 0; i < d->n; i++) {
+        if (d->len[i] < 1 || d->len[i] > MN__SEQ_MAX || (i && d->len[i] <= d->len[i - 1]))
+            MN__INVALID(lg, "sequence lengths: entry %u, length %llu (want 1..%llu, ascending)", i,
+                        (unsigned long long)d->len[i], MN__SEQ_MAX);
+        if (d->count[i] < 1 || d->count[i] > 1000000000000ull)
+            MN__INVALID(lg, "sequence lengths: entry %u, count %llu (want 1..10^12)", i,
+                        (unsigned long long)d->count[i]);
+    }
+    return MN_OK;
+}
+
+MN__PRIVATE int mn__u64_cmp(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+// Messages of the estimate at the longest length say where that length came from.
+typedef struct mn__lengths_log {
+    const mn_logger *inner;
+    uint64_t longest;
+} mn__lengths_log;
+
+MN__PRIVATE void mn__lengths_log_fn(void *user, mn_log_level level, const char *msg) {
+    const mn__lengths_log *x = (const mn__lengths_log *)user;
+    mn__log(x->inner, level, "the longest sequence length (%llu): %s",
+            (unsigned long long)x->longest, msg);
+}
+
+typedef struct mn__lengths_ctx {
+    mn_lengths_result *out;
+    uint64_t reserved_peak;  // the most reserved during the steps
+} mn__lengths_ctx;
+
+MN__PRIVATE mn_result mn__lengths_mark(void *user, uint64_t mark, mn_cache *cache) {
+    mn__lengths_ctx *x = (mn__lengths_ctx *)user;
+    mn_cache_statistics st;
+    mn_result r;
+    if (mark == 0) return MN_OK;  // the load: its peaks are reset after this mark
+    if ((r = mn_cache_stats(cache, &st)) != MN_OK) return r;
+    x->out->step_peak[mark - 1] = st.allocated_bytes[MN_STAT_ALL].peak;
+    x->out->step_reserved[mark - 1] = st.reserved_bytes[MN_STAT_ALL].current;
+    if (st.reserved_bytes[MN_STAT_ALL].peak > x->reserved_peak)
+        x->reserved_peak = st.reserved_bytes[MN_STAT_ALL].peak;
+    return MN_OK;
+}
+
+// Replays the steps on a simulated device of capacity bytes (0 = unlimited); *ooms: refusals.
+MN__PRIVATE mn_result mn__lengths_replay(mn__sim *S, const uint64_t *marks, uint64_t capacity,
+                                         mn_lengths_result *out, uint64_t *ooms) {
+    mn_sim_cache sc;
+    mn_simdev_desc dd;
+    mn_cache_desc cd;
+    mn_replay_counts n;
+    mn__lengths_ctx x;
+    mn_result r;
+    memset(&dd, 0, sizeof dd);
+    memset(&cd, 0, sizeof cd);
+    dd.capacity = capacity;
+    cd.config = S->c->s.alloc_conf;
+    cd.logger = S->c->s.logger;
+    x.out = out, x.reserved_peak = 0;
+    memset(&n, 0, sizeof n);
+    if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
+    r = mn_cache_replay_marked(&sc.cache, S->ev, S->nev, marks, S->steps + 1, mn__lengths_mark,
+                               &x, &n);
+    *ooms = n.failed;
+    out->reserved = x.reserved_peak;
+    mn_sim_cache_free(&sc);
+    return r;
+}
+
+MNIMPL mn_result mn_estimate_lengths(const mn_model *model, const mn_setup *setup,
+                                     const mn_lengths_desc *desc, mn_lengths_result *out) {
+    const mn_logger *lg;
+    const mn_seq_dist *d;
+    mn_setup s2;
+    mn__cfg c;
+    mn_gpu gpu;
+    mn__sim S;
+    mn_result r;
+    uint64_t *cum = NULL, *sched = NULL, marks[MN_LENGTHS_MAX_STEPS + 1], rng, lmax, nmb, k, j;
+    uint64_t ooms = 0, sum = 0;
+    double a = 0, pct;
+    uint32_t steps, i;
+    int found = 0;
+    if (!model || !setup || !desc || !desc->dist || !out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    memset(&S, 0, sizeof S);
+    lg = &setup->logger, d = desc->dist;
+    if ((r = mn__seq_dist_check(d, lg)) != MN_OK) return r;
+    steps = desc->steps ? desc->steps : 32;
+    if (steps < 2 || steps > MN_LENGTHS_MAX_STEPS)
+        MN__INVALID(lg, "--steps %u is out of range (want 2..%u)", steps, MN_LENGTHS_MAX_STEPS);
+    pct = desc->percentile != 0 ? desc->percentile : 99.0;
+    if (!(pct > 0 && pct <= 100))
+        MN__INVALID(lg, "--percentile %g is out of range (want more than 0, at most 100)", pct);
+    if (setup->infer)
+        MN__UNSUPPORTED(lg, "--seq-lengths describes training data (not --infer)");
+    if (setup->framework == MN_FW_MEMANAT)
+        MN__UNSUPPORTED(lg, "--seq-lengths: --framework memanat trains on its position table");
+    lmax = d->n ? d->len[d->n - 1] : d->max;
+    s2 = *setup;
+    s2.seq = lmax;
+    {
+        mn__lengths_log wrap;
+        wrap.inner = lg, wrap.longest = lmax;
+        s2.logger.log_fn = lg->log_fn ? mn__lengths_log_fn : NULL, s2.logger.user_data = &wrap;
+        r = mn_estimate(model, &s2, &out->longest);
+        s2.logger = setup->logger;
+        if (r != MN_OK) return r;
+    }
+    nmb = out->longest.setup.accum < 2 ? 1 : 2;
+    if (d->n) {
+        cum = (uint64_t *)mn__alloc_array(NULL, d->n, sizeof *cum);
+        if (!cum) return MN_ERR_OUT_OF_MEMORY;
+        for (i = 0; i < d->n; i++) cum[i] = (i ? cum[i - 1] : 0) + d->count[i];
+    } else if (d->max > d->min) {  // the floor of x in [min, max + 1) has about the mean
+        a = mn__texp_rate((d->mean + 0.5 - (double)d->min) / (double)(d->max - d->min + 1));
+    }
+    sched = (uint64_t *)mn__alloc_array(NULL, steps * nmb, sizeof *sched);
+    if (!sched) { r = MN_ERR_OUT_OF_MEMORY; goto free_cum; }
+    rng = desc->seed;
+    for (k = 0; k < steps; k++) {
+        int all = 1;  // every micro-batch of step k at the longest length
+        for (j = 0; j < nmb; j++) {
+            double u = (double)(mn__splitmix64(&rng) >> 11) * (1.0 / 9007199254740992.0);
+            double b = (double)out->longest.setup.batch *
+                       (j ? (double)(out->longest.setup.accum - 1) : 1.0);
+            sched[k * nmb + j] = mn__seq_quantile(d, cum, a, pow(u, 1.0 / b));
+            all &= sched[k * nmb + j] == lmax;
+        }
+        found |= k > 0 && all;
+    }
+    for (j = 0; !found && j < nmb; j++) sched[(steps - 1) * nmb + j] = lmax;
+    r = mn__resolve(model, &s2, &c, &gpu);
+    if (r != MN_OK) goto free_sched;
+    S.c = &c;
+    if ((r = mn__build_params(&S)) != MN_OK) goto free_sim;
+    S.events = 1, S.steps = steps, S.mb_seq = sched, S.step_marks = marks;
+    mn__run(&S);
+    if ((r = S.err) != MN_OK) goto free_sim;
+    out->steps = steps;
+    r = mn__lengths_replay(&S, marks, 0, out, &ooms);
+    if (r == MN_OK && out->reserved > c.s.capacity - c.s.context) {
+        // as mn_estimate: PyTorch frees its cached blocks and retries before it gives up
+        mn_lengths_result lim = *out;
+        r = mn__lengths_replay(&S, marks, c.s.capacity - c.s.context, &lim, &ooms);
+        if (r == MN_OK && ooms == 0) *out = lim;
+    }
+    if (r != MN_OK) goto free_sim;
+    {  // the live bytes the events ask for, step by step
+        uint64_t e, live = 0, hi;
+        for (e = 0; e < marks[0]; e++) live += S.ev[e].alloc ? S.ev[e].size : 0 - S.ev[e].size;
+        for (k = 0; k < steps; k++) {
+            for (hi = live; e < marks[k + 1]; e++) {
+                live += S.ev[e].alloc ? S.ev[e].size : 0 - S.ev[e].size;
+                if (live > hi) hi = live;
+            }
+            out->step_live[k] = hi;
+        }
+    }
+    for (k = 0; k < steps; k++) {
+        uint64_t l = sched[k * nmb];
+        int all = nmb == 1 || sched[k * nmb] == sched[k * nmb + 1];  // and l == lmax: a worst step
+        if (nmb > 1 && sched[k * nmb + 1] > l) l = sched[k * nmb + 1];
+        out->step_len[k] = l, sum += l;
+        if (l == lmax && all && out->step_peak[k] > out->peak_allocated)
+            out->peak_allocated = out->step_peak[k];
+        if (l == lmax && all && out->step_live[k] > out->peak_live)
+            out->peak_live = out->step_live[k];
+    }
+    {  // nearest rank: the smallest value with at least pct % of the steps at or below it
+        uint64_t sorted[MN_LENGTHS_MAX_STEPS], rank;
+        memcpy(sorted, out->step_reserved, steps * sizeof *sorted);
+        qsort(sorted, steps, sizeof *sorted, mn__u64_cmp);
+        rank = (uint64_t)ceil(pct / 100.0 * steps);
+        out->reserved_pct = sorted[(rank ? rank : 1) - 1];
+    }
+    out->longest_len = lmax;
+    out->percentile = pct;
+    out->mean_len = (double)sum / steps;
+    out->device_used = out->longest.context + out->reserved;
+    out->fits = out->device_used <= out->longest.capacity;
+free_sim:
+    mn__sim_free(&S);
+free_sched:
+    mn__free(NULL, sched);
+free_cum:
+    mn__free(NULL, cum);
+    return r;
+}
+
 MNIMPL mn_result mn_model_params(const mn_model *model, uint64_t *out) {
     mn__sim S;
     mn__cfg c;
@@ -6463,7 +7126,7 @@ MN__PRIVATE int mn__tech_apply(mn__tech k, mn_setup *s, int bf16) {
         return 1;
     case MN__T_NF4:
         if (s->quant > MN_QUANT_NONE || (!s->lora_rank && !s->infer)) return 0;
-        s->quant = MN_QUANT_NF4;
+        s->quant = MN_QUANT_NF4_DQ;  // QLoRA's recipe: nf4 with double quantization
         return 1;
     case MN__T_OFFLOAD:
         if (s->zero_stage >= 3 || s->infer || s->framework == MN_FW_MEMANAT) return 0;
@@ -6487,7 +7150,7 @@ MN__PRIVATE void mn__tech_describe(mn__tech k, const mn_setup *s, char *buf, siz
     case MN__T_FULL: snprintf(buf, cap, "--checkpointing full"); break;
     case MN__T_ADAFACTOR: snprintf(buf, cap, "--optim adafactor"); break;
     case MN__T_LORA: snprintf(buf, cap, "--lora-rank 16 --lora-targets all"); break;
-    case MN__T_NF4: snprintf(buf, cap, "--quant nf4"); break;
+    case MN__T_NF4: snprintf(buf, cap, "--quant nf4-dq"); break;
     case MN__T_OFFLOAD: snprintf(buf, cap, "--framework deepspeed --zero 3 --offload all"); break;
     case MN__T_COUNT: buf[0] = 0; break;
     }
@@ -10013,18 +10676,30 @@ MN__PRIVATE mn_result mn__c_replay_event(mn_cache *c, mn__c_idmap *m, const mn_t
     return r;
 }
 
-MNIMPL mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint64_t count,
-                                 int release_live, mn_replay_counts *counts) {
+// The replay, with optional marks (mn_cache_replay_marked).
+MN__PRIVATE mn_result mn__c_replay(mn_cache *c, const mn_trace_event *events, uint64_t count,
+                                   int release_live, const uint64_t *marks, uint64_t nmarks,
+                                   mn_replay_mark_fn at_mark, void *user_data,
+                                   mn_replay_counts *counts) {
     mn__c_idmap m;
     mn_replay_counts n;
-    uint64_t i;
+    uint64_t i, k = 0;
     mn_result r = MN_OK;
     if (!c || !c->p || (!events && count)) return MN_ERR_INVALID_ARG;
+    if (nmarks && (!marks || !at_mark)) return MN_ERR_INVALID_ARG;
+    for (i = 0; i < nmarks; i++)
+        if (marks[i] > count || (i && marks[i] < marks[i - 1])) return MN_ERR_INVALID_ARG;
     memset(&n, 0, sizeof n);
     memset(&m, 0, sizeof m);
     m.al = &c->p->alloc;
     r = mn__c_idmap_alloc(&m, 1024);
-    for (i = 0; i < count && r == MN_OK; i++) r = mn__c_replay_event(c, &m, &events[i], &n);
+    for (i = 0; i <= count && r == MN_OK; i++) {
+        for (; k < nmarks && marks[k] == i && r == MN_OK; k++) {
+            r = at_mark(user_data, k, c);
+            mn_cache_reset_peak_stats(c);
+        }
+        if (i < count && r == MN_OK) r = mn__c_replay_event(c, &m, &events[i], &n);
+    }
     for (i = 0; release_live && m.block && i <= m.mask; i++)
         if (m.block[i]) {
             mn_result rr = mn_cache_release(c, m.block[i]);
@@ -10034,6 +10709,18 @@ MNIMPL mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint
     mn__free(m.al, m.block);
     if (counts) *counts = n;
     return r;
+}
+
+MNIMPL mn_result mn_cache_replay(mn_cache *c, const mn_trace_event *events, uint64_t count,
+                                 int release_live, mn_replay_counts *counts) {
+    return mn__c_replay(c, events, count, release_live, NULL, 0, NULL, NULL, counts);
+}
+
+MNIMPL mn_result mn_cache_replay_marked(mn_cache *c, const mn_trace_event *events, uint64_t count,
+                                        const uint64_t *marks, uint64_t nmarks,
+                                        mn_replay_mark_fn at_mark, void *user_data,
+                                        mn_replay_counts *counts) {
+    return mn__c_replay(c, events, count, 0, marks, nmarks, at_mark, user_data, counts);
 }
 
 // >>optim implementation --------------------------------------------------------------------------

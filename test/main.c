@@ -25,6 +25,7 @@ typedef struct mnt_suite {
 MNT_DECLARE(types)
 MNT_DECLARE(json)
 MNT_DECLARE(estimate)
+MNT_DECLARE(quantseq)
 MNT_DECLARE(hfconfig)
 MNT_DECLARE(cli)
 MNT_DECLARE(cache)
@@ -37,6 +38,7 @@ static const mnt_suite suites[] = {
     {"types", test_types_cases, &test_types_count},
     {"json", test_json_cases, &test_json_count},
     {"estimate", test_estimate_cases, &test_estimate_count},
+    {"quantseq", test_quantseq_cases, &test_quantseq_count},
     {"hfconfig", test_hfconfig_cases, &test_hfconfig_count},
     {"cli", test_cli_cases, &test_cli_count},
     {"cache", test_cache_cases, &test_cache_count},

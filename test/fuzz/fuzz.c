@@ -7,6 +7,7 @@
 //   csv          the CLI's RMM log CSV reader (memanat replay), through a memory stream
 //   allocconf    mn_cache_config_parse (PYTORCH_CUDA_ALLOC_CONF), then an allocator built on it
 //   size         mn_size_parse and the CLI's count parser (--capacity, --params, --batch)
+//   lengths      mn_seq_dist_parse (--seq-lengths FILE) and mn_seq_dist_range (MIN:MAX:MEAN)
 // No libFuzzer needed:
 //
 //     ./build/fuzz [--seconds N] [--seed S] [--target NAME|all] DIR
@@ -225,7 +226,8 @@ static int fz_safetensors(const uint8_t *data, size_t len, fz_ctx *c) {
     uint64_t k, data_end = 0;
     uint8_t *wrapped;
     int ok = 0;
-    if (mn_json_parse((const char *)data, len, NULL, &doc) == MN_OK) data_end = fz_data_end(doc.root);
+    if (mn_json_parse((const char *)data, len, NULL, &doc) == MN_OK)
+        data_end = fz_data_end(doc.root);
     mn_json_free(&doc);
     memset(&sd, 0, sizeof sd);
     sd.allocator = c->al;
@@ -348,8 +350,10 @@ static int fz_csv(const uint8_t *data, size_t len, fz_ctx *c) {
                 fz_die("CSV reader kept an allocation of 1 EiB", data, len);
         if (mn_sim_cache_init(&sc, NULL, NULL) == MN_OK) {
             r = mn_cache_replay(&sc.cache, t.ev, t.n, 1, &n);
-            if (r != MN_OK && r != MN_ERR_OUT_OF_MEMORY) fz_die("replay of a read trace", data, len);
-            if (mn_cache_check(&sc.cache) != MN_OK) fz_die("allocator check after replay", data, len);
+            if (r != MN_OK && r != MN_ERR_OUT_OF_MEMORY)
+                fz_die("replay of a read trace", data, len);
+            if (mn_cache_check(&sc.cache) != MN_OK)
+                fz_die("allocator check after replay", data, len);
             mn_sim_cache_free(&sc);
         }
     }
@@ -413,6 +417,37 @@ static int fz_size(const uint8_t *data, size_t len, fz_ctx *c) {
     return ok && !memchr(data, 0, len);
 }
 
+// lengths: a sequence-lengths file (sorted distinct lengths, positive counts) or a clean
+// refusal; the same text as a MIN:MAX:MEAN range.
+static int fz_lengths(const uint8_t *data, size_t len, fz_ctx *c) {
+    mn_seq_dist sq;
+    char *text = (char *)malloc(len + 1);
+    mn_result r;
+    uint64_t k;
+    int ok = 0;
+    r = mn_seq_dist_parse((const char *)data, len, &c->al, NULL, &sq);
+    if (r == MN_OK) {
+        ok = 1;
+        for (k = 0; k < sq.n; k++)
+            if (sq.count[k] == 0 || sq.len[k] == 0 || (k && sq.len[k] <= sq.len[k - 1]))
+                fz_die("lengths accepted out of order or empty", data, len);
+        if (sq.n == 0) fz_die("lengths accepted with no entry", data, len);
+    } else if (r != MN_ERR_PARSE && r != MN_ERR_INVALID_ARG && r != MN_ERR_OUT_OF_MEMORY) {
+        fz_die("mn_seq_dist_parse: unexpected result", data, len);
+    }
+    if (r == MN_ERR_OUT_OF_MEMORY) c->st->oom++;
+    mn_seq_dist_free(&c->al, &sq);
+    fz_check_alloc(&c->a, r, data, len, "mn_seq_dist_parse");
+    if (len) memcpy(text, data, len);
+    text[len] = 0;
+    r = mn_seq_dist_range(text, NULL, &sq);
+    if (r == MN_OK && (sq.min < 1 || sq.max < sq.min || !(sq.mean >= (double)sq.min) ||
+                       !(sq.mean <= (double)sq.max)))
+        fz_die("a range accepted out of order", data, len);
+    free(text);
+    return ok;
+}
+
 typedef struct fz_target {
     const char *name;
     int (*fn)(const uint8_t *data, size_t len, fz_ctx *c);
@@ -421,7 +456,7 @@ typedef struct fz_target {
 static const fz_target fz_targets[] = {
     {"json", fz_json}, {"safetensors", fz_safetensors}, {"config", fz_config},
     {"index", fz_index}, {"snapshot", fz_snapshot}, {"csv", fz_csv},
-    {"allocconf", fz_allocconf}, {"size", fz_size},
+    {"allocconf", fz_allocconf}, {"size", fz_size}, {"lengths", fz_lengths},
 };
 #define FZ_NTARGETS (sizeof fz_targets / sizeof fz_targets[0])
 
@@ -660,7 +695,8 @@ static int fz_run(const fz_target *t, const char *dir, double seconds, uint64_t 
         return 2;
     }
     seeds = npool;
-    for (k = 0; k < seeds; k++) pool[k].kind = fz_one(t, pool[k].data, pool[k].len, fz_next(&rng), &st);
+    for (k = 0; k < seeds; k++)
+        pool[k].kind = fz_one(t, pool[k].data, pool[k].len, fz_next(&rng), &st);
     start = time(NULL);
     for (;;) {
         const fz_input *base = fz_pick(pool, npool, &rng);
