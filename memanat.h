@@ -10591,12 +10591,15 @@ typedef struct mn__c_idmap {
     void **block;
     uint64_t mask, live;
     uint32_t shift;  // 64 - log2(mask + 1)
+    int direct;      // ids 0..mask index block[] themselves (no id[]): small dense ids
     const mn_allocator *al;
 } mn__c_idmap;
 
 // Fibonacci hashing (the top bits of the product): dense ids, as traces use, spread evenly.
 MN__PRIVATE uint64_t mn__c_idmap_slot(const mn__c_idmap *m, uint64_t id) {
-    uint64_t h = (id * 0x9E3779B97F4A7C15ull) >> m->shift;
+    uint64_t h;
+    if (m->direct) return id;
+    h = (id * 0x9E3779B97F4A7C15ull) >> m->shift;
     while (m->block[h] && m->id[h] != id) h = (h + 1) & m->mask;
     return h;
 }
@@ -10624,7 +10627,7 @@ MN__PRIVATE mn_result mn__c_idmap_reserve(mn__c_idmap *m) {
     mn__c_idmap old = *m;
     uint64_t i;
     mn_result r;
-    if ((m->live + 1) * 2 <= m->mask + 1) return MN_OK;
+    if (m->direct || (m->live + 1) * 2 <= m->mask + 1) return MN_OK;
     if ((r = mn__c_idmap_alloc(m, (m->mask + 1) * 2)) != MN_OK) return r;
     for (i = 0; i <= old.mask; i++)
         if (old.block[i]) {
@@ -10641,6 +10644,7 @@ MN__PRIVATE void mn__c_idmap_remove(mn__c_idmap *m, uint64_t h) {
     uint64_t j;
     m->block[h] = NULL;
     m->live--;
+    if (m->direct) return;
     for (j = (h + 1) & m->mask; m->block[j]; j = (j + 1) & m->mask) {
         uint64_t id = m->id[j], g;
         void *b = m->block[j];
@@ -10672,7 +10676,10 @@ MN__PRIVATE mn_result mn__c_replay_event(mn_cache *c, mn__c_idmap *m, const mn_t
     r = mn_cache_alloc(c, e->size, e->stream, (mn_category)e->category,
                        e->phase ? mn_phase_name((mn_phase)e->phase) : NULL, &p);
     if (r == MN_ERR_DEVICE_OOM) return n->failed++, MN_OK;
-    if (r == MN_OK && p) m->id[h] = e->id, m->block[h] = p, m->live++;
+    if (r == MN_OK && p) {
+        if (!m->direct) m->id[h] = e->id;
+        m->block[h] = p, m->live++;
+    }
     return r;
 }
 
@@ -10692,7 +10699,17 @@ MN__PRIVATE mn_result mn__c_replay(mn_cache *c, const mn_trace_event *events, ui
     memset(&n, 0, sizeof n);
     memset(&m, 0, sizeof m);
     m.al = &c->p->alloc;
-    r = mn__c_idmap_alloc(&m, 1024);
+    {  // ids no larger than a few times the trace (the estimator's tensor ids): a plain array,
+       // walked nearly in order, instead of a hash table whose every probe misses the cache
+        uint64_t top = 0;
+        for (i = 0; i < count; i++) top = events[i].id > top ? events[i].id : top;
+        if (count && top < 4 * count + 4096) {
+            m.block = (void **)mn__alloc_array(m.al, (size_t)top + 1, sizeof *m.block);
+            if (m.block) memset(m.block, 0, ((size_t)top + 1) * sizeof *m.block);
+            m.direct = 1, m.mask = top;
+        }
+    }
+    r = m.direct ? (m.block ? MN_OK : MN_ERR_OUT_OF_MEMORY) : mn__c_idmap_alloc(&m, 1024);
     for (i = 0; i <= count && r == MN_OK; i++) {
         for (; k < nmarks && marks[k] == i && r == MN_OK; k++) {
             r = at_mark(user_data, k, c);
