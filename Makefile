@@ -1,11 +1,17 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang, also with MEMANAT_STATIC and the trainer, and the ops with MEMANAT_NO_SIMD), fuzz
-# (bounded fuzzing of every parser), bench (benchmark programs), cuda-probe.
+# under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, and the
+# ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every parser), bench (benchmark programs),
+# cuda-probe.
 # With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
-# (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and `make test` first runs
+# (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and links it into the
+# trainer (--device cuda), and `make test` first runs
 # build/test_cuda (the GPU tests; one SKIP line without a device). `make gpu-bench` builds the GPU
 # benchmark; bench/gpu.sh runs everything on a GPU machine.
+# The same header elsewhere: `make python` builds the Python package's wheel (build/wheel),
+# `make web` the browser page (web/index.html: WebAssembly, clang's wasm32-wasi target). `make
+# test` builds both when their tools are present, and its bindings suite runs their tests
+# (python/tests with pytest; the page in headless Chromium), each one SKIP line without them.
 
 CC      ?= cc
 CXX     ?= c++
@@ -38,7 +44,8 @@ CUDA_OBJ  := build/memanat_cuda.o
 CUDA_TEST := build/test_cuda
 endif
 
-.PHONY: all test sanitize cxx clang fuzz bench gpu-bench cuda-probe check clean
+.PHONY: all test sanitize cxx clang fuzz bench gpu-bench cuda-probe check clean python python-ext \
+        web web-probe
 
 all: memanat trainer cuda-probe $(CUDA_OBJ)
 
@@ -49,18 +56,83 @@ memanat: memanat.c $(HDRS)
 # this machine's CPU: the matmuls that are most of a step run about 3x faster with its vector
 # units (AVX2/AVX-512) than with the baseline SSE2; TRAINER_OPT=-O2 builds a portable binary.
 TRAINER_OPT ?= -O3 -march=native
+# With nvcc the trainer has the GPU path too (--device cuda): compiled with MEMANAT_CUDA by the C
+# compiler, linked with memanat_cuda.o by nvcc. Without it, the plain C build.
+ifneq ($(NVCC),)
+trainer: trainer.c $(HDRS) build/memanat_cuda.o | build
+	$(CC) $(CSTD) $(TRAINER_OPT) -g $(WARN) $(OPENMP) -DMEMANAT_CUDA -c -o build/trainer.o trainer.c
+	$(NVCC) -o $@ build/trainer.o build/memanat_cuda.o $(CUDA_LINK) $(if $(OPENMP),-lgomp)
+else
 trainer: trainer.c $(HDRS)
 	$(CC) $(CSTD) $(TRAINER_OPT) -g $(WARN) $(OPENMP) -o $@ trainer.c $(LDLIBS)
+endif
 
 build:
 	@mkdir -p build
 
-build/test_all: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
+build/test_all: $(TESTSRC) test/harness.h $(HDRS) trainer.c bind/memanat_api.c | build
 	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ $(TESTSRC) $(LDLIBS)
 
-test: memanat build/test_all $(CUDA_TEST)
+test: memanat build/test_all $(CUDA_TEST) python-ext web-probe
 	@if [ -n "$(CUDA_TEST)" ]; then ./$(CUDA_TEST); fi
 	./build/test_all
+
+# ---- Python and the browser: bind/memanat_api.c over the header, for each place -----------------
+
+PYTHON  ?= python3
+BIND    := bind/memanat_api.c bind/memanat_api.h $(HDRS)
+PY_OK   := $(shell $(PYTHON) -c 'import os, sys, sysconfig, setuptools; \
+    sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    2>/dev/null && echo yes)
+
+# The extension built in place (python/memanat/_native*.so) for the tests.
+python-ext:
+ifeq ($(PY_OK),yes)
+	@$(MAKE) --no-print-directory build/python-ext.stamp
+else
+	@echo "python-ext: $(PYTHON) with setuptools and Python.h not found; the Python tests skip"
+endif
+
+build/python-ext.stamp: $(BIND) python/setup.py python/memanat/_native.c | build
+	cd python && $(PYTHON) setup.py -q build_ext --inplace > ../build/python-ext.log 2>&1 \
+	    || { tail -n 20 ../build/python-ext.log; exit 1; }
+	@touch $@
+
+# A wheel for the stable ABI (one file serves CPython 3.9 and later) in build/wheel; built with
+# the installed setuptools and wheel when both are there, else in pip's isolated environment.
+python: | build
+	cd python && if $(PYTHON) -c 'import setuptools, wheel' 2>/dev/null; then \
+	    $(PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w ../build/wheel .; \
+	else $(PYTHON) -m pip wheel -q --no-deps -w ../build/wheel .; fi
+	@ls -l build/wheel/*.whl
+
+# The page: memanat_api.c for wasm32-wasi (a reactor exporting mn_api_call), inlined in base64
+# into web/page.html, so that web/index.html works from the file system and any static host.
+WASM_CC    ?= clang
+WASM_FLAGS := --target=wasm32-wasi -O2 -std=c99 $(WARN) -DMEMANAT_NO_THREADS -mexec-model=reactor \
+              -Wl,--strip-all $(foreach f,mn_api_call mn_api_free malloc free,-Wl,--export=$(f))
+WASM_DEBIAN := apt-get install clang lld wasi-libc libclang-rt-14-dev-wasm32
+
+web: web/index.html
+	@echo "web: web/index.html ($$(wc -c < web/index.html) bytes), build/memanat.wasm \
+	($$(wc -c < build/memanat.wasm) bytes)"
+
+build/memanat.wasm: $(BIND) | build
+	$(WASM_CC) $(WASM_FLAGS) -o $@ bind/memanat_api.c
+
+web/index.html: web/page.html build/memanat.wasm
+	base64 -w0 build/memanat.wasm > build/memanat.wasm.b64
+	awk -v f=build/memanat.wasm.b64 'BEGIN { getline b < f } \
+	    { i = index($$0, "@MEMANAT_WASM_BASE64@"); \
+	      if (i) print substr($$0, 1, i - 1) b substr($$0, i + 21); else print }' \
+	    web/page.html > $@.tmp && mv $@.tmp $@
+
+# For `make test`: the page when clang can link for wasm32-wasi, else a line saying what to install.
+web-probe: | build
+	@if printf 'int f(void);\nint f(void) { return 0; }\n' > build/wasm_probe.c && \
+	    $(WASM_CC) --target=wasm32-wasi -mexec-model=reactor -o build/wasm_probe.wasm \
+	    build/wasm_probe.c >/dev/null 2>&1; then $(MAKE) --no-print-directory web; \
+	else echo "web: $(WASM_CC) cannot link for wasm32-wasi; the page is not built ($(WASM_DEBIAN))"; fi
 
 # ptxas -v (registers, spills, shared memory per kernel) goes to build/ptxas.log.
 build/memanat_cuda.o: memanat_cuda.cu $(HDRS) | build
@@ -85,7 +157,7 @@ build/bench_gpu: bench/bench_gpu.cu build/memanat_cuda.o build/memanat_impl.o $(
 
 gpu-bench: build/bench_gpu
 
-build/test_asan: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
+build/test_asan: $(TESTSRC) test/harness.h $(HDRS) trainer.c bind/memanat_api.c | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
 
@@ -103,19 +175,20 @@ sanitize: build/memanat_asan build/test_asan build/test_asan_ndebug
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/test_asan_ndebug \
 	    bad_arguments | tail -n 1
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MEMANAT_BIN=build/memanat_asan \
-	    ./build/test_asan
+	    MN_TEST_NO_BINDINGS=1 ./build/test_asan
 
 # The header compiles as C++ (nvcc compiles the CUDA backend as C++).
 cxx: test/cxx_check.cpp $(HDRS) | build
 	$(CXX) -std=c++11 $(OPT) $(WARN) -o build/cxx_check test/cxx_check.cpp $(LDLIBS)
 	./build/cxx_check
 
-clang: $(TESTSRC) $(HDRS) memanat.c trainer.c | build
+clang: $(TESTSRC) $(HDRS) memanat.c trainer.c bind/memanat_api.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/test_clang $(TESTSRC) $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/memanat_clang memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/trainer_clang trainer.c $(LDLIBS)
-	MEMANAT_BIN=build/memanat_clang ./build/test_clang > build/test_clang.log || \
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_CUDA -c -o build/trainer_cuda_clang.o trainer.c
+	MEMANAT_BIN=build/memanat_clang MN_TEST_NO_BINDINGS=1 ./build/test_clang > build/test_clang.log || \
 	    (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_NO_SIMD -o build/test_nosimd $(TESTSRC) $(LDLIBS)
@@ -148,4 +221,4 @@ cuda-probe:
 check: test sanitize cxx clang fuzz
 
 clean:
-	rm -rf build memanat trainer
+	rm -rf build memanat trainer web/index.html python/src python/build python/memanat/*.so

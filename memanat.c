@@ -67,7 +67,7 @@ enum { CMD_ESTIMATE = 1, CMD_FIT = 2, CMD_REPLAY = 4, CMD_STEP = CMD_ESTIMATE | 
 typedef struct cli {
     mn_model model;
     mn_setup setup;              // replay uses setup.capacity
-    int have_model, json, parts, no_replay;
+    int have_model, json, parts, explain, no_replay;
     const char *model_src;
     uint64_t params;
     int head_set;
@@ -174,6 +174,16 @@ static int opt_percentile(cli *c, const char *flag, const char *v) {
     return 0;
 }
 
+static int opt_lora_dropout(cli *c, const char *flag, const char *v) {
+    char *end = NULL;
+    double p = strtod(v, &end);
+    (void)flag;
+    if (!end || end == v || *end || !(p >= 0.0 && p < 1.0))
+        return fail("--lora-dropout \"%s\": want a probability 0 <= p < 1", v);
+    c->setup.lora_dropout = (float)p;
+    return 0;
+}
+
 static int opt_zero_grad(cli *c, const char *flag, const char *v) {
     (void)flag;
     if (!strcmp(v, "keep")) c->setup.grads = MN_GRADS_KEEP;
@@ -192,6 +202,8 @@ CHOICE(mn_attn_parse, mn_attn)
 CHOICE(mn_framework_parse, mn_framework)
 CHOICE(mn_offload_parse, mn_offload)
 CHOICE(mn_quant_parse, mn_quant)
+CHOICE(mn_optim_impl_parse, mn_optim_impl)
+CHOICE(mn_loop_parse, mn_loop)
 CHOICE(mn_lora_targets_parse, uint32_t)
 
 typedef enum opt_kind {
@@ -239,6 +251,9 @@ static const opt options[] = {
     CHOOSE("--checkpointing", setup.checkpointing, mn_ckpt_parse),
     CHOOSE("--attention", setup.attention, mn_attn_parse),
     U32("--lora-rank", setup.lora_rank, 1),
+    FN("--lora-dropout", opt_lora_dropout),
+    CHOOSE("--optim-impl", setup.optim_impl, mn_optim_impl_parse),
+    CHOOSE("--loop", setup.loop, mn_loop_parse),
     CHOOSE("--lora-targets", setup.lora_targets, mn_lora_targets_parse),
     CHOOSE("--quant", setup.quant, mn_quant_parse),
     FN("--bnb-version", opt_bnb_version),
@@ -257,6 +272,7 @@ static const opt options[] = {
     U32("--beams", setup.beams, 1),
     KIND("--no-replay", CMD_STEP, OPT_FLAG, no_replay),
     KIND("--parts", CMD_ESTIMATE, OPT_FLAG, parts),
+    KIND("--explain", CMD_ESTIMATE, OPT_FLAG, explain),
     KIND("--snapshot", CMD_ESTIMATE, OPT_TEXT, snapshot),
     KIND("--config", CMD_REPLAY, OPT_TEXT, alloc_conf),  // replay's older name for --alloc-conf
     KIND("--alloc-conf", CMD_STEP | CMD_REPLAY, OPT_TEXT, alloc_conf),
@@ -443,15 +459,17 @@ static const char *estimate_usage =
     "             --quant none|int8|nf4|nf4-dq|fp4|fp4-dq (bitsandbytes; -dq: double quant)\n"
     "             --bnb-version X.Y.Z (before 0.43.2 a 4-bit linear keeps its input)\n"
     "             --quant-head yes|no (quantize an untied LM head too; transformers: no)\n"
+    "             --lora-dropout P --optim-impl foreach|fused|loop\n"
     "  lengths:   --seq-lengths FILE|MIN:MAX:MEAN (instead of --seq: FILE has lines LENGTH\n"
     "             or LENGTH COUNT) --steps N (32) --seed N (0) --percentile P (99)\n"
     "  framework: --framework hf|deepspeed|megatron|memanat --torch 1.10|2 --zero 0..3 --gpus N\n"
-    "             --offload none|optimizer|all --zero-grad keep|none\n"
+    "             --offload none|optimizer|all --zero-grad keep|none --loop plain|trainer\n"
     "  device:    --gpu NAME --capacity SIZE --context SIZE --alloc-conf STR\n"
     "             (SIZE: 512MiB, 16GiB, 80GB; PYTORCH_CUDA_ALLOC_CONF is read when set)\n"
     "  inference: --infer --prompt N --new-tokens N --beams N\n"
     "  output:    --json (one JSON object, byte counts as integers)\n"
     "             --parts (activations each block keeps for backward)\n"
+    "             --explain (every buffer alive at the peak, by the mechanism that made it)\n"
     "             --svg OUT (timeline of the predicted step, stacked by category)\n"
     "             --snapshot OUT (allocator snapshot for pytorch.org/memory_viz)\n"
     "  speed:     --no-replay (skip the allocator replay: peak reserved = peak allocated)\n";
@@ -538,6 +556,7 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     json_u64("kv_cache", r->kv_cache, f);
     json_u64("workspace", r->workspace, f);
     json_u64("peak_allocated", r->peak_allocated, f);
+    json_u64("peak_requested", r->peak_requested, f);
     json_u64("peak_reserved", r->peak_reserved, f);
     json_u64("context", r->context, f);
     json_u64("device_used", r->device_used, f);
@@ -563,6 +582,8 @@ static void print_json_fields(const mn_estimate_result *r, int *f) {
     json_str("offload", mn_offload_name(s->offload), f);
     json_u64("lora_rank", s->lora_rank, f);
     json_str("quant", mn_quant_name(s->quant), f);
+    json_str("optim_impl", mn_optim_impl_name(s->optim_impl), f);
+    json_str("loop", mn_loop_name(s->loop), f);
     json_str("head", mn_head_name(r->model.head), f);
     if (s->quant > MN_QUANT_NONE) {  // bitsandbytes: the release modelled (0 = current), the head
         json_u64("bnb_version", s->bnb_version, f);
@@ -745,6 +766,43 @@ static int cmd_estimate_lengths(cli *c) {
     return rc;
 }
 
+// --explain: the buffers alive at the peak, one line per mechanism, category and size (with
+// --json: an "explain" array of {mechanism, category, count, bytes_each, bytes}).
+static int print_explain(const cli *c) {
+    mn_explain_item it[64];
+    uint32_t n = 0, i;
+    uint64_t peak = 0;
+    char a[32], b[32];
+    mn_result res = mn_estimate_explain(&c->model, &c->setup, it, 64, &n, &peak);
+    if (res != MN_OK) return fail_result("explain", res);
+    if (c->json) {
+        printf(", \"explain_peak\": %llu, \"explain\": [", (unsigned long long)peak);
+        for (i = 0; i < n && i < 64; i++) {
+            int f = 1;
+            printf("%s{", i ? ", " : "");
+            json_str("mechanism", it[i].mechanism, &f);
+            json_str("category", mn_category_name(it[i].category), &f);
+            json_u64("count", it[i].count, &f);
+            json_u64("bytes_each", it[i].bytes_each, &f);
+            json_u64("bytes", it[i].bytes, &f);
+            printf("}");
+        }
+        printf("]");
+        return 0;
+    }
+    mn_size_format(peak, a, sizeof a);
+    printf("\nalive at the peak (%s before rounding), by mechanism:\n", a);
+    printf("  %-66s %-15s %6s %10s %10s\n", "mechanism", "category", "count", "each", "total");
+    for (i = 0; i < n && i < 64; i++) {
+        mn_size_format(it[i].bytes_each, a, sizeof a);
+        mn_size_format(it[i].bytes, b, sizeof b);
+        printf("  %-66s %-15s %6llu %10s %10s\n", it[i].mechanism,
+               mn_category_name(it[i].category), (unsigned long long)it[i].count, a, b);
+    }
+    if (n > 64) printf("  (%u smaller groups not shown)\n", n - 64);
+    return 0;
+}
+
 static int cmd_estimate(int argc, char **argv) {
     cli c;
     mn_estimate_result r;
@@ -768,10 +826,18 @@ static int cmd_estimate(int argc, char **argv) {
         printf("{");
         print_json_fields(&r, &f);
         print_parts(&c, &r, parts, nparts);
+        if (c.explain && (rc = print_explain(&c)) != 0) {
+            free(parts);
+            return rc;
+        }
         printf("}\n");
     } else {
         print_table(&r);
         print_parts(&c, &r, parts, nparts);
+        if (c.explain && (rc = print_explain(&c)) != 0) {
+            free(parts);
+            return rc;
+        }
     }
     free(parts);
     return r.fits ? 0 : 1;  // 1: does not fit (the answer is printed all the same)

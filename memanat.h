@@ -63,8 +63,10 @@
 //     /step            the symbolic training step or generation, its trace and its result
 //     /lengths         training over a distribution of sequence lengths, steps replayed
 //     /fit             the largest micro-batch, the longest sequence, a plan that fits
-//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space), names
-//     /gpt             the model of memanat's own trainer: its tensor tables, shared with trainer.c
+//     /tables          model presets, the GPU table (capacity, context, SM, cuBLAS space, bf16
+//                      peak), names
+//     /gpt             the model of memanat's own trainer (CPU or --device cuda): its tensor
+//                      tables, shared with trainer.c
 //   >>cuda           the CUDA backend: kernel math (always), memanat_cuda.cu API (MEMANAT_CUDA)
 //   >>hfconfig       Hugging Face config.json and model-folder reader
 //   >>cache          the caching allocator with PyTorch's policy:
@@ -79,7 +81,9 @@
 //   >>ops            CPU reference ops, forward and backward
 //
 // HISTORY
-//   0.1.0  estimator, CLI, caching allocator, optimizers and reference ops
+//   0.1.0  estimator, CLI, caching allocator, optimizers and reference ops; the CUDA backend
+//          (allocator device, cuBLASLt GEMMs, fused kernels and optimizer steps, 8-bit AdamW)
+//          and the trainer on a GPU
 //
 // LICENSE: MIT, see the end of this file.
 
@@ -428,6 +432,10 @@ typedef struct mn_model {
     int embed_norm;           // a norm right after the embeddings (BERT)
     int lm_transform;         // the LM head has dense + act + norm before the projection (BERT MLM)
     int post_norm;            // norms after the residual adds (BERT), not before (GPT-2, Llama)
+    int fused_proj;           // q, k, v in one projection and gate, up in one (Phi-3's qkv_proj,
+                              // gate_up_proj); GPT-2's c_attn is fused whatever this says
+    int rope_cat;             // RoPE rotates a slice and concatenates the rest (Phi-3): the
+                              // rotated q, k are new contiguous [b, heads, s, d] tensors
     float dropout;            // hidden dropout probability, 0 = none
     float attn_dropout;       // attention-probability dropout, 0 = none
     mn_dtype dtype;           // dtype of the published checkpoint, 0 = fp32
@@ -501,6 +509,23 @@ typedef enum mn_quant {
     MN_QUANT_COUNT
 } mn_quant;
 
+// How a torch optimizer runs its step (torch/optim/optimizer.py, _default_to_fused_or_foreach):
+// foreach (_multi_tensor_*: whole-group temporaries, torch's default for CUDA parameters), fused
+// (one kernel per group, no temporaries; AdamW(fused=True)), loop (_single_tensor_*: one tensor's
+// temporaries at a time). Optimizers outside torch (8-bit AdamW, Adafactor, Lion) ignore it.
+typedef enum mn_optim_impl {
+    MN_OPTIM_IMPL_DEFAULT = 0, MN_OPTIM_IMPL_FOREACH, MN_OPTIM_IMPL_FUSED, MN_OPTIM_IMPL_LOOP,
+    MN_OPTIM_IMPL_COUNT
+} mn_optim_impl;
+
+// The training loop around the model (what keeps the model's outputs alive): a plain loop
+// (`out = model(**batch); out.loss.backward(); opt.step(); opt.zero_grad()`) holds `out` (logits,
+// the KV cache) until the next iteration; HF's Trainer drops them before backward
+// (Trainer.compute_loss returns the loss alone).
+typedef enum mn_loop {
+    MN_LOOP_DEFAULT = 0, MN_LOOP_PLAIN, MN_LOOP_TRAINER, MN_LOOP_COUNT
+} mn_loop;
+
 // When gradients are released: kept between steps and zeroed in place (torch < 2.0 zero_grad)
 // or set to None after each optimizer step (torch >= 2.0 default).
 typedef enum mn_grads {
@@ -524,8 +549,10 @@ typedef struct mn_setup {
     mn_attn attention;         // 0 = framework default
     mn_framework framework;    // 0 = hf
     mn_grads grads;            // 0 = keep with torch < 2.0, release with torch >= 2.0
-    uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 110 with
-                               // --framework hf (the published HF measurements), 200 otherwise
+    uint32_t torch_version;    // 110 = 1.10, 200 = 2.x (op and zero_grad semantics); 0 = 200
+    mn_optim_impl optim_impl;  // 0 = what torch picks on CUDA: foreach for --framework hf
+    float lora_dropout;        // PEFT lora_dropout, 0 = none (identity)
+    mn_loop loop;              // 0 = plain
     uint32_t lora_rank;        // 0 = no LoRA
     uint32_t lora_targets;     // MN_LORA_* bits, 0 = q|v
     mn_quant quant;            // frozen base weights quantized (QLoRA), 0 = none
@@ -536,7 +563,8 @@ typedef struct mn_setup {
                                // 0 = current; before 0.43.2 MatMul4Bit keeps its 16-bit input
     int quant_head;            // 1: the LM head is quantized too; 0 = kept 16-bit (transformers)
     uint64_t trainable_params; // only this many parameters train (adapters), 0 = all / LoRA's
-    const char *gpu;           // GPU table name, NULL = "a100-80gb" ("cpu" for --framework memanat)
+    const char *gpu;           // GPU table name, NULL = "a100-80gb" ("cpu" for --framework memanat;
+                               // memanat on a GPU models trainer.c --device cuda)
     uint64_t capacity;         // device bytes, 0 = the GPU's
     uint64_t context;          // CUDA context bytes, 0 = the GPU's typical value
     int infer;                 // inference (generation) instead of training
@@ -573,6 +601,7 @@ typedef struct mn_gpu {
     uint32_t sm;           // compute capability x 10: 70 = V100 (sm_70), 80 = A100, 90 = H100
     int bf16;              // supports bf16 (sm >= 80)
     uint64_t cublas_workspace;  // bytes of the cuBLAS workspace a training step holds
+    double bf16_tflops;    // dense bf16 tensor-core peak (MFU's denominator), 0 = not known
 } mn_gpu;
 
 typedef struct mn_estimate_result {
@@ -583,6 +612,9 @@ typedef struct mn_estimate_result {
     uint64_t kv_cache, workspace;
     uint64_t peak_allocated;    // what torch.cuda.max_memory_allocated() would report
     uint64_t peak_reserved;     // what torch.cuda.max_memory_reserved() would report
+    uint64_t peak_requested;    // the most bytes of live tensors, each rounded up to 512 B: what
+                                // a per-tensor tracker (torch's MemTracker) reports; allocated
+                                // adds the blocks' unsplit remainders (CUDACachingAllocator)
     uint64_t context, device_used, capacity;  // device_used = context + peak_reserved
     int fits;
     uint64_t cpu_bytes;         // offloaded states in host memory
@@ -698,6 +730,19 @@ typedef struct mn_lengths_result {
 MNDEF mn_result mn_estimate_lengths(const mn_model *model, const mn_setup *setup,
                                     const mn_lengths_desc *desc, mn_lengths_result *out);
 
+// What is alive at the simulated step's peak allocated moment, grouped by the mechanism that
+// made each buffer, its category and its size: items[] sorted by total bytes, largest first
+// (at most cap written, *count = the number of groups); *peak = the bytes alive then (before
+// the allocator's 512-byte rounding). mechanism points to a static string.
+typedef struct mn_explain_item {
+    const char *mechanism;
+    mn_category category;
+    uint64_t bytes_each, count, bytes;
+} mn_explain_item;
+MNDEF mn_result mn_estimate_explain(const mn_model *model, const mn_setup *setup,
+                                    mn_explain_item *items, uint32_t cap, uint32_t *count,
+                                    uint64_t *peak);
+
 // Parameter count of a model (exact from the shape, or model->params when set).
 MNDEF mn_result mn_model_params(const mn_model *model, uint64_t *out);
 
@@ -752,6 +797,10 @@ MNDEF const char *mn_optim_name(mn_optim o);
 MNDEF const char *mn_ckpt_name(mn_ckpt c);
 MNDEF const char *mn_attn_name(mn_attn a);
 MNDEF const char *mn_framework_name(mn_framework f);
+MNDEF const char *mn_optim_impl_name(mn_optim_impl i);
+MNDEF const char *mn_loop_name(mn_loop l);
+MNDEF mn_result mn_loop_parse(const char *s, mn_loop *out);
+MNDEF mn_result mn_optim_impl_parse(const char *s, mn_optim_impl *out);
 MNDEF const char *mn_framework_describe(mn_framework f);
 MNDEF const char *mn_offload_name(mn_offload o);
 MNDEF const char *mn_quant_name(mn_quant q);
@@ -959,6 +1008,85 @@ MN_HD void mn_hd_adamw(float *p, float *m, float *v, float g, float grad_scale,
     *p = th - k->step_size * (mm / denom);
 }
 
+// 8-bit AdamW, the arithmetic of mn_adamw8bit_step (bitsandbytes AdamW8bit, csrc/kernels.cu
+// kOptimizerStatic8bit2StateBlockwise): the step's scalars from t in double as the host step; per
+// element the moments from the dequantized state (map[code] * absmax; 0 where g is not finite),
+// the update from the fp32 moments with the decay after it, and the new codes: the nearest map
+// entry (ties to the larger), a negative m never coded at 0 or above (its sign is kept).
+typedef struct mn_hd_adamw8bit_coef {
+    float beta1, beta2;
+    float step_size;  // -lr sqrt(1 - beta2^t) / (1 - beta1^t)
+    float eps_c;      // eps sqrt(1 - beta2^t)
+    float decay;      // 1 - lr weight_decay, applied when decay_on
+    int decay_on;     // weight_decay > 0
+} mn_hd_adamw8bit_coef;
+MN_HD mn_hd_adamw8bit_coef mn_hd_adamw8bit_coefs(float lr, float beta1, float beta2, float eps,
+                                                 float weight_decay, uint64_t t) {
+    mn_hd_adamw8bit_coef k;
+    double c1 = 1.0 - pow((double)beta1, (double)t);
+    double c2 = sqrt(1.0 - pow((double)beta2, (double)t));
+    k.beta1 = beta1, k.beta2 = beta2;
+    k.step_size = (float)(-(double)lr * c2 / c1);
+    k.eps_c = (float)((double)eps * c2);
+    k.decay = (float)(1.0 - (double)lr * (double)weight_decay);
+    k.decay_on = weight_decay > 0.0f;
+    return k;
+}
+// m = b1 m_old + (1 - b1) g, v = b2 v_old + (1 - b2) g^2 (m_old, v_old dequantized or fp32);
+// 0 when g is not finite (returns 0 then, 1 otherwise).
+MN_HD int mn_hd_adamw8bit_moments(float *m, float *v, float g, float m_old, float v_old,
+                                  const mn_hd_adamw8bit_coef *k) {
+    if (!mn_hd_isfinite(g)) {
+        *m = 0.0f, *v = 0.0f;
+        return 0;
+    }
+    *m = m_old * k->beta1 + (1.0f - k->beta1) * g;
+    *v = v_old * k->beta2 + (1.0f - k->beta2) * g * g;
+    return 1;
+}
+MN_HD void mn_hd_adamw8bit_param(float *p, float m, float v, const mn_hd_adamw8bit_coef *k) {
+    *p = *p + k->step_size * (m / (sqrtf(v) + k->eps_c));
+    if (k->decay_on) *p = *p * k->decay;
+}
+// Index of the entry of map[256] (ascending) nearest to x, ties to the larger: a branch-free
+// binary search (i ends as the number of entries below x).
+MN_HD uint32_t mn_hd_q8_nearest(const float *map, float x) {
+    uint32_t i = 0, step;
+    for (step = 128; step > 0; step >>= 1) i += step & (0u - (uint32_t)(map[i + step - 1] < x));
+    if (i == 0) return 0;
+    return i - (uint32_t)(x - map[i - 1] < map[i] - x);
+}
+// The code of m in the signed map at scale inv = 1 / absmax (0 when absmax is 0).
+MN_HD uint32_t mn_hd_q8_code_signed(const float *map, float m, float inv) {
+    uint32_t c = mn_hd_q8_nearest(map, m * inv);
+    if (m < 0.0f && map[c] >= 0.0f) c--;
+    return c;
+}
+// One quantization block of len elements, serially: the order of operations the device kernel
+// keeps per element (its block maxima are order-free). g = grad * grad_scale; mbuf, vbuf [len].
+MN_HD void mn_hd_adamw8bit_block(float *param, uint8_t *code1, uint8_t *code2, float *absmax1,
+                                 float *absmax2, const float *grad, uint64_t len,
+                                 float grad_scale, const float *map1, const float *map2,
+                                 const mn_hd_adamw8bit_coef *k, float *mbuf, float *vbuf) {
+    float a1 = *absmax1, a2 = *absmax2, n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+    uint64_t j;
+    for (j = 0; j < len; j++) {
+        mn_hd_adamw8bit_moments(&mbuf[j], &vbuf[j], grad[j] * grad_scale, map1[code1[j]] * a1,
+                                map2[code2[j]] * a2, k);
+        if (fabsf(mbuf[j]) > n1) n1 = fabsf(mbuf[j]);
+        if (vbuf[j] > n2) n2 = vbuf[j];
+    }
+    *absmax1 = n1, *absmax2 = n2;
+    inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+    inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+    for (j = 0; j < len; j++) {
+        if (mn_hd_isfinite(grad[j] * grad_scale))
+            mn_hd_adamw8bit_param(&param[j], mbuf[j], vbuf[j], k);
+        code1[j] = (uint8_t)mn_hd_q8_code_signed(map1, mbuf[j], inv1);
+        code2[j] = (uint8_t)mn_hd_q8_nearest(map2, vbuf[j] * inv2);
+    }
+}
+
 // Serial row versions, the order of operations a single device thread uses; the host tests run
 // them against the reference ops. LayerNorm of one row x[C] (two-pass variance): y[C], *mu, *r.
 MN_HD void mn_hd_layernorm_row(float *y, float *mu, float *r, const float *x, const float *w,
@@ -1008,6 +1136,49 @@ MN_HD uint64_t mn_hd_head_index(uint64_t i, uint64_t T, uint64_t C, uint64_t NH,
     uint64_t hs = C / NH, bt = i / (parts * C), r = i % (parts * C), c = r % C;
     *part = r / C;
     return ((bt / T * NH + c / hs) * T + bt % T) * hsp + c % hs;
+}
+
+// The attention GEMMs per head in cuBLAS's column-major view (a row-major [T,hs] head buffer is
+// the hs x T matrix with ld hsp, a row-major [T,T] score buffer the T x T matrix with ld T), and
+// causal attention's split into query blocks so that the masked half is not computed: block c of
+// nb holds query rows [r0, r1) (multiples of 8 but the end) and sees keys [0, r1):
+//   QKT  S^T[keys 0..r1, queries r0..r1] = k . q^T      (also dP^T from v and dy)
+//   PV   y^T[:, queries r0..r1] = v^T[:, keys 0..r1] . P^T[keys 0..r1, queries r0..r1]
+//                                                       (also dq^T from k and dS)
+//   PTV  dk^T[:, keys r0..r1] = q^T[:, queries r0..T] . dS[queries r0..T, keys r0..r1]
+//                                                       (also dv^T from dy and P; rows = keys)
+// Scores right of a block's keys are never computed; the softmax reads none of them and writes
+// them 0. Without causal one block covers all: the plain T x T products.
+enum { MN_HD_ATT_QKT, MN_HD_ATT_PV, MN_HD_ATT_PTV };
+typedef struct mn_hd_att_gemm {
+    int ta, tb;                   // op(A), op(B) transposed
+    uint64_t m, n, k;             // D is m x n = op(A) (m x k) . op(B) (k x n)
+    uint64_t lda, ldb, ldd;
+    uint64_t a, b, d;             // element offsets of A, B and D within a head's buffers
+} mn_hd_att_gemm;
+// Query blocks of causal attention over T positions: 4 from T = 256 on, else 1.
+MN_HD uint64_t mn_hd_att_blocks(uint64_t T, int causal) { return causal && T >= 256 ? 4 : 1; }
+MN_HD void mn_hd_att_block_rows(uint64_t T, uint64_t nb, uint64_t c, uint64_t *r0, uint64_t *r1) {
+    uint64_t step = ((T + nb - 1) / nb + 7) / 8 * 8;
+    *r0 = c * step < T ? c * step : T;
+    *r1 = (c + 1) * step < T && c + 1 < nb ? (c + 1) * step : T;
+}
+MN_HD mn_hd_att_gemm mn_hd_att_gemm_block(int form, uint64_t T, uint64_t hs, uint64_t hsp,
+                                          uint64_t r0, uint64_t r1) {
+    mn_hd_att_gemm g;
+    g.lda = hsp, g.ldb = form == MN_HD_ATT_QKT ? hsp : T, g.ldd = form == MN_HD_ATT_QKT ? T : hsp;
+    g.n = r1 - r0;
+    if (form == MN_HD_ATT_QKT) {
+        g.ta = 1, g.tb = 0, g.m = r1, g.k = hs;
+        g.a = 0, g.b = r0 * hsp, g.d = r0 * T;
+    } else if (form == MN_HD_ATT_PV) {
+        g.ta = 0, g.tb = 0, g.m = hs, g.k = r1;
+        g.a = 0, g.b = r0 * T, g.d = r0 * hsp;
+    } else {
+        g.ta = 0, g.tb = 1, g.m = hs, g.k = T - r0;
+        g.a = r0 * hsp, g.b = r0 * T + r0, g.d = r0 * hsp;
+    }
+    return g;
 }
 
 // SGD per element, the arithmetic of mn_sgd_step (torch.optim.SGD):
@@ -1101,10 +1272,11 @@ MN_HD void mn_hd_adafactor_apply(float *p, float *m, float u, float clip_div, fl
 #ifdef MEMANAT_CUDA
 // This block precedes >>cache and >>optim (its place in the file), so it names their types by
 // struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params (likewise
-// mn_sgd_params, mn_lion_params and mn_adafactor_params), and a stream is an mn_stream
-// (uint32_t).
+// mn_adamw8bit_params, mn_sgd_params, mn_lion_params and mn_adafactor_params), and a stream is an
+// mn_stream (uint32_t).
 struct mn_device;
 struct mn_adamw_params;
+struct mn_adamw8bit_params;
 struct mn_sgd_params;
 struct mn_lion_params;
 struct mn_adafactor_params;
@@ -1151,6 +1323,11 @@ MNDEF mn_result mn_cuda_mem_alloc(mn_cuda *ctx, uint64_t bytes, void **ptr_out);
 MNDEF mn_result mn_cuda_mem_release(mn_cuda *ctx, void *ptr);
 MNDEF mn_result mn_cuda_mem_copy(mn_cuda *ctx, void *dst, const void *src, uint64_t bytes);
 MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t bytes);
+// The cuBLASLt workspace from the caller: ptr [bytes] device memory (16-byte aligned) the caller
+// keeps alive while the context uses it, e.g. a block of its caching allocator, so that the
+// allocator's statistics include it. The context's own workspace is freed (after a wait) and the
+// heuristics cache emptied; ptr NULL with bytes 0: GEMMs run without a workspace.
+MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes);
 
 // The caching allocator's device: cudaMalloc/cudaFree/cudaMemGetInfo, events from a pool
 // (cudaEventDisableTiming) recorded on the context's streams, and reserve/map through the CUDA
@@ -1214,7 +1391,12 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
 // batch stride walks the heads of a [B,T,3C] buffer (b moves by T*3C, h by hs); the scratch also
 // holds the scores when att is NULL and the per-head output: 4 B*NH*T*hsp + (att ? 0 :
 // B*NH*T*T) elements of dtype, grown on demand (the call then waits for the stream). Scores and
-// probabilities are stored in dtype between the kernels, as att is.
+// probabilities are stored in dtype between the kernels, as att is. Causal: the softmax reads
+// only the t + 1 visible scores of row t (forward) and touches no masked entry (backward); from
+// T = 256 on every GEMM runs as 4 query blocks, each against only the keys it sees (a cuBLASLt
+// batch has one shape for all its members and no triangular product, so the blocks are separate
+// launches; k blocks save (k - 1) / 2k of the FLOPs, 37.5 % at 4), mn_hd_att_gemm_block. The
+// masked scores are then not written by the GEMMs; att's masked entries are 0 all the same.
 MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv,
                                           size_t B, size_t T, size_t C, size_t NH, int causal,
                                           mn_dtype dtype);
@@ -1225,6 +1407,10 @@ MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, co
 MNDEF mn_result mn_cuda_attention_backward(mn_cuda *ctx, void *dqkv, const void *dout,
                                            const void *qkv, const void *att, size_t B, size_t T,
                                            size_t C, size_t NH, int causal, mn_dtype dtype);
+
+// Residual: out[n] = inp1[n] + inp2[n] (out may equal either input), as mn_residual_forward.
+MNDEF mn_result mn_cuda_residual_forward(mn_cuda *ctx, void *out, const void *inp1,
+                                         const void *inp2, size_t n, mn_dtype dtype);
 
 // GELU (tanh): out[n] = gelu(inp[n]) (out may equal inp); dinp[n] += dout * gelu'(inp).
 MNDEF mn_result mn_cuda_gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n,
@@ -1260,88 +1446,87 @@ MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe,
 MNDEF mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *grad, uint64_t n,
                                     mn_dtype dtype);
 
-// AdamW step over flat buffers, mn_adamw_step's arithmetic per element (mn_hd_adamw).
-typedef struct mn_cuda_adamw_args {
+// The optimizer steps over flat buffers share these fields (each args struct embeds them first as
+// .flat): fp32 master weights updated in place, a 16-bit copy rewritten from them, the gradients
+// read in their own type, and the loss scaler's found-inf check, unscale and the clipping by the
+// global norm fused into the step.
+typedef struct mn_cuda_optim_flat {
     float *param;              // [n] fp32 master weights, updated
     void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
     const void *grad;          // [n] gradients (grad_dtype), read only
-    float *exp_avg;            // [n] m
-    float *exp_avg_sq;         // [n] v
-    uint64_t n;
+    uint64_t n;                // elements (Adafactor: batch * rows * cols)
     mn_dtype grad_dtype;       // 0 = fp32
     mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step (the bias corrections)
+    uint64_t step;             // t, 1 for the first step (bias corrections; unused by Lion)
     const float *grad_norm;    // [1] on the device from mn_cuda_global_norm over the (scaled)
                                // gradients, or NULL. Non-finite: the step is skipped on the
                                // device (found inf; nothing written, read it back for the scaler)
     float inv_scale;           // the loss scaler's 1/scale, 0 = 1 (the unscale, fused)
     float max_norm;            // clip by the unscaled global norm (needs grad_norm), 0 = none
+} mn_cuda_optim_flat;
+
+// AdamW step over flat buffers, mn_adamw_step's arithmetic per element (mn_hd_adamw).
+typedef struct mn_cuda_adamw_args {
+    mn_cuda_optim_flat flat;
+    float *exp_avg;            // [n] m
+    float *exp_avg_sq;         // [n] v
 } mn_cuda_adamw_args;
 // p: lr, betas, eps, weight_decay, maximize as mn_adamw_params with its defaults (0 = default,
 // MN_OPTIM_ZERO = exactly zero); amsgrad is MN_ERR_UNSUPPORTED here.
 MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const struct mn_adamw_params *p,
                                    const mn_cuda_adamw_args *a);
 
-// SGD with momentum over flat buffers, mn_sgd_step's arithmetic per element (mn_hd_sgd), with the
-// conventions of mn_cuda_adamw_step (fp32 master, 16-bit copy, found-inf / unscale / clip fused).
+// 8-bit AdamW over flat buffers, mn_adamw8bit_step's arithmetic (mn_hd_adamw8bit_*): the state of
+// mn_adamw8bit (its layout: quantized, the per-block scales absmax1, absmax2 [blocks] and the
+// codes code1, code2 [n] into the signed and unsigned dynamic maps; else fp32 exp_avg and
+// exp_avg_sq [n]). One thread block per quantization block: dequantize, the moments, the block's
+// new scales (max |m|, max v), the parameter update from the fp32 moments, re-quantize. The two
+// maps (mn_dynamic_map) are uploaded once per context. An element with a non-finite gradient is
+// left unchanged, as on the host.
+typedef struct mn_cuda_adamw8bit_args {
+    mn_cuda_optim_flat flat;
+    uint8_t *code1, *code2;    // [n] quantized m and v, or NULL for a small tensor
+    float *absmax1, *absmax2;  // [ceil(n / block_size)] their block scales
+    float *exp_avg, *exp_avg_sq;  // [n] fp32 m and v of a small tensor (codes NULL)
+} mn_cuda_adamw8bit_args;
+// p: mn_adamw8bit_params with its defaults (block_size 256, up to 4096); min_8bit_size is not
+// read: the codes being given or not decide.
+MNDEF mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const struct mn_adamw8bit_params *p,
+                                       const mn_cuda_adamw8bit_args *a);
+
+// SGD with momentum over flat buffers, mn_sgd_step's arithmetic per element (mn_hd_sgd).
 typedef struct mn_cuda_sgd_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *momentum_buffer;    // [n] b, NULL when momentum is 0 (step 1 writes it whole)
-    uint64_t n;
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step (the buffer starts as the gradient)
-    const float *grad_norm;    // [1] device global norm of the (scaled) gradients or NULL;
-                               // non-finite: the step is skipped on the device
-    float inv_scale;           // the loss scaler's 1/scale, 0 = 1
-    float max_norm;            // clip by the unscaled global norm (needs grad_norm), 0 = none
 } mn_cuda_sgd_args;
 // p: mn_sgd_params with its defaults (lr 1e-3, momentum/dampening/weight_decay 0); nesterov
 // needs momentum > 0 and dampening 0 (MN_ERR_INVALID_ARG otherwise, as mn_sgd_init).
 MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const struct mn_sgd_params *p,
                                  const mn_cuda_sgd_args *a);
 
-// Lion over flat buffers, mn_lion_step's arithmetic per element (mn_hd_lion), same conventions.
+// Lion over flat buffers, mn_lion_step's arithmetic per element (mn_hd_lion).
 typedef struct mn_cuda_lion_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *exp_avg;            // [n] m (zero before the first step)
-    uint64_t n;
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    const float *grad_norm;    // as mn_cuda_sgd_args
-    float inv_scale;
-    float max_norm;
 } mn_cuda_lion_args;
 // p: mn_lion_params with its defaults (lr 1e-4, betas 0.9 / 0.99, weight_decay 0).
 MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
                                   const mn_cuda_lion_args *a);
 
-// Adafactor over one parameter tensor, mn_adafactor_step's arithmetic (mn_hd_adafactor_*), with
-// the conventions above. The tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols):
+// Adafactor over one parameter tensor, mn_adafactor_step's arithmetic (mn_hd_adafactor_*). The
+// tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols; flat.n their product):
 // factored when exp_avg_sq_row is given (R [batch, rows], C [batch, cols]), else V [n] with
 // batch = rows = 1, cols = n. Kernels in order: RMS(param) and alpha_t, the row means (a warp per
 // row), the column means (partial sums per 64-row chunk, then the chunks in order), mean(R) (a
 // warp per batch), the update's RMS, the update; every sum in double, in a fixed order
 // (deterministic). Scratch: 8 bytes x batch x cols x min(512, rows / 64) and a few KiB.
 typedef struct mn_cuda_adafactor_args {
-    float *param;              // [n] fp32 master weights, updated
-    void *param16;             // [n] 16-bit copy rewritten from param (param16_dtype), or NULL
-    const void *grad;          // [n] gradients (grad_dtype), read only
+    mn_cuda_optim_flat flat;
     float *exp_avg_sq_row;     // [batch, rows] R (zero before the first step), NULL: not factored
     float *exp_avg_sq_col;     // [batch, cols] C, factored
     float *exp_avg_sq;         // [n] V, not factored
     float *exp_avg;            // [n] m when beta1 is set, else NULL
     uint64_t batch, rows, cols;  // n = batch * rows * cols
-    mn_dtype grad_dtype;       // 0 = fp32
-    mn_dtype param16_dtype;    // MN_FP16 or MN_BF16 when param16 is given
-    uint64_t step;             // t, 1 for the first step
-    const float *grad_norm;    // as mn_cuda_sgd_args
-    float inv_scale;
-    float max_norm;
 } mn_cuda_adafactor_args;
 // p: mn_adafactor_params with its defaults (relative step when lr is 0); beta1 set needs exp_avg.
 MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const struct mn_adafactor_params *p,
@@ -1436,6 +1621,10 @@ typedef struct mn_device {
     mn_result (*map_fn)(void *user_data, void *addr, uint64_t size);  // MN_ERR_DEVICE_OOM if full
     mn_result (*unmap_fn)(void *user_data, void *addr, uint64_t size);
     void *user_data;
+    // Device pointers are addresses >> addr_shift (0..9): a simulated device on a host whose
+    // pointers have 32 bits reaches 2 TiB this way (block addresses are multiples of 512).
+    // 0 = pointers are byte addresses.
+    uint32_t addr_shift;
 } mn_device;
 
 // ---- >>cache/simdev: simulated device -----------------------------------------------------------
@@ -1448,6 +1637,8 @@ typedef struct mn_simdev_desc {
     uint64_t fail_alloc_at;  // the N-th device allocation (alloc or map) fails, 0 = never
     int events_complete;     // 1: events complete as soon as recorded, 0 = when completed by hand
     mn_allocator allocator;  // host memory for the event table
+    uint32_t addr_shift;     // pointers carry addresses >> addr_shift (0..9, see mn_device);
+                             // 0 = 9 where pointers have fewer than 64 bits, else none
 } mn_simdev_desc;
 
 typedef struct mn_simdev_event {
@@ -1460,6 +1651,7 @@ typedef struct mn_simdev {  // fields are read-only for callers
     mn_simdev_desc desc;     // resolved
     uint64_t used, peak_used;                // bytes allocated or mapped
     uint64_t next_addr, next_va;             // bump pointers (physical, reserved ranges)
+    uint64_t end_addr, end_va;               // where each range ends
     uint64_t alloc_calls, free_calls, map_calls, unmap_calls, failed_calls;
     uint64_t live;                           // live device allocations (not maps)
     uint64_t fail_at;                        // alloc_calls + map_calls value that fails, 0 = none
@@ -3769,6 +3961,11 @@ static const mn__name mn__offload_names[] = {
 static const mn__name mn__quant_names[] = {
     {"none", MN_QUANT_NONE}, {"int8", MN_QUANT_INT8}, {"nf4", MN_QUANT_NF4},
     {"nf4-dq", MN_QUANT_NF4_DQ}, {"fp4", MN_QUANT_FP4}, {"fp4-dq", MN_QUANT_FP4_DQ}, {NULL, 0}};
+static const mn__name mn__optim_impl_names[] = {
+    {"foreach", MN_OPTIM_IMPL_FOREACH}, {"fused", MN_OPTIM_IMPL_FUSED},
+    {"loop", MN_OPTIM_IMPL_LOOP}, {NULL, 0}};
+static const mn__name mn__loop_names[] = {
+    {"plain", MN_LOOP_PLAIN}, {"trainer", MN_LOOP_TRAINER}, {NULL, 0}};
 static const mn__name mn__head_names[] = {
     {"lm", MN_HEAD_LM}, {"classification", MN_HEAD_CLASSIFICATION}, {"none", MN_HEAD_NONE},
     {NULL, 0}};
@@ -3808,6 +4005,8 @@ MN__NAMES(framework, mn_framework, mn__framework_names, MN_FW_HF)
 MN__NAMES(offload, mn_offload, mn__offload_names, MN_OFFLOAD_NONE)
 MN__NAMES(quant, mn_quant, mn__quant_names, MN_QUANT_NONE)
 MN__NAMES(head, mn_head, mn__head_names, MN_HEAD_LM)
+MN__NAMES(optim_impl, mn_optim_impl, mn__optim_impl_names, MN_OPTIM_IMPL_FOREACH)
+MN__NAMES(loop, mn_loop, mn__loop_names, MN_LOOP_PLAIN)
 #undef MN__NAMES
 
 MNIMPL const char *mn_arch_name(mn_arch a) {
@@ -3837,7 +4036,9 @@ MNIMPL const char *mn_framework_describe(mn_framework f) {
                "with fp32 master weights; fp32 gradients kept between steps; optimizer state made "
                "at the first step, one block per stacked parameter tensor; attention "
                "probabilities kept (selective: none, recomputed); fp32 views of 16-bit tensors "
-               "and the gradients of the backward as short-lived temporaries";
+               "and the gradients of the backward as short-lived temporaries. With --gpu naming a "
+               "GPU: trainer --device cuda (no fp32 views, 16-bit gradients with 16-bit storage, "
+               "logits kept and overwritten by dlogits, the cuBLASLt workspace from the cache)";
     case MN_FW_COUNT: break;
     }
     return "unknown framework";
@@ -4062,25 +4263,27 @@ MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
 // with eager loading takes 0.9-1.8 GiB, e.g. the HF V100 runs' 1343 MiB: pass --context).
 // sm = compute capability x 10 (NVIDIA's CUDA GPUs page); bf16 needs sm >= 80. cublas_workspace
 // is the cuBLAS documentation's recommendation for cublasSetWorkspace, as quoted in PyTorch PR
-// #120925: 32 MiB on Hopper (sm 90), 4 MiB on earlier GPUs.
-// Columns: name, label, capacity, context, sm, bf16, cublas_workspace.
+// #120925: 32 MiB on Hopper (sm 90), 4 MiB on earlier GPUs. bf16_tflops is the dense bf16 peak of
+// llm.c's llmc/mfu.h (A100 312; H100 SXM 989, derived there from the PCIe card's 756 by tensor
+// cores x clock; H200 has the H100 SXM's SMs and clocks), 0 where that table has none.
+// Columns: name, label, capacity, context, sm, bf16, cublas_workspace, bf16_tflops.
 static const mn_gpu mn__gpus[] = {
-    {"v100-16gb", "Tesla V100 16GB",       MN__MIB(16160),  MN__MIB(600), 70, 0, MN__MIB(4)},
-    {"v100-32gb", "Tesla V100 32GB",       MN__MIB(32510),  MN__MIB(600), 70, 0, MN__MIB(4)},
-    {"t4",        "Tesla T4 16GB",         MN__MIB(15360),  MN__MIB(500), 75, 0, MN__MIB(4)},
-    {"a10g",      "NVIDIA A10G 24GB",      MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
-    {"a10",       "NVIDIA A10 24GB",       MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4)},
-    {"l4",        "NVIDIA L4 24GB",        MN__MIB(23034),  MN__MIB(500), 89, 1, MN__MIB(4)},
-    {"l40s",      "NVIDIA L40S 48GB",      MN__MIB(46068),  MN__MIB(520), 89, 1, MN__MIB(4)},
-    {"rtx3090",   "GeForce RTX 3090 24GB", MN__MIB(24576),  MN__MIB(520), 86, 1, MN__MIB(4)},
-    {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4)},
-    {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4)},
-    {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4)},
-    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32)},
-    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32)},
+    {"v100-16gb", "Tesla V100 16GB",       MN__MIB(16160),  MN__MIB(600), 70, 0, MN__MIB(4), 0.0},
+    {"v100-32gb", "Tesla V100 32GB",       MN__MIB(32510),  MN__MIB(600), 70, 0, MN__MIB(4), 0.0},
+    {"t4",        "Tesla T4 16GB",         MN__MIB(15360),  MN__MIB(500), 75, 0, MN__MIB(4), 0.0},
+    {"a10g",      "NVIDIA A10G 24GB",      MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4), 0.0},
+    {"a10",       "NVIDIA A10 24GB",       MN__MIB(23028),  MN__MIB(500), 86, 1, MN__MIB(4), 0.0},
+    {"l4",        "NVIDIA L4 24GB",        MN__MIB(23034),  MN__MIB(500), 89, 1, MN__MIB(4), 0.0},
+    {"l40s",      "NVIDIA L40S 48GB",      MN__MIB(46068),  MN__MIB(520), 89, 1, MN__MIB(4), 0.0},
+    {"rtx3090",   "GeForce RTX 3090 24GB", MN__MIB(24576),  MN__MIB(520), 86, 1, MN__MIB(4), 0.0},
+    {"rtx4090",   "GeForce RTX 4090 24GB", MN__MIB(24564),  MN__MIB(520), 89, 1, MN__MIB(4), 0.0},
+    {"a100-40gb", "NVIDIA A100 40GB",      MN__MIB(40960),  MN__MIB(481), 80, 1, MN__MIB(4), 312.0},
+    {"a100-80gb", "NVIDIA A100 80GB",      MN__MIB(81920),  MN__MIB(481), 80, 1, MN__MIB(4), 312.0},
+    {"h100-80gb", "NVIDIA H100 80GB",      MN__MIB(81559),  MN__MIB(530), 90, 1, MN__MIB(32), 989},
+    {"h200",      "NVIDIA H200 141GB",     MN__MIB(143771), MN__MIB(540), 90, 1, MN__MIB(32), 989},
     // host memory for CPU programs (--framework memanat's default): no context, no cuBLAS
     // workspace, and no known size (1 PiB, what mn_hostdev reports when unlimited)
-    {"cpu",       "host memory (CPU)",     1ull << 50,      0,            0,  1, 0},
+    {"cpu",       "host memory (CPU)",     1ull << 50,      0,            0,  1, 0, 0.0},
 };
 
 MNIMPL uint32_t mn_gpu_count(void) { return (uint32_t)(sizeof mn__gpus / sizeof mn__gpus[0]); }
@@ -4135,6 +4338,8 @@ typedef struct mn__tensor {
     uint8_t requires_grad;  // produced by a recorded op (autograd will reach it)
     uint8_t live;           // allocated and not yet freed
     uint8_t elem_size;      // bytes per element
+    const char *why;        // the mechanism that made it (--explain)
+    uint64_t born, died;    // allocation and free sequence numbers (died 0 = alive)
 } mn__tensor;
 
 typedef struct mn__op {
@@ -4152,6 +4357,7 @@ typedef struct mn__param {
     uint32_t ndim;
     uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward
     uint32_t grad;           // gradient tensor id
+    uint64_t grad_pass;      // the backward pass that made .grad (tied weights: see param_grad)
     uint8_t trainable, quant, has_state;
 } mn__param;
 
@@ -4172,7 +4378,11 @@ typedef struct mn__cfg {
     uint32_t kv_esz;       // the KV cache
     int amp;               // torch autocast (casts per linear, cached 16-bit weights)
     int hf;                // HF modelling code (composite RMSNorm, upcast logits, ...)
+    int t2;                // torch 2 with today's HF code (transformers 5, peft 0.2x): --torch 2
+    int kv_train;          // the decoder builds a KV cache in training (use_cache left on)
+    mn_optim_impl impl;    // how the optimizer step runs
     int fw_master;         // a separate fp32 master copy: 1 = in optimizer, 2 = in master_weights
+    int memanat_gpu;       // --framework memanat on a GPU: trainer.c --device cuda's schedule
     int grads_keep;        // gradients stay between steps (zeroed in place), else freed after it
     int grads_prealloc;    // grads and optimizer state made at load (deepspeed, megatron)
     int state_half;        // optimizer state in 16-bit (zeros_like of a 16-bit parameter)
@@ -4181,6 +4391,7 @@ typedef struct mn__cfg {
     uint32_t nblocks;      // encoder + decoder blocks
     uint32_t gpus, zero;
     uint64_t cublas_workspace;  // bytes, from the GPU table
+    uint32_t sm;           // the GPU's compute capability x 10 (SDPA backend choice)
 } mn__cfg;
 
 typedef struct mn__sim {
@@ -4195,9 +4406,12 @@ typedef struct mn__sim {
     uint64_t nt, ct, nops, cops, np, cp, nev, cev;
     uint64_t cur[MN_CAT_COUNT];       // bytes live per category
     uint64_t total, peak;             // bytes live, and the most at any moment
+    uint64_t total_r, peak_r;         // the same with each tensor rounded up to 512 bytes
     uint64_t at_peak[MN_CAT_COUNT];   // cur at that moment
     uint64_t cat_peak[MN_CAT_COUNT];  // the most bytes of each category at any moment
     mn_phase phase, peak_phase;
+    const char *why;                  // label of the tensors made now (mn__tensor.why)
+    uint64_t seq, peak_seq;           // allocation/free events so far; seq at the peak
     int record;              // autograd records ops (grad mode)
     int counting;            // the counting pass: parameters are registered, nothing is allocated
     int events;              // keep the allocation events (for the replay)
@@ -4205,6 +4419,12 @@ typedef struct mn__sim {
     uint32_t cursor;         // parameter cursor of the forward pass
     uint32_t cursor_emb;     // the word embedding (shared by a T5 decoder and tied heads)
     uint32_t hold;           // a tensor the caller holds until the end of the micro-batch
+    uint32_t ffn_out;        // BERT: the MLP's inner activation, held by a Python local
+    uint32_t emb_out;        // the embeddings' output, held by the base model's forward
+    uint32_t attn_w;         // eager attention's returned weights, held by the layer's locals
+    uint32_t *outs;          // model outputs the training loop holds until zero_grad: nouts, couts
+    uint64_t nouts, couts;
+    uint64_t bw_pass;        // backward passes run so far
     uint32_t blk;            // block being run
     uint64_t *parts;         // mn_estimate_parts: activation bytes kept per part, or NULL
     int parts_on;            // record into parts during this forward
@@ -4275,14 +4495,17 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     t = &S->tensors[id];
     t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->category = (uint8_t)cat;
     t->requires_grad = 0, t->live = 1, t->elem_size = (uint8_t)esz;
+    t->why = S->why ? S->why : "other", t->born = ++S->seq, t->died = 0;
     S->cur[cat] += bytes;
     if (S->cur[cat] > S->cat_peak[cat]) S->cat_peak[cat] = S->cur[cat];
     if (mn_add_u64(S->total, bytes, &S->total) != MN_OK) {
         S->err = MN_ERR_OVERFLOW;
         return MN__NONE;
     }
+    S->total_r += (bytes + 511) / 512 * 512;
+    if (S->total_r > S->peak_r) S->peak_r = S->total_r;
     if (S->total > S->peak) {
-        S->peak = S->total, S->peak_phase = S->phase;
+        S->peak = S->total, S->peak_phase = S->phase, S->peak_seq = S->seq;
         for (k = 0; k < MN_CAT_COUNT; k++) S->at_peak[k] = S->cur[k];
     }
     mn__event(S, id, 1);
@@ -4296,8 +4519,10 @@ MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
     MN_ASSERT(t->live && t->refs > 0);
     if (--t->refs) return;
     t->live = 0;
+    t->died = ++S->seq;
     S->cur[t->category] -= t->bytes;
     S->total -= t->bytes;
+    S->total_r -= (t->bytes + 511) / 512 * 512;
     mn__event(S, id, 0);
 }
 
@@ -4403,11 +4628,98 @@ MN__PRIVATE int mn__base_trainable(const mn__cfg *c) {
 
 MN__PRIVATE uint32_t mn__identity(mn__sim *S, uint32_t x) { mn__ref(S, x); return x; }
 
+// x.to(dtype): a new tensor of esz-byte elements (its backward saves nothing), or x itself.
+MN__PRIVATE uint32_t mn__cast(mn__sim *S, uint32_t x, uint32_t esz) {
+    uint32_t y;
+    if (S->counting || S->err || x == MN__NONE || mn__elem_size(S, x) == esz)
+        return mn__identity(S, x);
+    y = mn__tensor_new(S, mn__tensor_numel(S, x), esz, MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, y, x);
+    return y;
+}
+
+// A copy of n elements that makes x contiguous (a reshape of a permuted view inside matmul; n
+// is less than x's size for GPT-2's q, k, v, views into one c_attn output), or x itself.
+MN__PRIVATE uint32_t mn__contig(mn__sim *S, uint32_t x, uint64_t n, int permuted) {
+    uint32_t y;
+    if (!permuted || S->counting || S->err) return mn__identity(S, x);
+    y = mn__tensor_new(S, n, mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, y, x);
+    return y;
+}
+
+// A model output the training loop keeps referencing (`out = model(**batch)`): the logits and,
+// with use_cache on, the KV cache in out.past_key_values stay alive through backward and
+// optimizer.step() until the loop drops `out` (after zero_grad). Takes over the reference.
+MN__PRIVATE void mn__hold_output(mn__sim *S, uint32_t id) {
+    if (id == MN__NONE || S->counting || S->err) return;
+    if (!mn__grow(S, (void **)&S->outs, &S->couts, S->nouts + 1, sizeof *S->outs)) return;
+    S->outs[S->nouts++] = id;
+}
+
+MN__PRIVATE void mn__release_outputs(mn__sim *S) {
+    uint64_t i;
+    for (i = 0; i < S->nouts; i++) mn__drop(S, S->outs[i]);
+    S->nouts = 0;
+}
+
+MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p);
+MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b);
+
+// LoRA as peft 0.2x runs it (peft/tuners/lora/layer.py, Linear.forward): the adapters are kept
+// in fp32 (get_peft_model's autocast_adapter_dtype=True upcasts bf16/fp16 adapter weights), so
+// x = _cast_input_dtype(x, lora_A.weight.dtype) makes an fp32 copy of a 16-bit input;
+// lora_dropout (p > 0) keeps a bool mask and a dropped copy; lora_A's matmul saves its input
+// (under autocast, a 16-bit cast of its own: autocast caches only leaf weights, so the base
+// layer's cast of x is not reused); lora_B saves h; result + z * scaling promotes to the wider
+// dtype and `result.to(torch_result_dtype)` casts back. Returns the new result; y stays.
+MN__PRIVATE uint32_t mn__lora_t2(mn__sim *S, uint32_t x, uint32_t y, uint64_t in, uint64_t out,
+                                 uint32_t la, uint32_t lb) {
+    S->why = "peft LoRA: fp32 adapters, their input casts and products";
+    mn__cfg *c = S->c;
+    uint64_t rows = mn__tensor_numel(S, x) / in, r = c->lora_rank;
+    // xa: the fp32 input; xd: after lora_dropout; x16: autocast's cast for lora_A; h, z: the
+    // adapter's two products; zs = z * scaling; y2 = y + zs; y3: y2 back in y's dtype
+    uint32_t xa, xd, x16, h, z, zs, y2, y3, he = c->amp ? 2 : 4, ye = mn__elem_size(S, y);
+    mn__op_desc d;
+    xa = mn__cast(S, x, 4);
+    xd = mn__dropout(S, xa, c->s.lora_dropout);
+    S->why = "peft LoRA: fp32 adapters, their input casts and products";
+    mn__drop(S, xa);
+    x16 = c->amp ? mn__cast(S, xd, 2) : mn__identity(S, xd);
+    mn__drop(S, xd);
+    h = mn__tensor_new(S, mn__prod(S, rows, r), he, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(h);
+    d.in[0] = x16, d.saved[0] = x16, d.param[0] = la, d.cast16 = c->amp;
+    mn__op_rec(S, &d);
+    mn__drop(S, x16);
+    if (c->amp) {  // autocast's cached 16-bit adapter weights
+        if (S->params[la].w16 == MN__NONE)
+            S->params[la].w16 = mn__tensor_new(S, S->params[la].numel, 2, MN_CAT_WEIGHTS);
+        if (S->params[lb].w16 == MN__NONE)
+            S->params[lb].w16 = mn__tensor_new(S, S->params[lb].numel, 2, MN_CAT_WEIGHTS);
+    }
+    z = mn__tensor_new(S, mn__prod(S, rows, out), he, MN_CAT_ACTIVATIONS);
+    d = mn__op_desc_of(z);
+    d.in[0] = h, d.saved[0] = h, d.param[0] = lb, d.cast16 = c->amp;
+    mn__op_rec(S, &d);
+    mn__drop(S, h);
+    zs = mn__tensor_new(S, mn__prod(S, rows, out), he, MN_CAT_ACTIVATIONS);
+    mn__op_rec_from(S, zs, z);
+    mn__drop(S, z);
+    y2 = mn__add(S, y, zs);
+    mn__drop(S, zs);
+    y3 = mn__cast(S, y2, ye);
+    mn__drop(S, y2);
+    return y3;
+}
+
 // y = x W^T (+ b) [+ LoRA: y += (x A^T) B^T * scale]. x: [rows, in] -> y: [rows, out].
 // Saves x when W trains (mm saves self for mat2's gradient, derivatives.yaml) and, under autocast,
 // the cached 16-bit weight (for the input gradient). Autocast casts a fp32 input per call.
 MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t out, int bias,
                                 uint32_t lora_bit, int quantizable, uint32_t shared) {
+    S->why = "linear: outputs and autocast input casts";
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), lora = c->lora_rank && (c->s.lora_targets & lora_bit);
     int quant = quantizable && c->s.quant > MN_QUANT_NONE;
@@ -4435,11 +4747,13 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
         mn__op_rec_from(S, xin, x);
     }
     if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
+        S->why = "autocast: cached 16-bit weight copies";
         if (P->w16 == MN__NONE) {
             P->w16 = mn__tensor_new(S, P->numel, 2, MN_CAT_WEIGHTS);
             if (S->w16_hi == 0 || w < S->w16_lo) S->w16_lo = w;
             if (w + 1 > S->w16_hi) S->w16_hi = w + 1;
         }
+        S->why = "linear: outputs and autocast input casts";
         w16 = P->w16;
     }
     if (P->quant || c->zero >= 3) {  // dequantized / gathered full weight, for the matmul only
@@ -4455,12 +4769,17 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
     d.bwd_temp = bwd, d.cast16 = c->amp;
     mn__op_rec(S, &d);
     mn__drop(S, tmp);
-    if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
-        uint32_t h, z, z2, y2;
+    if (lora && c->t2) {
+        uint32_t y2 = mn__lora_t2(S, x, y, in, out, la, lb);
+        mn__drop(S, y);
+        y = y2;
+    } else if (lora) {  // PEFT LoRA: h = x A^T (saves x), z = h B^T (saves h), y = y + z * scale
+        uint32_t h, z, z2, y2, xd = mn__dropout(S, xin, c->s.lora_dropout);  // lora_dropout(x)
         h = mn__tensor_new(S, mn__prod(S, rows, c->lora_rank), c->a_esz, MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(h);
-        d.in[0] = xin, d.saved[0] = xin, d.param[0] = la;
+        d.in[0] = xd, d.saved[0] = xd, d.param[0] = la;
         mn__op_rec(S, &d);
+        mn__drop(S, xd);
         z = mn__tensor_new(S, mn__prod(S, rows, out), c->a_esz, MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(z);
         d.in[0] = h, d.saved[0] = h, d.param[0] = lb;
@@ -4482,6 +4801,7 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
 
 // Dropout keeps a 1-byte mask (native_dropout, derivatives.yaml) and allocates its output.
 MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
+    S->why = "dropout: bool mask and output";
     uint32_t mask, y;
     uint64_t n;
     mn__op_desc d;
@@ -4499,6 +4819,7 @@ MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p) {
 
 // Elementwise a + b; the result takes the wider dtype (type promotion); saves nothing.
 MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
+    S->why = "residual and adds";
     uint32_t y;
     uint32_t ea = mn__elem_size(S, a), eb = mn__elem_size(S, b);
     mn__op_desc d;
@@ -4515,6 +4836,7 @@ MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b) {
 // written in Python ops: an fp32 copy of the input (saved by pow and mul), the normalized values
 // cast back to the input dtype (saved by the weight multiply when the weight trains).
 MN__PRIVATE uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
+    S->why = "norms: layer_norm, HF RMSNorm's fp32 upcast";
     mn__cfg *c = S->c;
     int tr = mn__base_trainable(c), ln = c->m.norm != MN_NORM_RMSNORM;
     uint32_t w = mn__next_param(S, width, 0, tr, 0);
@@ -4570,11 +4892,33 @@ MN__PRIVATE uint32_t mn__norm(mn__sim *S, uint32_t x, uint64_t width) {
 // 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3))) in separate ops: it also keeps the tanh output,
 // 0.5 x and 1 + tanh, and makes four more transient copies on the way.
 MN__PRIVATE uint32_t mn__activation(mn__sim *S, uint32_t x) {
+    S->why = "MLP activation (gelu_new: fp32 pow under autocast)";
     uint32_t y, e;
     uint64_t n;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
     n = mn__tensor_numel(S, x), e = mn__elem_size(S, x);
+    if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf && S->c->t2 && S->c->amp) {
+        // transformers' NewGELUActivation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 *
+        // torch.pow(x, 3)))). CUDA autocast runs pow in fp32 (its fp32 op list), so pow casts x
+        // to fp32 and saves that copy; every later op promotes to fp32: the tanh output and
+        // 1 + tanh are fp32, 0.5 * x stays 16-bit, the product is fp32.
+        uint32_t x32 = mn__cast(S, x, 4), p, th, op1, half;
+        p = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);           // pow(x32, 3)
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // 0.044715 *
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // x + ...
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p), p = th;  // sqrt(2/pi) *
+        th = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS), mn__drop(S, p);          // tanh
+        op1 = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);
+        half = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, n, 4, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = x, d.saved[0] = x32, d.saved[1] = th, d.saved[2] = op1, d.saved[3] = half;
+        d.bwd_temp = 3 * n * 4;
+        mn__op_rec(S, &d);
+        mn__drop(S, x32), mn__drop(S, th), mn__drop(S, op1), mn__drop(S, half);
+        return y;
+    }
     if (S->c->m.act == MN_ACT_GELU_NEW && S->c->hf) {
         // a1, a2: transients of the polynomial inside tanh; th: the tanh; op1 = 1 + th;
         // half = 0.5 x; y = half * op1
@@ -4604,6 +4948,7 @@ MN__PRIVATE uint32_t mn__activation(mn__sim *S, uint32_t x) {
 
 // a * b, saving both operands (mul's gradient needs the other factor).
 MN__PRIVATE uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
+    S->why = "gated MLP product";
     uint32_t y;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
@@ -4617,8 +4962,33 @@ MN__PRIVATE uint32_t mn__mul(mn__sim *S, uint32_t a, uint32_t b) {
 // Rotary embedding as HF writes it: q*cos + rotate_half(q)*sin (three transients, one result).
 // Fused kernels (megatron, flash) write one output.
 MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
+    S->why = "RoPE (fp32 q, k under autocast)";
     uint32_t e = mn__elem_size(S, x), y, t1 = MN__NONE, t2, t3 = MN__NONE;
     if (S->counting || S->err) return MN__NONE;
+    if (S->c->hf && S->c->t2) {
+        // transformers' apply_rotary_pos_emb: q * cos + rotate_half(q) * sin. The rotary module
+        // returns cos and sin in the dtype of the hidden states (fp32 under autocast, whose op
+        // lists do not hold mul or add), so a 16-bit q promotes: the result is fp32. The muls
+        // save cos and sin only (q * cos needs no gradient for cos). rotate_half: -x2 (half the
+        // width) and a cat.
+        uint32_t oe = S->c->amp ? 4 : e, neg, rot, a, b;
+        a = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        neg = mn__tensor_new(S, n / 2, e, MN_CAT_ACTIVATIONS);
+        rot = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, neg);
+        b = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        mn__drop(S, rot);
+        y = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, y, x);
+        mn__drop(S, a), mn__drop(S, b);
+        if (S->c->m.rope_cat) {  // Phi-3: torch.cat([q_rot * cos + ..., q_pass], dim=-1)
+            a = mn__tensor_new(S, n, oe, MN_CAT_ACTIVATIONS);
+            mn__op_rec_from(S, a, y);
+            mn__drop(S, y);
+            y = a;
+        }
+        return y;
+    }
     if (S->c->hf) {
         t1 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
         t2 = mn__tensor_new(S, n, e, MN_CAT_ACTIVATIONS);
@@ -4631,6 +5001,164 @@ MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
     return y;
 }
 
+// torch.nn.functional.scaled_dot_product_attention as torch 2 runs it for HF's sdpa path
+// (transformers/integrations/sdpa_attention.py: GQA through enable_gqa when there is no mask).
+// Autocast casts fp32 inputs (RoPE's fp32 q, k) to 16 bits. The backend is the first that
+// accepts the inputs in torch's priority order (ATen/Context.h, sdp_priority_order: flash,
+// efficient, math, cudnn in torch 2.15, so cuDNN attention is never the default choice; it
+// would keep what flash keeps): flash for 16-bit inputs without a mask on sm80+, head dim
+// <= 256, GQA allowed; memory-efficient for fp32/16-bit, not for GQA; math otherwise. Flash and
+// memory-efficient save q, k, v, the output and the log-sum-exp per query row; their output is
+// laid out [b, s, heads, d], so HF's transpose(1, 2).contiguous() is a view. The math backend
+// (_scaled_dot_product_attention_math) scales q, repeats k and v to every head for GQA, keeps
+// the softmax probabilities, and returns a contiguous copy of its output.
+MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t nq,
+                                 uint64_t nkv, uint64_t ns, uint64_t sq) {
+    S->why = "SDPA: saved q/k/v casts, output, logsumexp (math: probabilities)";
+    mn__cfg *c = S->c;
+    uint32_t e = c->amp ? 2 : mn__elem_size(S, q), qc, kc, vc, y;
+    int gqa = c->m.kv_heads != c->m.heads;
+    int flash = e == 2 && c->m.head_dim <= 256 && c->sm >= 80;  // no padding mask assumed
+    mn__op_desc d;
+    qc = mn__cast(S, q, e), kc = mn__cast(S, k, e), vc = mn__cast(S, v, e);
+    if (flash || !gqa) {
+        uint32_t lse = mn__tensor_new(S, mn__prod3(S, c->batch, c->m.heads, sq), 4,
+                                      MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        d = mn__op_desc_of(y);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = vc, d.saved[3] = y, d.saved[4] = lse;
+        d.bwd_temp = nq * 4;
+        mn__op_rec(S, &d);
+        mn__drop(S, lse);
+        if (c->m.rope_cat) {
+            // the kernels allocate the output like q (empty_like of q.transpose(1, 2)); a
+            // contiguous [b, heads, s, d] q (Phi-3's cat) gives an output whose transpose back
+            // is not contiguous, so HF's .contiguous() copies it
+            uint32_t yc = mn__contig(S, y, nq, 1);
+            mn__drop(S, y);
+            y = yc;
+        }
+    } else {  // math: qs = q * scale, kr/vr repeated, P = softmax(qs kr^T), y = (P vr).clone()
+        uint64_t nrep = nkv / c->m.kv_heads * c->m.heads;  // k, v repeated to every head
+        uint32_t qs, kr, vr, sc, P, O;
+        qs = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        kr = gqa ? mn__tensor_new(S, nrep, e, MN_CAT_ACTIVATIONS) : mn__identity(S, kc);
+        vr = gqa ? mn__tensor_new(S, nrep, e, MN_CAT_ACTIVATIONS) : mn__identity(S, vc);
+        sc = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS);
+        P = mn__tensor_new(S, ns, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, sc);
+        O = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        y = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
+        mn__drop(S, O);
+        d = mn__op_desc_of(y);
+        d.in[0] = q, d.in[1] = k, d.in[2] = v;
+        d.saved[0] = qs, d.saved[1] = kr, d.saved[2] = vr, d.saved[3] = P;
+        d.bwd_temp = 2 * ns * e;
+        mn__op_rec(S, &d);
+        mn__drop(S, qs), mn__drop(S, kr), mn__drop(S, vr), mn__drop(S, P);
+    }
+    mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, vc);
+    return y;
+}
+
+// HF's eager_attention_forward in transformers 5 (models/llama, gpt2, bert modeling files):
+// matmul(q, k^T) * scaling (+ mask), softmax, dropout, matmul(p, v), transpose(1, 2).contiguous().
+// - matmul folds the batch dims with reshape: q (and k, v straight from a linear) are permuted
+//   views [b, s, heads, d] -> [b, heads, s, d], so reshape copies them; the KV cache's cat
+//   outputs and repeat_kv's copies (GQA) are contiguous and are saved as they are.
+// - under autocast matmul casts its fp32 inputs to 16 bits first (RoPE's q, the fp32 cache, the
+//   fp32 probabilities); the causal mask is fp32, so the masked scores promote to fp32.
+// - Llama-family code: softmax(dtype=float32).to(query.dtype); GPT-2: softmax (fp32 under
+//   autocast) then .type(value.dtype); BERT: softmax, and dropout on its output.
+// Saved: q's copy, k (or its cast), the softmax output, the dropout mask, the probabilities the
+// second matmul reads, v (or its cast); the output's contiguous copy is the next linear's input.
+MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t nq,
+                                  uint64_t nkv, uint64_t ns, int sel) {
+    mn__cfg *c = S->c;
+    int rope = c->m.posemb == MN_POS_ROPE, gqa = c->m.kv_heads != c->m.heads;
+    int cached = c->kv_train, dec = c->m.arch == MN_ARCH_DECODER;
+    uint64_t nrep = nkv / c->m.kv_heads * c->m.heads;
+    uint32_t ce = c->amp ? 2 : mn__elem_size(S, q), pe, t, y;
+    // qc, kc, vc: what the matmuls save; kr, vr: k and v at every head; s0..: the scores;
+    // P: softmax output; Pq: P in the dtype the code casts to; mk, Pd: dropout; Pm: the
+    // probabilities the second matmul reads; C, Cc: its output and the contiguous copy
+    uint32_t qc, kr, kc, vr, vc, s0, s1, P, Pq, mk = MN__NONE, Pd, Pm, C, Cc;
+    mn__op_desc d;
+    t = mn__cast(S, q, ce);
+    qc = mn__contig(S, t, nq, !c->m.rope_cat);  // Phi-3's rotated q is already contiguous
+    mn__drop(S, t);
+    if (gqa) {
+        kr = mn__tensor_new(S, nrep, mn__elem_size(S, k), MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, kr, k);
+    } else {
+        kr = mn__identity(S, k);
+    }
+    t = mn__cast(S, kr, ce);
+    mn__drop(S, kr);
+    kc = mn__contig(S, t, nkv, !cached && !gqa);
+    mn__drop(S, t);
+    s0 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);
+    s1 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);  // * scaling
+    mn__drop(S, s0), s0 = s1;
+    if (dec) {  // + the causal mask, fp32 with fp32 weights (the hidden states' dtype)
+        s1 = mn__tensor_new(S, ns, c->w_esz > ce ? c->w_esz : ce, MN_CAT_ACTIVATIONS);
+        mn__drop(S, s0), s0 = s1;
+    }
+    pe = rope ? 4 : c->amp ? 4 : mn__elem_size(S, s0);
+    P = mn__tensor_new(S, ns, pe, MN_CAT_ACTIVATIONS);
+    mn__drop(S, s0);
+    Pq = rope ? mn__cast(S, P, mn__elem_size(S, q))
+         : dec ? mn__cast(S, P, mn__elem_size(S, v)) : mn__identity(S, P);
+    Pd = Pq;
+    if (c->m.attn_dropout > 0.0f && S->training) {
+        mk = mn__tensor_new(S, ns, 1, MN_CAT_ACTIVATIONS);
+        Pd = mn__tensor_new(S, ns, mn__elem_size(S, Pq), MN_CAT_ACTIVATIONS);
+    } else {
+        mn__ref(S, Pd);
+    }
+    mn__drop(S, Pq);
+    Pm = mn__cast(S, Pd, ce);
+    // eager_attention_forward returns (attn_output, attn_weights): the layer keeps the weights
+    // (the dropout output) in a local until it returns (BertLayer's `outputs`, the decoder
+    // layers' `_`), after its MLP
+    if (S->attn_w == MN__NONE) S->attn_w = Pd;
+    else mn__drop(S, Pd);
+    if (gqa) {
+        vr = mn__tensor_new(S, nrep, mn__elem_size(S, v), MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, vr, v);
+    } else {
+        vr = mn__identity(S, v);
+    }
+    t = mn__cast(S, vr, ce);
+    mn__drop(S, vr);
+    vc = mn__contig(S, t, nkv, !cached && !gqa);
+    mn__drop(S, t);
+    C = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
+    Cc = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
+    mn__drop(S, C);
+    y = Cc;
+    d = mn__op_desc_of(y);
+    d.in[0] = q, d.in[1] = k, d.in[2] = v;
+    d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = P, d.saved[3] = mk, d.saved[4] = Pm;
+    d.saved[5] = vc;
+    d.bwd_temp = ns * pe;  // the probabilities' gradient (the inputs' gradients come first)
+    if (sel) {  // selective recomputation keeps q, k, v; backward remakes the rest
+        int i, j, dup;
+        for (i = 0; i < 6; i++) {
+            for (dup = 0, j = 0; j < i; j++) dup |= d.saved[j] == d.saved[i];
+            if (d.saved[i] != MN__NONE && !dup) d.bwd_temp += S->tensors[d.saved[i]].bytes;
+            d.saved[i] = MN__NONE;
+        }
+        // the contiguous q, k, v that enter core attention (Megatron checkpoints that region)
+        d.saved[0] = qc, d.saved[1] = kc, d.saved[2] = vc;
+    }
+    mn__op_rec(S, &d);
+    mn__drop(S, qc), mn__drop(S, kc), mn__drop(S, P), mn__drop(S, mk), mn__drop(S, Pm);
+    mn__drop(S, vc);
+    return y;
+}
+
 // The attention core softmax(q k^T * scale + mask) v for b sequences, sq queries, skv keys.
 // Eager (HF modelling code): bmm copies of q, k (repeated to all heads for GQA) and v are saved,
 // the scores pass through scale and mask ops (new tensors), softmax saves its output (fp32 under
@@ -4640,6 +5168,7 @@ MN__PRIVATE uint32_t mn__rope(mn__sim *S, uint32_t x, uint64_t n) {
 // Selective checkpointing (Korthikanti et al. 2022) keeps only q, k, v and recomputes the rest.
 MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t v, uint64_t sq,
                                    uint64_t skv) {
+    S->why = "attention core (eager: scores and probabilities)";
     mn__cfg *c = S->c;
     uint32_t e = mn__elem_size(S, q), y;
     uint64_t nq = mn__prod3(S, c->batch, sq, c->q_width);
@@ -4649,7 +5178,9 @@ MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t 
     int i;
     mn__op_desc d;
     if (S->counting || S->err) return MN__NONE;
-    if (c->attn == MN_ATTN_EAGER) {
+    if (c->attn == MN_ATTN_EAGER && c->t2 && c->hf && c->m.posemb != MN_POS_RELATIVE) {
+        y = mn__eager_t2(S, q, k, v, nq, nkv, ns, sel);
+    } else if (c->attn == MN_ATTN_EAGER) {
         int t5 = c->m.posemb == MN_POS_RELATIVE;
         uint32_t sm_e = (c->amp || t5 || c->m.posemb == MN_POS_ROPE) ? 4 : e;
         uint32_t mask_e = (c->amp && c->m.arch == MN_ARCH_ENCODER) ? 4 : e;  // fp32 extended mask
@@ -4700,6 +5231,8 @@ MN__PRIVATE uint32_t mn__attn_core(mn__sim *S, uint32_t q, uint32_t k, uint32_t 
         if (P16 != Pd) mn__drop(S, P16);
         mn__drop(S, mk);
         y = Cc;
+    } else if (c->t2 && c->hf) {
+        y = mn__sdpa_t2(S, q, k, v, nq, nkv, ns, sq);
     } else {
         uint32_t O = mn__tensor_new(S, nq, e, MN_CAT_ACTIVATIONS);
         uint64_t rows = mn__prod3(S, c->batch, c->m.heads, sq);
@@ -4726,7 +5259,8 @@ MN__PRIVATE uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64
                                    uint64_t skv, int cross) {
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden;
-    int fused = c->m.posemb == MN_POS_LEARNED && c->m.arch == MN_ARCH_DECODER;  // GPT-2 c_attn
+    int fused = (c->m.posemb == MN_POS_LEARNED && c->m.arch == MN_ARCH_DECODER) ||  // GPT-2
+                c->m.fused_proj;
     uint32_t q, k, v, ctx, o;
     if (c->m.posemb == MN_POS_RELATIVE && !cross &&
         (S->blk == 0 || (c->m.arch == MN_ARCH_ENCODER_DECODER && S->blk == c->m.encoder_layers)))
@@ -4746,6 +5280,25 @@ MN__PRIVATE uint32_t mn__attention(mn__sim *S, uint32_t xq, uint32_t xkv, uint64
         mn__drop(S, q), mn__drop(S, k);
         q = q2, k = k2;
     }
+    if (c->kv_train && !cross && !S->counting && S->record) {
+        // transformers 5: LlamaModel.forward (and the other decoders) makes a DynamicCache when
+        // use_cache is on, in training too (gradient checkpointing turns it off). Its first
+        // update (cache_utils.py, DynamicLayer.lazy_initialization + update) is torch.cat onto an
+        // empty tensor of the key's dtype: new copies of k and v (v promoted to the key's dtype,
+        // fp32 after RoPE under autocast) that attention then reads, and that out.past_key_values
+        // keeps until the loop drops the outputs.
+        uint32_t ke = mn__elem_size(S, k), ve = mn__elem_size(S, v), kc, vc;
+        uint64_t n = mn__prod3(S, c->batch, skv, c->kv_width);
+        S->why = "KV cache built in training (use_cache on)";
+        kc = mn__tensor_new(S, n, ke, MN_CAT_KV_CACHE);
+        mn__op_rec_from(S, kc, k);
+        vc = mn__tensor_new(S, n, ke > ve ? ke : ve, MN_CAT_KV_CACHE);
+        mn__op_rec_from(S, vc, v);
+        mn__drop(S, k), mn__drop(S, v);
+        mn__ref(S, kc), mn__ref(S, vc);
+        mn__hold_output(S, kc), mn__hold_output(S, vc);
+        k = kc, v = vc;
+    }
     if (cross) skv = c->enc_seq;
     ctx = mn__attn_core(S, q, k, v, sq, skv);
     o = mn__linear(S, ctx, c->q_width, h, c->m.out_bias, MN_LORA_O, 1, MN__NONE);
@@ -4760,8 +5313,12 @@ MN__PRIVATE uint32_t mn__mlp(mn__sim *S, uint32_t x) {
     uint32_t u, a, d, y, g;
     int t5 = c->m.posemb == MN_POS_RELATIVE;
     if (c->m.gated_mlp) {
-        g = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_GATE, 1, MN__NONE);
-        u = mn__linear(S, x, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
+        // fused gate_up_proj (Phi-3): one matmul, so autocast casts x once; its output's two
+        // halves are the gate and up tensors
+        uint32_t xg = c->m.fused_proj && c->amp ? mn__cast(S, x, 2) : mn__identity(S, x);
+        g = mn__linear(S, xg, h, f, c->m.mlp_bias, MN_LORA_GATE, 1, MN__NONE);
+        u = mn__linear(S, xg, h, f, c->m.mlp_bias, MN_LORA_UP, 1, MN__NONE);
+        mn__drop(S, xg);
         a = mn__activation(S, g);
         mn__drop(S, g);
         y = mn__mul(S, a, u);
@@ -4777,7 +5334,10 @@ MN__PRIVATE uint32_t mn__mlp(mn__sim *S, uint32_t x) {
         y = d;
     }
     d = mn__linear(S, y, f, h, c->m.mlp_bias, MN_LORA_DOWN, 1, MN__NONE);
-    mn__drop(S, y);
+    // transformers 5 BertLayer.feed_forward_chunk keeps intermediate_output (this y) in a local
+    // until BertOutput's dense, dropout, residual add and LayerNorm have run
+    if (c->t2 && c->hf && c->m.post_norm && !S->counting) S->ffn_out = y;
+    else mn__drop(S, y);
     return d;
 }
 
@@ -4805,16 +5365,20 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
     if (S->counting) S->block_start[blk] = (uint32_t)S->np;
     else S->cursor = S->block_start[blk];
     S->blk = blk;
+    S->attn_w = MN__NONE;
     if (c->m.post_norm) {
         a = mn__attention(S, x, x, s, s, 0);
         x1 = mn__residual(S, x, a);
         n = mn__norm(S, x1, h);
         mn__drop(S, x1);
+        S->ffn_out = MN__NONE;
         a = mn__mlp(S, n);
         x2 = mn__residual(S, n, a);
         mn__drop(S, n);
         n = mn__norm(S, x2, h);
         mn__drop(S, x2);
+        mn__drop(S, S->ffn_out), mn__drop(S, S->attn_w);
+        S->ffn_out = S->attn_w = MN__NONE;
         return n;
     }
     n = mn__norm(S, x, h);
@@ -4834,6 +5398,8 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
     mn__drop(S, n);
     x2 = mn__residual(S, x1, a);
     mn__drop(S, x1);
+    mn__drop(S, S->attn_w);
+    S->attn_w = MN__NONE;
     return x2;
 }
 
@@ -4882,6 +5448,7 @@ MN__PRIVATE uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32
 
 // Token (+ position, + token type) embeddings, optional norm, dropout. ids: [ntok] int64.
 MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
+    S->why = "embeddings";
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden;
     int tr = mn__base_trainable(c);
@@ -4902,6 +5469,10 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     d = mn__op_desc_of(y);
     d.saved[0] = ids, d.param[0] = w;
     mn__op_rec(S, &d);
+    // transformers 5: GPT2Model.forward keeps inputs_embeds (the token embedding) in a local
+    // until it returns; LlamaModel (and the other decoders) its inputs_embeds, the output here
+    if (first && c->t2 && c->hf && S->emb_out == MN__NONE)
+        S->emb_out = mn__identity(S, y);
     if (pw != MN__NONE) {  // position_ids [1, s]: one row per position, broadcast over the batch
         e2 = mn__tensor_new(S, c->seq * h, mn__elem_size(S, y), MN_CAT_ACTIVATIONS);
         d = mn__op_desc_of(e2);
@@ -4927,6 +5498,11 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
     }
     e2 = mn__dropout(S, y, c->m.dropout);
     mn__drop(S, y);
+    if (first && c->t2 && c->hf && c->m.arch == MN_ARCH_ENCODER) {
+        // BertModel.forward's embedding_output: the embeddings module's output
+        mn__drop(S, S->emb_out);
+        S->emb_out = mn__identity(S, e2);
+    }
     return e2;
 }
 
@@ -4935,6 +5511,7 @@ MN__PRIVATE uint32_t mn__embeddings(mn__sim *S, uint32_t ids, int first) {
 // [tokens, vocab] gradient. Classification: pooler + classifier on the first token (BERT), or a
 // score layer on every token (decoders); both tiny, but the pooler keeps the last hidden states.
 MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
+    S->why = "LM head and loss: logits, fp32 upcast, log_softmax";
     mn__cfg *c = S->c;
     uint64_t h = c->m.hidden, V = c->m.vocab;
     int tr = mn__base_trainable(c);
@@ -4974,7 +5551,8 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
         d = mn__op_desc_of(loss);
         d.in[0] = lg, d.saved[0] = lg;
         mn__op_rec(S, &d);
-        mn__drop(S, lg);
+        if (c->t2) mn__hold_output(S, lg);  // out.logits
+        else mn__drop(S, lg);
         return loss;
     }
     if (c->m.head == MN_HEAD_NONE) {
@@ -5004,6 +5582,7 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     // code that quantizes it too (an untied head: resolution refuses a tied one)
     lg = mn__linear(S, y, h, V, 0, 0, c->s.quant_head,
                     c->m.tie_embeddings ? S->cursor_emb : MN__NONE);
+    S->why = "LM head and loss: logits, fp32 upcast, log_softmax";
     if (c->m.lm_transform) cb = mn__next_param(S, V, 0, tr, 0);  // decoder bias
     mn__drop(S, y);
     if (S->counting || S->err) return MN__NONE;
@@ -5022,7 +5601,8 @@ MN__PRIVATE uint32_t mn__head(mn__sim *S, uint32_t x, uint32_t labels) {
     mn__op_rec(S, &d);  // nll backward: the dense grad of lsm
     mn__drop(S, lsm);
     if (l32 != lg) mn__drop(S, l32);
-    mn__drop(S, lg);
+    if (c->t2) mn__hold_output(S, lg);  // out.logits
+    else mn__drop(S, lg);
     return loss;
 }
 
@@ -5068,6 +5648,8 @@ MN__PRIVATE uint32_t mn__forward(mn__sim *S, uint32_t ids, uint32_t labels) {
         mn__drop(S, x);
         x = y;
     }
+    mn__drop(S, S->emb_out);  // the base model returns
+    S->emb_out = MN__NONE;
     y = mn__head(S, x, labels);
     mn__drop(S, x);
     mn__part_mark(S, L + 1, &mark);
@@ -5168,6 +5750,7 @@ MN__PRIVATE uint64_t mn__master_bytes(mn__sim *S, const mn__param *P) {
 // is none (AccumulateGrad steals it) or is added and freed; partitioned and preallocated buffers
 // receive the produced gradient and free it (megatron accumulates in place).
 MN__PRIVATE void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
+    S->why = "parameter gradients (tied weights summed out of place)";
     mn__cfg *c = S->c;
     mn__param *P = &S->params[pi];
     uint32_t h16 = MN__NONE;
@@ -5182,6 +5765,17 @@ MN__PRIVATE void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
             P->grad = mn__tensor_new(S, mn__shard(c, full, 2), 1, MN_CAT_GRADIENTS);
     } else if (P->grad == MN__NONE) {
         P->grad = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
+        P->grad_pass = S->bw_pass;
+    } else if (c->t2 && P->grad_pass == S->bw_pass) {
+        // a weight used twice in one graph (tied embedding and LM head): both gradients meet in
+        // the AccumulateGrad node's input buffer, which sums them out of place
+        // (torch/csrc/autograd/input_buffer.cpp, InputBuffer::add; the first gradient is a
+        // transposed view, so it cannot be accumulated in place): old, new and the sum are alive
+        // together, then the sum becomes .grad.
+        uint32_t g2 = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_TEMPORARY);
+        uint32_t sum = mn__tensor_new(S, P->numel, c->g_esz, MN_CAT_GRADIENTS);
+        mn__drop(S, g2), mn__drop(S, P->grad);
+        P->grad = sum;
     } else {
         mn__transient(S, full, MN_CAT_TEMPORARY);
     }
@@ -5192,6 +5786,7 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo);
 
 // Backward of one recorded op (see the section comment).
 MN__PRIVATE void mn__backward_op(mn__sim *S, mn__op op) {
+    S->why = "backward: activation gradients and temporaries";
     mn__cfg *c = S->c;
     int i;
     if (op.recomp_block != MN__NONE) {  // re-run a checkpointed block, recording, then its backward
@@ -5235,6 +5830,12 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo) {
         mn__backward_op(S, op);
     }
     if (!S->err) S->nops = lo;
+}
+
+// One backward pass from the loss (mn__backward recurses for checkpointed blocks).
+MN__PRIVATE void mn__backward_pass(mn__sim *S) {
+    S->bw_pass++;
+    mn__backward(S, 0);
 }
 
 // bitsandbytes storage, tensor by tensor, as its sources make them:
@@ -5314,17 +5915,39 @@ MN__PRIVATE uint64_t mn__state_bytes(mn__sim *S, const mn__param *P) {
     return mn__shard(c, b, 1);
 }
 
-// Largest per-tensor temporary of the optimizer step (fused kernels need none): AdamW's
-// denominator sqrt(v)/... , Adafactor's squared gradient and update, Lion's update.
+// Per-tensor temporary of the optimizer step: Adafactor's squared gradient and update, Lion's
+// update (both loops over tensors); AdamW's per-tensor loop (torch/optim/adam.py,
+// _single_tensor_adam): denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps) holds
+// the sqrt and the quotient at once. Fused kernels (8-bit AdamW, --optim-impl fused, the
+// engines) need none; SGD updates in place (_single_tensor_sgd: param.add_(grad)).
 MN__PRIVATE uint64_t mn__optim_temp(mn__sim *S, const mn__param *P) {
     const mn__cfg *c = S->c;
     uint64_t e = c->state_half ? 2 : 4;
     if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;  // fused optimizers
     switch (c->s.optim) {
-    case MN_OPTIM_ADAMW: case MN_OPTIM_LION: return mn__prod(S, P->numel, e);
+    case MN_OPTIM_ADAMW:
+        if (c->impl != MN_OPTIM_IMPL_LOOP) return 0;
+        return mn__prod(S, P->numel, 2 * e);  // torch 1.10 _functional.adam: the same two
+    case MN_OPTIM_LION: return mn__prod(S, P->numel, e);
     case MN_OPTIM_ADAFACTOR: return mn__prod3(S, P->numel, e, 2);
     default: return 0;
     }
+}
+
+// Whole-group temporaries of a foreach step (torch/optim/adam.py, _multi_tensor_adam): after
+// the in-place moment updates, exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs) makes
+// one buffer per parameter of the group (all trainable parameters of one device and dtype),
+// alive together until _foreach_addcdiv_ has updated the parameters. SGD's foreach step
+// (_multi_tensor_sgd, no nesterov) works in place.
+MN__PRIVATE uint64_t mn__optim_group_temp(mn__sim *S) {
+    const mn__cfg *c = S->c;
+    uint64_t i, b = 0;
+    if (c->s.framework != MN_FW_HF || c->s.offload > MN_OFFLOAD_NONE) return 0;
+    if (c->impl != MN_OPTIM_IMPL_FOREACH || c->s.optim != MN_OPTIM_ADAMW) return 0;
+    for (i = 0; i < S->np; i++)
+        if (S->params[i].trainable)
+            b += mn__prod(S, S->params[i].numel, c->state_half ? 2 : 4);
+    return b;
 }
 
 MN__PRIVATE void mn__alloc_states(mn__sim *S, uint64_t i) {
@@ -5347,6 +5970,7 @@ MN__PRIVATE void mn__load(mn__sim *S) {
     mn__cfg *c = S->c;
     uint64_t i;
     S->phase = MN_PHASE_LOAD;
+    S->why = "parameters, master weights, preallocated state";
     for (i = 0; i < S->np; i++) {
         mn_category cat = S->params[i].trainable ? c->param_cat : MN_CAT_WEIGHTS;
         if (S->params[i].quant && c->zero < 3) {  // each quant_state tensor on its own
@@ -5379,24 +6003,31 @@ MN__PRIVATE void mn__optimizer_step(mn__sim *S) {
     uint64_t i;
     S->phase = MN_PHASE_OPTIMIZER;
     if (c->s.optim == MN_OPTIM_NONE) return;
+    S->why = "optimizer state";
     for (i = 0; i < S->np; i++) mn__alloc_states(S, i);
+    S->why = "optimizer step temporaries (foreach: whole group; loop: per tensor)";
     for (i = 0; i < S->np; i++)
         if (S->params[i].trainable)
             mn__transient(S, mn__optim_temp(S, &S->params[i]), MN_CAT_TEMPORARY);
-    if (c->grads_keep || c->grads_prealloc) return;
-    for (i = 0; i < S->np; i++) {  // zero_grad(set_to_none=True)
-        if (S->params[i].grad == MN__NONE) continue;
-        mn__drop(S, S->params[i].grad);
-        S->params[i].grad = MN__NONE;
+    mn__transient(S, mn__optim_group_temp(S), MN_CAT_TEMPORARY);
+    if (!c->grads_keep && !c->grads_prealloc) {
+        for (i = 0; i < S->np; i++) {  // zero_grad(set_to_none=True)
+            if (S->params[i].grad == MN__NONE) continue;
+            mn__drop(S, S->params[i].grad);
+            S->params[i].grad = MN__NONE;
+        }
     }
+    mn__release_outputs(S);  // the loop drops `out` after zero_grad
 }
 
 // One micro-batch: inputs, forward, backward.
 MN__PRIVATE void mn__micro_batch(mn__sim *S) {
     mn__cfg *c = S->c;
     uint32_t ids, labels, mask = MN__NONE, loss;
+    uint64_t prev = S->nouts;
     S->phase = MN_PHASE_FORWARD;
-    S->record = 1, S->training = 1, S->hold = MN__NONE;
+    S->why = "input ids, labels, loss";
+    S->record = 1, S->training = 1, S->hold = MN__NONE, S->emb_out = S->ffn_out = MN__NONE;
     if (c->m.arch == MN_ARCH_STACK) {
         ids = mn__tensor_new(S, mn__prod(S, c->ntok, c->m.stack_in), c->a_esz, MN_CAT_ACTIVATIONS);
         labels = MN__NONE;
@@ -5408,6 +6039,13 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
         if (c->m.arch == MN_ARCH_ENCODER) mask = mn__tensor_new(S, c->ntok, 8, MN_CAT_ACTIVATIONS);
         loss = mn__forward(S, ids, labels);
     }
+    if (prev && !S->err) {  // `out = model(...)` replaced the previous micro-batch's outputs
+        uint64_t i;
+        for (i = 0; i < prev; i++) mn__drop(S, S->outs[i]);
+        memmove(S->outs, S->outs + prev, (size_t)(S->nouts - prev) * sizeof *S->outs);
+        S->nouts -= prev;
+    }
+    if (c->s.loop == MN_LOOP_TRAINER) mn__release_outputs(S);  // compute_loss returns the loss
     if (c->amp) mn__amp_clear(S);
     if (S->err || loss == MN__NONE) return;
     S->phase = MN_PHASE_BACKWARD;
@@ -5415,7 +6053,7 @@ MN__PRIVATE void mn__micro_batch(mn__sim *S) {
         uint32_t g = mn__tensor_new(S, 1, 4, MN_CAT_TEMPORARY);  // first: S->tensors may move
         if (g != MN__NONE) S->tensors[loss].grad = g;
     }
-    mn__backward(S, 0);
+    mn__backward_pass(S);
     mn__drop(S, loss), mn__drop(S, S->hold);
     mn__drop(S, ids), mn__drop(S, labels), mn__drop(S, mask);
 }
@@ -5467,6 +6105,13 @@ MN__PRIVATE void mn__generate(mn__sim *S) {
 // take 2 bytes (MN_GPT_ACTS rows marked fp32 and the probabilities stay fp32), every op computes
 // on an fp32 view of what it reads (a temporary), and the block's weights are converted into one
 // fp32 temporary while the block runs. Gradients, master weights and optimizer state are fp32.
+// On a GPU (trainer.c --device cuda, c->memanat_gpu) the kernels read and write the storage type
+// directly: no fp32 views, no weight temporaries; the gradients and the backward's temporaries
+// are in the storage type too; the LM head keeps its logits (an activation) and the fused
+// cross-entropy overwrites them with dlogits in the forward, so no probabilities are stored; the
+// model holds a small buffer of per-tensor gradient norms (MN_CAT_OTHER) and takes the cuBLASLt
+// workspace from its cache (MN_CAT_WORKSPACE, the GPU table's cublas_workspace) after its
+// parameters. The kernels' own scratch (attention's per-head buffers) lives outside the cache.
 
 #define MN__GP_ENUM(name, rows, cols, init) MN__GP_##name,
 enum { MN_GPT_PARAMS(MN__GP_ENUM) MN__GP_COUNT };
@@ -5489,6 +6134,8 @@ typedef struct mn__gpt {  // tr_model, as far as memory goes
     uint64_t an[MN__GA_COUNT];          // elements of each activation a block keeps
     int af[MN__GA_COUNT];               // the activation is stored in fp32 at every precision
     int half, ckpt;                     // 16-bit storage; MN_CKPT_NONE, _SELECTIVE, _FULL
+    int gpu;                            // trainer.c --device cuda: no views, 16-bit gradients
+    uint32_t tesz;                      // bytes per element of a backward temporary
     uint32_t wview;                     // tr_model.wview: the fp32 weights one part reads
     mn__gt *x;                          // [L + 1] the residual stream
     mn__gt *acts;                       // [L][MN__GA_COUNT] what each block keeps
@@ -5508,6 +6155,7 @@ MN__PRIVATE void mn__gpt_shapes(mn__gpt *G, mn__sim *S) {
     T = G->T = c->seq, V = G->V = c->m.vocab, B = G->B = c->batch, N = G->N = c->ntok;
     HV = G->HV = c->m.tie_embeddings ? 0 : V;
     G->half = c->a_esz == 2, G->ckpt = c->s.checkpointing;
+    G->gpu = c->memanat_gpu, G->tesz = G->gpu && G->half ? 2 : 4;
     G->wview = MN__NONE;
     mn__prod(S, mn__prod(S, mn__prod3(S, B, NH, T), T), 4);
     mn__prod3(S, N, 4 * C, 4);
@@ -5527,10 +6175,12 @@ MN__PRIVATE void mn__gpt_shapes(mn__gpt *G, mn__sim *S) {
     G->dln = G->dfch = G->datty = G->dqkv = MN__NONE;
 }
 
-// tr_new: a new activation of n elements (fp32 set: fp32 at every precision), opened.
+// tr_new: a new activation of n elements (fp32 set: fp32 at every precision), opened. On a GPU
+// the storage is its own view (half stays 0: nothing to open or close).
 MN__PRIVATE void mn__gpt_new(mn__gpt *G, mn__gt *t, uint64_t n, int fp32) {
-    t->n = n, t->half = G->half && !fp32;
-    t->data = mn__tensor_new(G->S, n, t->half ? 2 : 4, MN_CAT_ACTIVATIONS);
+    int half = G->half && !fp32;
+    t->n = n, t->half = half && !G->gpu;
+    t->data = mn__tensor_new(G->S, n, half ? 2 : 4, MN_CAT_ACTIVATIONS);
     t->f = t->half ? mn__tensor_new(G->S, n, 4, MN_CAT_TEMPORARY) : t->data;
 }
 
@@ -5553,9 +6203,9 @@ MN__PRIVATE void mn__gpt_free(mn__gpt *G, mn__gt *t) {
     t->data = t->f = MN__NONE, t->n = 0, t->half = 0;
 }
 
-// tr_temp and tr_release: fp32 temporaries.
+// tr_temp and tr_release: fp32 temporaries (on a GPU: in the storage type, tr_gpu_temp).
 MN__PRIVATE uint32_t mn__gpt_temp(mn__gpt *G, uint64_t n) {
-    return mn__tensor_new(G->S, n, 4, MN_CAT_TEMPORARY);
+    return mn__tensor_new(G->S, n, G->tesz, MN_CAT_TEMPORARY);
 }
 MN__PRIVATE void mn__gpt_release(mn__gpt *G, uint32_t *id) {
     mn__drop(G->S, *id);
@@ -5574,7 +6224,7 @@ MN__PRIVATE int mn__gpt_in_group(const mn__gpt *G, int i, int group) {
 MN__PRIVATE void mn__gpt_weights_open(mn__gpt *G, int group) {
     uint64_t total = 0;
     int i;
-    if (!G->half) return;
+    if (!G->half || G->gpu) return;
     for (i = 0; i < MN__GP_COUNT; i++)
         if (mn__gpt_in_group(G, i, group))
             total += group == MN__G_BLOCK ? G->pn[i] / G->L : G->pn[i];  // layer l's rows
@@ -5583,7 +6233,8 @@ MN__PRIVATE void mn__gpt_weights_open(mn__gpt *G, int group) {
 MN__PRIVATE void mn__gpt_weights_close(mn__gpt *G) { mn__gpt_release(G, &G->wview); }
 
 // tr_model_init: per parameter its 16-bit copy (half), its fp32 weights (the master when half)
-// and its fp32 gradient; then the input batch, tokens and targets int[B,T].
+// and its gradient (fp32; 16-bit on a GPU when half); then the input batch, tokens and targets
+// int[B,T]; on a GPU (tr_gpu_init) one fp32 gradient norm per parameter tensor.
 MN__PRIVATE void mn__gpt_model_init(mn__gpt *G) {
     mn__sim *S = G->S;
     uint64_t i;
@@ -5591,10 +6242,11 @@ MN__PRIVATE void mn__gpt_model_init(mn__gpt *G) {
         uint64_t n = S->params[i].numel;
         if (G->half) mn__tensor_new(S, n, 2, MN_CAT_WEIGHTS);
         mn__tensor_new(S, n, 4, G->half ? MN_CAT_MASTER_WEIGHTS : MN_CAT_WEIGHTS);
-        mn__tensor_new(S, n, 4, MN_CAT_GRADIENTS);
+        mn__tensor_new(S, n, G->tesz, MN_CAT_GRADIENTS);
     }
     mn__tensor_new(S, G->N, 4, MN_CAT_OTHER);
     mn__tensor_new(S, G->N, 4, MN_CAT_OTHER);
+    if (G->gpu) mn__tensor_new(S, S->np, 4, MN_CAT_OTHER);
 }
 
 // tr_block_forward: block l's activations from x[l] (recompute: checkpointing's re-run, which
@@ -5665,13 +6317,20 @@ MN__PRIVATE void mn__gpt_embedding_forward(mn__gpt *G) {
     mn__gpt_weights_close(G);
 }
 
-// tr_forward, the head: final layernorm, logits (a temporary), probabilities (kept, fp32).
+// tr_forward, the head: final layernorm, logits (a temporary), probabilities (kept, fp32). On a
+// GPU (tr_gpu_head_forward): the logits are kept (they become dlogits in place), losses fp32.
 MN__PRIVATE void mn__gpt_head_forward(mn__gpt *G) {
     uint64_t N = G->N;
     mn__gpt_weights_open(G, MN__G_HEAD);
     mn__gpt_new(G, &G->lnf, N * G->C, 0);
     mn__gpt_new(G, &G->lnf_mean, N, 1);
     mn__gpt_new(G, &G->lnf_rstd, N, 1);
+    if (G->gpu) {
+        mn__gpt_new(G, &G->probs, N * G->V, 0);  // the logits, then dlogits
+        G->losses = mn__tensor_new(G->S, N, 4, MN_CAT_TEMPORARY);
+        mn__gpt_release(G, &G->losses);
+        return;
+    }
     mn__gpt_open(G, &G->x[G->L]);
     mn__gpt_close(G, &G->x[G->L]);
     G->logits = mn__gpt_temp(G, N * G->V);
@@ -5684,8 +6343,19 @@ MN__PRIVATE void mn__gpt_head_forward(mn__gpt *G) {
 }
 
 // tr_backward, the head: dlogits, the head's and the final layernorm's backward, leaving dx.
+// On a GPU (tr_gpu_head_backward) dlogits exist already (G->probs).
 MN__PRIVATE void mn__gpt_head_backward(mn__gpt *G) {
     uint64_t N = G->N;
+    if (G->gpu) {
+        G->dln = mn__gpt_temp(G, N * G->C);
+        mn__gpt_free(G, &G->probs);
+        mn__gpt_free(G, &G->lnf);
+        G->dx = mn__gpt_temp(G, N * G->C);
+        mn__gpt_release(G, &G->dln);
+        mn__gpt_free(G, &G->lnf_mean);
+        mn__gpt_free(G, &G->lnf_rstd);
+        return;
+    }
     G->dlosses = mn__gpt_temp(G, N);
     G->dlogits = mn__gpt_temp(G, N * G->V);
     mn__gpt_release(G, &G->dlosses);
@@ -6043,7 +6713,21 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         else
             s->attention = MN_ATTN_FLASH;
     }
-    if (s->torch_version == 0) s->torch_version = s->framework == MN_FW_HF ? 110 : 200;
+    if (s->torch_version == 0) s->torch_version = 200;  // 1.10 only when asked (--torch 1.10)
+    if ((unsigned)s->optim_impl >= MN_OPTIM_IMPL_COUNT)
+        MN__INVALID(lg, "setup: optim_impl %d is out of range", (int)s->optim_impl);
+    if (s->loop == MN_LOOP_DEFAULT) s->loop = MN_LOOP_PLAIN;
+    if ((unsigned)s->loop >= MN_LOOP_COUNT)
+        MN__INVALID(lg, "setup: loop %d is out of range", (int)s->loop);
+    // torch 2's optimizers take foreach for CUDA parameters when neither foreach nor fused is
+    // given (torch/optim/optimizer.py, _default_to_fused_or_foreach with use_fused=False);
+    // torch 1.10 ran the per-tensor loop; the engines (deepspeed, megatron) and the trainer fuse
+    if (s->optim_impl == MN_OPTIM_IMPL_DEFAULT)
+        s->optim_impl = s->framework != MN_FW_HF ? MN_OPTIM_IMPL_FUSED
+                        : s->torch_version >= 200 ? MN_OPTIM_IMPL_FOREACH : MN_OPTIM_IMPL_LOOP;
+    if (!(s->lora_dropout >= 0.0f && s->lora_dropout < 1.0f))
+        MN__INVALID(lg, "--lora-dropout %g is out of range (want 0 <= p < 1)",
+                    (double)s->lora_dropout);
     if (s->torch_version < 100 || s->torch_version > 999)
         MN__INVALID(lg, "--torch %u.%02u is out of range (want 1.00..9.99, torch_version 100..999)",
                     s->torch_version / 100, s->torch_version % 100);
@@ -6149,6 +6833,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     c->lora_rank = s->lora_rank;
     c->gpus = s->gpus, c->zero = s->zero_stage;
     c->cublas_workspace = gpu->cublas_workspace;
+    c->sm = gpu->sm;
     c->attn = s->attention;
     mixed = s->precision == MN_PREC_FP16 || s->precision == MN_PREC_BF16;
     pure = s->precision == MN_PREC_FP16_PURE || s->precision == MN_PREC_BF16_PURE;
@@ -6156,6 +6841,11 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     c->w_esz = c->g_esz = 4;
     c->param_cat = MN_CAT_WEIGHTS;
     c->hf = s->framework == MN_FW_HF || s->framework == MN_FW_DEEPSPEED;
+    c->t2 = s->framework == MN_FW_HF && s->torch_version >= 200 && !s->infer;
+    // transformers 5 decoders build a DynamicCache in training unless gradient checkpointing
+    // is on (GradientCheckpointingLayer sets use_cache=False); encoders have none
+    c->kv_train = c->t2 && m->arch == MN_ARCH_DECODER && s->checkpointing != MN_CKPT_FULL;
+    c->impl = s->optim_impl;
     c->grads_keep = s->grads == MN_GRADS_KEEP;
     switch (s->framework) {
     case MN_FW_DEFAULT:
@@ -6173,6 +6863,10 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         break;
     case MN_FW_MEMANAT:  // 16-bit weights beside fp32 master weights (pure: refused above)
         if (mixed) c->w_esz = 2, c->fw_master = 2;
+        // on a GPU (any table entry but "cpu"): trainer.c --device cuda, whose kernels take one
+        // storage type, so the gradients are 16-bit too (llm.c train_gpt2.cu keeps them so)
+        c->memanat_gpu = gpu->sm != 0;
+        if (mixed && c->memanat_gpu) c->g_esz = 2;
         break;
     case MN_FW_COUNT: break;
     }
@@ -6189,7 +6883,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
 
 MN__PRIVATE void mn__sim_free(mn__sim *S) {
     mn__free(S->al, S->tensors), mn__free(S->al, S->ops), mn__free(S->al, S->params);
-    mn__free(S->al, S->ev), mn__free(S->al, S->block_start);
+    mn__free(S->al, S->ev), mn__free(S->al, S->block_start), mn__free(S->al, S->outs);
     memset(S, 0, sizeof *S);
 }
 
@@ -6314,6 +7008,7 @@ MN__PRIVATE void mn__run(mn__sim *S) {
         mn__generate(S);
         return;
     }
+    S->why = "cuBLAS workspace";
     if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
     if (S->step_marks) S->step_marks[0] = S->nev;
     for (step = 0; step < (S->steps ? S->steps : 2) && !S->err; step++) {
@@ -6408,6 +7103,7 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
                 (unsigned long long)c.s.batch, (unsigned long long)c.s.seq);
     if (r != MN_OK) return r;
     out->peak_allocated = S->peak;
+    out->peak_requested = S->peak_r;
     out->peak_phase = S->peak_phase;
     for (k = 0; k < MN_CAT_COUNT; k++)
         out->at_peak[k] = S->at_peak[k], out->cat_peak[k] = S->cat_peak[k];
@@ -6971,6 +7667,47 @@ free_sched:
     mn__free(NULL, sched);
 free_cum:
     mn__free(NULL, cum);
+    return r;
+}
+
+MNIMPL mn_result mn_estimate_explain(const mn_model *model, const mn_setup *setup,
+                                     mn_explain_item *items, uint32_t cap, uint32_t *count,
+                                     uint64_t *peak) {
+    enum { MAXG = 256 };
+    mn__sim S;
+    mn_estimate_result res;
+    mn_setup s2;
+    mn_result r;
+    mn_explain_item g[MAXG], t;
+    uint32_t ng = 0, i, j;
+    uint64_t k;
+    if (!model || !setup || !count || !peak || (cap && !items)) return MN_ERR_INVALID_ARG;
+    s2 = *setup;
+    s2.no_replay = 1;
+    r = mn__estimate(model, &s2, NULL, &res, &S, 0, NULL);
+    if (r == MN_OK) {
+        for (k = 0; k < S.nt; k++) {
+            const mn__tensor *T = &S.tensors[k];
+            if (T->born > S.peak_seq || (T->died && T->died <= S.peak_seq)) continue;
+            for (i = 0; i < ng; i++)
+                if (g[i].category == (mn_category)T->category && g[i].bytes_each == T->bytes &&
+                    !strcmp(g[i].mechanism, T->why))
+                    break;
+            if (i == ng && ng == MAXG) i = MAXG - 1;  // beyond: merged into the last group
+            if (i == ng) {
+                g[ng].mechanism = T->why, g[ng].category = (mn_category)T->category;
+                g[ng].bytes_each = T->bytes, g[ng].count = 0, g[ng].bytes = 0;
+                ng++;
+            }
+            g[i].count++, g[i].bytes += T->bytes;
+        }
+        for (i = 1; i < ng; i++)  // insertion sort, largest total first
+            for (j = i; j > 0 && g[j].bytes > g[j - 1].bytes; j--)
+                t = g[j], g[j] = g[j - 1], g[j - 1] = t;
+        for (i = 0; i < ng && i < cap; i++) items[i] = g[i];
+        *count = ng, *peak = S.peak;
+    }
+    mn__sim_free(&S);
     return r;
 }
 
@@ -7567,7 +8304,10 @@ MN__PRIVATE mn_result mn__hf_llama(mn__hf *c, mn_model *m, const mn__hf_llama_de
     } else {
         m->qkv_bias = f->qkv_bias;
     }
-    if (strcmp(f->type, "phi3") == 0) MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.0, &m->dropout));
+    if (strcmp(f->type, "phi3") == 0) {  // modeling_phi3.py: qkv_proj and gate_up_proj
+        MN__HF_TRY(mn__hf_prob(c, "resid_pdrop", 0.0, &m->dropout));
+        m->fused_proj = 1, m->rope_cat = 1;  // apply_rotary_pos_emb: cat([rotated, pass])
+    }
     return mn__hf_heads(c, m, "num_attention_heads", "num_key_value_heads", given_head_dim);
 }
 
@@ -7914,13 +8654,24 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
 // ---- >>cache/simdev: simulated device -----------------------------------------------------------
 
 MNIMPL mn_result mn_simdev_init(mn_simdev *dev, const mn_simdev_desc *desc) {
+    uint64_t span;
     if (!dev) return MN_ERR_INVALID_ARG;
     memset(dev, 0, sizeof *dev);
     if (desc) dev->desc = *desc;
-    if (dev->desc.base == 0) dev->desc.base = 0x7f0000000000ull;
+    if (dev->desc.addr_shift == 0 && UINTPTR_MAX < UINT64_MAX) dev->desc.addr_shift = 9;
+    if (dev->desc.addr_shift > 9) return MN_ERR_INVALID_ARG;
+    // 64-bit pointers: reserved ranges 16 TiB above the physical ones, no end. Narrower ones:
+    // the addresses they can carry (2 TiB with 32 bits), half physical, half reserved.
+    span = ((uint64_t)UINTPTR_MAX >> 1) + 1;
+    span = UINTPTR_MAX < UINT64_MAX ? span << dev->desc.addr_shift : 1ull << 44;
+    if (dev->desc.base == 0)
+        dev->desc.base = UINTPTR_MAX < UINT64_MAX ? 1ull << 21 : 0x7f0000000000ull;
     if (dev->desc.base % MN__C_MIN_BLOCK) return MN_ERR_INVALID_ARG;
+    if (UINTPTR_MAX < UINT64_MAX && dev->desc.base >= span) return MN_ERR_INVALID_ARG;
     dev->next_addr = dev->desc.base;
-    dev->next_va = dev->desc.base + (1ull << 44);  // reserved ranges live above the physical ones
+    dev->next_va = UINTPTR_MAX < UINT64_MAX ? span : dev->desc.base + span;
+    dev->end_addr = UINTPTR_MAX < UINT64_MAX ? span : UINT64_MAX;
+    dev->end_va = UINTPTR_MAX < UINT64_MAX ? 2 * span : UINT64_MAX;
     dev->fail_at = dev->desc.fail_alloc_at;
     return MN_OK;
 }
@@ -7961,12 +8712,13 @@ MN__PRIVATE mn_result mn__c_simdev_alloc(void *ud, uint64_t size, void **ptr_out
     dev->alloc_calls++;
     // addresses advance by the size rounded to 2 MiB plus a 2 MiB gap: segments never touch
     if (size == 0 || size > (1ull << 62)) return MN_ERR_INVALID_ARG;
+    step =
+        (size + MN__C_ROUND_LARGE - 1) / MN__C_ROUND_LARGE * MN__C_ROUND_LARGE + MN__C_ROUND_LARGE;
+    if (step > dev->end_addr - dev->next_addr) return MN_ERR_UNSUPPORTED;  // addresses run out
     r = mn__c_simdev_take(dev, size);
     if (r != MN_OK) return r;
     dev->live++;
-    *ptr_out = (void *)(uintptr_t)dev->next_addr;
-    step =
-        (size + MN__C_ROUND_LARGE - 1) / MN__C_ROUND_LARGE * MN__C_ROUND_LARGE + MN__C_ROUND_LARGE;
+    *ptr_out = (void *)(uintptr_t)(dev->next_addr >> dev->desc.addr_shift);
     dev->next_addr += step;
     return MN_OK;
 }
@@ -8045,7 +8797,8 @@ MN__PRIVATE mn_result mn__c_simdev_reserve(void *ud, uint64_t size, void **base_
     if (size == 0 || size > (1ull << 56)) return MN_ERR_INVALID_ARG;
     step = (size + MN__C_LARGE_BUFFER - 1) / MN__C_LARGE_BUFFER * MN__C_LARGE_BUFFER;
     step += MN__C_LARGE_BUFFER;
-    *base_out = (void *)(uintptr_t)dev->next_va;
+    if (step > dev->end_va - dev->next_va) return MN_ERR_UNSUPPORTED;  // addresses run out
+    *base_out = (void *)(uintptr_t)(dev->next_va >> dev->desc.addr_shift);
     dev->next_va += step;
     return MN_OK;
 }
@@ -8082,6 +8835,7 @@ MNIMPL mn_device mn_simdev_device(mn_simdev *dev) {
     d.map_fn = mn__c_simdev_map;
     d.unmap_fn = mn__c_simdev_unmap;
     d.user_data = dev;
+    d.addr_shift = dev->desc.addr_shift;
     return d;
 }
 
@@ -9017,7 +9771,13 @@ fail_ring:
 
 // ---- freeing blocks -----------------------------------------------------------------------------
 
-MN__PRIVATE void *mn__c_ptr(uint64_t addr) { return (void *)(uintptr_t)addr; }
+// Device pointer <-> address (mn_device.addr_shift).
+MN__PRIVATE void *mn__c_ptr(const mn__c_cache *c, uint64_t addr) {
+    return (void *)(uintptr_t)(addr >> c->dev.addr_shift);
+}
+MN__PRIVATE uint64_t mn__c_addr(const mn__c_cache *c, const void *ptr) {
+    return (uint64_t)(uintptr_t)ptr << c->dev.addr_shift;
+}
 
 // try_merge_blocks: src joins dst when it is free, has no pending events or stream uses, and is
 // mapped the same way. Returns the bytes taken over (0 = no merge).
@@ -9096,7 +9856,8 @@ MN__PRIVATE void mn__c_release_block(mn__c_cache *c, mn__c_block *b) {
     MN_ASSERT(!s->expandable && !b->prev && !b->next && !b->allocated);
     c->st.num_device_free++;
     mn__c_trace(c, MN_TRACE_SEGMENT_FREE, b->addr, b->size, b->size, b->stream, 0);
-    mn__c_note_dev_error(c, c->dev.free_fn(c->dev.user_data, mn__c_ptr(b->addr), b->size), "free");
+    mn__c_note_dev_error(c, c->dev.free_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size),
+                         "free");
     c->total_allocated_memory -= b->size;
     MN__C_STAT2(c, segment, small, mn__c_stat_dec, 1);
     MN__C_STAT2(c, reserved_bytes, small, mn__c_stat_dec, b->size);
@@ -9124,8 +9885,8 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
         if (bf) mn__c_block_delete(c, bf);
         return;
     }
-    mn__c_note_dev_error(c, c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(s->addr + beg), end - beg),
-                       "unmap");
+    mn__c_note_dev_error(
+        c, c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(c, s->addr + beg), end - beg), "unmap");
     mn__c_pool_erase(p, b);
     if (bf) {  // prev? -> bf -> b
         bf->addr = b->addr, bf->size = s->addr + beg - b->addr;
@@ -9156,8 +9917,10 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
     mn__c_pool_insert(p, b);
     if (!b->prev && !b->next) {  // release_expandable_segment
         if (c->dev.unreserve_fn)
-            mn__c_note_dev_error(
-                c, c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size), "unreserve");
+            mn__c_note_dev_error(c,
+                                 c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr),
+                                                     s->size),
+                                 "unreserve");
         mn__c_pool_erase(p, b);
         mn__c_seg_unlink(c, s);
         mn__c_block_delete(c, b);
@@ -9299,7 +10062,7 @@ MN__PRIVATE mn_result mn__c_map_block(mn__c_cache *c, mn__c_block *to_map, uint6
     MN_ASSERT(!to_map->mapped && size <= to_map->size);
     if (m > to_map->size) m = to_map->size;
     if (m < to_map->size && !(rem = mn__c_block_new(c))) return MN_ERR_OUT_OF_MEMORY;
-    r = c->dev.map_fn(c->dev.user_data, mn__c_ptr(to_map->addr), m);
+    r = c->dev.map_fn(c->dev.user_data, mn__c_ptr(c, to_map->addr), m);
     if (r != MN_OK) {
         if (rem) mn__c_block_delete(c, rem);
         return r;
@@ -9360,7 +10123,7 @@ MN__PRIVATE mn_result mn__c_find_expandable(mn__c_cache *c, mn__c_pool *p, mn_st
     seg = c->spare_seg;
     c->spare_seg = NULL;
     memset(seg, 0, sizeof *seg);
-    seg->addr = (uint64_t)(uintptr_t)base, seg->size = va, seg->stream = s;
+    seg->addr = mn__c_addr(c, base), seg->size = va, seg->stream = s;
     seg->small = (uint8_t)p->small, seg->expandable = 1, seg->head = b;
     mn__c_seg_link(c, seg);
     b->addr = seg->addr, b->size = va, b->mapped = 0, b->stream = s, b->small = seg->small;
@@ -9411,7 +10174,7 @@ MN__PRIVATE mn_result mn__c_alloc_block(mn__c_cache *c, mn__c_pool *p, mn_stream
     seg = c->spare_seg;
     c->spare_seg = NULL;
     memset(seg, 0, sizeof *seg);
-    seg->addr = (uint64_t)(uintptr_t)ptr, seg->size = alloc_size, seg->stream = s;
+    seg->addr = mn__c_addr(c, ptr), seg->size = alloc_size, seg->stream = s;
     seg->small = (uint8_t)p->small;
     mn__c_seg_link(c, seg);
     b = mn__c_block_new(c);  // reserved by the caller, cannot fail
@@ -9636,7 +10399,7 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
         if (r != MN_OK) goto done;
     }
     b = mn__c_alloc_found(c, b, size, orig, mn__c_should_split(c, b, size), cat, label);
-    *ptr_out = mn__c_ptr(b->addr);
+    *ptr_out = mn__c_ptr(c, b->addr);
     r = MN_OK;
 done:
     mn__c_unlock(c);
@@ -9644,7 +10407,7 @@ done:
 }
 
 MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot) {
-    uint64_t i = mn__c_map_slot(c, (uint64_t)(uintptr_t)ptr);
+    uint64_t i = mn__c_map_slot(c, mn__c_addr(c, ptr));
     if (i == UINT64_MAX) return NULL;
     if (slot) *slot = i;
     return c->map[i];
@@ -9861,17 +10624,17 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
     for (s = c->segs; s; s = sn) {
         sn = s->next_seg;
         if (!s->expandable) {
-            c->dev.free_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size);
+            c->dev.free_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         }
         for (b = s->head; b; b = bn) {
             bn = b->next;
             if (s->expandable && b->mapped)
-                c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(b->addr), b->size);
+                c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size);
             for (u = b->uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
             mn__free(&c->alloc, b);
         }
         if (s->expandable && c->dev.unreserve_fn)
-            c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(s->addr), s->size);
+            c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         mn__free(&c->alloc, s);
     }
     for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b);
@@ -9972,7 +10735,8 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
             at += b->size, sum += b->size;
             if (s->expandable && b->mapped) want.reserved_bytes[t].current += b->size;
             if (b->allocated) {
-                if (b->in_tree || mn__c_lookup(c, mn__c_ptr(b->addr), NULL) != b || b->event_count)
+                if (b->in_tree || mn__c_lookup(c, mn__c_ptr(c, b->addr), NULL) != b ||
+                    b->event_count)
                     MN__C_FAIL("cache check: allocated block %llx not in the map",
                                (unsigned long long)b->addr);
                 allocated++;

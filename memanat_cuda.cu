@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MN__GEMM_CACHE 64          // heuristics cache entries per context
+#define MN__GEMM_CACHE 128         // heuristics cache entries per context
 #define MN__VM_GRANULE (2ull << 20)  // expandable segments map 2 MiB granules
 #define MN__ROWS_PER_BLOCK 8       // warp-per-row kernels: 8 warps of 32 threads
 #define MN__EW_THREADS 256         // element-wise kernels
@@ -64,6 +64,8 @@ struct mn__cuda_priv {
     size_t scratch_bytes;
     void *host;               // host scratch (embedding bucketing)
     size_t host_bytes;
+    int foreign_workspace;    // ctx->workspace is the caller's (mn_cuda_workspace_set)
+    float *q8_maps;           // [512] device: the signed, then the unsigned dynamic map (8-bit)
     // driver API for virtual memory (NULL when not available)
     PFN_cuMemAddressReserve_v10020 mem_reserve;
     PFN_cuMemAddressFree_v10020 mem_addr_free;
@@ -225,8 +227,9 @@ static void mn__release(mn_cuda *ctx) {
     mn__host_free(ctx, p->free_ids);
     for (i = 1; i < p->nstreams; i++) (void)cudaStreamDestroy(p->streams[i]);
     if (p->scratch) (void)cudaFree(p->scratch);
+    if (p->q8_maps) (void)cudaFree(p->q8_maps);
     mn__host_free(ctx, p->host);
-    if (ctx->workspace) (void)cudaFree(ctx->workspace);
+    if (ctx->workspace && !p->foreign_workspace) (void)cudaFree(ctx->workspace);
     if (ctx->lt) (void)cublasLtDestroy((cublasLtHandle_t)ctx->lt);
     if (ctx->stream) (void)cudaStreamDestroy(mn__stream(ctx));
     mn__host_free(ctx, p);
@@ -344,6 +347,23 @@ MNDEF mn_result mn_cuda_mem_copy(mn_cuda *ctx, void *dst, const void *src, uint6
 MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t bytes) {
     if (!ctx || !ctx->p || (bytes && !ptr)) return MN_ERR_INVALID_ARG;
     if (bytes) MN__CU(ctx, cudaMemsetAsync(ptr, byte, (size_t)bytes, mn__stream(ctx)));
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes) {
+    struct mn__cuda_priv *p;
+    if (!ctx || !ctx->p || (bytes && !ptr) || (ptr && !bytes) || ((uintptr_t)ptr & 15u) != 0) {
+        mn__cu_log(ctx, MN_LOG_ERROR, "mn_cuda_workspace_set: want 16-byte aligned ptr with "
+                   "bytes > 0, or NULL with 0 (got %p, %llu)", ptr, (unsigned long long)bytes);
+        return MN_ERR_INVALID_ARG;
+    }
+    p = ctx->p;
+    MN__CU(ctx, cudaStreamSynchronize(mn__stream(ctx)));  // no GEMM still uses the old one
+    if (ctx->workspace && !p->foreign_workspace) MN__CU(ctx, cudaFree(ctx->workspace));
+    ctx->workspace = ptr, ctx->workspace_bytes = bytes, ctx->desc.workspace = bytes;
+    p->foreign_workspace = ptr != NULL;
+    memset(p->gemm, 0, sizeof p->gemm);  // algorithms were chosen for the old workspace size
+    p->gemm_next = 0;
     return MN_OK;
 }
 
@@ -561,6 +581,31 @@ template <typename T> __device__ __forceinline__ float mn__round(float x) {
     return mn__ld<T>(&t);
 }
 
+// 128-bit accesses: a pack of 16 / sizeof(T) elements (4 fp32 or 8 fp16/bf16) in one uint4 load
+// or store, as llm.c's x128; mn__ldk / mn__stk move K elements, the pack (VEC) or one.
+template <typename T> struct __align__(16) mn__pack {
+    T v[16 / sizeof(T)];
+};
+template <typename T> __device__ __forceinline__ mn__pack<T> mn__ld16(const T *p) {
+    mn__pack<T> r;
+    *reinterpret_cast<uint4 *>(&r) = *reinterpret_cast<const uint4 *>(p);
+    return r;
+}
+template <typename T> __device__ __forceinline__ void mn__st16(T *p, const mn__pack<T> &r) {
+    *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&r);
+}
+static int mn__is16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+template <typename T, int VEC> __device__ __forceinline__ mn__pack<T> mn__ldk(const T *p) {
+    mn__pack<T> r;
+    if (VEC) r = mn__ld16(p);
+    else r.v[0] = *p;
+    return r;
+}
+template <typename T, int VEC> __device__ __forceinline__ void mn__stk(T *p, const mn__pack<T> &r) {
+    if (VEC) mn__st16(p, r);
+    else *p = r.v[0];
+}
+
 __device__ __forceinline__ float mn__warp_sum(float v) {
     int o;
     for (o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -624,40 +669,50 @@ static __global__ void __launch_bounds__(256) mn__col_finish_kernel(T *dst, cons
 // ---- kernels: >>ops layernorm -------------------------------------------------------------------
 // One warp per row: the mean, then the centred variance (two passes, as the CPU op), then the
 // output; a third read of the row comes from L1/L2. RESID: residual = inp1 + inp2 is stored first
-// and the statistics are taken over the stored (rounded) values.
+// and the statistics are taken over the stored (rounded) values. VEC: each lane moves 16-byte
+// packs (C a multiple of the pack, every pointer 16-byte aligned), else one element at a time.
 
-template <typename T, int RESID>
+template <typename T, int RESID, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__layernorm_forward_kernel(T *residual, T *out, float *mean, float *rstd, const T *inp1,
                              const T *inp2, const T *weight, const T *bias, size_t N, size_t C,
                              float eps) {
+    const int K = VEC ? (int)(16 / sizeof(T)) : 1;
     size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i;
     unsigned lane = threadIdx.x % 32;
     const T *x;
     float s = 0.0f, m, v = 0.0f, r;
+    int k;
     if (row >= N) return;
     x = (RESID ? residual : inp1) + row * C;
-    if (RESID) {
-        T *res = residual + row * C;
-        const T *a = inp1 + row * C, *b = inp2 + row * C;
-        for (i = lane; i < C; i += 32) {
-            T t = mn__cvt<T>(mn__ld<T>(a + i) + mn__ld<T>(b + i));
-            res[i] = t;
-            s += mn__ld<T>(&t);
+    for (i = lane * K; i < C; i += 32 * K) {
+        mn__pack<T> p;
+        if (RESID) {  // residual = inp1 + inp2, stored; the statistics of the stored values
+            mn__pack<T> a = mn__ldk<T, VEC>(inp1 + row * C + i);
+            mn__pack<T> b = mn__ldk<T, VEC>(inp2 + row * C + i);
+            for (k = 0; k < K; k++) p.v[k] = mn__cvt<T>(mn__ld<T>(&a.v[k]) + mn__ld<T>(&b.v[k]));
+            mn__stk<T, VEC>(residual + row * C + i, p);
+        } else {
+            p = mn__ldk<T, VEC>(x + i);
         }
-    } else {
-        for (i = lane; i < C; i += 32) s += mn__ld<T>(x + i);
+        for (k = 0; k < K; k++) s += mn__ld<T>(&p.v[k]);
     }
     m = mn__warp_sum(s) / (float)C;
-    for (i = lane; i < C; i += 32) {
-        float d = mn__ld<T>(x + i) - m;
-        v += d * d;
+    for (i = lane * K; i < C; i += 32 * K) {  // the lane reads back what it wrote
+        mn__pack<T> p = mn__ldk<T, VEC>(x + i);
+        for (k = 0; k < K; k++) {
+            float d = mn__ld<T>(&p.v[k]) - m;
+            v += d * d;
+        }
     }
     r = mn_hd_rstd(mn__warp_sum(v) / (float)C, eps);
-    for (i = lane; i < C; i += 32) {
-        float b = bias ? mn__ld<T>(bias + i) : 0.0f;
-        out[row * C + i] = mn__cvt<T>(mn_hd_layernorm_out(mn__ld<T>(x + i), m, r,
-                                                          mn__ld<T>(weight + i), b));
+    for (i = lane * K; i < C; i += 32 * K) {
+        mn__pack<T> p = mn__ldk<T, VEC>(x + i), w = mn__ldk<T, VEC>(weight + i), b, o;
+        if (bias) b = mn__ldk<T, VEC>(bias + i);
+        for (k = 0; k < K; k++)
+            o.v[k] = mn__cvt<T>(mn_hd_layernorm_out(mn__ld<T>(&p.v[k]), m, r, mn__ld<T>(&w.v[k]),
+                                                    bias ? mn__ld<T>(&b.v[k]) : 0.0f));
+        mn__stk<T, VEC>(out + row * C + i, o);
     }
     if (lane == 0) {
         if (mean) mean[row] = m;
@@ -665,20 +720,37 @@ mn__layernorm_forward_kernel(T *residual, T *out, float *mean, float *rstd, cons
     }
 }
 
+// 16-byte packs when every row and vector starts 16-byte aligned (C a multiple of the pack).
+template <typename T, int RESID>
+static void mn__layernorm_launch(mn_cuda *ctx, void *residual, void *out, float *mean, float *rstd,
+                                 const void *inp1, const void *inp2, const void *weight,
+                                 const void *bias, size_t N, size_t C, float eps) {
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    int vec = C % (16 / sizeof(T)) == 0 && mn__is16(residual) && mn__is16(out) &&
+              mn__is16(inp1) && mn__is16(inp2) && mn__is16(weight) && mn__is16(bias);
+    if (vec)
+        mn__layernorm_forward_kernel<T, RESID, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0,
+                                                    mn__stream(ctx)>>>(
+            (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
+            (const T *)weight, (const T *)bias, N, C, eps);
+    else
+        mn__layernorm_forward_kernel<T, RESID, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0,
+                                                    mn__stream(ctx)>>>(
+            (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
+            (const T *)weight, (const T *)bias, N, C, eps);
+}
+
 template <typename T>
 static mn_result mn__layernorm_forward(mn_cuda *ctx, void *residual, void *out, float *mean,
                                        float *rstd, const void *inp1, const void *inp2,
                                        const void *weight, const void *bias, size_t N, size_t C,
                                        float eps) {
-    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
     if (residual)
-        mn__layernorm_forward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
-            (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
-            (const T *)weight, (const T *)bias, N, C, eps);
+        mn__layernorm_launch<T, 1>(ctx, residual, out, mean, rstd, inp1, inp2, weight, bias, N, C,
+                                   eps);
     else
-        mn__layernorm_forward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
-            NULL, (T *)out, mean, rstd, (const T *)inp1, NULL, (const T *)weight,
-            (const T *)bias, N, C, eps);
+        mn__layernorm_launch<T, 0>(ctx, NULL, out, mean, rstd, inp1, NULL, weight, bias, N, C,
+                                   eps);
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -811,51 +883,77 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 
 // ---- kernels: >>ops softmax ---------------------------------------------------------------------
 // One warp per row: the online max/sum over the visible columns, then the probabilities (masked
-// columns exactly 0). Backward: dot = sum out dout, then dinp += scale out (dout - dot).
+// columns exactly 0). Backward: dot = sum out dout, then dinp += scale out (dout - dot). VEC: each
+// lane moves 16-byte packs (L a multiple of the pack, the tensors 16-byte aligned), else single
+// elements; a pack wholly past the visible columns is not read.
 
-template <typename T>
+template <typename T, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__softmax_forward_kernel(T *out, const T *inp, size_t N, size_t L, float scale, int causal) {
-    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, j, len;
+    const int K = VEC ? (int)(16 / sizeof(T)) : 1;
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i, len;
     unsigned lane = threadIdx.x % 32;
     const T *x;
     mn_hd_maxsum s = mn_hd_maxsum_init();
+    int k;
     if (row >= N) return;
     x = inp + row * L;
     len = (size_t)mn_hd_softmax_len(row, L, causal);
-    for (j = lane; j < len; j += 32) s = mn_hd_maxsum_add(s, scale * mn__ld<T>(x + j));
+    for (i = lane * K; i < len; i += 32 * K) {
+        mn__pack<T> p = mn__ldk<T, VEC>(x + i);
+        for (k = 0; k < K && i + k < len; k++) s = mn_hd_maxsum_add(s, scale * mn__ld<T>(&p.v[k]));
+    }
     s = mn__warp_maxsum(s);
-    for (j = lane; j < L; j += 32)
-        out[row * L + j] = mn__cvt<T>(j < len ? mn_hd_softmax_prob(scale * mn__ld<T>(x + j), s)
-                                              : 0.0f);
+    for (i = lane * K; i < L; i += 32 * K) {
+        mn__pack<T> p, o;
+        if (i < len) p = mn__ldk<T, VEC>(x + i);
+        for (k = 0; k < K; k++)
+            o.v[k] = mn__cvt<T>(i + k < len ? mn_hd_softmax_prob(scale * mn__ld<T>(&p.v[k]), s)
+                                            : 0.0f);
+        mn__stk<T, VEC>(out + row * L + i, o);
+    }
 }
 
-template <typename T>
+template <typename T, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__softmax_backward_kernel(T *dinp, const T *dout, const T *out, size_t N, size_t L, float scale,
                             int causal) {
-    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, j, len;
+    const int K = VEC ? (int)(16 / sizeof(T)) : 1;
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i, len;
     unsigned lane = threadIdx.x % 32;
     const T *y, *dy;
+    T *dx;
     float dot = 0.0f;
+    int k;
     if (row >= N) return;
-    y = out + row * L, dy = dout + row * L;
+    y = out + row * L, dy = dout + row * L, dx = dinp + row * L;
     len = (size_t)mn_hd_softmax_len(row, L, causal);
-    for (j = lane; j < len; j += 32) dot += mn__ld<T>(y + j) * mn__ld<T>(dy + j);
+    for (i = lane * K; i < len; i += 32 * K) {
+        mn__pack<T> p = mn__ldk<T, VEC>(y + i), q = mn__ldk<T, VEC>(dy + i);
+        for (k = 0; k < K && i + k < len; k++) dot += mn__ld<T>(&p.v[k]) * mn__ld<T>(&q.v[k]);
+    }
     dot = mn__warp_sum(dot);
-    for (j = lane; j < len; j += 32) {
-        T *d = dinp + row * L + j;
-        *d = mn__cvt<T>(mn__ld<T>(d) +
-                        mn_hd_softmax_dinp(mn__ld<T>(y + j), mn__ld<T>(dy + j), dot, scale));
+    for (i = lane * K; i < len; i += 32 * K) {  // a pack across len keeps its masked entries
+        mn__pack<T> p = mn__ldk<T, VEC>(y + i), q = mn__ldk<T, VEC>(dy + i);
+        mn__pack<T> d = mn__ldk<T, VEC>(dx + i);
+        for (k = 0; k < K && i + k < len; k++)
+            d.v[k] = mn__cvt<T>(mn__ld<T>(&d.v[k]) + mn_hd_softmax_dinp(mn__ld<T>(&p.v[k]),
+                                                                         mn__ld<T>(&q.v[k]), dot,
+                                                                         scale));
+        mn__stk<T, VEC>(dx + i, d);
     }
 }
 
 template <typename T>
 static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, size_t N, size_t L,
                                      float scale, int causal) {
-    mn__softmax_forward_kernel<T><<<mn__blocks(N, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK, 0,
-                                    mn__stream(ctx)>>>((T *)out, (const T *)inp, N, L, scale,
-                                                       causal);
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    if (L % (16 / sizeof(T)) == 0 && mn__is16(out) && mn__is16(inp))
+        mn__softmax_forward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)out, (const T *)inp, N, L, scale, causal);
+    else
+        mn__softmax_forward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)out, (const T *)inp, N, L, scale, causal);
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -863,9 +961,13 @@ static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, s
 template <typename T>
 static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *out,
                                       size_t N, size_t L, float scale, int causal) {
-    mn__softmax_backward_kernel<T><<<mn__blocks(N, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK,
-                                     0, mn__stream(ctx)>>>((T *)dinp, (const T *)dout,
-                                                           (const T *)out, N, L, scale, causal);
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    if (L % (16 / sizeof(T)) == 0 && mn__is16(dinp) && mn__is16(dout) && mn__is16(out))
+        mn__softmax_backward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)dinp, (const T *)dout, (const T *)out, N, L, scale, causal);
+    else
+        mn__softmax_backward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)dinp, (const T *)dout, (const T *)out, N, L, scale, causal);
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -889,40 +991,88 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
     MN__DISPATCH(ctx, dtype, mn__softmax_backward, ctx, dinp, dout, out, N, L, scale, causal);
 }
 
-// ---- kernels: >>ops gelu ------------------------------------------------------------------------
+// ---- kernels: element-wise maps with 128-bit accesses -------------------------------------------
+// out[i] = op(a[i], b[i], c[i]) (b, c may be NULL: read as 0). When n is a multiple of the pack
+// and every pointer is 16-byte aligned, each thread moves 16 bytes per access (4 fp32 or 8
+// fp16/bf16 elements in one uint4 load or store), else one element. Each thread reads all its
+// inputs before it writes, so out may alias any of them.
 
-template <typename T>
+template <typename T, int VEC, typename OP>
 static __global__ void __launch_bounds__(MN__EW_THREADS)
-mn__gelu_forward_kernel(T *out, const T *inp, size_t n) {
-    size_t i;
-    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        out[i] = mn__cvt<T>(mn_hd_gelu(mn__ld<T>(inp + i)));
+mn__map_kernel(T *out, const T *a, const T *b, const T *c, size_t n, OP op) {
+    const int K = VEC ? (int)(16 / sizeof(T)) : 1;
+    size_t i, nk = n / (size_t)K;
+    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < nk;
+         i += (size_t)gridDim.x * blockDim.x) {
+        mn__pack<T> pa, pb, pc, po;
+        int k;
+        if (VEC) {
+            pa = mn__ld16(a + i * K);
+            if (b) pb = mn__ld16(b + i * K);
+            if (c) pc = mn__ld16(c + i * K);
+        } else {
+            pa.v[0] = a[i];
+            if (b) pb.v[0] = b[i];
+            if (c) pc.v[0] = c[i];
+        }
+        for (k = 0; k < K; k++)
+            po.v[k] = mn__cvt<T>(op(mn__ld<T>(&pa.v[k]), b ? mn__ld<T>(&pb.v[k]) : 0.0f,
+                                    c ? mn__ld<T>(&pc.v[k]) : 0.0f));
+        if (VEC) mn__st16(out + i * K, po);
+        else out[i] = po.v[0];
+    }
 }
 
+template <typename T, typename OP>
+static mn_result mn__map(mn_cuda *ctx, void *out, const void *a, const void *b, const void *c,
+                         size_t n, OP op) {
+    const size_t K = 16 / sizeof(T);
+    if (n % K == 0 && mn__is16(out) && mn__is16(a) && mn__is16(b) && mn__is16(c))
+        mn__map_kernel<T, 1, OP><<<mn__ew_grid(ctx, n / K), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+            (T *)out, (const T *)a, (const T *)b, (const T *)c, n, op);
+    else
+        mn__map_kernel<T, 0, OP><<<mn__ew_grid(ctx, n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
+            (T *)out, (const T *)a, (const T *)b, (const T *)c, n, op);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+// >>ops residual: out = inp1 + inp2. >>ops gelu: out = gelu(inp); dinp += dout gelu'(inp).
+struct mn__add_op {
+    __device__ float operator()(float x, float y, float) const { return x + y; }
+};
+struct mn__gelu_op {
+    __device__ float operator()(float x, float, float) const { return mn_hd_gelu(x); }
+};
+struct mn__gelu_grad_op {  // (dinp, dout, inp)
+    __device__ float operator()(float dx, float dy, float x) const {
+        return dx + dy * mn_hd_gelu_grad(x);
+    }
+};
+
 template <typename T>
-static __global__ void __launch_bounds__(MN__EW_THREADS)
-mn__gelu_backward_kernel(T *dinp, const T *dout, const T *inp, size_t n) {
-    size_t i;
-    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        dinp[i] = mn__cvt<T>(mn__ld<T>(dinp + i) +
-                             mn__ld<T>(dout + i) * mn_hd_gelu_grad(mn__ld<T>(inp + i)));
+static mn_result mn__residual_forward(mn_cuda *ctx, void *out, const void *inp1, const void *inp2,
+                                      size_t n) {
+    return mn__map<T>(ctx, out, inp1, inp2, NULL, n, mn__add_op());
+}
+
+MNDEF mn_result mn_cuda_residual_forward(mn_cuda *ctx, void *out, const void *inp1,
+                                         const void *inp2, size_t n, mn_dtype dtype) {
+    MN__CTX(ctx);
+    MN__CHECK(ctx, out && inp1 && inp2);
+    if (n == 0) return MN_OK;
+    MN__DISPATCH(ctx, dtype, mn__residual_forward, ctx, out, inp1, inp2, n);
 }
 
 template <typename T>
 static mn_result mn__gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n) {
-    mn__gelu_forward_kernel<T><<<mn__ew_grid(ctx, n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
-        (T *)out, (const T *)inp, n);
-    MN__LAUNCHED(ctx);
-    return MN_OK;
+    return mn__map<T>(ctx, out, inp, NULL, NULL, n, mn__gelu_op());
 }
 
 template <typename T>
 static mn_result mn__gelu_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *inp,
                                    size_t n) {
-    mn__gelu_backward_kernel<T><<<mn__ew_grid(ctx, n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
-        (T *)dinp, (const T *)dout, (const T *)inp, n);
-    MN__LAUNCHED(ctx);
-    return MN_OK;
+    return mn__map<T>(ctx, dinp, dinp, dout, inp, n, mn__gelu_grad_op());
 }
 
 MNDEF mn_result mn_cuda_gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n,
@@ -1240,19 +1390,8 @@ mn__optim_kernel(float *param, P *param16, const G *grad, size_t n, OP op, const
     }
 }
 
-// The flat-buffer fields the SGD and Lion launchers share.
-typedef struct mn__flat_args {
-    float *param;
-    void *param16;
-    const void *grad;
-    uint64_t n;
-    mn_dtype grad_dtype, param16_dtype;
-    const float *grad_norm;
-    float inv_scale, max_norm;
-} mn__flat_args;
-
 template <typename G, typename P, typename OP>
-static mn_result mn__optim(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+static mn_result mn__optim(mn_cuda *ctx, const mn_cuda_optim_flat *a, OP op) {
     mn__optim_kernel<G, P, OP><<<mn__ew_grid(ctx, a->n), MN__EW_THREADS, 0, mn__stream(ctx)>>>(
         a->param, (P *)a->param16, (const G *)a->grad, (size_t)a->n, op, a->grad_norm,
         a->inv_scale == 0.0f ? 1.0f : a->inv_scale, a->max_norm);
@@ -1261,7 +1400,7 @@ static mn_result mn__optim(mn_cuda *ctx, const mn__flat_args *a, OP op) {
 }
 
 template <typename G, typename OP>
-static mn_result mn__optim_g(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+static mn_result mn__optim_g(mn_cuda *ctx, const mn_cuda_optim_flat *a, OP op) {
     if (!a->param16) return mn__optim<G, float, OP>(ctx, a, op);
     if (a->param16_dtype == MN_FP16) return mn__optim<G, __half, OP>(ctx, a, op);
     if (a->param16_dtype == MN_BF16) return mn__optim<G, __nv_bfloat16, OP>(ctx, a, op);
@@ -1269,7 +1408,7 @@ static mn_result mn__optim_g(mn_cuda *ctx, const mn__flat_args *a, OP op) {
 }
 
 template <typename OP>
-static mn_result mn__optim_step(mn_cuda *ctx, const mn__flat_args *a, OP op) {
+static mn_result mn__optim_step(mn_cuda *ctx, const mn_cuda_optim_flat *a, OP op) {
     MN__CHECK(ctx, a->param && a->grad);
     MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
     MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
@@ -1285,13 +1424,12 @@ static mn_result mn__optim_step(mn_cuda *ctx, const mn__flat_args *a, OP op) {
 MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const mn_adamw_params *p,
                                    const mn_cuda_adamw_args *a) {
     mn_adamw_params q;
-    mn__flat_args f;
     mn__adamw_op op;
     MN__CTX(ctx);
-    MN__CHECK(ctx, a && a->param && a->grad && a->exp_avg && a->exp_avg_sq);
-    MN__CHECK(ctx, a->step >= 1);
-    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
-    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    MN__CHECK(ctx, a && a->flat.param && a->flat.grad && a->exp_avg && a->exp_avg_sq);
+    MN__CHECK(ctx, a->flat.step >= 1);
+    MN__CHECK(ctx, a->flat.max_norm == 0.0f || a->flat.grad_norm);
+    MN__CHECK(ctx, a->flat.max_norm >= 0.0f && a->flat.inv_scale >= 0.0f);
     if (p) q = *p;
     else memset(&q, 0, sizeof q);
     if (q.amsgrad) return MN_ERR_UNSUPPORTED;
@@ -1300,20 +1438,17 @@ MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const mn_adamw_params *p,
     MN__CHECK(ctx, q.lr >= 0.0f && q.eps >= 0.0f && q.weight_decay >= 0.0f);
     MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f && q.beta2 >= 0.0f && q.beta2 < 1.0f);
     op.m = a->exp_avg, op.v = a->exp_avg_sq;
-    op.k = mn_hd_adamw_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.maximize, a->step);
-    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
-    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
-    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
-    return mn__optim_step(ctx, &f, op);
+    op.k = mn_hd_adamw_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.maximize,
+                             a->flat.step);
+    return mn__optim_step(ctx, &a->flat, op);
 }
 
 MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const mn_sgd_params *p, const mn_cuda_sgd_args *a) {
     mn_sgd_params q;
-    mn__flat_args f;
     mn__sgd_op op;
     MN__CTX(ctx);
     MN__CHECK(ctx, a);
-    MN__CHECK(ctx, a->step >= 1);
+    MN__CHECK(ctx, a->flat.step >= 1);
     if (p) q = *p;
     else memset(&q, 0, sizeof q);
     q.lr = mn__z(q.lr, 1e-3f), q.momentum = mn__z(q.momentum, 0.0f);
@@ -1326,17 +1461,13 @@ MNDEF mn_result mn_cuda_sgd_step(mn_cuda *ctx, const mn_sgd_params *p, const mn_
     op.b = q.momentum != 0.0f ? a->momentum_buffer : NULL;
     op.k.lr = q.lr, op.k.momentum = q.momentum, op.k.dampening = q.dampening;
     op.k.weight_decay = q.weight_decay, op.k.nesterov = q.nesterov, op.k.maximize = q.maximize;
-    op.k.first = a->step == 1;
-    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
-    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
-    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
-    return mn__optim_step(ctx, &f, op);
+    op.k.first = a->flat.step == 1;
+    return mn__optim_step(ctx, &a->flat, op);
 }
 
 MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const mn_lion_params *p,
                                   const mn_cuda_lion_args *a) {
     mn_lion_params q;
-    mn__flat_args f;
     mn__lion_op op;
     MN__CTX(ctx);
     MN__CHECK(ctx, a && a->exp_avg);
@@ -1348,10 +1479,148 @@ MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const mn_lion_params *p,
     MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 <= 1.0f && q.beta2 >= 0.0f && q.beta2 <= 1.0f);
     op.m = a->exp_avg;
     op.k = mn_hd_lion_coefs(q.lr, q.beta1, q.beta2, q.weight_decay);
-    f.param = a->param, f.param16 = a->param16, f.grad = a->grad, f.n = a->n;
-    f.grad_dtype = a->grad_dtype, f.param16_dtype = a->param16_dtype, f.grad_norm = a->grad_norm;
-    f.inv_scale = a->inv_scale, f.max_norm = a->max_norm;
-    return mn__optim_step(ctx, &f, op);
+    return mn__optim_step(ctx, &a->flat, op);
+}
+
+// ---- kernels: >>optim 8-bit AdamW ---------------------------------------------------------------
+// One thread block per quantization block (a grid-stride loop over the blocks): the moments of
+// each element from its dequantized codes into shared memory with the block's maxima (a warp
+// shuffle, then the warps in order: max is order-free, so the scales equal the host's), then the
+// parameter update and the new codes. The maps live in shared memory, the block's moments too:
+// dynamic shared memory of (512 + 2 block_size) floats (at most 34 KiB for 4096-element blocks).
+// A small tensor (fp32 moments) runs the element-wise optimizer kernel.
+#define MN__Q8_THREADS 256
+struct mn__adamw8bit32_op {
+    float *m, *v;
+    mn_hd_adamw8bit_coef k;
+    __device__ void operator()(float *p, size_t i, float g, float clip) const {
+        float mm, vv;
+        g *= clip;
+        if (!mn_hd_adamw8bit_moments(&mm, &vv, g, m[i], v[i], &k)) return;  // left unchanged
+        m[i] = mm, v[i] = vv;
+        mn_hd_adamw8bit_param(p, mm, vv, &k);
+    }
+};
+
+__device__ __forceinline__ float mn__warp_max(float v) {
+    int o;
+    for (o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+template <typename G, typename P>
+static __global__ void __launch_bounds__(MN__Q8_THREADS)
+mn__adamw8bit_kernel(float *param, P *param16, const G *grad, uint8_t *code1, uint8_t *code2,
+                     float *absmax1, float *absmax2, const float *maps, size_t n,
+                     unsigned block_size, mn_hd_adamw8bit_coef k, const float *grad_norm,
+                     float inv_scale, float max_norm) {
+    extern __shared__ float mn__q8_smem[];
+    __shared__ float red[2][MN__Q8_THREADS / 32];
+    float *map1 = mn__q8_smem, *map2 = map1 + 256, *mbuf = map2 + 256, *vbuf = mbuf + block_size;
+    size_t nblocks = (n + block_size - 1) / block_size, b;
+    unsigned j, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float scale = inv_scale;
+    if (grad_norm) {
+        float nrm = *grad_norm;
+        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
+        scale = inv_scale * mn_hd_clip_coef(nrm * inv_scale, max_norm);
+    }
+    for (j = threadIdx.x; j < 512; j += blockDim.x) map1[j] = maps[j];
+    __syncthreads();
+    for (b = blockIdx.x; b < nblocks; b += gridDim.x) {
+        size_t i0 = b * block_size;
+        unsigned len = (unsigned)(n - i0 < block_size ? n - i0 : block_size);
+        float a1 = absmax1[b], a2 = absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+        for (j = threadIdx.x; j < len; j += blockDim.x) {
+            float g = mn__ld<G>(grad + i0 + j) * scale;
+            mn_hd_adamw8bit_moments(&mbuf[j], &vbuf[j], g, map1[code1[i0 + j]] * a1,
+                                    map2[code2[i0 + j]] * a2, &k);
+            n1 = fmaxf(n1, fabsf(mbuf[j])), n2 = fmaxf(n2, vbuf[j]);
+        }
+        n1 = mn__warp_max(n1), n2 = mn__warp_max(n2);
+        if (lane == 0) red[0][w] = n1, red[1][w] = n2;
+        __syncthreads();
+        for (n1 = 0.0f, n2 = 0.0f, j = 0; j < MN__Q8_THREADS / 32; j++)
+            n1 = fmaxf(n1, red[0][j]), n2 = fmaxf(n2, red[1][j]);
+        if (threadIdx.x == 0) absmax1[b] = n1, absmax2[b] = n2;
+        inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+        inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+        for (j = threadIdx.x; j < len; j += blockDim.x) {
+            size_t i = i0 + j;
+            float p = param[i];
+            if (mn_hd_isfinite(mn__ld<G>(grad + i) * scale)) {
+                mn_hd_adamw8bit_param(&p, mbuf[j], vbuf[j], &k);
+                param[i] = p;
+            }
+            if (param16) param16[i] = mn__cvt<P>(p);
+            code1[i] = (uint8_t)mn_hd_q8_code_signed(map1, mbuf[j], inv1);
+            code2[i] = (uint8_t)mn_hd_q8_nearest(map2, vbuf[j] * inv2);
+        }
+        __syncthreads();  // red, mbuf and vbuf are reused by the next block
+    }
+}
+
+template <typename G, typename P>
+static mn_result mn__adamw8bit(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a, unsigned block_size,
+                               mn_hd_adamw8bit_coef k) {
+    const mn_cuda_optim_flat *f = &a->flat;
+    size_t nblocks = (f->n + block_size - 1) / block_size;
+    unsigned grid = (unsigned)(nblocks < 65535u * 16u ? nblocks : 65535u * 16u);
+    size_t smem = (512 + 2 * (size_t)block_size) * sizeof(float);
+    if (smem > 48 * 1024)
+        MN__CU(ctx, cudaFuncSetAttribute(mn__adamw8bit_kernel<G, P>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    mn__adamw8bit_kernel<G, P><<<grid, MN__Q8_THREADS, smem, mn__stream(ctx)>>>(
+        f->param, (P *)f->param16, (const G *)f->grad, a->code1, a->code2, a->absmax1, a->absmax2,
+        ctx->p->q8_maps, (size_t)f->n, block_size, k, f->grad_norm,
+        f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
+    MN__LAUNCHED(ctx);
+    return MN_OK;
+}
+
+template <typename G>
+static mn_result mn__adamw8bit_g(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a,
+                                 unsigned block_size, mn_hd_adamw8bit_coef k) {
+    if (!a->flat.param16) return mn__adamw8bit<G, float>(ctx, a, block_size, k);
+    if (a->flat.param16_dtype == MN_FP16) return mn__adamw8bit<G, __half>(ctx, a, block_size, k);
+    if (a->flat.param16_dtype == MN_BF16)
+        return mn__adamw8bit<G, __nv_bfloat16>(ctx, a, block_size, k);
+    return mn__bad(ctx, "param16_dtype must be MN_FP16 or MN_BF16");
+}
+
+MNDEF mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const mn_adamw8bit_params *p,
+                                       const mn_cuda_adamw8bit_args *a) {
+    mn_adamw8bit_params q;
+    mn_hd_adamw8bit_coef k;
+    MN__CTX(ctx);
+    MN__CHECK(ctx, a && a->flat.param && a->flat.grad);
+    MN__CHECK(ctx, a->flat.step >= 1);
+    MN__CHECK(ctx, a->code1 ? a->code2 && a->absmax1 && a->absmax2
+                            : a->exp_avg && a->exp_avg_sq);
+    MN__CHECK(ctx, a->flat.max_norm == 0.0f || a->flat.grad_norm);
+    MN__CHECK(ctx, a->flat.max_norm >= 0.0f && a->flat.inv_scale >= 0.0f);
+    if (p) q = *p;
+    else memset(&q, 0, sizeof q);
+    q.lr = mn__z(q.lr, 1e-3f), q.beta1 = mn__z(q.beta1, 0.9f), q.beta2 = mn__z(q.beta2, 0.999f);
+    q.eps = mn__z(q.eps, 1e-8f), q.weight_decay = mn__z(q.weight_decay, 1e-2f);
+    if (q.block_size == 0) q.block_size = 256;
+    MN__CHECK(ctx, q.lr >= 0.0f && q.eps >= 0.0f && q.weight_decay >= 0.0f);
+    MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f && q.beta2 >= 0.0f && q.beta2 < 1.0f);
+    MN__CHECK(ctx, q.block_size <= 4096);
+    k = mn_hd_adamw8bit_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, a->flat.step);
+    if (!a->code1) {  // a small tensor: fp32 moments, element by element
+        mn__adamw8bit32_op op;
+        op.m = a->exp_avg, op.v = a->exp_avg_sq, op.k = k;
+        return mn__optim_step(ctx, &a->flat, op);
+    }
+    if (a->flat.n == 0) return MN_OK;
+    if (!ctx->p->q8_maps) {  // once per context: mn_dynamic_map's two maps
+        float maps[512];
+        mn_dynamic_map(1, maps), mn_dynamic_map(0, maps + 256);
+        MN__CU(ctx, cudaMalloc((void **)&ctx->p->q8_maps, sizeof maps));
+        MN__CU(ctx, cudaMemcpy(ctx->p->q8_maps, maps, sizeof maps, cudaMemcpyHostToDevice));
+    }
+    MN__DISPATCH(ctx, a->flat.grad_dtype, mn__adamw8bit_g, ctx, a, q.block_size, k);
 }
 
 // Adafactor: six small kernels in stream order (see the header); each one returns at once when
@@ -1550,12 +1819,12 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
     char *scr;
     double *partial, *cpart;
     float *scal, *rmean;
-    const G *g = (const G *)a->grad;
+    const G *g = (const G *)a->flat.grad;
     mn_result r;
     if ((r = mn__scratch(ctx, pb + 256 + mb + cb, (void **)&scr)) != MN_OK) return r;
     partial = (double *)scr, scal = (float *)(scr + pb), rmean = (float *)(scr + pb + 256);
     cpart = (double *)(scr + pb + 256 + mb);
-    mn__af_sumsq_kernel<<<grid, MN__AF_THREADS, 0, s>>>(partial, a->param, n);
+    mn__af_sumsq_kernel<<<grid, MN__AF_THREADS, 0, s>>>(partial, a->flat.param, n);
     MN__LAUNCHED(ctx);
     mn__af_alpha_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, k);
     MN__LAUNCHED(ctx);
@@ -1587,7 +1856,7 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
     mn__af_clip_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, clip_threshold);
     MN__LAUNCHED(ctx);
     mn__af_apply_kernel<G, P><<<grid, MN__AF_THREADS, 0, s>>>(
-        a->param, (P *)a->param16, a->exp_avg, a->exp_avg_sq, a->exp_avg_sq_row,
+        a->flat.param, (P *)a->flat.param16, a->exp_avg, a->exp_avg_sq, a->exp_avg_sq_row,
         a->exp_avg_sq_col, rmean, scal, g, n, a->rows, a->cols, k, q);
     MN__LAUNCHED(ctx);
     return MN_OK;
@@ -1596,9 +1865,10 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
 template <typename G>
 static mn_result mn__adafactor_g(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
                                  mn_hd_adafactor_coef k, float clip_threshold, mn__af_grad q) {
-    if (!a->param16) return mn__adafactor<G, float>(ctx, a, k, clip_threshold, q);
-    if (a->param16_dtype == MN_FP16) return mn__adafactor<G, __half>(ctx, a, k, clip_threshold, q);
-    if (a->param16_dtype == MN_BF16)
+    if (!a->flat.param16) return mn__adafactor<G, float>(ctx, a, k, clip_threshold, q);
+    if (a->flat.param16_dtype == MN_FP16)
+        return mn__adafactor<G, __half>(ctx, a, k, clip_threshold, q);
+    if (a->flat.param16_dtype == MN_BF16)
         return mn__adafactor<G, __nv_bfloat16>(ctx, a, k, clip_threshold, q);
     return mn__bad(ctx, "param16_dtype must be MN_FP16 or MN_BF16");
 }
@@ -1610,11 +1880,11 @@ MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const mn_adafactor_params *
     mn__af_grad gq;
     uint64_t n;
     MN__CTX(ctx);
-    MN__CHECK(ctx, a && a->param && a->grad);
-    MN__CHECK(ctx, a->step >= 1);
+    MN__CHECK(ctx, a && a->flat.param && a->flat.grad);
+    MN__CHECK(ctx, a->flat.step >= 1);
     MN__CHECK(ctx, a->exp_avg_sq_row ? a->exp_avg_sq_col != NULL : a->exp_avg_sq != NULL);
-    MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
-    MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    MN__CHECK(ctx, a->flat.max_norm == 0.0f || a->flat.grad_norm);
+    MN__CHECK(ctx, a->flat.max_norm >= 0.0f && a->flat.inv_scale >= 0.0f);
     if (p) q = *p;
     else memset(&q, 0, sizeof q);
     if (q.eps1 == 0.0f) q.eps1 = 1e-30f;
@@ -1630,17 +1900,19 @@ MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const mn_adafactor_params *
         (a->cols && a->batch * a->rows > UINT64_MAX / a->cols))
         return mn__bad(ctx, "batch * rows * cols overflows");
     n = a->batch * a->rows * a->cols;
+    MN__CHECK(ctx, a->flat.n == n);
     if (n == 0) return MN_OK;
     k = mn_hd_adafactor_coefs(q.lr, q.eps1, q.eps2, q.decay_rate, q.beta1, q.weight_decay,
-                              q.no_scale_parameter, q.warmup_init, a->step);
-    gq.norm = a->grad_norm, gq.inv_scale = a->inv_scale == 0.0f ? 1.0f : a->inv_scale;
-    gq.max_norm = a->max_norm;
+                              q.no_scale_parameter, q.warmup_init, a->flat.step);
+    gq.norm = a->flat.grad_norm;
+    gq.inv_scale = a->flat.inv_scale == 0.0f ? 1.0f : a->flat.inv_scale;
+    gq.max_norm = a->flat.max_norm;
     if (q.beta1 == 0.0f) {  // no first moment: exp_avg unused
         mn_cuda_adafactor_args b = *a;
         b.exp_avg = NULL;
-        MN__DISPATCH(ctx, a->grad_dtype, mn__adafactor_g, ctx, &b, k, q.clip_threshold, gq);
+        MN__DISPATCH(ctx, a->flat.grad_dtype, mn__adafactor_g, ctx, &b, k, q.clip_threshold, gq);
     }
-    MN__DISPATCH(ctx, a->grad_dtype, mn__adafactor_g, ctx, a, k, q.clip_threshold, gq);
+    MN__DISPATCH(ctx, a->flat.grad_dtype, mn__adafactor_g, ctx, a, k, q.clip_threshold, gq);
 }
 
 // ---- gemm: >>ops matmul through cuBLASLt --------------------------------------------------------
@@ -1999,6 +2271,8 @@ MNDEF mn_result mn_cuda_matmul_backward(mn_cuda *ctx, void *dinp, void *dweight,
 //   S^T  = (k^T)^T-op . q^T : ta = T, m = T,  n = T, k = hs   (also dP^T from v and dy)
 //   y^T  = v^T . P^T        : ta = N, m = hs, n = T, k = T    (also dq^T from k and dS)
 //   dk^T = q^T . (dS^T)^T-op: tb = T, m = hs, n = T, k = T    (also dv^T from dy and P)
+// Causal from T = 256 on, each product runs as 4 query blocks that skip the masked keys (the
+// header's mn_hd_att_gemm_block: shapes and offsets, tested on the host), 37 % fewer FLOPs.
 
 // mode 0: heads[part] <- flat; mode 1: flat <- heads[0] (out); mode 2: flat += heads[part]
 // (dqkv). flat [B,T,parts*C], heads [B,NH,T,hsp] each.
@@ -2028,32 +2302,45 @@ static mn_result mn__att_heads(mn_cuda *ctx, const void *flat, T *h0, T *h1, T *
     return MN_OK;
 }
 
-// The three GEMM forms above, batched over the heads; beta 0 (D written).
-enum { MN__ATT_QKT, MN__ATT_PV, MN__ATT_PTV };
+// One query block [r0, r1) of one of the three GEMM forms (mn_hd_att_gemm_block gives its shape,
+// leading dimensions and offsets), batched over the heads; beta 0 (D written).
 static mn_result mn__att_gemm(mn_cuda *ctx, int form, const void *A, const void *Bm, void *D,
-                              size_t BH, size_t T_, size_t hs, size_t hsp, mn_dtype dt) {
+                              size_t BH, size_t T_, size_t hs, size_t hsp, uint64_t r0,
+                              uint64_t r1, mn_dtype dt) {
+    mn_hd_att_gemm b = mn_hd_att_gemm_block(form, T_, hs, hsp, r0, r1);
     mn__gemm_args g;
     mn_result r;
+    size_t es = dt == MN_FP16 || dt == MN_BF16 ? 2 : 4;
     int64_t th = (int64_t)(T_ * hsp), tt = (int64_t)(T_ * T_);
+    if (b.n == 0) return MN_OK;
     memset(&g, 0, sizeof g);
-    g.A = A, g.B = Bm, g.D = D, g.beta = 0.0f, g.epi = CUBLASLT_EPILOGUE_DEFAULT;
-    g.batch = (int64_t)BH;
-    if (form == MN__ATT_QKT) {
-        g.ta = 1, g.tb = 0, g.m = (int64_t)T_, g.n = (int64_t)T_, g.k = (int64_t)hs;
-        g.lda = (int64_t)hsp, g.ldb = (int64_t)hsp, g.ldd = (int64_t)T_;
-        g.sa = th, g.sb = th, g.sd = tt;
-    } else {
-        g.ta = 0, g.tb = form == MN__ATT_PTV, g.m = (int64_t)hs, g.n = (int64_t)T_;
-        g.k = (int64_t)T_, g.lda = (int64_t)hsp, g.ldb = (int64_t)T_, g.ldd = (int64_t)hsp;
-        g.sa = th, g.sb = tt, g.sd = th;
-    }
+    g.A = (const char *)A + b.a * es, g.B = (const char *)Bm + b.b * es, g.D = (char *)D + b.d * es;
+    g.beta = 0.0f, g.epi = CUBLASLT_EPILOGUE_DEFAULT, g.batch = (int64_t)BH;
+    g.ta = b.ta, g.tb = b.tb, g.m = (int64_t)b.m, g.n = (int64_t)b.n, g.k = (int64_t)b.k;
+    g.lda = (int64_t)b.lda, g.ldb = (int64_t)b.ldb, g.ldd = (int64_t)b.ldd;
+    g.sa = th, g.sb = form == MN_HD_ATT_QKT ? th : tt, g.sd = form == MN_HD_ATT_QKT ? tt : th;
     r = mn__gemm(ctx, &g, dt);
     if (r == MN_ERR_UNSUPPORTED) {
         mn__cu_log(ctx, MN_LOG_ERROR, "memanat_cuda: cuBLASLt has no algorithm for the attention "
-                   "GEMM (form %d, T %zu, hs %zu, %zu heads)", form, T_, hs, BH);
+                   "GEMM (form %d, T %zu, hs %zu, %zu heads, rows %llu..%llu)", form, T_, hs, BH,
+                   (unsigned long long)r0, (unsigned long long)r1);
         return MN_ERR_DEVICE;
     }
     return r;
+}
+
+// Every query block of a form: causal from T = 256 on skips the masked half (mn_hd_att_blocks).
+static mn_result mn__att_gemms(mn_cuda *ctx, int form, const void *A, const void *Bm, void *D,
+                               size_t BH, size_t T_, size_t hs, size_t hsp, int causal,
+                               mn_dtype dt) {
+    uint64_t nb = mn_hd_att_blocks(T_, causal), c, r0, r1;
+    mn_result r;
+    for (c = 0; c < nb; c++) {
+        mn_hd_att_block_rows(T_, nb, c, &r0, &r1);
+        if ((r = mn__att_gemm(ctx, form, A, Bm, D, BH, T_, hs, hsp, r0, r1, dt)) != MN_OK)
+            return r;
+    }
+    return MN_OK;
 }
 
 template <typename T>
@@ -2070,9 +2357,11 @@ static mn_result mn__attention_forward(mn_cuda *ctx, void *out, void *att, const
     q = (T *)scr, k = (T *)(scr + hb), v = (T *)(scr + 2 * hb), y = (T *)(scr + 3 * hb);
     S = att ? (T *)att : (T *)(scr + 4 * hb);
     if ((r = mn__att_heads<T>(ctx, qkv, q, k, v, B, T_, C, NH, hsp, 3, 0)) != MN_OK) return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_QKT, k, q, S, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_QKT, k, q, S, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
     if ((r = mn__softmax_forward<T>(ctx, S, S, BH * T_, T_, scale, causal)) != MN_OK) return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_PV, v, S, y, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_PV, v, S, y, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
     return mn__att_heads<T>(ctx, out, y, y, y, B, T_, C, NH, hsp, 1, 1);
 }
 
@@ -2094,16 +2383,21 @@ static mn_result mn__attention_backward(mn_cuda *ctx, void *dqkv, const void *do
     if ((r = mn__att_heads<T>(ctx, qkv, q, k, v, B, T_, C, NH, hsp, 3, 0)) != MN_OK) return r;
     if ((r = mn__att_heads<T>(ctx, dout, dy, dy, dy, B, T_, C, NH, hsp, 1, 0)) != MN_OK) return r;
     if (!att) {  // the forward's probabilities again (the same GEMM and kernel: the same values)
-        if ((r = mn__att_gemm(ctx, MN__ATT_QKT, k, q, P, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+        r = mn__att_gemms(ctx, MN_HD_ATT_QKT, k, q, P, BH, T_, hs, hsp, causal, dt);
+        if (r != MN_OK) return r;
         if ((r = mn__softmax_forward<T>(ctx, P, P, BH * T_, T_, scale, causal)) != MN_OK) return r;
     }
-    if ((r = mn__att_gemm(ctx, MN__ATT_QKT, v, dy, dP, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_QKT, v, dy, dP, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
     MN__CU(ctx, cudaMemsetAsync(dS, 0, BH * T_ * T_ * sizeof(T), mn__stream(ctx)));
     if ((r = mn__softmax_backward<T>(ctx, dS, dP, P, BH * T_, T_, scale, causal)) != MN_OK)
         return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_PV, k, dS, dq, BH, T_, hs, hsp, dt)) != MN_OK) return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_PTV, q, dS, dk, BH, T_, hs, hsp, dt)) != MN_OK) return r;
-    if ((r = mn__att_gemm(ctx, MN__ATT_PTV, dy, P, dv, BH, T_, hs, hsp, dt)) != MN_OK) return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_PV, k, dS, dq, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_PTV, q, dS, dk, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
+    if ((r = mn__att_gemms(ctx, MN_HD_ATT_PTV, dy, P, dv, BH, T_, hs, hsp, causal, dt)) != MN_OK)
+        return r;
     return mn__att_heads<T>(ctx, dqkv, dq, dk, dv, B, T_, C, NH, hsp, 3, 2);
 }
 

@@ -23,7 +23,12 @@
 // dynamic loss scaling (--precision fp16|bf16), the optimizers (--optim), a memory budget
 // planned by the estimator (--budget), checkpoints to resume from (--save, --resume).
 //
+// --device cuda runs the same model, step and report on a GPU (the section "the GPU path"):
+// the tensors in the same caching allocator over cudaMalloc, the ops memanat_cuda.cu's kernels.
+//
 // Build:  cc -std=c99 -O2 trainer.c -lm -lpthread -o trainer   (add -fopenmp for threads)
+//   with the GPU path: cc -std=c99 -O2 -DMEMANAT_CUDA -c trainer.c, then link trainer.o with
+//   memanat_cuda.o, cudart and cublasLt (the Makefile does both when nvcc is present)
 // Run:    ./trainer [--size NAME] [shape, batch, technique, checkpoint and output flags: --help]
 // Under TRAINER_TESTING the file leaves out main and the header's implementation, so a test
 // can #include it (test/test_trainer.c).
@@ -66,6 +71,9 @@
 enum { TR_CKPT_NONE, TR_CKPT_SELECTIVE, TR_CKPT_FULL };
 static const char *const tr_ckpt_names[] = {"none", "selective", "full"};
 
+// Where the model trains: host memory and the reference ops, or a GPU (MEMANAT_CUDA builds).
+enum { TR_DEVICE_CPU, TR_DEVICE_CUDA };
+
 typedef struct tr_config {
     size_t L, C, NH, T, V, B, K;
     int tied;             // the head is the token embedding (1) or a tensor of its own (0)
@@ -88,7 +96,12 @@ typedef struct tr_config {
     const char *resume;   // continue from this checkpoint, NULL = a fresh start
     long stop_after;      // stop after this step of the --steps schedule, 0 = run to the end
     const char *json;     // the run's summary as JSON, NULL = none
+    int device;           // TR_DEVICE_CPU, TR_DEVICE_CUDA
     int help;             // --help was given
+    // Set by --device cuda's setup for the prediction: the GPU table entry of the device's SM
+    // (NULL: the CPU), the device's total bytes and the CUDA context measured by cudaMemGetInfo.
+    const char *gpu;
+    uint64_t gpu_total, gpu_context;
 } tr_config;
 
 // Named sizes (--size), X(name, L, C, NH, T, V): tiny is the default; gpt2 is GPT-2 small's
@@ -189,7 +202,8 @@ static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, 
     X(OPTIM, "--optim") X(CHECKPOINTING, "--checkpointing") X(PRECISION, "--precision") \
     X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity") X(SAVE, "--save") \
     X(SAVE_EVERY, "--save-every") X(RESUME, "--resume") X(STOP_AFTER, "--stop-after") \
-    X(FAIL_ALLOC_AT, "--fail-alloc-at") X(JSON, "--json") X(BUDGET, "--budget")
+    X(FAIL_ALLOC_AT, "--fail-alloc-at") X(JSON, "--json") X(BUDGET, "--budget") \
+    X(DEVICE, "--device")
 // Of those, the ones that set a size_t field of tr_config: X(id, lo, hi, field).
 #define TR_COUNT_FLAGS(X) \
     X(LAYERS, 1, TR_MAX_LAYERS, L) X(DIM, 1, TR_MAX_DIM, C) X(HEADS, 1, TR_MAX_DIM, NH) \
@@ -210,6 +224,33 @@ static mn_result tr_apply_size(const char *name, tr_config *cfg) {
     TR_SIZES(TR_SIZE_ROW)
 #undef TR_SIZE_ROW
     return MN_ERR_NOT_FOUND;
+}
+
+// What --device cuda does not have yet: MN_ERR_INVALID_ARG naming the flag.
+static mn_result tr_check_cuda_flags(const tr_config *cfg, char *err, size_t cap) {
+    const char *no = NULL;
+#ifndef MEMANAT_CUDA
+    no = "this trainer was built without CUDA (build it where nvcc is found)";
+#endif
+    if (!no && cfg->budget) no = "--budget is CPU-only for now (--capacity works)";
+    if (!no) return MN_OK;
+    snprintf(err, cap, "--device cuda: %s", no);
+    return MN_ERR_INVALID_ARG;
+}
+
+// --device cuda needs a GPU that answers: MN_ERR_INVALID_ARG with one line in err when none does
+// (cudaGetDeviceCount failing for any reason counts as none).
+static mn_result tr_check_device(const tr_config *cfg, char *err, size_t cap) {
+#ifdef MEMANAT_CUDA
+    char why[160];
+    if (cfg->device != TR_DEVICE_CUDA || mn_cuda_device_count(NULL, why, sizeof why) == MN_OK)
+        return MN_OK;
+    snprintf(err, cap, "--device cuda: no GPU answers (%s)", why);
+    return MN_ERR_INVALID_ARG;
+#else
+    (void)cfg, (void)err, (void)cap;
+    return MN_OK;  // tr_check_cuda_flags refused --device cuda already
+#endif
 }
 
 // Fills cfg from the command line (defaults first, then --size wherever it stands, then the
@@ -307,6 +348,14 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
             case TR_F_FAIL_ALLOC_AT:
                 TR_TRY(tr_parse_size(f, a, 1, UINT64_MAX, &cfg->fail_alloc_at, err, cap));
                 break;
+            case TR_F_DEVICE:
+                if (strcmp(a, "cpu") == 0) cfg->device = TR_DEVICE_CPU;
+                else if (strcmp(a, "cuda") == 0) cfg->device = TR_DEVICE_CUDA;
+                else {
+                    snprintf(err, cap, "--device takes cpu or cuda, got \"%s\"", a);
+                    return MN_ERR_INVALID_ARG;
+                }
+                break;
             case TR_F_STOP_AFTER:
                 TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap));
                 cfg->stop_after = (long)v;
@@ -336,7 +385,7 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                  cfg->inject_overflow, cfg->steps);
         return MN_ERR_INVALID_ARG;
     }
-    return MN_OK;
+    return cfg->device == TR_DEVICE_CUDA ? tr_check_cuda_flags(cfg, err, cap) : MN_OK;
 }
 
 // ---- random numbers and data --------------------------------------------------------------------
@@ -534,6 +583,20 @@ typedef struct tr_model {
     tr_tensor lnf, lnf_mean, lnf_rstd, probs;  // [N,C], [N], [N], [N,V] (probs in fp32)
     tr_temps tmp;
     tr_markov data;
+    int *tok_host, *tgt_host; // [B,T] the batch as tr_next_batch writes it (tokens, targets on
+                              // the CPU; host buffers uploaded each micro-batch on a GPU)
+    int gpu;                  // --device cuda: every pointer above is device memory (in the
+                              // storage type: half-precision pointers are only cast to float *)
+#ifdef MEMANAT_CUDA
+    mn_cuda cuda;             // the context: stream, cuBLASLt, kernels' scratch
+    int cuda_ready;
+    float *norms;             // [tensors] per-tensor gradient norms, MN_CAT_OTHER (device)
+    void *workspace;          // the cuBLASLt workspace, MN_CAT_WORKSPACE (device)
+    uint64_t workspace_bytes; // its size, as the context resolved it (the GPU table's)
+    float *losses_host, *norms_host;  // [N], [tensors] read back from the device
+    uint64_t opt_bytes[TR_NUM_PARAMS];  // each tensor's optimizer state (opt_block) bytes
+    uint64_t opt_steps;       // updates the optimizer took (skipped steps not counted)
+#endif
 } tr_model;
 
 // bytes from the cache under cat, with a label; the fail_alloc_at-th call fails as the device
@@ -567,6 +630,10 @@ static mn_result tr_alloc(tr_model *m, uint64_t n, size_t elem, mn_category cat,
     TR_TRY(mn_mul_u64(n, elem, &bytes));
     if (bytes > SIZE_MAX) return MN_ERR_OVERFLOW;
     TR_TRY(tr_cache_alloc(m, bytes, cat, label, &p));
+#ifdef MEMANAT_CUDA
+    if (zero && p && m->gpu) TR_TRY(mn_cuda_mem_set(&m->cuda, p, 0, bytes));
+    else
+#endif
     if (zero && p) memset(p, 0, (size_t)bytes);
     memcpy(out, &p, sizeof p);  // out is a float **, uint16_t ** or int **
     return MN_OK;
@@ -605,11 +672,14 @@ static void tr_round(const tr_model *m, float *f, uint64_t n) {
     }
 }
 
-// A new activation of n elements (fp32 set: stored in fp32 at every precision), opened.
+// A new activation of n elements (fp32 set: stored in fp32 at every precision), opened. On a GPU
+// the kernels read the storage itself: no view (half 0, f NULL).
 static mn_result tr_new(tr_model *m, tr_tensor *t, uint64_t n, int fp32, const char *name) {
+    int half = m->half && !fp32;
     memset(t, 0, sizeof *t);
-    t->n = n, t->half = m->half && !fp32, t->name = name;
-    TR_TRY(tr_alloc(m, n, t->half ? 2 : 4, MN_CAT_ACTIVATIONS, name, 0, &t->data));
+    t->n = n, t->half = half && !m->gpu, t->name = name;
+    TR_TRY(tr_alloc(m, n, half ? 2 : 4, MN_CAT_ACTIVATIONS, name, 0, &t->data));
+    if (m->gpu) return MN_OK;
     if (!t->half) t->f = (float *)t->data;
     else TR_TRY(tr_alloc(m, n, sizeof(float), MN_CAT_TEMPORARY, name, 0, &t->f));
     return MN_OK;
@@ -709,8 +779,13 @@ static mn_result tr_load_text(tr_model *m, const char *path) {
         r = MN_ERR_INVALID_ARG;
         goto close;
     }
-    if ((r = tr_alloc(m, (uint64_t)len, 1, MN_CAT_OTHER, "data", 0, &m->text)) != MN_OK)
-        goto close;
+    if (m->gpu && (uint64_t)len <= SIZE_MAX) {  // read by the host only
+        if (!(m->text = (uint8_t *)malloc((size_t)len))) r = MN_ERR_OUT_OF_MEMORY;
+        else r = MN_OK;
+    } else {
+        r = tr_alloc(m, (uint64_t)len, 1, MN_CAT_OTHER, "data", 0, &m->text);
+    }
+    if (r != MN_OK) goto close;
     m->text_len = (uint64_t)len;
     if (fread(m->text, 1, (size_t)len, f) != (size_t)len) {
         snprintf(m->error, sizeof m->error, "cannot read --data %s", path);
@@ -733,9 +808,36 @@ static uint32_t tr_trace_entries(const tr_config *cfg) {
     return n < TR_TRACE_MIN ? TR_TRACE_MIN : n > TR_TRACE_MAX ? TR_TRACE_MAX : (uint32_t)n;
 }
 
-// Sets up the device, the cache, the weights (GPT-2 init: N(0, 0.02), residual projections
-// scaled by 1/sqrt(2L), layernorms 1 and 0; their 16-bit copies), zeroed gradients, the loss
-// scaler, the input batch and the data. On failure tr_model_free still releases what was made.
+// Parameter i's initial values into w[n] (host memory): GPT-2 init, N(0, 0.02), residual
+// projections scaled by 1/sqrt(2L), layernorms 1 and 0.
+static void tr_param_fill(const tr_model *m, int i, float *w, uint64_t n, uint64_t *rng) {
+    uint64_t k;
+    if (tr_param_init[i] == MN_GPT_INIT_ONE) {
+        for (k = 0; k < n; k++) w[k] = 1.0f;
+    } else if (tr_param_init[i] == MN_GPT_INIT_ZERO) {
+        memset(w, 0, (size_t)n * sizeof(float));
+    } else {
+        double std = tr_param_init[i] == MN_GPT_INIT_RESID ? 0.02 / sqrt(2.0 * (double)m->cfg.L)
+                                                           : 0.02;
+        tr_fill_normal(w, n, std, rng);
+    }
+}
+
+#ifdef MEMANAT_CUDA
+static mn_result tr_gpu_init(tr_model *m, mn_cache_desc *cd);
+static mn_result tr_gpu_init_params(tr_model *m, int i, uint64_t n, uint64_t *rng);
+static mn_result tr_gpu_init_rest(tr_model *m);
+static mn_result tr_gpu_zero_grad(tr_model *m);
+static mn_result tr_gpu_forward(tr_model *m, float dloss, double *loss);
+static mn_result tr_gpu_backward(tr_model *m);
+static mn_result tr_gpu_update(tr_model *m, float lr, float *norm, int *skipped);
+static mn_result tr_gpu_optim_init(tr_model *m, int i);
+#endif
+
+// Sets up the device, the cache, the weights (tr_param_fill; their 16-bit copies), zeroed
+// gradients, the loss scaler, the input batch and the data. On a GPU (tr_gpu_init) the weights
+// are made on the host and copied up; the gradients are in the storage type. On failure
+// tr_model_free still releases what was made.
 static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
     mn_cache_desc cd;
     mn_hostdev_desc hd;
@@ -750,14 +852,22 @@ static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
     if (cfg->L < 1 || cfg->L > TR_MAX_LAYERS || cfg->NH < 1 || cfg->C % cfg->NH != 0 ||
         cfg->T < 1 || cfg->B < 1 || cfg->K < 1 || cfg->V < TR_V)
         return MN_ERR_INVALID_ARG;
-    memset(&hd, 0, sizeof hd);
-    hd.capacity = cfg->capacity;
-    TR_TRY(mn_hostdev_init(&m->dev, &hd));
     memset(&cd, 0, sizeof cd);
-    cd.device = mn_hostdev_device(&m->dev);
     if (cfg->memory_svg || cfg->snapshot) cd.trace_entries = tr_trace_entries(cfg);
-    TR_TRY(mn_cache_init(&m->cache, &cd));
-    m->cache_ready = 1;
+    if (cfg->device == TR_DEVICE_CUDA) {
+#ifdef MEMANAT_CUDA
+        TR_TRY(tr_gpu_init(m, &cd));  // the context, the cache over cudaMalloc
+#else
+        return MN_ERR_UNSUPPORTED;
+#endif
+    } else {
+        memset(&hd, 0, sizeof hd);
+        hd.capacity = cfg->capacity;
+        TR_TRY(mn_hostdev_init(&m->dev, &hd));
+        cd.device = mn_hostdev_device(&m->dev);
+        TR_TRY(mn_cache_init(&m->cache, &cd));
+        m->cache_ready = 1;
+    }
     tr_param_dims(cfg, m->dims);
     tr_param_slots(&m->params, ps);
     tr_param_slots(&m->grads, gs);
@@ -770,22 +880,24 @@ static mn_result tr_model_init(tr_model *m, const tr_config *cfg) {
         TR_TRY(tr_alloc(m, n, sizeof(float), m->half ? MN_CAT_MASTER_WEIGHTS : MN_CAT_WEIGHTS,
                         label, 0, ps[i]));
         snprintf(label, sizeof label, "grad.%s", tr_param_names[i]);
-        TR_TRY(tr_alloc(m, n, sizeof(float), MN_CAT_GRADIENTS, label, 1, gs[i]));
-        if (tr_param_init[i] == MN_GPT_INIT_ONE) {
-            uint64_t k;
-            for (k = 0; k < n; k++) (*ps[i])[k] = 1.0f;
-        } else if (tr_param_init[i] == MN_GPT_INIT_ZERO) {
-            memset(*ps[i], 0, (size_t)n * sizeof(float));
-        } else {
-            double std = tr_param_init[i] == MN_GPT_INIT_RESID ? 0.02 / sqrt(2.0 * (double)cfg->L)
-                                                               : 0.02;
-            tr_fill_normal(*ps[i], n, std, &rng);
+        TR_TRY(tr_alloc(m, n, m->gpu && m->half ? 2 : sizeof(float), MN_CAT_GRADIENTS, label, 1,
+                        gs[i]));
+#ifdef MEMANAT_CUDA
+        if (m->gpu) {
+            TR_TRY(tr_gpu_init_params(m, i, n, &rng));
+            continue;
         }
+#endif
+        tr_param_fill(m, i, *ps[i], n, &rng);
         if (m->half) tr_to16(m, *ps[i], m->w16[i], n);
     }
     TR_TRY(mn_loss_scaler_init(&m->scaler, NULL));
     TR_TRY(tr_alloc(m, N, sizeof(int), MN_CAT_OTHER, "tokens", 1, &m->tokens));
     TR_TRY(tr_alloc(m, N, sizeof(int), MN_CAT_OTHER, "targets", 1, &m->targets));
+    m->tok_host = m->tokens, m->tgt_host = m->targets;
+#ifdef MEMANAT_CUDA
+    if (m->gpu) TR_TRY(tr_gpu_init_rest(m));  // host batch, norms, the cuBLASLt workspace
+#endif
     tr_markov_init(&m->data, cfg->seed);
     return cfg->data ? tr_load_text(m, cfg->data) : MN_OK;
 }
@@ -943,6 +1055,12 @@ static mn_result tr_optim_bytes(const tr_model *m, uint64_t *held, uint64_t *pre
         if (m->dims[i][0] * m->dims[i][1] == 0) continue;
         TR_TRY(mn_optim_state_bytes(&d, m->dims[i], 2, &bytes));
         TR_TRY(mn_add_u64(*predicted, bytes, predicted));
+#ifdef MEMANAT_CUDA
+        if (m->gpu) {
+            TR_TRY(mn_add_u64(*held, m->opt_bytes[i], held));
+            continue;
+        }
+#endif
         TR_TRY(mn_add_u64(*held, tr_optim_state_bytes(m, i), held));
     }
     return MN_OK;
@@ -987,6 +1105,15 @@ static mn_result tr_model_free(tr_model *m) {
     m->cache_ready = 0;
     free(m->history);
     m->history = NULL;
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {  // the host side of a GPU model, then the context
+        free(m->text), free(m->tok_host), free(m->tgt_host);
+        free(m->losses_host), free(m->norms_host);
+        m->text = NULL, m->tok_host = m->tgt_host = NULL, m->losses_host = m->norms_host = NULL;
+        if (m->cuda_ready) mn_cuda_free(&m->cuda);
+        m->cuda_ready = 0;
+    }
+#endif
     return mn_hostdev_free(&m->dev);
 }
 
@@ -1218,14 +1345,14 @@ static void tr_zero_grad(tr_model *m) {
 static void tr_next_batch(tr_model *m) {
     size_t b, t, B = m->cfg.B, T = m->cfg.T;
     if (!m->text) {
-        tr_markov_batch(&m->data, m->tokens, m->targets, B, T);
+        tr_markov_batch(&m->data, m->tok_host, m->tgt_host, B, T);
         return;
     }
     for (b = 0; b < B; b++) {
         uint64_t at = tr_rand_u64(&m->data.rng) % (m->text_len - T);
         for (t = 0; t < T; t++) {
-            m->tokens[b * T + t] = m->text[at + t];
-            m->targets[b * T + t] = m->text[at + t + 1];
+            m->tok_host[b * T + t] = m->text[at + t];
+            m->tgt_host[b * T + t] = m->text[at + t + 1];
         }
     }
 }
@@ -1238,6 +1365,18 @@ static mn_result tr_accumulate(tr_model *m, double *loss) {
     double scale = m->half == MN_FP16 ? (double)m->scaler.scale : 1.0;
     float dloss = (float)(scale / ((double)m->cfg.B * (double)m->cfg.T * (double)K));
     double micro, sum = 0.0;
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {  // the fused cross-entropy needs dloss in the forward
+        TR_TRY(tr_gpu_zero_grad(m));
+        for (k = 0; k < K; k++, sum += micro) {
+            tr_next_batch(m);
+            TR_TRY(tr_gpu_forward(m, dloss, &micro));
+            TR_TRY(tr_gpu_backward(m));
+        }
+        *loss = sum / (double)K;
+        return MN_OK;
+    }
+#endif
     tr_zero_grad(m);
     for (k = 0; k < K; k++) {
         tr_next_batch(m);
@@ -1259,6 +1398,9 @@ static mn_result tr_update(tr_model *m, float lr, float *norm, int *skipped) {
     float max_norm = m->cfg.clip > 0.0f ? m->cfg.clip : (float)HUGE_VAL;
     uint32_t count = 0;
     int i, found_inf = 0, skip = 0;
+#ifdef MEMANAT_CUDA
+    if (m->gpu) return tr_gpu_update(m, lr, norm, skipped);
+#endif
     tr_param_slots(&m->params, ps);
     tr_param_slots(&m->grads, gs);
     m->step++;
@@ -1283,6 +1425,457 @@ static mn_result tr_update(tr_model *m, float lr, float *norm, int *skipped) {
         if (*ps[i]) TR_TRY(tr_optim_state_step(m, i, *ps[i], *gs[i], lr));
     return MN_OK;
 }
+
+
+#ifdef MEMANAT_CUDA
+// ---- the GPU path (--device cuda) ---------------------------------------------------------------
+// The same model, step and allocation discipline on the device: every tensor from the caching
+// allocator over mn_cuda_device (cudaMalloc), every op a launcher of memanat_cuda.cu taking the
+// CPU op's arguments in the same order (>>cuda), all on the context's stream. What differs (and
+// the estimator's memanat framework on a GPU replays, mn__gpt_*): the kernels read and write the
+// storage type directly, so there are no fp32 views and no weight temporaries, and with 16-bit
+// storage the gradients and the backward's temporaries are 16-bit too (llm.c's train_gpt2.cu
+// keeps them so); the fused cross-entropy writes dlogits over the logits in the forward (dloss is
+// known then), so no probabilities are stored; the gradient norm is taken per tensor on the
+// device and summed on the host, which decides the fp16 loss scaler's skip, and the unscale and
+// the clipping are fused into the optimizer kernels; the cuBLASLt workspace comes from the cache.
+// The host keeps the input batch and reads back the losses and the norms (a few KiB a step).
+
+// The storage type the kernels take.
+static mn_dtype tr_gpu_dtype(const tr_model *m) { return m->half ? m->half : MN_FP32; }
+
+// Device failures: the launcher's logged CUDA / cuBLAS text becomes the run's error line.
+static void tr_gpu_log(void *user_data, mn_log_level level, const char *msg) {
+    tr_model *m = (tr_model *)user_data;
+    if (level == MN_LOG_ERROR) snprintf(m->error, sizeof m->error, "%s", msg);
+}
+
+// The context, the CUDA context's bytes (cudaMemGetInfo once the context exists and holds no
+// workspace: total - free, so other processes on the GPU count too), the cache over the device
+// (--capacity as PyTorch's per-process memory fraction), and the GPU table entry for the
+// prediction: the first with the device's SM, the same rule that sizes the workspace.
+static mn_result tr_gpu_init(tr_model *m, mn_cache_desc *cd) {
+    mn_cuda_desc d;
+    mn_device dev;
+    uint64_t free_b = 0, total_b = 0;
+    uint32_t i;
+    memset(&d, 0, sizeof d);
+    d.logger.log_fn = tr_gpu_log, d.logger.user_data = m;  // tf32 0: full fp32 GEMMs
+    m->gpu = 1;
+    TR_TRY(mn_cuda_init(&m->cuda, &d));
+    m->cuda_ready = 1;
+    m->workspace_bytes = m->cuda.workspace_bytes;
+    TR_TRY(mn_cuda_workspace_set(&m->cuda, NULL, 0));  // the cache holds it (tr_gpu_init_rest)
+    dev = mn_cuda_device(&m->cuda);
+    if (dev.mem_info_fn) TR_TRY(dev.mem_info_fn(dev.user_data, &free_b, &total_b));
+    m->cfg.gpu_total = total_b, m->cfg.gpu_context = total_b - free_b;
+    for (i = 0, m->cfg.gpu = NULL; i < mn_gpu_count() && !m->cfg.gpu; i++)
+        if (mn_gpu_get(i)->sm == (uint32_t)m->cuda.sm) m->cfg.gpu = mn_gpu_get(i)->name;
+    if (!m->cfg.gpu) m->cfg.gpu = m->cuda.sm >= 90 ? "h100-80gb" : "a100-80gb";
+    cd->device = dev;
+    TR_TRY(mn_cache_init(&m->cache, cd));
+    m->cache_ready = 1;
+    if (m->cfg.capacity && m->cfg.capacity < total_b)  // (more than the device: no limit)
+        TR_TRY(mn_cache_set_memory_fraction(&m->cache, (double)m->cfg.capacity / (double)total_b));
+    return MN_OK;
+}
+
+// Parameter i [n]: made on the host (tr_param_fill, the same stream as the CPU's), copied to the
+// fp32 weights and, converted, to the 16-bit copy.
+static mn_result tr_gpu_init_params(tr_model *m, int i, uint64_t n, uint64_t *rng) {
+    float **ps[TR_NUM_PARAMS];
+    float *w = n <= SIZE_MAX / sizeof(float) ? (float *)malloc((size_t)n * sizeof(float)) : NULL;
+    uint16_t *w16 = m->half ? (uint16_t *)malloc((size_t)n * 2) : NULL;
+    mn_result r = MN_ERR_OUT_OF_MEMORY;
+    tr_param_slots(&m->params, ps);
+    if (w && (w16 || !m->half)) {
+        tr_param_fill(m, i, w, n, rng);
+        r = mn_cuda_mem_copy(&m->cuda, *ps[i], w, n * sizeof(float));
+        if (r == MN_OK && m->half) {
+            tr_to16(m, w, w16, n);
+            r = mn_cuda_mem_copy(&m->cuda, m->w16[i], w16, n * 2);
+        }
+    }
+    free(w), free(w16);
+    return r;
+}
+
+// After the tokens and targets: their host buffers and the host's copies of the losses and
+// norms; then on the device one gradient norm per tensor (MN_CAT_OTHER) and the cuBLASLt
+// workspace the context resolved (MN_CAT_WORKSPACE), handed back to the context.
+static mn_result tr_gpu_init_rest(tr_model *m) {
+    size_t N = m->cfg.B * m->cfg.T;
+    int i, tensors = 0;
+    for (i = 0; i < TR_NUM_PARAMS; i++) tensors += m->dims[i][0] * m->dims[i][1] != 0;
+    m->tok_host = (int *)calloc(N, sizeof(int)), m->tgt_host = (int *)calloc(N, sizeof(int));
+    m->losses_host = (float *)malloc(N * sizeof(float));
+    m->norms_host = (float *)malloc((size_t)tensors * sizeof(float));
+    if (!m->tok_host || !m->tgt_host || !m->losses_host || !m->norms_host)
+        return MN_ERR_OUT_OF_MEMORY;
+    TR_TRY(tr_alloc(m, (uint64_t)tensors, sizeof(float), MN_CAT_OTHER, "grad_norms", 0,
+                    &m->norms));
+    if (!m->workspace_bytes) return MN_OK;
+    TR_TRY(tr_alloc(m, m->workspace_bytes, 1, MN_CAT_WORKSPACE, "cublaslt_workspace", 0,
+                    &m->workspace));
+    return mn_cuda_workspace_set(&m->cuda, m->workspace, m->workspace_bytes);
+}
+
+// A backward temporary of n elements in the storage type, zeroed (the launchers add into it).
+static mn_result tr_gpu_temp(tr_model *m, uint64_t n, const char *label, float **out) {
+    return tr_alloc(m, n, m->half ? 2 : 4, MN_CAT_TEMPORARY, label, 1, out);
+}
+
+// v: device pointers into the weights the kernels read (which 0: the 16-bit copies when half,
+// else the fp32 weights) or the gradients (which 1), in the storage type: layer l's rows of the
+// stacked block tensors, the others whole. Cast to float *, never read on the host.
+static void tr_gpu_view(tr_model *m, int which, size_t l, tr_params *v) {
+    float **ps[TR_NUM_PARAMS], **gs[TR_NUM_PARAMS], **vs[TR_NUM_PARAMS];
+    size_t esz = m->half ? 2 : 4;
+    int i;
+    tr_param_slots(&m->params, ps);
+    tr_param_slots(&m->grads, gs);
+    tr_param_slots(v, vs);
+    for (i = 0; i < TR_NUM_PARAMS; i++) {
+        uint64_t n = m->dims[i][0] * m->dims[i][1], off = 0;
+        char *base = (char *)(which ? (void *)*gs[i] : m->half ? (void *)m->w16[i] : *ps[i]);
+        if (tr_param_per_layer(i)) off = (uint64_t)l * (n / m->cfg.L);
+        *vs[i] = base ? (float *)(void *)(base + off * esz) : NULL;
+    }
+}
+
+static mn_result tr_gpu_zero_grad(tr_model *m) {
+    float **gs[TR_NUM_PARAMS];
+    int i;
+    tr_param_slots(&m->grads, gs);
+    for (i = 0; i < TR_NUM_PARAMS; i++)
+        if (*gs[i])
+            TR_TRY(mn_cuda_mem_set(&m->cuda, *gs[i], 0,
+                                   m->dims[i][0] * m->dims[i][1] * (m->half ? 2 : 4)));
+    return MN_OK;
+}
+
+// tr_block_forward on the device. The residual adds: res2 = x + proj is fused with the layernorm
+// that follows it; x[l + 1] = res2 + proj by the residual kernel.
+static mn_result tr_gpu_block_forward(tr_model *m, size_t l, int recompute) {
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, NH = m->cfg.NH, N = B * T;
+    mn_cuda *cu = &m->cuda;
+    mn_dtype dt = tr_gpu_dtype(m);
+    tr_acts *a = &m->acts[l];
+    void *x = m->x[l].data;
+    tr_params w;
+    tr_gpu_view(m, 0, l, &w);
+#define TR_A_NEW(name, numel, fp32) \
+    if (&a->name != &a->att || m->cfg.checkpointing != TR_CKPT_SELECTIVE) \
+        TR_TRY(tr_new(m, &a->name, numel, fp32, #name));
+    MN_GPT_ACTS(TR_A_NEW)
+#undef TR_A_NEW
+    TR_TRY(mn_cuda_layernorm_forward(cu, a->ln1.data, (float *)a->ln1_mean.data,
+                                     (float *)a->ln1_rstd.data, x, w.ln1w, w.ln1b, N, C,
+                                     TR_LN_EPS, dt));
+    TR_TRY(mn_cuda_matmul_forward(cu, a->qkv.data, NULL, a->ln1.data, w.qkvw, w.qkvb, N, C,
+                                  3 * C, dt));
+    TR_TRY(mn_cuda_attention_forward(cu, a->atty.data, a->att.data, a->qkv.data, B, T, C, NH, 1,
+                                     dt));
+    TR_TRY(mn_cuda_matmul_forward(cu, a->res2.data, NULL, a->atty.data, w.attprojw, w.attprojb,
+                                  N, C, C, dt));
+    TR_TRY(mn_cuda_residual_layernorm_forward(cu, a->res2.data, a->ln2.data,
+                                              (float *)a->ln2_mean.data,
+                                              (float *)a->ln2_rstd.data, x, a->res2.data, w.ln2w,
+                                              w.ln2b, N, C, TR_LN_EPS, dt));
+    TR_TRY(mn_cuda_matmul_forward(cu, a->fch_gelu.data, a->fch.data, a->ln2.data, w.fcw, w.fcb,
+                                  N, C, 4 * C, dt));
+    if (recompute) return MN_OK;
+    TR_TRY(tr_new(m, &m->x[l + 1], N * C, 0, "x"));
+    TR_TRY(mn_cuda_matmul_forward(cu, m->x[l + 1].data, NULL, a->fch_gelu.data, w.fcprojw,
+                                  w.fcprojb, N, 4 * C, C, dt));
+    return mn_cuda_residual_forward(cu, m->x[l + 1].data, m->x[l + 1].data, a->res2.data, N * C,
+                                    dt);
+}
+
+// tr_block_backward on the device: the same buffers in the same order.
+static mn_result tr_gpu_block_backward(tr_model *m, size_t l) {
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, NH = m->cfg.NH, N = B * T;
+    mn_cuda *cu = &m->cuda;
+    mn_dtype dt = tr_gpu_dtype(m);
+    tr_acts *a = &m->acts[l];
+    tr_temps *d = &m->tmp;
+    tr_params w, g;
+    TR_TRY(tr_free(m, &m->x[l + 1]));
+    if (m->cfg.checkpointing == TR_CKPT_FULL) TR_TRY(tr_gpu_block_forward(m, l, 1));
+    tr_gpu_view(m, 0, l, &w);
+    tr_gpu_view(m, 1, l, &g);
+    // fc projection: dfch_gelu [N,4C] (into dfch), dfcprojw, dfcprojb
+    TR_TRY(tr_gpu_temp(m, N * 4 * C, "dfch", &d->dfch));
+    TR_TRY(mn_cuda_matmul_backward(cu, d->dfch, g.fcprojw, g.fcprojb, d->dx, a->fch_gelu.data,
+                                   w.fcprojw, NULL, N, 4 * C, C, dt));
+    TR_TRY(tr_free(m, &a->fch_gelu));
+    // fc with the GELU: dln2 (into dln), dfcw, dfcb; dfch becomes d pre-gelu in place
+    TR_TRY(tr_gpu_temp(m, N * C, "dln", &d->dln));
+    TR_TRY(mn_cuda_matmul_backward(cu, d->dln, g.fcw, g.fcb, d->dfch, a->ln2.data, w.fcw,
+                                   a->fch.data, N, C, 4 * C, dt));
+    TR_TRY(tr_release(m, &d->dfch));
+    TR_TRY(tr_free(m, &a->fch));
+    TR_TRY(tr_free(m, &a->ln2));
+    // layernorm 2: dx += d res2 through the norm
+    TR_TRY(mn_cuda_layernorm_backward(cu, d->dx, g.ln2w, g.ln2b, d->dln, a->res2.data, w.ln2w,
+                                      (const float *)a->ln2_mean.data,
+                                      (const float *)a->ln2_rstd.data, N, C, dt));
+    TR_TRY(tr_free(m, &a->res2));
+    TR_TRY(tr_free(m, &a->ln2_mean));
+    TR_TRY(tr_free(m, &a->ln2_rstd));
+    // attention projection: datty [N,C]
+    TR_TRY(tr_gpu_temp(m, N * C, "datty", &d->datty));
+    TR_TRY(mn_cuda_matmul_backward(cu, d->datty, g.attprojw, g.attprojb, d->dx, a->atty.data,
+                                   w.attprojw, NULL, N, C, C, dt));
+    TR_TRY(tr_free(m, &a->atty));
+    // attention: dqkv [N,3C] (probabilities from the forward, or recomputed in the scratch)
+    TR_TRY(tr_gpu_temp(m, N * 3 * C, "dqkv", &d->dqkv));
+    TR_TRY(mn_cuda_attention_backward(cu, d->dqkv, d->datty, a->qkv.data, a->att.data, B, T, C,
+                                      NH, 1, dt));
+    TR_TRY(tr_release(m, &d->datty));
+    TR_TRY(tr_free(m, &a->att));
+    TR_TRY(tr_free(m, &a->qkv));
+    // qkv: dln1 (into dln, zeroed again)
+    TR_TRY(mn_cuda_mem_set(cu, d->dln, 0, (uint64_t)N * C * (m->half ? 2 : 4)));
+    TR_TRY(mn_cuda_matmul_backward(cu, d->dln, g.qkvw, g.qkvb, d->dqkv, a->ln1.data, w.qkvw,
+                                   NULL, N, C, 3 * C, dt));
+    TR_TRY(tr_release(m, &d->dqkv));
+    TR_TRY(tr_free(m, &a->ln1));
+    // layernorm 1: dx += d x[l] through the norm
+    TR_TRY(mn_cuda_layernorm_backward(cu, d->dx, g.ln1w, g.ln1b, d->dln, m->x[l].data, w.ln1w,
+                                      (const float *)a->ln1_mean.data,
+                                      (const float *)a->ln1_rstd.data, N, C, dt));
+    TR_TRY(tr_release(m, &d->dln));
+    return tr_acts_free(m, a);  // ln1_mean, ln1_rstd
+}
+
+// tr_forward on the device, with the head's backward start fused in: m->probs holds the logits
+// [N,V], then, overwritten by the fused cross-entropy, dlogits = (softmax - onehot) * dloss.
+// *loss: the mean of the losses read back.
+static mn_result tr_gpu_forward(tr_model *m, float dloss, double *loss) {
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, L = m->cfg.L, V = m->cfg.V, N = B * T, l, n;
+    mn_cuda *cu = &m->cuda;
+    mn_dtype dt = tr_gpu_dtype(m);
+    tr_params w;
+    double sum = 0.0;
+    TR_TRY(mn_cuda_mem_copy(cu, m->tokens, m->tok_host, N * sizeof(int)));
+    TR_TRY(mn_cuda_mem_copy(cu, m->targets, m->tgt_host, N * sizeof(int)));
+    tr_gpu_view(m, 0, 0, &w);
+    TR_TRY(tr_new(m, &m->x[0], N * C, 0, "x"));
+    TR_TRY(mn_cuda_embedding_forward(cu, m->x[0].data, m->tokens, w.wte, w.wpe, B, T, C, V, dt));
+    for (l = 0; l < L; l++) {
+        TR_TRY(tr_gpu_block_forward(m, l, 0));
+        if (m->cfg.checkpointing == TR_CKPT_FULL) TR_TRY(tr_acts_free(m, &m->acts[l]));
+    }
+    TR_TRY(tr_new(m, &m->lnf, N * C, 0, "lnf"));
+    TR_TRY(tr_new(m, &m->lnf_mean, N, 1, "lnf_mean"));
+    TR_TRY(tr_new(m, &m->lnf_rstd, N, 1, "lnf_rstd"));
+    TR_TRY(mn_cuda_layernorm_forward(cu, m->lnf.data, (float *)m->lnf_mean.data,
+                                     (float *)m->lnf_rstd.data, m->x[L].data, w.lnfw, w.lnfb, N,
+                                     C, TR_LN_EPS, dt));
+    TR_TRY(tr_new(m, &m->probs, N * V, 0, "logits"));
+    TR_TRY(mn_cuda_matmul_forward(cu, m->probs.data, NULL, m->lnf.data,
+                                  m->cfg.tied ? w.wte : w.lmw, NULL, N, C, V, dt));
+    TR_TRY(tr_alloc(m, N, sizeof(float), MN_CAT_TEMPORARY, "losses", 0, &m->tmp.losses));
+    TR_TRY(mn_cuda_crossentropy_forward_backward(cu, m->tmp.losses, m->probs.data, m->probs.data,
+                                                 m->targets, dloss, N, V, dt));
+    TR_TRY(mn_cuda_mem_copy(cu, m->losses_host, m->tmp.losses, N * sizeof(float)));
+    for (n = 0; n < N; n++) sum += m->losses_host[n];
+    *loss = sum / (double)N;
+    return tr_release(m, &m->tmp.losses);
+}
+
+// tr_backward on the device, from the dlogits the forward left in m->probs.
+static mn_result tr_gpu_backward(tr_model *m) {
+    size_t B = m->cfg.B, T = m->cfg.T, C = m->cfg.C, L = m->cfg.L, V = m->cfg.V, N = B * T, l;
+    mn_cuda *cu = &m->cuda;
+    mn_dtype dt = tr_gpu_dtype(m);
+    tr_temps *d = &m->tmp;
+    tr_params w, g;
+    tr_gpu_view(m, 0, 0, &w);
+    tr_gpu_view(m, 1, 0, &g);
+    // head: dlnf [N,C] (into dln), dhead += dlogits^T @ lnf
+    TR_TRY(tr_gpu_temp(m, N * C, "dln", &d->dln));
+    TR_TRY(mn_cuda_matmul_backward(cu, d->dln, m->cfg.tied ? g.wte : g.lmw, NULL, m->probs.data,
+                                   m->lnf.data, m->cfg.tied ? w.wte : w.lmw, NULL, N, C, V, dt));
+    TR_TRY(tr_free(m, &m->probs));
+    TR_TRY(tr_free(m, &m->lnf));
+    // final layernorm: dx [N,C] = d loss / d x[L]
+    TR_TRY(tr_gpu_temp(m, N * C, "dx", &d->dx));
+    TR_TRY(mn_cuda_layernorm_backward(cu, d->dx, g.lnfw, g.lnfb, d->dln, m->x[L].data, w.lnfw,
+                                      (const float *)m->lnf_mean.data,
+                                      (const float *)m->lnf_rstd.data, N, C, dt));
+    TR_TRY(tr_release(m, &d->dln));
+    TR_TRY(tr_free(m, &m->lnf_mean));
+    TR_TRY(tr_free(m, &m->lnf_rstd));
+    for (l = L; l-- > 0;) TR_TRY(tr_gpu_block_backward(m, l));
+    TR_TRY(mn_cuda_embedding_backward(cu, g.wte, g.wpe, d->dx, m->tokens, B, T, C, V, dt));
+    TR_TRY(tr_release(m, &d->dx));
+    return tr_free(m, &m->x[0]);
+}
+
+// One step of parameter i's state at step size lr, t the optimizer's step. The state is one
+// zeroed block of mn_optim_state_bytes made at the first update, laid out as the host optimizers
+// lay theirs out: AdamW m then v; SGD's momentum; Lion's m; 8-bit AdamW [absmax1 | absmax2 |
+// code1 | code2] for a tensor of 4096 elements or more (256-element blocks), else m then v;
+// Adafactor the row then the column means of the [rows, cols] tensor. The gradient norm, the loss
+// scaler's 1/scale (0 = 1) and the clipping go to the kernel, which unscales and clips as it reads.
+static mn_result tr_gpu_optim_step(tr_model *m, int i, float lr, uint64_t t, float inv) {
+    float **ps[TR_NUM_PARAMS], **gs[TR_NUM_PARAMS], *state = (float *)m->opt_block[i];
+    uint64_t n = m->dims[i][0] * m->dims[i][1], want, blocks = (n + 255) / 256;
+    int q8 = n >= 4096;  // mn_adamw8bit's min_8bit_size
+    mn_cuda_optim_flat f;
+    tr_param_slots(&m->params, ps);
+    tr_param_slots(&m->grads, gs);
+    switch (m->cfg.optim) {  // the layout below must be the block's size
+    case MN_OPTIM_SGD: want = 0; break;
+    case MN_OPTIM_SGD_MOMENTUM: case MN_OPTIM_LION: want = 4 * n; break;
+    case MN_OPTIM_ADAMW_8BIT: want = q8 ? 2 * n + 8 * blocks : 8 * n; break;
+    case MN_OPTIM_ADAFACTOR: want = 4 * (m->dims[i][0] + m->dims[i][1]); break;
+    default: want = 8 * n; break;
+    }
+    if (m->opt_bytes[i] != want) return MN_ERR_STATE;
+    memset(&f, 0, sizeof f);
+    f.param = *ps[i], f.param16 = m->half ? (void *)m->w16[i] : NULL, f.grad = *gs[i], f.n = n;
+    f.grad_dtype = tr_gpu_dtype(m), f.param16_dtype = m->half, f.step = t;
+    f.grad_norm = m->norms, f.inv_scale = inv, f.max_norm = m->cfg.clip;
+    switch (m->cfg.optim) {
+    case MN_OPTIM_SGD:
+    case MN_OPTIM_SGD_MOMENTUM: {
+        mn_sgd_params p;
+        mn_cuda_sgd_args a;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.momentum = m->cfg.optim == MN_OPTIM_SGD_MOMENTUM ? 0.9f : 0.0f;
+        a.flat = f, a.momentum_buffer = state;
+        return mn_cuda_sgd_step(&m->cuda, &p, &a);
+    }
+    case MN_OPTIM_LION: {
+        mn_lion_params p;
+        mn_cuda_lion_args a;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        a.flat = f, a.exp_avg = state;
+        return mn_cuda_lion_step(&m->cuda, &p, &a);
+    }
+    case MN_OPTIM_ADAMW_8BIT: {
+        mn_adamw8bit_params p;
+        mn_cuda_adamw8bit_args a;
+        memset(&p, 0, sizeof p), memset(&a, 0, sizeof a);
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        a.flat = f;
+        if (q8) {
+            a.absmax1 = state, a.absmax2 = state + blocks;
+            a.code1 = (uint8_t *)(state + 2 * blocks), a.code2 = a.code1 + n;
+        } else {
+            a.exp_avg = state, a.exp_avg_sq = state + n;
+        }
+        return mn_cuda_adamw8bit_step(&m->cuda, &p, &a);
+    }
+    case MN_OPTIM_ADAFACTOR: {
+        mn_adafactor_params p;
+        mn_cuda_adafactor_args a;
+        memset(&p, 0, sizeof p), memset(&a, 0, sizeof a);
+        p.lr = lr, p.no_scale_parameter = 1;
+        a.flat = f, a.exp_avg_sq_row = state, a.exp_avg_sq_col = state + m->dims[i][0];
+        a.batch = 1, a.rows = m->dims[i][0], a.cols = m->dims[i][1];
+        return mn_cuda_adafactor_step(&m->cuda, &p, &a);
+    }
+    default: {
+        mn_adamw_params p;
+        mn_cuda_adamw_args a;
+        memset(&p, 0, sizeof p);
+        p.lr = lr, p.weight_decay = MN_OPTIM_ZERO;
+        a.flat = f, a.exp_avg = state, a.exp_avg_sq = state + n;
+        return mn_cuda_adamw_step(&m->cuda, &p, &a);
+    }
+    }
+}
+
+// Parameter i's optimizer state on the device: one zeroed block of mn_optim_state_bytes
+// (MN_CAT_OPTIMIZER; none for plain SGD).
+static mn_result tr_gpu_optim_init(tr_model *m, int i) {
+    mn_optim_desc od = tr_optim_desc(&m->cfg);
+    TR_TRY(mn_optim_state_bytes(&od, m->dims[i], 2, &m->opt_bytes[i]));
+    if (!m->opt_bytes[i]) return MN_OK;
+    return tr_alloc(m, m->opt_bytes[i], 1, MN_CAT_OPTIMIZER, mn_optim_name(m->cfg.optim), 1,
+                    &m->opt_block[i]);
+}
+
+// tr_update on the device. The norm of every gradient tensor into m->norms, read back and summed
+// on the host: non-finite is fp16's found-inf (the scaler skips the step and backs off);
+// otherwise the global norm of the (scaled) gradients goes back to norms[0] for the kernels.
+static mn_result tr_gpu_update(tr_model *m, float lr, float *norm, int *skipped) {
+    float **gs[TR_NUM_PARAMS], inv = 0.0f, total;
+    mn_cuda *cu = &m->cuda;
+    double sq = 0.0;
+    int i, j = 0, skip = 0;
+    tr_param_slots(&m->grads, gs);
+    m->step++;
+    *skipped = 0, *norm = 0.0f;
+    if (m->half == MN_FP16) {
+        inv = mn_loss_scaler_inv_scale(&m->scaler);
+        if (m->step == m->cfg.inject_overflow) {  // an fp16 inf in the first gradient
+            uint16_t inf16 = 0x7C00;
+            for (i = 0; !*gs[i]; i++) {}
+            TR_TRY(mn_cuda_mem_copy(cu, *gs[i], &inf16, 2));
+        }
+    }
+    for (i = 0; i < TR_NUM_PARAMS; i++)
+        if (*gs[i])
+            TR_TRY(mn_cuda_global_norm(cu, m->norms + j++, *gs[i],
+                                       m->dims[i][0] * m->dims[i][1], tr_gpu_dtype(m)));
+    TR_TRY(mn_cuda_mem_copy(cu, m->norms_host, m->norms, (uint64_t)j * sizeof(float)));
+    for (i = 0; i < j; i++) sq += (double)m->norms_host[i] * (double)m->norms_host[i];
+    total = (float)sqrt(sq);
+    if (m->half == MN_FP16) {
+        TR_TRY(mn_loss_scaler_update(&m->scaler, !mn_hd_isfinite(total), &skip));
+        if (skip) { *skipped = 1; return MN_OK; }
+    }
+    *norm = inv != 0.0f ? total * inv : total;
+    TR_TRY(mn_cuda_mem_copy(cu, m->norms, &total, sizeof total));
+    if (!m->opt_ready) {
+        for (i = 0; i < TR_NUM_PARAMS; i++)
+            if (*gs[i]) TR_TRY(tr_gpu_optim_init(m, i));
+        m->opt_ready = 1;
+    }
+    m->opt_steps++;
+    for (i = 0; i < TR_NUM_PARAMS; i++)
+        if (*gs[i]) TR_TRY(tr_gpu_optim_step(m, i, lr, m->opt_steps, inv));
+    return MN_OK;
+}
+
+// After training: the device's memory as cudaMemGetInfo sees it, against the context and the
+// cache's reservation; what remains is outside the cache (the kernels' scratch: attention's
+// per-head buffers, partial sums), and the prediction's device total (context + peak reserved).
+static mn_result tr_gpu_report(tr_model *m, const struct mn_cache_stats *st,
+                               const mn_estimate_result *pred, double tokens_per_s, FILE *out) {
+    mn_device dev = mn_cuda_device(&m->cuda);
+    const tr_config *c = &m->cfg;
+    mn_gpu g;
+    // model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; llm.c gpt2_estimate_mfu):
+    // 6 per parameter (forward and backward) plus the attention's 6 L C T
+    double flops = 6.0 * (double)m->num_params + 6.0 * (double)c->L * (double)c->C * (double)c->T;
+    uint64_t free_b = 0, total_b = 0, used, cached;
+    fprintf(out, "speed: %.0f tokens/s over the last steps, %.3g model FLOPs per token (6N + "
+            "6LCT): %.2f TFLOP/s", tokens_per_s, flops, tokens_per_s * flops / 1e12);
+    if (mn_gpu_find(c->gpu, &g) == MN_OK && g.bf16_tflops > 0.0)
+        fprintf(out, ", MFU %.1f%% of %s's dense bf16 peak %.0f TFLOP/s (GPU table)\n",
+                100.0 * tokens_per_s * flops / (g.bf16_tflops * 1e12), g.name, g.bf16_tflops);
+    else fprintf(out, "; MFU unknown (no bf16 peak in the GPU table for %s)\n", c->gpu);
+    TR_TRY(mn_cuda_sync(&m->cuda));
+    if (!dev.mem_info_fn) return MN_OK;
+    TR_TRY(dev.mem_info_fn(dev.user_data, &free_b, &total_b));
+    used = total_b - free_b, cached = st->reserved_bytes[MN_STAT_ALL].current;
+    fprintf(out, "device memory (cudaMemGetInfo): %.2f MiB used = context %.2f + reserved by the "
+            "cache %.2f + outside the cache %.2f (kernels' scratch)\n", (double)used / TR_MIB,
+            (double)m->cfg.gpu_context / TR_MIB, (double)cached / TR_MIB,
+            ((double)used - (double)m->cfg.gpu_context - (double)cached) / TR_MIB);
+    if (pred)
+        fprintf(out, "predicted device use: %.2f MiB (context + peak reserved), fits: %s\n\n",
+                (double)pred->device_used / TR_MIB, pred->fits ? "yes" : "no");
+    return MN_OK;
+}
+#endif  // MEMANAT_CUDA
 
 // ---- checkpoints --------------------------------------------------------------------------------
 // --save FILE writes, and --resume FILE reads, everything the next step depends on, so that a run
@@ -1372,6 +1965,89 @@ static void tr_ckpt_value(int i, uint64_t v, char *buf, size_t cap) {
 }
 
 // The checkpoint body (ctx: the tr_model), for mn_write_file_atomic.
+// Model memory through the stream: host memory as is; on a GPU through a host buffer, 64 KiB at a
+// time (the layouts are the host's, so a checkpoint moves between the CPU and a GPU).
+static mn_result tr_put_buf(tr_model *m, tr_stream *s, const void *p, uint64_t n) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {
+        unsigned char buf[65536];
+        uint64_t at, k;
+        for (at = 0; at < n; at += k) {
+            k = n - at < sizeof buf ? n - at : sizeof buf;
+            TR_TRY(mn_cuda_mem_copy(&m->cuda, buf, (const unsigned char *)p + at, k));
+            TR_TRY(tr_put(s, buf, (size_t)k));
+        }
+        return MN_OK;
+    }
+#endif
+    (void)m;
+    return tr_put(s, p, (size_t)n);
+}
+static mn_result tr_get_buf(tr_model *m, tr_stream *s, void *p, uint64_t n) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {
+        unsigned char buf[65536];
+        uint64_t at, k;
+        for (at = 0; at < n; at += k) {
+            k = n - at < sizeof buf ? n - at : sizeof buf;
+            TR_TRY(tr_get(s, buf, (size_t)k));
+            TR_TRY(mn_cuda_mem_copy(&m->cuda, (unsigned char *)p + at, buf, k));
+        }
+        return MN_OK;
+    }
+#endif
+    (void)m;
+    return tr_get(s, p, (size_t)n);
+}
+
+// Parameter i [n] from the stream, and its 16-bit copy rewritten.
+static mn_result tr_get_param(tr_model *m, tr_stream *s, int i, uint64_t n) {
+    float **ps[TR_NUM_PARAMS];
+    tr_param_slots(&m->params, ps);
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {
+        float *h = n <= SIZE_MAX / 4 ? (float *)malloc((size_t)n * 4) : NULL;
+        uint16_t *h16 = m->half && h ? (uint16_t *)malloc((size_t)n * 2) : NULL;
+        mn_result r = !h || (m->half && !h16) ? MN_ERR_OUT_OF_MEMORY : tr_get(s, h, (size_t)n * 4);
+        if (r == MN_OK) r = mn_cuda_mem_copy(&m->cuda, *ps[i], h, n * 4);
+        if (r == MN_OK && m->half) {
+            tr_to16(m, h, h16, n);
+            r = mn_cuda_mem_copy(&m->cuda, m->w16[i], h16, n * 2);
+        }
+        free(h), free(h16);
+        return r;
+    }
+#endif
+    TR_TRY(tr_get(s, *ps[i], (size_t)n * 4));
+    if (m->half) tr_to16(m, *ps[i], m->w16[i], n);
+    return MN_OK;
+}
+
+// Parameter i's optimizer state: its bytes (0 before the first step), its step counter, making it.
+static uint64_t tr_state_bytes(const tr_model *m, int i) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) return m->opt_ready ? m->opt_bytes[i] : 0;
+#endif
+    return m->opt_ready ? tr_optim_state_bytes(m, i) : 0;
+}
+static uint64_t tr_state_steps(tr_model *m, int i) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) return m->opt_ready ? m->opt_steps : 0;
+#endif
+    return m->opt_ready ? *tr_optim_state_steps(m, i) : 0;
+}
+static mn_result tr_state_init(tr_model *m, int i, uint64_t steps) {
+#ifdef MEMANAT_CUDA
+    if (m->gpu) {
+        m->opt_steps = steps;
+        return tr_gpu_optim_init(m, i);
+    }
+#endif
+    TR_TRY(tr_optim_state_init(m, i, m->cfg.lr));
+    *tr_optim_state_steps(m, i) = steps;
+    return MN_OK;
+}
+
 static mn_result tr_ckpt_body(void *ctx, FILE *f) {
     tr_model *m = (tr_model *)ctx;
     tr_stream s;
@@ -1396,13 +2072,13 @@ static mn_result tr_ckpt_body(void *ctx, FILE *f) {
     TR_TRY(tr_put_u64(&s, m->scaler.skipped));
     tr_param_slots(&m->params, ps);
     for (i = 0; i < TR_NUM_PARAMS; i++)
-        if (*ps[i]) TR_TRY(tr_put(&s, *ps[i], (size_t)(m->dims[i][0] * m->dims[i][1]) * 4));
+        if (*ps[i]) TR_TRY(tr_put_buf(m, &s, *ps[i], m->dims[i][0] * m->dims[i][1] * 4));
     for (i = 0; i < TR_NUM_PARAMS; i++) {
-        uint64_t bytes = m->opt_ready ? tr_optim_state_bytes(m, i) : 0;
+        uint64_t bytes = tr_state_bytes(m, i);
         if (!*ps[i]) continue;
-        TR_TRY(tr_put_u64(&s, m->opt_ready ? *tr_optim_state_steps(m, i) : 0));
+        TR_TRY(tr_put_u64(&s, tr_state_steps(m, i)));
         TR_TRY(tr_put_u64(&s, bytes));
-        TR_TRY(tr_put(&s, m->opt_block[i], (size_t)bytes));
+        TR_TRY(tr_put_buf(m, &s, m->opt_block[i], bytes));
     }
     return tr_put_u64(&s, s.hash);
 }
@@ -1515,19 +2191,18 @@ static mn_result tr_resume(tr_model *m) {
     tr_param_slots(&m->params, ps);
     for (i = 0; i < TR_NUM_PARAMS; i++) {
         uint64_t n = m->dims[i][0] * m->dims[i][1];
-        if (n && tr_get(&s, *ps[i], (size_t)n * 4) != MN_OK) goto io;
-        if (n && m->half) tr_to16(m, *ps[i], m->w16[i], n);
+        if (n && tr_get_param(m, &s, i, n) != MN_OK) goto io;
     }
     for (i = 0; i < TR_NUM_PARAMS; i++) {
         uint64_t opt_steps, bytes;
         if (!*ps[i]) continue;
         if (tr_get_u64(&s, &opt_steps) != MN_OK || tr_get_u64(&s, &bytes) != MN_OK) goto io;
         if (step == 0) continue;
-        if ((r = tr_optim_state_init(m, i, m->cfg.lr)) != MN_OK) goto close;
+        if ((r = tr_state_init(m, i, opt_steps)) != MN_OK) goto close;
         r = MN_ERR_IO;
-        if (bytes != tr_optim_state_bytes(m, i) || tr_get(&s, m->opt_block[i], bytes) != MN_OK)
+        m->opt_ready = 1;  // (tr_state_bytes reads it)
+        if (bytes != tr_state_bytes(m, i) || tr_get_buf(m, &s, m->opt_block[i], bytes) != MN_OK)
             goto io;
-        *tr_optim_state_steps(m, i) = opt_steps;
     }
     m->opt_ready = step > 0;
     m->step = (long)step;
@@ -1583,16 +2258,21 @@ static mn_result tr_step(tr_model *m, tr_step_info *st) {
 // model from mn_gpt_model, the allocation sequence of tr_model_init, tr_forward, tr_backward and
 // the first tr_update, replayed through a cache with the default configuration.
 
-// *out: memanat's prediction for cfg (host memory: no context, no workspace).
+// *out: memanat's prediction for cfg (host memory: no context, no workspace; with --device cuda
+// the GPU table's entry tr_gpu_init chose, its workspace, the measured context).
 // The estimator's checkpointing modes, indexed by TR_CKPT_*.
 static const mn_ckpt tr_ckpt_mn[] = {MN_CKPT_NONE, MN_CKPT_SELECTIVE, MN_CKPT_FULL};
 
 // The estimator's model and setup for cfg (framework memanat) on a device of capacity bytes
-// (0: the host's, unlimited as mn_hostdev's).
+// (0: the host's, unlimited as mn_hostdev's; with --device cuda the GPU's total).
 static mn_result tr_estimator_inputs(const tr_config *cfg, uint64_t capacity, mn_model *model,
                                      mn_setup *s) {
     TR_TRY(mn_gpt_model(cfg->L, cfg->C, cfg->NH, cfg->T, cfg->V, cfg->tied, model));
     memset(s, 0, sizeof *s);
+    if (cfg->gpu) {  // --device cuda: the GPU's schedule, its workspace, the measured context
+        s->gpu = cfg->gpu, s->context = cfg->gpu_context;
+        if (!capacity) capacity = cfg->gpu_total;
+    }
     s->framework = MN_FW_MEMANAT, s->capacity = capacity;
     s->batch = cfg->B, s->seq = cfg->T, s->accum = cfg->K;
     s->precision = cfg->precision, s->optim = cfg->optim;
@@ -1613,11 +2293,15 @@ static mn_result tr_write_anatomy(const mn_estimate_result *pred, const struct m
                                   FILE *out) {
     static const mn_category cats[] = {MN_CAT_WEIGHTS, MN_CAT_MASTER_WEIGHTS, MN_CAT_GRADIENTS,
                                        MN_CAT_OPTIMIZER, MN_CAT_ACTIVATIONS, MN_CAT_TEMPORARY,
-                                       MN_CAT_OTHER};
-    uint64_t p[9], m[9] = {0};
-    const char *name[9];
+                                       MN_CAT_OTHER, MN_CAT_WORKSPACE};
+    uint64_t p[10], m[10] = {0};
+    const char *name[10];
     size_t i, n = sizeof cats / sizeof cats[0];
     int w = 0;
+    // the workspace (a cuBLASLt workspace: --device cuda) only when there is one
+    if (!pred->cat_peak[MN_CAT_WORKSPACE] &&
+        (!st || !st->cat_allocated_bytes[MN_CAT_WORKSPACE].peak))
+        n--;
     for (i = 0; i < n; i++) {
         name[i] = mn_category_name(cats[i]), p[i] = pred->cat_peak[cats[i]];
         if (st) m[i] = st->cat_allocated_bytes[cats[i]].peak;
@@ -1692,6 +2376,8 @@ typedef struct tr_result {
     double entropy;               // H of the Markov source, nats per token (0 with --data)
     double first_loss, last_loss; // the first step's, the mean of the last min(10, steps)
     double seconds;
+    double tail_seconds;          // the last min(10, steps) steps' (the loss's tail) seconds
+    long tail_steps;
     uint64_t num_params;
     uint64_t optim_bytes;         // optimizer state the parameters hold (cfg.optim)
     uint64_t optim_predicted;     // mn_optim_state_bytes for the same descriptor and shapes
@@ -1777,11 +2463,12 @@ static mn_result tr_json_body(void *ctx, FILE *f) {
             "\"heads\": %zu, \"seq\": %zu, \"vocab\": %zu, \"head\": \"%s\", \"batch\": %zu, "
             "\"accum\": %zu, \"steps\": %ld, \"lr\": %.9g, \"clip\": %.9g, \"seed\": %llu, "
             "\"checkpointing\": \"%s\", \"precision\": \"%s\", \"optim\": \"%s\", "
-            "\"capacity\": %llu, \"data\": ", MEMANAT_VERSION, c->L, c->C, c->NH, c->T, c->V,
-            c->tied ? "tied" : "untied", c->B, c->K, c->steps, (double)c->lr, (double)c->clip,
-            (unsigned long long)c->seed, tr_ckpt_names[c->checkpointing],
-            mn_precision_name(c->precision), mn_optim_name(c->optim),
-            (unsigned long long)c->capacity);
+            "\"capacity\": %llu, \"device\": \"%s\", \"gpu\": \"%s\", \"data\": ",
+            MEMANAT_VERSION, c->L, c->C, c->NH, c->T, c->V, c->tied ? "tied" : "untied", c->B,
+            c->K, c->steps, (double)c->lr, (double)c->clip, (unsigned long long)c->seed,
+            tr_ckpt_names[c->checkpointing], mn_precision_name(c->precision),
+            mn_optim_name(c->optim), (unsigned long long)c->capacity,
+            c->device == TR_DEVICE_CUDA ? "cuda" : "cpu", c->gpu ? c->gpu : "cpu");
     if (c->data) mn_json_fputs_escaped(f, c->data);
     else fputs("null", f);
     fprintf(f, "},\n  \"parameters\": %llu,\n  \"entropy\": ", (unsigned long long)m->num_params);
@@ -1837,6 +2524,14 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         fprintf(out, "parameters: %llu (%.2f MiB fp32%s)\n", (unsigned long long)m->num_params,
                 (double)m->num_params * 4.0 / TR_MIB,
                 m->half ? ", plus their 16-bit copies: 6 bytes per parameter" : "");
+#ifdef MEMANAT_CUDA
+        if (m->gpu)
+            fprintf(out, "device: %s (sm %d, %d SMs, %.0f MiB; GPU table entry %s); CUDA "
+                    "context %.2f MiB (cudaMemGetInfo); cuBLASLt workspace %.2f MiB from the "
+                    "cache\n", m->cuda.name, m->cuda.sm, m->cuda.sm_count,
+                    (double)c->gpu_total / TR_MIB, c->gpu, (double)c->gpu_context / TR_MIB,
+                    (double)m->workspace_bytes / TR_MIB);
+#endif
         if (m->text)
             fprintf(out, "data: %s, %llu bytes, random windows (uniform guess: ln V = %.4f)\n",
                     c->data, (unsigned long long)m->text_len, log((double)c->V));
@@ -1848,7 +2543,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         if (pr == MN_OK && c->capacity && !pred.fits)
             fprintf(out, "that is more than --capacity %.2f MiB: expect an out-of-memory "
                     "(--budget plans a configuration that fits)\n", (double)c->capacity / TR_MIB);
-        else fprintf(out, "no prediction: %s\n", mn_result_str(pr));
+        else if (pr != MN_OK) fprintf(out, "no prediction: %s\n", mn_result_str(pr));
     }
     res->entropy = m->text ? 0.0 : m->data.entropy;
     res->num_params = m->num_params;
@@ -1863,7 +2558,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         TR_TRY(tr_step(m, &st));
         if (m->history) m->history[m->history_len++] = st;
         if (s == first) res->first_loss = st.loss;
-        if (s >= last - ntail) tail += st.loss;
+        if (s >= last - ntail) tail += st.loss, res->tail_seconds += st.seconds;
         res->skipped += st.skipped;
         res->steps_run++;
         if (out) {
@@ -1885,6 +2580,7 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
     }
     res->seconds = tr_now() - t0;
     res->last_loss = tail / (double)ntail;
+    res->tail_steps = ntail;
     res->loss_scale = m->scaler.scale;
     TR_TRY(mn_cache_stats(&m->cache, &res->stats));
     TR_TRY(tr_optim_bytes(m, &res->optim_bytes, &res->optim_predicted));
@@ -1906,6 +2602,11 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
         fprintf(out, "optimizer: %s, state %llu bytes (mn_optim_state_bytes: %llu)\n\n",
                 mn_optim_name(c->optim), (unsigned long long)res->optim_bytes,
                 (unsigned long long)res->optim_predicted);
+#ifdef MEMANAT_CUDA
+        if (m->gpu)
+            TR_TRY(tr_gpu_report(m, &res->stats, pr == MN_OK ? &pred : NULL,
+                                 tokens * (double)res->tail_steps / res->tail_seconds, out));
+#endif
         TR_TRY(mn_cache_summary_write(&res->stats, 0, 0, mn_cache_write_file, out));
     }
     if (c->json) {
@@ -1926,6 +2627,7 @@ static mn_result tr_run(const tr_config *cfg_in, FILE *out, tr_result *res) {
     tr_model m;
     mn_result r, r2;
     memset(res, 0, sizeof *res);
+    if ((r = tr_check_device(cfg, res->error, sizeof res->error)) != MN_OK) return r;
     if (cfg->budget && (r = tr_plan(cfg, out, res->error, sizeof res->error)) != MN_OK) return r;
     r = tr_model_init(&m, cfg);
     if (r == MN_OK && cfg->resume) r = tr_resume(&m);
@@ -1942,7 +2644,8 @@ int main(int argc, char **argv) {
     tr_result res;
     char err[256];
     mn_result r;
-    if (tr_parse_args(argc, argv, &cfg, err, sizeof err) != MN_OK) {
+    if (tr_parse_args(argc, argv, &cfg, err, sizeof err) != MN_OK ||
+        (!cfg.help && tr_check_device(&cfg, err, sizeof err) != MN_OK)) {
         fprintf(stderr, "trainer: %s\n", err);
         return 2;
     }
@@ -1956,7 +2659,7 @@ int main(int argc, char **argv) {
                "               [--budget SIZE] [--capacity SIZE] [--data FILE]\n"
                "               [--save FILE] [--save-every N] [--resume FILE] [--stop-after S]\n"
                "               [--json FILE] [--memory-svg FILE] [--snapshot FILE]\n"
-               "               [--fail-alloc-at N]\n"
+               "               [--fail-alloc-at N] [--device cpu|cuda]\n"
                "Trains a tiny GPT on a generated Markov source (or the bytes of FILE);\n"
                "every tensor lives in memanat's caching allocator. Before training it\n"
                "prints the estimator's prediction for this configuration, after it the\n"
@@ -1990,7 +2693,9 @@ int main(int argc, char **argv) {
                "  the JSON of torch.cuda.memory._snapshot(); each written through FILE.tmp,\n"
                "  then renamed.\n"
                "--fail-alloc-at N: the N-th tensor allocation fails as out of memory (for\n"
-               "  testing the failure path).\n");
+               "  testing the failure path).\n"
+               "--device cuda: train on the GPU (a build with nvcc): the same model, log and\n"
+               "  prediction; gradients in the storage type; not yet with --budget.\n");
         return 0;
     }
     r = tr_run(&cfg, stdout, &res);

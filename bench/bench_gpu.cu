@@ -85,31 +85,44 @@ static void f_sm_fwd(void *) { MN(mn_cuda_softmax_forward(&ctx, big_b, big_a, (s
 static void f_sm_bwd(void *) { MN(mn_cuda_softmax_backward(&ctx, big_b, pre, big_a, (size_t)NH * T, T, 0.125f, 1, MN_BF16)); }
 static void f_ce(void *) { MN(mn_cuda_crossentropy_forward_backward(&ctx, (float *)losses, logits, logits, (const int *)targets, 1.0f / BT, BT, V, MN_BF16)); }
 static void f_norm(void *) { MN(mn_cuda_global_norm(&ctx, (float *)anorm, ag, adam_n, MN_BF16)); }
+// The flat-buffer arguments every optimizer row shares: 124M fp32 master weights with a bf16
+// copy and bf16 gradients, clipped by the global norm.
+static mn_cuda_optim_flat bench_flat(uint64_t n, uint64_t step) {
+    mn_cuda_optim_flat f;
+    memset(&f, 0, sizeof f);
+    f.param = (float *)ap, f.param16 = a16, f.param16_dtype = MN_BF16, f.grad = ag;
+    f.grad_dtype = MN_BF16, f.n = n, f.step = step;
+    f.grad_norm = (const float *)anorm, f.max_norm = 1.0f;
+    return f;
+}
+
 static void f_adamw(void *) {
     mn_cuda_adamw_args a;
-    memset(&a, 0, sizeof a);
-    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
-    a.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.exp_avg_sq = (float *)av, a.n = adam_n;
-    a.step = 1, a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    a.flat = bench_flat(adam_n, 1), a.exp_avg = (float *)am, a.exp_avg_sq = (float *)av;
     MN(mn_cuda_adamw_step(&ctx, NULL, &a));
+}
+
+// 8-bit AdamW: codes in am (m then v, a byte each), block scales in av.
+static void f_adamw8bit(void *) {
+    mn_cuda_adamw8bit_args a;
+    memset(&a, 0, sizeof a);
+    a.flat = bench_flat(adam_n, 1);
+    a.code1 = (uint8_t *)am, a.code2 = (uint8_t *)am + adam_n;
+    a.absmax1 = (float *)av, a.absmax2 = (float *)av + (adam_n + 255) / 256;
+    MN(mn_cuda_adamw8bit_step(&ctx, NULL, &a));
 }
 
 static void f_sgd(void *) {
     mn_cuda_sgd_args a;
     mn_sgd_params p;
-    memset(&a, 0, sizeof a), memset(&p, 0, sizeof p);
+    memset(&p, 0, sizeof p);
     p.momentum = 0.9f;
-    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
-    a.grad_dtype = MN_BF16, a.momentum_buffer = (float *)am, a.n = adam_n, a.step = 2;
-    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    a.flat = bench_flat(adam_n, 2), a.momentum_buffer = (float *)am;
     MN(mn_cuda_sgd_step(&ctx, &p, &a));
 }
 static void f_lion(void *) {
     mn_cuda_lion_args a;
-    memset(&a, 0, sizeof a);
-    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
-    a.grad_dtype = MN_BF16, a.exp_avg = (float *)am, a.n = adam_n;
-    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    a.flat = bench_flat(adam_n, 1), a.exp_avg = (float *)am;
     MN(mn_cuda_lion_step(&ctx, NULL, &a));
 }
 
@@ -120,10 +133,9 @@ enum { AF_ROWS = 161458 };
 static void f_adafactor(void *) {
     mn_cuda_adafactor_args a;
     memset(&a, 0, sizeof a);
-    a.param = (float *)ap, a.param16 = a16, a.param16_dtype = MN_BF16, a.grad = ag;
-    a.grad_dtype = MN_BF16, a.exp_avg_sq_row = (float *)af_row, a.exp_avg_sq_col = (float *)af_col;
-    a.batch = 1, a.rows = AF_ROWS, a.cols = C, a.step = 2;
-    a.grad_norm = (const float *)anorm, a.max_norm = 1.0f;
+    a.flat = bench_flat((uint64_t)AF_ROWS * C, 2);
+    a.exp_avg_sq_row = (float *)af_row, a.exp_avg_sq_col = (float *)af_col;
+    a.batch = 1, a.rows = AF_ROWS, a.cols = C;
     MN(mn_cuda_adafactor_step(&ctx, NULL, &a));
 }
 
@@ -300,6 +312,8 @@ int main(void) {
         row_bw("global norm 124M bf16", adam_n * 2.0, time_ms(f_norm, NULL));
         row_bw("AdamW 124M (fp32 master, m, v; bf16 g, copy)", adam_n * (4 * 2 + 2 + 4 * 4 + 2.0),
                time_ms(f_adamw, NULL));
+        row_bw("AdamW 8-bit 124M (fp32 master, 8-bit m, v; bf16 g, copy)",
+               adam_n * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit, NULL));
         row_bw("SGD momentum 124M (fp32 master, b; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
                time_ms(f_sgd, NULL));
         row_bw("Lion 124M (fp32 master, m; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),

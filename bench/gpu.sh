@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# bench/gpu.sh - everything the CUDA backend needs a GPU for, in one call (about 5 minutes on an
-# H100; at most 10): build, the GPU tests, the same tests under compute-sanitizer (memcheck, and
-# racecheck on the kernels with shared memory), then the benchmark table (build/bench_gpu).
+# bench/gpu.sh - everything the CUDA backend needs a GPU for, in one call: build, the GPU tests,
+# the benchmark table (build/bench_gpu), the GPU trainer (bench/gpu_trainer.sh: its fp32 curve
+# against the CPU's, fp16 and bf16, a resumed run, the predicted-vs-measured grid, GPT-2 small's
+# tokens/s and MFU), then the GPU tests under compute-sanitizer (memcheck, and racecheck on the
+# kernels with shared memory), the slowest part, last. GPU_LOGS=DIR also copies every log there.
 # Needs only the CUDA toolkit (nvcc, cuBLASLt, compute-sanitizer), a C compiler and make.
 # Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit)
 # Exit status: 0 when every test passed under every tool; the table is printed either way.
@@ -27,7 +29,8 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 
 say "building (make NVCC=$NVCC)"
-make -j"$(nproc 2>/dev/null || echo 4)" NVCC="$NVCC" CC="$CC" memanat build/test_cuda build/bench_gpu
+make -j"$(nproc 2>/dev/null || echo 4)" NVCC="$NVCC" CC="$CC" memanat trainer build/test_cuda \
+    build/bench_gpu
 say "kernels: $(grep -c 'Compiling entry' build/ptxas.log) builds, \
 $(grep -Ec '[1-9][0-9]* bytes spill (stores|loads)' build/ptxas.log || true) with spills (build/ptxas.log)"
 
@@ -50,19 +53,29 @@ case "$first" in SKIP*) die "no CUDA device answers on this machine: $first" ;; 
 say "$first"
 run tests 240 env MN_TEST_VERBOSE=1 ./build/test_cuda
 cp build/gpu_tests.log build/gpu_tests_errors.log  # max abs/rel errors per kernel and dtype
+say "== benchmark"
+limit 180 ./build/bench_gpu || { say "benchmark FAILED"; status=1; }
+say "== trainer --device cuda"
+limit 300 bash bench/gpu_trainer.sh || { say "GPU trainer checks FAILED (build/gpu_trainer/)";
+                                         status=1; }
+
+# the sanitizers last: the slowest part, and the table above is out already
 if [ -n "$SAN" ]; then
     run memcheck 150 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda cache
-    for t in gelu layernorm softmax attention crossentropy embedding adamw sgd_lion adafactor; do
+    for t in gelu residual workspace layernorm softmax attention crossentropy embedding adamw \
+             adamw8bit sgd_lion adafactor; do
         run "memcheck_$t" 120 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda "$t"
     done
-    for t in layernorm crossentropy adamw adafactor; do
+    for t in layernorm crossentropy adamw adamw8bit adafactor; do
         run "racecheck_$t" 120 "$SAN" --tool racecheck --error-exitcode 3 ./build/test_cuda "$t"
     done
 else
     say "compute-sanitizer not found next to nvcc: memcheck/racecheck skipped"; status=1
 fi
 
-say "== benchmark"
-limit 180 ./build/bench_gpu || { say "benchmark FAILED"; status=1; }
 say "errors per kernel: build/gpu_tests_errors.log; ptxas: build/ptxas.log"
+if [ -n "${GPU_LOGS:-}" ]; then  # GPU_LOGS=DIR: keep the logs there too
+    { mkdir -p "$GPU_LOGS" && cp build/gpu_*.log build/ptxas.log "$GPU_LOGS"/ &&
+      cp -r build/gpu_trainer "$GPU_LOGS"/; } 2>/dev/null || say "could not copy the logs"
+fi
 exit $status

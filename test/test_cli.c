@@ -113,6 +113,66 @@ static void test_dev_tsv(void) {
     CHECK_MSG(rows >= 19, "only %d validation rows ran", rows);
 }
 
+#define TORCH2_TSV "test/validation/torch2.tsv"
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+// Each row of test/validation/torch2.tsv (the real transformers/peft code measured by
+// tools/torchcheck.py): name, peak allocated bytes, 7 category columns, phase, sdpa backends,
+// memanat estimate options. The measurement (MemTracker) sums live storages rounded to 512 B:
+// memanat's peak_requested, the same count, less its cuBLAS workspace term (no dispatcher-level
+// tool sees it). Every row within 3 %, the median within 1 %.
+static void test_torch2_tsv(void) {
+    FILE *f;
+    char line[4096];
+    double errs[256];
+    int rows = 0;
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    f = fopen(TORCH2_TSV, "r");
+    CHECK_MSG(f != NULL, "cannot open %s", TORCH2_TSV);
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        char *col[12], *p = line, args[4096];
+        int n = 0;
+        double want, got, ws, err, tol;
+        run_out r;
+        if (line[0] == '#' || line[0] == '\n') continue;
+        line[strcspn(line, "\n")] = 0;
+        while (n < 12 && p) {
+            col[n++] = p;
+            p = strchr(p, '\t');
+            if (p) *p++ = 0;
+        }
+        CHECK_MSG(n == 12, "malformed row: %s", line);
+        if (n != 12) continue;
+        want = atof(col[1]);
+        snprintf(args, sizeof args, "estimate %s --json", col[11]);
+        CHECK(run(args, &r));
+        CHECK_MSG(r.status == 0, "row %s: exit %d: %s", col[0], r.status, r.err);
+        if (r.status != 0) continue;
+        CHECK(json_number(r.out, "peak_requested", &got));
+        CHECK(json_number(r.out, "workspace", &ws));
+        err = (got - ws - want) / want, tol = 0.03;
+        printf("       %-38s want %8.1f MiB got %8.1f MiB (%+.2f%%, tol %.1f%%)\n", col[0],
+               want / 1048576.0, (got - ws) / 1048576.0, 100.0 * err, 100.0 * tol);
+        CHECK_NEAR(got - ws, want, 0.0, tol);
+        if (rows < 256) errs[rows] = err < 0 ? -err : err;
+        rows++;
+    }
+    fclose(f);
+    CHECK_MSG(rows >= 40, "only %d torch2 rows ran", rows);
+    if (rows >= 40 && rows <= 256) {
+        double med;
+        qsort(errs, (size_t)rows, sizeof errs[0], cmp_double);
+        med = rows % 2 ? errs[rows / 2] : 0.5 * (errs[rows / 2 - 1] + errs[rows / 2]);
+        printf("       median |error| %.2f%% over %d rows\n", 100.0 * med, rows);
+        CHECK_MSG(med <= 0.01, "median |error| %.2f%% (want <= 1%%)", 100.0 * med);
+    }
+}
+
 // Each bad invocation: non-zero exit, exactly one line on stderr, nothing on stdout.
 static void test_bad_input(void) {
     static const char *bad[] = {
@@ -131,6 +191,10 @@ static void test_bad_input(void) {
         "estimate --model gpt2 --capacity lots",
         "estimate --model gpt2 --zero 7",
         "estimate --model gpt2 --lora-targets q,x",
+        "estimate --model gpt2 --optim-impl turbo",
+        "estimate --model gpt2 --loop accelerate",
+        "estimate --model gpt2 --lora-rank 8 --lora-dropout 1",
+        "estimate --model gpt2 --lora-rank 8 --lora-dropout x",
         "estimate --model gpt2 --quant nf4",
         "estimate --model gpt2 --params 7e9",
         "estimate --params 0",
@@ -364,6 +428,7 @@ static void test_reliability(void) {
 const mnt_case test_cli_cases[] = {
     {"pictures", test_pictures},
     {"dev_tsv", test_dev_tsv},
+    {"torch2_tsv", test_torch2_tsv},
     {"bad_input", test_bad_input},
     {"huge_model", test_huge_model},
     {"fit", test_fit_cli},

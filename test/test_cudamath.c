@@ -370,6 +370,108 @@ static void test_attention(void) {
             }
 }
 
+// D = op(A) . op(B) for each of BH heads in cuBLAS's column-major convention, exactly as the
+// descriptor g says (offsets, leading dimensions, transposes), sums in fp32; heads sa, sb, sd
+// elements apart.
+static void att_cm_gemm(const mn_hd_att_gemm *g, float *D, const float *A, const float *Bm,
+                        size_t BH, size_t sa, size_t sb, size_t sd) {
+    size_t h, i, j, e;
+    for (h = 0; h < BH; h++)
+        for (j = 0; j < g->n; j++)
+            for (i = 0; i < g->m; i++) {
+                const float *a = A + h * sa + g->a, *b = Bm + h * sb + g->b;
+                float sum = 0.0f;
+                for (e = 0; e < g->k; e++)
+                    sum += (g->ta ? a[i * g->lda + e] : a[e * g->lda + i]) *
+                           (g->tb ? b[e * g->ldb + j] : b[j * g->ldb + e]);
+                D[h * sd + g->d + j * g->ldd + i] = sum;
+            }
+}
+
+// The device's attention GEMMs as mn_hd_att_gemm_block describes them, block by block (causal
+// from T = 256 on: 4 query blocks, the masked half not computed), run on the host in fp32 and
+// compared with mn_attention_forward / mn_attention_backward: the output and dqkv within 1e-5.
+// Every score the blocks leave uncomputed holds NaN, as does the head buffers' padding, so a
+// read of either would show; the blocks tile the rows exactly.
+static void test_attention_blocks(void) {
+    static const size_t shapes[][4] = {{1, 300, 48, 2}, {2, 256, 32, 2}, {1, 37, 16, 1},
+                                       {1, 263, 24, 3}};
+    size_t s, i, n, j, c;
+    int causal;
+    for (causal = 0; causal < 2; causal++)
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            size_t B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], NH = shapes[s][3];
+            size_t hs = C / NH, hsp = (size_t)mn_hd_head_ld(hs), BH = B * NH;
+            size_t nh = BH * T * hsp, ntt = BH * T * T, th = T * hsp, tt = T * T;
+            uint64_t nb = mn_hd_att_blocks(T, causal), r0, r1, rows = 0;
+            float scale = 1.0f / sqrtf((float)hs), *qkv = mnt_fvec(B * T * 3 * C);
+            float *dout = mnt_fvec(B * T * C), *out = mnt_fvec(B * T * C), *att = mnt_fvec(ntt);
+            float *rdq = mnt_fvec(B * T * 3 * C), *gout = mnt_fvec(B * T * C);
+            float *gdq = mnt_fvec(B * T * 3 * C), *buf = mnt_fvec(8 * nh + 3 * ntt);
+            float *q = buf, *k = q + nh, *v = k + nh, *dy = v + nh, *y = dy + nh, *dq = y + nh;
+            float *dk = dq + nh, *dv = dk + nh, *S = buf + 8 * nh, *dP = S + ntt, *dS = dP + ntt;
+            float *qkvh[3], *dyh[3];
+            mn_hd_att_gemm g;
+            CHECK(nb == (causal && T >= 256 ? 4u : 1u));
+            for (i = 0; i < 8 * nh + 2 * ntt; i++) buf[i] = (float)NAN;
+            for (i = 0; i < ntt; i++) dS[i] = 0.0f;  // the device zeroes dS before its kernel
+            mnt_fill_normal(qkv, B * T * 3 * C, 1.0);
+            mnt_fill_normal(dout, B * T * C, 1.0);
+            mn_attention_forward(out, att, qkv, B, T, C, NH, causal);
+            mn_attention_backward(rdq, dout, qkv, att, B, T, C, NH, causal);
+            qkvh[0] = q, qkvh[1] = k, qkvh[2] = v, dyh[0] = dyh[1] = dyh[2] = dy;
+            att_gather(MN_FP32, qkvh, qkv, B * T * 3 * C, T, C, NH, hsp, 3);
+            att_gather(MN_FP32, dyh, dout, B * T * C, T, C, NH, hsp, 1);
+            for (c = 0; c < nb; c++) {  // S = q k^T
+                mn_hd_att_block_rows(T, nb, c, &r0, &r1);
+                rows += r1 - r0;
+                g = mn_hd_att_gemm_block(MN_HD_ATT_QKT, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, S, k, q, BH, th, th, tt);
+            }
+            CHECK_EQ_U64(rows, T);
+            for (n = 0; n < BH * T; n++)
+                mn_hd_softmax_row(S + n * T, S + n * T, n, T, scale, causal);
+            for (c = 0; c < nb; c++) {  // y = P v, dP = dy v^T
+                mn_hd_att_block_rows(T, nb, c, &r0, &r1);
+                g = mn_hd_att_gemm_block(MN_HD_ATT_PV, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, y, v, S, BH, th, tt, th);
+                g = mn_hd_att_gemm_block(MN_HD_ATT_QKT, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, dP, v, dy, BH, th, th, tt);
+            }
+            for (i = 0; i < B * T * C; i++) {
+                uint64_t part, hj = mn_hd_head_index(i, T, C, NH, hsp, 1, &part);
+                gout[i] = y[hj];
+            }
+            for (n = 0; n < BH * T; n++) {  // dS = softmax backward over the visible columns
+                size_t len = (size_t)mn_hd_softmax_len(n, T, causal);
+                float dot = 0.0f;
+                for (j = 0; j < len; j++) dot += S[n * T + j] * dP[n * T + j];
+                for (j = 0; j < len; j++)
+                    dS[n * T + j] = mn_hd_softmax_dinp(S[n * T + j], dP[n * T + j], dot, scale);
+            }
+            for (c = 0; c < nb; c++) {  // dq = dS k; dk = dS^T q, dv = P^T dy (blocks of keys)
+                mn_hd_att_block_rows(T, nb, c, &r0, &r1);
+                g = mn_hd_att_gemm_block(MN_HD_ATT_PV, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, dq, k, dS, BH, th, tt, th);
+                g = mn_hd_att_gemm_block(MN_HD_ATT_PTV, T, hs, hsp, r0, r1);
+                att_cm_gemm(&g, dk, q, dS, BH, th, tt, th);
+                att_cm_gemm(&g, dv, dy, S, BH, th, tt, th);
+            }
+            for (i = 0; i < B * T * 3 * C; i++) {
+                uint64_t part, hj = mn_hd_head_index(i, T, C, NH, hsp, 3, &part);
+                gdq[i] = (part == 0 ? dq : part == 1 ? dk : dv)[hj];
+            }
+            {
+                double *w = widen(out, B * T * C), *wd = widen(rdq, B * T * 3 * C);
+                CHECK_CLOSE("attention blocks out", gout, w, B * T * C, 1e-5, 1e-5);
+                CHECK_CLOSE("attention blocks dqkv", gdq, wd, B * T * 3 * C, 1e-5, 1e-5);
+                free(w), free(wd);
+            }
+            free(qkv), free(dout), free(out), free(att), free(rdq), free(gout), free(gdq);
+            free(buf);
+        }
+}
+
 // The head layout: every element of qkv lands in its own place of q, k or v, and out's layout
 // is the same map with one part.
 static void test_head_index(void) {
@@ -431,6 +533,102 @@ static void test_adamw(void) {
         mn_adamw_free(&s);
     }
     free(param), free(grad), free(hp), free(hm), free(hv), free(p16);
+}
+
+// 8-bit AdamW's per-block math (mn_hd_adamw8bit_block, the device kernel's order of operations) and
+// its per-element fp32 path against mn_adamw8bit_step, 5 steps with fresh gradients, one of them
+// inf (left unchanged, moments 0) and one NaN, and a few tiny negative gradients (moments that
+// round to the map's 0 and must be coded below it): a quantized tensor whose last block is short (n
+// = 5000, blocks of 256) and one of 1024-element blocks, parameters, codes and block scales bit for
+// bit (the same arithmetic in the same order on the host); a small tensor (n = 1003) keeps fp32
+// moments.
+static void test_adamw8bit(void) {
+    static const uint64_t sizes[] = {5000, 9000, 1003};
+    static const uint32_t blocks[] = {256, 1024, 256};
+    float map1[256], map2[256];
+    size_t c;
+    mn_dynamic_map(1, map1), mn_dynamic_map(0, map2);
+    for (c = 0; c < 3; c++) {
+        uint64_t n = sizes[c], dims[1], i, t, b;
+        mn_adamw8bit s;
+        mn_adamw8bit_params p;
+        float *param = mnt_fvec(n), *grad = mnt_fvec(n), *hp = mnt_fvec(n), *hm = mnt_fvec(n);
+        float *hv = mnt_fvec(n), *mbuf = mnt_fvec(4096), *vbuf = mnt_fvec(4096);
+        float *a1 = mnt_fvec(n / 256 + 1), *a2 = mnt_fvec(n / 256 + 1);
+        uint8_t *c1 = (uint8_t *)calloc(n, 1), *c2 = (uint8_t *)calloc(n, 1);
+        uint64_t bad_p = 0, bad_c = 0, bad_a = 0;
+        if (!c1 || !c2) abort();
+        memset(&p, 0, sizeof p);
+        p.lr = 1e-2f, p.weight_decay = 0.1f, p.block_size = blocks[c];
+        dims[0] = n;
+        CHECK_OK(mn_adamw8bit_init(&s, dims, 1, &p, NULL));
+        memset(s.quantized ? (void *)s.absmax1 : (void *)s.exp_avg, 0, (size_t)s.state_bytes);
+        CHECK_EQ_INT(s.quantized, n >= 4096);
+        mnt_fill_normal(param, n, 1.0);
+        memcpy(hp, param, n * sizeof *hp);
+        for (t = 1; t <= 5; t++) {
+            mn_hd_adamw8bit_coef k = mn_hd_adamw8bit_coefs(s.params.lr, s.params.beta1,
+                                                           s.params.beta2, s.params.eps,
+                                                           s.params.weight_decay, t);
+            mnt_fill_normal(grad, n, 1.0);
+            if (t == 2) grad[mnt_rand_u64() % n] = (float)HUGE_VAL;
+            if (t == 4) grad[mnt_rand_u64() % n] = (float)NAN;
+            for (i = 0; i < 8; i++)  // tiny negative moments: coded below 0, never at 0
+                grad[mnt_rand_u64() % n] = -1e-12f * (float)(1 + i);
+            CHECK_OK(mn_adamw8bit_step(&s, param, grad, NULL));
+            if (!s.quantized) {
+                for (i = 0; i < n; i++) {
+                    float m, v;
+                    if (mn_hd_adamw8bit_moments(&m, &v, grad[i], hm[i], hv[i], &k))
+                        hm[i] = m, hv[i] = v, mn_hd_adamw8bit_param(&hp[i], m, v, &k);
+                }
+                continue;
+            }
+            for (b = 0, i = 0; i < n; b++, i += blocks[c])
+                mn_hd_adamw8bit_block(hp + i, c1 + i, c2 + i, a1 + b, a2 + b, grad + i,
+                                      n - i < blocks[c] ? n - i : blocks[c], 1.0f, map1, map2,
+                                      &k, mbuf, vbuf);
+        }
+        for (i = 0; i < n; i++) bad_p += memcmp(&hp[i], &param[i], sizeof(float)) != 0;
+        if (s.quantized) {
+            for (i = 0; i < n; i++) bad_c += c1[i] != s.code1[i] || c2[i] != s.code2[i];
+            for (b = 0; b < s.blocks; b++)
+                bad_a += a1[b] != s.absmax1[b] || a2[b] != s.absmax2[b];
+            CHECK(s.blocks == (n + blocks[c] - 1) / blocks[c]);
+        } else {
+            for (i = 0; i < n; i++) bad_c += hm[i] != s.exp_avg[i] || hv[i] != s.exp_avg_sq[i];
+        }
+        CHECK_MSG(bad_p == 0 && bad_c == 0 && bad_a == 0, "n %llu: %llu parameters, %llu codes "
+                  "or moments, %llu scales differ", (unsigned long long)n,
+                  (unsigned long long)bad_p, (unsigned long long)bad_c, (unsigned long long)bad_a);
+        mn_adamw8bit_free(&s);
+        free(param), free(grad), free(hp), free(hm), free(hv), free(mbuf), free(vbuf);
+        free(a1), free(a2), free(c1), free(c2);
+    }
+}
+
+// The quantization helpers against a linear scan of the map: the nearest entry (ties to the
+// larger), and a negative value never coded at 0 or above (tiny negatives included).
+static void test_q8_codes(void) {
+    float map1[256], map2[256];
+    int k;
+    mn_dynamic_map(1, map1), mn_dynamic_map(0, map2);
+    for (k = 0; k < 20000; k++) {
+        const float *map = k % 2 ? map1 : map2;
+        float x = (float)(k % 2 ? 2.0 * mnt_rand_uniform() - 1.0 : mnt_rand_uniform());
+        uint32_t got = mn_hd_q8_nearest(map, x), want = 0, j;
+        if (k % 7 == 0) x = map[mnt_rand_u64() % 256];  // exact entries
+        if (k % 10 == 1) x = (float)(-1e-8 * mnt_rand_uniform());  // nearest to 0, negative
+        got = mn_hd_q8_nearest(map, x);
+        for (j = 1; j < 256; j++)
+            if (fabsf(map[j] - x) <= fabsf(map[want] - x)) want = j;
+        CHECK_MSG(got == want, "nearest to %.9g: got %u (%.9g) want %u (%.9g)", (double)x, got,
+                  (double)map[got], want, (double)map[want]);
+        if (k % 2) {
+            uint32_t c = mn_hd_q8_code_signed(map1, x, 1.0f);
+            CHECK(!(x < 0.0f) || map1[c] < 0.0f);
+        }
+    }
 }
 
 // The fused found-inf / unscale / clip of the AdamW kernel against the host sequence
@@ -673,8 +871,11 @@ const mnt_case test_cudamath_cases[] = {
     {"crossentropy", test_crossentropy},
     {"head_index", test_head_index},
     {"attention", test_attention},
+    {"attention_blocks", test_attention_blocks},
     {"adamw", test_adamw},
     {"adamw_scaled", test_adamw_scaled},
+    {"adamw8bit", test_adamw8bit},
+    {"q8_codes", test_q8_codes},
     {"sgd", test_sgd},
     {"lion", test_lion},
     {"adafactor", test_adafactor},

@@ -343,6 +343,11 @@ static void test_families(void) {
                        &m, &lc));
     CHECK_NEAR(m.dropout, 0.1, 1e-7, 0);
     CHECK_NEAR(m.attn_dropout, 0.2, 1e-7, 0);
+    // modeling_phi3.py: one qkv_proj and one gate_up_proj; RoPE concatenates the pass-through
+    CHECK_EQ_INT(m.fused_proj, 1);
+    CHECK_EQ_INT(m.rope_cat, 1);
+    CHECK_OK(parse_cfg("{\"model_type\":\"llama\"}", &m, &lc));
+    CHECK_EQ_INT(m.fused_proj + m.rope_cat, 0);
     // t5: num_decoder_layers apart, d_kv independent of d_model (t5-3b style)
     CHECK_OK(parse_cfg(
         "{\"model_type\":\"t5\",\"d_model\":1024,\"num_heads\":32,\"d_kv\":128,"

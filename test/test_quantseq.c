@@ -156,10 +156,19 @@ static void test_bnb_version(void) {
     s.batch = rand_in(1, 4), s.seq = rand_in(64, 1024), s.capacity = 1ull << 50;
     tok = s.batch * s.seq;
     s.lora_targets = MN_LORA_ALL;
+    s.torch_version = 110;  // the older stack: adapters in the base dtype share lora_A's input
     CHECK_OK(mn_estimate(&m, &s, &a));
     s.bnb_version = 4301;
     CHECK_OK(mn_estimate(&m, &s, &b));
     CHECK_EQ_U64(b.cat_peak[MN_CAT_ACTIVATIONS], a.cat_peak[MN_CAT_ACTIVATIONS]);
+    // torch 2 with peft's fp32 adapters: lora_A keeps an fp32 cast, so the 16-bit input that
+    // MatMul4Bit keeps is one more tensor per quantized linear
+    s.torch_version = 0, s.bnb_version = 0;
+    CHECK_OK(mn_estimate(&m, &s, &a));
+    s.bnb_version = 4301;
+    CHECK_OK(mn_estimate(&m, &s, &b));
+    CHECK(b.cat_peak[MN_CAT_ACTIVATIONS] >= a.cat_peak[MN_CAT_ACTIVATIONS] +
+                                                a.model.layers * tok * a.model.ffn * 2);
     s.lora_targets = MN_LORA_Q | MN_LORA_V;
     s.bnb_version = 4302;
     CHECK_OK(mn_estimate(&m, &s, &a));

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# bench/gpu_trainer.sh - trainer --device cuda on a GPU machine (bench/gpu.sh runs it after its
+# table; about 2 minutes on an H100). Needs ./trainer built with nvcc (make trainer). Prints:
+#   1. the fp32 loss curve on the GPU against the CPU trainer's, 50 steps of the tiny model, the
+#      largest difference in loss against a stated tolerance (0.02 nats: the two differ in the
+#      order of their sums only);
+#   2. fp16 with loss scaling and an overflow planted at step 5 (the skipped step logged), bf16,
+#      and a run stopped, saved and resumed against the uninterrupted one (losses bit-identical);
+#   3. predicted vs measured peak per memory category on 8 configurations (target: within 2 %);
+#   4. GPT-2 small (12 layers, 768 wide, T 1024, V 50257) in bf16: tokens/s (the mean of the last
+#      10 of 20 steps) and the trainer's MFU line: tokens/s x (6 N + 6 L C T) over the dense bf16
+#      peak of the header's GPU table entry for the device (PaLM, Chowdhery et al. 2022, appendix
+#      B: 6N per token for the weights plus the attention's 6 L C T).
+# Exit status: 1 when a check fails. Logs and JSON in build/gpu_trainer/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+say() { echo "gpu_trainer.sh: $*"; }
+out=build/gpu_trainer
+mkdir -p "$out"
+[ -x ./trainer ] || { say "error: ./trainer not built (make trainer)"; exit 1; }
+status=0
+losses() { grep -o '"loss": [^,]*' "$1" | awk '{print $2}'; }
+train() {  # train NAME ARGS...: the log and --json of one run, a line on failure
+    local name=$1
+    shift
+    if ! ./trainer "$@" --json "$out/$name.json" > "$out/$name.log" 2>&1; then
+        say "$name: FAILED (./trainer $*; log: $out/$name.log)"; tail -n 3 "$out/$name.log"
+        status=1; return 1
+    fi
+}
+
+say "== 1. fp32 loss curve, GPU against CPU (tiny, 50 steps)"
+if train cpu_fp32 --steps 50 && train gpu_fp32 --device cuda --steps 50; then
+    paste <(losses "$out/cpu_fp32.json") <(losses "$out/gpu_fp32.json") | awk -v tol=0.02 '
+        { d = $1 - $2; if (d < 0) d = -d; if (d > m) m = d; n++; last = $2 }
+        END { printf "max |loss gpu - loss cpu| over %d steps: %.5f (tolerance %.2f); final " \
+                     "gpu loss %.4f\n", n, m, tol, last; exit !(n == 50 && m <= tol) }' \
+        || { say "fp32 curves differ more than the tolerance"; status=1; }
+    grep -E '^device|^device memory' "$out/gpu_fp32.log"
+fi
+
+say "== 2. fp16 (overflow planted at step 5) and bf16, 50 steps"
+if train gpu_fp16 --device cuda --steps 50 --precision fp16 --inject-overflow 5; then
+    skipped=$(grep -c 'overflow: step skipped' "$out/gpu_fp16.log" || true)
+    echo "fp16: $skipped step(s) skipped for an overflow; $(grep '^done' "$out/gpu_fp16.log")"
+    [ "$skipped" -ge 1 ] || { say "fp16: the planted overflow was not skipped"; status=1; }
+fi
+if train gpu_bf16 --device cuda --steps 50 --precision bf16; then
+    echo "bf16: $(grep '^done' "$out/gpu_bf16.log")"
+fi
+
+say "== 2b. --save after step 10 of 20 and --resume: the same losses as the run without a stop"
+if train gpu_full --device cuda --steps 20 && \
+   train gpu_part --device cuda --steps 20 --stop-after 10 --save "$out/gpu.ckpt" && \
+   train gpu_resumed --device cuda --steps 20 --resume "$out/gpu.ckpt"; then
+    if [ "$(losses "$out/gpu_full.json" | tail -n 10)" = "$(losses "$out/gpu_resumed.json")" ]; then
+        echo "resume: steps 11-20 bit-identical to the uninterrupted run"
+    else
+        say "resume: the resumed losses differ from the uninterrupted run's"; status=1
+    fi
+fi
+
+say "== 3. predicted vs measured peaks per category, 8 configurations (3 steps each)"
+configs=(
+    "--size tiny"
+    "--size tiny --precision fp16 --checkpointing full --optim sgd"
+    "--size tiny --precision bf16 --checkpointing selective --optim lion --accum 2 --head untied"
+    "--size small --checkpointing selective --optim sgd-momentum"
+    "--size medium --precision bf16"
+    "--size small --precision fp16 --checkpointing selective --batch 4 --accum 3"
+    "--size tiny --checkpointing full --optim lion --vocab 1000"
+    "--size small --precision bf16 --checkpointing full --optim sgd-momentum --head untied"
+)
+printf '%-90s %9s %s\n' "configuration" "worst" "category"
+i=0
+for c in "${configs[@]}"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086
+    train "grid$i" --device cuda --steps 3 $c || continue
+    awk -v cfg="$c" '
+        /"measured": / {
+            name = $1; gsub(/[":]/, "", name)
+            m = $3; gsub(/,/, "", m); p = $5; gsub(/[},]/, "", p)
+            if (p == "null") next
+            e = m > 0 ? (p - m) / m * 100 : (p > 0 ? 100 : 0); a = e < 0 ? -e : e
+            if (a >= worst) { worst = a; wn = name }
+        }
+        END { printf "%-90s %8.3f%% %s\n", cfg, worst, wn; exit !(worst <= 2.0) }' \
+        "$out/grid$i.json" || { say "grid$i: a category is off by more than 2 %"; status=1; }
+done
+
+say "== 4. GPT-2 small, bf16, B 8 x T 1024, 20 steps"
+if train gpt2 --device cuda --size gpt2 --seq 1024 --batch 8 --steps 20 --precision bf16; then
+    grep -E '^speed' "$out/gpt2.log"
+    grep -o '"tokens_per_second": [0-9.]*' "$out/gpt2.json" | awk '{print $2}' | tail -n 10 |
+        awk '{ s += $1; n++ } END { printf "mean of the last 10 steps: %.0f tokens/s (llm.c " \
+             "train_gpt2.cu with cuDNN: ~145000 on an H100)\n", s / n }'
+    grep -E '^peak allocated|^peak reserved|^device memory' "$out/gpt2.log"
+fi
+exit $status

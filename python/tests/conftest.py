@@ -1,0 +1,77 @@
+"""Shared fixtures: where the repository, the CLI and the validation set are."""
+import json
+import os
+import shlex
+import subprocess
+from typing import Any, Dict, List, Tuple
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+DEV_TSV = os.path.join(ROOT, "..", "shared", "validation", "dev.tsv")
+
+
+def cli_path() -> str:
+    """The CLI the C tests run (MEMANAT_BIN, else ./memanat), absolute."""
+    p = os.environ.get("MEMANAT_BIN") or "memanat"
+    return p if os.path.isabs(p) else os.path.join(ROOT, p)
+
+
+def run_cli(args: List[str]) -> Tuple[int, str, str]:
+    """Runs the CLI from the repository root (dev.tsv's paths are relative to it)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    p = subprocess.run([cli_path()] + args, cwd=ROOT, capture_output=True, text=True, env=env)
+    return p.returncode, p.stdout, p.stderr
+
+
+def cli_json(args: List[str]) -> Dict[str, Any]:
+    rc, out, err = run_cli(args + ["--json"])
+    assert rc == 0, "memanat %s: exit %d: %s" % (" ".join(args), rc, err)
+    return json.loads(out)
+
+
+def flags_to_kwargs(args: List[str]) -> Dict[str, Any]:
+    """`--lora-rank 16 --infer` -> {"lora_rank": "16", "infer": True}: the CLI's spelling of a
+    setting is its keyword with dashes; values stay the CLI's text (the package reads both)."""
+    out: Dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        key = args[i]
+        assert key.startswith("--"), key
+        name = key[2:].replace("-", "_")
+        if name == "infer":
+            out[name] = True
+            i += 1
+            continue
+        out[name] = args[i + 1]
+        i += 2
+    return out
+
+
+def dev_rows() -> List[Tuple[str, List[str]]]:
+    """(id, CLI arguments) of every row of ../shared/validation/dev.tsv, read as test_cli.c
+    reads it: tab-separated id, metric, unit, value, tol, args, source; '#' starts a comment."""
+    rows = []
+    if not os.path.exists(DEV_TSV):
+        return rows
+    with open(DEV_TSV, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            col = line.rstrip("\n").split("\t")
+            rows.append((col[0], shlex.split(col[5])))
+    return rows
+
+
+@pytest.fixture(autouse=True)
+def _no_env_alloc_conf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI runs without these; the package must too, to compare."""
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _need_cli() -> None:
+    if not os.access(cli_path(), os.X_OK):
+        pytest.skip("%s not built (make builds it)" % cli_path())
