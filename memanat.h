@@ -4355,7 +4355,8 @@ typedef struct mn__op {
 typedef struct mn__param {
     uint64_t numel, dims[2];
     uint32_t ndim;
-    uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward
+    uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward; made
+                             // by mn__w16_new only, which records it for mn__amp_clear
     uint32_t grad;           // gradient tensor id
     uint64_t grad_pass;      // the backward pass that made .grad (tied weights: see param_grad)
     uint8_t trainable, quant, has_state;
@@ -4666,6 +4667,16 @@ MN__PRIVATE void mn__release_outputs(mn__sim *S) {
 MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p);
 MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b);
 
+// Autocast's cached 16-bit copy of parameter i, made once per forward; the range of parameters
+// holding one is recorded, so that mn__amp_clear visits those alone (a checkpointed block's re-run
+// casts its own weights: clearing after it costs that block, not the whole model).
+MN__PRIVATE void mn__w16_new(mn__sim *S, uint32_t i) {
+    if (S->counting || S->err || i == MN__NONE || S->params[i].w16 != MN__NONE) return;
+    S->params[i].w16 = mn__tensor_new(S, S->params[i].numel, 2, MN_CAT_WEIGHTS);
+    if (S->w16_hi == 0 || i < S->w16_lo) S->w16_lo = i;
+    if ((uint64_t)i + 1 > S->w16_hi) S->w16_hi = (uint64_t)i + 1;
+}
+
 // LoRA as peft 0.2x runs it (peft/tuners/lora/layer.py, Linear.forward): the adapters are kept
 // in fp32 (get_peft_model's autocast_adapter_dtype=True upcasts bf16/fp16 adapter weights), so
 // x = _cast_input_dtype(x, lora_A.weight.dtype) makes an fp32 copy of a 16-bit input;
@@ -4694,10 +4705,8 @@ MN__PRIVATE uint32_t mn__lora_t2(mn__sim *S, uint32_t x, uint32_t y, uint64_t in
     mn__op_rec(S, &d);
     mn__drop(S, x16);
     if (c->amp) {  // autocast's cached 16-bit adapter weights
-        if (S->params[la].w16 == MN__NONE)
-            S->params[la].w16 = mn__tensor_new(S, S->params[la].numel, 2, MN_CAT_WEIGHTS);
-        if (S->params[lb].w16 == MN__NONE)
-            S->params[lb].w16 = mn__tensor_new(S, S->params[lb].numel, 2, MN_CAT_WEIGHTS);
+        mn__w16_new(S, la);
+        mn__w16_new(S, lb);
     }
     z = mn__tensor_new(S, mn__prod(S, rows, out), he, MN_CAT_ACTIVATIONS);
     d = mn__op_desc_of(z);
@@ -4748,11 +4757,7 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
     }
     if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
         S->why = "autocast: cached 16-bit weight copies";
-        if (P->w16 == MN__NONE) {
-            P->w16 = mn__tensor_new(S, P->numel, 2, MN_CAT_WEIGHTS);
-            if (S->w16_hi == 0 || w < S->w16_lo) S->w16_lo = w;
-            if (w + 1 > S->w16_hi) S->w16_hi = w + 1;
-        }
+        mn__w16_new(S, w);
         S->why = "linear: outputs and autocast input casts";
         w16 = P->w16;
     }
@@ -5404,8 +5409,7 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
 }
 
 // Drops the autocast weight cache (autocast exit); tensors saved for backward stay.
-// Only the parameters in [w16_lo, w16_hi) can hold a copy: a checkpointed block's re-run casts
-// its own weights, so the clear after it costs that block's parameters, not the model's.
+// Only the parameters in [w16_lo, w16_hi) can hold a copy (mn__w16_new).
 MN__PRIVATE void mn__amp_clear(mn__sim *S) {
     uint64_t i;
     if (S->counting) return;
