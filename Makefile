@@ -1,8 +1,8 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
 # under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, and the
-# ops with MEMANAT_NO_SIMD), fuzz
-# (bounded fuzzing of the parsers), bench (benchmark programs), cuda-probe.
+# ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every parser), bench (benchmark programs),
+# cuda-probe.
 # With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
 # (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and links it into the
 # trainer (--device cuda), and `make test` first runs
@@ -165,7 +165,15 @@ build/memanat_asan: memanat.c $(HDRS) | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ memanat.c $(LDLIBS)
 
-sanitize: build/memanat_asan build/test_asan
+# The library's argument checks do not lean on assert: the bad-argument tests also run with
+# NDEBUG, where an assert would be gone.
+build/test_asan_ndebug: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
+	$(CC) $(CSTD) -O1 -g -DNDEBUG -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
+
+sanitize: build/memanat_asan build/test_asan build/test_asan_ndebug
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build/test_asan_ndebug \
+	    bad_arguments | tail -n 1
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MEMANAT_BIN=build/memanat_asan \
 	    MN_TEST_NO_BINDINGS=1 ./build/test_asan
 
@@ -180,19 +188,24 @@ clang: $(TESTSRC) $(HDRS) memanat.c trainer.c bind/memanat_api.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/trainer_clang trainer.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_CUDA -c -o build/trainer_cuda_clang.o trainer.c
-	MN_TEST_NO_BINDINGS=1 ./build/test_clang > build/test_clang.log || \
+	MEMANAT_BIN=build/memanat_clang MN_TEST_NO_BINDINGS=1 ./build/test_clang > build/test_clang.log || \
 	    (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_NO_SIMD -o build/test_nosimd $(TESTSRC) $(LDLIBS)
 	./build/test_nosimd ops > build/test_nosimd.log || (tail -n 30 build/test_nosimd.log; exit 1)
 	@echo "ops without SIMD: $$(tail -n 1 build/test_nosimd.log)"
 
-# Fuzzing the JSON, safetensors and config readers for a bounded time (FUZZ_SECONDS).
-FUZZ_SECONDS ?= 20
-fuzz: test/fuzz.c $(HDRS) | build
+# Fuzzing every parser (test/fuzz/fuzz.c: json, safetensors, config, index, snapshot, csv, lengths,
+# allocconf, size), each for FUZZ_SECONDS from its seeds in test/fuzz/corpus/NAME;
+# FUZZ_TARGET=NAME runs one.
+FUZZ_SECONDS ?= 10
+FUZZ_TARGET ?= all
+build/fuzz: test/fuzz/fuzz.c memanat.c $(HDRS) | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined $(WARN) \
-	    -o build/fuzz test/fuzz.c $(LDLIBS)
-	./build/fuzz --seconds $(FUZZ_SECONDS) test/corpus
+	    -o $@ test/fuzz/fuzz.c $(LDLIBS)
+
+fuzz: build/fuzz
+	./build/fuzz --seconds $(FUZZ_SECONDS) --target $(FUZZ_TARGET) test/fuzz/corpus
 
 bench: $(BENCHES)
 

@@ -5,7 +5,8 @@
 //   memanat models               the model presets and the GPU table
 //   memanat replay FILE          replay an allocation trace through the caching allocator
 //
-// Bad input exits with status 2 and one line on stderr naming the problem.
+// Exit status: 0 ok, 1 does not fit (estimate) or no plan fits (fit), 2 bad input, with one line
+// on stderr naming the problem (warnings, each once, start with "memanat: warning:").
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <math.h>
@@ -21,10 +22,23 @@
 
 static char first_error[512];
 
+// Warnings go to stderr as they come, each text once (fit runs many estimates of one setup);
+// the first error is kept for the one line the command prints when it fails.
 static void capture_log(void *user, mn_log_level level, const char *msg) {
+    static unsigned long long seen[16];
+    static unsigned nseen;
+    unsigned long long h = 1469598103934665603ull;
+    const char *p;
+    unsigned i;
     (void)user;
     if (level == MN_LOG_ERROR && !first_error[0])
         snprintf(first_error, sizeof first_error, "%s", msg);
+    if (level != MN_LOG_WARN) return;
+    for (p = msg; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;  // FNV-1a
+    for (i = 0; i < nseen; i++)
+        if (seen[i] == h) return;
+    if (nseen < sizeof seen / sizeof seen[0]) seen[nseen++] = h;
+    fprintf(stderr, "memanat: warning: %s\n", msg);
 }
 
 static int fail(const char *fmt, ...) {
@@ -53,7 +67,7 @@ enum { CMD_ESTIMATE = 1, CMD_FIT = 2, CMD_REPLAY = 4, CMD_STEP = CMD_ESTIMATE | 
 typedef struct cli {
     mn_model model;
     mn_setup setup;              // replay uses setup.capacity
-    int have_model, json, parts, explain;
+    int have_model, json, parts, explain, no_replay;
     const char *model_src;
     uint64_t params;
     int head_set;
@@ -107,7 +121,9 @@ static int opt_model(cli *c, const char *flag, const char *v) {
     d.logger.log_fn = capture_log;
     r = mn_hf_config_read(v, &d, &c->model);
     if (r == MN_OK) return 0;
-    return first_error[0] ? fail("%s: %s", v, first_error) : fail("%s: %s", v, mn_result_str(r));
+    if (first_error[0])  // the reader's message names the file unless it is about the JSON
+        return strstr(first_error, v) ? fail("%s", first_error) : fail("%s: %s", v, first_error);
+    return fail("%s: %s", v, mn_result_str(r));
 }
 
 static int opt_head(cli *c, const char *flag, const char *v) {
@@ -254,6 +270,7 @@ static const opt options[] = {
     U64("--prompt", setup.prompt, 1),
     U64("--new-tokens", setup.new_tokens, 0),
     U32("--beams", setup.beams, 1),
+    KIND("--no-replay", CMD_STEP, OPT_FLAG, no_replay),
     KIND("--parts", CMD_ESTIMATE, OPT_FLAG, parts),
     KIND("--explain", CMD_ESTIMATE, OPT_FLAG, explain),
     KIND("--snapshot", CMD_ESTIMATE, OPT_TEXT, snapshot),
@@ -347,7 +364,18 @@ static int parse_args(cli *c, unsigned command, int argc, char **argv, const cha
         }
         if ((rc = set_option(c, o, v)) != 0) return rc;
     }
-    if (!c->alloc_conf) c->alloc_conf = env_alloc_conf();
+    {  // the allocator settings, checked here so that the message names where they came from
+        const char *src = c->alloc_conf ? "--alloc-conf"
+                          : getenv("PYTORCH_ALLOC_CONF") ? "PYTORCH_ALLOC_CONF"
+                                                         : "PYTORCH_CUDA_ALLOC_CONF";
+        mn_cache_config cfg;
+        mn_logger lg;
+        if (!c->alloc_conf) c->alloc_conf = env_alloc_conf();
+        lg.log_fn = capture_log, lg.user_data = NULL;
+        if (c->alloc_conf && mn_cache_config_parse(c->alloc_conf, &cfg, &lg) != MN_OK)
+            return fail("%s \"%s\": %s", src, c->alloc_conf,
+                        first_error[0] ? first_error : "not an allocator setting");
+    }
     c->setup.alloc_conf = c->alloc_conf;
     if (command == CMD_REPLAY) {
         if (!c->trace)
@@ -365,7 +393,19 @@ static int parse_args(cli *c, unsigned command, int argc, char **argv, const cha
     }
     if (c->params && c->setup.trainable_params > c->params)
         return fail("--trainable-params exceeds --params");
+    if (c->setup.lora_targets && !c->setup.lora_rank)
+        return fail("--lora-targets without --lora-rank: give the adapters' rank (e.g. 16)");
+    c->setup.no_replay = c->no_replay;
     return 0;
+}
+
+// A step of millions of allocations takes seconds to replay through the allocator: say so, and
+// name the faster mode (peak reserved is then taken as peak allocated).
+static void note_slow(const mn_estimate_result *r) {
+    if (r->setup.no_replay || r->alloc_events < 1000000) return;
+    fprintf(stderr, "memanat: note: the step makes %.1f M allocations; replaying them through the "
+            "allocator takes most of the time (--no-replay skips it: peak reserved = peak "
+            "allocated)\n", (double)r->alloc_events / 1e6);
 }
 
 // ---- files ------------------------------------------------------------------------------------
@@ -431,7 +471,8 @@ static const char *estimate_usage =
     "             --parts (activations each block keeps for backward)\n"
     "             --explain (every buffer alive at the peak, by the mechanism that made it)\n"
     "             --svg OUT (timeline of the predicted step, stacked by category)\n"
-    "             --snapshot OUT (allocator snapshot for pytorch.org/memory_viz)\n";
+    "             --snapshot OUT (allocator snapshot for pytorch.org/memory_viz)\n"
+    "  speed:     --no-replay (skip the allocator replay: peak reserved = peak allocated)\n";
 
 static const char *fit_usage =
     "usage: memanat fit [same options as estimate]\n"
@@ -568,6 +609,9 @@ static int write_step_pictures(const cli *c, const mn_estimate_result *r) {
     cd.config = c->setup.alloc_conf;
     cd.trace_entries = (uint32_t)(r->alloc_events * 6 + 64 < 8000000 ? r->alloc_events * 6 + 64
                                                                      : 8000000);
+    if (r->alloc_events * 6 + 64 > 8000000)
+        fprintf(stderr, "memanat: warning: the picture keeps the last 8 M of the step's %.1f M "
+                "trace entries (its start is cut)\n", (double)(r->alloc_events * 6) / 1e6);
     cd.logger.log_fn = capture_log;
     if ((res = mn_sim_cache_init(&sc, NULL, &cd)) != MN_OK) return fail_result("allocator", res);
     res = mn_estimate_replay(&c->model, &c->setup, NULL, &sc.cache);
@@ -772,6 +816,7 @@ static int cmd_estimate(int argc, char **argv) {
         return fail("--steps, --seed and --percentile go with --seq-lengths");
     res = mn_estimate(&c.model, &c.setup, &r);
     if (res != MN_OK) return fail_result("estimate", res);
+    note_slow(&r);
     if ((c.svg || c.snapshot) && (rc = write_step_pictures(&c, &r)) != 0) return rc;
     if ((rc = compute_parts(&c, &r, &parts, &nparts)) != 0) {
         free(parts);
@@ -795,7 +840,7 @@ static int cmd_estimate(int argc, char **argv) {
         }
     }
     free(parts);
-    return 0;
+    return r.fits ? 0 : 1;  // 1: does not fit (the answer is printed all the same)
 }
 
 static int cmd_fit(int argc, char **argv) {
@@ -807,6 +852,7 @@ static int cmd_fit(int argc, char **argv) {
     if (rc) return rc == 1 ? 0 : rc;
     res = mn_fit(&c.model, &c.setup, &fr);
     if (res != MN_OK) return fail_result("fit", res);
+    note_slow(&fr.plan_estimate);
     if (c.json) {
         printf("{\"max_batch\": %llu, \"max_seq\": %llu, \"plan_found\": %s, \"plan_slowdown\": "
                "%.3f, \"plan\": [",
@@ -822,7 +868,7 @@ static int cmd_fit(int argc, char **argv) {
         printf("], \"estimate\": {");
         print_json_fields(&fr.plan_estimate, &f);
         printf("}}\n");
-        return 0;
+        return fr.plan_found ? 0 : 1;
     }
     printf("%s on %s (%.0f MiB):\n", fr.plan_estimate.model.name, fr.plan_estimate.gpu.label,
            (double)fr.plan_estimate.capacity / 1048576.0);
@@ -841,7 +887,7 @@ static int cmd_fit(int argc, char **argv) {
         printf("  estimated step time x%.2f of the setup as given\n", fr.plan_slowdown);
     printf("\n");
     print_table(&fr.plan_estimate);
-    return 0;
+    return fr.plan_found ? 0 : 1;  // 1: nothing fits this device
 }
 
 static int cmd_models(int argc, char **argv) {
@@ -884,6 +930,17 @@ static int cmd_models(int argc, char **argv) {
 //   - a PyTorch snapshot saved as JSON (torch.cuda.memory._snapshot()): device_traces of the
 //     first device with entries; "alloc" allocates, "free_requested" (or "free") frees.
 // Events of a null pointer are dropped. Streams are numbered densely in order of appearance.
+// Limits, each an error that names it: a CSV row of TRACE_MAX_LINE bytes or TRACE_MAX_FIELDS
+// fields, TRACE_MAX_EVENTS events, a snapshot of TRACE_MAX_JSON bytes (the JSON reader's own
+// default, with its nesting limit); the CSV is read a row at a time, so an endless input (a pipe,
+// /dev/zero) ends at its first overlong row. An allocation of 1 EiB or more is refused as input:
+// no allocator grants it (PyTorch's one_exa_bytes check), so no trace can hold one.
+
+#define TRACE_MAX_LINE 4096
+#define TRACE_MAX_FIELDS 64
+#define TRACE_MAX_EVENTS 100000000ull
+#define TRACE_MAX_JSON (256ull << 20)
+#define TRACE_ONE_EXA (1ull << 60)
 
 typedef struct trace {
     mn_trace_event *ev;
@@ -891,6 +948,8 @@ typedef struct trace {
     uint64_t streams[64];  // trace stream values by dense number (index 0 is value 0)
     uint32_t nstreams;
     uint64_t skipped;      // rows that are neither allocations nor frees
+    const char *file;
+    int streams_shared;    // more than 63 streams were seen (warned once)
 } trace;
 
 static int trace_push(trace *t, uint64_t ptr, uint64_t size, uint64_t stream, int is_alloc,
@@ -899,14 +958,23 @@ static int trace_push(trace *t, uint64_t ptr, uint64_t size, uint64_t stream, in
     uint32_t s = 0, k;
     if (t->n == t->cap) {
         size_t cap = t->cap ? t->cap * 2 : 4096;
-        mn_trace_event *ev = (mn_trace_event *)realloc(t->ev, cap * sizeof *ev);
-        if (!ev) return fail("out of memory reading the trace");
+        mn_trace_event *ev;
+        if (t->n >= TRACE_MAX_EVENTS)
+            return fail("%s: more than %llu events, the most memanat replays", t->file,
+                        (unsigned long long)TRACE_MAX_EVENTS);
+        ev = (mn_trace_event *)realloc(t->ev, cap * sizeof *ev);
+        if (!ev) return fail("%s: out of memory after %zu events", t->file, t->n);
         t->ev = ev, t->cap = cap;
     }
     if (stream != 0) {
         for (k = 1; k < t->nstreams && t->streams[k] != stream; k++) continue;
         if (k == t->nstreams) {
             if (t->nstreams == 0) t->nstreams = 1;
+            if (t->nstreams == 64 && !t->streams_shared) {
+                t->streams_shared = 1;
+                fprintf(stderr, "memanat: warning: %s: more than 63 streams; the later ones "
+                        "share the 63rd\n", t->file);
+            }
             k = t->nstreams < 64 ? t->nstreams++ : 63;  // beyond 63 streams: shared
             t->streams[k] = stream;
         }
@@ -954,80 +1022,185 @@ static int csv_num(const char *s, size_t n, int hex_default, uint64_t *out) {
 }
 
 enum { COL_ACTION, COL_POINTER, COL_SIZE, COL_STREAM, COL_COUNT };
+static const char *const col_names[COL_COUNT] = {"Action", "Pointer", "Size", "Stream"};
 
 // The header row names the columns. 0, or the exit status.
 static int csv_header(const char *const *f, const size_t *fl, int nf, const char *file,
                       int col[COL_COUNT]) {
-    static const char *const names[COL_COUNT] = {"Action", "Pointer", "Size", "Stream"};
     int k, j;
     for (k = 0; k < nf; k++)
         for (j = 0; j < COL_COUNT; j++)
-            if (csv_is(f[k], fl[k], names[j])) col[j] = k;
+            if (csv_is(f[k], fl[k], col_names[j])) col[j] = k;
     for (j = 0; j < COL_COUNT; j++)
         if (col[j] < 0)
             return fail("%s: line 1 is not an RMM log header (Thread,Time,Action,Pointer,Size,"
-                        "Stream): no column '%s'", file, names[j]);
+                        "Stream): no column '%s'", file, col_names[j]);
     return 0;
+}
+
+// One number field of a data row. 0, or the exit status.
+static int csv_field(const char *const *f, const size_t *fl, const int col[COL_COUNT], int which,
+                     int hex, const char *file, uint64_t line, uint64_t *out) {
+    const char *v = f[col[which]];
+    size_t n = fl[col[which]];
+    if (csv_num(v, n, hex, out)) return 0;
+    csv_trim(&v, &n);
+    return fail("%s: line %llu, column %d (%s): '%.*s' is not %s", file, (unsigned long long)line,
+                col[which] + 1, col_names[which], (int)(n < 40 ? n : 40), v,
+                hex ? "a hex number (0x...) or (nil)" : "a decimal byte count below 2^64");
 }
 
 // One data row. 0, or the exit status.
-static int csv_row(const char *const *f, const size_t *fl, int nf, const int col[COL_COUNT],
-                   const char *file, uint64_t line, trace *t) {
+static int csv_row(const char *const *f, const size_t *fl, int nf, int header_nf,
+                   const int col[COL_COUNT], const char *file, uint64_t line, trace *t) {
     const char *act = f[col[COL_ACTION]];
     size_t actn = fl[col[COL_ACTION]];
     uint64_t ptr = 0, size = 0, stream = 0;
-    int k, is_alloc;
-    for (k = 0; k < COL_COUNT; k++)
-        if (col[k] >= nf)
-            return fail("%s: line %llu has %d fields, want %d", file, (unsigned long long)line, nf,
-                        col[k] + 1);
+    int is_alloc, rc;
+    if (nf != header_nf)
+        return fail("%s: line %llu has %d fields, the header %d", file, (unsigned long long)line,
+                    nf, header_nf);
     if (csv_is(act, actn, "allocate failure")) return t->skipped++, 0;
     if (csv_is(act, actn, "allocate")) is_alloc = 1;
     else if (csv_is(act, actn, "free")) is_alloc = 0;
-    else return fail("%s: line %llu: unknown action '%.*s' (want allocate or free)", file,
-                     (unsigned long long)line, (int)actn, act);
-    if (!csv_num(f[col[COL_POINTER]], fl[col[COL_POINTER]], 1, &ptr) ||
-        !csv_num(f[col[COL_SIZE]], fl[col[COL_SIZE]], 0, &size) ||
-        !csv_num(f[col[COL_STREAM]], fl[col[COL_STREAM]], 1, &stream))
-        return fail("%s: line %llu: bad pointer, size or stream", file, (unsigned long long)line);
+    else {
+        csv_trim(&act, &actn);
+        return fail("%s: line %llu, column %d (Action): '%.*s' is not allocate, free or allocate "
+                    "failure", file, (unsigned long long)line, col[COL_ACTION] + 1,
+                    (int)(actn < 40 ? actn : 40), act);
+    }
+    if ((rc = csv_field(f, fl, col, COL_POINTER, 1, file, line, &ptr)) != 0 ||
+        (rc = csv_field(f, fl, col, COL_SIZE, 0, file, line, &size)) != 0 ||
+        (rc = csv_field(f, fl, col, COL_STREAM, 1, file, line, &stream)) != 0)
+        return rc;
+    if (is_alloc && size >= TRACE_ONE_EXA)
+        return fail("%s: line %llu, column %d (Size): %llu bytes is 1 EiB or more, which no "
+                    "allocator grants (want less than %llu)", file, (unsigned long long)line,
+                    col[COL_SIZE] + 1, (unsigned long long)size,
+                    (unsigned long long)TRACE_ONE_EXA);
     return trace_push(t, ptr, size, stream, is_alloc, MN_CAT_OTHER);
 }
 
-static int read_csv(const char *text, size_t len, const char *file, trace *t) {
-    int col[COL_COUNT] = {-1, -1, -1, -1}, rc;
-    const char *p = text, *end = text + len;
-    uint64_t line = 0;
-    for (; p < end; p++) {
-        const char *eol = (const char *)memchr(p, '\n', (size_t)(end - p)), *q, *f[16];
-        size_t fl[16];
-        int nf = 0;
-        if (!eol) eol = end;
-        line++;
-        if (eol == p || (eol == p + 1 && *p == '\r')) {  // a blank line
-            p = eol;
-            continue;
+// Rows of a stream, at most TRACE_MAX_LINE bytes each, through one fixed buffer.
+typedef struct row_reader {
+    FILE *f;
+    char buf[2 * TRACE_MAX_LINE + 2];
+    size_t beg, end;
+    int eof;
+} row_reader;
+
+// The next row (without its newline) in *row, *len. 1: a row, 0: the end, -1: a row longer than
+// TRACE_MAX_LINE, -2: a read error.
+static int next_row(row_reader *r, const char **row, size_t *len) {
+    for (;;) {
+        char *nl = (char *)memchr(r->buf + r->beg, '\n', r->end - r->beg);
+        size_t got;
+        if (nl || (r->eof && r->end > r->beg)) {
+            size_t n = nl ? (size_t)(nl - (r->buf + r->beg)) : r->end - r->beg;
+            if (n > TRACE_MAX_LINE) return -1;
+            *row = r->buf + r->beg, *len = n;
+            r->beg += n + (nl ? 1 : 0);
+            return 1;
         }
-        for (q = p; nf < 16;) {  // fields between commas
+        if (r->eof) return 0;
+        if (r->end - r->beg > TRACE_MAX_LINE) return -1;
+        memmove(r->buf, r->buf + r->beg, r->end - r->beg);
+        r->end -= r->beg, r->beg = 0;
+        got = fread(r->buf + r->end, 1, sizeof r->buf - r->end, r->f);
+        r->end += got;
+        if (got == 0) {
+            if (ferror(r->f)) return -2;
+            r->eof = 1;
+        }
+    }
+}
+
+static int read_csv(FILE *f, uint64_t line, trace *t) {
+    static row_reader rr;
+    int col[COL_COUNT] = {-1, -1, -1, -1}, header_nf = 0, rc, got;
+    const char *p, *file = t->file;
+    size_t n;
+    memset(&rr, 0, sizeof rr);
+    rr.f = f;
+    while ((got = next_row(&rr, &p, &n)) == 1) {
+        const char *eol = p + n, *q, *fld[TRACE_MAX_FIELDS];
+        size_t fl[TRACE_MAX_FIELDS];
+        int nf = 0;
+        line++;
+        if (n == 0 || (n == 1 && *p == '\r')) continue;  // a blank line
+        if ((q = (const char *)memchr(p, 0, n)) != NULL)
+            return fail("%s: line %llu, byte %zu of the row: a NUL byte (not a CSV text file)",
+                        file, (unsigned long long)line, (size_t)(q - p) + 1);
+        for (q = p;;) {  // fields between commas
             const char *comma = (const char *)memchr(q, ',', (size_t)(eol - q));
-            f[nf] = q, fl[nf] = (size_t)((comma ? comma : eol) - q), nf++;
+            if (nf == TRACE_MAX_FIELDS)
+                return fail("%s: line %llu has more than %d fields", file,
+                            (unsigned long long)line, TRACE_MAX_FIELDS);
+            fld[nf] = q, fl[nf] = (size_t)((comma ? comma : eol) - q), nf++;
             if (!comma) break;
             q = comma + 1;
         }
-        if (col[0] < 0) rc = csv_header(f, fl, nf, file, col);
-        else rc = csv_row(f, fl, nf, col, file, line, t);
+        if (col[0] < 0) rc = csv_header(fld, fl, nf, file, col), header_nf = nf;
+        else rc = csv_row(fld, fl, nf, header_nf, col, file, line, t);
         if (rc) return rc;
-        p = eol;
     }
-    if (col[0] < 0) return fail("%s: empty file", file);
+    if (got == -1)
+        return fail("%s: line %llu is longer than %d bytes (an RMM log row is about 80; not a "
+                    "trace?)", file, (unsigned long long)line + 1, TRACE_MAX_LINE);
+    if (got == -2) return fail("%s: read error after line %llu", file, (unsigned long long)line);
+    if (col[0] < 0) return fail("%s: empty file (want an RMM log CSV or a snapshot JSON)", file);
     return 0;
 }
 
-static int read_snapshot(const char *text, size_t len, const char *file, trace *t) {
+// The rest of f into *text (NUL-terminated), at most max bytes. 0, or the exit status.
+static int read_rest(FILE *f, const char *path, uint64_t max, char **text, size_t *len) {
+    char *buf = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        size_t got;
+        if (n == cap) {
+            char *nb;
+            if (cap > max) {
+                free(buf);
+                return fail("%s: larger than %llu bytes, the most memanat reads as a snapshot",
+                            path, (unsigned long long)max);
+            }
+            cap = cap ? cap * 2 : 1 << 16;
+            if (!(nb = (char *)realloc(buf, cap + 1))) {
+                free(buf);
+                return fail("%s: out of memory after %zu bytes", path, n);
+            }
+            buf = nb;
+        }
+        got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (got == 0) break;
+    }
+    if (ferror(f)) {
+        free(buf);
+        return fail("%s: read error after %zu bytes", path, n);
+    }
+    if (n > max) {
+        free(buf);
+        return fail("%s: larger than %llu bytes, the most memanat reads as a snapshot", path,
+                    (unsigned long long)max);
+    }
+    buf[n] = 0;
+    *text = buf, *len = n;
+    return 0;
+}
+
+static int read_snapshot(const char *text, size_t len, trace *t) {
     mn_json_doc doc;
+    mn_json_desc jd;
     const mn_json_value *dt, *tr = NULL;
+    const char *file = t->file;
     size_t i;
     int rc = 0;
-    mn_result r = mn_json_parse(text, len, NULL, &doc);
+    mn_result r;
+    memset(&jd, 0, sizeof jd);
+    jd.max_bytes = TRACE_MAX_JSON;
+    r = mn_json_parse(text, len, &jd, &doc);
     if (r != MN_OK) return fail("%s: not valid JSON (%s)", file, doc.error);
     dt = mn_json_get(doc.root, "device_traces");
     if (!dt || dt->type != MN_JSON_ARRAY)
@@ -1042,7 +1215,7 @@ static int read_snapshot(const char *text, size_t len, const char *file, trace *
         mn_category c = MN_CAT_OTHER;
         int is_alloc, k;
         if (!a || a->type != MN_JSON_STRING) {
-            rc = fail("%s: trace entry %zu has no \"action\"", file, i);
+            rc = fail("%s: device_traces entry %zu has no \"action\" string", file, i);
             break;
         }
         if (strcmp(a->str, "alloc") == 0) is_alloc = 1;
@@ -1053,10 +1226,22 @@ static int read_snapshot(const char *text, size_t len, const char *file, trace *
         }
         if (mn_json_u64(mn_json_get(e, "addr"), &addr) != MN_OK ||
             (is_alloc && mn_json_u64(mn_json_get(e, "size"), &size) != MN_OK)) {
-            rc = fail("%s: trace entry %zu needs integer \"addr\" and \"size\"", file, i);
+            rc = fail("%s: device_traces entry %zu (\"%s\"): \"addr\"%s must be integers from 0 "
+                      "to 2^64-1", file, i, a->str, is_alloc ? " and \"size\"" : "");
             break;
         }
-        if (mn_json_u64(mn_json_get(e, "stream"), &stream) != MN_OK) stream = 0;
+        if (is_alloc && size >= TRACE_ONE_EXA) {
+            rc = fail("%s: device_traces entry %zu: \"size\" %llu is 1 EiB or more, which no "
+                      "allocator grants (want less than %llu)", file, i,
+                      (unsigned long long)size, (unsigned long long)TRACE_ONE_EXA);
+            break;
+        }
+        if (mn_json_get(e, "stream") &&
+            mn_json_u64(mn_json_get(e, "stream"), &stream) != MN_OK) {
+            rc = fail("%s: device_traces entry %zu: \"stream\" must be an integer from 0 to "
+                      "2^64-1", file, i);
+            break;
+        }
         for (k = 0; cat && cat->type == MN_JSON_STRING && k < MN_CAT_COUNT; k++)
             if (strcmp(cat->str, mn_category_name((mn_category)k)) == 0) c = (mn_category)k;
         rc = trace_push(t, addr, size, stream, is_alloc, c);
@@ -1065,44 +1250,25 @@ static int read_snapshot(const char *text, size_t len, const char *file, trace *
     return rc;
 }
 
-// The whole file into *text (NUL-terminated). 0, or the exit status.
-static int read_file(const char *path, char **text, size_t *len) {
+static int read_trace(const char *path, trace *t) {
     FILE *f = fopen(path, "rb");
-    char *buf = NULL;
-    size_t n = 0;
+    uint64_t lines = 0;
+    int ch, rc;
+    t->file = path;
     if (!f) return fail("cannot open %s: %s", path, strerror(errno));
-    for (;;) {
-        size_t cap = n ? n * 2 : 1 << 16;
-        char *nb = (char *)realloc(buf, cap + 1);
-        if (!nb) {
-            free(buf);
-            fclose(f);
-            return fail("out of memory reading %s", path);
-        }
-        buf = nb;
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap) break;
-    }
-    if (ferror(f)) {
-        free(buf);
-        fclose(f);
-        return fail("cannot read %s", path);
+    while ((ch = getc(f)) != EOF && strchr(" \n\r\t", ch) && ch) lines += ch == '\n';
+    if (ch == '{') {
+        char *text = NULL;
+        size_t len = 0;
+        ungetc(ch, f);
+        rc = read_rest(f, path, TRACE_MAX_JSON, &text, &len);
+        if (!rc) rc = read_snapshot(text, len, t);
+        free(text);
+    } else {
+        if (ch != EOF) ungetc(ch, f);
+        rc = read_csv(f, lines, t);
     }
     fclose(f);
-    buf[n] = 0;
-    *text = buf, *len = n;
-    return 0;
-}
-
-static int read_trace(const char *path, trace *t) {
-    char *text = NULL;
-    size_t len = 0, k;
-    int rc = read_file(path, &text, &len);
-    if (rc) return rc;
-    for (k = 0; k < len && strchr(" \n\r\t", text[k]); k++) continue;
-    rc = k < len && text[k] == '{' ? read_snapshot(text, len, path, t)
-                                   : read_csv(text, len, path, t);
-    free(text);
     return rc;
 }
 
@@ -1125,9 +1291,9 @@ static void replay_print_json(const struct mn_cache_stats *st, double ratio,
     for (i = 0; i < count; i++)
         printf("%s\"%s\": %lld", i ? ", " : "", items[i].key, (long long)items[i].value);
     printf(", \"peak_reserved_over_peak_allocated\": %.6f, \"replay.allocations\": %llu, "
-           "\"replay.frees\": %llu, \"replay.unmatched_frees\": %llu}\n", ratio,
-           (unsigned long long)n->allocations, (unsigned long long)n->frees,
-           (unsigned long long)n->unmatched_frees);
+           "\"replay.frees\": %llu, \"replay.unmatched_frees\": %llu, \"replay.failed\": %llu}\n",
+           ratio, (unsigned long long)n->allocations, (unsigned long long)n->frees,
+           (unsigned long long)n->unmatched_frees, (unsigned long long)n->failed);
 }
 
 static void replay_print_text(const cli *c, const trace *t, mn_cache *cache,
@@ -1137,10 +1303,11 @@ static void replay_print_text(const cli *c, const trace *t, mn_cache *cache,
     mn_size_format(st->allocated_bytes[MN_STAT_ALL].peak, pa, sizeof pa);
     mn_size_format(st->reserved_bytes[MN_STAT_ALL].peak, pr, sizeof pr);
     mn_size_format(c->setup.capacity, cs, sizeof cs);
-    printf("memanat replay: %s: %llu allocations, %llu frees (%llu unmatched), %llu rows "
-           "skipped, %u streams\n", c->trace, (unsigned long long)n->allocations,
-           (unsigned long long)n->frees, (unsigned long long)n->unmatched_frees,
-           (unsigned long long)t->skipped, t->nstreams ? t->nstreams : 1);
+    printf("memanat replay: %s: %llu allocations (%llu refused), %llu frees (%llu unmatched), "
+           "%llu rows skipped, %u streams\n", c->trace, (unsigned long long)n->allocations,
+           (unsigned long long)n->failed, (unsigned long long)n->frees,
+           (unsigned long long)n->unmatched_frees, (unsigned long long)t->skipped,
+           t->nstreams ? t->nstreams : 1);
     printf("config: %s; device capacity: %s\n",
            c->alloc_conf && c->alloc_conf[0] ? c->alloc_conf : "(defaults)",
            c->setup.capacity ? cs : "unlimited");
@@ -1183,6 +1350,9 @@ static int cmd_replay(int argc, char **argv) {
     cd.config = c.alloc_conf;
     cd.logger.log_fn = capture_log;
     if (c.svg) cd.trace_entries = t.n * 2 + 64 < (1u << 22) ? (uint32_t)(t.n * 2 + 64) : (1u << 22);
+    if (c.svg && t.n * 2 + 64 > (1u << 22))
+        fprintf(stderr, "memanat: warning: the picture keeps the last %u of %.1f M trace entries "
+                "(its start is cut)\n", 1u << 22, (double)(t.n * 2) / 1e6);
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) {
         rc = fail_result("allocator", r);
         goto done;

@@ -14,7 +14,8 @@
 //   MEMANAT_STATIC         make every function static to that file
 //   MN_MALLOC(sz), MN_FREE(p)   host allocation used when a descriptor gives no allocator
 //                          (define both or neither; default malloc/free)
-//   MN_ASSERT(c)           programmer-error check (default assert)
+//   MN_ASSERT(c)           check of an internal invariant (default assert); never used on
+//                          arguments or input: those get an mn_result, with or without NDEBUG
 //   MEMANAT_NO_THREADS     build the caching allocator without its mutex (one thread per cache)
 //   MEMANAT_NO_SIMD        the matmul register tile in plain C instead of GCC/clang vector
 //                          extensions (slower; the tests pass either way)
@@ -187,7 +188,7 @@ MNDEF void mn_size_format(uint64_t bytes, char *buf, size_t cap);  // "1.25 GiB"
 //
 // A strict JSON reader (RFC 8259) that builds a read-only tree in one arena, small JSON-writing
 // helpers, and a reader for safetensors headers. Both readers take untrusted files: every rule of
-// the grammar is enforced, every size is checked, and the fuzz driver (test/fuzz.c) runs them.
+// the grammar is enforced, every size is checked, and the fuzz driver (test/fuzz/fuzz.c) runs them.
 
 typedef enum mn_json_type {
     MN_JSON_INVALID = 0,
@@ -2107,7 +2108,7 @@ MNDEF void mn_adamw8bit_free(mn_adamw8bit *s);
 // The 256-entry dynamic quantization map of bitsandbytes create_dynamic_map(signed, 7, 8), sorted
 // ascending: signed = 127 negatives down to -0.993, 0, 128 positives up to 1.0 (smallest
 // magnitude 5.5e-7); unsigned = 0 and 255 positives up to 1.0 (smallest 3.25e-7).
-MNDEF void mn_dynamic_map(int is_signed, float map[256]);
+MNDEF mn_result mn_dynamic_map(int is_signed, float map[256]);  // INVALID_ARG: map NULL
 // Block-wise quantization: absmax[b] = max |x| over block b, codes[i] = index of the map entry
 // nearest to x[i] / absmax[b]. map [256] ascending, x [n], codes [n], absmax [ceil(n/block)].
 MNDEF mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_t n,
@@ -2223,10 +2224,10 @@ MNDEF float mn_fp16_to_fp32(uint16_t h);
 MNDEF uint16_t mn_fp32_to_bf16(float f);
 MNDEF float mn_bf16_to_fp32(uint16_t b);
 // Bulk versions: src [n] -> dst [n].
-MNDEF void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n);
-MNDEF void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
-MNDEF void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n);
-MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
+MNDEF mn_result mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n);
+MNDEF mn_result mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
+MNDEF mn_result mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n);
+MNDEF mn_result mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 // >>ops -------------------------------------------------------------------------------------------
 //
 // CPU reference ops, forward and backward, on caller-owned fp32 host arrays with fp32 (or double)
@@ -2245,8 +2246,11 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 //     tensor used twice add up and gradient accumulation over micro-batches needs no extra pass.
 //     Zero the gradient buffers before the first backward.
 //   - Output buffers do not alias inputs unless a comment says so.
-//   - Ops that only compute on caller buffers return void; ops that validate data (token ids,
-//     targets, probabilities) return mn_result and write nothing when they fail.
+//   - Every op returns mn_result and writes nothing when it fails: MN_ERR_INVALID_ARG for a
+//     NULL array that is needed, a zero width that divides (C of the norms, L of softmax, NH of
+//     attention, C % NH), a shape whose element count overflows size_t, or bad data (token ids,
+//     targets, probabilities). No op asserts or exits, with or without NDEBUG. What cannot be
+//     checked from inside - array lengths, aliasing not allowed below - is the caller's part.
 //   - With OpenMP (-fopenmp) the heavy loops run in parallel; threads own disjoint outputs and
 //     every sum runs in a fixed order, so results do not depend on the thread count. Every op
 //     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
@@ -2257,44 +2261,46 @@ MNDEF void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n);
 // Matmul: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC], cache-blocked and register-tiled.
 // pre_gelu: [N,OC] or NULL. Non-NULL selects the fused GELU (tanh) epilogue: pre_gelu receives
 //   inp @ weight^T + bias and out = gelu(pre_gelu). bias may be NULL.
-MNDEF void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, const float *weight,
-                             const float *bias, size_t N, size_t C, size_t OC);
+MNDEF mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp,
+                                  const float *weight, const float *bias, size_t N, size_t C,
+                                  size_t OC);
 // dinp[N,C] += dpre @ weight;  dweight[OC,C] += dpre^T @ inp;  dbias[OC] += sum_n dpre[n,:],
 // where dpre = dout, or dout * gelu'(pre_gelu) when pre_gelu is non-NULL. In that case dout [N,OC]
 // is overwritten in place with dpre (as cuBLASLt's DGELU epilogue does). dinp, dweight and dbias
 // may each be NULL to skip that gradient.
-MNDEF void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
-                              const float *inp, const float *weight, const float *pre_gelu,
-                              size_t N, size_t C, size_t OC);
+MNDEF mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
+                                   const float *inp, const float *weight, const float *pre_gelu,
+                                   size_t N, size_t C, size_t OC);
 
 // LayerNorm over the last dimension (Ba, Kiros & Hinton 2016), biased variance, eps e.g. 1e-5.
 // out[N,C], mean[N] and rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C],
 // bias[C] or NULL.
-MNDEF void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                const float *weight, const float *bias, size_t N, size_t C,
-                                float eps);
+MNDEF mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                     const float *weight, const float *bias, size_t N, size_t C,
+                                     float eps);
 // dinp[N,C] +=, dweight[C] +=, dbias[C] += (or NULL); dout[N,C], inp[N,C], weight[C],
 // mean[N] and rstd[N] from the forward.
-MNDEF void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                                 const float *inp, const float *weight, const float *mean,
-                                 const float *rstd, size_t N, size_t C);
+MNDEF mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                                      const float *inp, const float *weight, const float *mean,
+                                      const float *rstd, size_t N, size_t C);
 
 // RMSNorm (Zhang & Sennrich 2019): out = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps).
 // out[N,C], rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C].
-MNDEF void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
-                              size_t N, size_t C, float eps);
+MNDEF mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                                   size_t N, size_t C, float eps);
 // dinp[N,C] +=, dweight[C] +=; dout[N,C], inp[N,C], weight[C], rstd[N] from the forward.
-MNDEF void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
-                               const float *weight, const float *rstd, size_t N, size_t C);
+MNDEF mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
+                                    const float *inp, const float *weight, const float *rstd,
+                                    size_t N, size_t C);
 
 // Softmax over rows of length L: out[n,:] = softmax(scale * inp[n,:]). With causal non-zero the
 // rows form square [L,L] blocks (row n is query position t = n % L) and columns j > t are masked:
 // their probability is exactly 0. out[N,L], inp[N,L].
-MNDEF void mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
-                              int causal);
+MNDEF mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
+                                   int causal);
 // dinp[N,L] += scale * out * (dout - sum_j out_j * dout_j); dout[N,L], out[N,L] from the forward.
-MNDEF void mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
-                               size_t L, float scale, int causal);
+MNDEF mn_result mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
+                                    size_t L, float scale, int causal);
 
 // Multi-head scaled dot-product attention (Vaswani et al. 2017) over a fused qkv buffer
 // [B,T,3C]: q = qkv[..., 0:C], k = qkv[..., C:2C], v = qkv[..., 2C:3C], head h uses channels
@@ -2303,36 +2309,36 @@ MNDEF void mn_softmax_backward(float *dinp, const float *dout, const float *out,
 // backward, or is NULL to keep nothing: the backward then recomputes them (no O(T^2) activation,
 // like FlashAttention; the same gradients, bit for bit). Either way the work is tiled and needs
 // no T x T scratch.
-MNDEF void mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
-                                size_t C, size_t NH, int causal);
+MNDEF mn_result mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
+                                     size_t C, size_t NH, int causal);
 // dqkv[B,T,3C] +=; dout[B,T,C], qkv[B,T,3C], att [B,NH,T,T] from the forward or NULL.
-MNDEF void mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                 const float *att, size_t B, size_t T, size_t C, size_t NH,
-                                 int causal);
+MNDEF mn_result mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                      const float *att, size_t B, size_t T, size_t C, size_t NH,
+                                      int causal);
 
 // GELU, tanh approximation (Hendrycks & Gimpel 2016; GPT-2, llm.c, cuBLASLt's GELU epilogue):
 // out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). out[n], inp[n]; out may equal inp.
-MNDEF void mn_gelu_forward(float *out, const float *inp, size_t n);
+MNDEF mn_result mn_gelu_forward(float *out, const float *inp, size_t n);
 // dinp[n] += dout * gelu'(inp).
-MNDEF void mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n);
+MNDEF mn_result mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n);
 // Exact GELU (Hendrycks & Gimpel 2016; torch.nn.GELU() default): out = 0.5 x (1 + erf(x/sqrt 2)).
-MNDEF void mn_gelu_erf_forward(float *out, const float *inp, size_t n);
-MNDEF void mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n);
+MNDEF mn_result mn_gelu_erf_forward(float *out, const float *inp, size_t n);
+MNDEF mn_result mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n);
 
 // SiLU / swish (Elfwing, Uchibe & Doya 2018; Ramachandran et al. 2017): out = x * sigmoid(x).
 // out[n], inp[n]; out may equal inp. Backward: dinp[n] += dout * silu'(inp).
-MNDEF void mn_silu_forward(float *out, const float *inp, size_t n);
-MNDEF void mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n);
+MNDEF mn_result mn_silu_forward(float *out, const float *inp, size_t n);
+MNDEF mn_result mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n);
 // SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): out = silu(gate) * up.
 // out[n], gate[n], up[n]. Backward: dgate[n] +=, dup[n] += (either may be NULL).
-MNDEF void mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n);
-MNDEF void mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
-                              const float *up, size_t n);
+MNDEF mn_result mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n);
+MNDEF mn_result mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
+                                   const float *up, size_t n);
 
 // Residual add: out[n] = a[n] + b[n] (out may equal a or b). Backward: da[n] += dout,
 // db[n] += dout (either may be NULL).
-MNDEF void mn_residual_forward(float *out, const float *a, const float *b, size_t n);
-MNDEF void mn_residual_backward(float *da, float *db, const float *dout, size_t n);
+MNDEF mn_result mn_residual_forward(float *out, const float *a, const float *b, size_t n);
+MNDEF mn_result mn_residual_backward(float *da, float *db, const float *dout, size_t n);
 
 // Embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]. out[B,T,C], tokens[B,T] in [0,V),
 // wte[V,C], wpe[T,C] or NULL (no position embedding). MN_ERR_INVALID_ARG for a token outside
@@ -2466,12 +2472,14 @@ MNIMPL const char *mn_category_name(mn_category c) {
 }
 
 MNIMPL mn_result mn_mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
+    if (!out) return MN_ERR_INVALID_ARG;
     if (a != 0 && b > UINT64_MAX / a) return MN_ERR_OVERFLOW;
     *out = a * b;
     return MN_OK;
 }
 
 MNIMPL mn_result mn_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
+    if (!out) return MN_ERR_INVALID_ARG;
     if (b > UINT64_MAX - a) return MN_ERR_OVERFLOW;
     *out = a + b;
     return MN_OK;
@@ -4060,6 +4068,21 @@ MNIMPL mn_result mn_lora_targets_parse(const char *s, uint32_t *out) {
     return MN_OK;
 }
 
+// "q,v" for the target bits (a message's text).
+MN__PRIVATE void mn__lora_targets_str(uint32_t bits, char *buf, size_t cap) {
+    static const char *const names[] = {"q", "k", "v", "o", "gate", "up", "down"};
+    static const uint32_t flags[] = {MN_LORA_Q, MN_LORA_K, MN_LORA_V, MN_LORA_O, MN_LORA_GATE,
+                                     MN_LORA_UP, MN_LORA_DOWN};
+    size_t i, n = 0;
+    buf[0] = 0;
+    for (i = 0; i < sizeof flags / sizeof flags[0] && n < cap; i++)
+        if (bits & flags[i]) {
+            int w = snprintf(buf + n, cap - n, "%s%s", n ? "," : "", names[i]);
+            if (w < 0) break;
+            n += (size_t)w;
+        }
+}
+
 // ---- >>estimate/tables: presets (shapes from the published config.json files) -------------------
 
 #define MN__KB(x) ((uint64_t)(x) << 10)
@@ -4332,7 +4355,8 @@ typedef struct mn__op {
 typedef struct mn__param {
     uint64_t numel, dims[2];
     uint32_t ndim;
-    uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward
+    uint32_t w16;            // autocast cached 16-bit copy (tensor id) during a forward; made
+                             // by mn__w16_new only, which records it for mn__amp_clear
     uint32_t grad;           // gradient tensor id
     uint64_t grad_pass;      // the backward pass that made .grad (tied weights: see param_grad)
     uint8_t trainable, quant, has_state;
@@ -4405,6 +4429,7 @@ typedef struct mn__sim {
     uint32_t blk;            // block being run
     uint64_t *parts;         // mn_estimate_parts: activation bytes kept per part, or NULL
     int parts_on;            // record into parts during this forward
+    uint64_t w16_lo, w16_hi; // parameters [lo, hi) that may hold an autocast copy (amp_clear)
     // mn_estimate_lengths: steps run (0 = 2), each micro-batch's sequence length (NULL = the
     // setup's), and the event count at the start of the first step and the end of each step
     uint64_t steps;
@@ -4642,6 +4667,16 @@ MN__PRIVATE void mn__release_outputs(mn__sim *S) {
 MN__PRIVATE uint32_t mn__dropout(mn__sim *S, uint32_t x, float p);
 MN__PRIVATE uint32_t mn__add(mn__sim *S, uint32_t a, uint32_t b);
 
+// Autocast's cached 16-bit copy of parameter i, made once per forward; the range of parameters
+// holding one is recorded, so that mn__amp_clear visits those alone (a checkpointed block's re-run
+// casts its own weights: clearing after it costs that block, not the whole model).
+MN__PRIVATE void mn__w16_new(mn__sim *S, uint32_t i) {
+    if (S->counting || S->err || i == MN__NONE || S->params[i].w16 != MN__NONE) return;
+    S->params[i].w16 = mn__tensor_new(S, S->params[i].numel, 2, MN_CAT_WEIGHTS);
+    if (S->w16_hi == 0 || i < S->w16_lo) S->w16_lo = i;
+    if ((uint64_t)i + 1 > S->w16_hi) S->w16_hi = (uint64_t)i + 1;
+}
+
 // LoRA as peft 0.2x runs it (peft/tuners/lora/layer.py, Linear.forward): the adapters are kept
 // in fp32 (get_peft_model's autocast_adapter_dtype=True upcasts bf16/fp16 adapter weights), so
 // x = _cast_input_dtype(x, lora_A.weight.dtype) makes an fp32 copy of a 16-bit input;
@@ -4670,10 +4705,8 @@ MN__PRIVATE uint32_t mn__lora_t2(mn__sim *S, uint32_t x, uint32_t y, uint64_t in
     mn__op_rec(S, &d);
     mn__drop(S, x16);
     if (c->amp) {  // autocast's cached 16-bit adapter weights
-        if (S->params[la].w16 == MN__NONE)
-            S->params[la].w16 = mn__tensor_new(S, S->params[la].numel, 2, MN_CAT_WEIGHTS);
-        if (S->params[lb].w16 == MN__NONE)
-            S->params[lb].w16 = mn__tensor_new(S, S->params[lb].numel, 2, MN_CAT_WEIGHTS);
+        mn__w16_new(S, la);
+        mn__w16_new(S, lb);
     }
     z = mn__tensor_new(S, mn__prod(S, rows, out), he, MN_CAT_ACTIVATIONS);
     d = mn__op_desc_of(z);
@@ -4724,7 +4757,7 @@ MN__PRIVATE uint32_t mn__linear(mn__sim *S, uint32_t x, uint64_t in, uint64_t ou
     }
     if (c->amp && !P->quant) {  // autocast caches the 16-bit weight for the rest of the forward
         S->why = "autocast: cached 16-bit weight copies";
-        if (P->w16 == MN__NONE) P->w16 = mn__tensor_new(S, P->numel, 2, MN_CAT_WEIGHTS);
+        mn__w16_new(S, w);
         S->why = "linear: outputs and autocast input casts";
         w16 = P->w16;
     }
@@ -5376,14 +5409,16 @@ MN__PRIVATE uint32_t mn__block(mn__sim *S, uint32_t x, uint32_t blk, uint32_t me
 }
 
 // Drops the autocast weight cache (autocast exit); tensors saved for backward stay.
+// Only the parameters in [w16_lo, w16_hi) can hold a copy (mn__w16_new).
 MN__PRIVATE void mn__amp_clear(mn__sim *S) {
     uint64_t i;
     if (S->counting) return;
-    for (i = 0; i < S->np; i++) {
+    for (i = S->w16_lo; i < S->w16_hi && i < S->np; i++) {
         if (S->params[i].w16 == MN__NONE) continue;
         mn__drop(S, S->params[i].w16);
         S->params[i].w16 = MN__NONE;
     }
+    S->w16_lo = S->w16_hi = 0;
 }
 
 // A block under full checkpointing: run without recording, keep its input (and the encoder
@@ -6724,6 +6759,19 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         mn__log(lg, MN_LOG_ERROR, "--infer: a custom layer stack has no generation to model");
         return MN_ERR_UNSUPPORTED;
     }
+    // Options that contradict --infer or do nothing without it are refused, not dropped.
+    if (s->infer && s->optim != MN_OPTIM_DEFAULT && s->optim != MN_OPTIM_NONE)
+        MN__INVALID(lg, "--optim %s with --infer: generation keeps no optimizer state (drop one)",
+                    mn_optim_name(s->optim));
+    if (s->infer && s->accum > 1)
+        MN__INVALID(lg, "--accum %llu with --infer: generation accumulates no gradients (drop one)",
+                    (unsigned long long)s->accum);
+    if (s->infer && s->checkpointing > MN_CKPT_NONE)
+        MN__INVALID(lg, "--checkpointing %s with --infer: generation keeps no activations for a "
+                    "backward (drop one)", mn_ckpt_name(s->checkpointing));
+    if (!s->infer && (s->prompt || s->new_tokens || s->beams > 1))
+        MN__INVALID(lg, "--%s applies to generation only: add --infer, or use --seq for training",
+                    s->prompt ? "prompt" : s->new_tokens ? "new-tokens" : "beams");
     if (s->infer) {
         if (s->prompt == 0) s->prompt = s->seq;
         if (s->prompt > (1ull << 26))
@@ -6733,7 +6781,24 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
             MN__INVALID(lg, "--new-tokens %llu is out of range (want 0..67108864)",
                         (unsigned long long)s->new_tokens);
         s->seq = s->prompt, s->accum = 1, s->optim = MN_OPTIM_NONE, s->checkpointing = MN_CKPT_NONE;
+        // a learned position table has max_positions rows: generating past it indexes beyond
+        // the table (transformers' GPT-2 / BERT embeddings); rotary models extrapolate
+        if (m->posemb == MN_POS_LEARNED && s->prompt + s->new_tokens > m->max_positions)
+            MN__INVALID(lg, "--prompt %llu + --new-tokens %llu = %llu positions is beyond the "
+                        "model's %llu (a learned position table)", (unsigned long long)s->prompt,
+                        (unsigned long long)s->new_tokens,
+                        (unsigned long long)(s->prompt + s->new_tokens),
+                        (unsigned long long)m->max_positions);
+        if (m->posemb != MN_POS_LEARNED && m->max_positions &&
+            s->prompt + s->new_tokens > m->max_positions)
+            mn__log(lg, MN_LOG_WARN, "--prompt %llu + --new-tokens %llu goes beyond the model's "
+                    "%llu positions: estimated as asked, though quality past them is not assured",
+                    (unsigned long long)s->prompt, (unsigned long long)s->new_tokens,
+                    (unsigned long long)m->max_positions);
     }
+    if (s->zero_stage > 0 && s->gpus == 1 && s->offload == MN_OFFLOAD_NONE)
+        mn__log(lg, MN_LOG_WARN, "--zero %u over 1 GPU shards nothing: the model states stay "
+                "whole on the GPU (give --gpus N, or --offload)", s->zero_stage);
     if (s->framework == MN_FW_MEMANAT && (r = mn__resolve_memanat(m, s, lg)) != MN_OK) return r;
     // the trainer runs on the CPU: host memory, no context, no cuBLAS workspace
     if (!s->gpu) s->gpu = s->framework == MN_FW_MEMANAT ? "cpu" : "a100-80gb";
@@ -6742,11 +6807,20 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
         return MN_ERR_NOT_FOUND;
     }
     s->gpu = gpu->name;
+    // bf16 needs sm 80 or newer: transformers' TrainingArguments refuses --bf16 without it
+    // (is_torch_bf16_gpu_available), and autocast has no bf16 kernels there
+    if (!gpu->bf16 && (s->precision == MN_PREC_BF16 || s->precision == MN_PREC_BF16_PURE))
+        MN__INVALID(lg, "--precision %s on the %s (sm %u): bf16 needs sm 80 or newer; use fp16",
+                    mn_precision_name(s->precision), gpu->label, gpu->sm);
     if (s->capacity == 0) s->capacity = gpu->capacity;
     if (s->context == 0) s->context = gpu->context;
     if (s->capacity > (1ull << 50))
         MN__INVALID(lg, "--capacity %llu bytes is out of range (want up to 1125899906842624)",
                     (unsigned long long)s->capacity);
+    if (s->context > s->capacity && setup->context == 0)
+        MN__INVALID(lg, "--capacity %llu bytes is below the %s's context of %llu bytes (CUDA "
+                    "context and kernels): give a larger --capacity, or --context",
+                    (unsigned long long)s->capacity, gpu->label, (unsigned long long)s->context);
     if (s->context > s->capacity)
         MN__INVALID(lg, "--context %llu bytes is out of range (want up to the capacity, %llu)",
                     (unsigned long long)s->context, (unsigned long long)s->capacity);
@@ -6842,6 +6916,13 @@ MN__PRIVATE mn_result mn__build_params(mn__sim *S) {
     else mn__forward(S, MN__NONE, MN__NONE);
     if (S->err) return S->err;
     for (i = 0; i < S->np; i++) counted += S->params[i].numel;
+    if (want && want < counted)  // a count can add to a shape, never take from it
+        mn__log(&c->s.logger, MN_LOG_WARN,
+                "model: the given count of %llu parameters is below the %llu that the shape "
+                "(%llu layers, hidden %llu, vocabulary %llu) implies; the shape's count is used",
+                (unsigned long long)want, (unsigned long long)counted,
+                (unsigned long long)c->m.layers, (unsigned long long)c->m.hidden,
+                (unsigned long long)c->m.vocab);
     if (want > counted) {  // the rest as frozen-or-trainable matrices of the model's width
         uint64_t rest = want - counted, h = c->m.hidden ? c->m.hidden : 1024;
         if (rest / h) mn__next_param(S, rest / h, h, mn__base_trainable(c), 0);
@@ -6863,6 +6944,11 @@ MN__PRIVATE mn_result mn__build_params(mn__sim *S) {
     return S->err;
 }
 
+// *acc += v, checked: an overflow sticks in S->err.
+MN__PRIVATE void mn__acc(mn__sim *S, uint64_t *acc, uint64_t v) {
+    if (mn_add_u64(*acc, v, acc) != MN_OK) S->err = MN_ERR_OVERFLOW;
+}
+
 // Model states per GPU, from the parameter list.
 MN__PRIVATE void mn__model_states(mn__sim *S, mn_estimate_result *out) {
     mn__cfg *c = S->c;
@@ -6870,33 +6956,38 @@ MN__PRIVATE void mn__model_states(mn__sim *S, mn_estimate_result *out) {
     int off = c->s.offload > MN_OFFLOAD_NONE;
     for (i = 0; i < S->np; i++) {
         mn__param *P = &S->params[i];
-        total += P->numel;
+        mn__acc(S, &total, P->numel);
         if (c->amp) {  // fp32 storage of trained parameters is the master; autocast adds casts
-            if (P->trainable) out->master_weights += mn__weight_bytes(S, P);
-            else out->weights += mn__weight_bytes(S, P);
-            if (!P->quant) out->weights += mn__prod(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1);
+            if (P->trainable) mn__acc(S, &out->master_weights, mn__weight_bytes(S, P));
+            else mn__acc(S, &out->weights, mn__weight_bytes(S, P));
+            if (!P->quant)
+                mn__acc(S, &out->weights, mn__prod(S, P->numel, 2) / (c->zero >= 3 ? c->gpus : 1));
         } else if (c->s.offload != MN_OFFLOAD_ALL) {
-            out->weights += mn__weight_bytes(S, P);
+            mn__acc(S, &out->weights, mn__weight_bytes(S, P));
         } else {
-            out->cpu_bytes += mn__weight_bytes(S, P);
+            mn__acc(S, &out->cpu_bytes, mn__weight_bytes(S, P));
         }
         if (!P->trainable || c->s.infer) continue;
-        trainable += P->numel;
+        mn__acc(S, &trainable, P->numel);
         g = mn__grad_bytes(S, P);
         st = mn__state_bytes(S, P);
         mw = mn__master_bytes(S, P);
         if (off) {
-            out->cpu_bytes += g + st + mw;
+            mn__acc(S, &out->cpu_bytes, g), mn__acc(S, &out->cpu_bytes, st);
+            mn__acc(S, &out->cpu_bytes, mw);
             continue;
         }
-        out->gradients += g;
-        out->optimizer += st + (c->fw_master == 1 ? mw : 0);
-        out->master_weights += c->fw_master == 2 ? mw : 0;
+        mn__acc(S, &out->gradients, g);
+        mn__acc(S, &out->optimizer, st), mn__acc(S, &out->optimizer, c->fw_master == 1 ? mw : 0);
+        mn__acc(S, &out->master_weights, c->fw_master == 2 ? mw : 0);
     }
     if (c->s.optim == MN_OPTIM_NONE) out->optimizer = 0;
     out->params = total;
     out->trainable_params = c->s.infer ? 0 : trainable;
-    out->model_states = out->weights + out->master_weights + out->gradients + out->optimizer;
+    out->model_states = out->weights;
+    mn__acc(S, &out->model_states, out->master_weights);
+    mn__acc(S, &out->model_states, out->gradients);
+    mn__acc(S, &out->model_states, out->optimizer);
 }
 
 // The sequence length of the next micro-batch (mn_estimate_lengths; resolution checked the
@@ -6937,22 +7028,41 @@ MN__PRIVATE void mn__run(mn__sim *S) {
     }
 }
 
+// The replay's logger passes errors on (a bad allocator config) and keeps the out-of-memory
+// warnings of the real-size replay, which are part of the answer, from the caller's log.
+MN__PRIVATE void mn__replay_log(void *user_data, mn_log_level level, const char *msg) {
+    const mn_logger *lg = (const mn_logger *)user_data;
+    if (level == MN_LOG_ERROR) mn__log(lg, level, "%s", msg);
+}
+
 // Replays the events through the caching allocator on a simulated device. capacity 0 = unlimited.
 static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *st) {
     mn_sim_cache sc;
     mn_simdev_desc dd;
     mn_cache_desc cd;
+    mn_replay_counts n;
     mn_result r;
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
     dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
-    cd.logger = S->c->s.logger;
+    cd.logger.log_fn = mn__replay_log, cd.logger.user_data = (void *)&S->c->s.logger;
     if (S->al) cd.allocator = *S->al;
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
-    r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, NULL);
+    r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
     if (r == MN_OK) r = mn_cache_stats(&sc.cache, st);
     mn_sim_cache_free(&sc);
+    if (r == MN_OK && capacity == 0 && n.failed) {
+        // unlimited device: only a tensor of 1 EiB or more is refused (PyTorch's one_exa_bytes)
+        uint64_t i, big = 0;
+        for (i = 0; i < S->nev; i++)
+            if (S->ev[i].alloc && S->ev[i].size > big) big = S->ev[i].size;
+        mn__log(&S->c->s.logger, MN_LOG_ERROR,
+                "the model or setup is too large: one tensor needs %llu bytes, and no allocator "
+                "grants 1 EiB or more (PyTorch refuses it as out of memory)",
+                (unsigned long long)big);
+        r = MN_ERR_OVERFLOW;
+    }
     return r;
 }
 
@@ -6976,6 +7086,15 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
         mn__model_states(S, out);
         r = S->err;
     }
+    if (r == MN_OK && c.lora_rank && !c.s.infer && !c.s.trainable_params &&
+        out->trainable_params == 0) {  // every base weight frozen, no adapter placed
+        char t[64];
+        mn__lora_targets_str(c.s.lora_targets, t, sizeof t);
+        mn__log(&c.s.logger, MN_LOG_ERROR, "--lora-targets %s: %s has none of these projections, "
+                "so nothing would train (q,k,v,o,gate,up,down; gate needs a gated MLP)", t,
+                c.m.name);
+        return MN_ERR_INVALID_ARG;
+    }
     if (r == MN_OK) {
         S->events = keep_events || !c.s.no_replay;
         mn__run(S);
@@ -6983,7 +7102,9 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
     }
     if (r == MN_ERR_OVERFLOW)
         mn__log(&c.s.logger, MN_LOG_ERROR,
-                "the model or setup is too large: a size overflows 64 bits");
+                "the model or setup is too large: a byte count overflows 64 bits (%llu parameters "
+                "counted, batch %llu x seq %llu)", (unsigned long long)out->params,
+                (unsigned long long)c.s.batch, (unsigned long long)c.s.seq);
     if (r != MN_OK) return r;
     out->peak_allocated = S->peak;
     out->peak_requested = S->peak_r;
@@ -8488,7 +8609,22 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
                 mn__log(&d.logger, MN_LOG_WARN,
                         "%s: quantized checkpoint: parameter count taken from the shape", path);
             } else {
-                m.params = info.params;
+                uint64_t shape = 0;
+                if (mn_model_params(&m, &shape) != MN_OK) shape = 0;
+                if (shape && info.params < shape) {  // a missing shard, or a partial checkpoint
+                    mn__log(&d.logger, MN_LOG_WARN,
+                            "%s: the safetensors files hold %llu parameters, fewer than the %llu "
+                            "of config.json's shape; the shape's count is used", path,
+                            (unsigned long long)info.params, (unsigned long long)shape);
+                } else {
+                    if (shape && info.params - shape > shape / 100)
+                        mn__log(&d.logger, MN_LOG_WARN,
+                                "%s: the safetensors files hold %llu parameters, %llu more than "
+                                "config.json's shape; they are counted as extra matrices", path,
+                                (unsigned long long)info.params,
+                                (unsigned long long)(info.params - shape));
+                    m.params = info.params;
+                }
                 if (info.dtype != MN_DTYPE_DEFAULT) m.dtype = info.dtype;
             }
         } else if (rs != MN_OK && rs != MN_ERR_NOT_FOUND) {
@@ -9183,6 +9319,7 @@ typedef struct mn__c_pool {
     mn__c_block *gap_l, *gap_r;  // neighbours of the block erased last: often where it returns
     mn__c_block *unmapped;   // unmapped tails of expandable segments, by (stream, addr)
     uint64_t get_free_calls;
+    uint64_t whole;          // blocks in `blocks` that are a whole fixed segment (releasable)
     int small;
 } mn__c_pool;
 
@@ -9359,10 +9496,17 @@ MN__PRIVATE mn__c_block *mn__c_tr_collect(mn__c_block *t, mn__c_block *tail_list
     return mn__c_tr_collect(t->l, t);
 }
 
+// A free block that is its whole fixed-size segment: release_cached_blocks can give it back.
+// A block's neighbours only change while it is out of its pool, so the count stays exact.
+MN__PRIVATE int mn__c_whole(const mn__c_block *b) {
+    return b->mapped && !b->prev && !b->next && !b->seg->expandable;
+}
+
 MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(!b->in_tree);
     b->l = b->r = NULL;
     b->in_tree = 1;
+    p->whole += (uint64_t)mn__c_whole(b);
     if (b->mapped) {
         mn__c_block *gl = p->gap_l, *gr = p->gap_r;
         b->gc_base = p->get_free_calls;  // BlockPool::insert_into_blocks
@@ -9385,6 +9529,7 @@ MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
 
 MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(b->in_tree);
+    p->whole -= (uint64_t)mn__c_whole(b);
     if (b->mapped) {
         p->gap_l = mn__c_tr_prev(b);
         p->gap_r = mn__c_tr_next(b);
@@ -9788,8 +9933,11 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
 
 // release_blocks: every unsplit free segment of the pool goes back; free expandable pages unmap.
 MN__PRIVATE void mn__c_release_blocks(mn__c_cache *c, mn__c_pool *p) {
-    mn__c_block *b = mn__c_tr_collect(p->blocks, NULL), *next, *unmap = NULL, **tail = &unmap;
-    for (; b; b = next) {
+    mn__c_block *b, *next, *unmap = NULL, **tail = &unmap;
+    // Nothing to give back: skip the walk over every cached block (it made each out-of-memory
+    // retry of a long trace cost the whole pool, quadratic over the trace).
+    if (p->whole == 0 && !c->cfg.expandable_segments) return;
+    for (b = mn__c_tr_collect(p->blocks, NULL); b; b = next) {
         next = b->tmp;
         if (b->seg->expandable) {
             *tail = b;
@@ -10558,6 +10706,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
     mn__c_block *b;
     struct mn_cache_stats want;
     uint64_t in_tree[2] = {0, 0}, counted[2] = {0, 0}, unm[2] = {0, 0}, allocated = 0, total = 0;
+    uint64_t whole[2] = {0, 0};
     mn_result r = MN_OK;
     int bad = 0, k, t;
     if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
@@ -10608,6 +10757,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
                                             (unsigned long long)b->addr);
                 if (b->mapped) in_tree[pool]++;
                 else unm[pool]++;
+                whole[pool] += (uint64_t)mn__c_whole(b);
                 if (split && !s->expandable) {
                     want.inactive_split[t].current++;
                     want.inactive_split_bytes[t].current += b->size;
@@ -10636,6 +10786,9 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
         if (counted[k] != in_tree[k] || n != unm[k])
             MN__C_FAIL("cache check: pool holds %llu blocks, %llu are free",
                        (unsigned long long)counted[k], (unsigned long long)in_tree[k]);
+        if (p->whole != whole[k])
+            MN__C_FAIL("cache check: pool counts %llu whole free segments, %llu are",
+                       (unsigned long long)p->whole, (unsigned long long)whole[k]);
     }
     if (allocated != c->map_count) MN__C_FAIL("cache check: address map size");
     for (t = 1; t < MN_STAT_TYPE_COUNT; t++) {
@@ -11198,23 +11351,68 @@ MNIMPL mn_result mn_write_file_atomic(const char *path, mn_file_body_fn body, vo
 }
 
 // Trace id -> live block, open addressing with linear probing; a NULL block marks an empty slot
-// (blocks of size 0 are never stored), so every id value is usable.
+// (blocks of size 0 are never stored), so every id value is usable. The table grows with the
+// blocks live at once (at most half full), not with the length of the trace: a long trace keeps
+// a small, cache-friendly table.
 typedef struct mn__c_idmap {
     uint64_t *id;
     void **block;
-    uint64_t mask;
+    uint64_t mask, live;
+    uint32_t shift;  // 64 - log2(mask + 1)
+    int direct;      // ids 0..mask index block[] themselves (no id[]): small dense ids
+    const mn_allocator *al;
 } mn__c_idmap;
 
+// Fibonacci hashing (the top bits of the product): dense ids, as traces use, spread evenly.
 MN__PRIVATE uint64_t mn__c_idmap_slot(const mn__c_idmap *m, uint64_t id) {
-    uint64_t h = ((id * 0x9E3779B97F4A7C15ull) >> 20) & m->mask;
+    uint64_t h;
+    if (m->direct) return id;
+    h = (id * 0x9E3779B97F4A7C15ull) >> m->shift;
     while (m->block[h] && m->id[h] != id) h = (h + 1) & m->mask;
     return h;
+}
+
+// A table of cap slots (a power of two), empty. MN_ERR_OUT_OF_MEMORY leaves m as it was.
+MN__PRIVATE mn_result mn__c_idmap_alloc(mn__c_idmap *m, uint64_t cap) {
+    uint64_t *id;
+    void **block;
+    if (cap > (uint64_t)SIZE_MAX / sizeof(void *) / 2) return MN_ERR_OVERFLOW;
+    id = (uint64_t *)mn__alloc_array(m->al, (size_t)cap, sizeof *id);
+    block = (void **)mn__alloc_array(m->al, (size_t)cap, sizeof *block);
+    if (!id || !block) {
+        mn__free(m->al, id);
+        mn__free(m->al, block);
+        return MN_ERR_OUT_OF_MEMORY;
+    }
+    memset(block, 0, (size_t)cap * sizeof *block);
+    m->id = id, m->block = block, m->mask = cap - 1;
+    m->shift = 64 - mn__c_log2_floor(cap);
+    return MN_OK;
+}
+
+// Room for one more entry: doubles the table when it would be more than half full.
+MN__PRIVATE mn_result mn__c_idmap_reserve(mn__c_idmap *m) {
+    mn__c_idmap old = *m;
+    uint64_t i;
+    mn_result r;
+    if (m->direct || (m->live + 1) * 2 <= m->mask + 1) return MN_OK;
+    if ((r = mn__c_idmap_alloc(m, (m->mask + 1) * 2)) != MN_OK) return r;
+    for (i = 0; i <= old.mask; i++)
+        if (old.block[i]) {
+            uint64_t h = mn__c_idmap_slot(m, old.id[i]);
+            m->id[h] = old.id[i], m->block[h] = old.block[i];
+        }
+    mn__free(m->al, old.id);
+    mn__free(m->al, old.block);
+    return MN_OK;
 }
 
 // Empties slot h and moves back the entries of its probe run that would no longer be found.
 MN__PRIVATE void mn__c_idmap_remove(mn__c_idmap *m, uint64_t h) {
     uint64_t j;
     m->block[h] = NULL;
+    m->live--;
+    if (m->direct) return;
     for (j = (h + 1) & m->mask; m->block[j]; j = (j + 1) & m->mask) {
         uint64_t id = m->id[j], g;
         void *b = m->block[j];
@@ -11240,12 +11438,16 @@ MN__PRIVATE mn_result mn__c_replay_event(mn_cache *c, mn__c_idmap *m, const mn_t
     if (m->block[h]) {  // the id is live: its free was not recorded
         if ((r = mn_cache_release(c, m->block[h])) != MN_OK) return r;
         mn__c_idmap_remove(m, h);
-        h = mn__c_idmap_slot(m, e->id);
     }
+    if ((r = mn__c_idmap_reserve(m)) != MN_OK) return r;
+    h = mn__c_idmap_slot(m, e->id);
     r = mn_cache_alloc(c, e->size, e->stream, (mn_category)e->category,
                        e->phase ? mn_phase_name((mn_phase)e->phase) : NULL, &p);
     if (r == MN_ERR_DEVICE_OOM) return n->failed++, MN_OK;
-    if (r == MN_OK && p) m->id[h] = e->id, m->block[h] = p;
+    if (r == MN_OK && p) {
+        if (!m->direct) m->id[h] = e->id;
+        m->block[h] = p, m->live++;
+    }
     return r;
 }
 
@@ -11256,22 +11458,26 @@ MN__PRIVATE mn_result mn__c_replay(mn_cache *c, const mn_trace_event *events, ui
                                    mn_replay_counts *counts) {
     mn__c_idmap m;
     mn_replay_counts n;
-    const mn_allocator *al;
-    uint64_t cap = 1024, i, k = 0;
+    uint64_t i, k = 0;
     mn_result r = MN_OK;
     if (!c || !c->p || (!events && count)) return MN_ERR_INVALID_ARG;
     if (nmarks && (!marks || !at_mark)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < nmarks; i++)
         if (marks[i] > count || (i && marks[i] < marks[i - 1])) return MN_ERR_INVALID_ARG;
-    al = &c->p->alloc;
     memset(&n, 0, sizeof n);
-    while (cap < count + 1 && cap < (1ull << 62)) cap *= 2;  // at most half full
-    if (cap < count + 1) return MN_ERR_OVERFLOW;
-    m.mask = cap - 1;
-    m.id = (uint64_t *)mn__alloc_array(al, (size_t)cap, sizeof *m.id);
-    m.block = (void **)mn__alloc_array(al, (size_t)cap, sizeof *m.block);
-    if (!m.id || !m.block) r = MN_ERR_OUT_OF_MEMORY;
-    else memset(m.block, 0, (size_t)cap * sizeof *m.block);
+    memset(&m, 0, sizeof m);
+    m.al = &c->p->alloc;
+    {  // ids no larger than a few times the trace (the estimator's tensor ids): a plain array,
+       // walked nearly in order, instead of a hash table whose every probe misses the cache
+        uint64_t top = 0;
+        for (i = 0; i < count; i++) top = events[i].id > top ? events[i].id : top;
+        if (count && top < 4 * count + 4096) {
+            m.block = (void **)mn__alloc_array(m.al, (size_t)top + 1, sizeof *m.block);
+            if (m.block) memset(m.block, 0, ((size_t)top + 1) * sizeof *m.block);
+            m.direct = 1, m.mask = top;
+        }
+    }
+    r = m.direct ? (m.block ? MN_OK : MN_ERR_OUT_OF_MEMORY) : mn__c_idmap_alloc(&m, 1024);
     for (i = 0; i <= count && r == MN_OK; i++) {
         for (; k < nmarks && marks[k] == i && r == MN_OK; k++) {
             r = at_mark(user_data, k, c);
@@ -11279,13 +11485,13 @@ MN__PRIVATE mn_result mn__c_replay(mn_cache *c, const mn_trace_event *events, ui
         }
         if (i < count && r == MN_OK) r = mn__c_replay_event(c, &m, &events[i], &n);
     }
-    for (i = 0; release_live && m.block && i < cap; i++)
+    for (i = 0; release_live && m.block && i <= m.mask; i++)
         if (m.block[i]) {
             mn_result rr = mn_cache_release(c, m.block[i]);
             if (r == MN_OK) r = rr;
         }
-    mn__free(al, m.id);
-    mn__free(al, m.block);
+    mn__free(m.al, m.id);
+    mn__free(m.al, m.block);
     if (counts) *counts = n;
     return r;
 }
@@ -11525,24 +11731,32 @@ MN__PRIVATE float mn__bf16_to_fp32_flat(uint16_t b) {
     return mn__opt_float((x & 0x7fffffffu) > 0x7f800000u ? x | 0x400000u : x);
 }
 
-MNIMPL void mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n) {
+MNIMPL mn_result mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i;
+    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) dst[i] = mn__fp32_to_fp16_flat(src[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
+MNIMPL mn_result mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i;
+    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) dst[i] = mn__fp16_to_fp32_flat(src[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n) {
+MNIMPL mn_result mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i;
+    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) dst[i] = mn__fp32_to_bf16_flat(src[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
+MNIMPL mn_result mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i;
+    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) dst[i] = mn__bf16_to_fp32_flat(src[i]);
+    return MN_OK;
 }
 
 // ---- shared optimizer plumbing ------------------------------------------------------------------
@@ -11798,9 +12012,10 @@ MNIMPL void mn_adamw_free(mn_adamw *s) {
 // by 10^(i-6), negated copies when signed, plus 0 and 1. The groups are disjoint and increasing,
 // so writing them in order gives the sorted map. Computed in fp32 with torch.linspace's formula
 // (start + step*k in the first half, end - step*(steps-1-k) in the second).
-MNIMPL void mn_dynamic_map(int is_signed, float map[256]) {
+MNIMPL mn_result mn_dynamic_map(int is_signed, float map[256]) {
     float pos[254];
     int npos = 0, i, k, j = 0;
+    if (!map) return MN_ERR_INVALID_ARG;
     for (i = 0; i < 7; i++) {
         int steps = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1, half = steps / 2;
         float start = 0.1f, end = 1.0f, step = (end - start) / (float)(steps - 1), prev = 0.0f;
@@ -11817,6 +12032,7 @@ MNIMPL void mn_dynamic_map(int is_signed, float map[256]) {
     for (k = 0; k < npos; k++) map[j++] = pos[k];
     map[j++] = 1.0f;
     MN_ASSERT(j == 256);
+    return MN_OK;
 }
 
 // Index of the map entry nearest to x (map ascending); ties go to the larger entry. Branch-free
@@ -12716,16 +12932,30 @@ MN__INLINE float mn__gelu_grad(float x) {
     return s + 2.0f * x * s * sm * MN__GELU_S * (1.0f + 3.0f * MN__GELU_A * x * x);
 }
 
+// Argument checks of the ops: an array that is needed must not be NULL, a width that divides
+// must not be 0, and a shape's element count (a * b * c floats) must fit size_t; else
+// MN_ERR_INVALID_ARG before anything is written. Aliasing and array lengths cannot be checked
+// from here: they are the caller's part (the comments at each declaration state them).
+MN__PRIVATE int mn__ops_fits(size_t a, size_t b, size_t c) {
+    size_t lim = (size_t)-1 / sizeof(float);
+    if (a && b > lim / a) return 0;
+    if (a != 0 && b != 0 && c > lim / (a * b)) return 0;
+    return 1;
+}
+
 // ---- matmul -------------------------------------------------------------------------------------
 
-MNIMPL void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, const float *weight,
-                              const float *bias, size_t N, size_t C, size_t OC) {
+MNIMPL mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp,
+                                   const float *weight, const float *bias, size_t N, size_t C,
+                                   size_t OC) {
     // y[n,o] = b[o] + sum_c x[n,c] w[o,c]; the GEMM runs into pre_gelu when the epilogue is on,
     // then out = gelu(pre_gelu) (cuBLASLt CUBLASLT_EPILOGUE_GELU_AUX_BIAS semantics).
     float *y = pre_gelu ? pre_gelu : out;
     mn__gemm g;
     size_t n;
-    MN_ASSERT(out && inp && weight);
+    if (!out || !inp || !weight || !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) ||
+        !mn__ops_fits(OC, C, 1))
+        return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         float *row = y + n * OC;
@@ -12745,16 +12975,19 @@ MNIMPL void mn_matmul_forward(float *out, float *pre_gelu, const float *inp, con
             for (o = 0; o < OC; o++) out[n * OC + o] = mn__gelu(pre_gelu[n * OC + o]);
         }
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
-                               const float *inp, const float *weight, const float *pre_gelu,
-                               size_t N, size_t C, size_t OC) {
+MNIMPL mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
+                                    const float *inp, const float *weight, const float *pre_gelu,
+                                    size_t N, size_t C, size_t OC) {
     // dpre = dout * gelu'(pre) (fused epilogue); dx[n,c] += sum_o dpre[n,o] w[o,c];
     // dw[o,c] += sum_n dpre[n,o] x[n,c]; db[o] += sum_n dpre[n,o] (llm.c matmul_backward).
     mn__gemm g;
     size_t n;
-    MN_ASSERT(dout);
+    if (!dout || (dinp && !weight) || (dweight && !inp) || (pre_gelu && !dout) ||
+        !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) || !mn__ops_fits(OC, C, 1))
+        return MN_ERR_INVALID_ARG;
     if (pre_gelu) {
         MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
@@ -12763,7 +12996,6 @@ MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float 
         }
     }
     if (dinp) {
-        MN_ASSERT(weight);
         g.c = dinp, g.ldc = C;
         g.a = dout, g.a_rs = OC, g.a_cs = 1;      // A(n, o) = dpre[n, o]
         g.b = weight, g.b_rs = C, g.b_cs = 1;     // B(o, c) = weight[o, c]
@@ -12771,7 +13003,6 @@ MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float 
         mn__gemm_run(&g);
     }
     if (dweight) {
-        MN_ASSERT(inp);
         g.c = dweight, g.ldc = C;
         g.a = dout, g.a_rs = 1, g.a_cs = OC;      // A(o, n) = dpre[n, o]
         g.b = inp, g.b_rs = C, g.b_cs = 1;        // B(n, c) = inp[n, c]
@@ -12793,17 +13024,18 @@ MNIMPL void mn_matmul_backward(float *dinp, float *dweight, float *dbias, float 
             for (o = o0; o < o1; o++) dbias[o] += acc[o - o0];
         }
     }
+    return MN_OK;
 }
 
 // ---- layernorm / RMSNorm ------------------------------------------------------------------------
 
-MNIMPL void mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                 const float *weight, const float *bias, size_t N, size_t C,
-                                 float eps) {
+MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                      const float *weight, const float *bias, size_t N, size_t C,
+                                      float eps) {
     // mu = mean(x), var = mean((x - mu)^2) (biased), r = 1/sqrt(var + eps);
     // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
     size_t n;
-    MN_ASSERT(out && inp && weight && C > 0);
+    if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * C;
@@ -12817,17 +13049,18 @@ MNIMPL void mn_layernorm_forward(float *out, float *mean, float *rstd, const flo
         if (mean) mean[n] = m;
         if (rstd) rstd[n] = s;
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                                  const float *inp, const float *weight, const float *mean,
-                                  const float *rstd, size_t N, size_t C) {
+MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                                       const float *inp, const float *weight, const float *mean,
+                                       const float *rstd, size_t N, size_t C) {
     // xh = (x - mu) r, g = w dy; dx += r (g - mean(g) - xh mean(g xh));
     // dw += sum_n dy xh, db += sum_n dy (llm.c train_gpt2.c layernorm_backward).
     size_t n, blk, nblk = (C + 63) / 64;
-    MN_ASSERT(dout && inp && mean && rstd && C > 0);
+    if (!dout || !inp || !mean || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
+        return MN_ERR_INVALID_ARG;
     if (dinp) {
-        MN_ASSERT(weight);
         MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
@@ -12848,7 +13081,7 @@ MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, con
             }
         }
     }
-    if (!dweight && !dbias) return;
+    if (!dweight && !dbias) return MN_OK;
     // parameter gradients: columns in blocks of 64 per thread, rows summed in order
     MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
@@ -12868,14 +13101,15 @@ MNIMPL void mn_layernorm_backward(float *dinp, float *dweight, float *dbias, con
             if (dbias) dbias[i] += ab[i - c0];
         }
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
-                               size_t N, size_t C, float eps) {
+MNIMPL mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                                    size_t N, size_t C, float eps) {
     // r = 1/sqrt(mean(x^2) + eps); y = x r w (Zhang & Sennrich 2019, "Root Mean Square Layer
     // Normalization", eq. 4; as in LLaMA's RMSNorm).
     size_t n;
-    MN_ASSERT(out && inp && weight && C > 0);
+    if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * C;
@@ -12885,16 +13119,18 @@ MNIMPL void mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const 
         for (i = 0; i < C; i++) y[i] = x[i] * s * weight[i];
         if (rstd) rstd[n] = s;
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
-                                const float *weight, const float *rstd, size_t N, size_t C) {
+MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
+                                     const float *inp, const float *weight, const float *rstd,
+                                     size_t N, size_t C) {
     // xh = x r, g = w dy; dx += r (g - xh mean(g xh)); dw += sum_n dy xh
     // (the layernorm backward without the mean terms; derivation in Zhang & Sennrich 2019).
     size_t n, blk, nblk = (C + 63) / 64;
-    MN_ASSERT(dout && inp && rstd && C > 0);
+    if (!dout || !inp || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
+        return MN_ERR_INVALID_ARG;
     if (dinp) {
-        MN_ASSERT(weight);
         MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
@@ -12910,7 +13146,7 @@ MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, 
             }
         }
     }
-    if (!dweight) return;
+    if (!dweight) return MN_OK;
     MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
         size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
@@ -12923,16 +13159,17 @@ MNIMPL void mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout, 
         }
         for (i = c0; i < c1; i++) dweight[i] += aw[i - c0];
     }
+    return MN_OK;
 }
 
 // ---- softmax ------------------------------------------------------------------------------------
 
-MNIMPL void mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
-                               int causal) {
+MNIMPL mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size_t L, float scale,
+                                    int causal) {
     // z = scale x; p_j = exp(z_j - max z) / sum_k exp(z_k - max z) over the unmasked j
     // (max subtracted for range safety; llm.c train_gpt2.c attention_forward / softmax_forward).
     size_t n;
-    MN_ASSERT(out && inp && L > 0);
+    if (!out || !inp || L == 0 || !mn__ops_fits(N, L, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * L >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * L;
@@ -12943,13 +13180,14 @@ MNIMPL void mn_softmax_forward(float *out, const float *inp, size_t N, size_t L,
         for (j = 0; j < len; j++) y[j] *= inv;
         for (; j < L; j++) y[j] = 0.0f;
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
-                                size_t L, float scale, int causal) {
+MNIMPL mn_result mn_softmax_backward(float *dinp, const float *dout, const float *out, size_t N,
+                                     size_t L, float scale, int causal) {
     // dz_j = p_j (dy_j - sum_k p_k dy_k); dx_j += scale dz_j (softmax Jacobian diag(p) - p p^T).
     size_t n;
-    MN_ASSERT(dinp && dout && out && L > 0);
+    if (!dinp || !dout || !out || L == 0 || !mn__ops_fits(N, L, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(N * L >= MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *p = out + n * L, *dy = dout + n * L;
@@ -12958,6 +13196,7 @@ MNIMPL void mn_softmax_backward(float *dinp, const float *dout, const float *out
         float d = mn__dot(p, dy, len);
         for (j = 0; j < len; j++) dx[j] += scale * (p[j] * (dy[j] - d));
     }
+    return MN_OK;
 }
 
 // ---- attention ----------------------------------------------------------------------------------
@@ -13161,10 +13400,13 @@ MN__PRIVATE void mn__att_setup(mn__att *a, const float *qkv, const float *dout, 
     a->scale = 1.0f / sqrtf((float)hs);
 }
 
-MNIMPL void mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
-                                 size_t C, size_t NH, int causal) {
+MNIMPL mn_result mn_attention_forward(float *out, float *att, const float *qkv, size_t B, size_t T,
+                                      size_t C, size_t NH, int causal) {
     size_t bh;
-    MN_ASSERT(out && qkv && NH > 0 && C % NH == 0);
+    if (!out || !qkv || NH == 0 || C == 0 || C % NH != 0 ||
+        !mn__ops_fits(B, T, C) || !mn__ops_fits(B * T, 3, C) ||
+        (att && (!mn__ops_fits(B, NH, T) || !mn__ops_fits(B * NH, T, T))))
+        return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(B * NH > 1)
     for (bh = 0; bh < B * NH; bh++) {
         size_t b = bh / NH, h = bh % NH;
@@ -13172,13 +13414,17 @@ MNIMPL void mn_attention_forward(float *out, float *att, const float *qkv, size_
         mn__att_setup(&a, qkv, NULL, b, h, T, C, NH, causal);
         mn__att_forward_bh(&a, out + b * T * C + h * a.hs, C, att ? att + bh * T * T : NULL);
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                  const float *att, size_t B, size_t T, size_t C, size_t NH,
-                                  int causal) {
+MNIMPL mn_result mn_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                       const float *att, size_t B, size_t T, size_t C, size_t NH,
+                                       int causal) {
     size_t bh;
-    MN_ASSERT(dqkv && dout && qkv && NH > 0 && C % NH == 0);
+    if (!dqkv || !dout || !qkv || NH == 0 || C == 0 || C % NH != 0 ||
+        !mn__ops_fits(B, T, C) || !mn__ops_fits(B * T, 3, C) ||
+        (att && (!mn__ops_fits(B, NH, T) || !mn__ops_fits(B * NH, T, T))))
+        return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(B * NH > 1)
     for (bh = 0; bh < B * NH; bh++) {
         size_t b = bh / NH, h = bh % NH;
@@ -13188,35 +13434,43 @@ MNIMPL void mn_attention_backward(float *dqkv, const float *dout, const float *q
         mn__att_backward_bh(&a, dbase + h * a.hs, dbase + C + h * a.hs, dbase + 2 * C + h * a.hs,
                             att ? att + bh * T * T : NULL);
     }
+    return MN_OK;
 }
 
 // ---- elementwise --------------------------------------------------------------------------------
 
-MNIMPL void mn_gelu_forward(float *out, const float *inp, size_t n) {
+MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
     size_t i;
+    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = mn__gelu(inp[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+MNIMPL mn_result mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dx += dy (0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
     size_t i;
+    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) dinp[i] += dout[i] * mn__gelu_grad(inp[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
+MNIMPL mn_result mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
     // y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), Hendrycks & Gimpel 2016 (exact GELU); written
     // with erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2), which does not cancel for negative x
     size_t i;
+    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = 0.5f * inp[i] * erfcf(-inp[i] * 0.70710678118654752f);
+    return MN_OK;
 }
 
-MNIMPL void mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+MNIMPL mn_result mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dy/dx = Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
     size_t i;
+    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float x = inp[i];
@@ -13224,62 +13478,75 @@ MNIMPL void mn_gelu_erf_backward(float *dinp, const float *dout, const float *in
                   x * mn__expf(-0.5f * x * x) * 0.39894228040143268f;
         dinp[i] += dout[i] * g;
     }
+    return MN_OK;
 }
 
 // sigmoid(x) = 1 / (1 + exp(-x)); exp(-x) = inf for very negative x gives 0 as it should.
 MN__INLINE float mn__sigmoid(float x) { return 1.0f / (1.0f + mn__expf(-x)); }
 
-MNIMPL void mn_silu_forward(float *out, const float *inp, size_t n) {
+MNIMPL mn_result mn_silu_forward(float *out, const float *inp, size_t n) {
     // y = x sigmoid(x), Elfwing et al. 2018
     size_t i;
+    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = inp[i] * mn__sigmoid(inp[i]);
+    return MN_OK;
 }
 
-MNIMPL void mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
+MNIMPL mn_result mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dy/dx = s (1 + x (1 - s)), s = sigmoid(x), 1 - s = sigmoid(-x)
     size_t i;
+    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float x = inp[i], s = mn__sigmoid(x), sm = mn__sigmoid(-x);
         dinp[i] += dout[i] * (s + x * s * sm);
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n) {
+MNIMPL mn_result mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n) {
     // y = silu(g) u, Shazeer 2020 (SwiGLU with the projections done by the caller's matmuls)
     size_t i;
+    if (n && (!out || !gate || !up)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = gate[i] * mn__sigmoid(gate[i]) * up[i];
+    return MN_OK;
 }
 
-MNIMPL void mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
-                               const float *up, size_t n) {
+MNIMPL mn_result mn_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate,
+                                    const float *up, size_t n) {
     // dg += dy u silu'(g); du += dy silu(g)
     size_t i;
+    if (n && (!dout || !gate || !up)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float g = gate[i], s = mn__sigmoid(g), sm = mn__sigmoid(-g);
         if (dgate) dgate[i] += dout[i] * up[i] * (s + g * s * sm);
         if (dup) dup[i] += dout[i] * (g * s);
     }
+    return MN_OK;
 }
 
-MNIMPL void mn_residual_forward(float *out, const float *a, const float *b, size_t n) {
+MNIMPL mn_result mn_residual_forward(float *out, const float *a, const float *b, size_t n) {
     // y = a + b (llm.c train_gpt2.c residual_forward)
     size_t i;
+    if (n && (!out || !a || !b)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = a[i] + b[i];
+    return MN_OK;
 }
 
-MNIMPL void mn_residual_backward(float *da, float *db, const float *dout, size_t n) {
+MNIMPL mn_result mn_residual_backward(float *da, float *db, const float *dout, size_t n) {
     // da += dy, db += dy
     size_t i;
+    if (n && (!dout)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         if (da) da[i] += dout[i];
         if (db) db[i] += dout[i];
     }
+    return MN_OK;
 }
 
 // ---- embedding ----------------------------------------------------------------------------------

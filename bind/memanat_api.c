@@ -263,6 +263,7 @@ static const api_opt options[] = {
     OPT("prompt", OPT_U64, setup.prompt, 1),
     OPT("new_tokens", OPT_U64, setup.new_tokens, 0),
     OPT("beams", OPT_U32, setup.beams, 1),
+    OPT("no_replay", OPT_FLAG, setup.no_replay, 0),
     OPT("parts", OPT_FLAG, want_parts, 0),
     OPT("explain", OPT_FLAG, want_explain, 0),
     OPT("svg", OPT_FLAG, want_svg, 0),
@@ -894,9 +895,9 @@ static int op_replay(api_call *c, const char *req, size_t len, api_buf *b) {
         buf_printf(b, "%s\"%s\": %lld", i ? ", " : "", items[i].key, (long long)items[i].value);
     free(items);
     buf_printf(b, ", \"peak_reserved_over_peak_allocated\": %.6f, \"replay.allocations\": %llu, "
-               "\"replay.frees\": %llu, \"replay.unmatched_frees\": %llu", ratio,
-               (unsigned long long)counts.allocations, (unsigned long long)counts.frees,
-               (unsigned long long)counts.unmatched_frees);
+               "\"replay.frees\": %llu, \"replay.unmatched_frees\": %llu, \"replay.failed\": %llu",
+               ratio, (unsigned long long)counts.allocations, (unsigned long long)counts.frees,
+               (unsigned long long)counts.unmatched_frees, (unsigned long long)counts.failed);
     if (q.want_svg) {
         BUF_LIT(b, ", \"svg\": ");
         rc = put_cache_svg(c, b, &sc.cache, q.title ? q.title : "replay");

@@ -20,6 +20,9 @@ typedef struct mnt_case {
 // Results of the running test.
 void mnt_fail(const char *file, int line, const char *fmt, ...);
 void mnt_skip(const char *reason);
+// A skip that MN_TEST_STRICT (CI) accepts: a test of an optional toolchain (Python, a browser)
+// that this machine or this pass does not have. Every other skip fails a strict run.
+void mnt_skip_optional(const char *reason);
 int mnt_failed(void);
 
 // Host allocation accounting: the library's MN_MALLOC/MN_FREE go through these in the test
@@ -127,5 +130,6 @@ mn_result mnt_buf_write(void *user_data, const char *data, size_t len);
     if (!(mnt_d_ <= (abs_tol) + (rel_tol) * (mnt_w_ < 0 ? -mnt_w_ : mnt_w_))) \
         mnt_fail(__FILE__, __LINE__, "%s got %.9g want %.9g (diff %.3g)", #got, mnt_g_, mnt_w_, mnt_d_); } while (0)
 #define SKIP(reason) do { mnt_skip(reason); return; } while (0)
+#define SKIP_OPTIONAL(reason) do { mnt_skip_optional(reason); return; } while (0)
 
 #endif

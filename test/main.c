@@ -1,4 +1,6 @@
 // Test runner: ./build/test_all [substring]  runs every test whose "suite/name" contains it.
+// MN_TEST_STRICT=1 (CI) counts a skipped test as failed: every test must run in every pass, but
+// for the tests of optional toolchains (SKIP_OPTIONAL: the Python and browser bindings).
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdarg.h>
@@ -51,7 +53,7 @@ static const mnt_suite suites[] = {
     {"bindings", test_bindings_cases, &test_bindings_count},
 };
 
-static int cur_failed, cur_skipped;
+static int cur_failed, cur_skipped, cur_skip_optional;
 static char cur_skip_reason[256];
 static long live_allocs, total_allocs, fail_after;
 static uint64_t rng_state, seed_value;
@@ -71,6 +73,11 @@ void mnt_fail(const char *file, int line, const char *fmt, ...) {
 void mnt_skip(const char *reason) {
     cur_skipped = 1;
     snprintf(cur_skip_reason, sizeof cur_skip_reason, "%s", reason);
+}
+
+void mnt_skip_optional(const char *reason) {
+    mnt_skip(reason);
+    cur_skip_optional = 1;
 }
 
 int mnt_failed(void) { return cur_failed; }
@@ -257,7 +264,7 @@ mn_result mnt_buf_write(void *user_data, const char *data, size_t len) {
 int main(int argc, char **argv) {
     const char *filter = argc > 1 ? argv[1] : NULL;
     const char *env = getenv("MN_TEST_SEED");
-    int passed = 0, failed = 0, skipped = 0;
+    int passed = 0, failed = 0, skipped = 0, strict = env_on("MN_TEST_STRICT");
     size_t s, i;
     char full[160];
     seed_value = env ? strtoull(env, NULL, 10) : (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
@@ -269,7 +276,7 @@ int main(int argc, char **argv) {
             long live_before;
             snprintf(full, sizeof full, "%s/%s", suites[s].name, c->name);
             if (filter && !strstr(full, filter)) continue;
-            cur_failed = 0, cur_skipped = 0, fail_after = 0;
+            cur_failed = 0, cur_skipped = 0, cur_skip_optional = 0, fail_after = 0;
             rng_state = seed_value ^ (uint64_t)(s * 1000003u + i * 7919u);
             live_before = live_allocs;
             c->fn();
@@ -278,7 +285,10 @@ int main(int argc, char **argv) {
                 mnt_fail(__FILE__, __LINE__, "host allocations got %ld live want %ld", live_allocs, live_before);
                 live_allocs = live_before;
             }
-            if (cur_failed) {
+            if (cur_skipped && strict && !cur_skip_optional) {  // CI: a test that cannot run
+                printf("[FAIL] %s: skipped under MN_TEST_STRICT: %s\n", full, cur_skip_reason);
+                failed++;
+            } else if (cur_failed) {
                 printf("[FAIL] %s\n", full);
                 failed++;
             } else if (cur_skipped) {

@@ -44,14 +44,15 @@ static void test_api_estimate(void) {
         mn_model m;
         mn_setup s;
         mn_estimate_result r;
+        const char *gpu = pi == 2 ? "a10g" : "t4";  // bf16 needs sm 80: the T4 refuses it
         snprintf(req, sizeof req, "{\"model\": \"%s\", \"batch\": %u, \"seq\": \"%u\", "
-                 "\"precision\": \"%s\", \"checkpointing\": \"%s\", \"gpu\": \"t4\"}", model,
-                 batch, seq, precisions[pi], ckpts[ci]);
+                 "\"precision\": \"%s\", \"checkpointing\": \"%s\", \"gpu\": \"%s\"}", model,
+                 batch, seq, precisions[pi], ckpts[ci], gpu);
         CHECK_OK(mn_api_call("estimate", req, strlen(req), &out, &n));
         CHECK(out != NULL && n == strlen(out));
         memset(&s, 0, sizeof s);
         CHECK_OK(mn_preset_find(model, &m));
-        s.batch = batch, s.seq = seq, s.gpu = "t4";
+        s.batch = batch, s.seq = seq, s.gpu = gpu;
         CHECK_OK(mn_precision_parse(precisions[pi], &s.precision));
         CHECK_OK(mn_ckpt_parse(ckpts[ci], &s.checkpointing));
         CHECK_OK(mn_estimate(&m, &s, &r));
@@ -251,24 +252,25 @@ static int python_has(const char *module) {
 }
 
 static void test_python(void) {
-    if (getenv("MN_TEST_NO_BINDINGS")) SKIP("MN_TEST_NO_BINDINGS is set");
+    if (getenv("MN_TEST_NO_BINDINGS")) SKIP_OPTIONAL("MN_TEST_NO_BINDINGS is set");
     if (access(mnt_cli_path(), X_OK) != 0) SKIP("./memanat not built (make test builds it)");
-    if (!python_has("pytest")) SKIP("python3 with pytest not found (pip install pytest)");
+    if (!python_has("pytest")) SKIP_OPTIONAL("python3 with pytest not found (pip install pytest)");
     if (!python_has("memanat._native"))
-        SKIP("the extension is not built: make python-ext (needs setuptools and Python.h)");
+        SKIP_OPTIONAL("the extension is not built: make python-ext (needs setuptools and "
+                      "Python.h)");
     run_pytest("python/tests", "build/pytest-python.log");
 }
 
 static void test_web(void) {
-    if (getenv("MN_TEST_NO_BINDINGS")) SKIP("MN_TEST_NO_BINDINGS is set");
+    if (getenv("MN_TEST_NO_BINDINGS")) SKIP_OPTIONAL("MN_TEST_NO_BINDINGS is set");
     if (access(mnt_cli_path(), X_OK) != 0) SKIP("./memanat not built (make test builds it)");
     if (access("web/index.html", R_OK) != 0)
-        SKIP("web/index.html not built: make web (apt-get install clang lld wasi-libc "
-             "libclang-rt-14-dev-wasm32)");
+        SKIP_OPTIONAL("web/index.html not built: make web (apt-get install clang lld wasi-libc "
+                      "libclang-rt-14-dev-wasm32)");
     if (sh("command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1"))
-        SKIP("no browser: apt-get install chromium chromium-driver");
+        SKIP_OPTIONAL("no browser: apt-get install chromium chromium-driver");
     if (!python_has("pytest") || !python_has("selenium"))
-        SKIP("python3 with pytest and selenium not found (pip install pytest selenium)");
+        SKIP_OPTIONAL("python3 with pytest and selenium not found (pip install pytest selenium)");
     run_pytest("web/test_web.py", "build/pytest-web.log");
 }
 

@@ -1110,7 +1110,7 @@ static void test_replay_cli(void) {
         CHECK(strstr(out, "\"reserved_bytes.all.peak\": 44040192,") != NULL);
         CHECK(strstr(out, "\"segment.all.current\": 3,") != NULL);
         CHECK(strstr(out, "\"replay.allocations\": 5, \"replay.frees\": 5, "
-                          "\"replay.unmatched_frees\": 0}") != NULL);
+                          "\"replay.unmatched_frees\": 0, \"replay.failed\": 0}") != NULL);
         snprintf(cmd, sizeof cmd, "%s replay test/data/cache_snapshot_sample.json --capacity 40MiB"
                  " 2>&1", cli);
         CHECK_EQ_INT(tc_run(cmd, out, sizeof out), 0);
@@ -1639,7 +1639,229 @@ static void test_hostdev(void) {
     CHECK_ERR(mn_hostdev_init(NULL, NULL), MN_ERR_INVALID_ARG);
 }
 
+// ---- property test: the allocator against a reference model of the policy --------------------
+//
+// The model below is written from PyTorch's CUDACachingAllocator.cpp rules alone, as plainly as
+// possible (linear scans, no trees, no maps): round_size (512-byte multiples), the small pool for
+// at most 1 MiB, get_allocation_size (2 MiB / 20 MiB / 2 MiB multiples), get_free_block (best fit
+// by size, then address, in the request's pool), should_split (small: >= 512 left; large: more
+// than 1 MiB left), free_block (merge with free neighbours), and the out-of-memory ladder
+// (alloc_block; release_cached_blocks, which frees every whole free segment; one retry). The
+// simulated device places segments at increasing addresses (size rounded to 2 MiB plus a 2 MiB
+// gap), which the model repeats. Random traces with a random capacity and device failures
+// injected at random allocations must give the same pointers, the same failures and the same
+// statistics as the allocator; at the end every block is returned and nothing is lost.
+
+enum { PM_MAX_BLOCKS = 4096, PM_MAX_SEGS = 1024 };
+
+typedef struct pm_block {
+    uint64_t addr, size;
+    int seg, allocated, used;  // used: the slot holds a block
+} pm_block;
+
+typedef struct pm_seg {
+    uint64_t addr, size;
+    int small, used;
+} pm_seg;
+
+typedef struct pm_model {
+    pm_block b[PM_MAX_BLOCKS];
+    pm_seg s[PM_MAX_SEGS];
+    uint64_t next_addr, capacity, used, calls, fail_call, num_ooms, retries;
+} pm_model;
+
+static uint64_t pm_round(uint64_t n) { return n < 512 ? 512 : (n + 511) / 512 * 512; }
+
+static uint64_t pm_alloc_size(uint64_t r) {
+    if (r <= MIB) return 2 * MIB;
+    if (r < 10 * MIB) return 20 * MIB;
+    return (r + 2 * MIB - 1) / (2 * MIB) * (2 * MIB);
+}
+
+// A device allocation: the injected failure, the capacity, then the next address.
+static int pm_device_alloc(pm_model *m, uint64_t size, uint64_t *addr) {
+    m->calls++;
+    if (m->fail_call && m->calls == m->fail_call) return m->fail_call = 0, 0;
+    if (m->capacity && m->used + size > m->capacity) return 0;
+    m->used += size;
+    *addr = m->next_addr;
+    m->next_addr += (size + 2 * MIB - 1) / (2 * MIB) * (2 * MIB) + 2 * MIB;
+    return 1;
+}
+
+static int pm_free_slot_block(pm_model *m) {
+    int i;
+    for (i = 0; i < PM_MAX_BLOCKS; i++)
+        if (!m->b[i].used) return i;
+    return -1;
+}
+
+static int pm_new_segment(pm_model *m, uint64_t size, int small) {
+    uint64_t addr;
+    int i, k;
+    if (!pm_device_alloc(m, size, &addr)) return -1;
+    for (i = 0; i < PM_MAX_SEGS && m->s[i].used; i++) continue;
+    k = pm_free_slot_block(m);
+    if (i == PM_MAX_SEGS || k < 0) return -1;
+    m->s[i].addr = addr, m->s[i].size = size, m->s[i].small = small, m->s[i].used = 1;
+    m->b[k].addr = addr, m->b[k].size = size, m->b[k].seg = i, m->b[k].allocated = 0;
+    m->b[k].used = 1;
+    return k;
+}
+
+static int pm_whole(const pm_model *m, int k) {
+    return m->b[k].addr == m->s[m->b[k].seg].addr && m->b[k].size == m->s[m->b[k].seg].size;
+}
+
+// release_cached_blocks: every free block that is a whole segment goes back to the device.
+static void pm_release_cached(pm_model *m) {
+    int k;
+    for (k = 0; k < PM_MAX_BLOCKS; k++)
+        if (m->b[k].used && !m->b[k].allocated && pm_whole(m, k)) {
+            m->used -= m->s[m->b[k].seg].size;
+            m->s[m->b[k].seg].used = 0;
+            m->b[k].used = 0;
+        }
+}
+
+// The address of the new block, or 0 when the allocation fails.
+static uint64_t pm_malloc(pm_model *m, uint64_t size) {
+    uint64_t r = pm_round(size);
+    int small = r <= MIB, best = -1, k;
+    for (k = 0; k < PM_MAX_BLOCKS; k++) {  // best fit: smallest size, then lowest address
+        pm_block *b = &m->b[k];
+        if (!b->used || b->allocated || m->s[b->seg].small != small || b->size < r) continue;
+        if (best < 0 || b->size < m->b[best].size ||
+            (b->size == m->b[best].size && b->addr < m->b[best].addr))
+            best = k;
+    }
+    if (best < 0) {
+        best = pm_new_segment(m, pm_alloc_size(r), small);
+        if (best < 0) {
+            pm_release_cached(m);
+            m->retries++;
+            best = pm_new_segment(m, pm_alloc_size(r), small);
+        }
+        if (best < 0) return m->num_ooms++, 0;
+    }
+    if (small ? m->b[best].size - r >= 512 : m->b[best].size - r > MIB) {  // split the front off
+        int rest = pm_free_slot_block(m);
+        if (rest < 0) return 0;
+        m->b[rest] = m->b[best];
+        m->b[rest].addr += r, m->b[rest].size -= r;
+        m->b[best].size = r;
+    }
+    m->b[best].allocated = 1;
+    return m->b[best].addr;
+}
+
+static void pm_free(pm_model *m, uint64_t addr) {
+    int k, j, merged = 1;
+    for (k = 0; k < PM_MAX_BLOCKS && !(m->b[k].used && m->b[k].addr == addr); k++) continue;
+    CHECK(k < PM_MAX_BLOCKS && m->b[k].allocated);
+    if (k == PM_MAX_BLOCKS) return;
+    m->b[k].allocated = 0;
+    while (merged) {  // free neighbours in the same segment join it
+        merged = 0;
+        for (j = 0; j < PM_MAX_BLOCKS; j++) {
+            pm_block *o = &m->b[j];
+            if (j == k || !o->used || o->allocated || o->seg != m->b[k].seg) continue;
+            if (o->addr + o->size == m->b[k].addr) {
+                m->b[k].addr = o->addr, m->b[k].size += o->size, o->used = 0, merged = 1;
+            } else if (m->b[k].addr + m->b[k].size == o->addr) {
+                m->b[k].size += o->size, o->used = 0, merged = 1;
+            }
+        }
+    }
+}
+
+static void pm_totals(const pm_model *m, uint64_t *alloc_bytes, uint64_t *reserved,
+                      uint64_t *segments, uint64_t *allocations) {
+    int k;
+    *alloc_bytes = *reserved = *segments = *allocations = 0;
+    for (k = 0; k < PM_MAX_BLOCKS; k++)
+        if (m->b[k].used && m->b[k].allocated) *alloc_bytes += m->b[k].size, (*allocations)++;
+    for (k = 0; k < PM_MAX_SEGS; k++)
+        if (m->s[k].used) *reserved += m->s[k].size, (*segments)++;
+}
+
+static void test_policy_model(void) {
+    static pm_model m;
+    int round;
+    for (round = 0; round < 6; round++) {
+        mn_sim_cache sc;
+        mn_simdev_desc dd;
+        struct mn_cache_stats st;
+        void *live[256];
+        uint64_t n_live = 0, op, ops = 300 + mnt_rand_u64() % 300, faults = 0;
+        uint64_t ab, rv, sg, na;
+        memset(&m, 0, sizeof m);
+        memset(&dd, 0, sizeof dd);
+        dd.capacity = (64 + mnt_rand_u64() % 448) * MIB;  // 64 MiB .. 512 MiB: OOMs happen
+        dd.events_complete = 1;
+        m.capacity = dd.capacity, m.next_addr = 0x7f0000000000ull;
+        CHECK_OK(mn_sim_cache_init(&sc, &dd, NULL));
+        for (op = 0; op < ops && !mnt_failed(); op++) {
+            if (n_live < 256 && (n_live == 0 || mnt_rand_u64() % 5 < 3)) {
+                uint64_t size, want;
+                void *p = NULL;
+                mn_result r;
+                switch (mnt_rand_u64() % 3) {
+                case 0: size = 1 + mnt_rand_u64() % MIB; break;          // small pool
+                case 1: size = MIB + 1 + mnt_rand_u64() % (9 * MIB); break;  // 20 MiB segments
+                default: size = 10 * MIB + mnt_rand_u64() % (40 * MIB); break;
+                }
+                if (mnt_rand_u64() % 16 == 0) {  // the device fails its next allocation
+                    mn_simdev_fail_alloc_at(&sc.dev, 1);
+                    m.fail_call = m.calls + 1;
+                    faults++;
+                }
+                want = pm_malloc(&m, size);
+                r = mn_cache_alloc(&sc.cache, size, 0, MN_CAT_ACTIVATIONS, NULL, &p);
+                CHECK_MSG((r == MN_OK) == (want != 0), "op %llu: alloc of %llu: result %d, the "
+                          "model %s", (unsigned long long)op, (unsigned long long)size, (int)r,
+                          want ? "succeeds" : "fails");
+                if (r == MN_OK) {
+                    CHECK_EQ_U64((uint64_t)(uintptr_t)p, want);
+                    live[n_live++] = p;
+                } else {
+                    CHECK_ERR(r, MN_ERR_DEVICE_OOM);
+                    m.fail_call = 0;  // the injected failure was used (or never reached)
+                    mn_simdev_fail_alloc_at(&sc.dev, 0);
+                }
+            } else {
+                uint64_t i = mnt_rand_u64() % n_live;
+                pm_free(&m, (uint64_t)(uintptr_t)live[i]);
+                CHECK_OK(mn_cache_release(&sc.cache, live[i]));
+                live[i] = live[--n_live];
+            }
+            if (m.fail_call && m.fail_call <= m.calls) m.fail_call = 0;
+            CHECK_OK(mn_cache_check(&sc.cache));
+            CHECK_OK(mn_cache_stats(&sc.cache, &st));
+            pm_totals(&m, &ab, &rv, &sg, &na);
+            CHECK_EQ_U64(st.allocated_bytes[MN_STAT_ALL].current, ab);
+            CHECK_EQ_U64(st.reserved_bytes[MN_STAT_ALL].current, rv);
+            CHECK_EQ_U64(st.segment[MN_STAT_ALL].current, sg);
+            CHECK_EQ_U64(st.allocation[MN_STAT_ALL].current, na);
+            CHECK_EQ_U64(st.num_ooms, m.num_ooms);
+            CHECK_EQ_U64(sc.dev.used, m.used);
+        }
+        // nothing is lost: every block goes back, the cache empties, the device holds nothing
+        while (n_live) CHECK_OK(mn_cache_release(&sc.cache, live[--n_live]));
+        CHECK_OK(mn_cache_empty(&sc.cache));
+        CHECK_OK(mn_cache_stats(&sc.cache, &st));
+        CHECK_EQ_U64(st.allocated_bytes[MN_STAT_ALL].current, 0);
+        CHECK_EQ_U64(st.reserved_bytes[MN_STAT_ALL].current, 0);
+        CHECK_EQ_U64(sc.dev.used, 0);
+        CHECK_EQ_U64(st.allocated_bytes[MN_STAT_ALL].allocated,
+                     st.allocated_bytes[MN_STAT_ALL].freed);
+        CHECK(faults > 0 || ops < 400);
+        mn_sim_cache_free(&sc);
+    }
+}
+
 const mnt_case test_cache_cases[] = {
+    {"policy_model", test_policy_model},
     {"rounding_table", test_rounding_table},
     {"config_parse", test_config_parse},
     {"small_and_large_pools", test_small_and_large_pools},

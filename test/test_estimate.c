@@ -456,6 +456,7 @@ static void test_setup_bounds(void) {
     mn_estimate_result r;
     mnt_log lg;
     s.logger.log_fn = mnt_log_capture, s.logger.user_data = &lg, s.no_replay = 1, s.seq = 64;
+    s.gpus = 2;  // (ZeRO over one GPU is accepted with a warning)
 #define REJECTS(field, value) do { b = s, b.field = value, memset(&lg, 0, sizeof lg); \
     CHECK_ERR(mn_estimate(&m, &b, &r), MN_ERR_INVALID_ARG); CHECK_EQ_INT(lg.count, 1); } while (0)
 #define ACCEPTS(field, value) do { b = s, b.field = value, memset(&lg, 0, sizeof lg); \
@@ -473,15 +474,23 @@ static void test_setup_bounds(void) {
     REJECTS(gpus, (1u << 20) + 1);
     ACCEPTS(gpus, 1u << 20);
     REJECTS(lora_rank, 65537);
-    REJECTS(beams, 4097);
-    ACCEPTS(beams, 4096);
+    REJECTS(beams, 2);  // generation only
+    REJECTS(prompt, 64);
+    REJECTS(new_tokens, 1);
     REJECTS(capacity, (1ull << 50) + 1);
     ACCEPTS(capacity, 1ull << 50);
     REJECTS(context, (80ull << 30) + 1);  // a100-80gb: more than the capacity
     s.infer = 1;
+    REJECTS(beams, 4097);
+    ACCEPTS(beams, 4096);
     REJECTS(prompt, (1ull << 26) + 1);
     REJECTS(new_tokens, (1ull << 26) + 1);
-    ACCEPTS(new_tokens, 1ull << 26);
+    ACCEPTS(new_tokens, 1024 - 64);  // the prompt (= seq, 64) and new tokens fill the positions
+    REJECTS(new_tokens, 1024 - 64 + 1);
+    REJECTS(optim, MN_OPTIM_ADAMW);   // contradicts --infer
+    ACCEPTS(optim, MN_OPTIM_NONE);
+    REJECTS(accum, 2);
+    REJECTS(checkpointing, MN_CKPT_FULL);
 #undef REJECTS
 #undef ACCEPTS
 }
@@ -656,6 +665,56 @@ static void test_parts_by_hand(void) {
     CHECK_ERR(mn_estimate_parts(&m, &s, parts, 64, &n), MN_ERR_UNSUPPORTED);
 }
 
+// Inputs that used to give a silently wrong answer: each is refused with one error line, or
+// answered with one warning that says what was assumed.
+static void test_no_silent_answers(void) {
+    mn_model m = preset("gpt2"), big;
+    mn_setup s = setup0(), b;
+    mn_estimate_result r;
+    mnt_log lg;
+    uint64_t shape = 0;
+    s.logger.log_fn = mnt_log_capture, s.logger.user_data = &lg, s.seq = 64;
+#define REFUSED(what, expr) do { b = s; what; memset(&lg, 0, sizeof lg); \
+    CHECK_ERR(expr, MN_ERR_INVALID_ARG); CHECK_EQ_INT(lg.errors, 1); } while (0)
+    REFUSED(b.lora_rank = 8; b.lora_targets = MN_LORA_GATE, mn_estimate(&m, &b, &r));
+    REFUSED(b.precision = MN_PREC_BF16; b.gpu = "v100", mn_estimate(&m, &b, &r));
+    REFUSED(b.precision = MN_PREC_BF16_PURE; b.gpu = "t4", mn_estimate(&m, &b, &r));
+    REFUSED(b.capacity = 1, mn_estimate(&m, &b, &r));  // below the GPU's context
+    REFUSED(b.infer = 1; b.prompt = 1000; b.new_tokens = 25, mn_estimate(&m, &b, &r));
+    // bf16 where the GPU has it, and fp16 on a V100, are fine
+    b = s, b.precision = MN_PREC_FP16, b.gpu = "v100", memset(&lg, 0, sizeof lg);
+    CHECK_OK(mn_estimate(&m, &b, &r));
+    CHECK_EQ_INT(lg.count, 0);
+    // ZeRO over one GPU: answered, with a warning
+    b = s, b.zero_stage = 2, b.framework = MN_FW_DEEPSPEED, memset(&lg, 0, sizeof lg);
+    CHECK_OK(mn_estimate(&m, &b, &r));
+    CHECK_EQ_INT(lg.warnings, 1);
+    // a count below the shape's: the shape's count, with a warning naming both
+    memset(&big, 0, sizeof big);
+    big.params = 1;
+    b = s, b.no_replay = 1, memset(&lg, 0, sizeof lg);
+    CHECK_OK(mn_estimate(&big, &b, &r));
+    CHECK_EQ_INT(lg.warnings, 1);
+    big = r.model, big.params = 0;
+    CHECK_OK(mn_model_params(&big, &shape));
+    CHECK_EQ_U64(r.params, shape);
+    CHECK(r.params > 1);
+    // 10^18 parameters: every byte count is either right or refused. A single tensor of 1 EiB or
+    // more is refused by any allocator, so the replayed peak cannot be given: an error, where the
+    // peak used to come out below the model's own states.
+    memset(&big, 0, sizeof big);
+    big.params = 1000000000000000000ull;
+    b = s, memset(&lg, 0, sizeof lg);
+    CHECK_ERR(mn_estimate(&big, &b, &r), MN_ERR_OVERFLOW);
+    CHECK_EQ_INT(lg.errors, 1);
+    b.no_replay = 1;  // the step alone: exact, and at least the model states
+    CHECK_OK(mn_estimate(&big, &b, &r));
+    CHECK_EQ_U64(r.weights, 4 * r.params);
+    CHECK(r.peak_allocated >= r.model_states);
+    CHECK(!r.fits);
+#undef REFUSED
+}
+
 // torch 2 mechanisms against arithmetic from the libraries' source:
 // - foreach AdamW (torch/optim/adam.py, _multi_tensor_adam): torch._foreach_sqrt of every
 //   exp_avg_sq of the group at once, 4 bytes per trainable parameter; the per-tensor loop
@@ -805,5 +864,6 @@ const mnt_case test_estimate_cases[] = {
     {"alloc_failures", test_alloc_failures},
     {"presets_and_gpus", test_presets_and_gpus},
     {"gpu_table", test_gpu_table},
+    {"no_silent_answers", test_no_silent_answers},
 };
 const size_t test_estimate_count = sizeof test_estimate_cases / sizeof test_estimate_cases[0];

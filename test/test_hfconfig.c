@@ -2,7 +2,11 @@
 // folders with safetensors headers, and every error path. The sample configs in test/data/hf/
 // are the published ones; the tiny model folders hold safetensors files of zeros whose headers
 // are the test inputs.
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "harness.h"
 #include "../memanat.h"
 
@@ -600,6 +604,56 @@ static void test_published_counts(void) {
     }
 }
 
+// A folder whose safetensors files disagree with its config.json: tiny-gpt2's weights (1272
+// parameters) beside a config of two layers (more than the files hold: the shape's count is
+// used) or a wider vocabulary... each case is said in one warning, never silently.
+static void copy_file(const char *from, const char *to) {
+    static char buf[1 << 16];
+    FILE *a = fopen(from, "rb"), *b = fopen(to, "wb");
+    size_t n;
+    CHECK(a && b);
+    while (a && b && (n = fread(buf, 1, sizeof buf, a)) > 0) CHECK(fwrite(buf, 1, n, b) == n);
+    if (a) fclose(a);
+    if (b) fclose(b);
+}
+
+static void write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (f) fputs(text, f), fclose(f);
+}
+
+static void test_count_disagrees(void) {
+    char dir[] = "/tmp/memanat_hf_XXXXXX", cfg[128], st[128];
+    mn_model m;
+    mnt_log lc;
+    uint64_t shape = 0;
+    CHECK(mkdtemp(dir) != NULL);
+    snprintf(cfg, sizeof cfg, "%s/config.json", dir);
+    snprintf(st, sizeof st, "%s/model.safetensors", dir);
+    copy_file("test/data/hf/tiny-gpt2/model.safetensors", st);
+    // two layers: the shape holds more than the 1272 parameters in the file
+    write_text(cfg, "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_layer\": 2, \"n_head\": 2,"
+                    " \"n_positions\": 16, \"vocab_size\": 32}");
+    CHECK_OK(read_cfg(dir, &m, &lc));
+    CHECK_EQ_INT(lc.warnings, 1);
+    CHECK_EQ_U64(m.params, 0);  // the shape's count
+    CHECK_OK(mn_model_params(&m, &shape));
+    CHECK(shape > 1272);
+    // the matching config: no warning, the file's count
+    copy_file("test/data/hf/tiny-gpt2/config.json", cfg);
+    CHECK_OK(read_cfg(dir, &m, &lc));
+    CHECK_EQ_INT(lc.warnings, 0);
+    CHECK_EQ_U64(m.params, 1272);
+    // a smaller vocabulary: the file holds more than the shape; the extra is said and kept
+    write_text(cfg, "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_layer\": 1, \"n_head\": 2,"
+                    " \"n_positions\": 16, \"vocab_size\": 8}");
+    CHECK_OK(read_cfg(dir, &m, &lc));
+    CHECK_EQ_INT(lc.warnings, 1);
+    CHECK_EQ_U64(m.params, 1272);
+    remove(cfg), remove(st), rmdir(dir);
+}
+
 static mn_result read_tiny_llama(void *ctx) {
     mn_model m;
     mn_result r = mn_hf_config_read("test/data/hf/tiny-llama", NULL, &m);
@@ -626,6 +680,7 @@ const mnt_case test_hfconfig_cases[] = {
     {"families_and_heads", test_families},
     {"errors", test_errors},
     {"model_folders", test_folders},
+    {"count_disagrees", test_count_disagrees},
     {"published_param_counts", test_published_counts},
     {"alloc_failure", test_alloc_failure},
 };

@@ -791,18 +791,26 @@ static void test_dropout(void) {
 }
 
 // With OpenMP, one thread and two threads give the same bits (threads own disjoint outputs and
-// every sum keeps its order).
-static void test_thread_invariance(void) {
+// every sum keeps its order); without it, two runs give the same bits (nothing depends on
+// uninitialized memory or on state kept between calls).
 #ifdef _OPENMP
+#define SET_THREADS(k) omp_set_num_threads(k)
+#else
+#define SET_THREADS(k) (void)(k)
+#endif
+static void test_thread_invariance(void) {
     enum { N = 70, C = 300, OC = 150, B = 2, T = 40, CA = 48, NH = 3 };
     size_t nx = (size_t)N * C + (size_t)OC * C + OC, nq = (size_t)B * T * 3 * CA;
     float *x = mnt_fvec(nx), *w = mnt_fvec((size_t)N * OC), *out[2], *g[2], *d[2];
-    int saved = omp_get_max_threads(), r;
+    int r;
+#ifdef _OPENMP
+    int saved = omp_get_max_threads();
+#endif
     mnt_fill_normal(x, nx, 1.0);
     mnt_fill_normal(w, (size_t)N * OC, 1.0);
     for (r = 0; r < 2; r++) {
         float *mean = mnt_fvec(N), *rstd = mnt_fvec(N);
-        omp_set_num_threads(r + 1);
+        SET_THREADS(r + 1);
         out[r] = mnt_fvec((size_t)N * OC), g[r] = mnt_fvec(nx), d[r] = mnt_fvec((size_t)N * OC);
         memcpy(d[r], w, (size_t)N * OC * sizeof(float));
         mn_matmul_forward(out[r], NULL, x, x + (size_t)N * C, x + nx - OC, N, C, OC);
@@ -815,16 +823,88 @@ static void test_thread_invariance(void) {
         mn_attention_backward(g[r] + 1000, w, x, NULL, B, T, CA, NH, 1);
         free(mean), free(rstd);
     }
+#ifdef _OPENMP
     omp_set_num_threads(saved);
+#endif
     EXPECT_SAME("one vs two threads: outputs", out[0], out[1], (size_t)N * OC);
     EXPECT_SAME("one vs two threads: gradients", g[0], g[1], nx);
     EXPECT_SAME("one vs two threads: layernorm", d[0], d[1], (size_t)N * OC);
     CHECK(nq + 1000 < nx);
     free(x), free(w);
     for (r = 0; r < 2; r++) free(out[r]), free(g[r]), free(d[r]);
-#else
-    SKIP("built without OpenMP");
-#endif
+}
+#undef SET_THREADS
+
+// Bad arguments: every op refuses with MN_ERR_INVALID_ARG and leaves its outputs untouched;
+// none asserts or crashes, with or without NDEBUG (make sanitize runs this under ASan both ways).
+// NULL for a needed array, a zero width that divides, and shapes whose element counts overflow
+// size_t (the arrays are never reached: the check comes first).
+static void test_bad_arguments(void) {
+    const size_t N = 1 + mnt_rand_u64() % 5, C = 2 * (1 + mnt_rand_u64() % 4), NH = 2;
+    const size_t huge = (size_t)-1 / 2 + 1, big = (size_t)1 << (sizeof(size_t) * 4);
+    float *x = mnt_fvec(3 * N * C * N), *w = mnt_fvec(C * C), *y = mnt_fvec(3 * N * C * N);
+    float *m = mnt_fvec(N), *r = mnt_fvec(N), *keep = mnt_fvec(3 * N * C * N);
+    uint16_t *h = (uint16_t *)calloc(N * C, sizeof *h);
+    size_t i, n = 3 * N * C * N;
+    mnt_fill_normal(x, n, 1.0);
+    mnt_fill_normal(w, C * C, 1.0);
+    mnt_fill_normal(y, n, 1.0);
+    memcpy(keep, y, n * sizeof *y);
+#define BAD(call) CHECK_ERR(call, MN_ERR_INVALID_ARG)
+    BAD(mn_matmul_forward(NULL, NULL, x, w, NULL, N, C, C));
+    BAD(mn_matmul_forward(y, NULL, NULL, w, NULL, N, C, C));
+    BAD(mn_matmul_forward(y, NULL, x, NULL, NULL, N, C, C));
+    BAD(mn_matmul_forward(y, NULL, x, w, NULL, huge, 4, C));
+    BAD(mn_matmul_forward(y, NULL, x, w, NULL, big, big, C));
+    BAD(mn_matmul_backward(y, NULL, NULL, NULL, x, w, NULL, N, C, C));
+    BAD(mn_matmul_backward(y, NULL, NULL, x, x, NULL, NULL, N, C, C));  // dinp needs weight
+    BAD(mn_matmul_backward(NULL, y, NULL, x, NULL, w, NULL, N, C, C));  // dweight needs inp
+    BAD(mn_layernorm_forward(y, m, r, x, w, NULL, N, 0, 1e-5f));
+    BAD(mn_layernorm_forward(y, m, r, NULL, w, NULL, N, C, 1e-5f));
+    BAD(mn_layernorm_forward(y, m, r, x, NULL, NULL, N, C, 1e-5f));
+    BAD(mn_layernorm_forward(y, m, r, x, w, NULL, big, big, 1e-5f));
+    BAD(mn_layernorm_backward(y, NULL, NULL, x, x, w, NULL, r, N, C));
+    BAD(mn_layernorm_backward(y, NULL, NULL, x, x, NULL, m, r, N, C));
+    BAD(mn_rmsnorm_forward(y, r, x, w, N, 0, 1e-5f));
+    BAD(mn_rmsnorm_forward(NULL, r, x, w, N, C, 1e-5f));
+    BAD(mn_rmsnorm_backward(y, NULL, x, x, w, NULL, N, C));
+    BAD(mn_rmsnorm_backward(y, NULL, x, x, NULL, r, N, C));
+    BAD(mn_softmax_forward(y, x, N, 0, 1.0f, 0));
+    BAD(mn_softmax_forward(y, NULL, N, C, 1.0f, 1));
+    BAD(mn_softmax_forward(y, x, huge, 4, 1.0f, 0));
+    BAD(mn_softmax_backward(NULL, x, x, N, C, 1.0f, 0));
+    BAD(mn_attention_forward(y, NULL, x, 1, N, C, 0, 1));
+    BAD(mn_attention_forward(y, NULL, x, 1, N, C, C + 1, 1));  // heads do not divide C
+    BAD(mn_attention_forward(y, NULL, x, 1, N, 0, NH, 1));
+    BAD(mn_attention_forward(NULL, NULL, x, 1, N, C, NH, 1));
+    BAD(mn_attention_forward(y, y, x, big, big, C, NH, 1));
+    BAD(mn_attention_forward(y, y, x, 1, big, C, NH, 1));  // the [B,NH,T,T] probabilities
+    BAD(mn_attention_backward(y, NULL, x, NULL, 1, N, C, NH, 1));
+    BAD(mn_attention_backward(y, x, x, NULL, 1, N, C, C + 1, 0));
+    BAD(mn_gelu_forward(NULL, x, n));
+    BAD(mn_gelu_backward(y, NULL, x, n));
+    BAD(mn_gelu_erf_forward(y, NULL, n));
+    BAD(mn_gelu_erf_backward(y, x, NULL, n));
+    BAD(mn_silu_forward(NULL, x, n));
+    BAD(mn_silu_backward(y, x, NULL, n));
+    BAD(mn_swiglu_forward(y, x, NULL, n));
+    BAD(mn_swiglu_backward(y, y, NULL, x, x, n));
+    BAD(mn_residual_forward(y, x, NULL, n));
+    BAD(mn_residual_backward(y, y, NULL, n));
+    BAD(mn_fp32_to_fp16_array(x, NULL, N * C));
+    BAD(mn_fp16_to_fp32_array(NULL, y, N * C));
+    BAD(mn_fp32_to_bf16_array(NULL, h, N * C));
+    BAD(mn_bf16_to_fp32_array(h, NULL, N * C));
+#undef BAD
+    for (i = 0; i < n && memcmp(&y[i], &keep[i], sizeof *y) == 0; i++) continue;
+    CHECK_MSG(i == n, "a refused op wrote its output at [%zu]", i);
+    // empty shapes are fine and touch nothing; valid calls succeed
+    CHECK_OK(mn_gelu_forward(NULL, NULL, 0));
+    CHECK_OK(mn_residual_backward(NULL, NULL, NULL, 0));
+    CHECK_OK(mn_matmul_forward(y, NULL, x, w, NULL, 0, C, C));
+    CHECK_OK(mn_softmax_forward(y, x, N, C, 1.0f, 0));
+    CHECK_OK(mn_attention_forward(y, NULL, x, 1, N, C, NH, 1));
+    free(x), free(w), free(y), free(m), free(r), free(keep), free(h);
 }
 
 const mnt_case test_ops_cases[] = {
@@ -842,5 +922,6 @@ const mnt_case test_ops_cases[] = {
     {"philox_known_answers", test_philox},
     {"dropout", test_dropout},
     {"thread_count_invariance", test_thread_invariance},
+    {"bad_arguments", test_bad_arguments},
 };
 const size_t test_ops_count = sizeof test_ops_cases / sizeof test_ops_cases[0];

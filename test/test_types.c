@@ -66,10 +66,37 @@ static void test_names(void) {
     CHECK_STR(mn_result_str(MN_ERR_OVERFLOW), "size overflows 64 bits");
 }
 
+// NULL where a public function needs a pointer: an mn_result, never a crash (the library's
+// functions with no result to return ignore it).
+static void test_null_arguments(void) {
+    uint64_t u = 0;
+    mn_model m;
+    mn_setup s;
+    mn_estimate_result r;
+    memset(&m, 0, sizeof m), memset(&s, 0, sizeof s);
+    CHECK_ERR(mn_mul_u64(1, 2, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_add_u64(1, 2, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_size_parse(NULL, &u), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_dynamic_map(1, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_estimate(NULL, &s, &r), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_estimate(&m, &s, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_fit(&m, &s, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_cache_alloc(NULL, 1, 0, MN_CAT_OTHER, NULL, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_cache_replay(NULL, NULL, 0, 0, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_cache_config_parse(NULL, NULL, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_hf_config_read(NULL, NULL, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_adamw_step(NULL, NULL, NULL, NULL), MN_ERR_INVALID_ARG);
+    mn_size_format(1, NULL, 0);
+    mn_json_free(NULL);
+    mn_cache_free(NULL);
+    mn_sim_cache_free(NULL);
+}
+
 const mnt_case test_types_cases[] = {
     {"checked_arith", test_checked_arith},
     {"size_parse", test_size_parse},
     {"size_format", test_size_format},
     {"names", test_names},
+    {"null_arguments", test_null_arguments},
 };
 const size_t test_types_count = sizeof test_types_cases / sizeof test_types_cases[0];

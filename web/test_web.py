@@ -38,7 +38,7 @@ def cli_json(args):
            if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     p = subprocess.run([cli_path()] + args + ["--json"], cwd=ROOT, capture_output=True,
                        text=True, env=env)
-    assert p.returncode == 0, p.stderr
+    assert p.returncode in (0, 1), p.stderr  # 1: the step does not fit, the answer printed
     return json.loads(p.stdout)
 
 
@@ -209,13 +209,15 @@ def test_random_setups_same_as_cli(browser):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     for n in range(6):
+        precision = rng.choice(["fp32", "fp16", "bf16"])
+        gpus = ["a100-80gb", "a10g", "h100-80gb"] + (["t4"] if precision != "bf16" else [])
         args = ["--model", rng.choice(["gpt2", "bert-base-uncased", "llama-3-8b", "t5-base",
                                        "mistral-7b"]),
                 "--batch", str(rng.randint(1, 8)), "--seq", str(rng.choice([128, 256, 512])),
-                "--precision", rng.choice(["fp32", "fp16", "bf16"]),
+                "--precision", precision,
                 "--optim", rng.choice(["adamw", "adamw-8bit", "adafactor"]),
                 "--checkpointing", rng.choice(["none", "full", "selective"]),
-                "--gpu", rng.choice(["a100-80gb", "t4", "a10g", "h100-80gb"])]
+                "--gpu", rng.choice(gpus)]  # (bf16 needs sm 80: the T4 refuses it)
         if rng.random() < 0.4:
             args += ["--lora-rank", "16", "--quant", rng.choice(["none", "nf4", "fp4-dq"])]
         if rng.random() < 0.3:
