@@ -2120,7 +2120,7 @@ static mn_result tr_resume(tr_model *m) {
     FILE *f = fopen(path, "rb");
     unsigned char buf[65536];
     char magic[8];
-    uint64_t v[8], want[8], version, size, step, rng, state, zero, scaler[3], sum, left;
+    uint64_t v[8], want[8], version = 0, size, step, rng, state, zero, scaler[3], sum, left;
     float **ps[TR_NUM_PARAMS];
     long len;
     size_t k;
