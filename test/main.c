@@ -301,7 +301,7 @@ int main(int argc, char **argv) {
             fflush(stdout);
         }
     }
-    if (skipped) printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
-    else printf("%d passed, %d failed\n", passed, failed);
+    if (skipped) printf("%d skipped (the [SKIP] lines above say why)\n", skipped);
+    printf("%d passed, %d failed\n", passed, failed);  // always the last line
     return failed ? 1 : 0;
 }
