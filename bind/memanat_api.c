@@ -457,7 +457,8 @@ static int read_settings(api_call *c, const char *req, size_t len, int need_mode
 // ---- estimate -----------------------------------------------------------------------------------
 
 // Where pointers have 32 bits (wasm32) the simulated device addresses 1 TiB (mn_simdev_desc
-// addr_shift); a step that runs past it reserves about that much: no GPU holds it.
+// addr_shift: block addresses are multiples of 512 B only, so no wider shift is lossless); a step
+// that runs past it reserves about that much: no GPU holds it.
 static int failed_step(api_call *c, const char *what, int rc) {
     if (rc == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX && !c->error[0])
         return failf(c, rc, "%s: the step needs more device memory than this 32-bit build "
@@ -695,15 +696,40 @@ static int op_estimate_lengths(api_call *c, api_buf *b) {
     return rc;
 }
 
+// A step the 32-bit build cannot replay (failed_step): the estimate without the allocator replay
+// (mn_setup.no_replay, as mn_fit judges a setup by its step alone), kept only when its allocated
+// peak already exceeds the device, which makes "does not fit" certain (the replay never lowers
+// the peak below what is allocated). Every number but peak_reserved and device_used is the
+// replayed estimate's; those two are then lower bounds (reserved = allocated), and the answer
+// says "replayed": false. 1 when r holds such an estimate.
+static int unreplayed_estimate(api_call *c, int rc, mn_estimate_result *r) {
+    mn_setup s = c->setup;
+    char kept[sizeof c->error];
+    if (rc != MN_ERR_UNSUPPORTED || UINTPTR_MAX >= UINT64_MAX) return 0;
+    memcpy(kept, c->error, sizeof kept);
+    s.no_replay = 1;
+    if (mn_estimate(&c->model, &s, r) == MN_OK && !r->fits) {
+        c->error[0] = 0;
+        return 1;
+    }
+    memcpy(c->error, kept, sizeof kept);
+    return 0;
+}
+
 static int op_estimate(api_call *c, api_buf *b) {
     mn_estimate_result r;
-    int rc;
+    int rc, replayed = 1;
     if (c->seq_lengths || c->seq_lengths_text) return op_estimate_lengths(c, b);
     if (c->len_steps || c->len_seed || c->percentile > 0)
         return failf(c, MN_ERR_INVALID_ARG, "steps, seed and percentile go with seq_lengths");
     rc = mn_estimate(&c->model, &c->setup, &r);
+    if (rc != MN_OK && unreplayed_estimate(c, rc, &r)) rc = MN_OK, replayed = 0;
     if (rc != MN_OK) return failed_step(c, "estimate", rc);
     put_estimate(b, &r);
+    if (!replayed) {  // no timeline: the picture is the replay's
+        BUF_LIT(b, ", \"replayed\": false");
+        c->want_svg = 0;
+    }
     if ((rc = put_outputs(c, b, &r)) != MN_OK) return rc;
     BUF_LIT(b, "}");
     return MN_OK;
