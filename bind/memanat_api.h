@@ -18,7 +18,9 @@
 //             quant_head, framework, torch, zero, gpus, offload, zero_grad, gpu, context,
 //             capacity, alloc_conf, infer, prompt, new_tokens, beams; seq_lengths (a lengths
 //             file or "MIN:MAX:MEAN") or seq_lengths_text (a lengths file's text), steps, seed,
-//             percentile; and the outputs wanted: parts (true), svg (true: the timeline of the
+//             percentile; safetensors ([{name, size, header_base64}]: shard headers sent
+//             with config_json, counted as a model folder's) and safetensors_index (the
+//             index's text); and the outputs wanted: parts (true), svg (true: the timeline of the
 //             predicted step, the picture `memanat estimate --svg` writes)
 //   fit       the same settings; the answer of `memanat fit --json`
 //   replay    device_traces (a torch.cuda.memory._snapshot() device_traces array: entries with
