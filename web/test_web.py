@@ -406,3 +406,45 @@ def test_timing_and_screenshot(browser):
         f.write("setup\tCLI device_used\tPython device_used\tpage device_used\n")
         for row in CHECKS:
             f.write("\t".join(str(x) for x in row) + "\n")
+
+
+def test_safetensors_headers_same_as_cli(browser, tmp_path):
+    """Shards picked in the page (and the index): the exact parameter count and dtype from their
+    headers equal the CLI's on the same folder; a missing shard and a broken one show errors."""
+    import sys
+    from selenium.webdriver.common.by import By
+    sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
+    from conftest import write_checkpoint
+    rng = random.Random()
+    for shards in (1, rng.randint(2, 4)):
+        folder = str(tmp_path / ("ckpt%d" % shards))
+        ck = write_checkpoint(folder, rng, shards)
+        want = cli_json(["estimate", "--config", folder, "--seq", "64"])
+        assert want["params"] == ck["params"]
+        browser.execute_script("document.getElementById('reset').click()")
+        set_fields(browser, {"config_json": json.dumps(ck["config"]), "seq": "64"}, typed=False)
+        picked = ck["files"] + ([ck["index"]] if ck["index"] else [])
+        browser.find_element(By.ID, "weights").send_keys("\n".join(picked))
+        wait(browser, "const e = window.memanat.estimate; return e && e.safetensors && "
+                      "e.safetensors.files === %d && window.memanat.done === "
+                      "window.memanat.updates" % shards)
+        got = shown(browser)
+        for k in KEYS:
+            assert got[k] == want[k], (k, got[k], want[k])
+        e = browser.execute_script("return window.memanat.estimate")
+        assert e["params"] == ck["params"] and e["safetensors"]["dtype"] == ck["dtype"]
+        info = browser.execute_script("return document.getElementById('weights_info')"
+                                      ".textContent")
+        assert "{:,}".format(ck["params"]) in info and ck["dtype"] in info, info
+        if ck["index"]:  # the index names a shard that was not picked
+            browser.find_element(By.ID, "weights").clear()
+            browser.find_element(By.ID, "weights").send_keys(
+                "\n".join(ck["files"][1:] + [ck["index"]]))
+            wait(browser, "return document.getElementById('error').textContent"
+                          ".includes('listed in the index')")
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes((1000).to_bytes(8, "little") + b'{"a": ')
+    browser.find_element(By.ID, "weights").clear()
+    browser.find_element(By.ID, "weights").send_keys(str(bad))
+    wait(browser, "return document.getElementById('error').textContent.includes('broken')")
+    browser.execute_script("document.getElementById('reset').click()")
