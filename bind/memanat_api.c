@@ -477,9 +477,10 @@ static uint8_t *b64_decode(const char *s, size_t n, size_t *out_len, int *bad) {
 
 static int index_names(const mn_json_value *map, const char *name) {
     uint32_t k;
-    for (k = 0; k < map->len; k++)
-        if (map->items[2 * k + 1].type == MN_JSON_STRING && !strcmp(map->items[2 * k + 1].str, name))
-            return 1;
+    for (k = 0; k < map->len; k++) {
+        const mn_json_value *v = &map->items[2 * k + 1];
+        if (v->type == MN_JSON_STRING && !strcmp(v->str, name)) return 1;
+    }
     return 0;
 }
 

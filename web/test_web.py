@@ -276,8 +276,8 @@ def test_bad_config_shows_error(browser):
 # peak does (the allocator's rounding of whole blocks): without the replay it is the step's own,
 # a lower bound.
 UNREPLAYED = ["weights", "master_weights", "gradients", "optimizer", "model_states",
-              "activations", "temporary", "kv_cache", "workspace", "peak_requested", "context", "capacity", "fits", "params", "trainable_params",
-              "peak_phase"]
+              "activations", "temporary", "kv_cache", "workspace", "peak_requested", "context",
+              "capacity", "fits", "params", "trainable_params", "peak_phase"]
 
 
 @pytest.mark.parametrize("model", ["llama-2-70b", "llama-3-70b"])
