@@ -45,7 +45,7 @@ CUDA_TEST := build/test_cuda
 endif
 
 .PHONY: all test sanitize cxx clang fuzz bench gpu-bench cuda-probe check clean python python-ext \
-        web web-probe
+        web web-probe fuzz-api
 
 all: memanat trainer cuda-probe $(CUDA_OBJ)
 
@@ -206,6 +206,13 @@ build/fuzz: test/fuzz/fuzz.c memanat.c $(HDRS) | build
 
 fuzz: build/fuzz
 	./build/fuzz --seconds $(FUZZ_SECONDS) --target $(FUZZ_TARGET) test/fuzz/corpus
+	@$(MAKE) --no-print-directory fuzz-api
+
+# The request reader of mn_api_call (bind/memanat_api.c), seeded from requests built in.
+fuzz-api: test/fuzz/fuzz_api.c $(BIND) | build
+	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined $(WARN) \
+	    -DMEMANAT_NO_THREADS -o build/fuzz_api test/fuzz/fuzz_api.c $(LDLIBS)
+	./build/fuzz_api --seconds $(FUZZ_SECONDS)
 
 bench: $(BENCHES)
 

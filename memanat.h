@@ -7919,6 +7919,18 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     memset(out, 0, sizeof *out);
     out->plan_slowdown = 1.0;
     err = mn_estimate(model, setup, &cur);
+    if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
+        // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
+        // so a step needing more cannot be replayed. The step alone then decides: the replay
+        // never lowers the peak below what is allocated, so a step whose allocated peak does not
+        // fit does not fit replayed either, and the search below starts from it as from the
+        // replayed one (it replays only setups whose allocated peak fits).
+        mn_estimate_result q;
+        if (mn__quick_estimate(model, setup, out, &q) == MN_OK && !q.fits) {
+            cur = q, err = MN_OK;
+            cur.setup.no_replay = setup->no_replay;  // the search replays what it asks after
+        }
+    }
     if (err != MN_OK) return err;
     out->estimates_run = 1;
     base = cur.setup;

@@ -114,6 +114,9 @@ typedef struct api_call {
     uint64_t params;
     mn_head head;
     const char *seq_lengths, *seq_lengths_text;  // a file or MIN:MAX:MEAN; a file's text
+    const mn_json_value *st_shards;  // safetensors: [{name, size, header_base64}]
+    const char *st_index;            // safetensors_index: model.safetensors.index.json's text
+    mn_safetensors_info st;          // their totals, when given (st.files > 0)
     uint32_t len_steps;
     uint64_t len_seed;
     double percentile;  // 0 = the library's default
@@ -188,6 +191,7 @@ typedef enum opt_kind {
     OPT_U32,     // a count into a uint32_t field, at least min
     OPT_SIZE,    // bytes into a uint64_t field, not 0
     OPT_TEXT,    // a string kept as const char * (it lives in the request's document)
+    OPT_ARRAY,   // an array kept as const mn_json_value *
     OPT_FLAG,    // a boolean into an int field
     OPT_CHOICE   // a name through a library parser
 } opt_kind;
@@ -224,6 +228,8 @@ static const api_opt options[] = {
     OPT("config", OPT_MODEL, model, 0),
     OPT("config_json", OPT_MODEL, model, 0),
     OPT("params", OPT_MODEL, model, 0),
+    OPT("safetensors", OPT_ARRAY, st_shards, 0),
+    OPT("safetensors_index", OPT_TEXT, st_index, 0),
     OPT("head", OPT_HEAD, head, 0),
     OPT("trainable_params", OPT_U64, setup.trainable_params, 1),
     OPT("batch", OPT_U64, setup.batch, 1),
@@ -329,6 +335,12 @@ static int set_option(api_call *c, const api_opt *o, const mn_json_value *v) {
                          value_text(v, t, sizeof t));
         *(const char **)(void *)field = v->str;
         return MN_OK;
+    case OPT_ARRAY:
+        if (v->type != MN_JSON_ARRAY)
+            return failf(c, MN_ERR_INVALID_ARG, "%s: want an array, got %s", o->name,
+                         value_text(v, t, sizeof t));
+        *(const mn_json_value **)(void *)field = v;
+        return MN_OK;
     case OPT_CHOICE:
         if (v->type != MN_JSON_STRING || !o->choice(v->str, field))
             return failf(c, MN_ERR_INVALID_ARG, "%s=%s is not one of %s", o->name,
@@ -420,6 +432,175 @@ static int set_option(api_call *c, const api_opt *o, const mn_json_value *v) {
     return failf(c, MN_ERR_INVALID_ARG, "%s: unhandled setting", o->name);
 }
 
+// ---- safetensors headers sent with a config.json ------------------------------------------------
+//
+// Where no file system can be read (the page), the shards' headers come in the request: each
+// shard as {"name", "size" (the file's bytes), "header_base64" (its first 8 + N bytes: the length
+// and the JSON header)}, and optionally the index's text. They count as mn_hf_config_read counts a
+// model folder's (mn_safetensors_read_dir): with an index, the shards its weight_map names, each
+// of which must be present (others are not read); without one, every shard given. The sum of
+// their parameters and the dtype holding the most of them replace the config's shape count and
+// dtype, unless the config has a quantization_config (packed weights: the shape is kept).
+
+static int b64_value(int ch) {
+    if (ch >= 'A' && ch <= 'Z') return ch - 'A';
+    if (ch >= 'a' && ch <= 'z') return ch - 'a' + 26;
+    if (ch >= '0' && ch <= '9') return ch - '0' + 52;
+    if (ch == '+') return 62;
+    if (ch == '/') return 63;
+    return -1;
+}
+
+// Decodes standard base64 (RFC 4648, '=' padding optional) into a new buffer; NULL when the text
+// is not base64 (*bad = 1) or memory runs out (*bad = 0).
+static uint8_t *b64_decode(const char *s, size_t n, size_t *out_len, int *bad) {
+    uint8_t *out;
+    size_t i, k = 0;
+    uint32_t acc = 0;
+    int bits = 0;
+    *bad = 0;
+    while (n && s[n - 1] == '=') n--;
+    if (n % 4 == 1) return *bad = 1, (uint8_t *)NULL;
+    out = (uint8_t *)malloc(n / 4 * 3 + 3);
+    if (!out) return NULL;
+    for (i = 0; i < n; i++) {
+        int v = b64_value((unsigned char)s[i]);
+        if (v < 0) {
+            free(out);
+            return *bad = 1, (uint8_t *)NULL;
+        }
+        acc = (acc << 6) | (uint32_t)v, bits += 6;
+        if (bits >= 8) bits -= 8, out[k++] = (uint8_t)(acc >> bits);
+    }
+    *out_len = k;
+    return out;
+}
+
+static int index_names(const mn_json_value *map, const char *name) {
+    uint32_t k;
+    for (k = 0; k < map->len; k++) {
+        const mn_json_value *v = &map->items[2 * k + 1];
+        if (v->type == MN_JSON_STRING && !strcmp(v->str, name)) return 1;
+    }
+    return 0;
+}
+
+// Adds one shard to c->st (mn__st_add_shard's totals).
+static int add_shard(api_call *c, const mn_json_value *sh, uint32_t i) {
+    const mn_json_value *name = mn_json_get(sh, "name"), *hdr = mn_json_get(sh, "header_base64");
+    mn_safetensors_info one;
+    uint64_t size = 0;
+    uint8_t *bytes;
+    size_t len = 0;
+    int bad, t;
+    mn_result r;
+    if (sh->type != MN_JSON_OBJECT || !name || name->type != MN_JSON_STRING || !hdr ||
+        hdr->type != MN_JSON_STRING || mn_json_u64(mn_json_get(sh, "size"), &size) != MN_OK)
+        return failf(c, MN_ERR_INVALID_ARG, "safetensors[%u]: want {\"name\", \"size\", "
+                     "\"header_base64\"}", (unsigned)i);
+    bytes = b64_decode(hdr->str, hdr->len, &len, &bad);
+    if (!bytes)
+        return failf(c, bad ? MN_ERR_INVALID_ARG : MN_ERR_OUT_OF_MEMORY,
+                     "safetensors: %.60s: header_base64 %s", name->str,
+                     bad ? "is not base64" : "does not fit in memory");
+    memset(&one, 0, sizeof one);
+    r = mn_safetensors_parse(bytes, len, size, NULL, &one);
+    free(bytes);
+    if (r != MN_OK) {
+        failf(c, r, "safetensors: %.60s: %s", name->str, one.error);
+        mn_safetensors_free(&one);
+        return r;
+    }
+    c->st.files++;
+    if (mn_add_u64(c->st.header_bytes, one.header_bytes, &c->st.header_bytes) != MN_OK ||
+        mn_add_u64(c->st.data_bytes, one.data_bytes, &c->st.data_bytes) != MN_OK ||
+        mn_add_u64(c->st.tensors, one.tensors, &c->st.tensors) != MN_OK ||
+        mn_add_u64(c->st.params, one.params, &c->st.params) != MN_OK)
+        r = MN_ERR_OVERFLOW;
+    for (t = 0; t < MN_ST_DTYPE_COUNT && r == MN_OK; t++)
+        if (mn_add_u64(c->st.params_by_dtype[t], one.params_by_dtype[t],
+                       &c->st.params_by_dtype[t]) != MN_OK)
+            r = MN_ERR_OVERFLOW;
+    mn_safetensors_free(&one);
+    return r == MN_OK ? MN_OK : failf(c, r, "safetensors: totals overflow 64 bits");
+}
+
+static int read_safetensors(api_call *c, const char *config_text, size_t config_len) {
+    mn_json_doc idx, cfg;
+    const mn_json_value *map = NULL;
+    uint32_t i, j, k;
+    uint64_t best = 0;
+    int rc = MN_OK, quantized;
+    if (!c->st_shards && !c->st_index) return MN_OK;
+    if (!c->model_src || strcmp(c->model_src, "config_json"))
+        return failf(c, MN_ERR_INVALID_ARG, "safetensors: send them with config_json (the "
+                     "checkpoint's config.json)");
+    if (!c->st_shards || c->st_shards->len == 0)
+        return failf(c, MN_ERR_INVALID_ARG, "safetensors_index: give the shards it names "
+                     "(safetensors)");
+    memset(&idx, 0, sizeof idx);
+    if (c->st_index) {
+        if (mn_json_parse(c->st_index, strlen(c->st_index), NULL, &idx) != MN_OK) {
+            rc = failf(c, MN_ERR_PARSE, "model.safetensors.index.json: %s", idx.error);
+            goto done;
+        }
+        map = mn_json_get(idx.root, "weight_map");
+        if (!map || map->type != MN_JSON_OBJECT) {
+            rc = failf(c, MN_ERR_PARSE, "model.safetensors.index.json has no \"weight_map\" "
+                       "object");
+            goto done;
+        }
+        for (k = 0; k < map->len; k++) {  // every shard named must be there
+            const mn_json_value *v = &map->items[2 * k + 1];
+            int found = 0;
+            if (v->type != MN_JSON_STRING || v->len == 0) {
+                rc = failf(c, MN_ERR_PARSE, "weight_map: \"%.60s\" does not name a file",
+                           map->items[2 * k].str);
+                goto done;
+            }
+            for (i = 0; i < c->st_shards->len && !found; i++) {
+                const mn_json_value *n = mn_json_get(&c->st_shards->items[i], "name");
+                found = n && n->type == MN_JSON_STRING && !strcmp(n->str, v->str);
+            }
+            if (!found) {
+                rc = failf(c, MN_ERR_IO, "safetensors: %.60s: listed in the index, missing",
+                           v->str);
+                goto done;
+            }
+        }
+    }
+    for (i = 0; i < c->st_shards->len; i++) {
+        const mn_json_value *sh = &c->st_shards->items[i], *n = mn_json_get(sh, "name");
+        if (n && n->type == MN_JSON_STRING) {
+            if (map && !index_names(map, n->str)) continue;  // not part of this checkpoint
+            for (j = 0; j < i; j++) {
+                const mn_json_value *m = mn_json_get(&c->st_shards->items[j], "name");
+                if (m && m->type == MN_JSON_STRING && !strcmp(m->str, n->str)) {
+                    rc = failf(c, MN_ERR_INVALID_ARG, "safetensors: %.60s given twice", n->str);
+                    goto done;
+                }
+            }
+        }
+        if ((rc = add_shard(c, sh, i)) != MN_OK) goto done;
+    }
+    for (k = 1; k < MN_ST_DTYPE_COUNT; k++)  // mn_safetensors_read_dir: the dominant dtype
+        if (c->st.params_by_dtype[k] > best)
+            best = c->st.params_by_dtype[k], c->st.st_dtype = (mn_st_dtype)k;
+    c->st.dtype = mn_st_dtype_to_dtype(c->st.st_dtype);
+    // mn_hf_config_read: a quantized checkpoint keeps the shape's count
+    memset(&cfg, 0, sizeof cfg);
+    quantized = mn_json_parse(config_text, config_len, NULL, &cfg) == MN_OK &&
+                mn_json_get(cfg.root, "quantization_config") != NULL;
+    mn_json_free(&cfg);
+    if (c->st.params > 0 && !quantized) {
+        c->model.params = c->st.params;
+        if (c->st.dtype != MN_DTYPE_DEFAULT) c->model.dtype = c->st.dtype;
+    }
+done:
+    mn_json_free(&idx);
+    return rc;
+}
+
 // Parses the request and fills c the way memanat.c parse_args fills its struct.
 static int read_settings(api_call *c, const char *req, size_t len, int need_model) {
     const mn_json_value *root;
@@ -443,6 +624,12 @@ static int read_settings(api_call *c, const char *req, size_t len, int need_mode
     if (!need_model) return MN_OK;
     if (!c->have_model)
         return failf(c, MN_ERR_INVALID_ARG, "no model: give model, config, config_json or params");
+    if (c->st_shards || c->st_index) {
+        const mn_json_value *cj = mn_json_get(root, "config_json");
+        rc = read_safetensors(c, cj && cj->type == MN_JSON_STRING ? cj->str : "",
+                              cj && cj->type == MN_JSON_STRING ? cj->len : 0);
+        if (rc != MN_OK) return rc;
+    }
     if (c->head_set) {  // memanat.c parse_args: a classification head has no MLM transform
         c->model.head = c->head;
         if (c->head == MN_HEAD_CLASSIFICATION) {
@@ -458,7 +645,8 @@ static int read_settings(api_call *c, const char *req, size_t len, int need_mode
 // ---- estimate -----------------------------------------------------------------------------------
 
 // Where pointers have 32 bits (wasm32) the simulated device addresses 1 TiB (mn_simdev_desc
-// addr_shift); a step that runs past it reserves about that much: no GPU holds it.
+// addr_shift: block addresses are multiples of 512 B only, so no wider shift is lossless); a step
+// that runs past it reserves about that much: no GPU holds it.
 static int failed_step(api_call *c, const char *what, int rc) {
     if (rc == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX && !c->error[0])
         return failf(c, rc, "%s: the step needs more device memory than this 32-bit build "
@@ -696,15 +884,44 @@ static int op_estimate_lengths(api_call *c, api_buf *b) {
     return rc;
 }
 
+// A step the 32-bit build cannot replay (failed_step): the estimate without the allocator replay
+// (mn_setup.no_replay, as mn_fit judges a setup by its step alone), kept only when its allocated
+// peak already exceeds the device, which makes "does not fit" certain (the replay never lowers
+// the peak below what is allocated). Every number but peak_reserved and device_used is the
+// replayed estimate's; those two are then lower bounds (reserved = allocated), and the answer
+// says "replayed": false. 1 when r holds such an estimate.
+static int unreplayed_estimate(api_call *c, int rc, mn_estimate_result *r) {
+    mn_setup s = c->setup;
+    char kept[sizeof c->error];
+    if (rc != MN_ERR_UNSUPPORTED || UINTPTR_MAX >= UINT64_MAX) return 0;
+    memcpy(kept, c->error, sizeof kept);
+    s.no_replay = 1;
+    if (mn_estimate(&c->model, &s, r) == MN_OK && !r->fits) {
+        c->error[0] = 0;
+        return 1;
+    }
+    memcpy(c->error, kept, sizeof kept);
+    return 0;
+}
+
 static int op_estimate(api_call *c, api_buf *b) {
     mn_estimate_result r;
-    int rc;
+    int rc, replayed = 1;
     if (c->seq_lengths || c->seq_lengths_text) return op_estimate_lengths(c, b);
     if (c->len_steps || c->len_seed || c->percentile > 0)
         return failf(c, MN_ERR_INVALID_ARG, "steps, seed and percentile go with seq_lengths");
     rc = mn_estimate(&c->model, &c->setup, &r);
+    if (rc != MN_OK && unreplayed_estimate(c, rc, &r)) rc = MN_OK, replayed = 0;
     if (rc != MN_OK) return failed_step(c, "estimate", rc);
     put_estimate(b, &r);
+    if (c->st.files)  // what the headers gave (the shape's count and dtype replaced)
+        buf_printf(b, ", \"safetensors\": {\"files\": %u, \"tensors\": %llu, \"params\": "
+                   "%llu, \"dtype\": \"%s\"}", c->st.files, (unsigned long long)c->st.tensors,
+                   (unsigned long long)c->st.params, mn_st_dtype_name(c->st.st_dtype));
+    if (!replayed) {  // no timeline: the picture is the replay's
+        BUF_LIT(b, ", \"replayed\": false");
+        c->want_svg = 0;
+    }
     if ((rc = put_outputs(c, b, &r)) != MN_OK) return rc;
     BUF_LIT(b, "}");
     return MN_OK;

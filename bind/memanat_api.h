@@ -18,8 +18,14 @@
 //             quant_head, framework, torch, zero, gpus, offload, zero_grad, gpu, context,
 //             capacity, alloc_conf, infer, prompt, new_tokens, beams; seq_lengths (a lengths
 //             file or "MIN:MAX:MEAN") or seq_lengths_text (a lengths file's text), steps, seed,
-//             percentile; and the outputs wanted: parts (true), svg (true: the timeline of the
+//             percentile; safetensors ([{name, size, header_base64}]: shard headers sent
+//             with config_json, counted as a model folder's) and safetensors_index (the
+//             index's text); and the outputs wanted: parts (true), svg (true: the timeline of the
 //             predicted step, the picture `memanat estimate --svg` writes)
+//             Where pointers have 32 bits (wasm32) a step needing more than about 1 TiB of
+//             segments cannot be replayed: when its allocated peak alone exceeds the device, the
+//             answer is the estimate without the replay with "replayed": false (peak_allocated,
+//             peak_reserved and device_used then lower bounds, no svg); otherwise an error.
 //   fit       the same settings; the answer of `memanat fit --json`
 //   replay    device_traces (a torch.cuda.memory._snapshot() device_traces array: entries with
 //             action, addr, size, stream, and optionally category), alloc_conf, capacity,

@@ -161,7 +161,7 @@ def fields_of(args):
     while i < len(args):
         name = args[i][2:].replace("-", "_")
         if name == "infer":
-            f["infer"], i = "1", i + 1
+            f[name], i = "1", i + 1
             continue
         value = args[i + 1]
         i += 2
@@ -170,6 +170,9 @@ def fields_of(args):
                 f["config_json"] = fh.read()
         elif name == "model":
             f["model"] = value
+        elif name == "quant_head":  # a checkbox
+            if value == "yes":
+                f[name] = "1"
         else:
             f[name] = value
     return f
@@ -263,10 +266,105 @@ def test_bad_config_shows_error(browser):
     set_fields(browser, {"model": "gpt2", "batch": "0"})
     err = browser.execute_script("return document.getElementById('error').textContent")
     assert "batch" in err, err
-    # past the 1 TiB the 32-bit build simulates: a message, not a wrong number
-    set_fields(browser, {"params": "1e11", "seq": "16"}, typed=False)
+    # past the 1 TiB the 32-bit build simulates, with a capacity that would hold the allocated
+    # peak: the replay decides, and it cannot run here, so a message, not a guessed number
+    set_fields(browser, {"params": "1e11", "seq": "16", "capacity": "1900GiB"}, typed=False)
     err = browser.execute_script("return document.getElementById('error').textContent")
     assert "32-bit" in err, err
+
+
+# The keys that do not depend on the allocator replay: the step's own bytes (the estimator counts
+# them without the allocator), the requested peak, the context and the verdict. The allocated
+# peak does (the allocator's rounding of whole blocks): without the replay it is the step's own,
+# a lower bound.
+UNREPLAYED = ["weights", "master_weights", "gradients", "optimizer", "model_states",
+              "activations", "temporary", "kv_cache", "workspace", "peak_requested", "context",
+              "capacity", "fits", "params", "trainable_params", "peak_phase"]
+
+
+@pytest.mark.parametrize("model", ["llama-2-70b", "llama-3-70b"])
+def test_big_step_numbers_and_fit(browser, model):
+    """Full training of a 70B model on one 80 GiB GPU needs more than the 32-bit build can
+    replay: the page still shows every number the replay does not decide, equal to the CLI's,
+    labels reserved and device used as lower bounds, and fit gives the CLI's answer."""
+    gpu = random.choice(["h100-80gb", "a100-80gb"])
+    args = ["--model", model, "--gpu", gpu, "--precision", random.choice(["fp32", "bf16"]),
+            "--batch", str(random.randint(1, 4)), "--seq", str(random.choice([512, 1024]))]
+    want = cli_json(["estimate"] + args)
+    set_fields(browser, fields_of(args), typed=False)
+    err = browser.execute_script("return document.getElementById('error').textContent")
+    assert not err, err
+    e = browser.execute_script("return window.memanat.estimate")
+    assert e.get("replayed") is False, "this step was expected past the 32-bit replay"
+    for k in UNREPLAYED:
+        assert e[k] == want[k], "%s: %s page %s CLI %s" % (model, k, e[k], want[k])
+    got = shown(browser)
+    for k in ("weights", "gradients", "optimizer", "activations", "model_states"):
+        assert got[k] == want[k], (k, got[k], want[k])
+    # lower bounds, labelled as such
+    assert want["peak_requested"] <= got["peak_allocated"] <= want["peak_allocated"]
+    assert got["peak_reserved"] == got["peak_allocated"] <= want["peak_reserved"]
+    assert got["device_used"] == want["context"] + got["peak_allocated"] <= want["device_used"]
+    assert got["device_used"] > want["capacity"]
+    note = browser.execute_script("const n = document.getElementById('noreplay');"
+                                  "return n.style.display === 'block' && n.textContent")
+    assert note and "not replayed" in note
+    verdict = browser.execute_script("return document.getElementById('verdict').textContent")
+    assert verdict.startswith("does not fit: at least"), verdict
+    fit_want = cli_json(["fit"] + args)
+    f = browser.execute_script("return window.memanat.fit")
+    assert f, "fit did not answer"
+    for k in ("max_batch", "max_seq", "plan_found", "plan_slowdown", "plan"):
+        assert f[k] == fit_want[k], (k, f[k], fit_want[k])
+    for k in KEYS:
+        assert f["estimate"][k] == fit_want["estimate"][k], k
+    text = browser.execute_script("return document.getElementById('fit').textContent")
+    for p in fit_want["plan"]:
+        assert p["what"] in text
+
+
+def test_newer_settings(browser):
+    """The settings the CLI gained: lengths with steps/seed/percentile, LoRA dropout, the
+    optimizer's implementation, the loop, bitsandbytes' release and head, and the explain view;
+    each one's numbers equal the CLI's, and the shareable URL holds them."""
+    rng = random.Random()
+    lo, hi = rng.choice([32, 64]), rng.choice([512, 1024])
+    lengths = ["--model", "gpt2", "--batch", str(rng.randint(2, 6)),
+               "--seq-lengths", "%d:%d:%d" % (lo, hi, rng.randint(lo + 1, hi - 1)),
+               "--steps", str(rng.randint(4, 12)), "--seed", str(rng.randint(0, 999)),
+               "--percentile", str(rng.choice([50, 90, 100]))]
+    want = cli_json(["estimate"] + lengths)
+    set_fields(browser, fields_of(lengths))
+    e = browser.execute_script("return window.memanat.estimate")
+    assert e["seq_lengths"] == want["seq_lengths"]
+    assert shown(browser)["device_used"] == want["device_used"]
+    used = browser.execute_script("return Number(document.getElementById('len_used')"
+                                  ".dataset.bytes)")
+    assert used == want["seq_lengths"]["device_used"]
+    url = browser.current_url
+    assert "seq_lengths=" in url and "steps=" in url and "percentile=" in url
+    browser.get("about:blank")
+    browser.get(url)
+    wait(browser, "return !!(window.memanat && window.memanat.ready && window.memanat.estimate)")
+    assert browser.execute_script("return window.memanat.estimate")["seq_lengths"] == \
+        want["seq_lengths"]
+    others = [
+        ["--model", "llama-2-7b", "--lora-rank", "16", "--lora-dropout",
+         str(rng.choice([0.05, 0.1])), "--quant", "nf4", "--bnb-version", "0.43.1",
+         "--quant-head", "yes", "--seq", "512"],
+        ["--model", "gpt2", "--optim-impl", rng.choice(["fused", "loop"]),
+         "--loop", "trainer", "--seq", "256", "--batch", str(rng.randint(1, 4))],
+    ]
+    for args in others:
+        check_same(browser, " ".join(args), args, typed=False)
+    args = ["--model", "gpt2", "--seq", "512", "--batch", str(rng.randint(1, 8))]
+    want = cli_json(["estimate", "--explain"] + args)
+    set_fields(browser, dict(fields_of(args), explain="1"), typed=False)
+    e = browser.execute_script("return window.memanat.estimate")
+    assert e["explain"] == want["explain"] and e["explain_peak"] == want["explain_peak"]
+    rows = browser.execute_script("return document.querySelectorAll('#explain_table tr').length")
+    assert rows == len(want["explain"]) + 1
+    assert "explain=1" in browser.current_url
 
 
 def test_nothing_sent_over_the_network(browser):
@@ -310,3 +408,45 @@ def test_timing_and_screenshot(browser):
         f.write("setup\tCLI device_used\tPython device_used\tpage device_used\n")
         for row in CHECKS:
             f.write("\t".join(str(x) for x in row) + "\n")
+
+
+def test_safetensors_headers_same_as_cli(browser, tmp_path):
+    """Shards picked in the page (and the index): the exact parameter count and dtype from their
+    headers equal the CLI's on the same folder; a missing shard and a broken one show errors."""
+    import sys
+    from selenium.webdriver.common.by import By
+    sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
+    from conftest import write_checkpoint
+    rng = random.Random()
+    for shards in (1, rng.randint(2, 4)):
+        folder = str(tmp_path / ("ckpt%d" % shards))
+        ck = write_checkpoint(folder, rng, shards)
+        want = cli_json(["estimate", "--config", folder, "--seq", "64"])
+        assert want["params"] == ck["params"]
+        browser.execute_script("document.getElementById('reset').click()")
+        set_fields(browser, {"config_json": json.dumps(ck["config"]), "seq": "64"}, typed=False)
+        picked = ck["files"] + ([ck["index"]] if ck["index"] else [])
+        browser.find_element(By.ID, "weights").send_keys("\n".join(picked))
+        wait(browser, "const e = window.memanat.estimate; return e && e.safetensors && "
+                      "e.safetensors.files === %d && window.memanat.done === "
+                      "window.memanat.updates" % shards)
+        got = shown(browser)
+        for k in KEYS:
+            assert got[k] == want[k], (k, got[k], want[k])
+        e = browser.execute_script("return window.memanat.estimate")
+        assert e["params"] == ck["params"] and e["safetensors"]["dtype"] == ck["dtype"]
+        info = browser.execute_script("return document.getElementById('weights_info')"
+                                      ".textContent")
+        assert "{:,}".format(ck["params"]) in info and ck["dtype"] in info, info
+        if ck["index"]:  # the index names a shard that was not picked
+            browser.find_element(By.ID, "weights").clear()
+            browser.find_element(By.ID, "weights").send_keys(
+                "\n".join(ck["files"][1:] + [ck["index"]]))
+            wait(browser, "return document.getElementById('error').textContent"
+                          ".includes('listed in the index')")
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes((1000).to_bytes(8, "little") + b'{"a": ')
+    browser.find_element(By.ID, "weights").clear()
+    browser.find_element(By.ID, "weights").send_keys(str(bad))
+    wait(browser, "return document.getElementById('error').textContent.includes('broken')")
+    browser.execute_script("document.getElementById('reset').click()")

@@ -121,7 +121,8 @@ def _options() -> Tuple[str, ...]:
 def options() -> List[str]:
     """The setting names :func:`estimate` and :func:`fit` accept (the CLI's flags)."""
     return [k for k in _options()
-            if k not in _OUTPUT_KEYS and k not in ("config_json", "seq_lengths_text")]
+            if k not in _OUTPUT_KEYS and k not in ("config_json", "seq_lengths_text",
+                                                      "safetensors", "safetensors_index")]
 
 
 def _config_request(config: Any) -> Dict[str, Any]:

@@ -76,3 +76,54 @@ def _no_env_alloc_conf(monkeypatch: pytest.MonkeyPatch) -> None:
 def _need_cli() -> None:
     if not os.access(cli_path(), os.X_OK):
         pytest.skip("%s not built (make builds it)" % cli_path())
+
+
+def write_checkpoint(folder: str, rng: Any, shards: int = 2) -> Dict[str, Any]:
+    """A small model folder made here: a llama config.json and its weights as safetensors
+    shards (random names, shapes and dtypes; zero-filled data), with model.safetensors.index.json
+    when sharded. Returns {"params": the elements written, "dtype": the dtype holding the most,
+    "files": [shard paths], "index": the index path or None}; the bytes follow the safetensors
+    format spec (8-byte little-endian header length, JSON header padded with spaces, data)."""
+    import struct
+    os.makedirs(folder, exist_ok=True)
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 512,
+           "torch_dtype": "float32"}
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    size = {"F32": 4, "BF16": 2, "F16": 2}
+    per_dtype: Dict[str, int] = {}
+    files, weight_map = [], {}
+    for s in range(shards):
+        name = ("model-%05d-of-%05d.safetensors" % (s + 1, shards)) if shards > 1 \
+            else "model.safetensors"
+        header, offset = {}, 0
+        for t in range(rng.randint(2, 5)):
+            dt = rng.choice(["BF16", "BF16", "F32", "F16"])
+            # the first tensor alone exceeds the config's shape count (115,008): an exact
+            # count pads the model up to it, never down (memanat.h mn__build_params)
+            shape = [rng.randint(460, 900), 256] if t == 0 else \
+                [rng.randint(1, 40) for _ in range(rng.randint(1, 3))]
+            n = 1
+            for d in shape:
+                n *= d
+            key = "model.layers.%d.w%d.weight" % (s, t)
+            header[key] = {"dtype": dt, "shape": shape,
+                           "data_offsets": [offset, offset + n * size[dt]]}
+            offset += n * size[dt]
+            per_dtype[dt] = per_dtype.get(dt, 0) + n
+            weight_map[key] = name
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        path = os.path.join(folder, name)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text + b"\0" * offset)
+        files.append(path)
+    index = None
+    if shards > 1:
+        index = os.path.join(folder, "model.safetensors.index.json")
+        with open(index, "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+    return {"params": sum(per_dtype.values()), "dtype": max(per_dtype, key=per_dtype.get),
+            "files": files, "index": index, "config": cfg}

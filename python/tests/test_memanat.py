@@ -385,3 +385,43 @@ def test_bitsandbytes_settings_same_as_cli() -> None:
         assert {k: got[k] for k in want} == want
     with pytest.raises(memanat.InvalidArgumentError):
         memanat.estimate("llama-2-7b", lora_rank=8, quant="nf4", bnb_version="latest")
+
+
+def test_safetensors_folder_and_headers_same_as_cli(tmp_path) -> None:
+    """A model folder's safetensors headers give the exact parameter count and dtype: through
+    a path as the CLI reads it, and through the headers alone (what the page sends)."""
+    import base64
+    from conftest import write_checkpoint
+    rng = random.Random()
+    for shards in (1, rng.randint(2, 4)):
+        folder = str(tmp_path / ("ckpt%d" % shards))
+        ck = write_checkpoint(folder, rng, shards)
+        want = cli_json(["estimate", "--config", folder, "--seq", "64"])
+        assert want["params"] == ck["params"]  # the CLI read the headers written here
+        got = memanat.estimate(folder, seq=64)
+        assert got.params == want["params"] and got.device_used == want["device_used"]
+        assert got.weights == want["weights"]
+        req = {"config_json": json.dumps(ck["config"]), "seq": 64, "safetensors": []}
+        for path in ck["files"]:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                f.seek(0)
+                head = f.read(8 + n)
+            req["safetensors"].append({"name": os.path.basename(path),
+                                       "size": os.path.getsize(path),
+                                       "header_base64": base64.b64encode(head).decode()})
+        if ck["index"]:
+            with open(ck["index"], encoding="utf-8") as f:
+                req["safetensors_index"] = f.read()
+        out = memanat._call("estimate", req)
+        for k in ("params", "weights", "gradients", "optimizer", "device_used"):
+            assert out[k] == want[k], k
+        assert out["safetensors"]["params"] == ck["params"]
+        assert out["safetensors"]["dtype"] == ck["dtype"]
+        if ck["index"]:  # a shard the index names is missing
+            with pytest.raises(memanat.MemanatError, match="listed in the index, missing"):
+                memanat._call("estimate", dict(req, safetensors=req["safetensors"][1:]))
+        bad = dict(req, safetensors=[dict(req["safetensors"][0], size=3)])
+        bad.pop("safetensors_index", None)
+        with pytest.raises(memanat.MemanatError, match="safetensors"):
+            memanat._call("estimate", bad)
