@@ -12537,8 +12537,8 @@ typedef float mn__vf __attribute__((vector_size(MN__VW * sizeof(float))));
 #define MN__MR 4
 #endif
 #define MN__NR (2 * MN__VW)  // columns of the register tile
-#define MN__KC 256           // depth of a packed block
-#define MN__JB 256           // columns per task (a multiple of MN__NR)
+#define MN__KC 512           // depth of a packed block
+#define MN__JB 128           // columns per task (a multiple of MN__NR)
 #define MN__MB 256           // fewest rows per task of the parallel schedule
 #define MN__MB_MAX 65536     // most rows per task
 
@@ -12569,6 +12569,12 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     int k, m, j;
 #if MN__SIMD
     mn__vf acc0[MN__MR], acc1[MN__MR], b0, b1, zero;
+    // c is read once, after the loop: ask for its lines now (a large c, such as the logits of a
+    // big vocabulary, is in memory, not in cache, and the loop hides the wait)
+    for (m = 0; m < mr; m++) {
+        __builtin_prefetch(c + (size_t)m * ldc, 1);
+        __builtin_prefetch(c + (size_t)m * ldc + MN__NR - 1, 1);
+    }
     memset(&zero, 0, sizeof zero);
     for (m = 0; m < MN__MR; m++) acc0[m] = zero, acc1[m] = zero;
     for (k = 0; k < kc; k++) {

@@ -1,5 +1,5 @@
 // bench_matmul: the header's matmul in its three training forms next to a CBLAS in the same run.
-//   make bench && ./build/bench_matmul [runs] [all]
+//   make bench && ./build/bench_matmul [runs] [all | part of a shape's name, e.g. head]
 // Built against OpenBLAS when the Makefile finds it (BENCH_BLAS=openblas, the default when
 // cblas.h and -lopenblas link; BENCH_BLAS= builds without a peer). Forms, for a linear layer
 // x[N,C] -> y[N,OC] with weight w[OC,C]:
@@ -173,6 +173,7 @@ int main(int argc, char **argv) {
         {"tiny head", 512, 64, 256, 0},
     };
     int runs = argc > 1 ? atoi(argv[1]) : 7, all = argc > 2 && strcmp(argv[2], "all") == 0;
+    const char *only = argc > 2 && !all ? argv[2] : NULL;  // shapes whose name contains this
     int threads[2] = {1, 2}, nthr = 2, ti, form, r;
     size_t i, maxx = 0, maxw = 0, maxy = 0;
     double peak1 = fma_peak_one(), tm[64], tb[64];
@@ -208,7 +209,7 @@ int main(int argc, char **argv) {
     for (i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         double fl = 2.0 * (double)shapes[i].N * (double)shapes[i].C * (double)shapes[i].OC;
         char dims[64];
-        if (shapes[i].all && !all) continue;
+        if ((shapes[i].all && !all) || (only && !strstr(shapes[i].name, only))) continue;
         k.N = shapes[i].N, k.C = shapes[i].C, k.OC = shapes[i].OC;
         snprintf(dims, sizeof dims, "%zux%zux%zu", k.N, k.C, k.OC);
         for (ti = 0; ti < nthr; ti++) {

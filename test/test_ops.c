@@ -201,7 +201,7 @@ static void test_matmul_blocked(void) {
 }
 
 // Sizes that are multiples of no block of the GEMM (register tile rows 4/6/8 and columns 8/16/32,
-// the 256-deep packed slice, the 256-column and 256-row tasks), large enough that two threads
+// the 512-deep packed slice, the 128-column and 256-row tasks), large enough that two threads
 // split the rows of every product into tasks: all three products against the double loops, and
 // one thread against two bit for bit.
 static void test_matmul_odd_shapes(void) {
