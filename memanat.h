@@ -12573,7 +12573,7 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     // big vocabulary, is in memory, not in cache, and the loop hides the wait)
     for (m = 0; m < mr; m++) {
         __builtin_prefetch(c + (size_t)m * ldc, 1);
-        __builtin_prefetch(c + (size_t)m * ldc + MN__NR - 1, 1);
+        __builtin_prefetch(c + (size_t)m * ldc + (nr - 1), 1);
     }
     memset(&zero, 0, sizeof zero);
     for (m = 0; m < MN__MR; m++) acc0[m] = zero, acc1[m] = zero;
