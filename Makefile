@@ -1,8 +1,9 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
 # under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, and the
-# ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every parser), bench (benchmark programs),
-# cuda-probe.
+# ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every parser), bench (benchmark programs;
+# bench_matmul beside OpenBLAS when it links), cblas-test (the ops tests with MEMANAT_CBLAS,
+# against OpenBLAS), cuda-probe.
 # With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
 # (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and links it into the
 # trainer (--device cuda), and `make test` first runs
@@ -45,7 +46,7 @@ CUDA_TEST := build/test_cuda
 endif
 
 .PHONY: all test sanitize cxx clang fuzz bench gpu-bench cuda-probe check clean python python-ext \
-        web web-probe fuzz-api
+        web web-probe fuzz-api cblas-test
 
 all: memanat trainer cuda-probe $(CUDA_OBJ)
 
@@ -216,8 +217,31 @@ fuzz-api: test/fuzz/fuzz_api.c $(BIND) | build
 
 bench: $(BENCHES)
 
+# bench_matmul times OpenBLAS beside the header's matmul when cblas.h and -lopenblas are there
+# (Debian: libopenblas-dev); BENCH_BLAS= builds it without a peer.
+OPENBLAS_INC := $(firstword $(wildcard /usr/include/x86_64-linux-gnu/openblas-pthread \
+                  /usr/include/openblas))
+OPENBLAS_PROBE := '\043include <cblas.h>\nint main(void) { openblas_set_num_threads(1); }\n'
+ifeq ($(origin BENCH_BLAS),undefined)
+BENCH_BLAS := $(shell printf $(OPENBLAS_PROBE) | $(CC) -x c - -o /dev/null -lopenblas \
+    $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC)) 2>/dev/null && echo openblas)
+endif
+build/bench_matmul: BENCH_FLAGS := $(if $(BENCH_BLAS),-DBENCH_OPENBLAS \
+    $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC)),)
+build/bench_matmul: BENCH_LIBS := $(if $(BENCH_BLAS),-lopenblas,)
+
+# The matmuls through a CBLAS (MEMANAT_CBLAS): the ops tests built against OpenBLAS by default;
+# CBLAS_FLAGS and CBLAS_LIBS name another (e.g. MKL). Not part of `make test`: no BLAS is needed.
+CBLAS_FLAGS ?= $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC))
+CBLAS_LIBS  ?= -lopenblas
+cblas-test: $(TESTSRC) test/harness.h $(HDRS) trainer.c bind/memanat_api.c | build
+	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -DMEMANAT_CBLAS $(CBLAS_FLAGS) -o build/test_cblas \
+	    $(TESTSRC) $(CBLAS_LIBS) $(LDLIBS)
+	./build/test_cblas ops
+
 build/%: bench/%.c bench/bench.h $(HDRS) | build
-	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< $(LDLIBS)
+	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) $(BENCH_FLAGS) -o $@ $< $(BENCH_LIBS) \
+	    $(LDLIBS)
 
 build/bench_trainer: trainer.c  # includes the trainer
 

@@ -19,6 +19,11 @@
 //   MEMANAT_NO_THREADS     build the caching allocator without its mutex (one thread per cache)
 //   MEMANAT_NO_SIMD        the matmul register tile in plain C instead of GCC/clang vector
 //                          extensions (slower; the tests pass either way)
+//   MEMANAT_CBLAS          mn_matmul_forward and mn_matmul_backward call cblas_sgemm of any CBLAS
+//                          (OpenBLAS, MKL, BLIS, ...) instead of the native kernel: put cblas.h
+//                          on the include path and link the library (e.g. -lopenblas). Results
+//                          then follow that library (its threads, its order of summation).
+//                          Nothing else uses it; without it the header needs no BLAS.
 // Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops.
 //
 // QUICK START
@@ -2398,6 +2403,9 @@ MNDEF void mn_philox4x32(const uint32_t ctr[4], uint64_t key, uint32_t out[4]);
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef MEMANAT_CBLAS
+#include <cblas.h>  // the matmuls through cblas_sgemm (see OPTIONS)
+#endif
 #ifndef MEMANAT_NO_THREADS
 #if defined(_WIN32) && !defined(__CYGWIN__)
 // define MEMANAT_NO_THREADS to build the caching allocator without locking
@@ -12757,9 +12765,10 @@ typedef float mn__vf __attribute__((vector_size(MN__VW * sizeof(float))));
 #define MN__MR 4
 #endif
 #define MN__NR (2 * MN__VW)  // columns of the register tile
-#define MN__KC 256           // depth of a packed block
-#define MN__JB 256           // columns per task (a multiple of MN__NR)
-#define MN__MB 512           // rows per task (a multiple of MN__MR)
+#define MN__KC 512           // depth of a packed block
+#define MN__JB 128           // columns per task (a multiple of MN__NR)
+#define MN__MB 256           // fewest rows per task of the parallel schedule
+#define MN__MB_MAX 65536     // most rows per task
 
 // GCC in ISO C mode does not contract a*b+c into one FMA; the register tile asks for it
 // (clang contracts within an expression by default).
@@ -12788,6 +12797,12 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     int k, m, j;
 #if MN__SIMD
     mn__vf acc0[MN__MR], acc1[MN__MR], b0, b1, zero;
+    // c is read once, after the loop: ask for its lines now (a large c, such as the logits of a
+    // big vocabulary, is in memory, not in cache, and the loop hides the wait)
+    for (m = 0; m < mr; m++) {
+        __builtin_prefetch(c + (size_t)m * ldc, 1);
+        __builtin_prefetch(c + (size_t)m * ldc + (nr - 1), 1);
+    }
     memset(&zero, 0, sizeof zero);
     for (m = 0; m < MN__MR; m++) acc0[m] = zero, acc1[m] = zero;
     for (k = 0; k < kc; k++) {
@@ -12821,81 +12836,134 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     }
 }
 
-// One task: rows [m0, m0+mb) x columns [j0, j0+jb) of c, all of k. The block sizes mb <= MN__MB,
-// jb <= MN__JB and the depth kc <= MN__KC of a packed block are ints; offsets are size_t.
-MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, int jb) {
-    float bpack[MN__KC * MN__JB];
-    float apack[MN__KC * MN__MR];
-    size_t k0;
-    int kc, p, jj, k, m, i;
-    int npanel = (jb + MN__NR - 1) / MN__NR;
-    for (k0 = 0; k0 < g->K; k0 += MN__KC) {
-        kc = mn__tile_len(g->K - k0, MN__KC);
-        // pack B(k0.., j0..) as panels [p][k][NR], zero-padded past the last column
-        for (p = 0; p < npanel; p++) {
-            float *dst = bpack + (size_t)p * MN__KC * MN__NR;
-            int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
-            const float *src = g->b + k0 * g->b_rs + (j0 + (size_t)p * MN__NR) * g->b_cs;
-            if (jn < MN__NR) memset(dst, 0, (size_t)kc * MN__NR * sizeof(float));
-            if (g->b_cs == 1) {  // read along rows of B
-                for (k = 0; k < kc; k++)
-                    for (jj = 0; jj < jn; jj++)
-                        dst[(size_t)k * MN__NR + jj] = src[(size_t)k * g->b_rs + jj];
-            } else {             // read along columns of B (B is a transposed matrix)
-                for (jj = 0; jj < jn; jj++)
-                    for (k = 0; k < kc; k++)
-                        dst[(size_t)k * MN__NR + jj] =
-                            src[(size_t)jj * g->b_cs + (size_t)k * g->b_rs];
-            }
-        }
-        for (i = 0; i < mb; i += MN__MR) {
-            int mr = mb - i < MN__MR ? mb - i : MN__MR;
-            // A(m0+i.., k0..): full tiles of contiguous rows are read in place; others are packed
-            // as [k][MR], rows past the end repeating the last row (discarded)
-            const float *src = g->a + (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs, *ap = apack;
-            size_t ars = 1, acs = MN__MR;
-            if (g->a_cs == 1 && mr == MN__MR) {
-                ap = src, ars = g->a_rs, acs = 1;
-            } else if (g->a_rs == 1 && mr == MN__MR) {  // columns of A: MR floats per k
-                for (k = 0; k < kc; k++)
-                    memcpy(apack + (size_t)k * MN__MR, src + (size_t)k * g->a_cs,
-                           MN__MR * sizeof(float));
-            } else if (g->a_cs == 1) {  // rows of A are contiguous
-                for (m = 0; m < MN__MR; m++) {
-                    const float *row = src + (size_t)(m < mr ? m : mr - 1) * g->a_rs;
-                    for (k = 0; k < kc; k++) apack[(size_t)k * MN__MR + m] = row[k];
-                }
-            } else {             // columns of A are contiguous (A is a transposed matrix)
-                for (k = 0; k < kc; k++)
-                    for (m = 0; m < MN__MR; m++)
-                        apack[(size_t)k * MN__MR + m] =
-                            src[(size_t)k * g->a_cs + (size_t)(m < mr ? m : mr - 1) * g->a_rs];
-            }
-            for (p = 0; p < npanel; p++) {
-                int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
-                float *c = g->c + (m0 + (size_t)i) * g->ldc + j0 + (size_t)p * MN__NR;
-                mn__gemm_tile(c, g->ldc, mr, jn, ap, ars, acs,
-                              bpack + (size_t)p * MN__KC * MN__NR, kc);
+// Packs panel p of the B block (k0.., j0..) of kc rows and jb columns as [k][NR], zero-padded
+// past the last column. Rows of B contiguous (b_cs 1): a copy per k. Otherwise (B is a
+// transposed matrix, b_rs 1 in the forward product) eight k at a time: each of the panel's
+// columns is read along k, eight floats in a row, and the eight land in eight rows of the panel,
+// which stay in L1 (a column at a time through all of k wrote one float per line and row).
+MN__PRIVATE void mn__gemm_pack_b(const mn__gemm *g, float *bpack, size_t k0, int kc, size_t j0,
+                                 int jb, int p) {
+    float *dst = bpack + (size_t)p * MN__KC * MN__NR;
+    int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR, jj, k, q, qn;
+    const float *src = g->b + k0 * g->b_rs + (j0 + (size_t)p * MN__NR) * g->b_cs;
+    if (jn < MN__NR) memset(dst, 0, (size_t)kc * MN__NR * sizeof(float));
+    if (g->b_cs == 1) {
+        for (k = 0; k < kc; k++)
+            memcpy(dst + (size_t)k * MN__NR, src + (size_t)k * g->b_rs, (size_t)jn * sizeof(float));
+        return;
+    }
+    for (k = 0; k < kc; k += 8) {
+        qn = kc - k < 8 ? kc - k : 8;
+        for (jj = 0; jj < jn; jj++) {
+            const float *col = src + (size_t)jj * g->b_cs + (size_t)k * g->b_rs;
+            float *d = dst + (size_t)k * MN__NR + jj;
+            if (qn == 8 && g->b_rs == 1) {
+                d[0] = col[0], d[MN__NR] = col[1], d[2 * MN__NR] = col[2];
+                d[3 * MN__NR] = col[3], d[4 * MN__NR] = col[4], d[5 * MN__NR] = col[5];
+                d[6 * MN__NR] = col[6], d[7 * MN__NR] = col[7];
+            } else {
+                for (q = 0; q < qn; q++) d[(size_t)q * MN__NR] = col[(size_t)q * g->b_rs];
             }
         }
     }
 }
 
-// Runs every task; the tasks write disjoint blocks of c, so any schedule gives the same bits.
-// A task packs its B block once for mb rows: mb starts at MN__MB and halves (down to 64) while
-// there are fewer than four tasks per thread. Block sizes change which thread computes an output,
-// never the order of its sum over k.
+// Rows [m0, m0+mb) of c against a packed B slice (k0.., j0..) of kc x jb: c += A B on that part.
+// A strips of MR rows are read in place when full and either index of A is contiguous (rows of
+// A for the forward and input-gradient products, columns of A for the weight gradient: MR
+// floats per k); a partial strip (or a matrix with neither stride 1) is packed as [k][MR], rows
+// past the end repeating the last row (their sums are discarded).
+MN__PRIVATE void mn__gemm_rows(const mn__gemm *g, const float *bpack, size_t k0, int kc, size_t j0,
+                               int jb, size_t m0, int mb) {
+    float apack[MN__KC * MN__MR];
+    int npanel = (jb + MN__NR - 1) / MN__NR, p, i, k, m;
+    for (i = 0; i < mb; i += MN__MR) {
+        int mr = mb - i < MN__MR ? mb - i : MN__MR;
+        const float *src = g->a + (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs, *ap = apack;
+        size_t ars = 1, acs = MN__MR;
+        if (mr == MN__MR && (g->a_cs == 1 || g->a_rs == 1)) {
+            ap = src, ars = g->a_rs, acs = g->a_cs;
+        } else if (g->a_cs == 1) {  // rows of A are contiguous
+            for (m = 0; m < MN__MR; m++) {
+                const float *row = src + (size_t)(m < mr ? m : mr - 1) * g->a_rs;
+                for (k = 0; k < kc; k++) apack[(size_t)k * MN__MR + m] = row[k];
+            }
+        } else {
+            for (k = 0; k < kc; k++)
+                for (m = 0; m < MN__MR; m++)
+                    apack[(size_t)k * MN__MR + m] =
+                        src[(size_t)k * g->a_cs + (size_t)(m < mr ? m : mr - 1) * g->a_rs];
+        }
+        for (p = 0; p < npanel; p++) {
+            int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
+            float *c = g->c + (m0 + (size_t)i) * g->ldc + j0 + (size_t)p * MN__NR;
+            mn__gemm_tile(c, g->ldc, mr, jn, ap, ars, acs, bpack + (size_t)p * MN__KC * MN__NR,
+                          kc);
+        }
+    }
+}
+
+// One task: rows [m0, m0+mb) x columns [j0, j0+jb) of c, all of k: for each MN__KC slice of k in
+// order, B's slice is packed once (on this thread's stack, MN__KC x MN__JB floats, 256 KiB) and
+// every row strip of the task runs against it.
+MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, int jb) {
+    float bpack[MN__KC * MN__JB];
+    size_t k0;
+    int kc, p, npanel = (jb + MN__NR - 1) / MN__NR;
+    for (k0 = 0; k0 < g->K; k0 += MN__KC) {
+        kc = mn__tile_len(g->K - k0, MN__KC);
+        for (p = 0; p < npanel; p++) mn__gemm_pack_b(g, bpack, k0, kc, j0, jb, p);
+        mn__gemm_rows(g, bpack, k0, kc, j0, jb, m0, mb);
+    }
+}
+
+#ifdef MEMANAT_CBLAS
+// c += A B through cblas_sgemm (row-major, beta 1): an index of stride 1 makes each operand a
+// plain or a transposed matrix. Returns 0 (the native kernel runs) for strides or sizes CBLAS
+// cannot take: neither stride 1, a leading dimension below its minimum, a size past INT_MAX.
+MN__PRIVATE int mn__gemm_cblas(const mn__gemm *g) {
+    enum CBLAS_TRANSPOSE ta = CblasNoTrans, tb = CblasNoTrans;
+    size_t lda = g->a_rs, ldb = g->b_rs, lim = (size_t)INT_MAX;
+    if (g->a_cs != 1) {
+        if (g->a_rs != 1) return 0;
+        ta = CblasTrans, lda = g->a_cs;
+    }
+    if (g->b_cs != 1) {
+        if (g->b_rs != 1) return 0;
+        tb = CblasTrans, ldb = g->b_cs;
+    }
+    if (g->M > lim || g->NC > lim || g->K > lim || lda > lim || ldb > lim || g->ldc > lim)
+        return 0;
+    if (lda < (ta == CblasNoTrans ? g->K : g->M) || ldb < (tb == CblasNoTrans ? g->NC : g->K) ||
+        g->ldc < g->NC || lda == 0 || ldb == 0 || g->ldc == 0)
+        return 0;
+    cblas_sgemm(CblasRowMajor, ta, tb, (int)g->M, (int)g->NC, (int)g->K, 1.0f, g->a, (int)lda,
+                g->b, (int)ldb, 1.0f, g->c, (int)g->ldc);
+    return 1;
+}
+#endif
+
+// Runs every task; the tasks write disjoint blocks of c, so any schedule gives the same bits
+// (each output sums its k slices in order, each slice from zero in the register tile). A task
+// packs B once for its mb rows, so mb is as large as the parallel schedule allows: all the rows
+// (up to MN__MB_MAX) on one thread; with more threads it halves, down to MN__MB, while there are
+// fewer than four tasks per thread (the dynamic schedule then absorbs a slow or busy core).
+// Block sizes change which thread computes an output, never the order of its sum over k.
 MN__PRIVATE void mn__gemm_run(const mn__gemm *g) {
     size_t jt = (g->NC + MN__JB - 1) / MN__JB, mt, t, ntask;
-    int mb = MN__MB, threads = 1;
+    int mb = MN__MB_MAX, threads = 1, par;
     if (g->M == 0 || g->NC == 0 || g->K == 0) return;
+#ifdef MEMANAT_CBLAS
+    if (mn__gemm_cblas(g)) return;
+#endif
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    while (mb > 64 && ((g->M + (size_t)mb - 1) / (size_t)mb) * jt < 4 * (size_t)threads) mb /= 2;
+    par = threads > 1 && 2.0 * (double)g->M * (double)g->NC * (double)g->K >= MN__OMP_MIN_FLOPS;
+    while (par && mb > MN__MB && ((g->M + (size_t)mb - 1) / (size_t)mb) * jt < 4 * (size_t)threads)
+        mb /= 2;
     mt = (g->M + (size_t)mb - 1) / (size_t)mb, ntask = mt * jt;
-    MN__OMP_FOR_DYNAMIC_IF(ntask > 1 && 2.0 * (double)g->M * (double)g->NC * (double)g->K >=
-                           MN__OMP_MIN_FLOPS)
+    MN__OMP_FOR_DYNAMIC_IF(par && ntask > 1)
     for (t = 0; t < ntask; t++) {
         size_t m0 = (t / jt) * (size_t)mb, j0 = (t % jt) * MN__JB;
         mn__gemm_task(g, m0, mn__tile_len(g->M - m0, mb), j0, mn__tile_len(g->NC - j0, MN__JB));
@@ -12905,11 +12973,11 @@ MN__PRIVATE void mn__gemm_run(const mn__gemm *g) {
 // The same tasks on the calling thread (for callers already inside a parallel loop).
 MN__PRIVATE void mn__gemm_serial(const mn__gemm *g) {
     size_t m0, j0;
-    for (m0 = 0; m0 < g->M; m0 += MN__MB)
+    if (g->K == 0) return;
+    for (m0 = 0; m0 < g->M; m0 += MN__MB_MAX)
         for (j0 = 0; j0 < g->NC; j0 += MN__JB)
-            if (g->K > 0)
-                mn__gemm_task(g, m0, mn__tile_len(g->M - m0, MN__MB), j0,
-                              mn__tile_len(g->NC - j0, MN__JB));
+            mn__gemm_task(g, m0, mn__tile_len(g->M - m0, MN__MB_MAX), j0,
+                          mn__tile_len(g->NC - j0, MN__JB));
 }
 
 // c[M, NC] (row stride ldc) += A(m, k) B(k, j) with the strides of mn__gemm, on this thread.

@@ -200,6 +200,38 @@ static void test_matmul_blocked(void) {
     run_matmul(7, 513, 33, 1, 1, 0);
 }
 
+// Sizes that are multiples of no block of the GEMM (register tile rows 4/6/8 and columns 8/16/32,
+// the 512-deep packed slice, the 128-column and 256-row tasks), large enough that two threads
+// split the rows of every product into tasks: all three products against the double loops, and
+// one thread against two bit for bit.
+static void test_matmul_odd_shapes(void) {
+    enum { N = 531, C = 263, OC = 291 };
+    run_matmul(N, C, OC, 1, 0, 0);
+    run_matmul(OC, N, C, 0, 1, 0);
+#ifdef _OPENMP
+    {
+        size_t ni = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC;
+        float *x = mnt_fvec(ni + nw), *dy = mnt_fvec(ny), *y[2], *g[2];
+        int saved = omp_get_max_threads(), r;
+        mnt_fill_normal(x, ni + nw, 1.0);
+        mnt_fill_normal(dy, ny, 1.0);
+        for (r = 0; r < 2; r++) {
+            omp_set_num_threads(r + 1);
+            y[r] = mnt_fvec(ny), g[r] = mnt_fvec(ni + nw);
+            memset(g[r], 0, (ni + nw) * sizeof(float));
+            mn_matmul_forward(y[r], NULL, x, x + ni, NULL, N, C, OC);
+            mn_matmul_backward(g[r], g[r] + ni, NULL, dy, x, x + ni, NULL, N, C, OC);
+        }
+        omp_set_num_threads(saved);
+        EXPECT_SAME("odd shapes, one vs two threads: forward", y[0], y[1], ny);
+        EXPECT_SAME("odd shapes, one vs two threads: dinp", g[0], g[1], ni);
+        EXPECT_SAME("odd shapes, one vs two threads: dweight", g[0] + ni, g[1] + ni, nw);
+        free(x), free(dy);
+        for (r = 0; r < 2; r++) free(y[r]), free(g[r]);
+    }
+#endif
+}
+
 // ---- layernorm, RMSNorm -------------------------------------------------------------------------
 
 typedef struct ln_ctx {
@@ -911,6 +943,7 @@ const mnt_case test_ops_cases[] = {
     {"matmul", test_matmul},
     {"matmul_gelu_epilogue", test_matmul_gelu},
     {"matmul_blocked_shapes", test_matmul_blocked},
+    {"matmul_odd_shapes", test_matmul_odd_shapes},
     {"layernorm", test_layernorm},
     {"rmsnorm", test_rmsnorm},
     {"softmax", test_softmax},
