@@ -194,10 +194,20 @@ fuzz: test/fuzz.c $(HDRS) | build
 	    -o build/fuzz test/fuzz.c $(LDLIBS)
 	./build/fuzz --seconds $(FUZZ_SECONDS) test/corpus
 
+# `make bench` builds every benchmark and prints the table of build/bench_table (memanat beside a
+# peer in the same run). OpenBLAS, when its header and library are installed, is the matmul peer
+# (apt-get install libopenblas-dev); never required.
+CBLAS_FLAGS := $(shell printf '\043include <cblas.h>\nint main(void){openblas_set_num_threads(1);return 0;}\n' \
+    | $(CC) -x c - -o /dev/null -lopenblas 2>/dev/null && echo -DMN_BENCH_CBLAS -lopenblas)
+
 bench: $(BENCHES)
+	./build/bench_table
 
 build/%: bench/%.c bench/bench.h $(HDRS) | build
 	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< $(LDLIBS)
+
+build/bench_table: bench/bench_table.c bench/bench.h $(HDRS) | build
+	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< $(CBLAS_FLAGS) $(LDLIBS)
 
 build/bench_trainer: trainer.c  # includes the trainer
 
