@@ -11602,7 +11602,8 @@ MN__PRIVATE int mn__omp_team(uint64_t work, uint64_t per) {
 #define MN__OV 1
 #if defined(__AVX512F__)
 #define MN__OW 16
-#define MN__OSQRT(x) ((mn__ovf)_mm512_sqrt_ps((__m512)(x)))
+// (maskz: the plain form starts from an undefined vector, which g++ 12 calls uninitialized)
+#define MN__OSQRT(x) ((mn__ovf)_mm512_maskz_sqrt_ps((__mmask16)0xFFFF, (__m512)(x)))
 #elif defined(__AVX__)
 #define MN__OW 8
 #define MN__OSQRT(x) ((mn__ovf)_mm256_sqrt_ps((__m256)(x)))
