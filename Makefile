@@ -215,7 +215,12 @@ fuzz-api: test/fuzz/fuzz_api.c $(BIND) | build
 	    -DMEMANAT_NO_THREADS -o build/fuzz_api test/fuzz/fuzz_api.c $(LDLIBS)
 	./build/fuzz_api --seconds $(FUZZ_SECONDS)
 
+# `make bench` builds every benchmark and prints the table of build/bench_table (memanat beside a
+# peer in the same run). OpenBLAS, when its header and library are installed, is the matmul peer
+# (apt-get install libopenblas-dev); never required.
+
 bench: $(BENCHES)
+	./build/bench_table
 
 # bench_matmul times OpenBLAS beside the header's matmul when cblas.h and -lopenblas are there
 # (Debian: libopenblas-dev); BENCH_BLAS= builds it without a peer.
@@ -229,6 +234,7 @@ endif
 build/bench_matmul: BENCH_FLAGS := $(if $(BENCH_BLAS),-DBENCH_OPENBLAS \
     $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC)),)
 build/bench_matmul: BENCH_LIBS := $(if $(BENCH_BLAS),-lopenblas,)
+TABLE_BLAS := $(if $(BENCH_BLAS),-DMN_BENCH_CBLAS $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC)) -lopenblas)
 
 # The matmuls through a CBLAS (MEMANAT_CBLAS): the ops tests built against OpenBLAS by default;
 # CBLAS_FLAGS and CBLAS_LIBS name another (e.g. MKL). Not part of `make test`: no BLAS is needed.
@@ -242,6 +248,9 @@ cblas-test: $(TESTSRC) test/harness.h $(HDRS) trainer.c bind/memanat_api.c | bui
 build/%: bench/%.c bench/bench.h $(HDRS) | build
 	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) $(BENCH_FLAGS) -o $@ $< $(BENCH_LIBS) \
 	    $(LDLIBS)
+
+build/bench_table: bench/bench_table.c bench/bench.h $(HDRS) | build
+	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< $(TABLE_BLAS) $(LDLIBS)
 
 build/bench_trainer: trainer.c  # includes the trainer
 

@@ -11806,10 +11806,54 @@ MN__PRIVATE mn_result mn__opt_dtype(mn_dtype *dt) {
 #ifdef _OPENMP
 #include <omp.h>
 #define MN__OMP_FOR_DYNAMIC_IF(cond) MN__PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
-#define MN__OMP_FOR_IF(cond) MN__PRAGMA(omp parallel for schedule(static) if (cond))
+// A team sized to the work: one thread per `per` units of work, at most the OpenMP maximum, one
+// (no team) below 2 * per. OpenMP threads wait actively by default: a team member whose core is
+// busy with another process holds the whole loop up, so small loops stay on the calling thread.
+#define MN__OMP_FOR_WORK(work, per) \
+    MN__PRAGMA(omp parallel for schedule(static) num_threads(mn__omp_team((work), (per))) \
+               if (mn__omp_team((work), (per)) > 1))
+MN__PRIVATE int mn__omp_team(uint64_t work, uint64_t per) {
+    int max = omp_get_max_threads();
+    uint64_t t = work / per;
+    return t < 1 ? 1 : t < (uint64_t)max ? (int)t : max;
+}
 #else
+#define MN__OMP_FOR_WORK(work, per)
 #define MN__OMP_FOR_DYNAMIC_IF(cond)
-#define MN__OMP_FOR_IF(cond)
+#endif
+
+// Element-wise steps take one thread per this many elements (two from twice as many): below, a
+// team costs more than it saves, and a team whose second core is busy elsewhere waits for it.
+#define MN__OPT_MIN_PAR 524288
+
+// Vector lanes for the element-wise optimizer steps: GCC/clang vector extensions, the square root
+// through the instruction set's intrinsic (sqrtf would keep errno and stay scalar). Square root,
+// division and the other operations are correctly rounded per lane, so each element gets the bits
+// of the scalar loop. Plain C with MEMANAT_NO_SIMD, other compilers or other machines.
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(MEMANAT_NO_SIMD) && \
+    (defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__))
+#include <immintrin.h>
+#define MN__OV 1
+#if defined(__AVX512F__)
+#define MN__OW 16
+// (maskz: the plain form starts from an undefined vector, which g++ 12 calls uninitialized)
+#define MN__OSQRT(x) ((mn__ovf)_mm512_maskz_sqrt_ps((__mmask16)0xFFFF, (__m512)(x)))
+#elif defined(__AVX__)
+#define MN__OW 8
+#define MN__OSQRT(x) ((mn__ovf)_mm256_sqrt_ps((__m256)(x)))
+#else
+#define MN__OW 4
+#define MN__OSQRT(x) ((mn__ovf)_mm_sqrt_ps((__m128)(x)))
+#endif
+typedef float mn__ovf __attribute__((vector_size(MN__OW * sizeof(float))));
+static inline mn__ovf mn__ov_load(const float *p) {
+    mn__ovf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void mn__ov_store(float *p, mn__ovf v) { memcpy(p, &v, sizeof v); }
+#else
+#define MN__OV 0
 #endif
 
 MN__PRIVATE mn_result mn__opt_alloc(const mn_allocator *a, uint64_t bytes, void **out) {
@@ -11979,14 +12023,28 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
     bc2_sqrt = (float)sqrt(bc2);
     w1 = 1.0f - p->beta1, b2 = p->beta2;
     if (!p->maximize && !p->amsgrad) {  // the common case: no branch in the loop, threads
-        float *ea = s->exp_avg, *eb = s->exp_avg_sq;
-        int64_t j, n = (int64_t)s->n;
-        MN__OMP_FOR_IF(n >= 65536)
-        for (j = 0; j < n; j++) {  // the same arithmetic, in the same order, as below
+        float *ea = s->exp_avg, *eb = s->exp_avg_sq, eps = p->eps;
+        int64_t j, n = (int64_t)s->n, j0 = 0;
+#if MN__OV
+        int64_t jb, nb = n / MN__OW;
+        MN__OMP_FOR_WORK(n, MN__OPT_MIN_PAR)
+        for (jb = 0; jb < nb; jb++) {  // the loop below, MN__OW lanes at a time
+            int64_t k = jb * MN__OW;
+            mn__ovf g = mn__ov_load(grad + k), a = mn__ov_load(ea + k), m, v;
+            mn__ovf th = mn__ov_load(param + k) * decay;
+            m = w1 < 0.5f ? a + w1 * (g - a) : g - (g - a) * (1.0f - w1);  // mn__opt_lerp
+            v = mn__ov_load(eb + k) * b2 + (1.0f - b2) * g * g;
+            mn__ov_store(ea + k, m), mn__ov_store(eb + k, v);
+            mn__ov_store(param + k, th - step_size * (m / (MN__OSQRT(v) / bc2_sqrt + eps)));
+        }
+        j0 = nb * MN__OW;
+#endif
+        MN__OMP_FOR_WORK(n - j0, MN__OPT_MIN_PAR)
+        for (j = j0; j < n; j++) {  // the same arithmetic, in the same order, as below
             float g = grad[j], th = param[j] * decay, m, v;
             m = ea[j] = mn__opt_lerp(ea[j], g, w1);
             v = eb[j] = eb[j] * b2 + (1.0f - b2) * g * g;
-            param[j] = th - step_size * (m / (sqrtf(v) / bc2_sqrt + p->eps));
+            param[j] = th - step_size * (m / (sqrtf(v) / bc2_sqrt + eps));
         }
         mn__opt_store16(p->dtype, param, param16, s->n);
         return MN_OK;
@@ -12610,10 +12668,11 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 #define MN__INLINE static inline
 #endif
 
-// Elementwise loops go parallel above this many elements, a GEMM above this many flops (below
-// them the thread start costs more).
-#define MN__OMP_MIN_ELEMS 32768
-#define MN__OMP_MIN_FLOPS 4194304.0
+// Elementwise loops take one thread per this many elements (two threads from twice as many), a
+// GEMM goes parallel above this many flops: below them the team's start and its end barrier cost
+// more than they save, and far more when another process keeps one of the cores busy.
+#define MN__OMP_MIN_ELEMS 262144
+#define MN__OMP_MIN_FLOPS 33554432.0
 
 // Fused multiply-add where the hardware has it (one rounding), plain multiply-add elsewhere, so
 // the tests do not call a libm fmaf emulation in their inner loops.
@@ -13036,7 +13095,7 @@ MNIMPL mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp
     if (!out || !inp || !weight || !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) ||
         !mn__ops_fits(OC, C, 1))
         return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         float *row = y + n * OC;
         size_t o;
@@ -13049,7 +13108,7 @@ MNIMPL mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp
     g.M = N, g.NC = OC, g.K = C;
     mn__gemm_run(&g);
     if (pre_gelu) {
-        MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
             size_t o;
             for (o = 0; o < OC; o++) out[n * OC + o] = mn__gelu(pre_gelu[n * OC + o]);
@@ -13069,7 +13128,7 @@ MNIMPL mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, f
         !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) || !mn__ops_fits(OC, C, 1))
         return MN_ERR_INVALID_ARG;
     if (pre_gelu) {
-        MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
             size_t o;
             for (o = 0; o < OC; o++) dout[n * OC + o] *= mn__gelu_grad(pre_gelu[n * OC + o]);
@@ -13092,7 +13151,7 @@ MNIMPL mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, f
     if (dbias) {
         // columns in blocks of 64 per thread; each block sums the rows in order
         size_t blk, nblk = (OC + 63) / 64;
-        MN__OMP_FOR_IF(N * OC >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
         for (blk = 0; blk < nblk; blk++) {
             size_t o0 = blk * 64, o1 = OC - o0 > 64 ? o0 + 64 : OC, o, r;
             float acc[64];
@@ -13116,7 +13175,7 @@ MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, cons
     // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
     size_t n;
     if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * C;
         float *y = out + n * C;
@@ -13141,7 +13200,7 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
     if (!dout || !inp || !mean || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
         return MN_ERR_INVALID_ARG;
     if (dinp) {
-        MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
             float *dx = dinp + n * C;
@@ -13163,7 +13222,7 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
     }
     if (!dweight && !dbias) return MN_OK;
     // parameter gradients: columns in blocks of 64 per thread, rows summed in order
-    MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
         size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
         float aw[64], ab[64];
@@ -13190,7 +13249,7 @@ MNIMPL mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, c
     // Normalization", eq. 4; as in LLaMA's RMSNorm).
     size_t n;
     if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * C;
         float *y = out + n * C;
@@ -13211,7 +13270,7 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
     if (!dout || !inp || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
         return MN_ERR_INVALID_ARG;
     if (dinp) {
-        MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
             float *dx = dinp + n * C;
@@ -13227,7 +13286,7 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
         }
     }
     if (!dweight) return MN_OK;
-    MN__OMP_FOR_IF(N * C >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
         size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
         float aw[64];
@@ -13250,7 +13309,7 @@ MNIMPL mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size
     // (max subtracted for range safety; llm.c train_gpt2.c attention_forward / softmax_forward).
     size_t n;
     if (!out || !inp || L == 0 || !mn__ops_fits(N, L, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(N * L >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * L, MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * L;
         float *y = out + n * L;
@@ -13268,7 +13327,7 @@ MNIMPL mn_result mn_softmax_backward(float *dinp, const float *dout, const float
     // dz_j = p_j (dy_j - sum_k p_k dy_k); dx_j += scale dz_j (softmax Jacobian diag(p) - p p^T).
     size_t n;
     if (!dinp || !dout || !out || L == 0 || !mn__ops_fits(N, L, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(N * L >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * L, MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *p = out + n * L, *dy = dout + n * L;
         float *dx = dinp + n * L;
@@ -13487,7 +13546,7 @@ MNIMPL mn_result mn_attention_forward(float *out, float *att, const float *qkv, 
         !mn__ops_fits(B, T, C) || !mn__ops_fits(B * T, 3, C) ||
         (att && (!mn__ops_fits(B, NH, T) || !mn__ops_fits(B * NH, T, T))))
         return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(B * NH > 1)
+    MN__OMP_FOR_WORK((uint64_t)B * T * T * C, (uint64_t)MN__OMP_MIN_FLOPS)
     for (bh = 0; bh < B * NH; bh++) {
         size_t b = bh / NH, h = bh % NH;
         mn__att a;
@@ -13505,7 +13564,7 @@ MNIMPL mn_result mn_attention_backward(float *dqkv, const float *dout, const flo
         !mn__ops_fits(B, T, C) || !mn__ops_fits(B * T, 3, C) ||
         (att && (!mn__ops_fits(B, NH, T) || !mn__ops_fits(B * NH, T, T))))
         return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(B * NH > 1)
+    MN__OMP_FOR_WORK((uint64_t)B * T * T * C, (uint64_t)MN__OMP_MIN_FLOPS)
     for (bh = 0; bh < B * NH; bh++) {
         size_t b = bh / NH, h = bh % NH;
         float *dbase = dqkv + b * T * 3 * C;
@@ -13523,7 +13582,7 @@ MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
     size_t i;
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = mn__gelu(inp[i]);
     return MN_OK;
 }
@@ -13532,7 +13591,7 @@ MNIMPL mn_result mn_gelu_backward(float *dinp, const float *dout, const float *i
     // dx += dy (0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
     size_t i;
     if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) dinp[i] += dout[i] * mn__gelu_grad(inp[i]);
     return MN_OK;
 }
@@ -13542,7 +13601,7 @@ MNIMPL mn_result mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
     // with erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2), which does not cancel for negative x
     size_t i;
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = 0.5f * inp[i] * erfcf(-inp[i] * 0.70710678118654752f);
     return MN_OK;
 }
@@ -13551,7 +13610,7 @@ MNIMPL mn_result mn_gelu_erf_backward(float *dinp, const float *dout, const floa
     // dy/dx = Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
     size_t i;
     if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float x = inp[i];
         float g = 0.5f * erfcf(-x * 0.70710678118654752f) +
@@ -13568,7 +13627,7 @@ MNIMPL mn_result mn_silu_forward(float *out, const float *inp, size_t n) {
     // y = x sigmoid(x), Elfwing et al. 2018
     size_t i;
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = inp[i] * mn__sigmoid(inp[i]);
     return MN_OK;
 }
@@ -13577,7 +13636,7 @@ MNIMPL mn_result mn_silu_backward(float *dinp, const float *dout, const float *i
     // dy/dx = s (1 + x (1 - s)), s = sigmoid(x), 1 - s = sigmoid(-x)
     size_t i;
     if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float x = inp[i], s = mn__sigmoid(x), sm = mn__sigmoid(-x);
         dinp[i] += dout[i] * (s + x * s * sm);
@@ -13589,7 +13648,7 @@ MNIMPL mn_result mn_swiglu_forward(float *out, const float *gate, const float *u
     // y = silu(g) u, Shazeer 2020 (SwiGLU with the projections done by the caller's matmuls)
     size_t i;
     if (n && (!out || !gate || !up)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = gate[i] * mn__sigmoid(gate[i]) * up[i];
     return MN_OK;
 }
@@ -13599,7 +13658,7 @@ MNIMPL mn_result mn_swiglu_backward(float *dgate, float *dup, const float *dout,
     // dg += dy u silu'(g); du += dy silu(g)
     size_t i;
     if (n && (!dout || !gate || !up)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         float g = gate[i], s = mn__sigmoid(g), sm = mn__sigmoid(-g);
         if (dgate) dgate[i] += dout[i] * up[i] * (s + g * s * sm);
@@ -13612,7 +13671,7 @@ MNIMPL mn_result mn_residual_forward(float *out, const float *a, const float *b,
     // y = a + b (llm.c train_gpt2.c residual_forward)
     size_t i;
     if (n && (!out || !a || !b)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) out[i] = a[i] + b[i];
     return MN_OK;
 }
@@ -13621,7 +13680,7 @@ MNIMPL mn_result mn_residual_backward(float *da, float *db, const float *dout, s
     // da += dy, db += dy
     size_t i;
     if (n && (!dout)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (i = 0; i < n; i++) {
         if (da) da[i] += dout[i];
         if (db) db[i] += dout[i];
@@ -13646,7 +13705,7 @@ MNIMPL mn_result mn_embedding_forward(float *out, const int *tokens, const float
     size_t n;
     if (!out || !tokens || !wte || V == 0) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(tokens, B * T, V, 0)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(B * T * C >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(B * T * C, MN__OMP_MIN_ELEMS)
     for (n = 0; n < B * T; n++) {
         float *y = out + n * C;
         const float *e = wte + (size_t)tokens[n] * C;
@@ -13666,7 +13725,7 @@ MNIMPL mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *do
     size_t blk, nblk = (C + 63) / 64;
     if (!dout || !tokens || V == 0) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(tokens, B * T, V, 0)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(B * T * C >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(B * T * C, MN__OMP_MIN_ELEMS)
     for (blk = 0; blk < nblk; blk++) {
         size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, n;
         for (n = 0; n < B * T; n++) {
@@ -13700,7 +13759,7 @@ MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const floa
     size_t n;
     if (!losses || !logits || !targets || V == 0) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(N * V >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * V, MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         const float *x = logits + n * V;
         float mx, inv, *p = probs ? probs + n * V : NULL;
@@ -13728,7 +13787,7 @@ MNIMPL mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, 
     if (!dlogits || !dlosses || !targets || V == 0) return MN_ERR_INVALID_ARG;
     if (!probs && !logits) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(N * V >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * V, MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
         float *dx = dlogits + n * V, d = dlosses[n];
         size_t j;
@@ -13792,7 +13851,7 @@ MN__PRIVATE void mn__dropout_keep(uint8_t *keep, size_t n, float p, uint64_t see
 MNIMPL mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed, uint64_t offset) {
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     if (!mask || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (c = 0; c < nc; c++) {
         size_t i0 = c * MN__DROP_CHUNK;
         size_t m = n - i0 < MN__DROP_CHUNK ? n - i0 : MN__DROP_CHUNK;
@@ -13807,7 +13866,7 @@ MNIMPL mn_result mn_dropout_forward(float *out, uint8_t *mask, const float *inp,
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     if (!out || !inp || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (c = 0; c < nc; c++) {
         uint8_t keep[MN__DROP_CHUNK];
         size_t i0 = c * MN__DROP_CHUNK, i;
@@ -13825,7 +13884,7 @@ MNIMPL mn_result mn_dropout_backward(float *dinp, const float *dout, const uint8
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     if (!dinp || !dout || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_IF(n >= MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
     for (c = 0; c < nc; c++) {
         uint8_t keep[MN__DROP_CHUNK];
         size_t i0 = c * MN__DROP_CHUNK, i;

@@ -40,6 +40,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#if defined(_OPENMP) && defined(__linux__)
+#include <unistd.h>  // execv: the trainer restarts itself with a passive OpenMP wait policy
+#endif
 #include <string.h>
 #include <time.h>
 
@@ -2644,6 +2647,16 @@ int main(int argc, char **argv) {
     tr_result res;
     char err[256];
     mn_result r;
+#if defined(_OPENMP) && defined(__linux__)
+    // libgomp reads its wait policy once, when it loads, and by default a thread that finished its
+    // part spins for a while: with another process on the second core, the spinning and the wait
+    // for a descheduled team member made 2 threads slower than 1. Unless the user chose a policy,
+    // run again with a passive one (threads sleep between loops); if exec fails, go on as we are.
+    if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT")) {
+        setenv("OMP_WAIT_POLICY", "passive", 1);
+        execv("/proc/self/exe", argv);
+    }
+#endif
     if (tr_parse_args(argc, argv, &cfg, err, sizeof err) != MN_OK ||
         (!cfg.help && tr_check_device(&cfg, err, sizeof err) != MN_OK)) {
         fprintf(stderr, "trainer: %s\n", err);

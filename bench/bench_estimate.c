@@ -56,5 +56,29 @@ int main(void) {
                (unsigned long long)r.alloc_events, bench_median(t_sim, REPS), bench_median(t_rep, REPS), bench_median(t_fit, 5),
                (unsigned long long)f.estimates_run);
     }
+    {  // growth: llama-3-70b with the layer count and the sequence length scaled
+        static const uint64_t layers[] = {10, 20, 40, 80}, seqs[] = {1024, 4096, 16384, 65536};
+        mn_model m;
+        mn_setup s;
+        mn_estimate_result r;
+        double t[REPS], t0;
+        int i, k;
+        printf("\ngrowth (llama-3-70b, bf16, h100-80gb, batch 1; estimate with replay, us)\n");
+        for (k = 0; k < 8; k++) {
+            memset(&s, 0, sizeof s);
+            if (mn_preset_find("llama-3-70b", &m) != MN_OK) return 1;
+            s.gpu = "h100-80gb", s.precision = MN_PREC_BF16, s.batch = 1, s.seq = 8192;
+            if (k < 4) m.layers = layers[k];
+            else s.seq = seqs[k - 4];
+            for (i = 0; i < REPS; i++) {
+                t0 = now_us();
+                if (mn_estimate(&m, &s, &r) != MN_OK) return 1;
+                t[i] = now_us() - t0;
+            }
+            printf("%-8s %6llu %10llu events %10.0f us\n", k < 4 ? "layers" : "seq",
+                   (unsigned long long)(k < 4 ? layers[k] : seqs[k - 4]),
+                   (unsigned long long)r.alloc_events, bench_median(t, REPS));
+        }
+    }
     return 0;
 }
