@@ -2,10 +2,28 @@
 #ifndef MN_BENCH_H
 #define MN_BENCH_H
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+// n floats uniform in [-1, 1) from a 64-bit LCG seeded with seed (64 bytes of slack after them);
+// exits naming prog when the host is out of memory (a benchmark, not the library).
+static inline float *bench_floats(size_t n, uint64_t seed, const char *prog) {
+    float *p = (float *)malloc(n * sizeof(float) + 64);
+    uint64_t s = 0x9E3779B97F4A7C15ull ^ seed;
+    size_t i;
+    if (!p) {
+        fprintf(stderr, "%s: out of memory (%zu floats)\n", prog, n);
+        exit(1);
+    }
+    for (i = 0; i < n; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = (float)((double)(s >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+    }
+    return p;
+}
 
 // Wall-clock nanoseconds.
 static inline double bench_wall_ns(void) {

@@ -31,18 +31,7 @@ static void set_threads(int t) {
 }
 
 static float *buf(size_t n) {
-    float *p = (float *)malloc(n * sizeof(float));
-    size_t i;
-    uint64_t s = 0x9E3779B97F4A7C15ull ^ n;
-    if (!p) {
-        fprintf(stderr, "bench_ops: out of memory (%zu floats)\n", n);
-        exit(1);
-    }
-    for (i = 0; i < n; i++) {  // uniform in [-1, 1)
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        p[i] = (float)((double)(s >> 11) * (2.0 / 9007199254740992.0) - 1.0);
-    }
-    return p;
+    return bench_floats(n, n, "bench_ops");
 }
 
 // The workloads, one argument struct for all.
