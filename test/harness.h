@@ -35,6 +35,11 @@ long mnt_total_allocs(void);
 
 // The CLI under test: ./memanat, or $MEMANAT_BIN (the sanitizer build runs its own).
 const char *mnt_cli_path(void);
+// Runs `<cli> ARGS`: stdout into out, stderr (through a temporary file) into err, both
+// NUL-terminated and cut at their capacity; *status the exit status, -1 if it did not exit
+// normally. 0 when the command could not be started.
+int mnt_cli_run(const char *args, char *out, size_t out_cap, char *err, size_t err_cap,
+                int *status);
 
 // Fresh random numbers for every run; MN_TEST_SEED=N repeats a run. Printed on the first line.
 uint64_t mnt_rand_u64(void);

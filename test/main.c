@@ -6,7 +6,9 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -100,6 +102,32 @@ void mnt_fail_alloc_after(long n) { fail_after = n; }
 const char *mnt_cli_path(void) {
     const char *p = getenv("MEMANAT_BIN");
     return p && *p ? p : "./memanat";
+}
+int mnt_cli_run(const char *args, char *out, size_t out_cap, char *err, size_t err_cap,
+                int *status) {
+    char cmd[2048], errpath[] = "/tmp/memanat_cli_XXXXXX";
+    FILE *p, *e;
+    size_t n;
+    int fd = mkstemp(errpath), st;
+    out[0] = err[0] = 0, *status = -1;
+    if (fd < 0) return 0;
+    close(fd);
+    snprintf(cmd, sizeof cmd, "%s %s 2>%s", mnt_cli_path(), args, errpath);
+    if (!(p = popen(cmd, "r"))) {
+        remove(errpath);
+        return 0;
+    }
+    n = fread(out, 1, out_cap - 1, p);
+    out[n] = 0;
+    st = pclose(p);
+    *status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    if ((e = fopen(errpath, "r")) != NULL) {
+        n = fread(err, 1, err_cap - 1, e);
+        err[n] = 0;
+        fclose(e);
+    }
+    remove(errpath);
+    return 1;
 }
 long mnt_live_allocs(void) { return live_allocs; }
 long mnt_total_allocs(void) { return total_allocs; }

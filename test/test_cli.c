@@ -20,28 +20,7 @@ typedef struct run_out {
 
 // Runs `memanat ARGS`, capturing stdout and stderr (stderr through a temporary file).
 static int run(const char *args, run_out *r) {
-    char cmd[2048], errpath[] = "/tmp/memanat_cli_XXXXXX";
-    FILE *p, *e;
-    size_t n;
-    int fd = mkstemp(errpath), st;
-    memset(r, 0, sizeof *r);
-    if (fd < 0) return 0;
-    close(fd);
-    snprintf(cmd, sizeof cmd, "%s %s 2>%s", mnt_cli_path(), args, errpath);
-    p = popen(cmd, "r");
-    if (!p) { remove(errpath); return 0; }
-    n = fread(r->out, 1, sizeof r->out - 1, p);
-    r->out[n] = 0;
-    st = pclose(p);
-    r->status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    e = fopen(errpath, "r");
-    if (e) {
-        n = fread(r->err, 1, sizeof r->err - 1, e);
-        r->err[n] = 0;
-        fclose(e);
-    }
-    remove(errpath);
-    return 1;
+    return mnt_cli_run(args, r->out, sizeof r->out, r->err, sizeof r->err, &r->status);
 }
 
 static int have_cli(void) { return access(mnt_cli_path(), X_OK) == 0; }

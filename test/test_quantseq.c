@@ -656,26 +656,7 @@ typedef struct cli_out {
 
 // Runs `memanat ARGS` (stderr through a temporary file). 0 when it could not be started.
 static int cli(const char *args, cli_out *r) {
-    char cmd[1024], errpath[] = "/tmp/memanat_qs_XXXXXX";
-    FILE *p, *e;
-    size_t n;
-    int fd = mkstemp(errpath), st;
-    memset(r, 0, sizeof *r);
-    if (fd < 0) return 0;
-    close(fd);
-    snprintf(cmd, sizeof cmd, "%s %s 2>%s", mnt_cli_path(), args, errpath);
-    if (!(p = popen(cmd, "r"))) { remove(errpath); return 0; }
-    n = fread(r->out, 1, sizeof r->out - 1, p);
-    r->out[n] = 0;
-    st = pclose(p);
-    r->status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    if ((e = fopen(errpath, "r")) != NULL) {
-        n = fread(r->err, 1, sizeof r->err - 1, e);
-        r->err[n] = 0;
-        fclose(e);
-    }
-    remove(errpath);
-    return 1;
+    return mnt_cli_run(args, r->out, sizeof r->out, r->err, sizeof r->err, &r->status);
 }
 
 static int one_line(const char *s) {
