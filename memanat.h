@@ -5075,6 +5075,25 @@ MN__PRIVATE uint32_t mn__sdpa_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v,
     return y;
 }
 
+// k or v as eager attention's matmul reads it: repeat_kv's copy at every head (GQA; n_rep
+// elements), autocast's cast to ce bytes, then matmul's reshape copy when the tensor is still a
+// permuted view (straight from a linear: not cached, not repeated).
+MN__PRIVATE uint32_t mn__eager_kv(mn__sim *S, uint32_t x, uint64_t n_rep, uint64_t n, uint32_t ce,
+                                  int gqa, int cached) {
+    uint32_t r, t, xc;
+    if (gqa) {
+        r = mn__tensor_new(S, n_rep, mn__elem_size(S, x), MN_CAT_ACTIVATIONS);
+        mn__op_rec_from(S, r, x);
+    } else {
+        r = mn__identity(S, x);
+    }
+    t = mn__cast(S, r, ce);
+    mn__drop(S, r);
+    xc = mn__contig(S, t, n, !cached && !gqa);
+    mn__drop(S, t);
+    return xc;
+}
+
 // HF's eager_attention_forward in transformers 5 (models/llama, gpt2, bert modeling files):
 // matmul(q, k^T) * scaling (+ mask), softmax, dropout, matmul(p, v), transpose(1, 2).contiguous().
 // - matmul folds the batch dims with reshape: q (and k, v straight from a linear) are permuted
@@ -5093,24 +5112,15 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     int cached = c->kv_train, dec = c->m.arch == MN_ARCH_DECODER;
     uint64_t nrep = nkv / c->m.kv_heads * c->m.heads;
     uint32_t ce = c->amp ? 2 : mn__elem_size(S, q), pe, t, y;
-    // qc, kc, vc: what the matmuls save; kr, vr: k and v at every head; s0..: the scores;
+    // qc, kc, vc: what the matmuls save; s0..: the scores;
     // P: softmax output; Pq: P in the dtype the code casts to; mk, Pd: dropout; Pm: the
     // probabilities the second matmul reads; C, Cc: its output and the contiguous copy
-    uint32_t qc, kr, kc, vr, vc, s0, s1, P, Pq, mk = MN__NONE, Pd, Pm, C, Cc;
+    uint32_t qc, kc, vc, s0, s1, P, Pq, mk = MN__NONE, Pd, Pm, C, Cc;
     mn__op_desc d;
     t = mn__cast(S, q, ce);
     qc = mn__contig(S, t, nq, !c->m.rope_cat);  // Phi-3's rotated q is already contiguous
     mn__drop(S, t);
-    if (gqa) {
-        kr = mn__tensor_new(S, nrep, mn__elem_size(S, k), MN_CAT_ACTIVATIONS);
-        mn__op_rec_from(S, kr, k);
-    } else {
-        kr = mn__identity(S, k);
-    }
-    t = mn__cast(S, kr, ce);
-    mn__drop(S, kr);
-    kc = mn__contig(S, t, nkv, !cached && !gqa);
-    mn__drop(S, t);
+    kc = mn__eager_kv(S, k, nrep, nkv, ce, gqa, cached);
     s0 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);
     s1 = mn__tensor_new(S, ns, ce, MN_CAT_ACTIVATIONS);  // * scaling
     mn__drop(S, s0), s0 = s1;
@@ -5137,16 +5147,7 @@ MN__PRIVATE uint32_t mn__eager_t2(mn__sim *S, uint32_t q, uint32_t k, uint32_t v
     // layers' `_`), after its MLP
     if (S->attn_w == MN__NONE) S->attn_w = Pd;
     else mn__drop(S, Pd);
-    if (gqa) {
-        vr = mn__tensor_new(S, nrep, mn__elem_size(S, v), MN_CAT_ACTIVATIONS);
-        mn__op_rec_from(S, vr, v);
-    } else {
-        vr = mn__identity(S, v);
-    }
-    t = mn__cast(S, vr, ce);
-    mn__drop(S, vr);
-    vc = mn__contig(S, t, nkv, !cached && !gqa);
-    mn__drop(S, t);
+    vc = mn__eager_kv(S, v, nrep, nkv, ce, gqa, cached);
     C = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
     Cc = mn__tensor_new(S, nq, ce, MN_CAT_ACTIVATIONS);
     mn__drop(S, C);
