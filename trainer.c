@@ -235,7 +235,7 @@ static mn_result tr_check_cuda_flags(const tr_config *cfg, char *err, size_t cap
 #ifndef MEMANAT_CUDA
     no = "this trainer was built without CUDA (build it where nvcc is found)";
 #endif
-    if (!no && cfg->budget) no = "--budget is CPU-only for now (--capacity works)";
+    (void)cfg;
     if (!no) return MN_OK;
     snprintf(err, cap, "--device cuda: %s", no);
     return MN_ERR_INVALID_ARG;
@@ -1453,6 +1453,45 @@ static void tr_gpu_log(void *user_data, mn_log_level level, const char *msg) {
     if (level == MN_LOG_ERROR) snprintf(m->error, sizeof m->error, "%s", msg);
 }
 
+// What the estimator needs of the device behind ctx: its memory (cudaMemGetInfo: total, and the
+// CUDA context's bytes as total - free, so other processes on the GPU count too) and the GPU
+// table entry for the prediction, the first with the device's SM (the rule that sizes the
+// workspace).
+static mn_result tr_gpu_describe(mn_cuda *ctx, tr_config *cfg) {
+    mn_device dev = mn_cuda_device(ctx);
+    uint64_t free_b = 0, total_b = 0;
+    uint32_t i;
+    if (dev.mem_info_fn) TR_TRY(dev.mem_info_fn(dev.user_data, &free_b, &total_b));
+    cfg->gpu_total = total_b, cfg->gpu_context = total_b > free_b ? total_b - free_b : 0;
+    for (i = 0, cfg->gpu = NULL; i < mn_gpu_count() && !cfg->gpu; i++)
+        if (mn_gpu_get(i)->sm == (uint32_t)ctx->sm) cfg->gpu = mn_gpu_get(i)->name;
+    if (!cfg->gpu) cfg->gpu = ctx->sm >= 90 ? "h100-80gb" : "a100-80gb";
+    return MN_OK;
+}
+
+// --budget on a GPU plans before the model exists: a context of its own, opened and closed, tells
+// the device's memory, its context's bytes and its GPU table entry (tr_gpu_init measures them
+// again for the run). A failure is the run's error line.
+static void tr_probe_log(void *user_data, mn_log_level level, const char *msg) {
+    if (level == MN_LOG_ERROR) snprintf((char *)user_data, 160, "%s", msg);
+}
+
+static mn_result tr_gpu_probe(tr_config *cfg, char *err, size_t cap) {
+    mn_cuda ctx;
+    mn_cuda_desc d;
+    char why[160] = "";
+    mn_result r;
+    memset(&d, 0, sizeof d);
+    d.logger.log_fn = tr_probe_log, d.logger.user_data = why;
+    r = mn_cuda_init(&ctx, &d);
+    if (r == MN_OK) r = tr_gpu_describe(&ctx, cfg);
+    if (r != MN_OK)
+        snprintf(err, cap, "--device cuda --budget: cannot read the GPU's memory: %s",
+                 why[0] ? why : mn_result_str(r));
+    mn_cuda_free(&ctx);
+    return r;
+}
+
 // The context, the CUDA context's bytes (cudaMemGetInfo once the context exists and holds no
 // workspace: total - free, so other processes on the GPU count too), the cache over the device
 // (--capacity as PyTorch's per-process memory fraction), and the GPU table entry for the
@@ -1460,8 +1499,7 @@ static void tr_gpu_log(void *user_data, mn_log_level level, const char *msg) {
 static mn_result tr_gpu_init(tr_model *m, mn_cache_desc *cd) {
     mn_cuda_desc d;
     mn_device dev;
-    uint64_t free_b = 0, total_b = 0;
-    uint32_t i;
+    uint64_t total_b;
     memset(&d, 0, sizeof d);
     d.logger.log_fn = tr_gpu_log, d.logger.user_data = m;  // tf32 0: full fp32 GEMMs
     m->gpu = 1;
@@ -1470,11 +1508,8 @@ static mn_result tr_gpu_init(tr_model *m, mn_cache_desc *cd) {
     m->workspace_bytes = m->cuda.workspace_bytes;
     TR_TRY(mn_cuda_workspace_set(&m->cuda, NULL, 0));  // the cache holds it (tr_gpu_init_rest)
     dev = mn_cuda_device(&m->cuda);
-    if (dev.mem_info_fn) TR_TRY(dev.mem_info_fn(dev.user_data, &free_b, &total_b));
-    m->cfg.gpu_total = total_b, m->cfg.gpu_context = total_b - free_b;
-    for (i = 0, m->cfg.gpu = NULL; i < mn_gpu_count() && !m->cfg.gpu; i++)
-        if (mn_gpu_get(i)->sm == (uint32_t)m->cuda.sm) m->cfg.gpu = mn_gpu_get(i)->name;
-    if (!m->cfg.gpu) m->cfg.gpu = m->cuda.sm >= 90 ? "h100-80gb" : "a100-80gb";
+    TR_TRY(tr_gpu_describe(&m->cuda, &m->cfg));
+    total_b = m->cfg.gpu_total;
     cd->device = dev;
     TR_TRY(mn_cache_init(&m->cache, cd));
     m->cache_ready = 1;
@@ -2346,10 +2381,20 @@ static mn_result tr_plan(tr_config *cfg, FILE *out, char *err, size_t cap) {
     int k;
     mn_result r;
     if (!fit) return MN_ERR_OUT_OF_MEMORY;
-    if ((r = tr_estimator_inputs(cfg, cfg->budget, &model, &s)) != MN_OK ||
-        (r = mn_fit(&model, &s, fit)) != MN_OK)
-        goto done;
     mn_size_format(cfg->budget, a, sizeof a);
+    if (cfg->gpu && cfg->budget <= cfg->gpu_context) {  // (the estimator refuses such a setup)
+        mn_size_format(cfg->gpu_context, b, sizeof b);
+        snprintf(err, cap, "nothing this trainer can do fits --budget %s: the CUDA context "
+                 "alone takes %s of the GPU (cudaMemGetInfo)", a, b);
+        r = MN_ERR_INVALID_ARG;
+        goto done;
+    }
+    if ((r = tr_estimator_inputs(cfg, cfg->budget, &model, &s)) != MN_OK ||
+        (r = mn_fit(&model, &s, fit)) != MN_OK) {
+        snprintf(err, cap, "--budget %s: the estimator cannot plan this configuration (%s)", a,
+                 mn_result_str(r));
+        goto done;
+    }
     mn_size_format(fit->plan_estimate.peak_reserved, b, sizeof b);
     if (!fit->plan_found) {
         snprintf(err, cap, "nothing this trainer can do fits --budget %s: the smallest plan "
@@ -2631,6 +2676,11 @@ static mn_result tr_run(const tr_config *cfg_in, FILE *out, tr_result *res) {
     mn_result r, r2;
     memset(res, 0, sizeof *res);
     if ((r = tr_check_device(cfg, res->error, sizeof res->error)) != MN_OK) return r;
+#ifdef MEMANAT_CUDA
+    if (cfg->budget && cfg->device == TR_DEVICE_CUDA &&
+        (r = tr_gpu_probe(cfg, res->error, sizeof res->error)) != MN_OK)
+        return r;
+#endif
     if (cfg->budget && (r = tr_plan(cfg, out, res->error, sizeof res->error)) != MN_OK) return r;
     r = tr_model_init(&m, cfg);
     if (r == MN_OK && cfg->resume) r = tr_resume(&m);
@@ -2708,7 +2758,8 @@ int main(int argc, char **argv) {
                "--fail-alloc-at N: the N-th tensor allocation fails as out of memory (for\n"
                "  testing the failure path).\n"
                "--device cuda: train on the GPU (a build with nvcc): the same model, log and\n"
-               "  prediction; gradients in the storage type; not yet with --budget.\n");
+               "  prediction; gradients in the storage type. With --budget the plan counts\n"
+               "  the CUDA context (cudaMemGetInfo) in the budget.\n");
         return 0;
     }
     r = tr_run(&cfg, stdout, &res);

@@ -77,7 +77,22 @@ void mn_cuda_free(mn_cuda *ctx) {
 
 mn_result mn_cuda_sync(mn_cuda *ctx) { TG_RET(ctx && ctx->p); }
 
-mn_device mn_cuda_device(mn_cuda *ctx) { return mn_simdev_device(&ctx->p->dev); }
+// The CUDA context's bytes the stand-in reports (cudaMemGetInfo's total - free before anything
+// is allocated): taken from the free memory of the simulated device's answer.
+static uint64_t tg_context;
+
+static mn_result tg_mem_info(void *user_data, uint64_t *free_out, uint64_t *total_out) {
+    mn_device d = mn_simdev_device((mn_simdev *)user_data);
+    mn_result r = d.mem_info_fn(user_data, free_out, total_out);
+    if (r == MN_OK) *free_out = *free_out > tg_context ? *free_out - tg_context : 0;
+    return r;
+}
+
+mn_device mn_cuda_device(mn_cuda *ctx) {
+    mn_device d = mn_simdev_device(&ctx->p->dev);
+    d.mem_info_fn = tg_mem_info;
+    return d;
+}
 
 mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes) {
     if (!ctx || !ctx->p || !tg_dev(ptr) || (!ptr) != (!bytes)) return MN_ERR_INVALID_ARG;
@@ -333,7 +348,7 @@ static void test_gpu_prediction_exact(void) {
 static void test_gpu_flags(void) {
     static const char *bad[][4] = {
         {"--device", "tpu", NULL, NULL},
-        {"--device", "cuda", "--budget", "1G"},
+        {"--device", "cuda", "--budget", "-1G"},
     };
     tr_config cfg;
     char err[256], *argv[6];
@@ -358,6 +373,56 @@ static void test_gpu_flags(void) {
     tg_devices = 1;
     cfg.device = TR_DEVICE_CUDA;
     CHECK_OK(tr_check_device(&cfg, err, sizeof err));
+}
+
+// --budget on the GPU: the plan is made for the GPU's schedule with the CUDA context counted in
+// the budget. A budget the GPU setup fits leaves it as it is; a tighter one gets a plan the run
+// keeps to (context + reserved peak, measured on the device's cache, within the budget, and
+// predicted to the byte); a budget below the context, or one nothing fits, is refused.
+static void test_gpu_budget(void) {
+    tr_config cfg = tg_config(), c, p;
+    tr_result res;
+    mn_estimate_result pred;
+    char err[256];
+    uint64_t need, var;
+    long live = mnt_live_allocs();
+    cfg.steps = 2, cfg.B = 8, cfg.T = 32, cfg.C = 64, cfg.NH = 4;
+    tg_context = (1 + mnt_rand_u64() % 64) << 16;  // 64 KiB .. 4 MiB
+    c = cfg;
+    CHECK_OK(tr_gpu_probe(&c, err, sizeof err));
+    CHECK_EQ_U64(c.gpu_context, tg_context);
+    CHECK(c.gpu != NULL && strcmp(c.gpu, "h100-80gb") == 0);
+    CHECK_OK(tr_predict(&c, &pred));
+    need = pred.context + pred.peak_reserved;
+    CHECK_EQ_U64(pred.context, tg_context);
+    c = cfg, c.budget = need;
+    CHECK_OK(tr_run(&c, NULL, &res));  // fits as given: the measured peak is the predicted one
+    CHECK_EQ_U64(res.stats.reserved_bytes[MN_STAT_ALL].peak, pred.peak_reserved);
+    var = pred.peak_reserved - pred.workspace;  // (the cuBLASLt workspace stays)
+    CHECK(pred.workspace > 0 && var > 0);
+    c = cfg, c.budget = tg_context + pred.workspace + var / 2 + mnt_rand_u64() % (var / 4);
+    p = c;  // the plan tr_run makes
+    CHECK_OK(tr_gpu_probe(&p, err, sizeof err));
+    CHECK_OK(tr_plan(&p, NULL, err, sizeof err));
+    CHECK(p.B < cfg.B || p.precision != cfg.precision || p.optim != cfg.optim ||
+          p.checkpointing != cfg.checkpointing);
+    CHECK_EQ_U64((uint64_t)p.B * p.K, (uint64_t)cfg.B * cfg.K);
+    CHECK_EQ_U64(p.capacity, c.budget);
+    CHECK_OK(tr_predict(&p, &pred));
+    CHECK(pred.context + pred.peak_reserved <= c.budget);
+    CHECK_OK(tr_run(&c, NULL, &res));
+    CHECK_MSG(tg_context + res.stats.reserved_bytes[MN_STAT_ALL].peak <= c.budget,
+              "context %llu B + reserved %llu B over the budget %llu B",
+              (unsigned long long)tg_context,
+              (unsigned long long)res.stats.reserved_bytes[MN_STAT_ALL].peak,
+              (unsigned long long)c.budget);
+    CHECK_EQ_U64(res.stats.reserved_bytes[MN_STAT_ALL].peak, pred.peak_reserved);
+    c = cfg, c.budget = tg_context - mnt_rand_u64() % (tg_context / 2);  // below the context
+    CHECK_EQ_INT(tr_run(&c, NULL, &res), MN_ERR_INVALID_ARG);
+    CHECK_MSG(strstr(res.error, "nothing this trainer can do fits --budget") != NULL, "\"%s\"",
+              res.error);
+    tg_context = 0;
+    CHECK_EQ_INT(mnt_live_allocs(), live);
 }
 
 // Every tensor allocation of a GPU run failing in turn (--fail-alloc-at): the run reports an
@@ -460,6 +525,7 @@ const mnt_case test_gpu_trainer_cases[] = {
     {"checkpoint", test_gpu_checkpoint},
     {"prediction_exact", test_gpu_prediction_exact},
     {"flags", test_gpu_flags},
+    {"budget", test_gpu_budget},
     {"alloc_failures", test_gpu_alloc_failures},
 };
 const size_t test_gpu_trainer_count =
