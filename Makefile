@@ -1,9 +1,9 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, and the
-# ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every parser), bench (benchmark programs;
-# bench_matmul beside OpenBLAS when it links), cblas-test (the ops tests with MEMANAT_CBLAS,
-# against OpenBLAS), cuda-probe.
+# under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, the
+# header as C++ under clang++, and the ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every
+# parser), bench (benchmark programs; bench_matmul beside OpenBLAS when it links), cblas-test (the
+# ops tests with MEMANAT_CBLAS, against OpenBLAS), cuda-probe.
 # With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
 # (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and links it into the
 # trainer (--device cuda), and `make test` first runs
@@ -17,6 +17,7 @@
 CC      ?= cc
 CXX     ?= c++
 CLANG   ?= clang
+CLANGXX ?= clang++
 OPT     ?= -O2
 WARN    := -Wall -Wextra -Wpedantic -Werror
 CFLAGS  ?= $(OPT) -g
@@ -189,6 +190,8 @@ clang: $(TESTSRC) $(HDRS) memanat.c trainer.c bind/memanat_api.c | build
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/trainer_clang trainer.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_CUDA -c -o build/trainer_cuda_clang.o trainer.c
+	$(CLANGXX) -std=c++11 $(OPT) $(WARN) -o build/cxx_check_clang test/cxx_check.cpp $(LDLIBS)
+	./build/cxx_check_clang
 	MEMANAT_BIN=build/memanat_clang MN_TEST_NO_BINDINGS=1 ./build/test_clang > build/test_clang.log || \
 	    (tail -n 30 build/test_clang.log; exit 1)
 	@tail -n 1 build/test_clang.log

@@ -1334,13 +1334,8 @@ MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t byte
 // heuristics cache emptied; ptr NULL with bytes 0: GEMMs run without a workspace.
 MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes);
 
-// The caching allocator's device: cudaMalloc/cudaFree/cudaMemGetInfo, events from a pool
-// (cudaEventDisableTiming) recorded on the context's streams, and reserve/map through the CUDA
-// virtual memory API (cuMemAddressReserve, cuMemCreate + cuMemMap + cuMemSetAccess per 2 MiB
-// granule, the driver entry points resolved at init through cudaGetDriverEntryPointByVersion;
-// reserve_fn is NULL when the driver lacks them). The mn_device refers to ctx: keep ctx alive
-// and at the same address while the cache lives.
-MNDEF struct mn_device mn_cuda_device(mn_cuda *ctx);
+// (mn_cuda_device, the caching allocator's device over this context, is declared after mn_device
+// in >>cache.)
 
 // >>ops on the device. dtype (0 = MN_FP32, MN_FP16, MN_BF16) is the storage type of every
 // float tensor argument except those marked fp32; the math is fp32. Same semantics as the CPU
@@ -1631,6 +1626,16 @@ typedef struct mn_device {
     // 0 = pointers are byte addresses.
     uint32_t addr_shift;
 } mn_device;
+
+#ifdef MEMANAT_CUDA
+// >>cuda's device for the caching allocator: cudaMalloc/cudaFree/cudaMemGetInfo, events from a
+// pool (cudaEventDisableTiming) recorded on the context's streams, and reserve/map through the
+// CUDA virtual memory API (cuMemAddressReserve, cuMemCreate + cuMemMap + cuMemSetAccess per 2 MiB
+// granule, the driver entry points resolved at init through cudaGetDriverEntryPointByVersion;
+// reserve_fn is NULL when the driver lacks them). The mn_device refers to ctx: keep ctx alive
+// and at the same address while the cache lives.
+MNDEF mn_device mn_cuda_device(mn_cuda *ctx);
+#endif
 
 // ---- >>cache/simdev: simulated device -----------------------------------------------------------
 // A bump allocator of fake addresses that are never reused (RMM's simulated_memory_resource
