@@ -4480,7 +4480,8 @@ MN__PRIVATE uint64_t mn__prod3(mn__sim *S, uint64_t a, uint64_t b, uint64_t c) {
 MN__PRIVATE void mn__event(mn__sim *S, uint32_t id, int alloc) {
     mn_trace_event *e;
     if (!S->events) return;
-    if (!mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev)) return;
+    if (S->nev >= S->cev && !mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev))
+        return;
     e = &S->ev[S->nev++];
     e->size = S->tensors[id].bytes;
     e->id = id;
@@ -4499,7 +4500,8 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     bytes = mn__prod(S, numel, esz);
     if (S->err) return MN__NONE;
     if (bytes == 0) bytes = 1;
-    if (!mn__grow(S, (void **)&S->tensors, &S->ct, S->nt + 1, sizeof *S->tensors)) return MN__NONE;
+    if (S->nt >= S->ct && !mn__grow(S, (void **)&S->tensors, &S->ct, S->nt + 1, sizeof *S->tensors))
+        return MN__NONE;
     id = (uint32_t)S->nt++;
     t = &S->tensors[id];
     t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->category = (uint8_t)cat;
@@ -4568,12 +4570,16 @@ typedef struct mn__op_desc {
     int cast16;          // the weight gradient is first made in 16-bit (autocast)
 } mn__op_desc;
 
+// (A copy of one constant: filled slot by slot, the struct was then read back in wider loads
+// that waited on the narrow stores, a sixth of an estimate's time.)
+static const mn__op_desc mn__op_desc_empty = {
+    MN__NONE, {MN__NONE, MN__NONE, MN__NONE},
+    {MN__NONE, MN__NONE, MN__NONE, MN__NONE, MN__NONE, MN__NONE, MN__NONE, MN__NONE},
+    {MN__NONE, MN__NONE, MN__NONE}, 0, 0};
+
 MN__PRIVATE mn__op_desc mn__op_desc_of(uint32_t out) {
-    mn__op_desc d;
-    int i;
-    d.out = out, d.bwd_temp = 0, d.cast16 = 0;
-    for (i = 0; i < 3; i++) d.in[i] = MN__NONE, d.param[i] = MN__NONE;
-    for (i = 0; i < 8; i++) d.saved[i] = MN__NONE;
+    mn__op_desc d = mn__op_desc_empty;
+    d.out = out;
     return d;
 }
 
@@ -4587,7 +4593,8 @@ MN__PRIVATE void mn__op_rec(mn__sim *S, const mn__op_desc *d) {
     for (i = 0; i < 3; i++) any |= d->param[i] != MN__NONE && S->params[d->param[i]].trainable;
     if (!any) return;
     S->tensors[d->out].requires_grad = 1;
-    if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return;
+    if (S->nops >= S->cops && !mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops))
+        return;
     o = &S->ops[S->nops++];
     memset(o, 0, sizeof *o);
     o->out = d->out, o->recomp_block = MN__NONE, o->bwd_temp = d->bwd_temp;
@@ -7897,11 +7904,11 @@ MN__PRIVATE uint64_t mn__search(mn__fit *F, mn_setup *s, uint64_t *field, uint64
     *field = bound;
     if (mn__fits(F, s, &r, err)) return bound;
     hi = bound, step = bound / 32 ? bound / 32 : 1;
-    for (;;) {
-        uint64_t cand = bound > step ? bound - step : 0;
-        if (cand == 0 || *err != MN_OK) return 0;
+    for (;;) {  // (1 is tried before the answer is 0)
+        uint64_t cand = bound > step ? bound - step : 1;
         *field = cand;
         if (mn__fits(F, s, &r, err)) return mn__bisect(F, s, field, cand, hi, err);
+        if (cand == 1 || *err != MN_OK) return 0;
         hi = cand, step *= 2;
     }
 }
