@@ -4485,7 +4485,8 @@ MN__PRIVATE uint64_t mn__prod3(mn__sim *S, uint64_t a, uint64_t b, uint64_t c) {
 MN__PRIVATE void mn__event(mn__sim *S, uint32_t id, int alloc) {
     mn_trace_event *e;
     if (!S->events) return;
-    if (!mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev)) return;
+    if (S->nev >= S->cev && !mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev))
+        return;
     e = &S->ev[S->nev++];
     e->size = S->tensors[id].bytes;
     e->id = id;
@@ -4504,7 +4505,8 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     bytes = mn__prod(S, numel, esz);
     if (S->err) return MN__NONE;
     if (bytes == 0) bytes = 1;
-    if (!mn__grow(S, (void **)&S->tensors, &S->ct, S->nt + 1, sizeof *S->tensors)) return MN__NONE;
+    if (S->nt >= S->ct && !mn__grow(S, (void **)&S->tensors, &S->ct, S->nt + 1, sizeof *S->tensors))
+        return MN__NONE;
     id = (uint32_t)S->nt++;
     t = &S->tensors[id];
     t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->category = (uint8_t)cat;
@@ -4573,12 +4575,16 @@ typedef struct mn__op_desc {
     int cast16;          // the weight gradient is first made in 16-bit (autocast)
 } mn__op_desc;
 
+// (A copy of one constant: filled slot by slot, the struct was then read back in wider loads
+// that waited on the narrow stores, a sixth of an estimate's time.)
+static const mn__op_desc mn__op_desc_empty = {
+    MN__NONE, {MN__NONE, MN__NONE, MN__NONE},
+    {MN__NONE, MN__NONE, MN__NONE, MN__NONE, MN__NONE, MN__NONE, MN__NONE, MN__NONE},
+    {MN__NONE, MN__NONE, MN__NONE}, 0, 0};
+
 MN__PRIVATE mn__op_desc mn__op_desc_of(uint32_t out) {
-    mn__op_desc d;
-    int i;
-    d.out = out, d.bwd_temp = 0, d.cast16 = 0;
-    for (i = 0; i < 3; i++) d.in[i] = MN__NONE, d.param[i] = MN__NONE;
-    for (i = 0; i < 8; i++) d.saved[i] = MN__NONE;
+    mn__op_desc d = mn__op_desc_empty;
+    d.out = out;
     return d;
 }
 
@@ -4592,7 +4598,8 @@ MN__PRIVATE void mn__op_rec(mn__sim *S, const mn__op_desc *d) {
     for (i = 0; i < 3; i++) any |= d->param[i] != MN__NONE && S->params[d->param[i]].trainable;
     if (!any) return;
     S->tensors[d->out].requires_grad = 1;
-    if (!mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops)) return;
+    if (S->nops >= S->cops && !mn__grow(S, (void **)&S->ops, &S->cops, S->nops + 1, sizeof *S->ops))
+        return;
     o = &S->ops[S->nops++];
     memset(o, 0, sizeof *o);
     o->out = d->out, o->recomp_block = MN__NONE, o->bwd_temp = d->bwd_temp;
@@ -7080,21 +7087,33 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *
     return r;
 }
 
+// Empties S for the next estimate but keeps its arrays and their capacity (mn_fit runs many
+// estimates of one model: reusing the arrays saves their fresh pages and regrowth copies).
+MN__PRIVATE void mn__sim_reset(mn__sim *S) {
+    mn__sim k = *S;
+    mn__free(S->al, S->block_start);
+    memset(S, 0, sizeof *S);
+    S->al = k.al;
+    S->tensors = k.tensors, S->ct = k.ct, S->ops = k.ops, S->cops = k.cops;
+    S->params = k.params, S->cp = k.cp, S->ev = k.ev, S->cev = k.cev;
+    S->outs = k.outs, S->couts = k.couts;
+}
+
+// One estimate in S, which is empty (fresh or reset; its allocator set).
 // parts: NULL, or room for the activation bytes of each part (mn_estimate_parts).
-MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
-                                   const mn_allocator *al, mn_estimate_result *out, mn__sim *S,
-                                   int keep_events, uint64_t *parts) {
+MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *setup,
+                                      mn_estimate_result *out, mn__sim *S, int keep_events,
+                                      uint64_t *parts) {
     mn__cfg c;
     mn_gpu gpu;
     mn_result r;
     int k;
-    memset(S, 0, sizeof *S);
     if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
     memset(out, 0, sizeof *out);
     S->parts = parts;
     r = mn__resolve(model, setup, &c, &gpu);
     if (r != MN_OK) return r;
-    S->al = al, S->c = &c;
+    S->c = &c;
     r = mn__build_params(S);
     if (r == MN_OK) {
         mn__model_states(S, out);
@@ -7168,6 +7187,14 @@ MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
     out->gpu = gpu;
     out->setup.logger.log_fn = NULL, out->setup.logger.user_data = NULL;
     return MN_OK;
+}
+
+MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
+                                   const mn_allocator *al, mn_estimate_result *out, mn__sim *S,
+                                   int keep_events, uint64_t *parts) {
+    memset(S, 0, sizeof *S);
+    S->al = al;
+    return mn__estimate_in(model, setup, out, S, keep_events, parts);
 }
 
 MNIMPL mn_result mn_estimate(const mn_model *model, const mn_setup *setup,
@@ -7750,72 +7777,143 @@ MNIMPL mn_result mn_model_params(const mn_model *model, uint64_t *out) {
 }
 
 // ---- >>estimate/fit: the largest micro-batch, the longest sequence, and a plan ------------------
+// A fit runs many estimates of one model. They share one simulation whose arrays are reset, not
+// freed, between estimates (no fresh pages, no regrowth copies), and the last few results are
+// kept by setup, so that a setup asked again (the plan's report asks what the searches and the
+// greedy pass saw) is not run again. Every answer is still decided by estimates alone.
 
-// The step alone (no allocator replay): microseconds. Its device_used counts peak allocated.
-MN__PRIVATE mn_result mn__quick_estimate(const mn_model *m, const mn_setup *s, mn_fit_result *out,
-                                         mn_estimate_result *r) {
+#define MN__FIT_MEMO 8
+
+typedef struct mn__fit_memo {
+    mn_setup key;                    // the setup asked, no_replay set
+    mn_estimate_result quick, full;  // the step alone; with the allocator replay (has_full)
+    mn_result quick_err, full_err;
+    int has_full;
+} mn__fit_memo;
+
+typedef struct mn__fit {
+    const mn_model *m;
+    mn_fit_result *out;
+    mn__sim S;                        // the arrays every estimate of the fit reuses
+    mn__fit_memo memo[MN__FIT_MEMO];
+    uint32_t nmemo, next;             // entries in use; the entry replaced next
+} mn__fit;
+
+// One estimate run in the fit's simulation.
+MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
+    F->out->estimates_run++;
+    mn__sim_reset(&F->S);
+    return mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
+}
+
+// The entry of setup s with its step-alone result, run now when no entry has it (the oldest
+// entry makes room).
+MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s) {
     mn_setup q = *s;
+    mn__fit_memo *e;
+    uint32_t i;
     q.no_replay = 1;
-    out->estimates_run++;
-    return mn_estimate(m, &q, r);
+    for (i = 0; i < F->nmemo; i++)
+        if (!memcmp(&F->memo[i].key, &q, sizeof q)) return &F->memo[i];
+    e = &F->memo[F->next];
+    F->next = (F->next + 1) % MN__FIT_MEMO;
+    if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
+    e->key = q, e->has_full = 0;
+    e->quick_err = mn__fit_run(F, &q, &e->quick);
+    return e;
+}
+
+// The step alone (no allocator replay): milliseconds. Its device_used counts peak allocated.
+MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
+    mn__fit_memo *e = mn__fit_entry(F, s);
+    *r = e->quick;
+    return e->quick_err;
 }
 
 // Fits the device? The replay never lowers the peak below what is allocated, so a setup whose
 // allocated peak does not fit is rejected without replaying it.
-MN__PRIVATE int mn__fits(const mn_model *m, const mn_setup *s, mn_fit_result *out,
-                         mn_estimate_result *r, mn_result *err) {
-    mn_result e = mn__quick_estimate(m, s, out, r);
-    if (e == MN_OK && r->fits && !s->no_replay) {
-        e = mn_estimate(m, s, r);
-        out->estimates_run++;
+MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err) {
+    mn__fit_memo *e = mn__fit_entry(F, s);
+    mn_result x = e->quick_err;
+    *r = e->quick;
+    if (x == MN_OK && r->fits && !s->no_replay) {
+        if (!e->has_full) e->full_err = mn__fit_run(F, s, &e->full), e->has_full = 1;
+        *r = e->full, x = e->full_err;
     }
-    if (e != MN_OK) { *err = e; return 0; }
+    if (x != MN_OK) { *err = x; return 0; }
     return r->fits;
 }
 
-// Largest value in [1, cap] for which fits(value) holds, 0 if none: doubling, then bisection
-// (memory grows with batch and sequence, so fitting is monotonic in both). quick: judge by the
-// step alone (peak allocated), else with the allocator replay.
-MN__PRIVATE uint64_t mn__bisect(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t lo,
-                                uint64_t hi, int quick, mn_fit_result *out, mn_result *err) {
+// Largest value in [1, cap] whose step alone fits, 0 if none (memory grows with batch and
+// sequence, so fitting is monotonic in both). The step's device_used is close to affine in batch
+// and affine or quadratic in sequence: each value tried is the secant's guess through the two
+// values tried last, kept inside the bracket (lo fits, hi does not). Doubling stands in while no
+// upper end is known and no rising secant exists, bisection after a try that did not halve the
+// bracket. The guesses only choose what to try: the answer is a value that fits, next to one
+// that does not.
+MN__PRIVATE uint64_t mn__bound(mn__fit *F, mn_setup *s, uint64_t *field, uint64_t cap,
+                               mn_result *err) {
     mn_estimate_result r;
-    while (hi - lo > 1 && *err == MN_OK) {  // fits(lo) (or lo == 0), !fits(hi)
+    uint64_t lo = 0, hi = cap + 1, v = 1, width = UINT64_MAX;  // hi = cap + 1: none known yet
+    double x0 = 0, y0 = 0, x1 = 0, y1 = 0, room = 0;  // the last two points; the capacity
+    int n = 0, slow = 0;
+    for (;;) {
+        double g = -1.0;
+        mn_result e;
+        *field = v;
+        if ((e = mn__quick_estimate(F, s, &r)) != MN_OK && v == 1) return *err = e, 0;
+        if (e != MN_OK) {  // a value out of range (a prompt beyond the positions) does not fit
+            r.fits = 0, r.device_used = 0;
+        } else {
+            x0 = x1, y0 = y1, x1 = (double)v, y1 = (double)r.device_used, n++;
+            room = (double)r.capacity;
+        }
+        if (r.fits) lo = v;
+        else hi = v;
+        if (hi - lo <= 1) return lo;
+        slow = hi <= cap && hi - lo > width / 2;  // the bracket did not halve
+        if (hi <= cap) width = hi - lo;
+        if (n >= 2 && (y1 - y0) / (x1 - x0) > 0)
+            g = x1 + (room - y1) / ((y1 - y0) / (x1 - x0));
+        if (hi > cap && !(g >= (double)lo + 1)) v = lo > cap / 2 ? cap : lo * 2;
+        else if (slow) v = lo + (hi - lo) / 2;
+        else if (!(g < (double)(hi - 1))) v = hi - 1;  // (also a NaN guess)
+        else if (g < (double)lo + 1) v = lo + 1;
+        else v = (uint64_t)g;
+    }
+}
+
+// Largest value in (lo, hi) that fits with the allocator replay, lo if none: bisection (fits(lo)
+// or lo == 0, and !fits(hi)).
+MN__PRIVATE uint64_t mn__bisect(mn__fit *F, mn_setup *s, uint64_t *field, uint64_t lo,
+                                uint64_t hi, mn_result *err) {
+    mn_estimate_result r;
+    while (hi - lo > 1 && *err == MN_OK) {
         uint64_t mid = lo + (hi - lo) / 2;
-        int ok;
         *field = mid;
-        if (quick) ok = mn__quick_estimate(m, s, out, &r) == MN_OK && r.fits;
-        else ok = mn__fits(m, s, out, &r, err);
-        if (ok) lo = mid;
+        if (mn__fits(F, s, &r, err)) lo = mid;
         else hi = mid;
     }
     return lo;
 }
 
-MN__PRIVATE uint64_t mn__search(const mn_model *m, mn_setup *s, uint64_t *field, uint64_t cap,
-                                mn_fit_result *out, mn_result *err) {
+MN__PRIVATE uint64_t mn__search(mn__fit *F, mn_setup *s, uint64_t *field, uint64_t cap,
+                                mn_result *err) {
     mn_estimate_result r;
-    uint64_t hi = 1, lo = 0, bound, step;
+    uint64_t hi, step;
     // 1. the bound from the step alone (reserved >= allocated, so nothing above it fits)
-    for (;;) {
-        *field = hi;
-        if ((*err = mn__quick_estimate(m, s, out, &r)) != MN_OK) return 0;
-        if (!r.fits) break;
-        lo = hi;
-        if (hi >= cap) break;
-        hi = hi * 2 > cap ? cap : hi * 2;
-    }
-    bound = lo == cap ? cap : mn__bisect(m, s, field, lo, hi, 1, out, err);
+    uint64_t bound = mn__bound(F, s, field, cap, err);
     if (bound == 0 || *err != MN_OK) return 0;
     // 2. with the allocator: gallop down from the bound (allocator slack is a few percent, so
     //    the first step is 1/32 of it), then bisect
     *field = bound;
-    if (mn__fits(m, s, out, &r, err)) return bound;
+    if (mn__fits(F, s, &r, err)) return bound;
     hi = bound, step = bound / 32 ? bound / 32 : 1;
-    for (;;) {
-        uint64_t cand = bound > step ? bound - step : 0;
-        if (cand == 0 || *err != MN_OK) return 0;
+    for (;;) {  // (1 is tried before the answer is 0)
+        uint64_t cand = bound > step ? bound - step : 1;
         *field = cand;
-        if (mn__fits(m, s, out, &r, err)) return mn__bisect(m, s, field, cand, hi, 0, out, err);
+        if (mn__fits(F, s, &r, err)) return mn__bisect(F, s, field, cand, hi, err);
+        if (cand == 1 || *err != MN_OK) return 0;
         hi = cand, step *= 2;
     }
 }
@@ -7921,7 +8019,8 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
     return s;
 }
 
-MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out) {
+MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
+    mn_fit_result *out = F->out;
     mn_estimate_result cur, next;
     mn_setup base, s, t;
     mn_result err = MN_OK;
@@ -7929,10 +8028,8 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     uint8_t steps[32];
     uint32_t n = 0, i, k;
     int bf16, progress = 1;
-    if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
-    memset(out, 0, sizeof *out);
     out->plan_slowdown = 1.0;
-    err = mn_estimate(model, setup, &cur);
+    err = mn__fit_run(F, setup, &cur);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay
@@ -7940,7 +8037,7 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
         // fit does not fit replayed either, and the search below starts from it as from the
         // replayed one (it replays only setups whose allocated peak fits).
         mn_estimate_result q;
-        if (mn__quick_estimate(model, setup, out, &q) == MN_OK && !q.fits) {
+        if (mn__quick_estimate(F, setup, &q) == MN_OK && !q.fits) {
             cur = q, err = MN_OK;
             cur.setup.no_replay = setup->no_replay;  // the search replays what it asks after
         }
@@ -7951,15 +8048,15 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     base.logger = setup->logger;
     bf16 = cur.gpu.bf16;
     t = base;
-    out->max_batch = mn__search(model, &t, &t.batch, 1ull << 20, out, &err);
+    out->max_batch = mn__search(F, &t, &t.batch, 1ull << 20, &err);
     if (err != MN_OK) return err;
     t = base;
     cap_seq = 1ull << 22;
     if (cur.model.posemb == MN_POS_LEARNED && cur.model.arch != MN_ARCH_STACK)
         cap_seq = cur.model.max_positions;
-    if (base.infer) out->max_seq = mn__search(model, &t, &t.prompt, cap_seq, out, &err);
+    if (base.infer) out->max_seq = mn__search(F, &t, &t.prompt, cap_seq, &err);
     else if (base.framework != MN_FW_MEMANAT)  // (memanat: T is the model's position table)
-        out->max_seq = mn__search(model, &t, &t.seq, cap_seq, out, &err);
+        out->max_seq = mn__search(F, &t, &t.seq, cap_seq, &err);
     if (err != MN_OK) return err;
 
     // Greedy: add the cheapest technique that lowers the memory need until the setup fits
@@ -7967,16 +8064,16 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     s = base;
     if (!cur.fits) {
         mn_estimate_result q, qn;
-        if ((err = mn__quick_estimate(model, &s, out, &q)) != MN_OK) return err;
+        if ((err = mn__quick_estimate(F, &s, &q)) != MN_OK) return err;
         while (!cur.fits && progress && n < sizeof steps) {
             progress = 0;
             for (k = 0; k < MN__T_COUNT && !progress; k++) {
                 t = s;
                 if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
-                if ((err = mn__quick_estimate(model, &t, out, &qn)) != MN_OK) return err;
+                if ((err = mn__quick_estimate(F, &t, &qn)) != MN_OK) return err;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
                 steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1;
-                mn__fits(model, &s, out, &cur, &err);
+                mn__fits(F, &s, &cur, &err);
                 if (err != MN_OK) return err;
             }
         }
@@ -7986,7 +8083,7 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
         for (i = n; i-- > 0;) {
             if (steps[i] != k) continue;
             t = mn__plan_setup(&base, steps, n, i, bf16);
-            if (!mn__fits(model, &t, out, &next, &err)) {
+            if (!mn__fits(F, &t, &next, &err)) {
                 if (err != MN_OK) return err;
                 continue;
             }
@@ -7996,13 +8093,13 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     }
     // Report the kept steps with the peak each one saves (the step alone: what is allocated).
     t = base;
-    if ((err = mn__quick_estimate(model, &t, out, &next)) != MN_OK) return err;
+    if ((err = mn__quick_estimate(F, &t, &next)) != MN_OK) return err;
     for (i = 0; i < n && out->plan_len < sizeof out->plan / sizeof out->plan[0]; i++) {
         mn_estimate_result after;
         mn_plan_step *p = &out->plan[out->plan_len++];
         char a[32], b[32];
         mn__tech_apply((mn__tech)steps[i], &t, bf16);
-        if ((err = mn__quick_estimate(model, &t, out, &after)) != MN_OK) return err;
+        if ((err = mn__quick_estimate(F, &t, &after)) != MN_OK) return err;
         mn__tech_describe((mn__tech)steps[i], &t, p->what, sizeof p->what);
         mn_size_format(next.peak_allocated, a, sizeof a);
         mn_size_format(after.peak_allocated, b, sizeof b);
@@ -8016,6 +8113,21 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     out->plan_setup.logger.log_fn = NULL, out->plan_setup.logger.user_data = NULL;
     out->plan_estimate = cur;
     return MN_OK;
+}
+
+MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out) {
+    mn__fit *F;
+    mn_result r;
+    if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
+    memset(out, 0, sizeof *out);
+    F = (mn__fit *)mn__alloc(NULL, sizeof *F);
+    if (!F) return MN_ERR_OUT_OF_MEMORY;
+    memset(F, 0, sizeof *F);
+    F->m = model, F->out = out;
+    r = mn__fit_in(F, setup);
+    mn__sim_free(&F->S);
+    mn__free(NULL, F);
+    return r;
 }
 // >>hfconfig implementation -----------------------------------------------------------------------
 //

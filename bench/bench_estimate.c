@@ -80,5 +80,38 @@ int main(void) {
                    (unsigned long long)r.alloc_events, bench_median(t, REPS));
         }
     }
+    {  // fit's cost against one estimate's, as the layers and the sequence grow (no replay: the
+       // search and the simulation alone); fit/est is the number of estimates it costs
+        static const uint64_t layers[] = {80, 800, 8000}, seqs[] = {2048, 8192, 32768};
+        mn_model m;
+        mn_setup s;
+        mn_estimate_result r;
+        mn_fit_result f;
+        double te[5], tf[5], t0;
+        int i, k;
+        printf("\nfit against estimate (llama-3-70b shape, bf16, h100-80gb, batch 1, --no-replay)\n");
+        printf("%-8s %6s %12s %12s %8s %8s\n", "", "", "estimate ms", "fit ms", "fit runs",
+               "fit/est");
+        for (k = 0; k < 6; k++) {
+            memset(&s, 0, sizeof s);
+            if (mn_preset_find("llama-3-70b", &m) != MN_OK) return 1;
+            s.gpu = "h100-80gb", s.precision = MN_PREC_BF16, s.batch = 1, s.seq = 8192;
+            s.no_replay = 1;
+            if (k < 3) m.layers = layers[k];
+            else s.seq = seqs[k - 3];
+            for (i = 0; i < 5; i++) {  // alternated, medians
+                t0 = now_us();
+                if (mn_estimate(&m, &s, &r) != MN_OK) return 1;
+                te[i] = (now_us() - t0) / 1e3;
+                t0 = now_us();
+                if (mn_fit(&m, &s, &f) != MN_OK) return 1;
+                tf[i] = (now_us() - t0) / 1e3;
+            }
+            printf("%-8s %6llu %12.2f %12.2f %8llu %8.1f\n", k < 3 ? "layers" : "seq",
+                   (unsigned long long)(k < 3 ? layers[k] : seqs[k - 3]),
+                   bench_median(te, 5), bench_median(tf, 5),
+                   (unsigned long long)f.estimates_run, bench_median(tf, 5) / bench_median(te, 5));
+        }
+    }
     return 0;
 }

@@ -404,6 +404,122 @@ static void test_fit(void) {
     CHECK(!r.fits);
 }
 
+// A small random model for the fit tests: a custom stack of linear/norm/activation/dropout
+// layers, or a decoder, encoder or encoder-decoder of a few narrow blocks.
+static mn_model fit_random_model(mn_layer *L, uint32_t cap) {
+    mn_model m;
+    memset(&m, 0, sizeof m);
+    if (mnt_rand_u64() % 3 == 0) {
+        uint32_t n = 2 + (uint32_t)(mnt_rand_u64() % (cap - 1)), i;
+        uint64_t w = 16 + mnt_rand_u64() % 200;
+        m.arch = MN_ARCH_STACK, m.stack = L, m.stack_len = n;
+        for (i = 0; i < n; i++) {
+            memset(&L[i], 0, sizeof L[i]);
+            L[i].kind = i == 0 ? MN_LAYER_LINEAR : (mn_layer_kind)(1 + mnt_rand_u64() % 5);
+            if (L[i].kind == MN_LAYER_EMBEDDING) L[i].kind = MN_LAYER_LINEAR;
+            L[i].in = w, L[i].out = w, L[i].bias = (int)(mnt_rand_u64() % 2);
+        }
+    } else {
+        static const mn_arch arch[] = {MN_ARCH_DECODER, MN_ARCH_ENCODER, MN_ARCH_ENCODER_DECODER};
+        m.arch = arch[mnt_rand_u64() % 3];
+        m.layers = 1 + mnt_rand_u64() % 4, m.heads = 1 + mnt_rand_u64() % 4;
+        m.hidden = m.heads * (8 + mnt_rand_u64() % 24), m.vocab = 100 + mnt_rand_u64() % 2000;
+        m.max_positions = 1u << 16, m.gated_mlp = (int)(mnt_rand_u64() % 2);
+        m.posemb = (mn_posemb)(mnt_rand_u64() % MN_POS_COUNT);
+    }
+    return m;
+}
+
+// Fits the device, by its own mn_estimate? (batch or sequence length set to v)
+static int fit_check(const mn_model *m, const mn_setup *s, int seq, uint64_t v) {
+    mn_setup u = *s;
+    mn_estimate_result r;
+    if (seq) u.seq = v;
+    else u.batch = v;
+    return mn_estimate(m, &u, &r) == MN_OK && r.fits;
+}
+
+// Brute force: every batch (seq: sequence length) from 1 up to limit checked by its own
+// mn_estimate. The answer is the last value before the first that does not fit (0 if 1 does
+// not); *monotonic is cleared when a value above that fits again. A limit that fits fails.
+static uint64_t fit_brute(const mn_model *m, const mn_setup *s, int seq, uint64_t limit,
+                          int *monotonic) {
+    uint64_t v, answer = 0;
+    int failed = 0;
+    *monotonic = 1;
+    for (v = 1; v <= limit; v++) {
+        int ok = fit_check(m, s, seq, v);
+        if (ok && failed) *monotonic = 0;
+        if (!ok && !failed) failed = 1, answer = v - 1;
+    }
+    CHECK_MSG(failed, "%s %llu still fits", seq ? "seq" : "batch", (unsigned long long)limit);
+    return answer;
+}
+
+// mn_fit's answers against brute force on random small models, the budget a little above the
+// setup's need: the largest batch and the longest sequence equal the brute-force answers (with
+// the allocator replay, whose reserved bytes may dip as the batch grows, where fitting is
+// monotonic; else the answer fits and one more does not). The plan's estimate equals a fresh
+// estimate of the plan's setup: what the fit keeps between its estimates changes no answer.
+static void test_fit_brute_force(void) {
+    int it;
+    for (it = 0; it < 12; it++) {
+        mn_layer L[10];
+        mn_model m = fit_random_model(L, 10);
+        mn_setup s = setup0();
+        mn_estimate_result one, r, fresh;
+        mn_fit_result f;
+        uint64_t want;
+        int mono, k;
+        s.batch = 2 + mnt_rand_u64() % 16, s.seq = 8 + mnt_rand_u64() % 120;
+        s.precision = (mn_precision)(mnt_rand_u64() % 3);
+        s.checkpointing = (mn_ckpt)(mnt_rand_u64() % 3);
+        s.no_replay = (int)(mnt_rand_u64() % 2);
+        s.context = 1 << 20, s.capacity = 1ull << 40;
+        CHECK_OK(mn_estimate(&m, &s, &r));
+        s.batch = 1;
+        CHECK_OK(mn_estimate(&m, &s, &one));
+        s.batch = r.setup.batch;
+        // room for the setup (replayed, when it is) and up to as much again as its batch adds
+        s.capacity = r.device_used + (r.peak_allocated - one.peak_allocated) *
+                                         (mnt_rand_u64() % 100) / 100;
+        {
+            mnt_log lg;
+            mn_result e;
+            memset(&lg, 0, sizeof lg);
+            s.logger.log_fn = mnt_log_capture, s.logger.user_data = &lg;
+            e = mn_fit(&m, &s, &f);
+            CHECK_MSG(e == MN_OK, "model %d (arch %d): fit failed: %s", it, (int)m.arch, lg.last);
+            s.logger.log_fn = NULL, s.logger.user_data = NULL;
+            if (e != MN_OK) continue;
+        }
+        for (k = 0; k < 2; k++) {
+            uint64_t got = k ? f.max_seq : f.max_batch;
+            uint64_t limit = (k ? 4 * s.seq + 256 : 4 * s.batch + 64);
+            if (got + 1 > limit) limit = got + 1;  // (a replay's 20 MiB segment leaves room)
+            if (limit > 1000) {  // brute force would take long: the answer's edge alone
+                CHECK(fit_check(&m, &s, k, got) && !fit_check(&m, &s, k, got + 1));
+                continue;
+            }
+            want = fit_brute(&m, &s, k, limit, &mono);
+            if (mono) {
+                CHECK_EQ_U64(got, want);
+            } else {
+                CHECK(got == 0 || fit_check(&m, &s, k, got));
+                CHECK(!fit_check(&m, &s, k, got + 1));
+            }
+        }
+        CHECK_EQ_INT(f.plan_found, 1);
+        CHECK_OK(mn_estimate(&m, &f.plan_setup, &fresh));
+        CHECK_EQ_U64(f.plan_estimate.peak_allocated, fresh.peak_allocated);
+        CHECK_EQ_U64(f.plan_estimate.peak_reserved, fresh.peak_reserved);
+        CHECK_EQ_U64(f.plan_estimate.device_used, fresh.device_used);
+        CHECK_EQ_U64(f.plan_estimate.activations, fresh.activations);
+        CHECK_EQ_U64(f.plan_estimate.alloc_events, fresh.alloc_events);
+        CHECK_EQ_INT(f.plan_estimate.fits, 1);
+    }
+}
+
 // Bad input returns an error code and one log line; huge models report instead of wrapping.
 static void test_bad_input(void) {
     mn_model m = preset("gpt2"), b;
@@ -860,6 +976,7 @@ const mnt_case test_estimate_cases[] = {
     {"properties", test_properties},
     {"zero_monotonic", test_zero_monotonic},
     {"fit", test_fit},
+    {"fit_brute_force", test_fit_brute_force},
     {"bad_input", test_bad_input},
     {"setup_bounds", test_setup_bounds},
     {"random_setups", test_random_setups},
