@@ -9321,6 +9321,7 @@ typedef struct mn__c_block {
     uint64_t requested;
     uint64_t gc_base;               // pool's get_free_block count when cached (GC age)
     uint32_t event_count;           // events to wait for before the block is free
+    uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
     uint8_t allocated, mapped, small, cat;
     uint8_t in_tree;
     char label[MN_CACHE_LABEL_MAX];
@@ -9334,13 +9335,39 @@ struct mn__c_segment {
     uint8_t small, expandable;
 };
 
+// Free mapped blocks sit in size-class bins, in PyTorch's order (BlockComparatorSize: stream,
+// size, address) all the same: the bin of a size grows with the size (one bin per 512 B below
+// 2 MiB, which covers every size of the small pool, then 128 bins per power of two), each bin
+// is a treap keyed (stream, size, address) whose first node is kept, and each stream of a pool
+// has a bitmap of the bins holding its blocks (a bit per bin, a bit per word of those). The
+// best fit, lower_bound((stream, size, 0)), is then the first node of the request's bin when
+// that node is large enough, else a search of that one bin, else the first node of the stream's
+// next bin (a bit scan): O(1) for the sizes that repeat in a training loop, O(log n) at worst,
+// and the same block std::set::lower_bound finds.
+#define MN__C_BIN_EXACT 4096u  // bins of one size: units of 512 B below 2^12 (2 MiB)
+#define MN__C_BIN_SUB 7u       // 2^7 bins per power of two above
+#define MN__C_BINS (MN__C_BIN_EXACT + 43u * 128u)      // sizes < 2^64: units below 2^55
+#define MN__C_BIN_WORDS ((MN__C_BINS + 63u) / 64u)      // the bitmap, one bit per bin
+#define MN__C_BIN_WORDS1 ((MN__C_BIN_WORDS + 63u) / 64u)  // one bit per non-zero word
+
+typedef struct mn__c_bin {
+    mn__c_block *root, *first;  // treap by (stream, size, addr); its smallest node
+} mn__c_bin;
+
+typedef struct mn__c_sbin {  // one stream of a pool
+    mn_stream stream;
+    uint32_t segs;           // its segments in the pool; the entry lives while there are any
+    uint64_t w1[MN__C_BIN_WORDS1];
+    uint64_t w0[MN__C_BIN_WORDS];  // bins that hold free blocks of this stream
+} mn__c_sbin;
+
 typedef struct mn__c_pool {
-    mn__c_block *blocks;     // free mapped blocks, treap by (stream, size, addr)
-    mn__c_block *last;       // the block inserted last: often the next best fit
-    mn__c_block *gap_l, *gap_r;  // neighbours of the block erased last: often where it returns
+    mn__c_bin *bins;         // MN__C_BINS, allocated with the pool's first segment
+    mn__c_sbin **streams;    // sorted by stream
+    uint32_t nstreams, cap_streams, hint;
     mn__c_block *unmapped;   // unmapped tails of expandable segments, by (stream, addr)
     uint64_t get_free_calls;
-    uint64_t whole;          // blocks in `blocks` that are a whole fixed segment (releasable)
+    uint64_t whole;          // free mapped blocks that are a whole fixed segment (releasable)
     int small;
 } mn__c_pool;
 
@@ -9369,6 +9396,7 @@ typedef struct mn__c_cache {
     uint64_t allowed_max;
     uint64_t clock;
     uint32_t rng;
+    int sweep;                    // a stream entry of a pool may have no segment left
     mn_result dev_error;          // first device error seen while freeing
     // history ring buffer
     mn_trace_entry *ring;
@@ -9509,12 +9537,198 @@ MN__PRIVATE mn__c_block *mn__c_tr_next(mn__c_block *b) {
     return b->up;
 }
 
-// Collects a tree's nodes in order into a list linked through tmp (first node returned).
-MN__PRIVATE mn__c_block *mn__c_tr_collect(mn__c_block *t, mn__c_block *tail_list) {
-    if (!t) return tail_list;
-    tail_list = mn__c_tr_collect(t->r, tail_list);
-    t->tmp = tail_list;
-    return mn__c_tr_collect(t->l, t);
+// ---- size-class bins ----------------------------------------------------------------------------
+
+MN__PRIVATE uint32_t mn__c_bin_of(uint64_t size) {  // non-decreasing in size
+    uint64_t u = size >> 9;
+    uint32_t k;
+    if (u < MN__C_BIN_EXACT) return (uint32_t)u;
+    k = mn__c_log2_floor(u);
+    return MN__C_BIN_EXACT + (k - 12u) * (1u << MN__C_BIN_SUB) +
+           (uint32_t)((u >> (k - MN__C_BIN_SUB)) & ((1u << MN__C_BIN_SUB) - 1u));
+}
+
+MN__PRIVATE uint32_t mn__c_ctz(uint64_t m) { return mn__c_log2_floor(m & (~m + 1)); }  // m != 0
+
+// The entry of stream s (NULL if none); *pos: where it is or would go.
+MN__PRIVATE mn__c_sbin *mn__c_sbin_find(mn__c_pool *p, mn_stream s, uint32_t *pos) {
+    uint32_t lo = 0, hi = p->nstreams;
+    if (p->hint < p->nstreams && p->streams[p->hint]->stream == s) {
+        if (pos) *pos = p->hint;
+        return p->streams[p->hint];
+    }
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (p->streams[mid]->stream < s) lo = mid + 1;
+        else hi = mid;
+    }
+    if (pos) *pos = lo;
+    if (lo < p->nstreams && p->streams[lo]->stream == s) {
+        p->hint = lo;
+        return p->streams[lo];
+    }
+    return NULL;
+}
+
+MN__PRIVATE int mn__c_bit_get(const mn__c_sbin *e, uint32_t i) {
+    return (int)((e->w0[i >> 6] >> (i & 63u)) & 1u);
+}
+
+MN__PRIVATE void mn__c_bit_set(mn__c_sbin *e, uint32_t i) {
+    e->w0[i >> 6] |= 1ull << (i & 63u);
+    e->w1[i >> 12] |= 1ull << ((i >> 6) & 63u);
+}
+
+MN__PRIVATE void mn__c_bit_clear(mn__c_sbin *e, uint32_t i) {
+    e->w0[i >> 6] &= ~(1ull << (i & 63u));
+    if (!e->w0[i >> 6]) e->w1[i >> 12] &= ~(1ull << ((i >> 6) & 63u));
+}
+
+// The first bin >= i holding blocks of the stream, MN__C_BINS if none.
+MN__PRIVATE uint32_t mn__c_bit_next(const mn__c_sbin *e, uint32_t i) {
+    uint32_t w = i >> 6, w1;
+    uint64_t m;
+    if (i >= MN__C_BINS) return MN__C_BINS;
+    m = e->w0[w] & (~0ull << (i & 63u));
+    if (m) return (w << 6) + mn__c_ctz(m);
+    if (++w >= MN__C_BIN_WORDS) return MN__C_BINS;
+    w1 = w >> 6;
+    m = e->w1[w1] & (~0ull << (w & 63u));
+    while (!m) {
+        if (++w1 >= MN__C_BIN_WORDS1) return MN__C_BINS;
+        m = e->w1[w1];
+    }
+    w = (w1 << 6) + mn__c_ctz(m);
+    return (w << 6) + mn__c_ctz(e->w0[w]);
+}
+
+// The last bin <= i (i < MN__C_BINS) holding blocks of the stream, UINT32_MAX if none.
+MN__PRIVATE uint32_t mn__c_bit_prev(const mn__c_sbin *e, uint32_t i) {
+    uint32_t w = i >> 6, w1;
+    uint64_t m = e->w0[w] & (~0ull >> (63u - (i & 63u)));
+    if (m) return (w << 6) + mn__c_log2_floor(m);
+    if (w-- == 0) return UINT32_MAX;
+    w1 = w >> 6;
+    m = e->w1[w1] & (~0ull >> (63u - (w & 63u)));
+    while (!m) {
+        if (w1-- == 0) return UINT32_MAX;
+        m = e->w1[w1];
+    }
+    w = (w1 << 6) + mn__c_log2_floor(m);
+    return (w << 6) + mn__c_log2_floor(e->w0[w]);
+}
+
+// lower_bound((s, size, 0)) inside one bin: its first node when that is not less than the key.
+MN__PRIVATE mn__c_block *mn__c_bin_lower(const mn__c_bin *bin, mn_stream s, uint64_t size) {
+    mn__c_block *f = bin->first;
+    if (f && (f->stream > s || (f->stream == s && f->size >= size))) return f;
+    return mn__c_tr_lower_bound(bin->root, s, size, 0, 0);
+}
+
+// Makes sure pool p has its bins and an entry for stream s: done before a segment is made, so
+// that moving blocks between bins never needs host memory.
+MN__PRIVATE mn_result mn__c_sbin_reserve(mn__c_cache *c, mn__c_pool *p, mn_stream s) {
+    uint32_t pos;
+    mn__c_sbin *e;
+    if (!p->bins) {
+        p->bins = (mn__c_bin *)mn__alloc_array(&c->alloc, MN__C_BINS, sizeof *p->bins);
+        if (!p->bins) return MN_ERR_OUT_OF_MEMORY;
+        memset(p->bins, 0, MN__C_BINS * sizeof *p->bins);
+    }
+    if (mn__c_sbin_find(p, s, &pos)) return MN_OK;
+    if (p->nstreams == p->cap_streams) {
+        uint32_t cap = p->cap_streams ? p->cap_streams * 2 : 4;
+        mn__c_sbin **ns = (mn__c_sbin **)mn__alloc_array(&c->alloc, cap, sizeof *ns);
+        if (!ns) return MN_ERR_OUT_OF_MEMORY;
+        if (p->nstreams) memcpy(ns, p->streams, p->nstreams * sizeof *ns);
+        mn__free(&c->alloc, p->streams);
+        p->streams = ns;
+        p->cap_streams = cap;
+    }
+    e = (mn__c_sbin *)mn__alloc(&c->alloc, sizeof *e);
+    if (!e) return MN_ERR_OUT_OF_MEMORY;
+    memset(e, 0, sizeof *e);
+    e->stream = s;
+    c->sweep = 1;  // no segment yet
+    memmove(&p->streams[pos + 1], &p->streams[pos], (p->nstreams - pos) * sizeof *p->streams);
+    p->streams[pos] = e;
+    p->nstreams++;
+    return MN_OK;
+}
+
+// Drops the entries of streams without segments (they hold no block either); at the end of a
+// call, so that an entry reserved for the call stays while the out-of-memory ladder runs.
+MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
+    int k;
+    if (!c->sweep) return;
+    c->sweep = 0;
+    for (k = 0; k < 2; k++) {
+        mn__c_pool *p = k ? &c->large : &c->small;
+        uint32_t i, n = 0;
+        for (i = 0; i < p->nstreams; i++) {
+            if (p->streams[i]->segs) p->streams[n++] = p->streams[i];
+            else mn__free(&c->alloc, p->streams[i]);
+        }
+        p->nstreams = n;
+        p->hint = 0;
+    }
+}
+
+// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none.
+MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
+    mn__c_sbin *e;
+    mn__c_block *b;
+    uint32_t i;
+    if (!p->bins || !(e = mn__c_sbin_find(p, s, NULL))) return NULL;
+    i = mn__c_bin_of(size);
+    if (mn__c_bit_get(e, i)) {
+        b = mn__c_bin_lower(&p->bins[i], s, size);
+        if (b && b->stream == s) return b;
+    }
+    i = mn__c_bit_next(e, i + 1);  // every block of a later bin is larger
+    return i < MN__C_BINS ? mn__c_bin_lower(&p->bins[i], s, 0) : NULL;
+}
+
+// The free block after b in (stream, size, address) order, NULL if none of b's stream.
+MN__PRIVATE mn__c_block *mn__c_pool_next(mn__c_pool *p, const mn__c_block *b) {
+    mn__c_block *n = mn__c_tr_next((mn__c_block *)(uintptr_t)b);
+    uint32_t i;
+    if (n && n->stream == b->stream) return n;
+    i = mn__c_bit_next(mn__c_sbin_find(p, b->stream, NULL), b->bin + 1);
+    return i < MN__C_BINS ? mn__c_bin_lower(&p->bins[i], b->stream, 0) : NULL;
+}
+
+// The largest free block of stream s less than (s, size, addr), NULL if none.
+MN__PRIVATE mn__c_block *mn__c_pool_before(mn__c_pool *p, mn_stream s, uint64_t size,
+                                           uint64_t addr) {
+    mn__c_sbin *e;
+    mn__c_block *b;
+    uint32_t i;
+    if (!p->bins || !(e = mn__c_sbin_find(p, s, NULL))) return NULL;
+    i = mn__c_bin_of(size);
+    if (mn__c_bit_get(e, i)) {
+        b = mn__c_tr_before(p->bins[i].root, s, size, addr, 0);
+        if (b && b->stream == s) return b;
+    }
+    if (i == 0 || (i = mn__c_bit_prev(e, i - 1)) == UINT32_MAX) return NULL;
+    return mn__c_tr_before(p->bins[i].root, s, UINT64_MAX, UINT64_MAX, 0);  // its last of s
+}
+
+// Every free mapped block of the pool in (stream, size, address) order, as a list through tmp.
+MN__PRIVATE mn__c_block *mn__c_pool_collect(mn__c_pool *p) {
+    mn__c_block *head = NULL, **tail = &head, *b;
+    uint32_t k, i;
+    for (k = 0; k < p->nstreams; k++) {
+        const mn__c_sbin *e = p->streams[k];
+        for (i = mn__c_bit_next(e, 0); i < MN__C_BINS; i = mn__c_bit_next(e, i + 1))
+            for (b = mn__c_bin_lower(&p->bins[i], e->stream, 0); b && b->stream == e->stream;
+                 b = mn__c_tr_next(b)) {
+                *tail = b;
+                tail = &b->tmp;
+            }
+    }
+    *tail = NULL;
+    return head;
 }
 
 // A free block that is its whole fixed-size segment: release_cached_blocks can give it back.
@@ -9529,20 +9743,17 @@ MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
     b->in_tree = 1;
     p->whole += (uint64_t)mn__c_whole(b);
     if (b->mapped) {
-        mn__c_block *gl = p->gap_l, *gr = p->gap_r;
+        mn__c_bin *bin = &p->bins[b->bin = mn__c_bin_of(b->size)];
+        mn__c_block *f = bin->first;
         b->gc_base = p->get_free_calls;  // BlockPool::insert_into_blocks
-        // where the last erased block was, when b still sorts there: a leaf without a search
-        if ((gl || gr) && (!gl || (gl->in_tree && gl->mapped && mn__c_node_lt(gl, b, 0))) &&
-            (!gr || (gr->in_tree && gr->mapped && mn__c_node_lt(b, gr, 0))) &&
-            (gl ? mn__c_tr_next(gl) == gr : mn__c_tr_prev(gr) == NULL)) {
-            b->l = b->r = NULL;
-            if (gl && !gl->r) gl->r = b, b->up = gl;
-            else gr->l = b, b->up = gr;
-            while (b->up && b->up->prio < b->prio) mn__c_tr_rotate_up(&p->blocks, b);
+        if (f && mn__c_node_lt(b, f, 0)) {  // a new first node: the old one's left child (it had
+            f->l = b, b->up = f;            // none), then up by priority
+            while (b->up && b->up->prio < b->prio) mn__c_tr_rotate_up(&bin->root, b);
         } else {
-            mn__c_tr_insert(&p->blocks, b, 0);
+            mn__c_tr_insert(&bin->root, b, 0);
         }
-        p->last = b;
+        if (!f || mn__c_node_lt(b, f, 0)) bin->first = b;
+        mn__c_bit_set(mn__c_sbin_find(p, b->stream, NULL), b->bin);  // made with the segment
     } else {
         mn__c_tr_insert(&p->unmapped, b, 1);
     }
@@ -9552,10 +9763,16 @@ MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(b->in_tree);
     p->whole -= (uint64_t)mn__c_whole(b);
     if (b->mapped) {
-        p->gap_l = mn__c_tr_prev(b);
-        p->gap_r = mn__c_tr_next(b);
+        mn__c_bin *bin = &p->bins[b->bin];
+        mn__c_block *n = mn__c_tr_next(b), *v;
+        int keep = n && n->stream == b->stream;  // the bin still holds blocks of b's stream
+        if (!keep && bin->first != b) keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
+        if (bin->first == b) bin->first = n;
+        mn__c_tr_erase(&bin->root, b);
+        if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream, NULL), b->bin);
+    } else {
+        mn__c_tr_erase(&p->unmapped, b);
     }
-    mn__c_tr_erase(b->mapped ? &p->blocks : &p->unmapped, b);
     b->in_tree = 0;
     b->l = b->r = NULL;
 }
@@ -9660,13 +9877,6 @@ MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
 }
 
 MN__PRIVATE void mn__c_block_delete(mn__c_cache *c, mn__c_block *b) {
-    int k;
-    for (k = 0; k < 2; k++) {
-        mn__c_pool *p = k ? &c->large : &c->small;
-        if (p->last == b) p->last = NULL;
-        if (p->gap_l == b) p->gap_l = NULL, p->gap_r = NULL;
-        if (p->gap_r == b) p->gap_l = NULL, p->gap_r = NULL;
-    }
     if (c->spare_count >= 64) {
         mn__free(&c->alloc, b);
         return;
@@ -9855,6 +10065,8 @@ MN__PRIVATE void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
 }
 
 MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
+    if (--mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs == 0)
+        c->sweep = 1;  // its entry goes at the end of the call (mn__c_sbin_sweep)
     if (s->prev_seg) s->prev_seg->next_seg = s->next_seg;
     else c->segs = s->next_seg;
     if (s->next_seg) s->next_seg->prev_seg = s->prev_seg;
@@ -9862,6 +10074,7 @@ MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
 }
 
 MN__PRIVATE void mn__c_seg_link(mn__c_cache *c, mn__c_segment *s) {
+    mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs++;  // reserved
     s->prev_seg = NULL;
     s->next_seg = c->segs;
     if (c->segs) c->segs->prev_seg = s;
@@ -9958,7 +10171,7 @@ MN__PRIVATE void mn__c_release_blocks(mn__c_cache *c, mn__c_pool *p) {
     // Nothing to give back: skip the walk over every cached block (it made each out-of-memory
     // retry of a long trace cost the whole pool, quadratic over the trace).
     if (p->whole == 0 && !c->cfg.expandable_segments) return;
-    for (b = mn__c_tr_collect(p->blocks, NULL); b; b = next) {
+    for (b = mn__c_pool_collect(p); b; b = next) {
         next = b->tmp;
         if (b->seg->expandable) {
             *tail = b;
@@ -10036,18 +10249,6 @@ MN__PRIVATE void mn__c_release_cached(mn__c_cache *c) {
 
 // ---- allocation ---------------------------------------------------------------------------------
 
-// lower_bound((s, size, 0)) of the free tree. The block inserted last is the answer when it is
-// not less than the key and its predecessor is: an O(1) check that skips the search when a
-// freed block is asked for again (the common case in a training loop).
-MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
-    mn__c_block *m = p->last, *q;
-    if (m && m->in_tree && m->mapped && m->stream == s && m->size >= size) {
-        q = mn__c_tr_prev(m);
-        if (!q || q->stream != s || q->size < size) return m;
-    }
-    return mn__c_tr_lower_bound(p->blocks, s, size, 0, 0);
-}
-
 // get_free_block: best fit on the same stream, with the oversize rules.
 MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_stream s,
                                               uint64_t size) {
@@ -10057,14 +10258,14 @@ MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_
     if (!b || b->stream != s) return NULL;
     if (b->seg->expandable) {
         // rank by the size the block can grow to (its unmapped successor included)
-        mn__c_block *n = mn__c_tr_next(b);
+        mn__c_block *n = mn__c_pool_next(p, b);
         for (;;) {
             uint64_t be = b->size + (b->next && !b->next->mapped ? b->next->size : 0), ne;
             if (!b->seg->expandable || !n || n->stream != s) break;
             ne = n->size + (n->next && !n->next->mapped ? n->next->size : 0);
             if (!(ne < be)) break;
             b = n;
-            n = mn__c_tr_next(n);
+            n = mn__c_pool_next(p, n);
         }
     }
     // do not return an oversized block for a small request, nor a much larger one for a big one
@@ -10221,12 +10422,12 @@ MN__PRIVATE int mn__c_release_available(mn__c_cache *c, mn__c_pool *p, mn_stream
     mn__c_block *b;
     if (c->pol.max_split == UINT64_MAX) return 0;
     key = size < c->pol.max_split ? c->pol.max_split : size;
-    b = mn__c_tr_lower_bound(p->blocks, s, key, 0, 0);
+    b = mn__c_pool_lower_bound(p, s, key);
     if (!b || b->stream != s || b->seg->expandable) {
-        b = mn__c_tr_before(p->blocks, s, key, 0, 0);
+        b = mn__c_pool_before(p, s, key, 0);
         while (b && released < key && b->size >= c->pol.max_split && b->stream == s) {
             mn__c_block *cur = b;
-            b = mn__c_tr_before(p->blocks, cur->stream, cur->size, cur->addr, 0);
+            b = mn__c_pool_before(p, cur->stream, cur->size, cur->addr);
             if (!cur->seg->expandable && !cur->prev && !cur->next) {
                 released += cur->size;
                 mn__c_release_block(c, cur);
@@ -10248,7 +10449,7 @@ MN__PRIVATE void mn__c_garbage_collect(mn__c_cache *c) {
     int freed = 1;
     if (c->total_allocated_memory <= thr) return;
     target = c->total_allocated_memory - thr;
-    for (b = mn__c_tr_collect(c->large.blocks, NULL); b; b = b->tmp) {
+    for (b = mn__c_pool_collect(&c->large); b; b = b->tmp) {
         if (b->prev || b->next) continue;
         total_age += c->large.get_free_calls - b->gc_base;
         count++;
@@ -10256,7 +10457,7 @@ MN__PRIVATE void mn__c_garbage_collect(mn__c_cache *c) {
     while (reclaimed < target && freed && count > 0) {
         double age_thr = (double)total_age / (double)count;
         freed = 0;
-        for (b = mn__c_tr_collect(c->large.blocks, NULL); b; b = next) {
+        for (b = mn__c_pool_collect(&c->large); b; b = next) {
             uint64_t age = c->large.get_free_calls - b->gc_base;
             next = b->tmp;
             if (b->prev || b->next || b->seg->expandable || (double)age < age_thr) continue;
@@ -10403,6 +10604,7 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
                 goto done;
             }
         }
+        if ((r = mn__c_sbin_reserve(c, p, stream)) != MN_OK) goto done;
         if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) mn__c_garbage_collect(c);
         r = mn__c_alloc_block(c, p, stream, size, alloc_size, 0, &b);
         if (r == MN_ERR_DEVICE_OOM && mn__c_release_available(c, p, stream, size))
@@ -10427,6 +10629,7 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
     *ptr_out = mn__c_ptr(c, b->addr);
     r = MN_OK;
 done:
+    mn__c_sbin_sweep(c);
     mn__c_unlock(c);
     return r;
 }
@@ -10542,6 +10745,7 @@ MNIMPL mn_result mn_cache_empty(mn_cache *cache) {
     c->clock++;
     c->dev_error = MN_OK;
     mn__c_release_cached(c);
+    mn__c_sbin_sweep(c);
     r = c->dev_error;
     mn__c_unlock(c);
     return r;
@@ -10639,6 +10843,7 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
     mn__c_segment *s, *sn;
     mn__c_use *u, *un;
     mn__c_block *b, *bn;
+    int k;
     if (!cache || !cache->p) return;
     c = cache->p;
     for (u = c->ev_head; u; u = un) {  // pending events: nothing waits any more
@@ -10663,6 +10868,13 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
         mn__free(&c->alloc, s);
     }
     for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b);
+    for (k = 0; k < 2; k++) {
+        mn__c_pool *p = k ? &c->large : &c->small;
+        uint32_t i;
+        for (i = 0; i < p->nstreams; i++) mn__free(&c->alloc, p->streams[i]);
+        mn__free(&c->alloc, p->streams);
+        mn__free(&c->alloc, p->bins);
+    }
     for (u = c->spare_uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
     mn__free(&c->alloc, c->spare_seg);
     mn__free(&c->alloc, c->map);
@@ -10696,6 +10908,60 @@ MN__PRIVATE uint64_t mn__c_tree_check(const mn__c_block *t, uint64_t *count, int
 
 #define MN__C_FAIL(...) do { mn__log(&c->logger, MN_LOG_ERROR, __VA_ARGS__); r = MN_ERR_STATE; \
     goto done; } while (0)
+
+// The bins of a pool: each a treap in key order whose nodes belong there and whose first node
+// is kept; the stream bitmaps name exactly the (stream, bin) pairs that hold blocks; the stream
+// entries are sorted and count the pool's segments. *count: the blocks in the bins.
+MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *count) {
+    uint64_t pairs = 0, bits = 0, segs = 0, have = 0;
+    const mn__c_segment *sg;
+    uint32_t i, k;
+    mn_result r = MN_OK;
+    int bad = 0;
+    *count = 0;
+    for (k = 0; k < p->nstreams; k++) {
+        const mn__c_sbin *e = p->streams[k];
+        if (k && p->streams[k - 1]->stream >= e->stream)
+            MN__C_FAIL("cache check: stream entries out of order");
+        for (i = 0; i < MN__C_BIN_WORDS; i++) {
+            uint64_t m = e->w0[i];
+            if (!!m != (int)((e->w1[i >> 6] >> (i & 63u)) & 1u))
+                MN__C_FAIL("cache check: bitmap summary of stream %u", e->stream);
+            for (; m; m &= m - 1) bits++;
+        }
+        segs += e->segs;
+    }
+    for (sg = c->segs; sg; sg = sg->next_seg)
+        if ((sg->small != 0) == (p->small != 0)) {
+            have++;
+            if (!mn__c_sbin_find(p, sg->stream, NULL))
+                MN__C_FAIL("cache check: segment %llx has no stream entry",
+                           (unsigned long long)sg->addr);
+        }
+    if (have != segs) MN__C_FAIL("cache check: stream entries count %llu segments, not %llu",
+                                 (unsigned long long)segs, (unsigned long long)have);
+    for (i = 0; p->bins && i < MN__C_BINS; i++) {
+        const mn__c_bin *bin = &p->bins[i];
+        const mn__c_block *prev = NULL, *b;
+        uint64_t n = 0;
+        mn__c_tree_check(bin->root, &n, 0, &prev, &bad);
+        if (bad || (bin->root && bin->root->up) || (!bin->root) != (!bin->first) ||
+            (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))))
+            MN__C_FAIL("cache check: bin %u out of order", i);
+        for (b = bin->first; b; b = mn__c_tr_next((mn__c_block *)(uintptr_t)b)) {
+            mn__c_sbin *e = mn__c_sbin_find(p, b->stream, NULL);
+            if (b->bin != i || mn__c_bin_of(b->size) != i || !e || !mn__c_bit_get(e, i))
+                MN__C_FAIL("cache check: block %llx in bin %u", (unsigned long long)b->addr, i);
+            if (b == bin->first || mn__c_tr_prev((mn__c_block *)(uintptr_t)b)->stream != b->stream)
+                pairs++;
+        }
+        *count += n;
+    }
+    if (pairs != bits) MN__C_FAIL("cache check: %llu stream bits for %llu (stream, bin) pairs",
+                                  (unsigned long long)bits, (unsigned long long)pairs);
+done:
+    return r;
+}
 
 // mn_cache_check's use of MN_CACHE_STATS: the pools add up to the aggregate, and every current
 // value recounted from the blocks equals the one kept.
@@ -10799,8 +11065,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
         mn__c_pool *p = k ? &c->large : &c->small;
         const mn__c_block *prev = NULL;
         uint64_t n = 0;
-        mn__c_tree_check(p->blocks, &n, 0, &prev, &bad);
-        counted[k] = n;
+        if ((r = mn__c_bins_check(c, p, &counted[k])) != MN_OK) goto done;
         n = 0, prev = NULL;
         mn__c_tree_check(p->unmapped, &n, 1, &prev, &bad);
         if (bad) MN__C_FAIL("cache check: pool tree out of order");
