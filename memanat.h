@@ -9337,16 +9337,17 @@ struct mn__c_segment {
 
 // Free mapped blocks sit in size-class bins, in PyTorch's order (BlockComparatorSize: stream,
 // size, address) all the same: the bin of a size grows with the size (one bin per 512 B below
-// 2 MiB, which covers every size of the small pool, then 128 bins per power of two), each bin
+// 8 MiB, which covers every size of the small pool, then 128 bins per power of two), each bin
 // is a treap keyed (stream, size, address) whose first node is kept, and each stream of a pool
 // has a bitmap of the bins holding its blocks (a bit per bin, a bit per word of those). The
 // best fit, lower_bound((stream, size, 0)), is then the first node of the request's bin when
 // that node is large enough, else a search of that one bin, else the first node of the stream's
 // next bin (a bit scan): O(1) for the sizes that repeat in a training loop, O(log n) at worst,
 // and the same block std::set::lower_bound finds.
-#define MN__C_BIN_EXACT 4096u  // bins of one size: units of 512 B below 2^12 (2 MiB)
-#define MN__C_BIN_SUB 7u       // 2^7 bins per power of two above
-#define MN__C_BINS (MN__C_BIN_EXACT + 43u * 128u)      // sizes < 2^64: units below 2^55
+#define MN__C_BIN_EXACT_LOG 14u  // bins of one size: units of 512 B below 2^14 (8 MiB)
+#define MN__C_BIN_EXACT (1u << MN__C_BIN_EXACT_LOG)
+#define MN__C_BIN_SUB 7u         // 2^7 bins per power of two above
+#define MN__C_BINS (MN__C_BIN_EXACT + (55u - MN__C_BIN_EXACT_LOG) * 128u)  // units below 2^55
 #define MN__C_BIN_WORDS ((MN__C_BINS + 63u) / 64u)      // the bitmap, one bit per bin
 #define MN__C_BIN_WORDS1 ((MN__C_BIN_WORDS + 63u) / 64u)  // one bit per non-zero word
 
@@ -9371,6 +9372,11 @@ typedef struct mn__c_pool {
     int small;
 } mn__c_pool;
 
+typedef struct mn__c_slot {  // the address kept beside the block: probes read no block
+    uint64_t addr;
+    mn__c_block *b;             // NULL = empty
+} mn__c_slot;
+
 typedef struct mn__c_cache {
     mn_device dev;
     mn_cache_config cfg;
@@ -9382,7 +9388,7 @@ typedef struct mn__c_cache {
     pthread_mutex_t mu;
 #endif
     mn__c_pool small, large;
-    mn__c_block **map;              // allocated and pending blocks by address, linear probing
+    mn__c_slot *map;                // allocated and pending blocks by address, linear probing
     uint64_t map_cap, map_count;
     mn__c_segment *segs;            // every segment
     mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
@@ -9544,7 +9550,7 @@ MN__PRIVATE uint32_t mn__c_bin_of(uint64_t size) {  // non-decreasing in size
     uint32_t k;
     if (u < MN__C_BIN_EXACT) return (uint32_t)u;
     k = mn__c_log2_floor(u);
-    return MN__C_BIN_EXACT + (k - 12u) * (1u << MN__C_BIN_SUB) +
+    return MN__C_BIN_EXACT + (k - MN__C_BIN_EXACT_LOG) * (1u << MN__C_BIN_SUB) +
            (uint32_t)((u >> (k - MN__C_BIN_SUB)) & ((1u << MN__C_BIN_SUB) - 1u));
 }
 
@@ -9791,19 +9797,18 @@ MN__PRIVATE uint64_t mn__c_hash(uint64_t addr, uint64_t cap) {
 // Makes room for one more entry (the only host allocation on the alloc path, done first).
 MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
     uint64_t i, cap;
-    mn__c_block **nm;
+    mn__c_slot *nm;
     if ((c->map_count + 1) * 2 <= c->map_cap) return MN_OK;
     cap = c->map_cap ? c->map_cap * 2 : 1024;
-    nm = (mn__c_block **)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
+    nm = (mn__c_slot *)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
     if (!nm) return MN_ERR_OUT_OF_MEMORY;
     memset(nm, 0, (size_t)cap * sizeof *nm);
     for (i = 0; i < c->map_cap; i++) {
-        mn__c_block *b = c->map[i];
         uint64_t h;
-        if (!b) continue;
-        h = mn__c_hash(b->addr, cap);
-        while (nm[h]) h = (h + 1) & (cap - 1);
-        nm[h] = b;
+        if (!c->map[i].b) continue;
+        h = mn__c_hash(c->map[i].addr, cap);
+        while (nm[h].b) h = (h + 1) & (cap - 1);
+        nm[h] = c->map[i];
     }
     mn__free(&c->alloc, c->map);
     c->map = nm;
@@ -9813,8 +9818,9 @@ MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
 
 MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
     uint64_t h = mn__c_hash(b->addr, c->map_cap);
-    while (c->map[h]) h = (h + 1) & (c->map_cap - 1);
-    c->map[h] = b;
+    while (c->map[h].b) h = (h + 1) & (c->map_cap - 1);
+    c->map[h].addr = b->addr;
+    c->map[h].b = b;
     c->map_count++;
 }
 
@@ -9822,8 +9828,8 @@ MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
     uint64_t h;
     if (!c->map_cap) return UINT64_MAX;
     h = mn__c_hash(addr, c->map_cap);
-    while (c->map[h]) {
-        if (c->map[h]->addr == addr) return h;
+    while (c->map[h].b) {
+        if (c->map[h].addr == addr) return h;
         h = (h + 1) & (c->map_cap - 1);
     }
     return UINT64_MAX;
@@ -9832,17 +9838,17 @@ MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
 // Removes slot i, shifting later entries of the probe run back (no tombstones).
 MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
     uint64_t mask = c->map_cap - 1, j = i;
-    c->map[i] = NULL;
+    c->map[i].b = NULL;
     c->map_count--;
     for (;;) {
         uint64_t k;
         j = (j + 1) & mask;
-        if (!c->map[j]) return;
-        k = mn__c_hash(c->map[j]->addr, c->map_cap);
+        if (!c->map[j].b) return;
+        k = mn__c_hash(c->map[j].addr, c->map_cap);
         // move j back to i if its home k is not cyclically in (i, j]
         if ((i <= j) ? (i < k && k <= j) : (i < k || k <= j)) continue;
         c->map[i] = c->map[j];
-        c->map[j] = NULL;
+        c->map[j].b = NULL;
         i = j;
     }
 }
@@ -10051,7 +10057,7 @@ MN__PRIVATE void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
     mn__c_pool_insert(p, b);
     if (b->prev || b->next) net_blocks++, net_bytes += (int64_t)b->size;
     // inactive_split leaves out expandable segments (PyTorch free_block)
-    if (!b->seg->expandable) {
+    if (!c->cfg.expandable_segments || !b->seg->expandable) {
         uint64_t nb = (uint64_t)(net_blocks < 0 ? -net_blocks : net_blocks);
         uint64_t ns = (uint64_t)(net_bytes < 0 ? -net_bytes : net_bytes);
         if (net_blocks > 0) MN__C_STAT2(c, inactive_split, small, mn__c_stat_inc, nb);
@@ -10256,7 +10262,7 @@ MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_
     if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) p->get_free_calls++;
     b = mn__c_pool_lower_bound(p, s, size);
     if (!b || b->stream != s) return NULL;
-    if (b->seg->expandable) {
+    if (c->cfg.expandable_segments && b->seg->expandable) {  // (the segment is not read else)
         // rank by the size the block can grow to (its unmapped successor included)
         mn__c_block *n = mn__c_pool_next(p, b);
         for (;;) {
@@ -10482,7 +10488,8 @@ MN__PRIVATE mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint6
                                            uint64_t orig, int split, mn_category cat,
                                            const char *label) {
     mn__c_pool *p = mn__c_pool_of(c, b);
-    int already_split = b->prev || b->next, exp = b->seg->expandable, small = b->small;
+    int already_split = b->prev || b->next, small = b->small;
+    int exp = c->cfg.expandable_segments && b->seg->expandable;
     if (split) {
         mn__c_block *rem = b;
         b = mn__c_block_new(c);  // reserved by the caller
@@ -10638,7 +10645,7 @@ MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot)
     uint64_t i = mn__c_map_slot(c, mn__c_addr(c, ptr));
     if (i == UINT64_MAX) return NULL;
     if (slot) *slot = i;
-    return c->map[i];
+    return c->map[i].b;
 }
 
 MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
