@@ -8661,7 +8661,7 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
 //
 // Invariant (PyTorch test_cuda.py, _check_memory_stat_consistency): the blocks of a segment tile
 // it exactly (prev/next in address order, no gap, no overlap); every free mapped block is in its
-// pool's tree keyed (stream, size, address), every unmapped block of an expandable segment in
+// pool's bins in (stream, size, address) order, every unmapped block of an expandable segment in
 // the pool's unmapped tree, every allocated block in the address map; and the statistics equal
 // the sums over the blocks. Sources of the rules: c10/cuda/CUDACachingAllocator.cpp and
 // c10/cuda/CUDAAllocatorConfig.cpp (reference/allocator.md has the facts).
@@ -9310,7 +9310,7 @@ typedef struct mn__c_use {   // a stream the block was used on; later the event 
 
 typedef struct mn__c_block {
     // the fields a tree search touches come first (one cache line)
-    struct mn__c_block *l, *r, *up;  // treap children and parent (pool tree)
+    struct mn__c_block *l, *r, *up;  // treap children and parent (its bin, or the unmapped tree)
     uint64_t addr, size;
     mn_stream stream;
     uint32_t prio;                  // treap priority (max-heap)
@@ -9772,7 +9772,8 @@ MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
         mn__c_bin *bin = &p->bins[b->bin];
         mn__c_block *n = mn__c_tr_next(b), *v;
         int keep = n && n->stream == b->stream;  // the bin still holds blocks of b's stream
-        if (!keep && bin->first != b) keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
+        if (!keep && bin->first != b)
+            keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
         if (bin->first == b) bin->first = n;
         mn__c_tr_erase(&bin->root, b);
         if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream, NULL), b->bin);

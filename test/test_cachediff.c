@@ -17,7 +17,7 @@
 typedef struct cd_pair {
     mn_simdev dev_a, dev_b;  // a: memanat.h, b: the reference
     mn_cache a;
-    mnr_cache b;
+    mr_cache b;
     int open;
 } cd_pair;
 
@@ -36,14 +36,14 @@ static mn_result cd_open(cd_pair *p, uint64_t capacity, const char *config, uint
     cd.device = mn_simdev_device(&p->dev_a);
     if ((r = mn_cache_init(&p->a, &cd)) != MN_OK) return r;
     cd.device = mn_simdev_device(&p->dev_b);
-    if ((r = mnr_cache_init(&p->b, &cd)) != MN_OK) return r;
+    if ((r = mr_cache_init(&p->b, &cd)) != MN_OK) return r;
     p->open = 1;
     return MN_OK;
 }
 
 static void cd_close(cd_pair *p) {
     mn_cache_free(&p->a);
-    mnr_cache_free(&p->b);
+    mr_cache_free(&p->b);
     CHECK_EQ_U64(p->dev_a.used, 0);
     CHECK_EQ_U64(p->dev_b.used, 0);
     mn_simdev_free(&p->dev_a);
@@ -56,10 +56,10 @@ static int cd_same_state(cd_pair *p) {
     char ma[768], mb[768];
     int same = 1;
     CHECK_OK(mn_cache_stats(&p->a, &sa));
-    CHECK_OK(mnr_cache_stats(&p->b, &sb));
+    CHECK_OK(mr_cache_stats(&p->b, &sb));
     same &= memcmp(&sa, &sb, sizeof sa) == 0;
     mn_cache_oom_message(&p->a, ma, sizeof ma);
-    mnr_cache_oom_message(&p->b, mb, sizeof mb);
+    mr_cache_oom_message(&p->b, mb, sizeof mb);
     same &= strcmp(ma, mb) == 0;
     same &= p->dev_a.used == p->dev_b.used && p->dev_a.alloc_calls == p->dev_b.alloc_calls &&
             p->dev_a.free_calls == p->dev_b.free_calls &&
@@ -76,7 +76,7 @@ static int cd_same_snapshot(cd_pair *p) {
     int same = 1;
     uint64_t i;
     CHECK_OK(mn_cache_snapshot_take(&p->a, &sa));
-    CHECK_OK(mnr_cache_snapshot_take(&p->b, &sb));
+    CHECK_OK(mr_cache_snapshot_take(&p->b, &sb));
     same &= sa.segment_count == sb.segment_count && sa.block_count == sb.block_count &&
             sa.trace_count == sb.trace_count && sa.trace_dropped == sb.trace_dropped;
     for (i = 0; same && i < sa.segment_count; i++) {  // field by field: structs have padding
@@ -132,7 +132,7 @@ static void cd_run(const char *config, uint64_t capacity, double fraction, int s
     if (!p.open) return;
     if (fraction > 0.0) {
         CHECK_OK(mn_cache_set_memory_fraction(&p.a, fraction));
-        CHECK_OK(mnr_cache_set_memory_fraction(&p.b, fraction));
+        CHECK_OK(mr_cache_set_memory_fraction(&p.b, fraction));
     }
     for (i = 0; i < steps && !diverged; i++) {
         uint64_t r = mnt_rand_u64() % 1000;
@@ -143,7 +143,7 @@ static void cd_run(const char *config, uint64_t capacity, double fraction, int s
             const char *label = mnt_rand_u64() % 2 ? "layer.attn" : NULL;
             void *pa = NULL, *pb = NULL;
             mn_result ra = mn_cache_alloc(&p.a, size, s, cat, label, &pa);
-            mn_result rb = mnr_cache_alloc(&p.b, size, s, cat, label, &pb);
+            mn_result rb = mr_cache_alloc(&p.b, size, s, cat, label, &pb);
             if (ra != rb || pa != pb) {
                 CHECK_MSG(0, "%s step %d: alloc of %llu on stream %u: %d %p, reference %d %p",
                           config, i, (unsigned long long)size, s, (int)ra, pa, (int)rb, pb);
@@ -155,20 +155,20 @@ static void cd_run(const char *config, uint64_t capacity, double fraction, int s
                     live[nlive++] = pa;
                 } else {  // full: the oldest goes
                     CHECK_OK(mn_cache_release(&p.a, live[0]));
-                    CHECK_OK(mnr_cache_release(&p.b, live[0]));
+                    CHECK_OK(mr_cache_release(&p.b, live[0]));
                     live[0] = pa;
                 }
             }
         } else if (r < 940) {  // release a random live block
             uint64_t k = mnt_rand_u64() % nlive;
             CHECK_OK(mn_cache_release(&p.a, live[k]));
-            CHECK_OK(mnr_cache_release(&p.b, live[k]));
+            CHECK_OK(mr_cache_release(&p.b, live[k]));
             live[k] = live[--nlive];
         } else if (r < 965) {  // a use on another stream: the release waits for an event
             uint64_t k = mnt_rand_u64() % nlive;
             mn_stream s = cd_stream();
             CHECK_OK(mn_cache_record_stream(&p.a, live[k], s));
-            CHECK_OK(mnr_cache_record_stream(&p.b, live[k], s));
+            CHECK_OK(mr_cache_record_stream(&p.b, live[k], s));
         } else if (r < 980) {  // some recorded events complete
             mn_stream s = cd_stream();
             mn_simdev_sync_stream(&p.dev_a, s);
@@ -179,13 +179,13 @@ static void cd_run(const char *config, uint64_t capacity, double fraction, int s
             mn_simdev_fail_alloc_at(&p.dev_b, n);
         } else if (r < 994) {
             CHECK_OK(mn_cache_empty(&p.a));
-            CHECK_OK(mnr_cache_empty(&p.b));
+            CHECK_OK(mr_cache_empty(&p.b));
         } else if (r < 997) {
             mn_cache_reset_peak_stats(&p.a);
-            mnr_cache_reset_peak_stats(&p.b);
+            mr_cache_reset_peak_stats(&p.b);
         } else {
             mn_cache_reset_accumulated_stats(&p.a);
-            mnr_cache_reset_accumulated_stats(&p.b);
+            mr_cache_reset_accumulated_stats(&p.b);
         }
         if (!diverged && !cd_same_state(&p)) {
             CHECK_MSG(0, "%s step %d: statistics, device counters or OOM message differ", config,
@@ -202,7 +202,7 @@ static void cd_run(const char *config, uint64_t capacity, double fraction, int s
     }
     if (diverged) {  // the two hold different blocks now: just give everything back
         mn_cache_free(&p.a);
-        mnr_cache_free(&p.b);
+        mr_cache_free(&p.b);
         mn_simdev_free(&p.dev_a);
         mn_simdev_free(&p.dev_b);
         return;
@@ -211,12 +211,12 @@ static void cd_run(const char *config, uint64_t capacity, double fraction, int s
     while (nlive) {
         nlive--;
         CHECK_OK(mn_cache_release(&p.a, live[nlive]));
-        CHECK_OK(mnr_cache_release(&p.b, live[nlive]));
+        CHECK_OK(mr_cache_release(&p.b, live[nlive]));
     }
     mn_simdev_sync(&p.dev_a);
     mn_simdev_sync(&p.dev_b);
     CHECK_OK(mn_cache_empty(&p.a));
-    CHECK_OK(mnr_cache_empty(&p.b));
+    CHECK_OK(mr_cache_empty(&p.b));
     CHECK(cd_same_state(&p));
     CHECK(cd_same_snapshot(&p));
     CHECK_OK(mn_cache_check(&p.a));
