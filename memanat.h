@@ -9557,12 +9557,8 @@ MN__PRIVATE uint32_t mn__c_bin_of(uint64_t size) {  // non-decreasing in size
 MN__PRIVATE uint32_t mn__c_ctz(uint64_t m) { return mn__c_log2_floor(m & (~m + 1)); }  // m != 0
 
 // The entry of stream s (NULL if none); *pos: where it is or would go.
-MN__PRIVATE mn__c_sbin *mn__c_sbin_find(mn__c_pool *p, mn_stream s, uint32_t *pos) {
+MN__PRIVATE mn__c_sbin *mn__c_sbin_search(mn__c_pool *p, mn_stream s, uint32_t *pos) {
     uint32_t lo = 0, hi = p->nstreams;
-    if (p->hint < p->nstreams && p->streams[p->hint]->stream == s) {
-        if (pos) *pos = p->hint;
-        return p->streams[p->hint];
-    }
     while (lo < hi) {
         uint32_t mid = lo + (hi - lo) / 2;
         if (p->streams[mid]->stream < s) lo = mid + 1;
@@ -9574,6 +9570,15 @@ MN__PRIVATE mn__c_sbin *mn__c_sbin_find(mn__c_pool *p, mn_stream s, uint32_t *po
         return p->streams[lo];
     }
     return NULL;
+}
+
+// The same, first trying the stream found last (a test inlined at the call).
+MN__PRIVATE mn__c_sbin *mn__c_sbin_find(mn__c_pool *p, mn_stream s, uint32_t *pos) {
+    if (p->hint < p->nstreams && p->streams[p->hint]->stream == s) {
+        if (pos) *pos = p->hint;
+        return p->streams[p->hint];
+    }
+    return mn__c_sbin_search(p, s, pos);
 }
 
 MN__PRIVATE int mn__c_bit_get(const mn__c_sbin *e, uint32_t i) {
@@ -9928,11 +9933,9 @@ MN__PRIVATE void mn__c_trace_apply(uint64_t *cat, uint64_t *reserved, const mn_t
     }
 }
 
-MN__PRIVATE void mn__c_trace(mn__c_cache *c, mn_trace_action a, uint64_t addr, uint64_t size,
-                           uint64_t block_size, mn_stream stream, uint8_t cat) {
-    mn_trace_entry *e;
-    if (!c->ring_cap) return;
-    e = &c->ring[c->ring_head];
+MN__PRIVATE void mn__c_trace_put(mn__c_cache *c, mn_trace_action a, uint64_t addr, uint64_t size,
+                                 uint64_t block_size, mn_stream stream, uint8_t cat) {
+    mn_trace_entry *e = &c->ring[c->ring_head];
     if (c->ring_count == c->ring_cap) {  // the oldest entry folds into the base state
         mn__c_trace_apply(c->base_cat, &c->base_reserved, e);
         c->ring_dropped++;
@@ -9947,6 +9950,12 @@ MN__PRIVATE void mn__c_trace(mn__c_cache *c, mn_trace_action a, uint64_t addr, u
     e->category = (mn_category)cat;
     e->time = c->clock;
     c->ring_head = c->ring_head + 1 == c->ring_cap ? 0 : c->ring_head + 1;
+}
+
+// A history entry, when the allocator keeps a history (small enough to inline: a test, no call).
+MN__PRIVATE void mn__c_trace(mn__c_cache *c, mn_trace_action a, uint64_t addr, uint64_t size,
+                             uint64_t block_size, mn_stream stream, uint8_t cat) {
+    if (c->ring_cap) mn__c_trace_put(c, a, addr, size, block_size, stream, cat);
 }
 
 // ---- init / free --------------------------------------------------------------------------------
