@@ -9309,21 +9309,24 @@ typedef struct mn__c_use {   // a stream the block was used on; later the event 
 } mn__c_use;
 
 typedef struct mn__c_block {
-    // the fields a tree search touches come first (one cache line)
+    // One cache line (blocks are 64-byte aligned): what a search, a treap rotation or a
+    // neighbour's merge test reads of a block other than the one being handed out or freed.
     struct mn__c_block *l, *r, *up;  // treap children and parent (its bin, or the unmapped tree)
     uint64_t addr, size;
     mn_stream stream;
     uint32_t prio;                  // treap priority (max-heap)
+    struct mn__c_use *uses;         // streams recorded while allocated
+    uint32_t event_count;           // events to wait for before the block is free
+    uint8_t allocated, mapped, small, in_tree;
+    // the rest
     struct mn__c_block *prev, *next;  // neighbours inside the segment, in address order
-    struct mn__c_block *tmp;        // scratch list, and the spare list
     mn__c_segment *seg;
-    mn__c_use *uses;                // streams recorded while allocated
     uint64_t requested;
     uint64_t gc_base;               // pool's get_free_block count when cached (GC age)
-    uint32_t event_count;           // events to wait for before the block is free
     uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
-    uint8_t allocated, mapped, small, cat;
-    uint8_t in_tree;
+    uint8_t cat;
+    struct mn__c_block *tmp;        // scratch list, and the spare list
+    void *host;                     // the host allocation the struct was aligned in
     char label[MN_CACHE_LABEL_MAX];
 } mn__c_block;
 
@@ -9865,8 +9868,11 @@ MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
 
 MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
     while (c->spare_count < n) {
-        mn__c_block *b = (mn__c_block *)mn__alloc(&c->alloc, sizeof *b);
-        if (!b) return MN_ERR_OUT_OF_MEMORY;
+        void *host = mn__alloc(&c->alloc, sizeof(mn__c_block) + 63);
+        mn__c_block *b;
+        if (!host) return MN_ERR_OUT_OF_MEMORY;
+        b = (mn__c_block *)(((uintptr_t)host + 63) & ~(uintptr_t)63);
+        b->host = host;
         b->tmp = c->spare;
         c->spare = b;
         c->spare_count++;
@@ -9877,11 +9883,14 @@ MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
 // A zeroed block struct from the spares (or the host), NULL when the host is out of memory.
 MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     mn__c_block *b;
+    void *host;
     if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
     b = c->spare;
     c->spare = b->tmp;
     c->spare_count--;
+    host = b->host;
     memset(b, 0, sizeof *b);
+    b->host = host;
     c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
     b->prio = c->rng;
     b->mapped = 1;
@@ -9890,7 +9899,7 @@ MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
 
 MN__PRIVATE void mn__c_block_delete(mn__c_cache *c, mn__c_block *b) {
     if (c->spare_count >= 64) {
-        mn__free(&c->alloc, b);
+        mn__free(&c->alloc, b->host);
         return;
     }
     b->tmp = c->spare;
@@ -10878,13 +10887,13 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
             if (s->expandable && b->mapped)
                 c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size);
             for (u = b->uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
-            mn__free(&c->alloc, b);
+            mn__free(&c->alloc, b->host);
         }
         if (s->expandable && c->dev.unreserve_fn)
             c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         mn__free(&c->alloc, s);
     }
-    for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b);
+    for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b->host);
     for (k = 0; k < 2; k++) {
         mn__c_pool *p = k ? &c->large : &c->small;
         uint32_t i;
