@@ -9361,6 +9361,7 @@ typedef struct mn__c_bin {
 typedef struct mn__c_sbin {  // one stream of a pool
     mn_stream stream;
     uint32_t segs;           // its segments in the pool; the entry lives while there are any
+    struct mn__c_sbin *spare;  // the list of unused entries (their bits are all zero)
     uint64_t w1[MN__C_BIN_WORDS1];
     uint64_t w0[MN__C_BIN_WORDS];  // bins that hold free blocks of this stream
 } mn__c_sbin;
@@ -9405,7 +9406,8 @@ typedef struct mn__c_cache {
     uint64_t allowed_max;
     uint64_t clock;
     uint32_t rng;
-    int sweep;                    // a stream entry of a pool may have no segment left
+    uint32_t idle_streams;        // stream entries of the pools without a segment
+    mn__c_sbin *spare_sbins;        // entries of streams gone, kept for new ones
     mn_result dev_error;          // first device error seen while freeing
     // history ring buffer
     mn_trace_entry *ring;
@@ -9659,11 +9661,15 @@ MN__PRIVATE mn_result mn__c_sbin_reserve(mn__c_cache *c, mn__c_pool *p, mn_strea
         p->streams = ns;
         p->cap_streams = cap;
     }
-    e = (mn__c_sbin *)mn__alloc(&c->alloc, sizeof *e);
-    if (!e) return MN_ERR_OUT_OF_MEMORY;
-    memset(e, 0, sizeof *e);
+    if ((e = c->spare_sbins) != NULL) {  // zero bits, like a new one
+        c->spare_sbins = e->spare;
+    } else {
+        e = (mn__c_sbin *)mn__alloc(&c->alloc, sizeof *e);
+        if (!e) return MN_ERR_OUT_OF_MEMORY;
+        memset(e, 0, sizeof *e);
+    }
     e->stream = s;
-    c->sweep = 1;  // no segment yet
+    c->idle_streams++;  // no segment yet
     memmove(&p->streams[pos + 1], &p->streams[pos], (p->nstreams - pos) * sizeof *p->streams);
     p->streams[pos] = e;
     p->nstreams++;
@@ -9674,14 +9680,19 @@ MN__PRIVATE mn_result mn__c_sbin_reserve(mn__c_cache *c, mn__c_pool *p, mn_strea
 // call, so that an entry reserved for the call stays while the out-of-memory ladder runs.
 MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
     int k;
-    if (!c->sweep) return;
-    c->sweep = 0;
+    if (!c->idle_streams) return;
+    c->idle_streams = 0;
     for (k = 0; k < 2; k++) {
         mn__c_pool *p = k ? &c->large : &c->small;
         uint32_t i, n = 0;
         for (i = 0; i < p->nstreams; i++) {
-            if (p->streams[i]->segs) p->streams[n++] = p->streams[i];
-            else mn__free(&c->alloc, p->streams[i]);
+            mn__c_sbin *e = p->streams[i];
+            if (e->segs) {
+                p->streams[n++] = e;
+            } else {
+                e->spare = c->spare_sbins;
+                c->spare_sbins = e;
+            }
         }
         p->nstreams = n;
         p->hint = 0;
@@ -10091,7 +10102,7 @@ MN__PRIVATE void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
 
 MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
     if (--mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs == 0)
-        c->sweep = 1;  // its entry goes at the end of the call (mn__c_sbin_sweep)
+        c->idle_streams++;  // its entry goes at the end of the call (mn__c_sbin_sweep)
     if (s->prev_seg) s->prev_seg->next_seg = s->next_seg;
     else c->segs = s->next_seg;
     if (s->next_seg) s->next_seg->prev_seg = s->prev_seg;
@@ -10099,7 +10110,8 @@ MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
 }
 
 MN__PRIVATE void mn__c_seg_link(mn__c_cache *c, mn__c_segment *s) {
-    mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs++;  // reserved
+    if (mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs++ == 0)
+        c->idle_streams--;  // the entry was reserved for this segment
     s->prev_seg = NULL;
     s->next_seg = c->segs;
     if (c->segs) c->segs->prev_seg = s;
@@ -10901,6 +10913,11 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
         mn__free(&c->alloc, p->streams);
         mn__free(&c->alloc, p->bins);
     }
+    while (c->spare_sbins) {
+        mn__c_sbin *e = c->spare_sbins;
+        c->spare_sbins = e->spare;
+        mn__free(&c->alloc, e);
+    }
     for (u = c->spare_uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
     mn__free(&c->alloc, c->spare_seg);
     mn__free(&c->alloc, c->map);
@@ -10949,6 +10966,8 @@ MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *
         const mn__c_sbin *e = p->streams[k];
         if (k && p->streams[k - 1]->stream >= e->stream)
             MN__C_FAIL("cache check: stream entries out of order");
+        if (!e->segs || c->idle_streams)
+            MN__C_FAIL("cache check: stream %u kept without a segment", e->stream);
         for (i = 0; i < MN__C_BIN_WORDS; i++) {
             uint64_t m = e->w0[i];
             if (!!m != (int)((e->w1[i >> 6] >> (i & 63u)) & 1u))
