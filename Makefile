@@ -72,7 +72,7 @@ endif
 build:
 	@mkdir -p build
 
-build/test_all: $(TESTSRC) test/harness.h $(HDRS) trainer.c bind/memanat_api.c | build
+build/test_all: $(TESTSRC) test/harness.h test/cache_ref.h $(HDRS) trainer.c bind/memanat_api.c | build
 	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -o $@ $(TESTSRC) $(LDLIBS)
 
 test: memanat build/test_all $(CUDA_TEST) python-ext web-probe
@@ -159,7 +159,7 @@ build/bench_gpu: bench/bench_gpu.cu build/memanat_cuda.o build/memanat_impl.o $(
 
 gpu-bench: build/bench_gpu
 
-build/test_asan: $(TESTSRC) test/harness.h $(HDRS) trainer.c bind/memanat_api.c | build
+build/test_asan: $(TESTSRC) test/harness.h test/cache_ref.h $(HDRS) trainer.c bind/memanat_api.c | build
 	$(CC) $(CSTD) -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
 
@@ -169,7 +169,7 @@ build/memanat_asan: memanat.c $(HDRS) | build
 
 # The library's argument checks do not lean on assert: the bad-argument tests also run with
 # NDEBUG, where an assert would be gone.
-build/test_asan_ndebug: $(TESTSRC) test/harness.h $(HDRS) trainer.c | build
+build/test_asan_ndebug: $(TESTSRC) test/harness.h test/cache_ref.h $(HDRS) trainer.c | build
 	$(CC) $(CSTD) -O1 -g -DNDEBUG -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -fno-omit-frame-pointer $(WARN) -o $@ $(TESTSRC) $(LDLIBS)
 
@@ -243,7 +243,7 @@ TABLE_BLAS := $(if $(BENCH_BLAS),-DMN_BENCH_CBLAS $(if $(OPENBLAS_INC),-I$(OPENB
 # CBLAS_FLAGS and CBLAS_LIBS name another (e.g. MKL). Not part of `make test`: no BLAS is needed.
 CBLAS_FLAGS ?= $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC))
 CBLAS_LIBS  ?= -lopenblas
-cblas-test: $(TESTSRC) test/harness.h $(HDRS) trainer.c bind/memanat_api.c | build
+cblas-test: $(TESTSRC) test/harness.h test/cache_ref.h $(HDRS) trainer.c bind/memanat_api.c | build
 	$(CC) $(CSTD) $(CFLAGS) $(WARN) $(OPENMP) -DMEMANAT_CBLAS $(CBLAS_FLAGS) -o build/test_cblas \
 	    $(TESTSRC) $(CBLAS_LIBS) $(LDLIBS)
 	./build/test_cblas ops

@@ -8778,7 +8778,7 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
 //
 // Invariant (PyTorch test_cuda.py, _check_memory_stat_consistency): the blocks of a segment tile
 // it exactly (prev/next in address order, no gap, no overlap); every free mapped block is in its
-// pool's tree keyed (stream, size, address), every unmapped block of an expandable segment in
+// pool's bins in (stream, size, address) order, every unmapped block of an expandable segment in
 // the pool's unmapped tree, every allocated block in the address map; and the statistics equal
 // the sums over the blocks. Sources of the rules: c10/cuda/CUDACachingAllocator.cpp and
 // c10/cuda/CUDAAllocatorConfig.cpp (reference/allocator.md has the facts).
@@ -9426,20 +9426,24 @@ typedef struct mn__c_use {   // a stream the block was used on; later the event 
 } mn__c_use;
 
 typedef struct mn__c_block {
-    // the fields a tree search touches come first (one cache line)
-    struct mn__c_block *l, *r, *up;  // treap children and parent (pool tree)
+    // One cache line (blocks are 64-byte aligned): what a search, a treap rotation or a
+    // neighbour's merge test reads of a block other than the one being handed out or freed.
+    struct mn__c_block *l, *r, *up;  // treap children and parent (its bin, or the unmapped tree)
     uint64_t addr, size;
     mn_stream stream;
     uint32_t prio;                  // treap priority (max-heap)
+    struct mn__c_use *uses;         // streams recorded while allocated
+    uint32_t event_count;           // events to wait for before the block is free
+    uint8_t allocated, mapped, small, in_tree;
+    // the rest
     struct mn__c_block *prev, *next;  // neighbours inside the segment, in address order
-    struct mn__c_block *tmp;        // scratch list, and the spare list
     mn__c_segment *seg;
-    mn__c_use *uses;                // streams recorded while allocated
     uint64_t requested;
     uint64_t gc_base;               // pool's get_free_block count when cached (GC age)
-    uint32_t event_count;           // events to wait for before the block is free
-    uint8_t allocated, mapped, small, cat;
-    uint8_t in_tree;
+    uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
+    uint8_t cat;
+    struct mn__c_block *tmp;        // scratch list, and the spare list
+    void *host;                     // the host allocation the struct was aligned in
     char label[MN_CACHE_LABEL_MAX];
 } mn__c_block;
 
@@ -9451,15 +9455,48 @@ struct mn__c_segment {
     uint8_t small, expandable;
 };
 
+// Free mapped blocks sit in size-class bins, in PyTorch's order (BlockComparatorSize: stream,
+// size, address) all the same: the bin of a size grows with the size (one bin per 512 B below
+// 8 MiB, which covers every size of the small pool, then 128 bins per power of two), each bin
+// is a treap keyed (stream, size, address) whose first node is kept, and each stream of a pool
+// has a bitmap of the bins holding its blocks (a bit per bin, a bit per word of those). The
+// best fit, lower_bound((stream, size, 0)), is then the first node of the request's bin when
+// that node is large enough, else a search of that one bin, else the first node of the stream's
+// next bin (a bit scan): O(1) for the sizes that repeat in a training loop, O(log n) at worst,
+// and the same block std::set::lower_bound finds.
+#define MN__C_BIN_EXACT_LOG 14u  // bins of one size: units of 512 B below 2^14 (8 MiB)
+#define MN__C_BIN_EXACT (1u << MN__C_BIN_EXACT_LOG)
+#define MN__C_BIN_SUB 7u         // 2^7 bins per power of two above
+#define MN__C_BINS (MN__C_BIN_EXACT + (55u - MN__C_BIN_EXACT_LOG) * 128u)  // units below 2^55
+#define MN__C_BIN_WORDS ((MN__C_BINS + 63u) / 64u)      // the bitmap, one bit per bin
+#define MN__C_BIN_WORDS1 ((MN__C_BIN_WORDS + 63u) / 64u)  // one bit per non-zero word
+
+typedef struct mn__c_bin {
+    mn__c_block *root, *first;  // treap by (stream, size, addr); its smallest node
+} mn__c_bin;
+
+typedef struct mn__c_sbin {  // one stream of a pool
+    mn_stream stream;
+    uint32_t segs;           // its segments in the pool; the entry lives while there are any
+    struct mn__c_sbin *spare;  // the list of unused entries (their bits are all zero)
+    uint64_t w1[MN__C_BIN_WORDS1];
+    uint64_t w0[MN__C_BIN_WORDS];  // bins that hold free blocks of this stream
+} mn__c_sbin;
+
 typedef struct mn__c_pool {
-    mn__c_block *blocks;     // free mapped blocks, treap by (stream, size, addr)
-    mn__c_block *last;       // the block inserted last: often the next best fit
-    mn__c_block *gap_l, *gap_r;  // neighbours of the block erased last: often where it returns
+    mn__c_bin *bins;         // MN__C_BINS, allocated with the pool's first segment
+    mn__c_sbin **streams;    // sorted by stream
+    uint32_t nstreams, cap_streams, hint;
     mn__c_block *unmapped;   // unmapped tails of expandable segments, by (stream, addr)
     uint64_t get_free_calls;
-    uint64_t whole;          // blocks in `blocks` that are a whole fixed segment (releasable)
+    uint64_t whole;          // free mapped blocks that are a whole fixed segment (releasable)
     int small;
 } mn__c_pool;
+
+typedef struct mn__c_slot {  // the address kept beside the block: probes read no block
+    uint64_t addr;
+    mn__c_block *b;             // NULL = empty
+} mn__c_slot;
 
 typedef struct mn__c_cache {
     mn_device dev;
@@ -9472,7 +9509,7 @@ typedef struct mn__c_cache {
     pthread_mutex_t mu;
 #endif
     mn__c_pool small, large;
-    mn__c_block **map;              // allocated and pending blocks by address, linear probing
+    mn__c_slot *map;                // allocated and pending blocks by address, linear probing
     uint64_t map_cap, map_count;
     mn__c_segment *segs;            // every segment
     mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
@@ -9486,6 +9523,8 @@ typedef struct mn__c_cache {
     uint64_t allowed_max;
     uint64_t clock;
     uint32_t rng;
+    uint32_t idle_streams;        // stream entries of the pools without a segment
+    mn__c_sbin *spare_sbins;        // entries of streams gone, kept for new ones
     mn_result dev_error;          // first device error seen while freeing
     // history ring buffer
     mn_trace_entry *ring;
@@ -9626,12 +9665,212 @@ MN__PRIVATE mn__c_block *mn__c_tr_next(mn__c_block *b) {
     return b->up;
 }
 
-// Collects a tree's nodes in order into a list linked through tmp (first node returned).
-MN__PRIVATE mn__c_block *mn__c_tr_collect(mn__c_block *t, mn__c_block *tail_list) {
-    if (!t) return tail_list;
-    tail_list = mn__c_tr_collect(t->r, tail_list);
-    t->tmp = tail_list;
-    return mn__c_tr_collect(t->l, t);
+// ---- size-class bins ----------------------------------------------------------------------------
+
+MN__PRIVATE uint32_t mn__c_bin_of(uint64_t size) {  // non-decreasing in size
+    uint64_t u = size >> 9;
+    uint32_t k;
+    if (u < MN__C_BIN_EXACT) return (uint32_t)u;
+    k = mn__c_log2_floor(u);
+    return MN__C_BIN_EXACT + (k - MN__C_BIN_EXACT_LOG) * (1u << MN__C_BIN_SUB) +
+           (uint32_t)((u >> (k - MN__C_BIN_SUB)) & ((1u << MN__C_BIN_SUB) - 1u));
+}
+
+MN__PRIVATE uint32_t mn__c_ctz(uint64_t m) { return mn__c_log2_floor(m & (~m + 1)); }  // m != 0
+
+// The entry of stream s (NULL if none); *pos: where it is or would go.
+MN__PRIVATE mn__c_sbin *mn__c_sbin_search(mn__c_pool *p, mn_stream s, uint32_t *pos) {
+    uint32_t lo = 0, hi = p->nstreams;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (p->streams[mid]->stream < s) lo = mid + 1;
+        else hi = mid;
+    }
+    if (pos) *pos = lo;
+    if (lo < p->nstreams && p->streams[lo]->stream == s) {
+        p->hint = lo;
+        return p->streams[lo];
+    }
+    return NULL;
+}
+
+// The same, first trying the stream found last (a test inlined at the call).
+MN__PRIVATE mn__c_sbin *mn__c_sbin_find(mn__c_pool *p, mn_stream s, uint32_t *pos) {
+    if (p->hint < p->nstreams && p->streams[p->hint]->stream == s) {
+        if (pos) *pos = p->hint;
+        return p->streams[p->hint];
+    }
+    return mn__c_sbin_search(p, s, pos);
+}
+
+MN__PRIVATE int mn__c_bit_get(const mn__c_sbin *e, uint32_t i) {
+    return (int)((e->w0[i >> 6] >> (i & 63u)) & 1u);
+}
+
+MN__PRIVATE void mn__c_bit_set(mn__c_sbin *e, uint32_t i) {
+    e->w0[i >> 6] |= 1ull << (i & 63u);
+    e->w1[i >> 12] |= 1ull << ((i >> 6) & 63u);
+}
+
+MN__PRIVATE void mn__c_bit_clear(mn__c_sbin *e, uint32_t i) {
+    e->w0[i >> 6] &= ~(1ull << (i & 63u));
+    if (!e->w0[i >> 6]) e->w1[i >> 12] &= ~(1ull << ((i >> 6) & 63u));
+}
+
+// The first bin >= i holding blocks of the stream, MN__C_BINS if none.
+MN__PRIVATE uint32_t mn__c_bit_next(const mn__c_sbin *e, uint32_t i) {
+    uint32_t w = i >> 6, w1;
+    uint64_t m;
+    if (i >= MN__C_BINS) return MN__C_BINS;
+    m = e->w0[w] & (~0ull << (i & 63u));
+    if (m) return (w << 6) + mn__c_ctz(m);
+    if (++w >= MN__C_BIN_WORDS) return MN__C_BINS;
+    w1 = w >> 6;
+    m = e->w1[w1] & (~0ull << (w & 63u));
+    while (!m) {
+        if (++w1 >= MN__C_BIN_WORDS1) return MN__C_BINS;
+        m = e->w1[w1];
+    }
+    w = (w1 << 6) + mn__c_ctz(m);
+    return (w << 6) + mn__c_ctz(e->w0[w]);
+}
+
+// The last bin <= i (i < MN__C_BINS) holding blocks of the stream, UINT32_MAX if none.
+MN__PRIVATE uint32_t mn__c_bit_prev(const mn__c_sbin *e, uint32_t i) {
+    uint32_t w = i >> 6, w1;
+    uint64_t m = e->w0[w] & (~0ull >> (63u - (i & 63u)));
+    if (m) return (w << 6) + mn__c_log2_floor(m);
+    if (w-- == 0) return UINT32_MAX;
+    w1 = w >> 6;
+    m = e->w1[w1] & (~0ull >> (63u - (w & 63u)));
+    while (!m) {
+        if (w1-- == 0) return UINT32_MAX;
+        m = e->w1[w1];
+    }
+    w = (w1 << 6) + mn__c_log2_floor(m);
+    return (w << 6) + mn__c_log2_floor(e->w0[w]);
+}
+
+// lower_bound((s, size, 0)) inside one bin: its first node when that is not less than the key.
+MN__PRIVATE mn__c_block *mn__c_bin_lower(const mn__c_bin *bin, mn_stream s, uint64_t size) {
+    mn__c_block *f = bin->first;
+    if (f && (f->stream > s || (f->stream == s && f->size >= size))) return f;
+    return mn__c_tr_lower_bound(bin->root, s, size, 0, 0);
+}
+
+// Makes sure pool p has its bins and an entry for stream s: done before a segment is made, so
+// that moving blocks between bins never needs host memory.
+MN__PRIVATE mn_result mn__c_sbin_reserve(mn__c_cache *c, mn__c_pool *p, mn_stream s) {
+    uint32_t pos;
+    mn__c_sbin *e;
+    if (!p->bins) {
+        p->bins = (mn__c_bin *)mn__alloc_array(&c->alloc, MN__C_BINS, sizeof *p->bins);
+        if (!p->bins) return MN_ERR_OUT_OF_MEMORY;
+        memset(p->bins, 0, MN__C_BINS * sizeof *p->bins);
+    }
+    if (mn__c_sbin_find(p, s, &pos)) return MN_OK;
+    if (p->nstreams == p->cap_streams) {
+        uint32_t cap = p->cap_streams ? p->cap_streams * 2 : 4;
+        mn__c_sbin **ns = (mn__c_sbin **)mn__alloc_array(&c->alloc, cap, sizeof *ns);
+        if (!ns) return MN_ERR_OUT_OF_MEMORY;
+        if (p->nstreams) memcpy(ns, p->streams, p->nstreams * sizeof *ns);
+        mn__free(&c->alloc, p->streams);
+        p->streams = ns;
+        p->cap_streams = cap;
+    }
+    if ((e = c->spare_sbins) != NULL) {  // zero bits, like a new one
+        c->spare_sbins = e->spare;
+    } else {
+        e = (mn__c_sbin *)mn__alloc(&c->alloc, sizeof *e);
+        if (!e) return MN_ERR_OUT_OF_MEMORY;
+        memset(e, 0, sizeof *e);
+    }
+    e->stream = s;
+    c->idle_streams++;  // no segment yet
+    memmove(&p->streams[pos + 1], &p->streams[pos], (p->nstreams - pos) * sizeof *p->streams);
+    p->streams[pos] = e;
+    p->nstreams++;
+    return MN_OK;
+}
+
+// Drops the entries of streams without segments (they hold no block either); at the end of a
+// call, so that an entry reserved for the call stays while the out-of-memory ladder runs.
+MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
+    int k;
+    if (!c->idle_streams) return;
+    c->idle_streams = 0;
+    for (k = 0; k < 2; k++) {
+        mn__c_pool *p = k ? &c->large : &c->small;
+        uint32_t i, n = 0;
+        for (i = 0; i < p->nstreams; i++) {
+            mn__c_sbin *e = p->streams[i];
+            if (e->segs) {
+                p->streams[n++] = e;
+            } else {
+                e->spare = c->spare_sbins;
+                c->spare_sbins = e;
+            }
+        }
+        p->nstreams = n;
+        p->hint = 0;
+    }
+}
+
+// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none.
+MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
+    mn__c_sbin *e;
+    mn__c_block *b;
+    uint32_t i;
+    if (!p->bins || !(e = mn__c_sbin_find(p, s, NULL))) return NULL;
+    i = mn__c_bin_of(size);
+    if (mn__c_bit_get(e, i)) {
+        b = mn__c_bin_lower(&p->bins[i], s, size);
+        if (b && b->stream == s) return b;
+    }
+    i = mn__c_bit_next(e, i + 1);  // every block of a later bin is larger
+    return i < MN__C_BINS ? mn__c_bin_lower(&p->bins[i], s, 0) : NULL;
+}
+
+// The free block after b in (stream, size, address) order, NULL if none of b's stream.
+MN__PRIVATE mn__c_block *mn__c_pool_next(mn__c_pool *p, const mn__c_block *b) {
+    mn__c_block *n = mn__c_tr_next((mn__c_block *)(uintptr_t)b);
+    uint32_t i;
+    if (n && n->stream == b->stream) return n;
+    i = mn__c_bit_next(mn__c_sbin_find(p, b->stream, NULL), b->bin + 1);
+    return i < MN__C_BINS ? mn__c_bin_lower(&p->bins[i], b->stream, 0) : NULL;
+}
+
+// The largest free block of stream s less than (s, size, addr), NULL if none.
+MN__PRIVATE mn__c_block *mn__c_pool_before(mn__c_pool *p, mn_stream s, uint64_t size,
+                                           uint64_t addr) {
+    mn__c_sbin *e;
+    mn__c_block *b;
+    uint32_t i;
+    if (!p->bins || !(e = mn__c_sbin_find(p, s, NULL))) return NULL;
+    i = mn__c_bin_of(size);
+    if (mn__c_bit_get(e, i)) {
+        b = mn__c_tr_before(p->bins[i].root, s, size, addr, 0);
+        if (b && b->stream == s) return b;
+    }
+    if (i == 0 || (i = mn__c_bit_prev(e, i - 1)) == UINT32_MAX) return NULL;
+    return mn__c_tr_before(p->bins[i].root, s, UINT64_MAX, UINT64_MAX, 0);  // its last of s
+}
+
+// Every free mapped block of the pool in (stream, size, address) order, as a list through tmp.
+MN__PRIVATE mn__c_block *mn__c_pool_collect(mn__c_pool *p) {
+    mn__c_block *head = NULL, **tail = &head, *b;
+    uint32_t k, i;
+    for (k = 0; k < p->nstreams; k++) {
+        const mn__c_sbin *e = p->streams[k];
+        for (i = mn__c_bit_next(e, 0); i < MN__C_BINS; i = mn__c_bit_next(e, i + 1))
+            for (b = mn__c_bin_lower(&p->bins[i], e->stream, 0); b && b->stream == e->stream;
+                 b = mn__c_tr_next(b)) {
+                *tail = b;
+                tail = &b->tmp;
+            }
+    }
+    *tail = NULL;
+    return head;
 }
 
 // A free block that is its whole fixed-size segment: release_cached_blocks can give it back.
@@ -9646,20 +9885,17 @@ MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
     b->in_tree = 1;
     p->whole += (uint64_t)mn__c_whole(b);
     if (b->mapped) {
-        mn__c_block *gl = p->gap_l, *gr = p->gap_r;
+        mn__c_bin *bin = &p->bins[b->bin = mn__c_bin_of(b->size)];
+        mn__c_block *f = bin->first;
         b->gc_base = p->get_free_calls;  // BlockPool::insert_into_blocks
-        // where the last erased block was, when b still sorts there: a leaf without a search
-        if ((gl || gr) && (!gl || (gl->in_tree && gl->mapped && mn__c_node_lt(gl, b, 0))) &&
-            (!gr || (gr->in_tree && gr->mapped && mn__c_node_lt(b, gr, 0))) &&
-            (gl ? mn__c_tr_next(gl) == gr : mn__c_tr_prev(gr) == NULL)) {
-            b->l = b->r = NULL;
-            if (gl && !gl->r) gl->r = b, b->up = gl;
-            else gr->l = b, b->up = gr;
-            while (b->up && b->up->prio < b->prio) mn__c_tr_rotate_up(&p->blocks, b);
+        if (f && mn__c_node_lt(b, f, 0)) {  // a new first node: the old one's left child (it had
+            f->l = b, b->up = f;            // none), then up by priority
+            while (b->up && b->up->prio < b->prio) mn__c_tr_rotate_up(&bin->root, b);
         } else {
-            mn__c_tr_insert(&p->blocks, b, 0);
+            mn__c_tr_insert(&bin->root, b, 0);
         }
-        p->last = b;
+        if (!f || mn__c_node_lt(b, f, 0)) bin->first = b;
+        mn__c_bit_set(mn__c_sbin_find(p, b->stream, NULL), b->bin);  // made with the segment
     } else {
         mn__c_tr_insert(&p->unmapped, b, 1);
     }
@@ -9669,10 +9905,17 @@ MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(b->in_tree);
     p->whole -= (uint64_t)mn__c_whole(b);
     if (b->mapped) {
-        p->gap_l = mn__c_tr_prev(b);
-        p->gap_r = mn__c_tr_next(b);
+        mn__c_bin *bin = &p->bins[b->bin];
+        mn__c_block *n = mn__c_tr_next(b), *v;
+        int keep = n && n->stream == b->stream;  // the bin still holds blocks of b's stream
+        if (!keep && bin->first != b)
+            keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
+        if (bin->first == b) bin->first = n;
+        mn__c_tr_erase(&bin->root, b);
+        if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream, NULL), b->bin);
+    } else {
+        mn__c_tr_erase(&p->unmapped, b);
     }
-    mn__c_tr_erase(b->mapped ? &p->blocks : &p->unmapped, b);
     b->in_tree = 0;
     b->l = b->r = NULL;
 }
@@ -9691,19 +9934,18 @@ MN__PRIVATE uint64_t mn__c_hash(uint64_t addr, uint64_t cap) {
 // Makes room for one more entry (the only host allocation on the alloc path, done first).
 MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
     uint64_t i, cap;
-    mn__c_block **nm;
+    mn__c_slot *nm;
     if ((c->map_count + 1) * 2 <= c->map_cap) return MN_OK;
     cap = c->map_cap ? c->map_cap * 2 : 1024;
-    nm = (mn__c_block **)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
+    nm = (mn__c_slot *)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
     if (!nm) return MN_ERR_OUT_OF_MEMORY;
     memset(nm, 0, (size_t)cap * sizeof *nm);
     for (i = 0; i < c->map_cap; i++) {
-        mn__c_block *b = c->map[i];
         uint64_t h;
-        if (!b) continue;
-        h = mn__c_hash(b->addr, cap);
-        while (nm[h]) h = (h + 1) & (cap - 1);
-        nm[h] = b;
+        if (!c->map[i].b) continue;
+        h = mn__c_hash(c->map[i].addr, cap);
+        while (nm[h].b) h = (h + 1) & (cap - 1);
+        nm[h] = c->map[i];
     }
     mn__free(&c->alloc, c->map);
     c->map = nm;
@@ -9713,8 +9955,9 @@ MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
 
 MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
     uint64_t h = mn__c_hash(b->addr, c->map_cap);
-    while (c->map[h]) h = (h + 1) & (c->map_cap - 1);
-    c->map[h] = b;
+    while (c->map[h].b) h = (h + 1) & (c->map_cap - 1);
+    c->map[h].addr = b->addr;
+    c->map[h].b = b;
     c->map_count++;
 }
 
@@ -9722,8 +9965,8 @@ MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
     uint64_t h;
     if (!c->map_cap) return UINT64_MAX;
     h = mn__c_hash(addr, c->map_cap);
-    while (c->map[h]) {
-        if (c->map[h]->addr == addr) return h;
+    while (c->map[h].b) {
+        if (c->map[h].addr == addr) return h;
         h = (h + 1) & (c->map_cap - 1);
     }
     return UINT64_MAX;
@@ -9732,17 +9975,17 @@ MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
 // Removes slot i, shifting later entries of the probe run back (no tombstones).
 MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
     uint64_t mask = c->map_cap - 1, j = i;
-    c->map[i] = NULL;
+    c->map[i].b = NULL;
     c->map_count--;
     for (;;) {
         uint64_t k;
         j = (j + 1) & mask;
-        if (!c->map[j]) return;
-        k = mn__c_hash(c->map[j]->addr, c->map_cap);
+        if (!c->map[j].b) return;
+        k = mn__c_hash(c->map[j].addr, c->map_cap);
         // move j back to i if its home k is not cyclically in (i, j]
         if ((i <= j) ? (i < k && k <= j) : (i < k || k <= j)) continue;
         c->map[i] = c->map[j];
-        c->map[j] = NULL;
+        c->map[j].b = NULL;
         i = j;
     }
 }
@@ -9753,8 +9996,11 @@ MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
 
 MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
     while (c->spare_count < n) {
-        mn__c_block *b = (mn__c_block *)mn__alloc(&c->alloc, sizeof *b);
-        if (!b) return MN_ERR_OUT_OF_MEMORY;
+        void *host = mn__alloc(&c->alloc, sizeof(mn__c_block) + 63);
+        mn__c_block *b;
+        if (!host) return MN_ERR_OUT_OF_MEMORY;
+        b = (mn__c_block *)(((uintptr_t)host + 63) & ~(uintptr_t)63);
+        b->host = host;
         b->tmp = c->spare;
         c->spare = b;
         c->spare_count++;
@@ -9765,11 +10011,14 @@ MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
 // A zeroed block struct from the spares (or the host), NULL when the host is out of memory.
 MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     mn__c_block *b;
+    void *host;
     if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
     b = c->spare;
     c->spare = b->tmp;
     c->spare_count--;
+    host = b->host;
     memset(b, 0, sizeof *b);
+    b->host = host;
     c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
     b->prio = c->rng;
     b->mapped = 1;
@@ -9777,15 +10026,8 @@ MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
 }
 
 MN__PRIVATE void mn__c_block_delete(mn__c_cache *c, mn__c_block *b) {
-    int k;
-    for (k = 0; k < 2; k++) {
-        mn__c_pool *p = k ? &c->large : &c->small;
-        if (p->last == b) p->last = NULL;
-        if (p->gap_l == b) p->gap_l = NULL, p->gap_r = NULL;
-        if (p->gap_r == b) p->gap_l = NULL, p->gap_r = NULL;
-    }
     if (c->spare_count >= 64) {
-        mn__free(&c->alloc, b);
+        mn__free(&c->alloc, b->host);
         return;
     }
     b->tmp = c->spare;
@@ -9828,11 +10070,9 @@ MN__PRIVATE void mn__c_trace_apply(uint64_t *cat, uint64_t *reserved, const mn_t
     }
 }
 
-MN__PRIVATE void mn__c_trace(mn__c_cache *c, mn_trace_action a, uint64_t addr, uint64_t size,
-                           uint64_t block_size, mn_stream stream, uint8_t cat) {
-    mn_trace_entry *e;
-    if (!c->ring_cap) return;
-    e = &c->ring[c->ring_head];
+MN__PRIVATE void mn__c_trace_put(mn__c_cache *c, mn_trace_action a, uint64_t addr, uint64_t size,
+                                 uint64_t block_size, mn_stream stream, uint8_t cat) {
+    mn_trace_entry *e = &c->ring[c->ring_head];
     if (c->ring_count == c->ring_cap) {  // the oldest entry folds into the base state
         mn__c_trace_apply(c->base_cat, &c->base_reserved, e);
         c->ring_dropped++;
@@ -9847,6 +10087,12 @@ MN__PRIVATE void mn__c_trace(mn__c_cache *c, mn_trace_action a, uint64_t addr, u
     e->category = (mn_category)cat;
     e->time = c->clock;
     c->ring_head = c->ring_head + 1 == c->ring_cap ? 0 : c->ring_head + 1;
+}
+
+// A history entry, when the allocator keeps a history (small enough to inline: a test, no call).
+MN__PRIVATE void mn__c_trace(mn__c_cache *c, mn_trace_action a, uint64_t addr, uint64_t size,
+                             uint64_t block_size, mn_stream stream, uint8_t cat) {
+    if (c->ring_cap) mn__c_trace_put(c, a, addr, size, block_size, stream, cat);
 }
 
 // ---- init / free --------------------------------------------------------------------------------
@@ -9958,7 +10204,7 @@ MN__PRIVATE void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
     mn__c_pool_insert(p, b);
     if (b->prev || b->next) net_blocks++, net_bytes += (int64_t)b->size;
     // inactive_split leaves out expandable segments (PyTorch free_block)
-    if (!b->seg->expandable) {
+    if (!c->cfg.expandable_segments || !b->seg->expandable) {
         uint64_t nb = (uint64_t)(net_blocks < 0 ? -net_blocks : net_blocks);
         uint64_t ns = (uint64_t)(net_bytes < 0 ? -net_bytes : net_bytes);
         if (net_blocks > 0) MN__C_STAT2(c, inactive_split, small, mn__c_stat_inc, nb);
@@ -9972,6 +10218,8 @@ MN__PRIVATE void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
 }
 
 MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
+    if (--mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs == 0)
+        c->idle_streams++;  // its entry goes at the end of the call (mn__c_sbin_sweep)
     if (s->prev_seg) s->prev_seg->next_seg = s->next_seg;
     else c->segs = s->next_seg;
     if (s->next_seg) s->next_seg->prev_seg = s->prev_seg;
@@ -9979,6 +10227,8 @@ MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
 }
 
 MN__PRIVATE void mn__c_seg_link(mn__c_cache *c, mn__c_segment *s) {
+    if (mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs++ == 0)
+        c->idle_streams--;  // the entry was reserved for this segment
     s->prev_seg = NULL;
     s->next_seg = c->segs;
     if (c->segs) c->segs->prev_seg = s;
@@ -10075,7 +10325,7 @@ MN__PRIVATE void mn__c_release_blocks(mn__c_cache *c, mn__c_pool *p) {
     // Nothing to give back: skip the walk over every cached block (it made each out-of-memory
     // retry of a long trace cost the whole pool, quadratic over the trace).
     if (p->whole == 0 && !c->cfg.expandable_segments) return;
-    for (b = mn__c_tr_collect(p->blocks, NULL); b; b = next) {
+    for (b = mn__c_pool_collect(p); b; b = next) {
         next = b->tmp;
         if (b->seg->expandable) {
             *tail = b;
@@ -10153,18 +10403,6 @@ MN__PRIVATE void mn__c_release_cached(mn__c_cache *c) {
 
 // ---- allocation ---------------------------------------------------------------------------------
 
-// lower_bound((s, size, 0)) of the free tree. The block inserted last is the answer when it is
-// not less than the key and its predecessor is: an O(1) check that skips the search when a
-// freed block is asked for again (the common case in a training loop).
-MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
-    mn__c_block *m = p->last, *q;
-    if (m && m->in_tree && m->mapped && m->stream == s && m->size >= size) {
-        q = mn__c_tr_prev(m);
-        if (!q || q->stream != s || q->size < size) return m;
-    }
-    return mn__c_tr_lower_bound(p->blocks, s, size, 0, 0);
-}
-
 // get_free_block: best fit on the same stream, with the oversize rules.
 MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_stream s,
                                               uint64_t size) {
@@ -10172,16 +10410,16 @@ MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_
     if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) p->get_free_calls++;
     b = mn__c_pool_lower_bound(p, s, size);
     if (!b || b->stream != s) return NULL;
-    if (b->seg->expandable) {
+    if (c->cfg.expandable_segments && b->seg->expandable) {  // (the segment is not read else)
         // rank by the size the block can grow to (its unmapped successor included)
-        mn__c_block *n = mn__c_tr_next(b);
+        mn__c_block *n = mn__c_pool_next(p, b);
         for (;;) {
             uint64_t be = b->size + (b->next && !b->next->mapped ? b->next->size : 0), ne;
             if (!b->seg->expandable || !n || n->stream != s) break;
             ne = n->size + (n->next && !n->next->mapped ? n->next->size : 0);
             if (!(ne < be)) break;
             b = n;
-            n = mn__c_tr_next(n);
+            n = mn__c_pool_next(p, n);
         }
     }
     // do not return an oversized block for a small request, nor a much larger one for a big one
@@ -10338,12 +10576,12 @@ MN__PRIVATE int mn__c_release_available(mn__c_cache *c, mn__c_pool *p, mn_stream
     mn__c_block *b;
     if (c->pol.max_split == UINT64_MAX) return 0;
     key = size < c->pol.max_split ? c->pol.max_split : size;
-    b = mn__c_tr_lower_bound(p->blocks, s, key, 0, 0);
+    b = mn__c_pool_lower_bound(p, s, key);
     if (!b || b->stream != s || b->seg->expandable) {
-        b = mn__c_tr_before(p->blocks, s, key, 0, 0);
+        b = mn__c_pool_before(p, s, key, 0);
         while (b && released < key && b->size >= c->pol.max_split && b->stream == s) {
             mn__c_block *cur = b;
-            b = mn__c_tr_before(p->blocks, cur->stream, cur->size, cur->addr, 0);
+            b = mn__c_pool_before(p, cur->stream, cur->size, cur->addr);
             if (!cur->seg->expandable && !cur->prev && !cur->next) {
                 released += cur->size;
                 mn__c_release_block(c, cur);
@@ -10365,7 +10603,7 @@ MN__PRIVATE void mn__c_garbage_collect(mn__c_cache *c) {
     int freed = 1;
     if (c->total_allocated_memory <= thr) return;
     target = c->total_allocated_memory - thr;
-    for (b = mn__c_tr_collect(c->large.blocks, NULL); b; b = b->tmp) {
+    for (b = mn__c_pool_collect(&c->large); b; b = b->tmp) {
         if (b->prev || b->next) continue;
         total_age += c->large.get_free_calls - b->gc_base;
         count++;
@@ -10373,7 +10611,7 @@ MN__PRIVATE void mn__c_garbage_collect(mn__c_cache *c) {
     while (reclaimed < target && freed && count > 0) {
         double age_thr = (double)total_age / (double)count;
         freed = 0;
-        for (b = mn__c_tr_collect(c->large.blocks, NULL); b; b = next) {
+        for (b = mn__c_pool_collect(&c->large); b; b = next) {
             uint64_t age = c->large.get_free_calls - b->gc_base;
             next = b->tmp;
             if (b->prev || b->next || b->seg->expandable || (double)age < age_thr) continue;
@@ -10398,7 +10636,8 @@ MN__PRIVATE mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint6
                                            uint64_t orig, int split, mn_category cat,
                                            const char *label) {
     mn__c_pool *p = mn__c_pool_of(c, b);
-    int already_split = b->prev || b->next, exp = b->seg->expandable, small = b->small;
+    int already_split = b->prev || b->next, small = b->small;
+    int exp = c->cfg.expandable_segments && b->seg->expandable;
     if (split) {
         mn__c_block *rem = b;
         b = mn__c_block_new(c);  // reserved by the caller
@@ -10520,6 +10759,7 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
                 goto done;
             }
         }
+        if ((r = mn__c_sbin_reserve(c, p, stream)) != MN_OK) goto done;
         if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) mn__c_garbage_collect(c);
         r = mn__c_alloc_block(c, p, stream, size, alloc_size, 0, &b);
         if (r == MN_ERR_DEVICE_OOM && mn__c_release_available(c, p, stream, size))
@@ -10544,6 +10784,7 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
     *ptr_out = mn__c_ptr(c, b->addr);
     r = MN_OK;
 done:
+    mn__c_sbin_sweep(c);
     mn__c_unlock(c);
     return r;
 }
@@ -10552,7 +10793,7 @@ MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot)
     uint64_t i = mn__c_map_slot(c, mn__c_addr(c, ptr));
     if (i == UINT64_MAX) return NULL;
     if (slot) *slot = i;
-    return c->map[i];
+    return c->map[i].b;
 }
 
 MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
@@ -10659,6 +10900,7 @@ MNIMPL mn_result mn_cache_empty(mn_cache *cache) {
     c->clock++;
     c->dev_error = MN_OK;
     mn__c_release_cached(c);
+    mn__c_sbin_sweep(c);
     r = c->dev_error;
     mn__c_unlock(c);
     return r;
@@ -10756,6 +10998,7 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
     mn__c_segment *s, *sn;
     mn__c_use *u, *un;
     mn__c_block *b, *bn;
+    int k;
     if (!cache || !cache->p) return;
     c = cache->p;
     for (u = c->ev_head; u; u = un) {  // pending events: nothing waits any more
@@ -10773,13 +11016,25 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
             if (s->expandable && b->mapped)
                 c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size);
             for (u = b->uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
-            mn__free(&c->alloc, b);
+            mn__free(&c->alloc, b->host);
         }
         if (s->expandable && c->dev.unreserve_fn)
             c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         mn__free(&c->alloc, s);
     }
-    for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b);
+    for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b->host);
+    for (k = 0; k < 2; k++) {
+        mn__c_pool *p = k ? &c->large : &c->small;
+        uint32_t i;
+        for (i = 0; i < p->nstreams; i++) mn__free(&c->alloc, p->streams[i]);
+        mn__free(&c->alloc, p->streams);
+        mn__free(&c->alloc, p->bins);
+    }
+    while (c->spare_sbins) {
+        mn__c_sbin *e = c->spare_sbins;
+        c->spare_sbins = e->spare;
+        mn__free(&c->alloc, e);
+    }
     for (u = c->spare_uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
     mn__free(&c->alloc, c->spare_seg);
     mn__free(&c->alloc, c->map);
@@ -10813,6 +11068,62 @@ MN__PRIVATE uint64_t mn__c_tree_check(const mn__c_block *t, uint64_t *count, int
 
 #define MN__C_FAIL(...) do { mn__log(&c->logger, MN_LOG_ERROR, __VA_ARGS__); r = MN_ERR_STATE; \
     goto done; } while (0)
+
+// The bins of a pool: each a treap in key order whose nodes belong there and whose first node
+// is kept; the stream bitmaps name exactly the (stream, bin) pairs that hold blocks; the stream
+// entries are sorted and count the pool's segments. *count: the blocks in the bins.
+MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *count) {
+    uint64_t pairs = 0, bits = 0, segs = 0, have = 0;
+    const mn__c_segment *sg;
+    uint32_t i, k;
+    mn_result r = MN_OK;
+    int bad = 0;
+    *count = 0;
+    for (k = 0; k < p->nstreams; k++) {
+        const mn__c_sbin *e = p->streams[k];
+        if (k && p->streams[k - 1]->stream >= e->stream)
+            MN__C_FAIL("cache check: stream entries out of order");
+        if (!e->segs || c->idle_streams)
+            MN__C_FAIL("cache check: stream %u kept without a segment", e->stream);
+        for (i = 0; i < MN__C_BIN_WORDS; i++) {
+            uint64_t m = e->w0[i];
+            if (!!m != (int)((e->w1[i >> 6] >> (i & 63u)) & 1u))
+                MN__C_FAIL("cache check: bitmap summary of stream %u", e->stream);
+            for (; m; m &= m - 1) bits++;
+        }
+        segs += e->segs;
+    }
+    for (sg = c->segs; sg; sg = sg->next_seg)
+        if ((sg->small != 0) == (p->small != 0)) {
+            have++;
+            if (!mn__c_sbin_find(p, sg->stream, NULL))
+                MN__C_FAIL("cache check: segment %llx has no stream entry",
+                           (unsigned long long)sg->addr);
+        }
+    if (have != segs) MN__C_FAIL("cache check: stream entries count %llu segments, not %llu",
+                                 (unsigned long long)segs, (unsigned long long)have);
+    for (i = 0; p->bins && i < MN__C_BINS; i++) {
+        const mn__c_bin *bin = &p->bins[i];
+        const mn__c_block *prev = NULL, *b;
+        uint64_t n = 0;
+        mn__c_tree_check(bin->root, &n, 0, &prev, &bad);
+        if (bad || (bin->root && bin->root->up) || (!bin->root) != (!bin->first) ||
+            (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))))
+            MN__C_FAIL("cache check: bin %u out of order", i);
+        for (b = bin->first; b; b = mn__c_tr_next((mn__c_block *)(uintptr_t)b)) {
+            mn__c_sbin *e = mn__c_sbin_find(p, b->stream, NULL);
+            if (b->bin != i || mn__c_bin_of(b->size) != i || !e || !mn__c_bit_get(e, i))
+                MN__C_FAIL("cache check: block %llx in bin %u", (unsigned long long)b->addr, i);
+            if (b == bin->first || mn__c_tr_prev((mn__c_block *)(uintptr_t)b)->stream != b->stream)
+                pairs++;
+        }
+        *count += n;
+    }
+    if (pairs != bits) MN__C_FAIL("cache check: %llu stream bits for %llu (stream, bin) pairs",
+                                  (unsigned long long)bits, (unsigned long long)pairs);
+done:
+    return r;
+}
 
 // mn_cache_check's use of MN_CACHE_STATS: the pools add up to the aggregate, and every current
 // value recounted from the blocks equals the one kept.
@@ -10916,8 +11227,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
         mn__c_pool *p = k ? &c->large : &c->small;
         const mn__c_block *prev = NULL;
         uint64_t n = 0;
-        mn__c_tree_check(p->blocks, &n, 0, &prev, &bad);
-        counted[k] = n;
+        if ((r = mn__c_bins_check(c, p, &counted[k])) != MN_OK) goto done;
         n = 0, prev = NULL;
         mn__c_tree_check(p->unmapped, &n, 1, &prev, &bad);
         if (bad) MN__C_FAIL("cache check: pool tree out of order");

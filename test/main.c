@@ -32,6 +32,7 @@ MNT_DECLARE(quantseq)
 MNT_DECLARE(hfconfig)
 MNT_DECLARE(cli)
 MNT_DECLARE(cache)
+MNT_DECLARE(cachediff)
 MNT_DECLARE(optim)
 MNT_DECLARE(ops)
 MNT_DECLARE(trainer)
@@ -47,6 +48,7 @@ static const mnt_suite suites[] = {
     {"hfconfig", test_hfconfig_cases, &test_hfconfig_count},
     {"cli", test_cli_cases, &test_cli_count},
     {"cache", test_cache_cases, &test_cache_count},
+    {"cachediff", test_cachediff_cases, &test_cachediff_count},
     {"optim", test_optim_cases, &test_optim_count},
     {"ops", test_ops_cases, &test_ops_count},
     {"trainer", test_trainer_cases, &test_trainer_count},
