@@ -12758,12 +12758,14 @@ MN__PRIVATE float mn__max_scaled(const float *x, float scale, size_t n) {
 // NaN, exp(-inf) = 0, exp(+inf) = inf.
 MN__INLINE float mn__expf(float x) {
     const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    float xc = x > -104.0f ? (x < 89.0f ? x : 89.0f) : -104.0f;
-    float n = (xc * 1.44269504088896341f + round) - round;
-    float r = MN__FMA(n, 2.12194440e-4f, MN__FMA(n, -0.693359375f, xc)), p;
-    int32_t ni = (int32_t)n, h = ni / 2;
-    uint32_t b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
-    float s1, s2;
+    float xc = x < 89.0f ? x : 89.0f, n, r, p, s1, s2;  // NaN becomes 89 (restored at the end)
+    int32_t ni, h;
+    uint32_t b1, b2;
+    xc = xc > -104.0f ? xc : -104.0f;
+    n = (xc * 1.44269504088896341f + round) - round;
+    r = MN__FMA(n, 2.12194440e-4f, MN__FMA(n, -0.693359375f, xc));
+    ni = (int32_t)n, h = (int32_t)(n * 0.5f);  // h = ni / 2, in the float unit
+    b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
     p = MN__FMA(r, 1.9875691500e-4f, 1.3981999507e-3f);
     p = MN__FMA(p, r, 8.3334519073e-3f);
     p = MN__FMA(p, r, 4.1665795894e-2f);
@@ -13264,7 +13266,7 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
                                        const float *rstd, size_t N, size_t C) {
     // xh = (x - mu) r, g = w dy; dx += r (g - mean(g) - xh mean(g xh));
     // dw += sum_n dy xh, db += sum_n dy (llm.c train_gpt2.c layernorm_backward).
-    size_t n, blk, nblk = (C + 63) / 64;
+    size_t n, part;
     int team = 1;
     if (!dout || !inp || !mean || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
         return MN_ERR_INVALID_ARG;
@@ -13288,10 +13290,12 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
                                  C);
     }
     if (!dweight && !dbias) return MN_OK;
-    // parameter gradients: columns in blocks of 64 per thread, rows summed in order
+    // parameter gradients: one contiguous range of columns per thread (long runs of each row,
+    // which the prefetcher follows), rows summed in order
     MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
-    for (blk = 0; blk < nblk; blk++) {
-        size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, r;
+    for (part = 0; part < (size_t)team; part++) {
+        size_t c0 = C / (size_t)team * part, c1 = C / (size_t)team * (part + 1), r;
+        if (part + 1 == (size_t)team) c1 = C;
         for (r = 0; r < N; r++)
             mn__layernorm_dwb_row(dweight, dbias, dout + r * C, inp + r * C, mean[r], rstd[r], c0,
                                   c1);
