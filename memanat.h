@@ -13323,47 +13323,67 @@ MNIMPL mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, c
     return MN_OK;
 }
 
+// One row of the RMSNorm backward: dx += r (g - xh mean(g xh)), g = w dy, xh = x r, the mean
+// from MN__LN float lanes folded in double.
+MN__PRIVATE void mn__rmsnorm_dx_row(float *dx, const float *dy, const float *x, const float *w,
+                                    float r, size_t C) {
+    float agx[MN__LN] = {0}, gxm;
+    double sgx = 0.0;
+    size_t i = 0;
+    int l;
+    for (; C - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) agx[l] = MN__FMA(w[i + l] * dy[i + l], x[i + l] * r, agx[l]);
+    for (; i < C; i++) sgx += (double)(w[i] * dy[i]) * (x[i] * r);
+    for (l = 0; l < MN__LN; l++) sgx += agx[l];
+    gxm = (float)(sgx / (double)C);
+    for (i = 0; i < C; i++) {
+        float g = w[i] * dy[i];
+        dx[i] += r * (g - (x[i] * r) * gxm);
+    }
+}
+
+// One row's share of dweight over columns [c0, c1), added straight in, rows in order (as
+// mn__layernorm_dwb_row).
+MN__PRIVATE void mn__rmsnorm_dw_row(float *dweight, const float *dy, const float *x, float r,
+                                    size_t c0, size_t c1) {
+    size_t i;
+    for (i = c0; i < c1; i++) dweight[i] += dy[i] * (x[i] * r);
+}
+
 MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
                                      const float *inp, const float *weight, const float *rstd,
                                      size_t N, size_t C) {
     // xh = x r, g = w dy; dx += r (g - xh mean(g xh)); dw += sum_n dy xh
     // (the layernorm backward without the mean terms; derivation in Zhang & Sennrich 2019).
-    size_t n, blk, nblk = (C + 63) / 64;
+    // One thread: each row once for both gradients; more: rows for dinp, then one contiguous
+    // column range per thread for dweight (the same order per column, so the same bits).
+    size_t n, part;
+    int team = 1;
     if (!dout || !inp || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
         return MN_ERR_INVALID_ARG;
+#ifdef _OPENMP
+    team = mn__omp_team((uint64_t)N * C, MN__OMP_MIN_ELEMS);
+#endif
+    if (team <= 1) {
+        for (n = 0; n < N; n++) {
+            if (dinp)
+                mn__rmsnorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);
+            if (dweight) mn__rmsnorm_dw_row(dweight, dout + n * C, inp + n * C, rstd[n], 0, C);
+        }
+        return MN_OK;
+    }
     if (dinp) {
         MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
-        for (n = 0; n < N; n++) {
-            const float *x = inp + n * C, *dy = dout + n * C;
-            float *dx = dinp + n * C;
-            float r = rstd[n], gxm, agx[MN__LN] = {0};
-            double sgx = 0.0;
-            size_t i = 0;
-            int l;
-            for (; C - i >= MN__LN; i += MN__LN)  // MN__LN lanes, folded in double
-                for (l = 0; l < MN__LN; l++)
-                    agx[l] = MN__FMA(weight[i + l] * dy[i + l], x[i + l] * r, agx[l]);
-            for (; i < C; i++) sgx += (double)(weight[i] * dy[i]) * (x[i] * r);
-            for (l = 0; l < MN__LN; l++) sgx += agx[l];
-            gxm = (float)(sgx / (double)C);
-            for (i = 0; i < C; i++) {
-                float g = weight[i] * dy[i];
-                dx[i] += r * (g - (x[i] * r) * gxm);
-            }
-        }
+        for (n = 0; n < N; n++)
+            mn__rmsnorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);
     }
     if (!dweight) return MN_OK;
     MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
-    for (blk = 0; blk < nblk; blk++) {
-        size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
-        float aw[64];
-        for (i = c0; i < c1; i++) aw[i - c0] = 0.0f;
-        for (r = 0; r < N; r++) {
-            const float *x = inp + r * C, *dy = dout + r * C;
-            float s = rstd[r];
-            for (i = c0; i < c1; i++) aw[i - c0] += dy[i] * (x[i] * s);
-        }
-        for (i = c0; i < c1; i++) dweight[i] += aw[i - c0];
+    for (part = 0; part < (size_t)team; part++) {
+        size_t c0 = C / (size_t)team * part, c1 = C / (size_t)team * (part + 1), r;
+        if (part + 1 == (size_t)team) c1 = C;
+        for (r = 0; r < N; r++)
+            mn__rmsnorm_dw_row(dweight, dout + r * C, inp + r * C, rstd[r], c0, c1);
     }
     return MN_OK;
 }

@@ -866,8 +866,8 @@ static void test_thread_invariance(void) {
     for (r = 0; r < 2; r++) free(out[r]), free(g[r]), free(d[r]);
 }
 // The row-wise and element-wise ops at sizes where the team has two threads (N * C above twice
-// MN__OMP_MIN_ELEMS: the layernorm backward then takes its two-pass path, one thread its fused
-// one): one thread and two give the same bits. The shapes are drawn fresh; C is odd so rows end
+// MN__OMP_MIN_ELEMS: the layernorm and RMSNorm backwards then take their two-pass path, one
+// thread their fused one): one thread and two give the same bits. The shapes are drawn fresh; C is odd so rows end
 // in a scalar tail.
 static void test_thread_invariance_large(void) {
     size_t C = 2 * (200 + mnt_rand_u64() % 200) + 1, N = 600000 / C + 1, n = N * C, V = 50257;
@@ -890,8 +890,9 @@ static void test_thread_invariance_large(void) {
     mnt_fill_normal(b, C, 1.0);
     for (i = 0; i < NV; i++) tgt[i] = (int)(mnt_rand_u64() % V), dl[i] = 1.0f / (float)NV;
     for (r = 0; r < 2; r++) y[r] = mnt_fvec(nmax), g[r] = mnt_fvec(nmax), pw[r] = mnt_fvec(2 * C);
-    for (op = 0; op < 4; op++) {
-        static const char *const names[] = {"layernorm", "softmax", "gelu", "crossentropy"};
+    for (op = 0; op < 5; op++) {
+        static const char *const names[] = {"layernorm", "softmax", "gelu", "crossentropy",
+                                            "rmsnorm"};
         char what[64];
         size_t cnt = op == 3 ? NV * V : n;
         for (r = 0; r < 2; r++) {
@@ -907,16 +908,22 @@ static void test_thread_invariance_large(void) {
             } else if (op == 2) {
                 mn_gelu_forward(y[r], x, n);
                 mn_gelu_backward(g[r], dy, x, n);
-            } else {
+            } else if (op == 3) {
                 mn_crossentropy_forward(loss, y[r], x, tgt, NV, V);
                 mn_crossentropy_backward(g[r], dl, NULL, x, tgt, NV, V);
+            } else {
+                mn_rmsnorm_forward(y[r], rstd, x, w, N, C, 1e-5f);
+                mn_rmsnorm_backward(g[r], pw[r], dy, x, w, rstd, N, C);
             }
         }
         snprintf(what, sizeof what, "%s forward, 1 vs 2 threads", names[op]);
         EXPECT_SAME(what, y[0], y[1], cnt);
         snprintf(what, sizeof what, "%s backward, 1 vs 2 threads", names[op]);
         EXPECT_SAME(what, g[0], g[1], cnt);
-        if (op == 0) EXPECT_SAME("layernorm dweight and dbias, 1 vs 2 threads", pw[0], pw[1], 2 * C);
+        if (op == 0 || op == 4) {
+            snprintf(what, sizeof what, "%s parameter gradients, 1 vs 2 threads", names[op]);
+            EXPECT_SAME(what, pw[0], pw[1], 2 * C);
+        }
     }
 #ifdef _OPENMP
     omp_set_num_threads(saved);
