@@ -2286,7 +2286,7 @@ MNDEF mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const
                                      float eps);
 // dinp[N,C] +=, dweight[C] +=, dbias[C] += (or NULL); dout[N,C], inp[N,C], weight[C],
 // mean[N] and rstd[N] from the forward. dweight and dbias take each row's terms in row order
-// (llm.c's order); on one thread every row is read once for all three gradients.
+// (llm.c's order); up to two threads read every row once for all three gradients.
 MNDEF mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                                       const float *inp, const float *weight, const float *mean,
                                       const float *rstd, size_t N, size_t C);
@@ -13275,9 +13275,11 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
 #ifdef _OPENMP
     team = mn__omp_team((uint64_t)N * C, MN__OMP_MIN_ELEMS);
 #endif
-    if (team <= 1) {
-        // one thread: each row once, while it is in cache, for dinp and the parameters (dout and
-        // inp read once from memory instead of twice)
+    // One row at a time on one thread, while the row is in cache, for dinp and the parameters
+    // (dout and inp read once from memory). A team reads them twice (rows for dinp, then columns
+    // for the parameters): 1.5x the bytes, so two threads gain at best 1.33x on an idle machine
+    // (and lost 3x to one thread on a loaded one); a team starts from three threads.
+    if (team <= 2) {
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
             if (dinp) mn__layernorm_dx_row(dinp + n * C, dy, x, weight, mean[n], rstd[n], C);
@@ -13355,8 +13357,9 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
                                      size_t N, size_t C) {
     // xh = x r, g = w dy; dx += r (g - xh mean(g xh)); dw += sum_n dy xh
     // (the layernorm backward without the mean terms; derivation in Zhang & Sennrich 2019).
-    // One thread: each row once for both gradients; more: rows for dinp, then one contiguous
-    // column range per thread for dweight (the same order per column, so the same bits).
+    // One pass over the rows for both gradients; with three or more threads, rows for dinp, then
+    // one contiguous column range per thread for dweight (the same order per column, so the same
+    // bits).
     size_t n, part;
     int team = 1;
     if (!dout || !inp || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
@@ -13364,7 +13367,7 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
 #ifdef _OPENMP
     team = mn__omp_team((uint64_t)N * C, MN__OMP_MIN_ELEMS);
 #endif
-    if (team <= 1) {
+    if (team <= 2) {  // one thread, one pass (the threshold of mn_layernorm_backward)
         for (n = 0; n < N; n++) {
             if (dinp)
                 mn__rmsnorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);

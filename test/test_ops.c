@@ -865,17 +865,18 @@ static void test_thread_invariance(void) {
     free(x), free(w);
     for (r = 0; r < 2; r++) free(out[r]), free(g[r]), free(d[r]);
 }
-// The row-wise and element-wise ops at sizes where the team has two threads (N * C above twice
-// MN__OMP_MIN_ELEMS: the layernorm and RMSNorm backwards then take their two-pass path, one
-// thread their fused one): one thread and two give the same bits. The shapes are drawn fresh; C is odd so rows end
-// in a scalar tail.
+// The row-wise and element-wise ops at sizes where teams form (N * C above four times
+// MN__OMP_MIN_ELEMS): one thread, two and four give the same bits (four: the layernorm and
+// RMSNorm backwards then take their team path, rows then columns; up to two threads, one pass).
+// The shapes are drawn fresh; C is odd so rows end in a scalar tail.
 static void test_thread_invariance_large(void) {
-    size_t C = 2 * (200 + mnt_rand_u64() % 200) + 1, N = 600000 / C + 1, n = N * C, V = 50257;
+    size_t C = 2 * (200 + mnt_rand_u64() % 200) + 1, N = 1100000 / C + 1, n = N * C, V = 50257;
     size_t NV = n / V + 1, nmax = NV * V > n ? NV * V : n;
     float *x = mnt_fvec(nmax), *dy = mnt_fvec(nmax), *w = mnt_fvec(C), *b = mnt_fvec(C);
-    float *y[2], *g[2], *pw[2], *loss = mnt_fvec(NV), *dl = mnt_fvec(NV), *mean = mnt_fvec(N);
+    float *y[3], *g[3], *pw[3], *loss = mnt_fvec(NV), *dl = mnt_fvec(NV), *mean = mnt_fvec(N);
     float *rstd = mnt_fvec(N);
     int *tgt = (int *)calloc(NV, sizeof(int)), r, op;
+    static const int threads[3] = {1, 2, 4};
     size_t i;
 #ifdef _OPENMP
     int saved = omp_get_max_threads();
@@ -889,14 +890,14 @@ static void test_thread_invariance_large(void) {
     mnt_fill_normal(w, C, 1.0);
     mnt_fill_normal(b, C, 1.0);
     for (i = 0; i < NV; i++) tgt[i] = (int)(mnt_rand_u64() % V), dl[i] = 1.0f / (float)NV;
-    for (r = 0; r < 2; r++) y[r] = mnt_fvec(nmax), g[r] = mnt_fvec(nmax), pw[r] = mnt_fvec(2 * C);
+    for (r = 0; r < 3; r++) y[r] = mnt_fvec(nmax), g[r] = mnt_fvec(nmax), pw[r] = mnt_fvec(2 * C);
     for (op = 0; op < 5; op++) {
         static const char *const names[] = {"layernorm", "softmax", "gelu", "crossentropy",
                                             "rmsnorm"};
         char what[64];
         size_t cnt = op == 3 ? NV * V : n;
-        for (r = 0; r < 2; r++) {
-            SET_THREADS(r + 1);
+        for (r = 0; r < 3; r++) {
+            SET_THREADS(threads[r]);
             memset(g[r], 0, nmax * sizeof(float));
             for (i = 0; i < 2 * C; i++) pw[r][i] = 0.5f;
             if (op == 0) {
@@ -916,19 +917,20 @@ static void test_thread_invariance_large(void) {
                 mn_rmsnorm_backward(g[r], pw[r], dy, x, w, rstd, N, C);
             }
         }
-        snprintf(what, sizeof what, "%s forward, 1 vs 2 threads", names[op]);
-        EXPECT_SAME(what, y[0], y[1], cnt);
-        snprintf(what, sizeof what, "%s backward, 1 vs 2 threads", names[op]);
-        EXPECT_SAME(what, g[0], g[1], cnt);
-        if (op == 0 || op == 4) {
-            snprintf(what, sizeof what, "%s parameter gradients, 1 vs 2 threads", names[op]);
-            EXPECT_SAME(what, pw[0], pw[1], 2 * C);
+        for (r = 1; r < 3; r++) {
+            snprintf(what, sizeof what, "%s forward, 1 vs %d threads", names[op], threads[r]);
+            EXPECT_SAME(what, y[0], y[r], cnt);
+            snprintf(what, sizeof what, "%s backward, 1 vs %d threads", names[op], threads[r]);
+            EXPECT_SAME(what, g[0], g[r], cnt);
+            snprintf(what, sizeof what, "%s parameter gradients, 1 vs %d threads", names[op],
+                     threads[r]);
+            if (op == 0 || op == 4) EXPECT_SAME(what, pw[0], pw[r], 2 * C);
         }
     }
 #ifdef _OPENMP
     omp_set_num_threads(saved);
 #endif
-    for (r = 0; r < 2; r++) free(y[r]), free(g[r]), free(pw[r]);
+    for (r = 0; r < 3; r++) free(y[r]), free(g[r]), free(pw[r]);
     free(x), free(dy), free(w), free(b), free(loss), free(dl), free(mean), free(rstd), free(tgt);
 }
 #undef SET_THREADS
