@@ -180,7 +180,8 @@ void test_ops_exp_edge_inputs(void) {
                           fabs(gy[j] - want) <= 8.0 * (1.0 + fabs(2.0 * u)) * ulp_at(want) + 1e-38,
                       "gelu(%g) = %.9g, want %.17g", v, gy[j], want);
             CHECK_MSG(isfinite(gd[j]), "gelu'(%g) = %g", v, gd[j]);
-            if (fabs(v) >= 40.0) CHECK_MSG(gd[j] == (v > 0 ? 1.0f : 0.0f), "gelu'(%g) = %g", v, gd[j]);
+            if (fabs(v) >= 40.0)
+                CHECK_MSG(gd[j] == (v > 0 ? 1.0f : 0.0f), "gelu'(%g) = %g", v, gd[j]);
         }
         gy[0] = NAN, gd[0] = 0.0f;
         CHECK_OK(mn_gelu_forward(gy + 1, gy, 1));
