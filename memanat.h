@@ -2265,8 +2265,9 @@ MNDEF mn_result mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t 
 //     every sum runs in a fixed order, so results do not depend on the thread count. Every op
 //     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
 //     their packed tiles on the stack (about 360 KiB per thread).
-//   - exp (softmax, attention, cross-entropy, GELU, SiLU) is computed inline to about 1 ulp so the
-//     loops vectorize; results below ~1e-38 may flush to zero.
+//   - exp (softmax, attention, cross-entropy, GELU, SiLU) is computed inline (after Cephes expf)
+//     so the loops vectorize: within 1.5 ulp of exp over the whole float range (about 1 ulp
+//     measured), subnormal results rounded, not flushed; exp(NaN) is NaN, exp(-inf) is 0.
 
 // Matmul: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC], cache-blocked and register-tiled.
 // pre_gelu: [N,OC] or NULL. Non-NULL selects the fused GELU (tanh) epilogue: pre_gelu receives
@@ -2289,7 +2290,8 @@ MNDEF mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const
                                      const float *weight, const float *bias, size_t N, size_t C,
                                      float eps);
 // dinp[N,C] +=, dweight[C] +=, dbias[C] += (or NULL); dout[N,C], inp[N,C], weight[C],
-// mean[N] and rstd[N] from the forward.
+// mean[N] and rstd[N] from the forward. dweight and dbias take each row's terms in row order
+// (llm.c's order); up to two threads read every row once for all three gradients.
 MNDEF mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                                       const float *inp, const float *weight, const float *mean,
                                       const float *rstd, size_t N, size_t C);
@@ -13110,99 +13112,121 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 #define MN__FMA(a, b, c) ((a) * (b) + (c))
 #endif
 
-// sum_i x[i] in eight lanes, folded in double.
+// The reductions below keep MN__LN independent float lanes (lane l sums the elements i with
+// i % MN__LN == l of the vector part) and fold them at the end. Sixteen lanes are two AVX or one
+// AVX-512 register, or four SSE ones: enough independent adds to hide the add latency, where
+// eight lanes waited on it. The lane count is fixed, not taken from the vector width, so the
+// results are the same on every machine and for every thread count.
+#define MN__LN 16
+
+// sum_i x[i] in MN__LN lanes, folded in double.
 MN__PRIVATE float mn__sum(const float *x, size_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float acc[MN__LN] = {0};
     double s = 0.0;
     size_t i = 0;
     int l;
-    for (; n - i >= 8; i += 8)
-        for (l = 0; l < 8; l++) acc[l] += x[i + l];
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) acc[l] += x[i + l];
     for (; i < n; i++) s += x[i];
-    for (l = 0; l < 8; l++) s += acc[l];
+    for (l = 0; l < MN__LN; l++) s += acc[l];
     return (float)s;
 }
 
-// sum_i x[i] * y[i] in eight lanes, folded pairwise in float.
+// sum_i x[i] * y[i] in MN__LN lanes, folded in double.
 MN__PRIVATE float mn__dot(const float *x, const float *y, size_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s = 0.0f;
-    size_t i = 0;
-    int l;
-    for (; n - i >= 8; i += 8)
-        for (l = 0; l < 8; l++) acc[l] = MN__FMA(x[i + l], y[i + l], acc[l]);
-    for (; i < n; i++) s = MN__FMA(x[i], y[i], s);
-    return s + (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])));
-}
-
-// sum_i (x[i] - m)^2 in eight lanes, folded in double.
-MN__PRIVATE float mn__sumsq_centered(const float *x, float m, size_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float acc[MN__LN] = {0};
     double s = 0.0;
     size_t i = 0;
     int l;
-    for (; n - i >= 8; i += 8)
-        for (l = 0; l < 8; l++) {
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) acc[l] = MN__FMA(x[i + l], y[i + l], acc[l]);
+    for (; i < n; i++) s += (double)x[i] * y[i];
+    for (l = 0; l < MN__LN; l++) s += acc[l];
+    return (float)s;
+}
+
+// sum_i (x[i] - m)^2 in MN__LN lanes, folded in double.
+MN__PRIVATE float mn__sumsq_centered(const float *x, float m, size_t n) {
+    float acc[MN__LN] = {0};
+    double s = 0.0;
+    size_t i = 0;
+    int l;
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) {
             float d = x[i + l] - m;
             acc[l] = MN__FMA(d, d, acc[l]);
         }
     for (; i < n; i++) s += (double)(x[i] - m) * (x[i] - m);
-    for (l = 0; l < 8; l++) s += acc[l];
+    for (l = 0; l < MN__LN; l++) s += acc[l];
     return (float)s;
 }
 
-// max_i scale x[i] in eight lanes (NaN entries are skipped here and propagate through exp later).
+// max_i scale x[i] in MN__LN lanes (NaN entries are skipped here and propagate through exp
+// later).
 MN__PRIVATE float mn__max_scaled(const float *x, float scale, size_t n) {
-    float acc[8], m = -INFINITY;
+    float acc[MN__LN], m = -INFINITY;
     size_t i = 0;
     int l;
-    for (l = 0; l < 8; l++) acc[l] = -INFINITY;
-    for (; n - i >= 8; i += 8)
-        for (l = 0; l < 8; l++) acc[l] = scale * x[i + l] > acc[l] ? scale * x[i + l] : acc[l];
+    for (l = 0; l < MN__LN; l++) acc[l] = -INFINITY;
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) acc[l] = scale * x[i + l] > acc[l] ? scale * x[i + l] : acc[l];
     for (; i < n; i++) m = scale * x[i] > m ? scale * x[i] : m;
-    for (l = 0; l < 8; l++) m = acc[l] > m ? acc[l] : m;
+    for (l = 0; l < MN__LN; l++) m = acc[l] > m ? acc[l] : m;
     return m;
 }
 
-// exp(x) in plain arithmetic that vectorizes (libm's expf is a call per element): x = n ln2 + r
-// with |r| <= ln2/2 (Cody & Waite 1980 two-constant reduction), exp(r) by its Taylor polynomial to
-// r^7 (truncation < 5e-9 relative, so about 1 ulp overall), 2^n built from exponent bits in two
-// halves so that gradual underflow and overflow to inf come out right. NaN stays NaN.
+// exp(x) in plain arithmetic that vectorizes (libm's expf is a call per element), after Cephes
+// expf.c (S. L. Moshier, Cephes Math Library 2.2, single precision): x = n ln2 + r with
+// |r| <= ln2/2 by Cody & Waite's (1980) two-constant reduction (ln2 = 0.693359375 - 2.12194440e-4,
+// the first part exact in 9 bits, so n * C1 is exact for |n| < 2^15), then
+// exp(r) = 1 + r + r^2 P(r) with Cephes' degree-5 minimax P (relative error 4.2e-9 on
+// [-0.5, 0.5] by Cephes' own bound); multiply-adds fused where the hardware has FMA. The scale
+// 2^n is built from exponent bits in two halves, so that gradual underflow (results below
+// 2^-126 come out subnormal, rounded once) and overflow to inf come out right. Measured against
+// double exp over [-104, 89] (test/test_opsmath.c): at most 2 ulp for normal results, NaN stays
+// NaN, exp(-inf) = 0, exp(+inf) = inf.
 MN__INLINE float mn__expf(float x) {
     const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    float xc = x > -104.0f ? (x < 89.0f ? x : 89.0f) : -104.0f;
-    float n = (xc * 1.44269504088896341f + round) - round;
-    float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 +
-              r * (1.0f / 720 + r * (1.0f / 5040)))))));
-    int32_t ni = (int32_t)n, h = ni / 2;
-    uint32_t b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
-    float s1, s2;
+    float xc = x < 89.0f ? x : 89.0f, n, r, p, s1, s2;  // NaN becomes 89 (restored at the end)
+    int32_t ni, h;
+    uint32_t b1, b2;
+    xc = xc > -104.0f ? xc : -104.0f;
+    n = (xc * 1.44269504088896341f + round) - round;
+    r = MN__FMA(n, 2.12194440e-4f, MN__FMA(n, -0.693359375f, xc));
+    ni = (int32_t)n, h = (int32_t)(n * 0.5f);  // h = ni / 2, in the float unit
+    b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
+    p = MN__FMA(r, 1.9875691500e-4f, 1.3981999507e-3f);
+    p = MN__FMA(p, r, 8.3334519073e-3f);
+    p = MN__FMA(p, r, 4.1665795894e-2f);
+    p = MN__FMA(p, r, 1.6666665459e-1f);
+    p = MN__FMA(p, r, 5.0000001201e-1f);
+    p = MN__FMA(p, r * r, r) + 1.0f;
     memcpy(&s1, &b1, sizeof s1);
     memcpy(&s2, &b2, sizeof s2);
     return x == x ? p * s1 * s2 : x;
 }
 
-// sum_i exp(x[i] - m) in eight lanes, folded in double.
+// sum_i exp(x[i] - m) in MN__LN lanes, folded in double.
 MN__PRIVATE double mn__sumexp(const float *x, float m, size_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float acc[MN__LN] = {0};
     double s = 0.0;
     size_t i = 0;
     int l;
-    for (; n - i >= 8; i += 8)
-        for (l = 0; l < 8; l++) acc[l] += mn__expf(x[i + l] - m);
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) acc[l] += mn__expf(x[i + l] - m);
     for (; i < n; i++) s += mn__expf(x[i] - m);
-    for (l = 0; l < 8; l++) s += acc[l];
+    for (l = 0; l < MN__LN; l++) s += acc[l];
     return s;
 }
 
-// y[i] = exp(scale x[i] - m) and their sum (eight lanes, folded in double) in one pass.
+// y[i] = exp(scale x[i] - m) and their sum (MN__LN lanes, folded in double) in one pass.
 MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, float m, size_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float acc[MN__LN] = {0};
     double s = 0.0;
     size_t i = 0;
     int l;
-    for (; n - i >= 8; i += 8)
-        for (l = 0; l < 8; l++) {
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) {
             y[i + l] = mn__expf(scale * x[i + l] - m);
             acc[l] += y[i + l];
         }
@@ -13210,7 +13234,7 @@ MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, floa
         y[i] = mn__expf(scale * x[i] - m);
         s += y[i];
     }
-    for (l = 0; l < 8; l++) s += acc[l];
+    for (l = 0; l < MN__LN; l++) s += acc[l];
     return s;
 }
 
@@ -13484,19 +13508,27 @@ MN__PRIVATE void mn__gemm_acc(float *c, size_t ldc, const float *a, size_t a_rs,
 
 // GELU tanh approximation, Hendrycks & Gimpel 2016 (llm.c train_gpt2.c gelu_forward):
 // 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as x sigmoid(2u) (the same
-// function: 0.5 (1 + tanh u) = sigmoid(2u)) so that no 1 + tanh cancels for negative x.
+// function: 0.5 (1 + tanh u) = sigmoid(2u)), so no tanh is needed and no 1 + tanh cancels for
+// negative x. One exp of a non-positive argument serves both signs: with e = exp(-2|u|) in (0, 1]
+// and d = 1 / (1 + e), sigmoid(2u) = d for u >= 0 and e d for u < 0 (nothing overflows, and the
+// loop has one exp and one division per element).
 MN__INLINE float mn__gelu(float x) {
     float u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
-    return x / (1.0f + mn__expf(-2.0f * u));
+    float e = mn__expf(-2.0f * fabsf(u)), d = 1.0f / (1.0f + e);
+    return x * (u >= 0.0f ? d : e * d);
 }
 
 // d/dx of the above (llm.c gelu_backward): 0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi)
-// (1 + 3 a x^2), with s = sigmoid(2u): 0.5 (1 + tanh u) = s and sech^2(u) = 4 s (1 - s);
-// 1 - s = sigmoid(-2u) is evaluated directly, not by a cancelling subtraction.
+// (1 + 3 a x^2), with s = sigmoid(2u): 0.5 (1 + tanh u) = s and sech^2(u) = 4 s (1 - s).
+// With e and d as above, {s, 1 - s} = {d, e d} (1 - s = sigmoid(-2u), no cancelling
+// subtraction), so s (1 - s) = e d^2 for either sign of u. The second term's polynomial takes x
+// clamped to [-20, 20]: past |x| ~ 12 its factor e d^2 is exactly 0 (exp of below -104), and the
+// clamp keeps x^2 from overflowing to inf there (0 * inf would make the derivative NaN).
 MN__INLINE float mn__gelu_grad(float x) {
     float u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
-    float s = 1.0f / (1.0f + mn__expf(-2.0f * u)), sm = 1.0f / (1.0f + mn__expf(2.0f * u));
-    return s + 2.0f * x * s * sm * MN__GELU_S * (1.0f + 3.0f * MN__GELU_A * x * x);
+    float e = mn__expf(-2.0f * fabsf(u)), d = 1.0f / (1.0f + e), ed = e * d;
+    float s = u >= 0.0f ? d : ed, xc = x > -20.0f ? (x < 20.0f ? x : 20.0f) : -20.0f;
+    return s + 2.0f * xc * (ed * d) * MN__GELU_S * (1.0f + 3.0f * MN__GELU_A * xc * xc);
 }
 
 // Argument checks of the ops: an array that is needed must not be NULL, a width that divides
@@ -13619,54 +13651,85 @@ MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, cons
     return MN_OK;
 }
 
+// One row of the layernorm backward: dx += r (g - mean(g) - xh mean(g xh)), g = w dy,
+// xh = (x - m) r, the two means from MN__LN float lanes folded in double.
+MN__PRIVATE void mn__layernorm_dx_row(float *dx, const float *dy, const float *x, const float *w,
+                                      float m, float r, size_t C) {
+    float ag[MN__LN] = {0}, agx[MN__LN] = {0}, gm, gxm;
+    double sg = 0.0, sgx = 0.0;
+    size_t i = 0;
+    int l;
+    for (; C - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) {
+            float g = w[i + l] * dy[i + l], xh = (x[i + l] - m) * r;
+            ag[l] += g;
+            agx[l] = MN__FMA(g, xh, agx[l]);
+        }
+    for (; i < C; i++) {
+        float g = w[i] * dy[i];
+        sg += g;
+        sgx += (double)g * ((x[i] - m) * r);
+    }
+    for (l = 0; l < MN__LN; l++) sg += ag[l], sgx += agx[l];
+    gm = (float)(sg / (double)C), gxm = (float)(sgx / (double)C);
+    for (i = 0; i < C; i++) {
+        float g = w[i] * dy[i], xh = (x[i] - m) * r;  // g and xh rounded as in the sums
+        dx[i] += r * (g - gm - xh * gxm);
+    }
+}
+
+// One row's share of the parameter gradients over columns [c0, c1), added straight into dweight
+// and dbias as llm.c's layernorm_backward does: every column sums its rows in row order, whichever
+// loop (fused with the row above, or by column blocks) runs it, so the bits are the same.
+MN__PRIVATE void mn__layernorm_dwb_row(float *dweight, float *dbias, const float *dy,
+                                       const float *x, float m, float r, size_t c0, size_t c1) {
+    size_t i;
+    if (dweight)
+        for (i = c0; i < c1; i++) dweight[i] += dy[i] * ((x[i] - m) * r);
+    if (dbias)
+        for (i = c0; i < c1; i++) dbias[i] += dy[i];
+}
+
 MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                                        const float *inp, const float *weight, const float *mean,
                                        const float *rstd, size_t N, size_t C) {
     // xh = (x - mu) r, g = w dy; dx += r (g - mean(g) - xh mean(g xh));
     // dw += sum_n dy xh, db += sum_n dy (llm.c train_gpt2.c layernorm_backward).
-    size_t n, blk, nblk = (C + 63) / 64;
+    size_t n, part;
+    int team = 1;
     if (!dout || !inp || !mean || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
         return MN_ERR_INVALID_ARG;
-    if (dinp) {
-        MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
+#ifdef _OPENMP
+    team = mn__omp_team((uint64_t)N * C, MN__OMP_MIN_ELEMS);
+#endif
+    // One row at a time on one thread, while the row is in cache, for dinp and the parameters
+    // (dout and inp read once from memory). A team reads them twice (rows for dinp, then columns
+    // for the parameters): 1.5x the bytes, so two threads gain at best 1.33x on an idle machine
+    // (and lost 3x to one thread on a loaded one); a team starts from three threads.
+    if (team <= 2) {
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
-            float *dx = dinp + n * C;
-            float m = mean[n], r = rstd[n];
-            double sg = 0.0, sgx = 0.0;
-            float gm, gxm;
-            size_t i;
-            for (i = 0; i < C; i++) {
-                float g = weight[i] * dy[i];
-                sg += g;
-                sgx += (double)g * ((x[i] - m) * r);
-            }
-            gm = (float)(sg / (double)C), gxm = (float)(sgx / (double)C);
-            for (i = 0; i < C; i++) {
-                float g = weight[i] * dy[i], xh = (x[i] - m) * r;  // g rounded as in the sums
-                dx[i] += r * (g - gm - xh * gxm);
-            }
+            if (dinp) mn__layernorm_dx_row(dinp + n * C, dy, x, weight, mean[n], rstd[n], C);
+            mn__layernorm_dwb_row(dweight, dbias, dy, x, mean[n], rstd[n], 0, C);
         }
+        return MN_OK;
+    }
+    if (dinp) {
+        MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
+        for (n = 0; n < N; n++)
+            mn__layernorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, mean[n], rstd[n],
+                                 C);
     }
     if (!dweight && !dbias) return MN_OK;
-    // parameter gradients: columns in blocks of 64 per thread, rows summed in order
+    // parameter gradients: one contiguous range of columns per thread (long runs of each row,
+    // which the prefetcher follows), rows summed in order
     MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
-    for (blk = 0; blk < nblk; blk++) {
-        size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
-        float aw[64], ab[64];
-        for (i = c0; i < c1; i++) aw[i - c0] = 0.0f, ab[i - c0] = 0.0f;
-        for (r = 0; r < N; r++) {
-            const float *x = inp + r * C, *dy = dout + r * C;
-            float m = mean[r], s = rstd[r];
-            for (i = c0; i < c1; i++) {
-                aw[i - c0] += dy[i] * ((x[i] - m) * s);
-                ab[i - c0] += dy[i];
-            }
-        }
-        for (i = c0; i < c1; i++) {
-            if (dweight) dweight[i] += aw[i - c0];
-            if (dbias) dbias[i] += ab[i - c0];
-        }
+    for (part = 0; part < (size_t)team; part++) {
+        size_t c0 = C / (size_t)team * part, c1 = C / (size_t)team * (part + 1), r;
+        if (part + 1 == (size_t)team) c1 = C;
+        for (r = 0; r < N; r++)
+            mn__layernorm_dwb_row(dweight, dbias, dout + r * C, inp + r * C, mean[r], rstd[r], c0,
+                                  c1);
     }
     return MN_OK;
 }
@@ -13689,42 +13752,68 @@ MNIMPL mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, c
     return MN_OK;
 }
 
+// One row of the RMSNorm backward: dx += r (g - xh mean(g xh)), g = w dy, xh = x r, the mean
+// from MN__LN float lanes folded in double.
+MN__PRIVATE void mn__rmsnorm_dx_row(float *dx, const float *dy, const float *x, const float *w,
+                                    float r, size_t C) {
+    float agx[MN__LN] = {0}, gxm;
+    double sgx = 0.0;
+    size_t i = 0;
+    int l;
+    for (; C - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN; l++) agx[l] = MN__FMA(w[i + l] * dy[i + l], x[i + l] * r, agx[l]);
+    for (; i < C; i++) sgx += (double)(w[i] * dy[i]) * (x[i] * r);
+    for (l = 0; l < MN__LN; l++) sgx += agx[l];
+    gxm = (float)(sgx / (double)C);
+    for (i = 0; i < C; i++) {
+        float g = w[i] * dy[i];
+        dx[i] += r * (g - (x[i] * r) * gxm);
+    }
+}
+
+// One row's share of dweight over columns [c0, c1), added straight in, rows in order (as
+// mn__layernorm_dwb_row).
+MN__PRIVATE void mn__rmsnorm_dw_row(float *dweight, const float *dy, const float *x, float r,
+                                    size_t c0, size_t c1) {
+    size_t i;
+    for (i = c0; i < c1; i++) dweight[i] += dy[i] * (x[i] * r);
+}
+
 MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
                                      const float *inp, const float *weight, const float *rstd,
                                      size_t N, size_t C) {
     // xh = x r, g = w dy; dx += r (g - xh mean(g xh)); dw += sum_n dy xh
     // (the layernorm backward without the mean terms; derivation in Zhang & Sennrich 2019).
-    size_t n, blk, nblk = (C + 63) / 64;
+    // One pass over the rows for both gradients; with three or more threads, rows for dinp, then
+    // one contiguous column range per thread for dweight (the same order per column, so the same
+    // bits).
+    size_t n, part;
+    int team = 1;
     if (!dout || !inp || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
         return MN_ERR_INVALID_ARG;
+#ifdef _OPENMP
+    team = mn__omp_team((uint64_t)N * C, MN__OMP_MIN_ELEMS);
+#endif
+    if (team <= 2) {  // one thread, one pass (the threshold of mn_layernorm_backward)
+        for (n = 0; n < N; n++) {
+            if (dinp)
+                mn__rmsnorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);
+            if (dweight) mn__rmsnorm_dw_row(dweight, dout + n * C, inp + n * C, rstd[n], 0, C);
+        }
+        return MN_OK;
+    }
     if (dinp) {
         MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
-        for (n = 0; n < N; n++) {
-            const float *x = inp + n * C, *dy = dout + n * C;
-            float *dx = dinp + n * C;
-            float r = rstd[n], gxm;
-            double sgx = 0.0;
-            size_t i;
-            for (i = 0; i < C; i++) sgx += (double)(weight[i] * dy[i]) * (x[i] * r);
-            gxm = (float)(sgx / (double)C);
-            for (i = 0; i < C; i++) {
-                float g = weight[i] * dy[i];
-                dx[i] += r * (g - (x[i] * r) * gxm);
-            }
-        }
+        for (n = 0; n < N; n++)
+            mn__rmsnorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);
     }
     if (!dweight) return MN_OK;
     MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
-    for (blk = 0; blk < nblk; blk++) {
-        size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, r;
-        float aw[64];
-        for (i = c0; i < c1; i++) aw[i - c0] = 0.0f;
-        for (r = 0; r < N; r++) {
-            const float *x = inp + r * C, *dy = dout + r * C;
-            float s = rstd[r];
-            for (i = c0; i < c1; i++) aw[i - c0] += dy[i] * (x[i] * s);
-        }
-        for (i = c0; i < c1; i++) dweight[i] += aw[i - c0];
+    for (part = 0; part < (size_t)team; part++) {
+        size_t c0 = C / (size_t)team * part, c1 = C / (size_t)team * (part + 1), r;
+        if (part + 1 == (size_t)team) c1 = C;
+        for (r = 0; r < N; r++)
+            mn__rmsnorm_dw_row(dweight, dout + r * C, inp + r * C, rstd[r], c0, c1);
     }
     return MN_OK;
 }

@@ -194,6 +194,24 @@ static void w_ce(void *a) {
     opw *k = (opw *)a;
     mn_crossentropy_forward(k->mean, k->out, k->inp, k->tok, k->N, k->V);
 }
+// The backward rows reuse the forward rows' buffers (only the time matters): dout from p, the
+// gradients accumulate into g (out for the cross-entropy's [256, V] dlogits, with probs from inp).
+static void w_ln_bwd(void *a) {
+    opw *k = (opw *)a;
+    mn_layernorm_backward(k->g, k->dw, k->db, k->p, k->inp, k->w, k->mean, k->rstd, k->N, k->C);
+}
+static void w_sm_bwd(void *a) {
+    opw *k = (opw *)a;
+    mn_softmax_backward(k->g, k->p, k->out, k->N, k->C, 1.0f, 0);
+}
+static void w_gelu_bwd(void *a) {
+    opw *k = (opw *)a;
+    mn_gelu_backward(k->g, k->p, k->inp, k->N * k->C);
+}
+static void w_ce_bwd(void *a) {
+    opw *k = (opw *)a;
+    mn_crossentropy_backward(k->out, k->rstd, k->inp, NULL, k->tok, k->N, k->V);
+}
 static void w_emb(void *a) {
     opw *k = (opw *)a;
     mn_embedding_forward(k->out, k->tok, k->inp, k->w, k->B, k->T, k->C, k->V);
@@ -430,11 +448,15 @@ int main(int argc, char **argv) {
     k.N = 8 * 1024, k.C = 768;
     snprintf(shape, sizeof shape, "%zux%zu", k.N, k.C);
     mem_row("layernorm fwd", shape, &k, w_ln, 8.0 * (double)n, 0);
+    mem_row("layernorm bwd", shape, &k, w_ln_bwd, 16.0 * (double)n, 0);
     mem_row("softmax fwd", shape, &k, w_sm, 8.0 * (double)n, 0);
+    mem_row("softmax bwd", shape, &k, w_sm_bwd, 16.0 * (double)n, 0);
     mem_row("gelu fwd", shape, &k, w_gelu, 8.0 * (double)n, 0);
+    mem_row("gelu bwd", shape, &k, w_gelu_bwd, 16.0 * (double)n, 0);
     k.N = 256, k.V = 50257;
     snprintf(shape, sizeof shape, "%zux%zu", k.N, k.V);
     mem_row("crossentropy fwd", shape, &k, w_ce, 8.0 * (double)(k.N * k.V), 0);
+    mem_row("crossentropy bwd", shape, &k, w_ce_bwd, 12.0 * (double)(k.N * k.V), 0);
     k.N = 8 * 1024, k.C = 768, k.B = 8, k.T = 1024;
     snprintf(shape, sizeof shape, "%zux%zux%zu", k.B, k.T, k.C);
     mem_row("embedding fwd", shape, &k, w_emb, 12.0 * (double)n, 0);
@@ -468,6 +490,9 @@ int main(int argc, char **argv) {
     thr_rows("layernorm fwd", "256x64", &k, w_ln);
     k.N = 8 * 1024, k.C = 768;
     thr_rows("layernorm fwd", "8192x768", &k, w_ln);
+    thr_rows("layernorm bwd", "8192x768", &k, w_ln_bwd);
+    thr_rows("softmax fwd", "8192x768", &k, w_sm);
+    thr_rows("gelu bwd", "8192x768", &k, w_gelu_bwd);
     thr_rows("adamw", "6291456 params", &k, w_adamw);
 
     alloc_rows();

@@ -865,6 +865,74 @@ static void test_thread_invariance(void) {
     free(x), free(w);
     for (r = 0; r < 2; r++) free(out[r]), free(g[r]), free(d[r]);
 }
+// The row-wise and element-wise ops at sizes where teams form (N * C above four times
+// MN__OMP_MIN_ELEMS): one thread, two and four give the same bits (four: the layernorm and
+// RMSNorm backwards then take their team path, rows then columns; up to two threads, one pass).
+// The shapes are drawn fresh; C is odd so rows end in a scalar tail.
+static void test_thread_invariance_large(void) {
+    size_t C = 2 * (200 + mnt_rand_u64() % 200) + 1, N = 1100000 / C + 1, n = N * C, V = 50257;
+    size_t NV = n / V + 1, nmax = NV * V > n ? NV * V : n;
+    float *x = mnt_fvec(nmax), *dy = mnt_fvec(nmax), *w = mnt_fvec(C), *b = mnt_fvec(C);
+    float *y[3], *g[3], *pw[3], *loss = mnt_fvec(NV), *dl = mnt_fvec(NV), *mean = mnt_fvec(N);
+    float *rstd = mnt_fvec(N);
+    int *tgt = (int *)calloc(NV, sizeof(int)), r, op;
+    static const int threads[3] = {1, 2, 4};
+    size_t i;
+#ifdef _OPENMP
+    int saved = omp_get_max_threads();
+#endif
+    if (!tgt) {
+        mnt_fail(__FILE__, __LINE__, "out of memory");
+        return;
+    }
+    mnt_fill_normal(x, nmax, 2.0);
+    mnt_fill_normal(dy, nmax, 1.0);
+    mnt_fill_normal(w, C, 1.0);
+    mnt_fill_normal(b, C, 1.0);
+    for (i = 0; i < NV; i++) tgt[i] = (int)(mnt_rand_u64() % V), dl[i] = 1.0f / (float)NV;
+    for (r = 0; r < 3; r++) y[r] = mnt_fvec(nmax), g[r] = mnt_fvec(nmax), pw[r] = mnt_fvec(2 * C);
+    for (op = 0; op < 5; op++) {
+        static const char *const names[] = {"layernorm", "softmax", "gelu", "crossentropy",
+                                            "rmsnorm"};
+        char what[64];
+        size_t cnt = op == 3 ? NV * V : n;
+        for (r = 0; r < 3; r++) {
+            SET_THREADS(threads[r]);
+            memset(g[r], 0, nmax * sizeof(float));
+            for (i = 0; i < 2 * C; i++) pw[r][i] = 0.5f;
+            if (op == 0) {
+                mn_layernorm_forward(y[r], mean, rstd, x, w, b, N, C, 1e-5f);
+                mn_layernorm_backward(g[r], pw[r], pw[r] + C, dy, x, w, mean, rstd, N, C);
+            } else if (op == 1) {
+                mn_softmax_forward(y[r], x, N, C, 0.3f, 0);
+                mn_softmax_backward(g[r], dy, y[r], N, C, 0.3f, 0);
+            } else if (op == 2) {
+                mn_gelu_forward(y[r], x, n);
+                mn_gelu_backward(g[r], dy, x, n);
+            } else if (op == 3) {
+                mn_crossentropy_forward(loss, y[r], x, tgt, NV, V);
+                mn_crossentropy_backward(g[r], dl, NULL, x, tgt, NV, V);
+            } else {
+                mn_rmsnorm_forward(y[r], rstd, x, w, N, C, 1e-5f);
+                mn_rmsnorm_backward(g[r], pw[r], dy, x, w, rstd, N, C);
+            }
+        }
+        for (r = 1; r < 3; r++) {
+            snprintf(what, sizeof what, "%s forward, 1 vs %d threads", names[op], threads[r]);
+            EXPECT_SAME(what, y[0], y[r], cnt);
+            snprintf(what, sizeof what, "%s backward, 1 vs %d threads", names[op], threads[r]);
+            EXPECT_SAME(what, g[0], g[r], cnt);
+            snprintf(what, sizeof what, "%s parameter gradients, 1 vs %d threads", names[op],
+                     threads[r]);
+            if (op == 0 || op == 4) EXPECT_SAME(what, pw[0], pw[r], 2 * C);
+        }
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(saved);
+#endif
+    for (r = 0; r < 3; r++) free(y[r]), free(g[r]), free(pw[r]);
+    free(x), free(dy), free(w), free(b), free(loss), free(dl), free(mean), free(rstd), free(tgt);
+}
 #undef SET_THREADS
 
 // Bad arguments: every op refuses with MN_ERR_INVALID_ARG and leaves its outputs untouched;
@@ -939,6 +1007,10 @@ static void test_bad_arguments(void) {
     free(x), free(w), free(y), free(m), free(r), free(keep), free(h);
 }
 
+// In test/test_opsmath.c (the inline math of the ops, against libm in double).
+void test_ops_expf_range(void);
+void test_ops_exp_edge_inputs(void);
+
 const mnt_case test_ops_cases[] = {
     {"matmul", test_matmul},
     {"matmul_gelu_epilogue", test_matmul_gelu},
@@ -950,11 +1022,14 @@ const mnt_case test_ops_cases[] = {
     {"attention", test_attention},
     {"elementwise", test_elementwise},
     {"activation_grid", test_activation_grid},
+    {"expf_range", test_ops_expf_range},
+    {"exp_edge_inputs", test_ops_exp_edge_inputs},
     {"embedding", test_embedding},
     {"crossentropy", test_crossentropy},
     {"philox_known_answers", test_philox},
     {"dropout", test_dropout},
     {"thread_count_invariance", test_thread_invariance},
+    {"thread_count_invariance_large", test_thread_invariance_large},
     {"bad_arguments", test_bad_arguments},
 };
 const size_t test_ops_count = sizeof test_ops_cases / sizeof test_ops_cases[0];
