@@ -19,9 +19,10 @@
 //   MEMANAT_NO_THREADS     build the caching allocator without its mutex (one thread per cache)
 //   MEMANAT_NO_SIMD        the matmul register tile in plain C instead of GCC/clang vector
 //                          extensions (slower; the tests pass either way)
-//   MEMANAT_CBLAS          mn_matmul_forward and mn_matmul_backward call cblas_sgemm of any CBLAS
-//                          (OpenBLAS, MKL, BLIS, ...) instead of the native kernel: put cblas.h
-//                          on the include path and link the library (e.g. -lopenblas). Results
+//   MEMANAT_CBLAS          mn_matmul_forward and mn_matmul_backward (and the _typed forms with
+//                          fp32 operands; 16-bit ones keep the native kernel) call cblas_sgemm of
+//                          any CBLAS (OpenBLAS, MKL, BLIS, ...) instead of the native kernel: put
+//                          cblas.h on the include path and link the library (e.g. -lopenblas). Results
 //                          then follow that library (its threads, its order of summation).
 //                          Nothing else uses it; without it the header needs no BLAS.
 // Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops.
