@@ -19,9 +19,10 @@
 //   MEMANAT_NO_THREADS     build the caching allocator without its mutex (one thread per cache)
 //   MEMANAT_NO_SIMD        the matmul register tile in plain C instead of GCC/clang vector
 //                          extensions (slower; the tests pass either way)
-//   MEMANAT_CBLAS          mn_matmul_forward and mn_matmul_backward call cblas_sgemm of any CBLAS
-//                          (OpenBLAS, MKL, BLIS, ...) instead of the native kernel: put cblas.h
-//                          on the include path and link the library (e.g. -lopenblas). Results
+//   MEMANAT_CBLAS          mn_matmul_forward and mn_matmul_backward (and the _typed forms with
+//                          fp32 operands; 16-bit ones keep the native kernel) call cblas_sgemm of
+//                          any CBLAS (OpenBLAS, MKL, BLIS, ...) instead of the native kernel: put
+//                          cblas.h on the include path and link the library (e.g. -lopenblas). Results
 //                          then follow that library (its threads, its order of summation).
 //                          Nothing else uses it; without it the header needs no BLAS.
 // Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops.
@@ -2282,6 +2283,19 @@ MNDEF mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp,
 MNDEF mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
                                    const float *inp, const float *weight, const float *pre_gelu,
                                    size_t N, size_t C, size_t OC);
+// The same two with inp and weight stored as dtype: MN_FP16 or MN_BF16 (uint16_t arrays), or
+// MN_FP32 / 0 (float arrays: the calls above). Each value is converted to fp32 exactly as the
+// operands are packed and the products sum in fp32, so the results are bit for bit those of the
+// fp32 calls on the converted arrays (mn_bf16_to_fp32_array, ...), without a converted copy.
+// out, pre_gelu, bias, dout and every gradient stay fp32. Another dtype: MN_ERR_INVALID_ARG.
+// MEMANAT_CBLAS serves only the fp32 form; 16-bit operands always take the native kernel.
+MNDEF mn_result mn_matmul_forward_typed(float *out, float *pre_gelu, const void *inp,
+                                        const void *weight, const float *bias, size_t N, size_t C,
+                                        size_t OC, mn_dtype dtype);
+MNDEF mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *dbias, float *dout,
+                                         const void *inp, const void *weight,
+                                         const float *pre_gelu, size_t N, size_t C, size_t OC,
+                                         mn_dtype dtype);
 
 // LayerNorm over the last dimension (Ba, Kiros & Hinton 2016), biased variance, eps e.g. 1e-5.
 // out[N,C], mean[N] and rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C],
@@ -13289,15 +13303,46 @@ typedef float mn__vf __attribute__((vector_size(MN__VW * sizeof(float))));
 #define MN__CONTRACT
 #endif
 
+// a_dt, b_dt: how A and B are stored: 0 (or MN_FP32) float, MN_FP16 or MN_BF16 uint16_t. A
+// 16-bit operand is converted to fp32 (exactly) while it is packed: the register tile only ever
+// reads fp32, so the sums are those of the fp32 product on the converted values, bit for bit.
 typedef struct mn__gemm {
     float *c;
     size_t ldc;
-    const float *a;
+    const void *a;
     size_t a_rs, a_cs;
-    const float *b;
+    const void *b;
     size_t b_rs, b_cs;
     size_t M, NC, K;
+    mn_dtype a_dt, b_dt;
 } mn__gemm;
+
+// A 16-bit operand (a dtype other than 0 and MN_FP32).
+MN__INLINE int mn__gemm_is16(mn_dtype dt) { return dt != MN_DTYPE_DEFAULT && dt != MN_FP32; }
+
+// Element i of an operand stored as dt, in fp32 (the slow path of odd strides and edges).
+MN__INLINE float mn__gemm_ld(const void *p, mn_dtype dt, size_t i) {
+    if (!mn__gemm_is16(dt)) return ((const float *)p)[i];
+    if (dt == MN_BF16) return mn__bf16_to_fp32_flat(((const uint16_t *)p)[i]);
+    return mn__fp16_to_fp32_flat(((const uint16_t *)p)[i]);
+}
+
+// x[0..n) = src[0..n) converted from the 16-bit dt (a contiguous run: one loop per type, so that
+// the compiler vectorizes it; bf16 is a shift, fp16 a few integer operations and selects).
+// With F16C, fp16 goes eight at a time through vcvtph2ps, which gives the same bits (exact, and a
+// signaling NaN comes out quiet with its payload, as mn_fp16_to_fp32 does).
+MN__PRIVATE void mn__gemm_cvt(float *x, const uint16_t *src, size_t n, mn_dtype dt) {
+    size_t i = 0;
+    if (dt == MN_BF16) {
+        for (; i < n; i++) x[i] = mn__bf16_to_fp32_flat(src[i]);
+        return;
+    }
+#if MN__OV && defined(__F16C__)
+    for (; n - i >= 8; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) x[i] = mn__fp16_to_fp32_flat(src[i]);
+}
 
 // Register tile: acc = sum_k A(0..MR, k) (outer) bp[k][0..NR), then c += acc on the valid part
 // (mr rows, nr columns). A(m, k) = ap[m*ars + k*acs]: a packed tile (ars 1, acs MR) or MR rows
@@ -13318,6 +13363,11 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     for (m = 0; m < MN__MR; m++) acc0[m] = zero, acc1[m] = zero;
     for (k = 0; k < kc; k++) {
         const float *av = ap + (size_t)k * acs, *bv = bp + (size_t)k * MN__NR;
+        // A read in place along k with a stride (the weight gradient's transposed A: each k a
+        // line of its own, OC floats apart) is asked for eight k ahead: the hardware prefetcher
+        // does not follow a stride across pages (+4 to 8 % on GPT-2's qkv weight gradient in
+        // alternated runs; a line already in cache, as for rows read along k, costs one load).
+        __builtin_prefetch(av + 8 * acs);
         memcpy(&b0, bv, sizeof b0);
         memcpy(&b1, bv + MN__VW, sizeof b1);
         // the row loop written out, so that -O2 keeps the accumulators in registers too
@@ -13354,47 +13404,69 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
 // which stay in L1 (a column at a time through all of k wrote one float per line and row).
 MN__PRIVATE void mn__gemm_pack_b(const mn__gemm *g, float *bpack, size_t k0, int kc, size_t j0,
                                  int jb, int p) {
-    float *dst = bpack + (size_t)p * MN__KC * MN__NR;
+    float *dst = bpack + (size_t)p * MN__KC * MN__NR, t[8];
     int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR, jj, k, q, qn;
-    const float *src = g->b + k0 * g->b_rs + (j0 + (size_t)p * MN__NR) * g->b_cs;
+    size_t off = k0 * g->b_rs + (j0 + (size_t)p * MN__NR) * g->b_cs;
+    const float *src = (const float *)g->b + off;
+    const uint16_t *h = (const uint16_t *)g->b + off;
+    int is16 = mn__gemm_is16(g->b_dt);
     if (jn < MN__NR) memset(dst, 0, (size_t)kc * MN__NR * sizeof(float));
     if (g->b_cs == 1) {
-        for (k = 0; k < kc; k++)
-            memcpy(dst + (size_t)k * MN__NR, src + (size_t)k * g->b_rs, (size_t)jn * sizeof(float));
+        for (k = 0; k < kc; k++) {
+            if (is16) mn__gemm_cvt(dst + (size_t)k * MN__NR, h + (size_t)k * g->b_rs, (size_t)jn,
+                                   g->b_dt);
+            else memcpy(dst + (size_t)k * MN__NR, src + (size_t)k * g->b_rs,
+                        (size_t)jn * sizeof(float));
+        }
         return;
     }
     for (k = 0; k < kc; k += 8) {
         qn = kc - k < 8 ? kc - k : 8;
         for (jj = 0; jj < jn; jj++) {
-            const float *col = src + (size_t)jj * g->b_cs + (size_t)k * g->b_rs;
+            size_t at = (size_t)jj * g->b_cs + (size_t)k * g->b_rs;
+            const float *col = src + at;
             float *d = dst + (size_t)k * MN__NR + jj;
             if (qn == 8 && g->b_rs == 1) {
+                if (is16) mn__gemm_cvt(t, h + at, 8, g->b_dt), col = t;
                 d[0] = col[0], d[MN__NR] = col[1], d[2 * MN__NR] = col[2];
                 d[3 * MN__NR] = col[3], d[4 * MN__NR] = col[4], d[5 * MN__NR] = col[5];
                 d[6 * MN__NR] = col[6], d[7 * MN__NR] = col[7];
             } else {
-                for (q = 0; q < qn; q++) d[(size_t)q * MN__NR] = col[(size_t)q * g->b_rs];
+                for (q = 0; q < qn; q++)
+                    d[(size_t)q * MN__NR] =
+                        mn__gemm_ld(g->b, g->b_dt, off + at + (size_t)q * g->b_rs);
             }
         }
     }
 }
 
 // Rows [m0, m0+mb) of c against a packed B slice (k0.., j0..) of kc x jb: c += A B on that part.
-// A strips of MR rows are read in place when full and either index of A is contiguous (rows of
-// A for the forward and input-gradient products, columns of A for the weight gradient: MR
-// floats per k); a partial strip (or a matrix with neither stride 1) is packed as [k][MR], rows
-// past the end repeating the last row (their sums are discarded).
+// A full fp32 strip of MR rows is read in place when either index of A is contiguous (rows of A
+// for the forward and input-gradient products, columns of A for the weight gradient: MR floats
+// per k). Copying the weight gradient's strips to [k][MR] first measured slower (about 10 %):
+// the copy waits for kc lines from L3 that the tile, reading in place, overlaps with its FMAs.
+// A 16-bit strip with contiguous rows is converted row by row to [MR][kc] (runs the compiler
+// vectorizes), then read like rows in place. A partial strip (or a matrix with neither stride
+// 1) is packed as [k][MR] one value at a time; rows past the end repeat the last row (their sums
+// are discarded).
 MN__PRIVATE void mn__gemm_rows(const mn__gemm *g, const float *bpack, size_t k0, int kc, size_t j0,
                                int jb, size_t m0, int mb) {
     float apack[MN__KC * MN__MR];
-    int npanel = (jb + MN__NR - 1) / MN__NR, p, i, k, m;
+    int npanel = (jb + MN__NR - 1) / MN__NR, p, i, k, m, is16 = mn__gemm_is16(g->a_dt);
     for (i = 0; i < mb; i += MN__MR) {
         int mr = mb - i < MN__MR ? mb - i : MN__MR;
-        const float *src = g->a + (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs, *ap = apack;
+        size_t off = (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs;
+        const float *src = (const float *)g->a + off, *ap = apack;
         size_t ars = 1, acs = MN__MR;
-        if (mr == MN__MR && (g->a_cs == 1 || g->a_rs == 1)) {
+        if (!is16 && mr == MN__MR && (g->a_cs == 1 || g->a_rs == 1)) {
             ap = src, ars = g->a_rs, acs = g->a_cs;
-        } else if (g->a_cs == 1) {  // rows of A are contiguous
+        } else if (is16 && g->a_cs == 1) {
+            for (m = 0; m < MN__MR; m++)
+                mn__gemm_cvt(apack + (size_t)m * (size_t)kc,
+                             (const uint16_t *)g->a + off + (size_t)(m < mr ? m : mr - 1) * g->a_rs,
+                             (size_t)kc, g->a_dt);
+            ars = (size_t)kc, acs = 1;
+        } else if (!is16 && g->a_cs == 1) {  // rows of A are contiguous
             for (m = 0; m < MN__MR; m++) {
                 const float *row = src + (size_t)(m < mr ? m : mr - 1) * g->a_rs;
                 for (k = 0; k < kc; k++) apack[(size_t)k * MN__MR + m] = row[k];
@@ -13402,8 +13474,9 @@ MN__PRIVATE void mn__gemm_rows(const mn__gemm *g, const float *bpack, size_t k0,
         } else {
             for (k = 0; k < kc; k++)
                 for (m = 0; m < MN__MR; m++)
-                    apack[(size_t)k * MN__MR + m] =
-                        src[(size_t)k * g->a_cs + (size_t)(m < mr ? m : mr - 1) * g->a_rs];
+                    apack[(size_t)k * MN__MR + m] = mn__gemm_ld(
+                        g->a, g->a_dt,
+                        off + (size_t)k * g->a_cs + (size_t)(m < mr ? m : mr - 1) * g->a_rs);
         }
         for (p = 0; p < npanel; p++) {
             int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
@@ -13435,6 +13508,7 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, 
 MN__PRIVATE int mn__gemm_cblas(const mn__gemm *g) {
     enum CBLAS_TRANSPOSE ta = CblasNoTrans, tb = CblasNoTrans;
     size_t lda = g->a_rs, ldb = g->b_rs, lim = (size_t)INT_MAX;
+    if (mn__gemm_is16(g->a_dt) || mn__gemm_is16(g->b_dt)) return 0;  // CBLAS multiplies floats
     if (g->a_cs != 1) {
         if (g->a_rs != 1) return 0;
         ta = CblasTrans, lda = g->a_cs;
@@ -13448,8 +13522,9 @@ MN__PRIVATE int mn__gemm_cblas(const mn__gemm *g) {
     if (lda < (ta == CblasNoTrans ? g->K : g->M) || ldb < (tb == CblasNoTrans ? g->NC : g->K) ||
         g->ldc < g->NC || lda == 0 || ldb == 0 || g->ldc == 0)
         return 0;
-    cblas_sgemm(CblasRowMajor, ta, tb, (int)g->M, (int)g->NC, (int)g->K, 1.0f, g->a, (int)lda,
-                g->b, (int)ldb, 1.0f, g->c, (int)g->ldc);
+    cblas_sgemm(CblasRowMajor, ta, tb, (int)g->M, (int)g->NC, (int)g->K, 1.0f,
+                (const float *)g->a, (int)lda, (const float *)g->b, (int)ldb, 1.0f, g->c,
+                (int)g->ldc);
     return 1;
 }
 #endif
@@ -13498,6 +13573,7 @@ MN__PRIVATE void mn__gemm_acc(float *c, size_t ldc, const float *a, size_t a_rs,
     mn__gemm g;
     g.c = c, g.ldc = ldc, g.a = a, g.a_rs = a_rs, g.a_cs = a_cs;
     g.b = b, g.b_rs = b_rs, g.b_cs = b_cs, g.M = M, g.NC = NC, g.K = K;
+    g.a_dt = g.b_dt = MN_FP32;
     mn__gemm_serial(&g);
 }
 
@@ -13544,16 +13620,34 @@ MN__PRIVATE int mn__ops_fits(size_t a, size_t b, size_t c) {
 
 // ---- matmul -------------------------------------------------------------------------------------
 
+// The storage types of the matmuls' inp and weight: fp32 (0 or MN_FP32), MN_FP16, MN_BF16.
+MN__PRIVATE int mn__matmul_dtype(mn_dtype dt) {
+    return dt == MN_DTYPE_DEFAULT || dt == MN_FP32 || dt == MN_FP16 || dt == MN_BF16;
+}
+
 MNIMPL mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp,
                                    const float *weight, const float *bias, size_t N, size_t C,
                                    size_t OC) {
+    return mn_matmul_forward_typed(out, pre_gelu, inp, weight, bias, N, C, OC, MN_FP32);
+}
+
+MNIMPL mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
+                                    const float *inp, const float *weight, const float *pre_gelu,
+                                    size_t N, size_t C, size_t OC) {
+    return mn_matmul_backward_typed(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC,
+                                    MN_FP32);
+}
+
+MNIMPL mn_result mn_matmul_forward_typed(float *out, float *pre_gelu, const void *inp,
+                                         const void *weight, const float *bias, size_t N,
+                                         size_t C, size_t OC, mn_dtype dtype) {
     // y[n,o] = b[o] + sum_c x[n,c] w[o,c]; the GEMM runs into pre_gelu when the epilogue is on,
     // then out = gelu(pre_gelu) (cuBLASLt CUBLASLT_EPILOGUE_GELU_AUX_BIAS semantics).
     float *y = pre_gelu ? pre_gelu : out;
     mn__gemm g;
     size_t n;
     if (!out || !inp || !weight || !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) ||
-        !mn__ops_fits(OC, C, 1))
+        !mn__ops_fits(OC, C, 1) || !mn__matmul_dtype(dtype))
         return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
     for (n = 0; n < N; n++) {
@@ -13565,7 +13659,7 @@ MNIMPL mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp
     g.c = y, g.ldc = OC;
     g.a = inp, g.a_rs = C, g.a_cs = 1;        // A(n, c) = inp[n, c]
     g.b = weight, g.b_rs = 1, g.b_cs = C;     // B(c, o) = weight[o, c]
-    g.M = N, g.NC = OC, g.K = C;
+    g.M = N, g.NC = OC, g.K = C, g.a_dt = g.b_dt = dtype;
     mn__gemm_run(&g);
     if (pre_gelu) {
         MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
@@ -13577,15 +13671,17 @@ MNIMPL mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp
     return MN_OK;
 }
 
-MNIMPL mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, float *dout,
-                                    const float *inp, const float *weight, const float *pre_gelu,
-                                    size_t N, size_t C, size_t OC) {
+MNIMPL mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *dbias, float *dout,
+                                          const void *inp, const void *weight,
+                                          const float *pre_gelu, size_t N, size_t C, size_t OC,
+                                          mn_dtype dtype) {
     // dpre = dout * gelu'(pre) (fused epilogue); dx[n,c] += sum_o dpre[n,o] w[o,c];
     // dw[o,c] += sum_n dpre[n,o] x[n,c]; db[o] += sum_n dpre[n,o] (llm.c matmul_backward).
     mn__gemm g;
     size_t n;
     if (!dout || (dinp && !weight) || (dweight && !inp) || (pre_gelu && !dout) ||
-        !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) || !mn__ops_fits(OC, C, 1))
+        !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) || !mn__ops_fits(OC, C, 1) ||
+        !mn__matmul_dtype(dtype))
         return MN_ERR_INVALID_ARG;
     if (pre_gelu) {
         MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
@@ -13598,14 +13694,14 @@ MNIMPL mn_result mn_matmul_backward(float *dinp, float *dweight, float *dbias, f
         g.c = dinp, g.ldc = C;
         g.a = dout, g.a_rs = OC, g.a_cs = 1;      // A(n, o) = dpre[n, o]
         g.b = weight, g.b_rs = C, g.b_cs = 1;     // B(o, c) = weight[o, c]
-        g.M = N, g.NC = C, g.K = OC;
+        g.M = N, g.NC = C, g.K = OC, g.a_dt = MN_FP32, g.b_dt = dtype;
         mn__gemm_run(&g);
     }
     if (dweight) {
         g.c = dweight, g.ldc = C;
         g.a = dout, g.a_rs = 1, g.a_cs = OC;      // A(o, n) = dpre[n, o]
         g.b = inp, g.b_rs = C, g.b_cs = 1;        // B(n, c) = inp[n, c]
-        g.M = OC, g.NC = C, g.K = N;
+        g.M = OC, g.NC = C, g.K = N, g.a_dt = MN_FP32, g.b_dt = dtype;
         mn__gemm_run(&g);
     }
     if (dbias) {

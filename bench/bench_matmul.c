@@ -1,5 +1,9 @@
 // bench_matmul: the header's matmul in its three training forms next to a CBLAS in the same run.
-//   make bench && ./build/bench_matmul [runs] [all | part of a shape's name, e.g. head]
+//   make bench && ./build/bench_matmul [runs] [all | - | part of a shape's name, e.g. head]
+//                                      [threads: 1 | 2 | 12] [dtypes: fp32 | bf16 | fp16 | all]
+// ("-" is every default shape; threads 12, the default, runs 1 then 2; dtypes default fp32.)
+// bf16 / fp16 rows: inp and weight stored in 16 bits (mn_matmul_forward_typed / _backward_typed,
+// converted while packing), the peer the same OpenBLAS fp32 call on the same shape.
 // Built against OpenBLAS when the Makefile finds it (BENCH_BLAS=openblas, the default when
 // cblas.h and -lopenblas link; BENCH_BLAS= builds without a peer). Forms, for a linear layer
 // x[N,C] -> y[N,OC] with weight w[OC,C]:
@@ -49,12 +53,27 @@ static float *buf(size_t n, uint64_t seed) {
 typedef struct mm {
     size_t N, C, OC;
     float *x, *w, *y, *dy, *dx, *dw;
+    uint16_t *x16, *w16;  // x and w in the 16-bit type of dt
+    mn_dtype dt;          // MN_FP32: x and w; MN_BF16 / MN_FP16: x16 and w16
 } mm;
 
 enum { F_FWD, F_DINP, F_DW, F_COUNT };
 static const char *const form_names[F_COUNT] = {"fwd", "dinp", "dw"};
 
 static void run_memanat(const mm *k, int form) {
+    const void *x = k->dt == MN_FP32 ? (const void *)k->x : (const void *)k->x16;
+    const void *w = k->dt == MN_FP32 ? (const void *)k->w : (const void *)k->w16;
+    if (k->dt != MN_FP32) {
+        if (form == F_FWD)
+            mn_matmul_forward_typed(k->y, NULL, x, w, NULL, k->N, k->C, k->OC, k->dt);
+        else if (form == F_DINP)
+            mn_matmul_backward_typed(k->dx, NULL, NULL, k->dy, x, w, NULL, k->N, k->C, k->OC,
+                                     k->dt);
+        else
+            mn_matmul_backward_typed(NULL, k->dw, NULL, k->dy, x, w, NULL, k->N, k->C, k->OC,
+                                     k->dt);
+        return;
+    }
     if (form == F_FWD) mn_matmul_forward(k->y, NULL, k->x, k->w, NULL, k->N, k->C, k->OC);
     else if (form == F_DINP)
         mn_matmul_backward(k->dx, NULL, NULL, k->dy, k->x, k->w, NULL, k->N, k->C, k->OC);
@@ -162,8 +181,10 @@ int main(int argc, char **argv) {
         {"tiny head", 512, 64, 256, 0},
     };
     int runs = argc > 1 ? atoi(argv[1]) : 7, all = argc > 2 && strcmp(argv[2], "all") == 0;
-    const char *only = argc > 2 && !all ? argv[2] : NULL;  // shapes whose name contains this
-    int threads[2] = {1, 2}, nthr = 2, ti, form, r;
+    const char *only = argc > 2 && !all && strcmp(argv[2], "-") ? argv[2] : NULL;  // name part
+    const char *tsel = argc > 3 ? argv[3] : "12", *dsel = argc > 4 ? argv[4] : "fp32";
+    static const mn_dtype dts[3] = {MN_FP32, MN_BF16, MN_FP16};
+    int threads[2] = {1, 2}, nthr = 2, ti, form, r, di;
     size_t i, maxx = 0, maxw = 0, maxy = 0;
     double peak1 = fma_peak_one(), tm[64], tb[64];
     char model[256], load[128];
@@ -182,6 +203,8 @@ int main(int argc, char **argv) {
     }
     k.x = buf(maxx, 1), k.w = buf(maxw, 2), k.y = buf(maxy, 3), k.dy = buf(maxy, 4);
     k.dx = buf(maxx, 5), k.dw = buf(maxw, 6);
+    k.x16 = (uint16_t *)malloc(maxx * 2 + 64), k.w16 = (uint16_t *)malloc(maxw * 2 + 64);
+    if (!k.x16 || !k.w16) return 1;
     bench_cpu_model(model, sizeof model);
     loadavg(load, sizeof load);
     printf("machine: %s; FMA peak %.1f GFLOP/s per core (measured); load at start: %s\n", model,
@@ -193,15 +216,24 @@ int main(int argc, char **argv) {
 #endif
     printf("median of %d runs; GFLOP/s = 2*N*C*OC / time (1 thread: its CPU time; 2: wall "
            "clock); ratio = memanat / peer\n\n", runs);
-    printf("%-13s %-17s %-4s %3s %9s %9s %6s %6s\n", "shape", "N x C x OC", "form", "thr",
-           "memanat", "peer", "ratio", "%peak");
+    printf("%-13s %-17s %-4s %-5s %3s %9s %9s %6s %6s\n", "shape", "N x C x OC", "form", "dtype",
+           "thr", "memanat", "peer", "ratio", "%peak");
     for (i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         double fl = 2.0 * (double)shapes[i].N * (double)shapes[i].C * (double)shapes[i].OC;
         char dims[64];
         if ((shapes[i].all && !all) || (only && !strstr(shapes[i].name, only))) continue;
         k.N = shapes[i].N, k.C = shapes[i].C, k.OC = shapes[i].OC;
         snprintf(dims, sizeof dims, "%zux%zux%zu", k.N, k.C, k.OC);
-        for (ti = 0; ti < nthr; ti++) {
+        for (ti = 0; ti < nthr; ti++) for (di = 0; di < 3; di++) {
+            if (!strchr(tsel, '0' + threads[ti])) continue;
+            if (strcmp(dsel, "all") && strcmp(dsel, mn_dtype_name(dts[di]))) continue;
+            k.dt = dts[di];
+            if (k.dt == MN_BF16)
+                mn_fp32_to_bf16_array(k.x, k.x16, k.N * k.C),
+                    mn_fp32_to_bf16_array(k.w, k.w16, k.OC * k.C);
+            if (k.dt == MN_FP16)
+                mn_fp32_to_fp16_array(k.x, k.x16, k.N * k.C),
+                    mn_fp32_to_fp16_array(k.w, k.w16, k.OC * k.C);
             set_threads(threads[ti]);
             g_cpu_clock = threads[ti] == 1;
             for (form = 0; form < F_COUNT; form++) {
@@ -221,8 +253,9 @@ int main(int argc, char **argv) {
                 gb = fl / bench_median(tb, runs) * 1e-9;
 #endif
                 (void)rb;
-                printf("%-13s %-17s %-4s %3d %9.1f %9.1f %6.2f %5.0f%%\n", shapes[i].name, dims,
-                       form_names[form], threads[ti], gm, gb, gb > 0 ? gm / gb : 0.0,
+                printf("%-13s %-17s %-4s %-5s %3d %9.1f %9.1f %6.2f %5.0f%%\n", shapes[i].name,
+                       dims, form_names[form], mn_dtype_name(k.dt), threads[ti], gm, gb,
+                       gb > 0 ? gm / gb : 0.0,
                        peak1 > 0 ? 100.0 * gm / (peak1 * threads[ti]) : 0.0);
                 fflush(stdout);
             }
@@ -230,6 +263,6 @@ int main(int argc, char **argv) {
     }
     loadavg(load, sizeof load);
     printf("\nload at end: %s\n", load);
-    free(k.x), free(k.w), free(k.y), free(k.dy), free(k.dx), free(k.dw);
+    free(k.x), free(k.w), free(k.y), free(k.dy), free(k.dx), free(k.dw), free(k.x16), free(k.w16);
     return 0;
 }

@@ -232,6 +232,168 @@ static void test_matmul_odd_shapes(void) {
 #endif
 }
 
+// ---- matmul with 16-bit inp and weight ----------------------------------------------------------
+// mn_matmul_forward_typed / mn_matmul_backward_typed with bf16 and fp16 operands: fresh random
+// inputs rounded by the public converters, all three products (forward, and the transposed forms
+// of the input and weight gradients) against double loops over the rounded values; the same bits
+// as the fp32 calls on the rounded arrays (native kernel builds), and one thread as two.
+
+static void to16(mn_dtype dt, const float *x, uint16_t *h, size_t n) {
+    if (dt == MN_BF16) mn_fp32_to_bf16_array(x, h, n);
+    else mn_fp32_to_fp16_array(x, h, n);
+}
+static void from16(mn_dtype dt, const uint16_t *h, float *x, size_t n) {
+    if (dt == MN_BF16) mn_bf16_to_fp32_array(h, x, n);
+    else mn_fp16_to_fp32_array(h, x, n);
+}
+
+// y[n,o] = b[o] + sum_c x[n,c] w[o,c] in double.
+static void ref_mm_plain(const float *x, const float *w, const float *b, double *y, int N, int C,
+                         int OC) {
+    int n, o, i;
+    for (n = 0; n < N; n++)
+        for (o = 0; o < OC; o++) {
+            double acc = b ? b[o] : 0.0;
+            for (i = 0; i < C; i++) acc += (double)x[(size_t)n * C + i] * w[(size_t)o * C + i];
+            y[(size_t)n * OC + o] = acc;
+        }
+}
+
+static void run_matmul16(mn_dtype dt, int N, int C, int OC) {
+    size_t ni = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC, k;
+    float *x = mnt_fvec(ni), *w = mnt_fvec(nw), *b = mnt_fvec((size_t)OC), *xr = mnt_fvec(ni);
+    float *wr = mnt_fvec(nw), *dy = mnt_fvec(ny), *y = mnt_fvec(ny), *pre = mnt_fvec(ny);
+    float *y32 = mnt_fvec(ny), *pre32 = mnt_fvec(ny), *dx = mnt_fvec(ni), *dw = mnt_fvec(nw);
+    float *db = mnt_fvec((size_t)OC), *dx32 = mnt_fvec(ni), *dw32 = mnt_fvec(nw);
+    float *db32 = mnt_fvec((size_t)OC), *dy32 = mnt_fvec(ny);
+    uint16_t *xh = (uint16_t *)malloc(ni * 2), *wh = (uint16_t *)malloc(nw * 2);
+    double *want = mnt_dvec(ny > nw ? (ny > ni ? ny : ni) : (nw > ni ? nw : ni));
+    double *unround = mnt_dvec(ny), diff = 0.0, scale = 1.0;
+    char what[96];
+    int n, o, i;
+    CHECK(xh && wh);
+    mnt_fill_normal(x, ni, 1.0), mnt_fill_normal(w, nw, 1.0), mnt_fill_normal(b, (size_t)OC, 1.0);
+    mnt_fill_normal(dy, ny, 1.0);
+    to16(dt, x, xh, ni), to16(dt, w, wh, nw);
+    from16(dt, xh, xr, ni), from16(dt, wh, wr, nw);
+    // forward with bias and the GELU epilogue: pre_gelu against the double loop over the rounded
+    // values; the loop over the unrounded ones must differ (else the rounding went unchecked)
+    snprintf(what, sizeof what, "matmul %s N=%d C=%d OC=%d", mn_dtype_name(dt), N, C, OC);
+    CHECK_OK(mn_matmul_forward_typed(y, pre, xh, wh, b, N, C, OC, dt));
+    ref_mm_plain(xr, wr, b, want, N, C, OC);
+    CHECK_CLOSE_SCALED(what, pre, want, ny, TOL_FWD);
+    ref_mm_plain(x, w, b, unround, N, C, OC);
+    for (k = 0; k < ny; k++) {
+        double d = fabs(unround[k] - want[k]);
+        diff = d > diff ? d : diff, scale = fabs(want[k]) > scale ? fabs(want[k]) : scale;
+    }
+    CHECK_MSG(diff > 20 * TOL_FWD * scale, "%s: rounding changed the result by only %g", what,
+              diff);
+    for (k = 0; k < ny; k++) want[k] = gelu_tanh_d(want[k]);
+    CHECK_CLOSE_SCALED(what, y, want, ny, TOL_FWD);
+    CHECK_OK(mn_matmul_forward(y32, pre32, xr, wr, b, N, C, OC));
+#ifndef MEMANAT_CBLAS  // there the fp32 call is the CBLAS's, the 16-bit one the native kernel
+    EXPECT_SAME("16-bit forward vs fp32 on the rounded values", y, y32, ny);
+    EXPECT_SAME("16-bit pre_gelu vs fp32 on the rounded values", pre, pre32, ny);
+#endif
+    // backward without the epilogue: dinp (dout @ weight) and dweight (dout^T @ inp), added to
+    // random starting values
+    mnt_fill_normal(dx, ni, 1.0), mnt_fill_normal(dw, nw, 1.0);
+    mnt_fill_normal(db, (size_t)OC, 1.0);
+    memcpy(dx32, dx, ni * sizeof(float)), memcpy(dw32, dw, nw * sizeof(float));
+    memcpy(db32, db, (size_t)OC * sizeof(float)), memcpy(dy32, dy, ny * sizeof(float));
+    CHECK_OK(mn_matmul_backward_typed(dx, dw, db, dy, xh, wh, NULL, N, C, OC, dt));
+    for (k = 0; k < ni; k++) want[k] = dx32[k];
+    for (n = 0; n < N; n++)
+        for (i = 0; i < C; i++)
+            for (o = 0; o < OC; o++)
+                want[(size_t)n * C + i] += (double)dy[(size_t)n * OC + o] * wr[(size_t)o * C + i];
+    snprintf(what, sizeof what, "matmul %s N=%d C=%d OC=%d dinp", mn_dtype_name(dt), N, C, OC);
+    CHECK_CLOSE_SCALED(what, dx, want, ni, TOL_GRAD);
+    for (k = 0; k < nw; k++) want[k] = dw32[k];
+    for (o = 0; o < OC; o++)
+        for (n = 0; n < N; n++)
+            for (i = 0; i < C; i++)
+                want[(size_t)o * C + i] += (double)dy[(size_t)n * OC + o] * xr[(size_t)n * C + i];
+    snprintf(what, sizeof what, "matmul %s N=%d C=%d OC=%d dweight", mn_dtype_name(dt), N, C, OC);
+    CHECK_CLOSE_SCALED(what, dw, want, nw, TOL_GRAD);
+    CHECK_OK(mn_matmul_backward(dx32, dw32, db32, dy32, xr, wr, NULL, N, C, OC));
+#ifndef MEMANAT_CBLAS
+    EXPECT_SAME("16-bit dinp vs fp32 on the rounded values", dx, dx32, ni);
+    EXPECT_SAME("16-bit dweight vs fp32 on the rounded values", dw, dw32, nw);
+#endif
+    EXPECT_SAME("16-bit dbias vs fp32", db, db32, (size_t)OC);
+#ifdef _OPENMP
+    {  // two threads: the same bits as the one above (run with the default team first)
+        int saved = omp_get_max_threads();
+        omp_set_num_threads(saved > 1 ? 1 : 2);
+        CHECK_OK(mn_matmul_forward_typed(y32, NULL, xh, wh, b, N, C, OC, dt));
+        memcpy(dx32, dx, ni * sizeof(float)), memcpy(dw32, dw, nw * sizeof(float));
+        CHECK_OK(mn_matmul_backward_typed(dx, dw, NULL, dy, xh, wh, NULL, N, C, OC, dt));
+        omp_set_num_threads(saved);
+        CHECK_OK(mn_matmul_backward_typed(dx32, dw32, NULL, dy, xh, wh, NULL, N, C, OC, dt));
+        EXPECT_SAME("16-bit forward, thread counts", pre, y32, ny);
+        EXPECT_SAME("16-bit dinp, thread counts", dx, dx32, ni);
+        EXPECT_SAME("16-bit dweight, thread counts", dw, dw32, nw);
+    }
+#endif
+    free(x), free(w), free(b), free(xr), free(wr), free(dy), free(y), free(pre), free(y32);
+    free(pre32), free(dx), free(dw), free(db), free(dx32), free(dw32), free(db32), free(dy32);
+    free(xh), free(wh), free(want), free(unround);
+}
+
+// Sizes off every block of the GEMM (register tile, the 512-deep slice, the 128-column task),
+// one past a 512-deep slice, and one large enough for two threads to split it.
+static void test_matmul_16bit(void) {
+    static const int shapes[][3] = {{5, 7, 9}, {37, 45, 29}, {7, 600, 33}, {300, 263, 291}};
+    static const mn_dtype dts[2] = {MN_BF16, MN_FP16};
+    size_t s;
+    int d;
+    for (d = 0; d < 2; d++)
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            run_matmul16(dts[d], shapes[s][0], shapes[s][1], shapes[s][2]);
+}
+
+// Every finite fp16 and bf16 value through the packing conversion: the forward with an identity
+// weight returns inp, the forward with an identity inp returns the weight's transpose, and the
+// input gradient with an identity dout returns the weight (each output one exact product plus
+// zeros), against the public scalar converters.
+static void test_matmul_16bit_values(void) {
+    enum { W = 16 };
+    static const mn_dtype dts[2] = {MN_BF16, MN_FP16};
+    uint16_t *v = (uint16_t *)malloc(65536 * 2), *eye = (uint16_t *)malloc(W * W * 2);
+    float *out = mnt_fvec(65536), *want = mnt_fvec(65536), *eyef = mnt_fvec(W * W);
+    size_t rows, r, k;
+    int d, i, j;
+    CHECK(v && eye);
+    for (d = 0; d < 2; d++) {
+        mn_dtype dt = dts[d];
+        uint16_t one = dt == MN_BF16 ? 0x3f80 : 0x3c00, e = dt == MN_BF16 ? 0x7f80 : 0x7c00;
+        size_t nv = 0;
+        for (k = 0; k < 65536; k++)
+            if ((k & e) != e) v[nv++] = (uint16_t)k;  // finite: exponent not all ones
+        rows = nv / W;
+        for (k = 0; k < rows * W; k++)
+            want[k] = dt == MN_BF16 ? mn_bf16_to_fp32(v[k]) : mn_fp16_to_fp32(v[k]);
+        for (i = 0; i < W; i++)
+            for (j = 0; j < W; j++) eye[i * W + j] = i == j ? one : 0, eyef[i * W + j] = i == j;
+        CHECK_OK(mn_matmul_forward_typed(out, NULL, v, eye, NULL, rows, W, W, dt));
+        for (k = 0; k < rows * W && out[k] == want[k]; k++) {}
+        CHECK_MSG(k == rows * W, "%s inp value %zu: got %g want %g", mn_dtype_name(dt), k,
+                  (double)out[k], (double)want[k]);
+        CHECK_OK(mn_matmul_forward_typed(out, NULL, eye, v, NULL, W, W, rows, dt));
+        for (r = 0; r < rows * W; r++)
+            if (out[(r % W) * rows + r / W] != want[r]) break;
+        CHECK_MSG(r == rows * W, "%s weight value %zu (transposed)", mn_dtype_name(dt), r);
+        memset(out, 0, rows * W * sizeof(float));
+        CHECK_OK(mn_matmul_backward_typed(out, NULL, NULL, eyef, eye, v, NULL, W, rows, W, dt));
+        for (k = 0; k < rows * W; k++)  // dinp[n, c] = sum_o eye[n, o] v[o, c] = v[n, c]
+            if (out[k] != want[k]) break;
+        CHECK_MSG(k == rows * W, "%s weight value %zu (dinp)", mn_dtype_name(dt), k);
+    }
+    free(v), free(eye), free(out), free(want), free(eyef);
+}
+
 // ---- layernorm, RMSNorm -------------------------------------------------------------------------
 
 typedef struct ln_ctx {
@@ -959,6 +1121,8 @@ static void test_bad_arguments(void) {
     BAD(mn_matmul_backward(y, NULL, NULL, NULL, x, w, NULL, N, C, C));
     BAD(mn_matmul_backward(y, NULL, NULL, x, x, NULL, NULL, N, C, C));  // dinp needs weight
     BAD(mn_matmul_backward(NULL, y, NULL, x, NULL, w, NULL, N, C, C));  // dweight needs inp
+    BAD(mn_matmul_forward_typed(y, NULL, x, w, NULL, N, C, C, MN_INT8));  // not a matmul dtype
+    BAD(mn_matmul_backward_typed(y, NULL, NULL, x, x, w, NULL, N, C, C, MN_DTYPE_COUNT));
     BAD(mn_layernorm_forward(y, m, r, x, w, NULL, N, 0, 1e-5f));
     BAD(mn_layernorm_forward(y, m, r, NULL, w, NULL, N, C, 1e-5f));
     BAD(mn_layernorm_forward(y, m, r, x, NULL, NULL, N, C, 1e-5f));
@@ -1016,6 +1180,8 @@ const mnt_case test_ops_cases[] = {
     {"matmul_gelu_epilogue", test_matmul_gelu},
     {"matmul_blocked_shapes", test_matmul_blocked},
     {"matmul_odd_shapes", test_matmul_odd_shapes},
+    {"matmul_16bit", test_matmul_16bit},
+    {"matmul_16bit_values", test_matmul_16bit_values},
     {"layernorm", test_layernorm},
     {"rmsnorm", test_rmsnorm},
     {"softmax", test_softmax},
