@@ -1141,32 +1141,33 @@ static mn_result tr_block_forward(tr_model *m, size_t l, int recompute) {
     MN_GPT_ACTS(TR_A_NEW)
 #undef TR_A_NEW
     // ln1 [N,C] = layernorm(x); qkv [N,3C] = ln1 @ qkvw^T + qkvb
-    mn_layernorm_forward(a->ln1.f, a->ln1_mean.f, a->ln1_rstd.f, x->f, w.ln1w, w.ln1b, N, C,
-                         TR_LN_EPS);
+    TR_TRY(mn_layernorm_forward(a->ln1.f, a->ln1_mean.f, a->ln1_rstd.f, x->f, w.ln1w, w.ln1b, N, C,
+                                TR_LN_EPS));
     tr_keep(m, &a->ln1);
-    mn_matmul_forward(a->qkv.f, NULL, a->ln1.f, w.qkvw, w.qkvb, N, C, 3 * C);
+    TR_TRY(mn_matmul_forward(a->qkv.f, NULL, a->ln1.f, w.qkvw, w.qkvb, N, C, 3 * C));
     tr_keep(m, &a->qkv);
     // atty [N,C] = causal attention over qkv (att [B,NH,T,T]: its probabilities, or none kept)
     att = a->att.f;
-    mn_attention_forward(a->atty.f, att, a->qkv.f, B, T, C, NH, 1);
+    TR_TRY(mn_attention_forward(a->atty.f, att, a->qkv.f, B, T, C, NH, 1));
     if (att) tr_keep(m, &a->att);
     tr_keep(m, &a->atty);
     // res2 [N,C] = x + atty @ attprojw^T + attprojb
-    mn_matmul_forward(a->res2.f, NULL, a->atty.f, w.attprojw, w.attprojb, N, C, C);
-    mn_residual_forward(a->res2.f, a->res2.f, x->f, N * C);
+    TR_TRY(mn_matmul_forward(a->res2.f, NULL, a->atty.f, w.attprojw, w.attprojb, N, C, C));
+    TR_TRY(mn_residual_forward(a->res2.f, a->res2.f, x->f, N * C));
     tr_keep(m, &a->res2);
     // ln2 [N,C]; fch [N,4C] = ln2 @ fcw^T + fcb, fch_gelu = gelu(fch) (fused epilogue)
-    mn_layernorm_forward(a->ln2.f, a->ln2_mean.f, a->ln2_rstd.f, a->res2.f, w.ln2w, w.ln2b, N, C,
-                         TR_LN_EPS);
+    TR_TRY(mn_layernorm_forward(a->ln2.f, a->ln2_mean.f, a->ln2_rstd.f, a->res2.f, w.ln2w, w.ln2b,
+                                N, C, TR_LN_EPS));
     tr_keep(m, &a->ln2);
-    mn_matmul_forward(a->fch_gelu.f, a->fch.f, a->ln2.f, w.fcw, w.fcb, N, C, 4 * C);
+    TR_TRY(mn_matmul_forward(a->fch_gelu.f, a->fch.f, a->ln2.f, w.fcw, w.fcb, N, C, 4 * C));
     tr_keep(m, &a->fch);
     tr_keep(m, &a->fch_gelu);
     if (!recompute) {
         // x[l + 1] [N,C] = res2 + fch_gelu @ fcprojw^T + fcprojb
         TR_TRY(tr_new(m, &m->x[l + 1], N * C, 0, "x"));
-        mn_matmul_forward(m->x[l + 1].f, NULL, a->fch_gelu.f, w.fcprojw, w.fcprojb, N, 4 * C, C);
-        mn_residual_forward(m->x[l + 1].f, m->x[l + 1].f, a->res2.f, N * C);
+        TR_TRY(mn_matmul_forward(m->x[l + 1].f, NULL, a->fch_gelu.f, w.fcprojw, w.fcprojb, N,
+                                 4 * C, C));
+        TR_TRY(mn_residual_forward(m->x[l + 1].f, m->x[l + 1].f, a->res2.f, N * C));
         tr_keep(m, &m->x[l + 1]);
         TR_TRY(tr_close(m, &m->x[l + 1]));
     }
@@ -1193,24 +1194,24 @@ static mn_result tr_block_backward(tr_model *m, size_t l) {
     // fc projection: dfch_gelu [N,4C] (into dfch), dfcprojw, dfcprojb; dout = dx
     TR_TRY(tr_temp(m, N * 4 * C, "dfch", &d->dfch));
     TR_TRY(tr_open(m, &a->fch_gelu));
-    mn_matmul_backward(d->dfch, g->fcprojw + l * C * 4 * C, g->fcprojb + l * C, d->dx,
-                       a->fch_gelu.f, w.fcprojw, NULL, N, 4 * C, C);
+    TR_TRY(mn_matmul_backward(d->dfch, g->fcprojw + l * C * 4 * C, g->fcprojb + l * C, d->dx,
+                              a->fch_gelu.f, w.fcprojw, NULL, N, 4 * C, C));
     tr_round(m, d->dfch, N * 4 * C);
     TR_TRY(tr_free(m, &a->fch_gelu));
     // fc with the GELU: dln2 [N,C] (into dln), dfcw, dfcb; dfch becomes d pre-gelu in place
     TR_TRY(tr_temp(m, N * C, "dln", &d->dln));
     TR_TRY(tr_open(m, &a->ln2));
     TR_TRY(tr_open(m, &a->fch));
-    mn_matmul_backward(d->dln, g->fcw + l * 4 * C * C, g->fcb + l * 4 * C, d->dfch, a->ln2.f,
-                       w.fcw, a->fch.f, N, C, 4 * C);
+    TR_TRY(mn_matmul_backward(d->dln, g->fcw + l * 4 * C * C, g->fcb + l * 4 * C, d->dfch, a->ln2.f,
+                              w.fcw, a->fch.f, N, C, 4 * C));
     tr_round(m, d->dln, N * C);
     TR_TRY(tr_release(m, &d->dfch));
     TR_TRY(tr_free(m, &a->fch));
     TR_TRY(tr_free(m, &a->ln2));
     // layernorm 2: dx += d res2 through the norm (dx then is d loss / d res2)
     TR_TRY(tr_open(m, &a->res2));
-    mn_layernorm_backward(d->dx, g->ln2w + l * C, g->ln2b + l * C, d->dln, a->res2.f, w.ln2w,
-                          a->ln2_mean.f, a->ln2_rstd.f, N, C);
+    TR_TRY(mn_layernorm_backward(d->dx, g->ln2w + l * C, g->ln2b + l * C, d->dln, a->res2.f, w.ln2w,
+                                 a->ln2_mean.f, a->ln2_rstd.f, N, C));
     tr_round(m, d->dx, N * C);
     TR_TRY(tr_free(m, &a->res2));
     TR_TRY(tr_free(m, &a->ln2_mean));
@@ -1218,15 +1219,15 @@ static mn_result tr_block_backward(tr_model *m, size_t l) {
     // attention projection: datty [N,C], dattprojw, dattprojb; dout = dx
     TR_TRY(tr_temp(m, N * C, "datty", &d->datty));
     TR_TRY(tr_open(m, &a->atty));
-    mn_matmul_backward(d->datty, g->attprojw + l * C * C, g->attprojb + l * C, d->dx, a->atty.f,
-                       w.attprojw, NULL, N, C, C);
+    TR_TRY(mn_matmul_backward(d->datty, g->attprojw + l * C * C, g->attprojb + l * C, d->dx,
+                              a->atty.f, w.attprojw, NULL, N, C, C));
     tr_round(m, d->datty, N * C);
     TR_TRY(tr_free(m, &a->atty));
     // attention: dqkv [N,3C] (the probabilities from the forward, or recomputed)
     TR_TRY(tr_temp(m, N * 3 * C, "dqkv", &d->dqkv));
     TR_TRY(tr_open(m, &a->qkv));
     if (a->att.data) TR_TRY(tr_open(m, &a->att));
-    mn_attention_backward(d->dqkv, d->datty, a->qkv.f, a->att.f, B, T, C, NH, 1);
+    TR_TRY(mn_attention_backward(d->dqkv, d->datty, a->qkv.f, a->att.f, B, T, C, NH, 1));
     tr_round(m, d->dqkv, N * 3 * C);
     TR_TRY(tr_release(m, &d->datty));
     TR_TRY(tr_free(m, &a->att));
@@ -1234,15 +1235,15 @@ static mn_result tr_block_backward(tr_model *m, size_t l) {
     // qkv: dln1 [N,C] (into dln, zeroed again), dqkvw, dqkvb
     memset(d->dln, 0, N * C * sizeof(float));
     TR_TRY(tr_open(m, &a->ln1));
-    mn_matmul_backward(d->dln, g->qkvw + l * 3 * C * C, g->qkvb + l * 3 * C, d->dqkv, a->ln1.f,
-                       w.qkvw, NULL, N, C, 3 * C);
+    TR_TRY(mn_matmul_backward(d->dln, g->qkvw + l * 3 * C * C, g->qkvb + l * 3 * C, d->dqkv,
+                              a->ln1.f, w.qkvw, NULL, N, C, 3 * C));
     tr_round(m, d->dln, N * C);
     TR_TRY(tr_release(m, &d->dqkv));
     TR_TRY(tr_free(m, &a->ln1));
     // layernorm 1: dx += d x[l] through the norm
     TR_TRY(tr_open(m, &m->x[l]));
-    mn_layernorm_backward(d->dx, g->ln1w + l * C, g->ln1b + l * C, d->dln, m->x[l].f, w.ln1w,
-                          a->ln1_mean.f, a->ln1_rstd.f, N, C);
+    TR_TRY(mn_layernorm_backward(d->dx, g->ln1w + l * C, g->ln1b + l * C, d->dln, m->x[l].f, w.ln1w,
+                                 a->ln1_mean.f, a->ln1_rstd.f, N, C));
     tr_round(m, d->dx, N * C);
     TR_TRY(tr_close(m, &m->x[l]));
     TR_TRY(tr_release(m, &d->dln));
@@ -1275,12 +1276,13 @@ static mn_result tr_forward(tr_model *m, double *loss) {
     TR_TRY(tr_new(m, &m->lnf_mean, N, 1, "lnf_mean"));
     TR_TRY(tr_new(m, &m->lnf_rstd, N, 1, "lnf_rstd"));
     TR_TRY(tr_open(m, &m->x[L]));
-    mn_layernorm_forward(m->lnf.f, m->lnf_mean.f, m->lnf_rstd.f, m->x[L].f, w.lnfw, w.lnfb, N, C,
-                         TR_LN_EPS);
+    TR_TRY(mn_layernorm_forward(m->lnf.f, m->lnf_mean.f, m->lnf_rstd.f, m->x[L].f, w.lnfw, w.lnfb,
+                                N, C, TR_LN_EPS));
     tr_keep(m, &m->lnf);
     TR_TRY(tr_close(m, &m->x[L]));
     TR_TRY(tr_alloc(m, N * V, sizeof(float), MN_CAT_TEMPORARY, "logits", 0, &m->tmp.logits));
-    mn_matmul_forward(m->tmp.logits, NULL, m->lnf.f, m->cfg.tied ? w.wte : w.lmw, NULL, N, C, V);
+    TR_TRY(mn_matmul_forward(m->tmp.logits, NULL, m->lnf.f, m->cfg.tied ? w.wte : w.lmw, NULL, N,
+                             C, V));
     TR_TRY(tr_close(m, &m->lnf));
     TR_TRY(tr_weights_close(m));
     // losses [N], probs [N,V] (fp32, kept for the backward; the logits are not)
@@ -1312,16 +1314,16 @@ static mn_result tr_backward(tr_model *m, float dloss) {
     TR_TRY(tr_weights_open(m, TR_G_HEAD, 0, &w));
     TR_TRY(tr_temp(m, N * C, "dln", &d->dln));
     TR_TRY(tr_open(m, &m->lnf));
-    mn_matmul_backward(d->dln, m->cfg.tied ? g->wte : g->lmw, NULL, d->dlogits, m->lnf.f,
-                       m->cfg.tied ? w.wte : w.lmw, NULL, N, C, V);
+    TR_TRY(mn_matmul_backward(d->dln, m->cfg.tied ? g->wte : g->lmw, NULL, d->dlogits, m->lnf.f,
+                              m->cfg.tied ? w.wte : w.lmw, NULL, N, C, V));
     tr_round(m, d->dln, N * C);
     TR_TRY(tr_release(m, &d->dlogits));
     TR_TRY(tr_free(m, &m->lnf));
     // final layernorm: dx [N,C] = d loss / d x[L]
     TR_TRY(tr_temp(m, N * C, "dx", &d->dx));
     TR_TRY(tr_open(m, &m->x[L]));
-    mn_layernorm_backward(d->dx, g->lnfw, g->lnfb, d->dln, m->x[L].f, w.lnfw, m->lnf_mean.f,
-                          m->lnf_rstd.f, N, C);
+    TR_TRY(mn_layernorm_backward(d->dx, g->lnfw, g->lnfb, d->dln, m->x[L].f, w.lnfw, m->lnf_mean.f,
+                                 m->lnf_rstd.f, N, C));
     tr_round(m, d->dx, N * C);
     TR_TRY(tr_close(m, &m->x[L]));
     TR_TRY(tr_weights_close(m));
