@@ -12230,9 +12230,13 @@ static inline uint8_t mn__opt_nearest_tab(const mn__opt_qtab *t, float x) {
 MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const float *x,
                                float scale, uint64_t n, uint8_t *codes, int keep_sign) {
     uint64_t i = 0;
+    uint8_t q;
     if (!t) {
-        for (; i < n; i++) codes[i] = mn__opt_nearest(map, x[i] * scale);
-        goto sign;
+        for (; i < n; i++) {
+            q = mn__opt_nearest(map, x[i] * scale);
+            codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (map[q] >= 0.0f)));
+        }
+        return;
     }
 #ifdef MN__OGATHER
     for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, MN__OW lanes at a time
@@ -12251,13 +12255,9 @@ MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const fl
     }
 #endif
     for (; i < n; i++) {
-        uint8_t q = mn__opt_nearest_tab(t, x[i] * scale);
+        q = mn__opt_nearest_tab(t, x[i] * scale);
         codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (map[q] >= 0.0f)));
     }
-    return;
-sign:
-    for (i = 0; i < n && keep_sign; i++)
-        codes[i] = (uint8_t)(codes[i] - (uint8_t)((x[i] < 0.0f) & (map[codes[i]] >= 0.0f)));
 }
 
 MNIMPL mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_t n,
