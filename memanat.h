@@ -11859,11 +11859,16 @@ static inline mn__ovf mn__ov_sel(mn__ovi mask, mn__ovf a, mn__ovf b) {
     return (mn__ovf)((mask & (mn__ovi)a) | (~mask & (mn__ovi)b));
 }
 static inline mn__ovf mn__ov_abs(mn__ovf a) { return (mn__ovf)((mn__ovi)a & 0x7fffffff); }
-// Lanes p[idx[l]] (32-bit elements), where the instruction set has a gather.
+// Lanes p[idx[l]] (32-bit elements), where the instruction set has a gather (the masked forms:
+// the plain ones start from an undefined vector, as the square root's does).
 #if defined(__AVX512F__)
-#define MN__OGATHER(p, idx) ((mn__ovf)_mm512_i32gather_ps((__m512i)(idx), (p), 4))
+#define MN__OGATHER(p, idx) \
+    ((mn__ovf)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), (__mmask16)0xFFFF, (__m512i)(idx), \
+                                       (p), 4))
 #elif defined(__AVX2__)
-#define MN__OGATHER(p, idx) ((mn__ovf)_mm256_i32gather_ps((p), (__m256i)(idx), 4))
+#define MN__OGATHER(p, idx) \
+    ((mn__ovf)_mm256_mask_i32gather_ps(_mm256_setzero_ps(), (p), (__m256i)(idx), \
+                                       _mm256_castsi256_ps(_mm256_set1_epi32(-1)), 4))
 #endif
 #else
 #define MN__OV 0
@@ -12365,10 +12370,11 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
     j = 0;
 #ifdef MN__OGATHER
     for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes at a time
-        mn__ovi i1, i2, fin;
+        mn__ovi i1 = {0}, i2 = {0}, fin;
         mn__ovf gj = mn__ov_load(g + j), m, v;
         int l;
-        for (l = 0; l < MN__OW; l++) i1[l] = code1[j + (uint64_t)l], i2[l] = code2[j + (uint64_t)l];
+        for (l = 0; l < MN__OW; l++) i1[l] = code1[j + (uint64_t)l];
+        for (l = 0; l < MN__OW; l++) i2[l] = code2[j + (uint64_t)l];
         fin = ((mn__ovi)gj & 0x7f800000) != 0x7f800000;
         m = MN__OGATHER(map1, i1) * a1 * c->b1 + w1 * gj;
         v = MN__OGATHER(map2, i2) * a2 * c->b2 + w2 * gj * gj;

@@ -68,7 +68,9 @@ static mn_result opt_init(opt_run *o, opt_kind k, uint64_t rows, uint64_t cols, 
     o->k = k;
     switch (k) {
     case OPT_SGD: r = mn_sgd_init(&o->sg, dims, 2, &psg, NULL), *state = o->sg.state_bytes; break;
-    case OPT_ADAMW: r = mn_adamw_init(&o->aw, dims, 2, NULL, NULL), *state = o->aw.state_bytes; break;
+    case OPT_ADAMW:
+        r = mn_adamw_init(&o->aw, dims, 2, NULL, NULL), *state = o->aw.state_bytes;
+        break;
     case OPT_ADAMW8:
         r = mn_adamw8bit_init(&o->a8, dims, 2, NULL, NULL), *state = o->a8.state_bytes;
         break;

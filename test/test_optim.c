@@ -1460,7 +1460,8 @@ static void test_adamw_bits_vs_plain_loop(void) {
         CHECK_MSG(same_bits(p, rp, n * 4) && same_bits(s.exp_avg, rm, n * 4) &&
                       same_bits(s.exp_avg_sq, rv, n * 4) &&
                       (dt == MN_FP32 || same_bits(h, rh, n * 2)),
-                  "adamw n %llu dtype %d: not the plain loop's bits", (unsigned long long)n, (int)dt);
+                  "adamw n %llu dtype %d: not the plain loop's bits", (unsigned long long)n,
+                  (int)dt);
         mn_adamw_free(&s);
         free(p), free(g), free(rp), free(rm), free(rv), free(h), free(rh);
     }
