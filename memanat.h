@@ -12440,8 +12440,8 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     mn__opt_qtab q1, q2;
     mn__opt_a8 c;
     double t, c1, c2;
-    uint64_t i;
-    int64_t b, nb;
+    uint64_t i, per;
+    int64_t run, nb;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
     if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
@@ -12471,12 +12471,19 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     q1.ok = q2.ok = 0;
     if (s->n >= MN__OPT_QTAB_MIN) mn__opt_qtab_init(&q1, map1), mn__opt_qtab_init(&q2, map2);
     c.q1 = q1.ok ? &q1 : NULL, c.q2 = q2.ok ? &q2 : NULL, c.map1 = map1, c.map2 = map2;
-    nb = (int64_t)s->blocks;
-    MN__OMP_FOR_WORK(s->n, MN__OPT_MIN_PAR / 4)  // the blocks are independent
-    for (b = 0; b < nb; b++) {
-        uint64_t k0 = (uint64_t)b * p->block_size;
-        mn__opt_a8_block(&c, s, param, grad, (uint64_t)b, k0,
-                         s->n - k0 < p->block_size ? s->n - k0 : p->block_size);
+    // The blocks are independent: threads take runs of them (about 16384 elements) as they come,
+    // so that a thread whose core is busy elsewhere takes fewer.
+    per = 16384u / p->block_size + 1u;
+    nb = (int64_t)((s->blocks + per - 1) / per);
+    MN__OMP_FOR_DYNAMIC_IF(s->n >= MN__OPT_MIN_PAR / 4)
+    for (run = 0; run < nb; run++) {
+        uint64_t b, b1 = ((uint64_t)run + 1) * per < s->blocks ? ((uint64_t)run + 1) * per
+                                                                 : s->blocks;
+        for (b = (uint64_t)run * per; b < b1; b++) {
+            uint64_t k0 = b * p->block_size;
+            mn__opt_a8_block(&c, s, param, grad, b, k0,
+                             s->n - k0 < p->block_size ? s->n - k0 : p->block_size);
+        }
     }
     mn__opt_store16(p->dtype, param, param16, s->n);
     return MN_OK;
