@@ -12159,6 +12159,7 @@ MN__PRIVATE uint8_t mn__opt_nearest(const float *map, float x) {
 typedef struct mn__opt_qtab {
     float thr[2 * MN__OPT_QJ];     // negative buckets (most negative first), then positive
     uint32_t code[2 * MN__OPT_QJ]; // index at the bucket's smallest float (a gather loads 32 bits)
+    int32_t zero;                  // entries below 0: map[i] >= 0 exactly when i >= zero
     int ok;                        // no bucket holds two thresholds
 } mn__opt_qtab;
 
@@ -12185,6 +12186,7 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
     float thr[255];
     uint32_t k, p = 0;
     t->ok = 1;
+    for (t->zero = 0; t->zero < 256 && map[t->zero] < 0.0f; t->zero++) {}
     for (k = 1; k < 256; k++) {  // T_k: the first float of (map[k-1], map[k]] where the test fails
         float a = map[k - 1], b = map[k];
         uint32_t lo = mn__opt_okey(a), hi = mn__opt_okey(b);  // the test holds at lo, fails at hi
@@ -12257,7 +12259,7 @@ MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const fl
         th = MN__OGATHER(t->thr, k);
         c = (mn__ovi)MN__OGATHER((const float *)t->code, k) - (xv >= th);
         c = c & (xv == xv);
-        if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (MN__OGATHER(map, c) >= 0.0f));
+        if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (c >= t->zero));
         for (l = 0; l < MN__OW; l++) codes[i + (uint64_t)l] = (uint8_t)c[l];
     }
 #endif
