@@ -11957,7 +11957,29 @@ MNIMPL mn_result mn_sgd_step(mn_sgd *s, float *param, const float *grad, uint16_
     lr = s->params.lr, mu = s->params.momentum;
     damp = s->params.dampening, wd = s->params.weight_decay;
     s->step++;
-    for (i = 0; i < s->n; i++) {
+    i = 0;
+#if MN__OV
+    {  // the loop below, MN__OW lanes at a time (its tests are the same for every element)
+        int64_t jb, nb = (int64_t)(s->n / MN__OW);
+        int neg = s->params.maximize, first = s->step == 1, nest = s->params.nesterov;
+        float *mb = s->momentum_buffer;
+        MN__OMP_FOR_WORK(s->n, MN__OPT_MIN_PAR)
+        for (jb = 0; jb < nb; jb++) {
+            uint64_t k = (uint64_t)jb * MN__OW;
+            mn__ovf gv = mn__ov_load(grad + k), th = mn__ov_load(param + k), bv;
+            if (neg) gv = -gv;
+            if (wd != 0.0f) gv = gv + wd * th;
+            if (mu != 0.0f) {
+                bv = first ? gv : mn__ov_load(mb + k) * mu + (1.0f - damp) * gv;
+                mn__ov_store(mb + k, bv);
+                gv = nest ? gv + mu * bv : bv;
+            }
+            mn__ov_store(param + k, th - lr * gv);
+        }
+        i = (uint64_t)nb * MN__OW;
+    }
+#endif
+    for (; i < s->n; i++) {
         g = s->params.maximize ? -grad[i] : grad[i];
         if (wd != 0.0f) g = g + wd * param[i];
         if (mu != 0.0f) {

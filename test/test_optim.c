@@ -1485,6 +1485,7 @@ static void test_sgd_lion_bits_vs_plain_loop(void) {
         memset(&sp, 0, sizeof sp), memset(&lpr, 0, sizeof lpr);
         sp.lr = 0.05f, sp.momentum = 0.9f, sp.weight_decay = q % 2 ? 1e-2f : MN_OPTIM_ZERO;
         sp.dampening = q % 2 ? MN_OPTIM_ZERO : 0.1f, sp.nesterov = q % 2, sp.dtype = dt;
+        sp.maximize = q % 3 == 2;
         lpr.lr = 1e-3f, lpr.weight_decay = q % 2 ? 0.1f : MN_OPTIM_ZERO, lpr.dtype = dt;
         CHECK_OK(mn_sgd_init(&s, dims, 1, &sp, NULL));
         CHECK_OK(mn_lion_init(&l, dims, 1, &lpr, NULL));
@@ -1498,7 +1499,7 @@ static void test_sgd_lion_bits_vs_plain_loop(void) {
             fill_case(g, n, 1.0);
             CHECK_OK(mn_sgd_step(&s, p, g, h));
             for (i = 0; i < n; i++) {  // torch.optim.SGD's algorithm box
-                float gi = g[i];
+                float gi = a->maximize ? -g[i] : g[i];
                 if (a->weight_decay != 0.0f) gi = gi + a->weight_decay * rp[i];
                 rb[i] = t == 1 ? gi : rb[i] * a->momentum + (1.0f - a->dampening) * gi;
                 gi = a->nesterov ? gi + a->momentum * rb[i] : rb[i];
