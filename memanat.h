@@ -12296,6 +12296,23 @@ static inline mn__ovf mn__ov_load(const float *p) {
     return v;
 }
 static inline void mn__ov_store(float *p, mn__ovf v) { memcpy(p, &v, sizeof v); }
+// Lane masks (all ones or zero, as vector comparisons give them) and selection by bits.
+typedef int32_t mn__ovi __attribute__((vector_size(MN__OW * sizeof(int32_t))));
+static inline mn__ovf mn__ov_sel(mn__ovi mask, mn__ovf a, mn__ovf b) {
+    return (mn__ovf)((mask & (mn__ovi)a) | (~mask & (mn__ovi)b));
+}
+static inline mn__ovf mn__ov_abs(mn__ovf a) { return (mn__ovf)((mn__ovi)a & 0x7fffffff); }
+// Lanes p[idx[l]] (32-bit elements), where the instruction set has a gather (the masked forms:
+// the plain ones start from an undefined vector, as the square root's does).
+#if defined(__AVX512F__)
+#define MN__OGATHER(p, idx) \
+    ((mn__ovf)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), (__mmask16)0xFFFF, (__m512i)(idx), \
+                                       (p), 4))
+#elif defined(__AVX2__)
+#define MN__OGATHER(p, idx) \
+    ((mn__ovf)_mm256_mask_i32gather_ps(_mm256_setzero_ps(), (p), (__m256i)(idx), \
+                                       _mm256_castsi256_ps(_mm256_set1_epi32(-1)), 4))
+#endif
 #else
 #define MN__OV 0
 #endif
@@ -12383,7 +12400,29 @@ MNIMPL mn_result mn_sgd_step(mn_sgd *s, float *param, const float *grad, uint16_
     lr = s->params.lr, mu = s->params.momentum;
     damp = s->params.dampening, wd = s->params.weight_decay;
     s->step++;
-    for (i = 0; i < s->n; i++) {
+    i = 0;
+#if MN__OV
+    {  // the loop below, MN__OW lanes at a time (its tests are the same for every element)
+        int64_t jb, nb = (int64_t)(s->n / MN__OW);
+        int neg = s->params.maximize, first = s->step == 1, nest = s->params.nesterov;
+        float *mb = s->momentum_buffer;
+        MN__OMP_FOR_WORK(s->n, MN__OPT_MIN_PAR)
+        for (jb = 0; jb < nb; jb++) {
+            uint64_t k = (uint64_t)jb * MN__OW;
+            mn__ovf gv = mn__ov_load(grad + k), th = mn__ov_load(param + k), bv;
+            if (neg) gv = -gv;
+            if (wd != 0.0f) gv = gv + wd * th;
+            if (mu != 0.0f) {
+                bv = first ? gv : mn__ov_load(mb + k) * mu + (1.0f - damp) * gv;
+                mn__ov_store(mb + k, bv);
+                gv = nest ? gv + mu * bv : bv;
+            }
+            mn__ov_store(param + k, th - lr * gv);
+        }
+        i = (uint64_t)nb * MN__OW;
+    }
+#endif
+    for (; i < s->n; i++) {
         g = s->params.maximize ? -grad[i] : grad[i];
         if (wd != 0.0f) g = g + wd * param[i];
         if (mu != 0.0f) {
@@ -12566,10 +12605,142 @@ MN__PRIVATE uint8_t mn__opt_nearest(const float *map, float x) {
     return (uint8_t)(i - (uint32_t)(x - map[i - 1] < map[i] - x));
 }
 
+// The same index without the search, for the two dynamic maps of the 8-bit step. For x between
+// map[k-1] and map[k] the search's last comparison, x - map[k-1] < map[k] - x, is true below some
+// float and false from it on (the rounded differences are monotone in x): call that float the
+// threshold T_k, found by bisection on the float order. The index is then the number of thresholds
+// at or below x (x <= map[0]: none; x above map[255]: all 255). The floats are cut into buckets by
+// sign, exponent and the top MN__OPT_QM mantissa bits (every |x| < 2^-24 (1 + 2^-7) in the first
+// bucket of its sign, every |x| >= 2 - 2^-7 in the last); a bucket keeps the index at its smallest
+// float and the one threshold inside it (NaN: none, so that x >= it is false), and the table is
+// used only when no bucket holds two (checked as it is built; true for both dynamic maps). The
+// search it replaces is bitsandbytes' (csrc/kernels.cu dQuantize: binary search, then the nearer
+// neighbour). The test compares the two on each bucket's edges, around every midpoint and on a
+// sweep of [-1, 1]; with MN_TEST_EXHAUSTIVE=1 on every float of [-1, 1].
+#define MN__OPT_QM 7u
+#define MN__OPT_QE0 103u  // biased exponent of 2^-24
+#define MN__OPT_QE1 127u  // biased exponent of 1
+#define MN__OPT_QJ ((MN__OPT_QE1 - MN__OPT_QE0 + 1u) << MN__OPT_QM)  // buckets per sign
+typedef struct mn__opt_qtab {
+    float thr[2 * MN__OPT_QJ];     // negative buckets (most negative first), then positive
+    uint32_t code[2 * MN__OPT_QJ]; // index at the bucket's smallest float (a gather loads 32 bits)
+    int32_t zero;                  // entries below 0: map[i] >= 0 exactly when i >= zero
+    int ok;                        // no bucket holds two thresholds
+} mn__opt_qtab;
+
+// Bucket of x: j orders the magnitudes, the negative half runs backwards.
+static inline uint32_t mn__opt_qbucket(float x) {
+    uint32_t u = mn__opt_bits(x), q = (u & 0x7fffffffu) >> (23u - MN__OPT_QM), j;
+    j = q < (MN__OPT_QE0 << MN__OPT_QM) ? 0u : q - (MN__OPT_QE0 << MN__OPT_QM);
+    j = j > MN__OPT_QJ - 1u ? MN__OPT_QJ - 1u : j;
+    return (u >> 31) ? MN__OPT_QJ - 1u - j : MN__OPT_QJ + j;
+}
+
+// Float order as unsigned order (-0 just below +0), and back.
+MN__PRIVATE uint32_t mn__opt_okey(float f) {
+    uint32_t u = mn__opt_bits(f);
+    return (u >> 31) ? ~u : u | 0x80000000u;
+}
+MN__PRIVATE float mn__opt_ofloat(uint32_t k) {
+    return mn__opt_float((k >> 31) ? k & 0x7fffffffu : ~k);
+}
+
+// Builds the table of a map; ok only for a strictly ascending map of finite floats whose buckets
+// hold at most one threshold each.
+MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
+    float thr[255];
+    uint32_t k, p = 0;
+    t->ok = 1;
+    for (t->zero = 0; t->zero < 256 && map[t->zero] < 0.0f; t->zero++) {}
+    for (k = 1; k < 256; k++) {  // T_k: the first float of (map[k-1], map[k]] where the test fails
+        float a = map[k - 1], b = map[k];
+        uint32_t lo = mn__opt_okey(a), hi = mn__opt_okey(b);  // the test holds at lo, fails at hi
+        uint32_t g = mn__opt_okey(a + (b - a) / 2.0f), step;  // T_k is within a few floats of g
+        if (!(a < b) || !mn__opt_finite(a) || !mn__opt_finite(b)) {
+            t->ok = 0;
+            break;
+        }
+        for (step = 1; step < 64 && g > lo && g < hi; step *= 2) {  // bracket g: lo < T_k <= hi
+            float x = mn__opt_ofloat(g);
+            if (x - a < b - x) lo = g, g = g + step < hi ? g + step : hi;
+            else hi = g, g = g - step > lo ? g - step : lo;
+        }
+        while (hi - lo > 1) {
+            uint32_t mid = lo + (hi - lo) / 2;
+            float x = mn__opt_ofloat(mid);
+            if (x - a < b - x) lo = mid;
+            else hi = mid;
+        }
+        thr[k - 1] = mn__opt_ofloat(hi);
+    }
+    for (k = 0; k < 2 * MN__OPT_QJ && t->ok; k++) {
+        int neg = k < MN__OPT_QJ;
+        uint32_t j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ;
+        uint32_t a0 = j == 0 ? 0u : (j + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM);
+        uint32_t a1 = j == MN__OPT_QJ - 1u
+                          ? 0x7f800000u
+                          : ((j + 1u + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM)) - 1u;
+        float first = neg ? -mn__opt_float(a1) : mn__opt_float(a0);
+        float last = neg ? -mn__opt_float(a0) : mn__opt_float(a1);
+        while (p < 255 && thr[p] <= first) p++;
+        t->code[k] = p;
+        t->thr[k] = p < 255 && thr[p] <= last ? thr[p] : NAN;
+        if (p + 1 < 255 && thr[p + 1] <= last) t->ok = 0;
+    }
+}
+
+static inline uint8_t mn__opt_nearest_tab(const mn__opt_qtab *t, float x) {
+    uint32_t b = mn__opt_qbucket(x);
+    uint32_t c = t->code[b] + (uint32_t)(x >= t->thr[b]);
+    return (uint8_t)(x != x ? 0u : c);  // NaN: the search's comparisons all fail
+}
+
+// Tensors from this many elements quantize through the tables (their build costs about as much as
+// the search for some 10^4 elements); the search below it. Both give the same codes.
+#define MN__OPT_QTAB_MIN 16384u
+
+// codes[i] = mn__opt_nearest(map, x[i] * scale) for i < n, through the table t when there is one
+// (NULL: the search); with keep_sign, one entry lower where x[i] < 0 and the entry is not below 0.
+MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const float *x,
+                               float scale, uint64_t n, uint8_t *codes, int keep_sign) {
+    uint64_t i = 0;
+    uint8_t q;
+    if (!t) {
+        for (; i < n; i++) {
+            q = mn__opt_nearest(map, x[i] * scale);
+            codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (map[q] >= 0.0f)));
+        }
+        return;
+    }
+#ifdef MN__OGATHER
+    for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, MN__OW lanes at a time
+        const mn__ovi e0 = {0}, jmax = e0 + (int32_t)(MN__OPT_QJ - 1u);
+        mn__ovf xv = mn__ov_load(x + i) * scale, th;
+        mn__ovi u = (mn__ovi)xv, j, k, c;
+        int l;
+        j = ((u & 0x7fffffff) >> (23 - MN__OPT_QM)) - (int32_t)(MN__OPT_QE0 << MN__OPT_QM);
+        j = (j & ~(j < 0)), j = (j & (j <= jmax)) | (jmax & (j > jmax));
+        k = ((jmax - j) & (u < 0)) | ((j + (int32_t)MN__OPT_QJ) & (u >= 0));
+        th = MN__OGATHER(t->thr, k);
+        c = (mn__ovi)MN__OGATHER((const float *)t->code, k) - (xv >= th);
+        c = c & (xv == xv);
+        if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (c >= t->zero));
+        for (l = 0; l < MN__OW; l++) codes[i + (uint64_t)l] = (uint8_t)c[l];
+    }
+#endif
+    for (; i < n; i++) {
+        q = mn__opt_nearest_tab(t, x[i] * scale);
+        codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (map[q] >= 0.0f)));
+    }
+}
+
 MNIMPL mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_t n,
                                        uint32_t block_size, uint8_t *codes, float *absmax) {
     uint64_t b, i, i0, end;
+    mn__opt_qtab t;
     if (!map || !x || !codes || !absmax || block_size == 0) return MN_ERR_INVALID_ARG;
+    t.ok = 0;
+    if (n >= MN__OPT_QTAB_MIN) mn__opt_qtab_init(&t, map);  // any map: ok only where it applies
     for (b = 0, i0 = 0; i0 < n; b++, i0 += block_size) {
         float am = 0.0f, inv;
         end = n - i0 < block_size ? n : i0 + block_size;
@@ -12579,7 +12750,7 @@ MNIMPL mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_
         }
         absmax[b] = am;
         inv = am > 0.0f ? 1.0f / am : 0.0f;
-        for (i = i0; i < end; i++) codes[i] = mn__opt_nearest(map, x[i] * inv);
+        mn__opt_codes(t.ok ? &t : NULL, map, x + i0, inv, end - i0, codes + i0, 0);
     }
     return MN_OK;
 }
@@ -12644,66 +12815,143 @@ MNIMPL mn_result mn_adamw8bit_init(mn_adamw8bit *s, const uint64_t *dims, uint32
     return MN_OK;
 }
 
+// One block of the quantized step: k0 is its first element, len its length (at most
+// MN__OPT_MAX_BLOCK). Three loops: the moments and their new block scales; the parameter update
+// (vector lanes: per element the same operations as the plain loop, so the same bits); the codes.
+// The block scales are maxima, which do not depend on the order in which they are taken.
+typedef struct mn__opt_a8 {
+    const mn__opt_qtab *q1, *q2;
+    const float *map1, *map2;  // [256] each
+    float b1, b2, step_size, eps_c, decay;
+    int decay_on;
+} mn__opt_a8;
+
+MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *param,
+                                  const float *grad, uint64_t b, uint64_t k0, uint64_t len) {
+    float mbuf[MN__OPT_MAX_BLOCK], vbuf[MN__OPT_MAX_BLOCK];
+    const float *map1 = c->map1, *map2 = c->map2;
+    const uint8_t *code1 = s->code1 + k0, *code2 = s->code2 + k0;
+    const float *g = grad + k0;
+    float *th = param + k0;
+    float a1 = s->absmax1[b], a2 = s->absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+    float w1 = 1.0f - c->b1, w2 = 1.0f - c->b2, ss = c->step_size, eps = c->eps_c;
+    uint64_t j;
+    j = 0;
+#ifdef MN__OGATHER
+    for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes at a time
+        mn__ovi i1 = {0}, i2 = {0}, fin;
+        mn__ovf gj = mn__ov_load(g + j), m, v;
+        int l;
+        for (l = 0; l < MN__OW; l++) i1[l] = code1[j + (uint64_t)l];
+        for (l = 0; l < MN__OW; l++) i2[l] = code2[j + (uint64_t)l];
+        fin = ((mn__ovi)gj & 0x7f800000) != 0x7f800000;
+        m = MN__OGATHER(map1, i1) * a1 * c->b1 + w1 * gj;
+        v = MN__OGATHER(map2, i2) * a2 * c->b2 + w2 * gj * gj;
+        mn__ov_store(mbuf + j, (mn__ovf)((mn__ovi)m & fin));
+        mn__ov_store(vbuf + j, (mn__ovf)((mn__ovi)v & fin));
+    }
+#endif
+    for (; j < len; j++) {  // dequantize and update the moments; 0 where g is inf/NaN
+        float gj = g[j];
+        int fin = mn__opt_finite(gj);
+        float m = map1[code1[j]] * a1 * c->b1 + w1 * gj;
+        float v = map2[code2[j]] * a2 * c->b2 + w2 * gj * gj;
+        mbuf[j] = fin ? m : 0.0f, vbuf[j] = fin ? v : 0.0f;
+    }
+    j = 0;
+#if MN__OV
+    {
+        mn__ovf mx1, mx2, zero = {0};
+        int l;
+        mx1 = zero, mx2 = zero;
+        for (; j + MN__OW <= len; j += MN__OW) {
+            mn__ovf am = mn__ov_abs(mn__ov_load(mbuf + j)), v = mn__ov_load(vbuf + j);
+            mx1 = mn__ov_sel(am > mx1, am, mx1), mx2 = mn__ov_sel(v > mx2, v, mx2);
+        }
+        for (l = 0; l < MN__OW; l++) {
+            if (mx1[l] > n1) n1 = mx1[l];
+            if (mx2[l] > n2) n2 = mx2[l];
+        }
+    }
+#endif
+    for (; j < len; j++) {
+        float am = fabsf(mbuf[j]);
+        if (am > n1) n1 = am;
+        if (vbuf[j] > n2) n2 = vbuf[j];
+    }
+    s->absmax1[b] = n1, s->absmax2[b] = n2;
+    inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+    inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+    j = 0;
+#if MN__OV
+    for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes at a time
+        mn__ovf m = mn__ov_load(mbuf + j), v = mn__ov_load(vbuf + j), gj = mn__ov_load(g + j);
+        mn__ovf t = mn__ov_load(th + j), u = t + ss * (m / (MN__OSQRT(v) + eps));
+        mn__ovi fin = ((mn__ovi)gj & 0x7f800000) != 0x7f800000;
+        if (c->decay_on) u = u * c->decay;
+        mn__ov_store(th + j, mn__ov_sel(fin, u, t));
+    }
+#endif
+    for (; j < len; j++) {  // parameter update from the fp32 m and v
+        if (mn__opt_finite(g[j])) {
+            float t = th[j] + ss * (mbuf[j] / (sqrtf(vbuf[j]) + eps));
+            th[j] = c->decay_on ? t * c->decay : t;
+        }
+    }
+    mn__opt_codes(c->q1, map1, mbuf, inv1, len, s->code1 + k0, 1);  // m < 0 keeps its sign
+    mn__opt_codes(c->q2, map2, vbuf, inv2, len, s->code2 + k0, 0);
+}
+
 MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *grad,
                                    uint16_t *param16) {
     const mn_adamw8bit_params *p;
-    float map1[256], map2[256], mbuf[MN__OPT_MAX_BLOCK], vbuf[MN__OPT_MAX_BLOCK];
-    float b1, b2, step_size, eps_c, decay;
+    float map1[256], map2[256];
+    mn__opt_qtab q1, q2;
+    mn__opt_a8 c;
     double t, c1, c2;
-    uint64_t i, j, b, i0, len;
+    uint64_t i, per;
+    int64_t run, nb;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
     if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
     p = &s->params;
     t = (double)++s->step;
-    b1 = p->beta1, b2 = p->beta2;
-    c1 = 1.0 - pow((double)b1, t);
-    c2 = sqrt(1.0 - pow((double)b2, t));
-    step_size = (float)(-(double)p->lr * c2 / c1);
-    eps_c = (float)((double)p->eps * c2);
-    decay = (float)(1.0 - (double)p->lr * (double)p->weight_decay);
+    c.b1 = p->beta1, c.b2 = p->beta2;
+    c1 = 1.0 - pow((double)c.b1, t);
+    c2 = sqrt(1.0 - pow((double)c.b2, t));
+    c.step_size = (float)(-(double)p->lr * c2 / c1);
+    c.eps_c = (float)((double)p->eps * c2);
+    c.decay = (float)(1.0 - (double)p->lr * (double)p->weight_decay);
+    c.decay_on = p->weight_decay > 0.0f;
     if (!s->quantized) {
         for (i = 0; i < s->n; i++) {
             float g = grad[i], m, v;
             if (!mn__opt_finite(g)) continue;
-            m = s->exp_avg[i] = s->exp_avg[i] * b1 + (1.0f - b1) * g;
-            v = s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2 + (1.0f - b2) * g * g;
-            param[i] = param[i] + step_size * (m / (sqrtf(v) + eps_c));
-            if (p->weight_decay > 0.0f) param[i] = param[i] * decay;
+            m = s->exp_avg[i] = s->exp_avg[i] * c.b1 + (1.0f - c.b1) * g;
+            v = s->exp_avg_sq[i] = s->exp_avg_sq[i] * c.b2 + (1.0f - c.b2) * g * g;
+            param[i] = param[i] + c.step_size * (m / (sqrtf(v) + c.eps_c));
+            if (c.decay_on) param[i] = param[i] * c.decay;
         }
         mn__opt_store16(p->dtype, param, param16, s->n);
         return MN_OK;
     }
     mn_dynamic_map(1, map1);
     mn_dynamic_map(0, map2);
-    for (b = 0, i0 = 0; b < s->blocks; b++, i0 += p->block_size) {
-        float a1 = s->absmax1[b], a2 = s->absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
-        len = s->n - i0 < p->block_size ? s->n - i0 : p->block_size;
-        for (j = 0; j < len; j++) {  // dequantize, update the moments, new block scales
-            float g = grad[i0 + j], m = 0.0f, v = 0.0f;
-            if (mn__opt_finite(g)) {
-                m = map1[s->code1[i0 + j]] * a1 * b1 + (1.0f - b1) * g;
-                v = map2[s->code2[i0 + j]] * a2 * b2 + (1.0f - b2) * g * g;
-            }
-            mbuf[j] = m, vbuf[j] = v;
-            if (fabsf(m) > n1) n1 = fabsf(m);
-            if (v > n2) n2 = v;
-        }
-        s->absmax1[b] = n1, s->absmax2[b] = n2;
-        inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
-        inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
-        for (j = 0; j < len; j++) {  // parameter update from fp32 m, v; re-quantize
-            float m = mbuf[j];
-            uint8_t c;
-            if (mn__opt_finite(grad[i0 + j])) {
-                float *th = &param[i0 + j];
-                *th = *th + step_size * (m / (sqrtf(vbuf[j]) + eps_c));
-                if (p->weight_decay > 0.0f) *th = *th * decay;
-            }
-            c = mn__opt_nearest(map1, m * inv1);
-            if (m < 0.0f && map1[c] >= 0.0f) c--;  // a negative m never rounds to 0 or above
-            s->code1[i0 + j] = c;
-            s->code2[i0 + j] = mn__opt_nearest(map2, vbuf[j] * inv2);
+    q1.ok = q2.ok = 0;
+    if (s->n >= MN__OPT_QTAB_MIN) mn__opt_qtab_init(&q1, map1), mn__opt_qtab_init(&q2, map2);
+    c.q1 = q1.ok ? &q1 : NULL, c.q2 = q2.ok ? &q2 : NULL, c.map1 = map1, c.map2 = map2;
+    // The blocks are independent: threads take runs of them (about 16384 elements) as they come,
+    // so that a thread whose core is busy elsewhere takes fewer.
+    per = 16384u / p->block_size + 1u;
+    nb = (int64_t)((s->blocks + per - 1) / per);
+    MN__OMP_FOR_DYNAMIC_IF(s->n >= MN__OPT_MIN_PAR / 4)
+    for (run = 0; run < nb; run++) {
+        uint64_t b, b1 = ((uint64_t)run + 1) * per < s->blocks ? ((uint64_t)run + 1) * per
+                                                                 : s->blocks;
+        for (b = (uint64_t)run * per; b < b1; b++) {
+            uint64_t k0 = b * p->block_size;
+            mn__opt_a8_block(&c, s, param, grad, b, k0,
+                             s->n - k0 < p->block_size ? s->n - k0 : p->block_size);
         }
     }
     mn__opt_store16(p->dtype, param, param16, s->n);
@@ -12726,7 +12974,9 @@ MNIMPL void mn_adamw8bit_free(mn_adamw8bit *s) {
 //   vector:            V ← β̂2 V + (1−β̂2) U;  u = g · rsqrt(V)
 //   u ← α_t u / max(1, RMS(u)/d);  (β1: m ← β1 m + (1−β1) u, u = m);  θ ← θ − λα_t θ;  θ ← θ − u
 // RMS(x) = ‖x‖₂/√numel. u is recomputed from the state in each pass instead of stored, so the
-// state is exactly the moments.
+// state is exactly the moments. The sums behind RMS(θ) and RMS(u) are double additions in element
+// order (the results do not depend on the build); each is one chain of dependent additions, so
+// the step runs at about one element per add latency (~3 cycles) whatever the memory speed.
 
 MNIMPL mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
                                    const mn_adafactor_params *p, const mn_allocator *alloc) {
@@ -12790,33 +13040,63 @@ MN__PRIVATE double mn__opt_row_mean(const mn_adafactor *s, uint64_t b) {
     return sum / (double)s->rows;
 }
 
+// Update u before clipping for elements [j0, j0 + len) of the row at `base`, in the plain loop's
+// order of operations: factored rf * (1 / sqrt(C_j)) * g, else (1 / sqrt(V_k)) * g.
+MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, float rf, const float *grad,
+                              uint64_t base, uint64_t j0, uint64_t len, float *u) {
+    const float *g = grad + base + j0;
+    const float *c = s->factored ? col + j0 : s->exp_avg_sq + base + j0;
+    uint64_t j = 0;
+    if (s->factored) {
+#if MN__OV
+        for (; j + MN__OW <= len; j += MN__OW)
+            mn__ov_store(u + j, rf * (1.0f / MN__OSQRT(mn__ov_load(c + j))) * mn__ov_load(g + j));
+#endif
+        for (; j < len; j++) u[j] = rf * (1.0f / sqrtf(c[j])) * g[j];
+    } else {
+#if MN__OV
+        for (; j + MN__OW <= len; j += MN__OW)
+            mn__ov_store(u + j, (1.0f / MN__OSQRT(mn__ov_load(c + j))) * mn__ov_load(g + j));
+#endif
+        for (; j < len; j++) u[j] = (1.0f / sqrtf(c[j])) * g[j];
+    }
+}
+
+#define MN__OPT_AF_CHUNK 512u  // elements of a row per piece of the passes below
+
 MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *grad,
                                    uint16_t *param16) {
     const mn_adafactor_params *p;
-    double t, sum, rho, beta2t, rms_u, clip;
-    float b2t, w2t, eps1, alpha, clip_div, decay_coef;
-    uint64_t i, j, b, c0, cw, n;
-    int pass;
+    double t, sum, rho, beta2t, rms_u, clip, ss, ps;
+    float b2t, w2t, eps1, alpha, clip_div, decay_coef, b1, w1, u[MN__OPT_AF_CHUNK];
+    uint64_t i, j, b, c0, cw, n, j0, len;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
     if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
     p = &s->params;
     n = s->n;
     t = (double)++s->step;
-    for (sum = 0.0, i = 0; i < n; i++) sum += (double)param[i] * param[i];
-    s->rms = (float)sqrt(sum / (double)n);
-    if (p->lr > 0.0f) rho = p->lr;
-    else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
-    alpha = (float)(p->no_scale_parameter ? rho : fmax((double)p->eps2, (double)s->rms) * rho);
-    s->alpha = alpha;
     beta2t = 1.0 - pow(t, (double)p->decay_rate);
     b2t = (float)beta2t, w2t = (float)(1.0 - beta2t), eps1 = p->eps1;
-    // second moment
+    // second moment; the row sums of four rows at a time (each in its own order, as one by one)
     if (s->factored) {
         for (b = 0; b < s->batch; b++) {
             const float *gb = grad + b * s->rows * s->cols;
             float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
-            for (i = 0; i < s->rows; i++) {
+            for (i = 0; i + 4 <= s->rows; i += 4) {
+                const float *g0 = gb + i * s->cols, *g1 = g0 + s->cols, *g2 = g1 + s->cols;
+                const float *g3 = g2 + s->cols;
+                double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+                for (j = 0; j < s->cols; j++) {
+                    s0 += (double)(g0[j] * g0[j] + eps1), s1 += (double)(g1[j] * g1[j] + eps1);
+                    s2 += (double)(g2[j] * g2[j] + eps1), s3 += (double)(g3[j] * g3[j] + eps1);
+                }
+                row[i] = row[i] * b2t + w2t * (float)(s0 / (double)s->cols);
+                row[i + 1] = row[i + 1] * b2t + w2t * (float)(s1 / (double)s->cols);
+                row[i + 2] = row[i + 2] * b2t + w2t * (float)(s2 / (double)s->cols);
+                row[i + 3] = row[i + 3] * b2t + w2t * (float)(s3 / (double)s->cols);
+            }
+            for (; i < s->rows; i++) {
                 const float *gr = gb + i * s->cols;
                 for (sum = 0.0, j = 0; j < s->cols; j++) sum += (double)(gr[j] * gr[j] + eps1);
                 row[i] = row[i] * b2t + w2t * (float)(sum / (double)s->cols);
@@ -12837,38 +13117,60 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
         for (i = 0; i < n; i++)
             s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2t + w2t * (grad[i] * grad[i] + eps1);
     }
-    // pass 0: RMS of the update; pass 1: apply it
-    clip_div = 1.0f;
-    decay_coef = -p->weight_decay * alpha;
-    for (pass = 0, rms_u = 0.0; pass < 2; pass++) {
-        double ss = 0.0;
-        for (b = 0; b < s->batch; b++) {
-            const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
-            const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
-            float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
-            for (i = 0; i < s->rows; i++) {
-                float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
-                uint64_t base = (b * s->rows + i) * s->cols;
-                for (j = 0; j < s->cols; j++) {
-                    uint64_t k = base + j;
-                    float u = s->factored ? rf * (1.0f / sqrtf(col[j])) * grad[k]
-                                          : (1.0f / sqrtf(s->exp_avg_sq[k])) * grad[k];
-                    if (pass == 0) {
-                        ss += (double)u * u;
-                        continue;
-                    }
-                    u = u / clip_div * alpha;
-                    if (s->exp_avg)
-                        u = s->exp_avg[k] = s->exp_avg[k] * p->beta1 + (1.0f - p->beta1) * u;
-                    if (p->weight_decay != 0.0f) param[k] = param[k] + decay_coef * param[k];
-                    param[k] = param[k] - u;
-                }
+    // pass 0: RMS(param) before the step and RMS of the update, both summed in element order
+    for (ss = 0.0, ps = 0.0, b = 0; b < s->batch; b++) {
+        const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
+        const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
+        float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
+        for (i = 0; i < s->rows; i++) {
+            float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
+            uint64_t base = (b * s->rows + i) * s->cols;
+            for (j0 = 0; j0 < s->cols; j0 += len) {
+                const float *th = param + base + j0;
+                len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
+                mn__opt_af_u(s, col, rf, grad, base, j0, len, u);
+                for (j = 0; j < len; j++) ss += (double)u[j] * u[j], ps += (double)th[j] * th[j];
             }
         }
-        if (pass == 0) {
-            rms_u = sqrt(ss / (double)n);
-            clip = rms_u / (double)p->clip_threshold;
-            clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
+    }
+    s->rms = (float)sqrt(ps / (double)n);
+    if (p->lr > 0.0f) rho = p->lr;
+    else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
+    alpha = (float)(p->no_scale_parameter ? rho : fmax((double)p->eps2, (double)s->rms) * rho);
+    s->alpha = alpha;
+    rms_u = sqrt(ss / (double)n);
+    clip = rms_u / (double)p->clip_threshold;
+    clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
+    decay_coef = -p->weight_decay * alpha;
+    b1 = p->beta1, w1 = 1.0f - p->beta1;
+    // pass 1: apply u / max(1, RMS(u)/d) * alpha, through the first moment when there is one
+    for (b = 0; b < s->batch; b++) {
+        const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
+        const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
+        float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
+        for (i = 0; i < s->rows; i++) {
+            float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
+            uint64_t base = (b * s->rows + i) * s->cols;
+            for (j0 = 0; j0 < s->cols; j0 += len) {
+                float *th = param + base + j0, *m = s->exp_avg ? s->exp_avg + base + j0 : NULL;
+                len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
+                mn__opt_af_u(s, col, rf, grad, base, j0, len, u);
+                j = 0;
+#if MN__OV
+                for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes at a time
+                    mn__ovf v = mn__ov_load(u + j) / clip_div * alpha, x = mn__ov_load(th + j);
+                    if (m) v = mn__ov_load(m + j) * b1 + w1 * v, mn__ov_store(m + j, v);
+                    if (p->weight_decay != 0.0f) x = x + decay_coef * x;
+                    mn__ov_store(th + j, x - v);
+                }
+#endif
+                for (; j < len; j++) {
+                    float v = u[j] / clip_div * alpha;
+                    if (m) v = m[j] = m[j] * b1 + w1 * v;
+                    if (p->weight_decay != 0.0f) th[j] = th[j] + decay_coef * th[j];
+                    th[j] = th[j] - v;
+                }
+            }
         }
     }
     mn__opt_store16(p->dtype, param, param16, n);

@@ -1380,6 +1380,430 @@ static void test_adamw_fast_path_bits(void) {
     }
 }
 
+
+// ---- the fast paths against the plain loops, bit for bit ---------------------------------------
+//
+// Each optimizer's step written as one plain scalar loop per element, in the order of operations
+// of its comment block in memanat.h (torch, bitsandbytes, transformers, the Lion paper): the
+// header's step (vector lanes, tables, threads) must give the same bits for the parameters, the
+// 16-bit copy and the state, on fresh random inputs of odd sizes.
+
+// Number of entries of an ascending map below x, at most 255, then the nearer of the two entries
+// around x (ties to the larger): the search of bitsandbytes' quantize (kernels.cu, dQuantize).
+static uint8_t ref_nearest(const float *map, float x) {
+    uint32_t i = 0;
+    while (i < 255 && map[i] < x) i++;
+    if (i == 0) return 0;
+    return (uint8_t)(x - map[i - 1] < map[i] - x ? i - 1 : i);
+}
+
+static void ref_store16(mn_dtype dt, const float *p, uint16_t *h, uint64_t n) {
+    uint64_t i;
+    for (i = 0; i < n && dt != MN_FP32; i++)
+        h[i] = dt == MN_FP16 ? mn_fp32_to_fp16(p[i]) : mn_fp32_to_bf16(p[i]);
+}
+
+static int same_bits(const void *a, const void *b, uint64_t bytes) {
+    return bytes == 0 || memcmp(a, b, (size_t)bytes) == 0;
+}
+
+// A parameter, a gradient and fresh normal values; a few gradients 0, tiny or huge.
+static void fill_case(float *x, uint64_t n, double scale) {
+    uint64_t i;
+    mnt_fill_normal(x, n, scale);
+    for (i = 0; i < n; i += 1 + mnt_rand_u64() % 97) {
+        double r = mnt_rand_uniform();
+        x[i] = r < 0.3 ? 0.0f : r < 0.6 ? x[i] * 1e-20f : x[i] * 1e3f;
+    }
+}
+
+static const mn_dtype bit_dtypes[3] = {MN_FP32, MN_FP16, MN_BF16};
+
+static void test_adamw_bits_vs_plain_loop(void) {
+    static const uint64_t sizes[] = {1, 17, 1031, 40009};
+    size_t q;
+    for (q = 0; q < 4 * 3; q++) {
+        uint64_t n = sizes[q % 4], dims[1], i;
+        mn_dtype dt = bit_dtypes[q / 4];
+        float *p = mnt_fvec(n), *g = mnt_fvec(n), *rp = mnt_fvec(n), *rm = mnt_fvec(n);
+        float *rv = mnt_fvec(n);
+        uint16_t *h = (uint16_t *)malloc(n * 2), *rh = (uint16_t *)malloc(n * 2);
+        mn_adamw s;
+        mn_adamw_params prm;
+        int t;
+        dims[0] = n;
+        memset(&prm, 0, sizeof prm);
+        prm.lr = (float)(1e-3 * (1.0 + mnt_rand_uniform()));
+        prm.weight_decay = q % 2 ? 0.1f : MN_OPTIM_ZERO;
+        prm.beta1 = q % 3 ? 0.9f : 0.3f;  // lerp's two branches (weight 1 - beta1 below 0.5 or not)
+        prm.dtype = dt;
+        CHECK_OK(mn_adamw_init(&s, dims, 1, &prm, NULL));
+        fill_case(p, n, 1.0);
+        memcpy(rp, p, n * 4), memset(rm, 0, n * 4), memset(rv, 0, n * 4);
+        for (t = 1; t <= 4; t++) {  // torch adam.py _single_tensor_adam, decoupled decay
+            const mn_adamw_params *a = &s.params;
+            double bc1 = 1.0 - pow((double)a->beta1, t), bc2 = 1.0 - pow((double)a->beta2, t);
+            float decay = (float)(1.0 - (double)a->lr * (double)a->weight_decay);
+            float step = (float)((double)a->lr / bc1), bc2s = (float)sqrt(bc2);
+            float w1 = 1.0f - a->beta1;
+            fill_case(g, n, 1e-2);
+            CHECK_OK(mn_adamw_step(&s, p, g, h));
+            for (i = 0; i < n; i++) {
+                float th = rp[i] * decay, m = rm[i], gi = g[i];
+                m = w1 < 0.5f ? m + w1 * (gi - m) : gi - (gi - m) * (1.0f - w1);  // torch.lerp
+                rm[i] = m;
+                rv[i] = rv[i] * a->beta2 + (1.0f - a->beta2) * gi * gi;
+                rp[i] = th - step * (m / (sqrtf(rv[i]) / bc2s + a->eps));
+            }
+            ref_store16(dt, rp, rh, n);
+        }
+        CHECK_MSG(same_bits(p, rp, n * 4) && same_bits(s.exp_avg, rm, n * 4) &&
+                      same_bits(s.exp_avg_sq, rv, n * 4) &&
+                      (dt == MN_FP32 || same_bits(h, rh, n * 2)),
+                  "adamw n %llu dtype %d: not the plain loop's bits", (unsigned long long)n,
+                  (int)dt);
+        mn_adamw_free(&s);
+        free(p), free(g), free(rp), free(rm), free(rv), free(h), free(rh);
+    }
+}
+
+static void test_sgd_lion_bits_vs_plain_loop(void) {
+    static const uint64_t sizes[] = {3, 1029, 40007};
+    size_t q;
+    for (q = 0; q < 3 * 3; q++) {
+        uint64_t n = sizes[q % 3], dims[1], i;
+        mn_dtype dt = bit_dtypes[q / 3];
+        float *p = mnt_fvec(n), *g = mnt_fvec(n), *rp = mnt_fvec(n), *rb = mnt_fvec(n);
+        float *lp = mnt_fvec(n), *rlp = mnt_fvec(n), *rlm = mnt_fvec(n);
+        uint16_t *h = (uint16_t *)malloc(n * 2), *rh = (uint16_t *)malloc(n * 2);
+        mn_sgd s;
+        mn_sgd_params sp;
+        mn_lion l;
+        mn_lion_params lpr;
+        int t, ok = 1;
+        dims[0] = n;
+        memset(&sp, 0, sizeof sp), memset(&lpr, 0, sizeof lpr);
+        sp.lr = 0.05f, sp.momentum = 0.9f, sp.weight_decay = q % 2 ? 1e-2f : MN_OPTIM_ZERO;
+        sp.dampening = q % 2 ? MN_OPTIM_ZERO : 0.1f, sp.nesterov = q % 2, sp.dtype = dt;
+        sp.maximize = q % 3 == 2;
+        lpr.lr = 1e-3f, lpr.weight_decay = q % 2 ? 0.1f : MN_OPTIM_ZERO, lpr.dtype = dt;
+        CHECK_OK(mn_sgd_init(&s, dims, 1, &sp, NULL));
+        CHECK_OK(mn_lion_init(&l, dims, 1, &lpr, NULL));
+        fill_case(p, n, 1.0);
+        memcpy(rp, p, n * 4), memcpy(lp, p, n * 4), memcpy(rlp, p, n * 4);
+        memset(rb, 0, n * 4), memset(rlm, 0, n * 4);
+        for (t = 1; t <= 4; t++) {
+            const mn_sgd_params *a = &s.params;
+            const mn_lion_params *b = &l.params;
+            float decay = (float)(1.0 - (double)b->lr * (double)b->weight_decay);
+            fill_case(g, n, 1.0);
+            CHECK_OK(mn_sgd_step(&s, p, g, h));
+            for (i = 0; i < n; i++) {  // torch.optim.SGD's algorithm box
+                float gi = a->maximize ? -g[i] : g[i];
+                if (a->weight_decay != 0.0f) gi = gi + a->weight_decay * rp[i];
+                rb[i] = t == 1 ? gi : rb[i] * a->momentum + (1.0f - a->dampening) * gi;
+                gi = a->nesterov ? gi + a->momentum * rb[i] : rb[i];
+                rp[i] = rp[i] - a->lr * gi;
+            }
+            ref_store16(dt, rp, rh, n);
+            ok &= same_bits(p, rp, n * 4) && same_bits(s.momentum_buffer, rb, n * 4) &&
+                  (dt == MN_FP32 || same_bits(h, rh, n * 2));
+            CHECK_OK(mn_lion_step(&l, lp, g, h));
+            for (i = 0; i < n; i++) {  // Chen et al. 2023, Algorithm 2
+                float m = rlm[i], c = m * b->beta1 + (1.0f - b->beta1) * g[i];
+                float sg = c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : 0.0f;
+                rlp[i] = rlp[i] * decay - b->lr * sg;
+                rlm[i] = m * b->beta2 + (1.0f - b->beta2) * g[i];
+            }
+            ref_store16(dt, rlp, rh, n);
+            ok &= same_bits(lp, rlp, n * 4) && same_bits(l.exp_avg, rlm, n * 4) &&
+                  (dt == MN_FP32 || same_bits(h, rh, n * 2));
+        }
+        CHECK_MSG(ok, "sgd/lion n %llu dtype %d: not the plain loop's bits",
+                  (unsigned long long)n, (int)dt);
+        mn_sgd_free(&s), mn_lion_free(&l);
+        free(p), free(g), free(rp), free(rb), free(lp), free(rlp), free(rlm), free(h), free(rh);
+    }
+}
+
+// bitsandbytes kOptimizerStatic8bit2StateBlockwise (ADAM) per element, as memanat.h describes it.
+static void ref_adamw8bit_step(const mn_adamw8bit_params *a, uint64_t t, float *p, const float *g,
+                               uint64_t n, uint8_t *c1, uint8_t *c2, float *am1, float *am2) {
+    float map1[256], map2[256], *mb = (float *)malloc(a->block_size * 4);
+    float *vb = (float *)malloc(a->block_size * 4);
+    double bc1 = 1.0 - pow((double)a->beta1, (double)t);
+    double bc2 = sqrt(1.0 - pow((double)a->beta2, (double)t));
+    float step = (float)(-(double)a->lr * bc2 / bc1), eps = (float)((double)a->eps * bc2);
+    float decay = (float)(1.0 - (double)a->lr * (double)a->weight_decay);
+    uint64_t b, i0, j, len;
+    mn_dynamic_map(1, map1), mn_dynamic_map(0, map2);
+    for (b = 0, i0 = 0; i0 < n; b++, i0 += a->block_size) {
+        float n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+        len = n - i0 < a->block_size ? n - i0 : a->block_size;
+        for (j = 0; j < len; j++) {
+            float gi = g[i0 + j], m = 0.0f, v = 0.0f;
+            if (isfinite(gi)) {
+                m = map1[c1[i0 + j]] * am1[b] * a->beta1 + (1.0f - a->beta1) * gi;
+                v = map2[c2[i0 + j]] * am2[b] * a->beta2 + (1.0f - a->beta2) * gi * gi;
+            }
+            mb[j] = m, vb[j] = v;
+            if (fabsf(m) > n1) n1 = fabsf(m);
+            if (v > n2) n2 = v;
+        }
+        am1[b] = n1, am2[b] = n2;
+        inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+        inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+        for (j = 0; j < len; j++) {
+            uint8_t q;
+            if (isfinite(g[i0 + j])) {
+                p[i0 + j] = p[i0 + j] + step * (mb[j] / (sqrtf(vb[j]) + eps));
+                if (a->weight_decay > 0.0f) p[i0 + j] = p[i0 + j] * decay;
+            }
+            q = ref_nearest(map1, mb[j] * inv1);
+            if (mb[j] < 0.0f && map1[q] >= 0.0f) q--;
+            c1[i0 + j] = q;
+            c2[i0 + j] = ref_nearest(map2, vb[j] * inv2);
+        }
+    }
+    free(mb), free(vb);
+}
+
+static void test_adamw8bit_bits_vs_plain_loop(void) {
+    static const uint64_t sizes[] = {4099, 16411, 140009};  // the last on threads
+    static const uint32_t blocks[] = {256, 129, 2048};
+    size_t q;
+    for (q = 0; q < 3 * 3; q++) {
+        uint64_t n = sizes[q % 3], dims[1], nb;
+        mn_dtype dt = bit_dtypes[q / 3];
+        float *p = mnt_fvec(n), *g = mnt_fvec(n), *rp = mnt_fvec(n);
+        uint16_t *h = (uint16_t *)malloc(n * 2), *rh = (uint16_t *)malloc(n * 2);
+        uint8_t *c1 = (uint8_t *)calloc(n, 1), *c2 = (uint8_t *)calloc(n, 1);
+        float *am1, *am2;
+        mn_adamw8bit s;
+        mn_adamw8bit_params prm;
+        int t, ok = 1;
+        dims[0] = n;
+        memset(&prm, 0, sizeof prm);
+        prm.block_size = blocks[(q + q / 3) % 3];
+        prm.weight_decay = q % 2 ? 0.1f : MN_OPTIM_ZERO;
+        prm.dtype = dt;
+        CHECK_OK(mn_adamw8bit_init(&s, dims, 1, &prm, NULL));
+        CHECK(s.quantized);
+        nb = s.blocks;
+        am1 = (float *)calloc(nb, 4), am2 = (float *)calloc(nb, 4);
+        fill_case(p, n, 1.0);
+        memcpy(rp, p, n * 4);
+        for (t = 1; t <= 5; t++) {
+            fill_case(g, n, t % 2 ? 1e-3 : 1.0);
+            if (t == 3) g[n / 2] = NAN, g[n / 3] = INFINITY;  // left alone, moments 0
+            CHECK_OK(mn_adamw8bit_step(&s, p, g, h));
+            ref_adamw8bit_step(&s.params, (uint64_t)t, rp, g, n, c1, c2, am1, am2);
+            ref_store16(dt, rp, rh, n);
+            ok &= same_bits(p, rp, n * 4) && same_bits(s.code1, c1, n) &&
+                  same_bits(s.code2, c2, n) && same_bits(s.absmax1, am1, nb * 4) &&
+                  same_bits(s.absmax2, am2, nb * 4) && (dt == MN_FP32 || same_bits(h, rh, n * 2));
+        }
+        CHECK_MSG(ok, "adamw8bit n %llu block %u dtype %d: not the plain loop's bits",
+                  (unsigned long long)n, prm.block_size, (int)dt);
+        mn_adamw8bit_free(&s);
+        free(p), free(g), free(rp), free(h), free(rh), free(c1), free(c2), free(am1), free(am2);
+    }
+}
+
+// transformers Adafactor.step per element (memanat.h's comment block): second moment, RMS(param)
+// and RMS(u) summed in double in element order, then the update.
+static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *p, const float *g,
+                               const uint64_t *dims, uint32_t nd, float *R, float *C, float *V,
+                               float *M) {
+    uint64_t n = 1, rows, cols, batch, b, i, j, k;
+    double sum, rho, beta2t, ss = 0.0, rms, clip;
+    float b2t, w2t, alpha, clip_div, decay;
+    uint32_t d;
+    for (d = 0; d < nd; d++) n *= dims[d];
+    cols = dims[nd - 1], rows = nd >= 2 ? dims[nd - 2] : 1, batch = n / (rows * cols);
+    for (sum = 0.0, i = 0; i < n; i++) sum += (double)p[i] * p[i];
+    rms = (float)sqrt(sum / (double)n);
+    rho = a->lr > 0.0f ? a->lr : fmin(a->warmup_init ? 1e-6 * (double)t : 1e-2, 1.0 / sqrt(t));
+    alpha = (float)(a->no_scale_parameter ? rho : fmax((double)a->eps2, rms) * rho);
+    beta2t = 1.0 - pow((double)t, (double)a->decay_rate);
+    b2t = (float)beta2t, w2t = (float)(1.0 - beta2t);
+    for (b = 0; b < batch && nd >= 2; b++) {
+        const float *gb = g + b * rows * cols;
+        for (i = 0; i < rows; i++) {
+            for (sum = 0.0, j = 0; j < cols; j++)
+                sum += (double)(gb[i * cols + j] * gb[i * cols + j] + a->eps1);
+            R[b * rows + i] = R[b * rows + i] * b2t + w2t * (float)(sum / (double)cols);
+        }
+        for (j = 0; j < cols; j++) {
+            for (sum = 0.0, i = 0; i < rows; i++)
+                sum += (double)(gb[i * cols + j] * gb[i * cols + j] + a->eps1);
+            C[b * cols + j] = C[b * cols + j] * b2t + w2t * (float)(sum / (double)rows);
+        }
+    }
+    for (i = 0; i < n && nd < 2; i++) V[i] = V[i] * b2t + w2t * (g[i] * g[i] + a->eps1);
+    decay = -a->weight_decay * alpha;
+    for (clip_div = 1.0f, k = 0; k < 2; k++) {
+        for (b = 0; b < batch; b++) {
+            float rmean = 1.0f;
+            if (nd >= 2) {
+                for (sum = 0.0, i = 0; i < rows; i++) sum += R[b * rows + i];
+                rmean = (float)(sum / (double)rows);
+            }
+            for (i = 0; i < rows; i++) {
+                float rf = nd >= 2 ? 1.0f / sqrtf(R[b * rows + i] / rmean) : 1.0f;
+                for (j = 0; j < cols; j++) {
+                    uint64_t e = (b * rows + i) * cols + j;
+                    float u = nd >= 2 ? rf * (1.0f / sqrtf(C[b * cols + j])) * g[e]
+                                      : (1.0f / sqrtf(V[e])) * g[e];
+                    if (k == 0) {
+                        ss += (double)u * u;
+                        continue;
+                    }
+                    u = u / clip_div * alpha;
+                    if (M) u = M[e] = M[e] * a->beta1 + (1.0f - a->beta1) * u;
+                    if (a->weight_decay != 0.0f) p[e] = p[e] + decay * p[e];
+                    p[e] = p[e] - u;
+                }
+            }
+        }
+        clip = sqrt(ss / (double)n) / (double)a->clip_threshold;
+        clip_div = (float)(clip > 1.0 ? clip : 1.0);
+    }
+}
+
+static void test_adafactor_bits_vs_plain_loop(void) {
+    static const uint64_t shapes[4][3] = {{37, 1031, 0}, {5003, 0, 0}, {3, 17, 523}, {129, 33, 0}};
+    static const uint32_t nds[4] = {2, 1, 3, 2};
+    size_t q;
+    for (q = 0; q < 4 * 3; q++) {
+        const uint64_t *dims = shapes[q % 4];
+        uint32_t nd = nds[q % 4], d;
+        uint64_t n = 1, nr, nc;
+        mn_dtype dt = bit_dtypes[q / 4];
+        float *p, *g, *rp, *R, *C, *V, *M;
+        uint16_t *h, *rh;
+        mn_adafactor s;
+        mn_adafactor_params prm;
+        int t, ok = 1;
+        for (d = 0; d < nd; d++) n *= dims[d];
+        nr = nd >= 2 ? n / dims[nd - 1] : 1, nc = nd >= 2 ? n / dims[nd - 2] : 1;
+        p = mnt_fvec(n), g = mnt_fvec(n), rp = mnt_fvec(n), V = mnt_fvec(n), M = mnt_fvec(n);
+        R = mnt_fvec(nr), C = mnt_fvec(nc);
+        h = (uint16_t *)malloc(n * 2), rh = (uint16_t *)malloc(n * 2);
+        memset(&prm, 0, sizeof prm);
+        if (q % 2) prm.beta1 = 0.9f, prm.weight_decay = 0.01f;
+        if (q % 3 == 1) prm.lr = 1e-3f, prm.no_scale_parameter = 1;
+        if (q % 3 == 2) prm.clip_threshold = 0.05f, prm.warmup_init = 1;
+        prm.dtype = dt;
+        CHECK_OK(mn_adafactor_init(&s, dims, nd, &prm, NULL));
+        memset(R, 0, nr * 4), memset(C, 0, nc * 4), memset(V, 0, n * 4), memset(M, 0, n * 4);
+        fill_case(p, n, 1.0);
+        memcpy(rp, p, n * 4);
+        for (t = 1; t <= 4; t++) {
+            mnt_fill_normal(g, n, t % 2 ? 1e-2 : 1.0);
+            CHECK_OK(mn_adafactor_step(&s, p, g, h));
+            ref_adafactor_step(&s.params, (uint64_t)t, rp, g, dims, nd, R, C, V,
+                               s.exp_avg ? M : NULL);
+            ref_store16(dt, rp, rh, n);
+            ok &= same_bits(p, rp, n * 4) && (dt == MN_FP32 || same_bits(h, rh, n * 2));
+            ok &= nd >= 2 ? same_bits(s.exp_avg_sq_row, R, nr * 4) &&
+                                same_bits(s.exp_avg_sq_col, C, nc * 4)
+                          : same_bits(s.exp_avg_sq, V, n * 4);
+            ok &= !s.exp_avg || same_bits(s.exp_avg, M, n * 4);
+        }
+        CHECK_MSG(ok, "adafactor case %d dtype %d: not the plain loop's bits", (int)(q % 4),
+                  (int)dt);
+        mn_adafactor_free(&s);
+        free(p), free(g), free(rp), free(R), free(C), free(V), free(M), free(h), free(rh);
+    }
+}
+
+// Checks the codes of mn_quantize_blockwise for x [n] (blocks of bs) against the search.
+static uint64_t quantize_mismatches(const float *map, const float *x, uint64_t n, uint32_t bs,
+                                    uint8_t *codes, float *absmax) {
+    uint64_t i, bad = 0;
+    if (mn_quantize_blockwise(map, x, n, bs, codes, absmax) != MN_OK) return n;
+    for (i = 0; i < n; i++) {
+        float am = absmax[i / bs], inv = am > 0.0f ? 1.0f / am : 0.0f;
+        if (codes[i] != ref_nearest(map, x[i] * inv)) bad++;
+    }
+    return bad;
+}
+
+typedef struct qsweep {
+    const float *map;
+    float *x, absmax[128];  // blocks of at least 1021 in QSWEEP_CH values
+    uint8_t *codes;
+    uint64_t fill, bad, checked;
+} qsweep;
+enum { QSWEEP_CH = 1 << 16 };
+
+// Quantizes what was put so far (at least 16384 values, so that the tables are used).
+static void qsweep_flush(qsweep *q) {
+    while (q->fill < 16384) q->x[q->fill++] = 0.5f;
+    q->bad += quantize_mismatches(q->map, q->x, q->fill, 1024, q->codes, q->absmax);
+    q->checked += q->fill, q->fill = 0;
+}
+
+// Puts v in a block of 1024 whose first value is 1.0: absmax 1, so the code is that of v itself.
+static void qsweep_put(qsweep *q, float v) {
+    if (q->fill % 1024 == 0) q->x[q->fill++] = 1.0f;
+    q->x[q->fill++] = v;
+    if (q->fill == QSWEEP_CH) qsweep_flush(q);
+}
+
+// The table that replaces the search (large tensors) against the search itself. Every float at a
+// bucket's edge (sign, exponent from 2^-30 to 4, top 7 mantissa bits), 16 floats on each side of
+// every midpoint of two neighbouring entries, NaN, infinities, zeros, and a sweep over the floats
+// of [-1, 1] with a random stride (MN_TEST_EXHAUSTIVE=1: every float of [-1, 1], minutes); then
+// random tensors at other scales, where x / absmax rounds and may land just above 1.
+static void test_quantize_table_vs_search(void) {
+    const char *env = getenv("MN_TEST_EXHAUSTIVE");
+    int exhaustive = env && env[0] == '1';
+    float map[256];
+    uint32_t stride = exhaustive ? 1u : 89u + (uint32_t)(mnt_rand_u64() % 64), u, e, k;
+    qsweep q;
+    int s, sg, d;
+    memset(&q, 0, sizeof q);
+    q.x = mnt_fvec(QSWEEP_CH), q.codes = (uint8_t *)malloc(QSWEEP_CH), q.map = map;
+    for (s = 0; s < 2; s++) {
+        mn_dynamic_map(s, map);
+        for (sg = 0; sg < 2; sg++)
+            for (e = 97; e <= 129; e++)
+                for (k = 0; k < 128; k++) {
+                    u = (e << 23) | (k << 16) | (sg ? 0x80000000u : 0u);
+                    qsweep_put(&q, bits_to_float(u));
+                    qsweep_put(&q, bits_to_float(u + 0xffffu));
+                    qsweep_put(&q, bits_to_float(u - 1u));
+                }
+        for (k = 1; k < 256; k++) {
+            float mid = map[k - 1] + (map[k] - map[k - 1]) / 2.0f, v = mid, w = mid;
+            for (d = 0; d < 16; d++) {
+                qsweep_put(&q, v), qsweep_put(&q, w);
+                v = nextafterf(v, -2.0f), w = nextafterf(w, 2.0f);
+            }
+        }
+        qsweep_put(&q, NAN), qsweep_put(&q, -NAN), qsweep_put(&q, 0.0f), qsweep_put(&q, -0.0f);
+        qsweep_put(&q, 1e-45f), qsweep_put(&q, -1e-45f), qsweep_put(&q, -1.0f);
+        qsweep_put(&q, 0.99999994f), qsweep_put(&q, -0.99999994f);
+        for (u = (uint32_t)(mnt_rand_u64() % stride); u <= 0x3f800000u; u += stride)
+            qsweep_put(&q, bits_to_float(u)), qsweep_put(&q, bits_to_float(u | 0x80000000u));
+        qsweep_flush(&q);
+        q.x[0] = INFINITY;  // absmax inf: x * 0 is NaN or 0
+        for (k = 0; k < 4; k++) {
+            double sc = k == 0 ? 3.0 : k == 1 ? 1e-3 : k == 2 ? 7e5 : 0.1;
+            if (k > 0) mnt_fill_normal(q.x, QSWEEP_CH, sc);
+            q.bad += quantize_mismatches(map, q.x, QSWEEP_CH, k == 3 ? 1021 : 1024, q.codes,
+                                         q.absmax);
+            q.checked += QSWEEP_CH;
+        }
+    }
+    if (mnt_verbose()) printf("  %llu values checked\n", (unsigned long long)q.checked);
+    CHECK_MSG(q.bad == 0, "%llu of %llu codes differ from the search", (unsigned long long)q.bad,
+              (unsigned long long)q.checked);
+    free(q.x), free(q.codes);
+}
+
 const mnt_case test_optim_cases[] = {
     {"adamw_steps", test_adamw_steps},
     {"adamw_first_step_closed_form", test_adamw_first_step_closed_form},
@@ -1410,5 +1834,10 @@ const mnt_case test_optim_cases[] = {
     {"fp32_to_half_edges", test_fp32_to_half_edges},
     {"conversion_arrays", test_conversion_arrays},
     {"conversion_arrays_bits", test_conversion_arrays_bits},
+    {"adamw_bits_vs_plain_loop", test_adamw_bits_vs_plain_loop},
+    {"sgd_lion_bits_vs_plain_loop", test_sgd_lion_bits_vs_plain_loop},
+    {"adamw8bit_bits_vs_plain_loop", test_adamw8bit_bits_vs_plain_loop},
+    {"adafactor_bits_vs_plain_loop", test_adafactor_bits_vs_plain_loop},
+    {"quantize_table_vs_search", test_quantize_table_vs_search},
 };
 const size_t test_optim_count = sizeof test_optim_cases / sizeof test_optim_cases[0];
