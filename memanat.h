@@ -17,8 +17,9 @@
 //   MN_ASSERT(c)           check of an internal invariant (default assert); never used on
 //                          arguments or input: those get an mn_result, with or without NDEBUG
 //   MEMANAT_NO_THREADS     build the caching allocator without its mutex (one thread per cache)
-//   MEMANAT_NO_SIMD        the matmul register tile in plain C instead of GCC/clang vector
-//                          extensions (slower; the tests pass either way)
+//   MEMANAT_NO_SIMD        plain C instead of GCC/clang vector extensions and intrinsics in the
+//                          matmul register tile and the optimizer steps' lanes (slower; the
+//                          optimizer steps give the same bits, and the tests pass either way)
 //   MEMANAT_CBLAS          mn_matmul_forward and mn_matmul_backward (and the _typed forms with
 //                          fp32 operands; 16-bit ones keep the native kernel) call cblas_sgemm of
 //                          any CBLAS (OpenBLAS, MKL, BLIS, ...) instead of the native kernel: put

@@ -63,7 +63,7 @@ static void test_dev_tsv(void) {
     while (fgets(line, sizeof line, f)) {
         char *col[7], *p = line, args[2048];
         int n = 0;
-        double want, tol, got, unit;
+        double want, tol, got = 0, unit;
         run_out r;
         if (line[0] == '#' || line[0] == '\n') continue;
         line[strcspn(line, "\n")] = 0;
@@ -116,7 +116,7 @@ static void test_torch2_tsv(void) {
     while (fgets(line, sizeof line, f)) {
         char *col[12], *p = line, args[4096];
         int n = 0;
-        double want, got, ws, err, tol;
+        double want, got = 0, ws = 0, err, tol;
         run_out r;
         if (line[0] == '#' || line[0] == '\n') continue;
         line[strcspn(line, "\n")] = 0;
