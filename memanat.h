@@ -4354,9 +4354,14 @@ typedef struct mn__tensor {
     uint8_t live;           // allocated and not yet freed
     uint8_t elem_size;      // bytes per element
     uint32_t tape;          // ops on the tape that name it (in or out): its id stays its own
-    const char *why;        // the mechanism that made it (--explain)
-    uint64_t born, died;    // allocation and free sequence numbers (died 0 = alive)
 } mn__tensor;
+
+// What only --explain reads of a tensor, kept apart (S->history) so that the records every
+// estimate touches stay 24 bytes.
+typedef struct mn__tensor_hist {
+    const char *why;        // the mechanism that made it
+    uint64_t born, died;    // allocation and free sequence numbers (died 0 = alive)
+} mn__tensor_hist;
 
 typedef struct mn__op {
     uint64_t bwd_temp;      // transient bytes of the backward beyond input gradients
@@ -4417,11 +4422,13 @@ typedef struct mn__sim {
     // growing arrays: n* elements in use, c* allocated
     mn__tensor *tensors;     // nt, ct; a tensor id indexes it
     uint32_t *free_ids;      // ids free for reuse (reuse on): nfree, cfree
+    mn__tensor_hist *hist;   // each tensor's history when kept (history on): ch allocated
     mn__op *ops;             // the autograd tape: nops, cops
     mn__param *params;       // np, cp
     mn_trace_event *ev;      // allocation events: nev, cev
     uint32_t *block_start;   // first parameter of each block (stack: of each layer)
-    uint64_t nt, ct, nops, cops, np, cp, nev, cev, nfree, cfree;
+    uint64_t nt, ct, nops, cops, np, cp, nev, cev, nfree, cfree, ch;
+    int history;             // keep each tensor's history (hist)
     int reuse;               // a dead tensor's id is reused once no op names it (no events, no
                              // explain: nothing reads a dead tensor's history)
     uint64_t cur[MN_CAT_COUNT];       // bytes live per category
@@ -4430,7 +4437,7 @@ typedef struct mn__sim {
     uint64_t at_peak[MN_CAT_COUNT];   // cur at that moment
     uint64_t cat_peak[MN_CAT_COUNT];  // the most bytes of each category at any moment
     mn_phase phase, peak_phase;
-    const char *why;                  // label of the tensors made now (mn__tensor.why)
+    const char *why;                  // label of the tensors made now (mn__tensor_hist.why)
     uint64_t seq, peak_seq;           // allocation/free events so far; seq at the peak
     int record;              // autograd records ops (grad mode)
     int counting;            // the counting pass: parameters are registered, nothing is allocated
@@ -4522,7 +4529,14 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     t = &S->tensors[id];
     t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->category = (uint8_t)cat;
     t->requires_grad = 0, t->live = 1, t->elem_size = (uint8_t)esz, t->tape = 0;
-    t->why = S->why ? S->why : "other", t->born = ++S->seq, t->died = 0;
+    ++S->seq;
+    if (S->history) {
+        mn__tensor_hist *h;
+        if (!mn__grow(S, (void **)&S->hist, &S->ch, (uint64_t)id + 1, sizeof *S->hist))
+            return MN__NONE;
+        h = &S->hist[id];
+        h->why = S->why ? S->why : "other", h->born = S->seq, h->died = 0;
+    }
     S->cur[cat] += bytes;
     if (S->cur[cat] > S->cat_peak[cat]) S->cat_peak[cat] = S->cur[cat];
     if (mn_add_u64(S->total, bytes, &S->total) != MN_OK) {
@@ -4560,7 +4574,8 @@ MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
     MN_ASSERT(t->live && t->refs > 0);
     if (--t->refs) return;
     t->live = 0;
-    t->died = ++S->seq;
+    ++S->seq;
+    if (S->history) S->hist[id].died = S->seq;
     S->cur[t->category] -= t->bytes;
     S->total -= t->bytes;
     S->total_r -= (t->bytes + 511) / 512 * 512;
@@ -6954,7 +6969,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
 
 MN__PRIVATE void mn__sim_free(mn__sim *S) {
     mn__free(S->al, S->tensors), mn__free(S->al, S->ops), mn__free(S->al, S->params);
-    mn__free(S->al, S->free_ids);
+    mn__free(S->al, S->free_ids), mn__free(S->al, S->hist);
     mn__free(S->al, S->ev), mn__free(S->al, S->block_start), mn__free(S->al, S->outs);
     memset(S, 0, sizeof *S);
 }
@@ -7142,7 +7157,7 @@ MN__PRIVATE void mn__sim_reset(mn__sim *S) {
     memset(S, 0, sizeof *S);
     S->al = k.al;
     S->tensors = k.tensors, S->ct = k.ct, S->ops = k.ops, S->cops = k.cops;
-    S->free_ids = k.free_ids, S->cfree = k.cfree;
+    S->free_ids = k.free_ids, S->cfree = k.cfree, S->hist = k.hist, S->ch = k.ch;
     S->params = k.params, S->cp = k.cp, S->ev = k.ev, S->cev = k.cev;
     S->outs = k.outs, S->couts = k.couts;
 }
@@ -7183,7 +7198,8 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     }
     if (r == MN_OK) {
         S->events = (keep & MN__KEEP_EVENTS) || !c.s.no_replay;
-        S->reuse = !S->events && !(keep & MN__KEEP_HISTORY) && c.s.framework != MN_FW_MEMANAT;
+        S->history = (keep & MN__KEEP_HISTORY) != 0;
+        S->reuse = !S->events && !S->history && c.s.framework != MN_FW_MEMANAT;
         mn__run(S);
         r = S->err;
     }
@@ -7787,14 +7803,15 @@ MNIMPL mn_result mn_estimate_explain(const mn_model *model, const mn_setup *setu
     if (r == MN_OK) {
         for (k = 0; k < S.nt; k++) {
             const mn__tensor *T = &S.tensors[k];
-            if (T->born > S.peak_seq || (T->died && T->died <= S.peak_seq)) continue;
+            const mn__tensor_hist *H = &S.hist[k];
+            if (H->born > S.peak_seq || (H->died && H->died <= S.peak_seq)) continue;
             for (i = 0; i < ng; i++)
                 if (g[i].category == (mn_category)T->category && g[i].bytes_each == T->bytes &&
-                    !strcmp(g[i].mechanism, T->why))
+                    !strcmp(g[i].mechanism, H->why))
                     break;
             if (i == ng && ng == MAXG) i = MAXG - 1;  // beyond: merged into the last group
             if (i == ng) {
-                g[ng].mechanism = T->why, g[ng].category = (mn_category)T->category;
+                g[ng].mechanism = H->why, g[ng].category = (mn_category)T->category;
                 g[ng].bytes_each = T->bytes, g[ng].count = 0, g[ng].bytes = 0;
                 ng++;
             }
