@@ -7203,6 +7203,16 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         mn__run(S);
         r = S->err;
     }
+#ifndef NDEBUG
+    if (r == MN_OK && S->reuse) {  // id reuse's books: every dead record that no op on the tape
+        uint64_t i, dead = 0;       // names is on the free list, once; an empty tape names none
+        for (i = 0; i < S->nt; i++) {
+            MN_ASSERT(S->nops || !S->tensors[i].tape);
+            dead += !S->tensors[i].live && !S->tensors[i].tape;
+        }
+        MN_ASSERT(dead == S->nfree);
+    }
+#endif
     if (r == MN_ERR_OVERFLOW)
         mn__log(&c.s.logger, MN_LOG_ERROR,
                 "the model or setup is too large: a byte count overflows 64 bits (%llu parameters "
