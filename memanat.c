@@ -408,6 +408,18 @@ static void note_slow(const mn_estimate_result *r) {
             "allocated)\n", (double)r->alloc_events / 1e6);
 }
 
+// A fit runs 10 to 25 estimates of the whole step (the two searches, the plan's greedy pass, its
+// pruning and its report), each through every block: on thousands of blocks that takes seconds.
+// Say so before it starts, and name the faster answer (one estimate of the setup as given).
+static void note_slow_fit(const mn_model *m) {
+    uint64_t blocks = m->layers + m->encoder_layers;
+    if (m->arch == MN_ARCH_ENCODER_DECODER && !m->encoder_layers) blocks += m->layers;  // 0 = same
+    if (blocks < 2000) return;
+    fprintf(stderr, "memanat: note: fit runs 10 to 25 estimates of the step, each through all "
+            "%llu blocks: seconds at this depth (memanat estimate answers one setup in one)\n",
+            (unsigned long long)blocks);
+}
+
 // ---- files ------------------------------------------------------------------------------------
 
 typedef struct snapshot_file {
@@ -850,6 +862,7 @@ static int cmd_fit(int argc, char **argv) {
     uint32_t i;
     int rc = parse_args(&c, CMD_FIT, argc, argv, fit_usage), f = 1;
     if (rc) return rc == 1 ? 0 : rc;
+    note_slow_fit(&c.model);
     res = mn_fit(&c.model, &c.setup, &fr);
     if (res != MN_OK) return fail_result("fit", res);
     note_slow(&fr.plan_estimate);

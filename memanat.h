@@ -4373,9 +4373,15 @@ typedef struct mn__tensor {
     uint8_t requires_grad;  // produced by a recorded op (autograd will reach it)
     uint8_t live;           // allocated and not yet freed
     uint8_t elem_size;      // bytes per element
-    const char *why;        // the mechanism that made it (--explain)
-    uint64_t born, died;    // allocation and free sequence numbers (died 0 = alive)
+    uint32_t tape;          // ops on the tape that name it (in or out): its id stays its own
 } mn__tensor;
+
+// What only --explain reads of a tensor, kept apart (S->history) so that the records every
+// estimate touches stay 24 bytes.
+typedef struct mn__tensor_hist {
+    const char *why;        // the mechanism that made it
+    uint64_t born, died;    // allocation and free sequence numbers (died 0 = alive)
+} mn__tensor_hist;
 
 typedef struct mn__op {
     uint64_t bwd_temp;      // transient bytes of the backward beyond input gradients
@@ -4435,18 +4441,23 @@ typedef struct mn__sim {
     mn__cfg *c;
     // growing arrays: n* elements in use, c* allocated
     mn__tensor *tensors;     // nt, ct; a tensor id indexes it
+    uint32_t *free_ids;      // ids free for reuse (reuse on): nfree, cfree
+    mn__tensor_hist *hist;   // each tensor's history when kept (history on): ch allocated
     mn__op *ops;             // the autograd tape: nops, cops
     mn__param *params;       // np, cp
     mn_trace_event *ev;      // allocation events: nev, cev
     uint32_t *block_start;   // first parameter of each block (stack: of each layer)
-    uint64_t nt, ct, nops, cops, np, cp, nev, cev;
+    uint64_t nt, ct, nops, cops, np, cp, nev, cev, nfree, cfree, ch;
+    int history;             // keep each tensor's history (hist)
+    int reuse;               // a dead tensor's id is reused once no op names it (no events, no
+                             // explain: nothing reads a dead tensor's history)
     uint64_t cur[MN_CAT_COUNT];       // bytes live per category
     uint64_t total, peak;             // bytes live, and the most at any moment
     uint64_t total_r, peak_r;         // the same with each tensor rounded up to 512 bytes
     uint64_t at_peak[MN_CAT_COUNT];   // cur at that moment
     uint64_t cat_peak[MN_CAT_COUNT];  // the most bytes of each category at any moment
     mn_phase phase, peak_phase;
-    const char *why;                  // label of the tensors made now (mn__tensor.why)
+    const char *why;                  // label of the tensors made now (mn__tensor_hist.why)
     uint64_t seq, peak_seq;           // allocation/free events so far; seq at the peak
     int record;              // autograd records ops (grad mode)
     int counting;            // the counting pass: parameters are registered, nothing is allocated
@@ -4527,13 +4538,25 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     bytes = mn__prod(S, numel, esz);
     if (S->err) return MN__NONE;
     if (bytes == 0) bytes = 1;
-    if (S->nt >= S->ct && !mn__grow(S, (void **)&S->tensors, &S->ct, S->nt + 1, sizeof *S->tensors))
-        return MN__NONE;
-    id = (uint32_t)S->nt++;
+    if (S->nfree) {
+        id = S->free_ids[--S->nfree];
+    } else {
+        if (S->nt >= S->ct &&
+            !mn__grow(S, (void **)&S->tensors, &S->ct, S->nt + 1, sizeof *S->tensors))
+            return MN__NONE;
+        id = (uint32_t)S->nt++;
+    }
     t = &S->tensors[id];
     t->bytes = bytes, t->refs = 1, t->grad = MN__NONE, t->category = (uint8_t)cat;
-    t->requires_grad = 0, t->live = 1, t->elem_size = (uint8_t)esz;
-    t->why = S->why ? S->why : "other", t->born = ++S->seq, t->died = 0;
+    t->requires_grad = 0, t->live = 1, t->elem_size = (uint8_t)esz, t->tape = 0;
+    ++S->seq;
+    if (S->history) {
+        mn__tensor_hist *h;
+        if (!mn__grow(S, (void **)&S->hist, &S->ch, (uint64_t)id + 1, sizeof *S->hist))
+            return MN__NONE;
+        h = &S->hist[id];
+        h->why = S->why ? S->why : "other", h->born = S->seq, h->died = 0;
+    }
     S->cur[cat] += bytes;
     if (S->cur[cat] > S->cat_peak[cat]) S->cat_peak[cat] = S->cur[cat];
     if (mn_add_u64(S->total, bytes, &S->total) != MN_OK) {
@@ -4550,6 +4573,20 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     return id;
 }
 
+// Id reuse (S->reuse): a tensor's record is what autograd's nodes keep of it (size, dtype,
+// requires_grad, the gradient flowing into it), so its id stays taken while it is alive or an
+// op on the tape names it; then it goes on the free list, and the next new tensor takes it.
+// Every other holder of an id (a parameter's w16 and grad, a tensor's grad, S->hold, outs, ...)
+// holds a reference and sets its field to MN__NONE when it drops it. Without reuse a fit's
+// estimate of a 20,000-block model writes 15 M records (700 MB); with it, those alive at once.
+MN__PRIVATE void mn__id_free(mn__sim *S, uint32_t id) {
+    if (!S->reuse) return;
+    if (S->nfree >= S->cfree &&
+        !mn__grow(S, (void **)&S->free_ids, &S->cfree, S->nfree + 1, sizeof *S->free_ids))
+        return;
+    S->free_ids[S->nfree++] = id;
+}
+
 MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
     mn__tensor *t;
     if (id == MN__NONE || S->counting || S->err) return;
@@ -4557,11 +4594,26 @@ MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
     MN_ASSERT(t->live && t->refs > 0);
     if (--t->refs) return;
     t->live = 0;
-    t->died = ++S->seq;
+    ++S->seq;
+    if (S->history) S->hist[id].died = S->seq;
     S->cur[t->category] -= t->bytes;
     S->total -= t->bytes;
     S->total_r -= (t->bytes + 511) / 512 * 512;
     mn__event(S, id, 0);
+    if (!t->tape) mn__id_free(S, id);
+}
+
+// An op on the tape names id (pin) or has left the tape (unpin).
+MN__PRIVATE void mn__pin(mn__sim *S, uint32_t id) {
+    if (id != MN__NONE) S->tensors[id].tape++;
+}
+
+MN__PRIVATE void mn__unpin(mn__sim *S, uint32_t id) {
+    mn__tensor *t;
+    if (id == MN__NONE) return;
+    t = &S->tensors[id];
+    MN_ASSERT(t->tape > 0);
+    if (!--t->tape && !t->live) mn__id_free(S, id);
 }
 
 MN__PRIVATE void mn__ref(mn__sim *S, uint32_t id) {
@@ -4626,7 +4678,9 @@ MN__PRIVATE void mn__op_rec(mn__sim *S, const mn__op_desc *d) {
     memset(o, 0, sizeof *o);
     o->out = d->out, o->recomp_block = MN__NONE, o->bwd_temp = d->bwd_temp;
     o->cast16 = (uint8_t)d->cast16;
-    for (i = 0; i < 3; i++) if (d->in[i] != MN__NONE) o->in[o->nin++] = d->in[i];
+    mn__pin(S, d->out);
+    for (i = 0; i < 3; i++)
+        if (d->in[i] != MN__NONE) o->in[o->nin++] = d->in[i], mn__pin(S, d->in[i]);
     for (i = 0; i < 8; i++) {
         if (d->saved[i] == MN__NONE) continue;
         o->saved[o->nsaved++] = d->saved[i];
@@ -5489,6 +5543,7 @@ MN__PRIVATE uint32_t mn__block_ckpt(mn__sim *S, uint32_t x, uint32_t blk, uint32
     o->in[o->nin++] = x;
     o->saved[o->nsaved++] = x, mn__ref(S, x);
     if (mem != MN__NONE) o->in[o->nin++] = mem, o->saved[o->nsaved++] = mem, mn__ref(S, mem);
+    mn__pin(S, y), mn__pin(S, x), mn__pin(S, mem);
     S->tensors[y].requires_grad = 1;
     return y;
 }
@@ -5873,8 +5928,12 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo) {
     uint64_t i;
     for (i = S->nops; i-- > lo && !S->err;) {
         mn__op op = S->ops[i];  // by value: a recompute may grow the tape
+        uint32_t k;
         S->nops = i + 1;
         mn__backward_op(S, op);
+        if (S->err) break;
+        mn__unpin(S, op.out);  // the op leaves the tape
+        for (k = 0; k < op.nin; k++) mn__unpin(S, op.in[k]);
     }
     if (!S->err) S->nops = lo;
 }
@@ -6930,6 +6989,7 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
 
 MN__PRIVATE void mn__sim_free(mn__sim *S) {
     mn__free(S->al, S->tensors), mn__free(S->al, S->ops), mn__free(S->al, S->params);
+    mn__free(S->al, S->free_ids), mn__free(S->al, S->hist);
     mn__free(S->al, S->ev), mn__free(S->al, S->block_start), mn__free(S->al, S->outs);
     memset(S, 0, sizeof *S);
 }
@@ -7117,14 +7177,20 @@ MN__PRIVATE void mn__sim_reset(mn__sim *S) {
     memset(S, 0, sizeof *S);
     S->al = k.al;
     S->tensors = k.tensors, S->ct = k.ct, S->ops = k.ops, S->cops = k.cops;
+    S->free_ids = k.free_ids, S->cfree = k.cfree, S->hist = k.hist, S->ch = k.ch;
     S->params = k.params, S->cp = k.cp, S->ev = k.ev, S->cev = k.cev;
     S->outs = k.outs, S->couts = k.couts;
 }
 
+// What an estimate keeps beyond its result (mn__estimate_in's keep): the allocation events, or
+// every tensor's record with its history (why, born, died) for mn_estimate_explain.
+#define MN__KEEP_EVENTS 1
+#define MN__KEEP_HISTORY 2
+
 // One estimate in S, which is empty (fresh or reset; its allocator set).
 // parts: NULL, or room for the activation bytes of each part (mn_estimate_parts).
 MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *setup,
-                                      mn_estimate_result *out, mn__sim *S, int keep_events,
+                                      mn_estimate_result *out, mn__sim *S, int keep,
                                       uint64_t *parts) {
     mn__cfg c;
     mn_gpu gpu;
@@ -7151,10 +7217,22 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         return MN_ERR_INVALID_ARG;
     }
     if (r == MN_OK) {
-        S->events = keep_events || !c.s.no_replay;
+        S->events = (keep & MN__KEEP_EVENTS) || !c.s.no_replay;
+        S->history = (keep & MN__KEEP_HISTORY) != 0;
+        S->reuse = !S->events && !S->history && c.s.framework != MN_FW_MEMANAT;
         mn__run(S);
         r = S->err;
     }
+#ifndef NDEBUG
+    if (r == MN_OK && S->reuse) {  // id reuse's books: every dead record that no op on the tape
+        uint64_t i, dead = 0;       // names is on the free list, once; an empty tape names none
+        for (i = 0; i < S->nt; i++) {
+            MN_ASSERT(S->nops || !S->tensors[i].tape);
+            dead += !S->tensors[i].live && !S->tensors[i].tape;
+        }
+        MN_ASSERT(dead == S->nfree);
+    }
+#endif
     if (r == MN_ERR_OVERFLOW)
         mn__log(&c.s.logger, MN_LOG_ERROR,
                 "the model or setup is too large: a byte count overflows 64 bits (%llu parameters "
@@ -7213,10 +7291,10 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
 
 MN__PRIVATE mn_result mn__estimate(const mn_model *model, const mn_setup *setup,
                                    const mn_allocator *al, mn_estimate_result *out, mn__sim *S,
-                                   int keep_events, uint64_t *parts) {
+                                   int keep, uint64_t *parts) {
     memset(S, 0, sizeof *S);
     S->al = al;
-    return mn__estimate_in(model, setup, out, S, keep_events, parts);
+    return mn__estimate_in(model, setup, out, S, keep, parts);
 }
 
 MNIMPL mn_result mn_estimate(const mn_model *model, const mn_setup *setup,
@@ -7238,7 +7316,7 @@ MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
     *events = NULL, *count = 0;
     s2 = *setup;
     s2.no_replay = 1;
-    r = mn__estimate(model, &s2, allocator, &res, &S, 1, NULL);
+    r = mn__estimate(model, &s2, allocator, &res, &S, MN__KEEP_EVENTS, NULL);
     if (r == MN_OK) {
         *events = S.ev, *count = S.nev;
         S.ev = NULL;
@@ -7260,7 +7338,7 @@ MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup
     if (!setup || !cache) return MN_ERR_INVALID_ARG;
     s2 = *setup;
     s2.no_replay = 1;
-    r = mn__estimate(model, &s2, allocator, &res, &S, 1, NULL);
+    r = mn__estimate(model, &s2, allocator, &res, &S, MN__KEEP_EVENTS, NULL);
     if (r == MN_OK) r = mn_cache_replay(cache, S.ev, S.nev, 0, NULL);
     mn__sim_free(&S);
     return r;
@@ -7751,18 +7829,19 @@ MNIMPL mn_result mn_estimate_explain(const mn_model *model, const mn_setup *setu
     if (!model || !setup || !count || !peak || (cap && !items)) return MN_ERR_INVALID_ARG;
     s2 = *setup;
     s2.no_replay = 1;
-    r = mn__estimate(model, &s2, NULL, &res, &S, 0, NULL);
+    r = mn__estimate(model, &s2, NULL, &res, &S, MN__KEEP_HISTORY, NULL);
     if (r == MN_OK) {
         for (k = 0; k < S.nt; k++) {
             const mn__tensor *T = &S.tensors[k];
-            if (T->born > S.peak_seq || (T->died && T->died <= S.peak_seq)) continue;
+            const mn__tensor_hist *H = &S.hist[k];
+            if (H->born > S.peak_seq || (H->died && H->died <= S.peak_seq)) continue;
             for (i = 0; i < ng; i++)
                 if (g[i].category == (mn_category)T->category && g[i].bytes_each == T->bytes &&
-                    !strcmp(g[i].mechanism, T->why))
+                    !strcmp(g[i].mechanism, H->why))
                     break;
             if (i == ng && ng == MAXG) i = MAXG - 1;  // beyond: merged into the last group
             if (i == ng) {
-                g[ng].mechanism = T->why, g[ng].category = (mn_category)T->category;
+                g[ng].mechanism = H->why, g[ng].category = (mn_category)T->category;
                 g[ng].bytes_each = T->bytes, g[ng].count = 0, g[ng].bytes = 0;
                 ng++;
             }
@@ -7804,7 +7883,7 @@ MNIMPL mn_result mn_model_params(const mn_model *model, uint64_t *out) {
 // kept by setup, so that a setup asked again (the plan's report asks what the searches and the
 // greedy pass saw) is not run again. Every answer is still decided by estimates alone.
 
-#define MN__FIT_MEMO 8
+#define MN__FIT_MEMO 32
 
 typedef struct mn__fit_memo {
     mn_setup key;                    // the setup asked, no_replay set

@@ -220,6 +220,8 @@ static void test_huge_model(void) {
     CHECK(strstr(r.out, "\"fits\": false") != NULL);
 }
 
+static int temp_file(const char *text, char *path, size_t cap);
+
 // fit: the largest batch fits and one more does not, through the CLI.
 static void test_fit_cli(void) {
     run_out r;
@@ -241,6 +243,27 @@ static void test_fit_cli(void) {
     CHECK(run("fit --model llama-2-7b --gpu a10g --batch 4 --seq 1024", &r));
     CHECK_EQ_INT(r.status, 0);
     CHECK(strstr(r.out, "plan") != NULL);
+    CHECK(strstr(r.err, "note: fit runs") == NULL);  // 32 blocks: no note
+}
+
+// fit on thousands of blocks says before it starts that it takes seconds, naming the blocks.
+static void test_fit_slow_note(void) {
+    char path[64], args[160];
+    run_out r;
+    uint64_t layers = 1000 + mnt_rand_u64() % 200;  // encoder + decoder: over 2000 blocks
+    char cfg[320];
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    snprintf(cfg, sizeof cfg, "{\"model_type\": \"t5\", \"d_model\": 64, \"d_ff\": 128, "
+             "\"d_kv\": 16, \"num_layers\": %llu, \"num_heads\": 4, \"vocab_size\": 512}",
+             (unsigned long long)layers);
+    CHECK(temp_file(cfg, path, sizeof path));
+    snprintf(args, sizeof args, "fit --config %s --no-replay --seq 64 --json", path);
+    CHECK(run(args, &r));
+    remove(path);
+    CHECK(r.status == 0 || r.status == 1);
+    snprintf(cfg, sizeof cfg, "all %llu blocks", (unsigned long long)(2 * layers));
+    CHECK_MSG(strstr(r.err, cfg) != NULL, "stderr: %s", r.err);
+    CHECK_EQ_INT(count_lines(r.err), 1);
 }
 
 static void test_models_and_help(void) {
@@ -410,6 +433,7 @@ const mnt_case test_cli_cases[] = {
     {"torch2_tsv", test_torch2_tsv},
     {"bad_input", test_bad_input},
     {"huge_model", test_huge_model},
+    {"fit_slow_note", test_fit_slow_note},
     {"fit", test_fit_cli},
     {"models_and_help", test_models_and_help},
     {"reliability", test_reliability},
