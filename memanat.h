@@ -13153,8 +13153,10 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
                                    uint16_t *param16) {
     const mn_adafactor_params *p;
     double t, sum, rho, beta2t, rms_u, clip, ss, ps;
-    float b2t, w2t, eps1, alpha, clip_div, decay_coef, b1, w1, u[MN__OPT_AF_CHUNK];
+    float b2t, w2t, eps1, alpha = 0, clip_div = 1, decay_coef = 0, b1 = 0, w1 = 0;
+    float u[MN__OPT_AF_CHUNK];
     uint64_t i, j, b, c0, cw, n, j0, len;
+    int pass;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
     if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
@@ -13202,58 +13204,54 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
         for (i = 0; i < n; i++)
             s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2t + w2t * (grad[i] * grad[i] + eps1);
     }
-    // pass 0: RMS(param) before the step and RMS of the update, both summed in element order
-    for (ss = 0.0, ps = 0.0, b = 0; b < s->batch; b++) {
-        const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
-        const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
-        float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
-        for (i = 0; i < s->rows; i++) {
-            float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
-            uint64_t base = (b * s->rows + i) * s->cols;
-            for (j0 = 0; j0 < s->cols; j0 += len) {
-                const float *th = param + base + j0;
-                len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
-                mn__opt_af_u(s, col, rf, grad, base, j0, len, u);
-                for (j = 0; j < len; j++) ss += (double)u[j] * u[j], ps += (double)th[j] * th[j];
-            }
+    // pass 0: RMS(param) before the step and RMS of the update, both summed in element order;
+    // pass 1: apply u / max(1, RMS(u)/d) * alpha, through the first moment when there is one.
+    // Both walk the same chunks and recompute u (keeping it would cost n floats).
+    for (ss = 0.0, ps = 0.0, pass = 0; pass < 2; pass++) {
+        if (pass == 1) {  // the step's scalars, from pass 0's sums
+            s->rms = (float)sqrt(ps / (double)n);
+            if (p->lr > 0.0f) rho = p->lr;
+            else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
+            alpha = (float)(p->no_scale_parameter ? rho
+                                                  : fmax((double)p->eps2, (double)s->rms) * rho);
+            s->alpha = alpha;
+            rms_u = sqrt(ss / (double)n);
+            clip = rms_u / (double)p->clip_threshold;
+            clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
+            decay_coef = -p->weight_decay * alpha;
+            b1 = p->beta1, w1 = 1.0f - p->beta1;
         }
-    }
-    s->rms = (float)sqrt(ps / (double)n);
-    if (p->lr > 0.0f) rho = p->lr;
-    else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
-    alpha = (float)(p->no_scale_parameter ? rho : fmax((double)p->eps2, (double)s->rms) * rho);
-    s->alpha = alpha;
-    rms_u = sqrt(ss / (double)n);
-    clip = rms_u / (double)p->clip_threshold;
-    clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
-    decay_coef = -p->weight_decay * alpha;
-    b1 = p->beta1, w1 = 1.0f - p->beta1;
-    // pass 1: apply u / max(1, RMS(u)/d) * alpha, through the first moment when there is one
-    for (b = 0; b < s->batch; b++) {
-        const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
-        const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
-        float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
-        for (i = 0; i < s->rows; i++) {
-            float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
-            uint64_t base = (b * s->rows + i) * s->cols;
-            for (j0 = 0; j0 < s->cols; j0 += len) {
-                float *th = param + base + j0, *m = s->exp_avg ? s->exp_avg + base + j0 : NULL;
-                len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
-                mn__opt_af_u(s, col, rf, grad, base, j0, len, u);
-                j = 0;
+        for (b = 0; b < s->batch; b++) {
+            const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
+            const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
+            float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
+            for (i = 0; i < s->rows; i++) {
+                float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
+                uint64_t base = (b * s->rows + i) * s->cols;
+                for (j0 = 0; j0 < s->cols; j0 += len) {
+                    float *th = param + base + j0, *m = s->exp_avg ? s->exp_avg + base + j0 : NULL;
+                    len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
+                    mn__opt_af_u(s, col, rf, grad, base, j0, len, u);
+                    if (pass == 0) {
+                        for (j = 0; j < len; j++)
+                            ss += (double)u[j] * u[j], ps += (double)th[j] * th[j];
+                        continue;
+                    }
+                    j = 0;
 #if MN__OV
-                for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes at a time
-                    mn__ovf v = mn__ov_load(u + j) / clip_div * alpha, x = mn__ov_load(th + j);
-                    if (m) v = mn__ov_load(m + j) * b1 + w1 * v, mn__ov_store(m + j, v);
-                    if (p->weight_decay != 0.0f) x = x + decay_coef * x;
-                    mn__ov_store(th + j, x - v);
-                }
+                    for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes
+                        mn__ovf v = mn__ov_load(u + j) / clip_div * alpha, x = mn__ov_load(th + j);
+                        if (m) v = mn__ov_load(m + j) * b1 + w1 * v, mn__ov_store(m + j, v);
+                        if (p->weight_decay != 0.0f) x = x + decay_coef * x;
+                        mn__ov_store(th + j, x - v);
+                    }
 #endif
-                for (; j < len; j++) {
-                    float v = u[j] / clip_div * alpha;
-                    if (m) v = m[j] = m[j] * b1 + w1 * v;
-                    if (p->weight_decay != 0.0f) th[j] = th[j] + decay_coef * th[j];
-                    th[j] = th[j] - v;
+                    for (; j < len; j++) {
+                        float v = u[j] / clip_div * alpha;
+                        if (m) v = m[j] = m[j] * b1 + w1 * v;
+                        if (p->weight_decay != 0.0f) th[j] = th[j] + decay_coef * th[j];
+                        th[j] = th[j] - v;
+                    }
                 }
             }
         }
