@@ -12398,6 +12398,25 @@ static inline mn__ovf mn__ov_abs(mn__ovf a) { return (mn__ovf)((mn__ovi)a & 0x7f
     ((mn__ovf)_mm256_mask_i32gather_ps(_mm256_setzero_ps(), (p), (__m256i)(idx), \
                                        _mm256_castsi256_ps(_mm256_set1_epi32(-1)), 4))
 #endif
+// x / c for a float c (the same c for every lane) as RN32(RN64(x * RN64(1 / c))): x widened to
+// double, one multiplication by the reciprocal rounded to double, narrowed back. This is the
+// correctly rounded float quotient x / c for every float x: the double path's relative error is
+// below 2^-52 (two double roundings), while x / c is never a float midpoint and lies at least
+// 2^-49 away from one (relative): with x = X 2^i, c = C 2^j, a midpoint M 2^k (X, C < 2^24,
+// 2^24 <= M < 2^25 odd), x - c * mid is a nonzero multiple of 2^min(i, j + k) against c * mid <
+// 2^(49 + j + k), and i < j + k cannot hold (X < 2^24 <= C M 2^(j+k-i) / 2^23 would fail). No
+// division instruction: the divide/square-root unit, which bounds AdamW's loop, serves the rest.
+// (Double rounding through binary64 is innocuous for one division of binary32 operands, as
+// 53 >= 2 * 24 + 2: Figueroa, "When is double rounding innocuous?", SIGNUM 1995.)
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_convertvector)
+#define MN__OVD 1
+typedef double mn__ovd __attribute__((vector_size(MN__OW * sizeof(double))));
+static inline mn__ovf mn__ov_divc(mn__ovf x, double rc) {
+    return __builtin_convertvector(__builtin_convertvector(x, mn__ovd) * rc, mn__ovf);
+}
+#endif
+#endif
 #else
 #define MN__OV 0
 #endif
@@ -12595,6 +12614,9 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
         int64_t j, n = (int64_t)s->n, j0 = 0;
 #if MN__OV
         int64_t jb, nb = n / MN__OW;
+#ifdef MN__OVD
+        const double rc = 1.0 / (double)bc2_sqrt;
+#endif
         MN__OMP_FOR_WORK(n, MN__OPT_MIN_PAR)
         for (jb = 0; jb < nb; jb++) {  // the loop below, MN__OW lanes at a time
             int64_t k = jb * MN__OW;
@@ -12603,7 +12625,12 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
             m = w1 < 0.5f ? a + w1 * (g - a) : g - (g - a) * (1.0f - w1);  // mn__opt_lerp
             v = mn__ov_load(eb + k) * b2 + (1.0f - b2) * g * g;
             mn__ov_store(ea + k, m), mn__ov_store(eb + k, v);
-            mn__ov_store(param + k, th - step_size * (m / (MN__OSQRT(v) / bc2_sqrt + eps)));
+#ifdef MN__OVD
+            mn__ovf d = mn__ov_divc(MN__OSQRT(v), rc) + eps;  // = sqrt(v) / bc2_sqrt + eps
+#else
+            mn__ovf d = MN__OSQRT(v) / bc2_sqrt + eps;
+#endif
+            mn__ov_store(param + k, th - step_size * (m / d));
         }
         j0 = nb * MN__OW;
 #endif
