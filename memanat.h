@@ -12634,7 +12634,9 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
         }
         j0 = nb * MN__OW;
 #endif
+#if !MN__OV  // (with lanes, fewer than MN__OW elements are left: no team, not even its call)
         MN__OMP_FOR_WORK(n - j0, MN__OPT_MIN_PAR)
+#endif
         for (j = j0; j < n; j++) {  // the same arithmetic, in the same order, as below
             float g = grad[j], th = param[j] * decay, m, v;
             m = ea[j] = mn__opt_lerp(ea[j], g, w1);
