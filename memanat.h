@@ -13320,19 +13320,7 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
         for (b = 0; b < s->batch; b++) {
             const float *gb = grad + b * s->rows * s->cols;
             float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
-            for (i = 0; i + 8 <= s->rows; i += 8) {  // eight rows: eight chains of adds
-                const float *g0 = gb + i * s->cols;
-                double sk[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-                unsigned k;
-                for (j = 0; j < s->cols; j++)
-                    for (k = 0; k < 8; k++) {
-                        float g = g0[k * s->cols + j];
-                        sk[k] += (double)(g * g + eps1);
-                    }
-                for (k = 0; k < 8; k++)
-                    row[i + k] = row[i + k] * b2t + w2t * (float)(sk[k] / (double)s->cols);
-            }
-            for (; i + 4 <= s->rows; i += 4) {
+            for (i = 0; i + 4 <= s->rows; i += 4) {
                 const float *g0 = gb + i * s->cols, *g1 = g0 + s->cols, *g2 = g1 + s->cols;
                 const float *g3 = g2 + s->cols;
                 double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
@@ -13400,6 +13388,14 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
                 for (j0 = 0; j0 < s->cols; j0 += len) {
                     float *th = param + base + j0, *m = s->exp_avg ? s->exp_avg + base + j0 : NULL;
                     len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
+                    if (pass == 0 && ic) {  // u in the loop of the sums: its loads overlap them
+                        const float *gj = grad + base + j0, *icj = ic + j0;
+                        for (j = 0; j < len; j++) {
+                            float uj = rf * icj[j] * gj[j];  // mn__opt_af_u
+                            ss += (double)uj * uj, ps += (double)th[j] * th[j];
+                        }
+                        continue;
+                    }
                     mn__opt_af_u(s, col, ic, rf, grad, base, j0, len, u);
                     if (pass == 0) {
                         for (j = 0; j < len; j++)

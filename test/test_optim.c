@@ -1719,8 +1719,8 @@ static void test_adafactor_bits_vs_plain_loop(void) {
 }
 
 // Adafactor with rows wider than the 2048 columns whose factors the step keeps on its stack (it
-// allocates them beyond), at 2048, and row counts that leave tails after the blocks of eight
-// rows: the plain loop's bits over 3 steps, with the first moment and clipping on two shapes.
+// allocates them beyond), at 2048, and row counts that leave tails after the blocks of four rows:
+// the plain loop's bits over 3 steps, with the first moment and clipping on two shapes.
 static void test_adafactor_wide_bits_vs_plain_loop(void) {
     static const uint64_t shapes[3][2] = {{11, 2053}, {2, 4099}, {21, 2048}};
     size_t q;
