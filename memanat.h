@@ -12593,10 +12593,23 @@ MNIMPL mn_result mn_adamw_init(mn_adamw *s, const uint64_t *dims, uint32_t ndim,
     return MN_OK;
 }
 
+// One element of AdamW's common case (no maximize, no amsgrad), in the general loop's order.
+typedef struct mn__opt_aw {
+    float decay, w1, b2, step_size, bc2_sqrt, eps;
+} mn__opt_aw;
+static inline void mn__opt_adamw_el(float *param, const float *grad, float *ea, float *eb,
+                                    int64_t j, const mn__opt_aw *c) {
+    float g = grad[j], th = param[j] * c->decay, m, v;
+    m = ea[j] = mn__opt_lerp(ea[j], g, c->w1);
+    v = eb[j] = eb[j] * c->b2 + (1.0f - c->b2) * g * g;
+    param[j] = th - c->step_size * (m / (sqrtf(v) / c->bc2_sqrt + c->eps));
+}
+
 MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uint16_t *param16) {
     const mn_adamw_params *p;
     double t, bc1, bc2;
     float decay, step_size, bc2_sqrt, w1, b2;
+    mn__opt_aw c;
     uint64_t i;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
@@ -12609,17 +12622,26 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
     step_size = (float)((double)p->lr / bc1);
     bc2_sqrt = (float)sqrt(bc2);
     w1 = 1.0f - p->beta1, b2 = p->beta2;
+    c.decay = decay, c.w1 = w1, c.b2 = b2, c.step_size = step_size, c.bc2_sqrt = bc2_sqrt;
+    c.eps = p->eps;
     if (!p->maximize && !p->amsgrad) {  // the common case: no branch in the loop, threads
-        float *ea = s->exp_avg, *eb = s->exp_avg_sq, eps = p->eps;
+        float *ea = s->exp_avg, *eb = s->exp_avg_sq;
         int64_t j, n = (int64_t)s->n, j0 = 0;
 #if MN__OV
-        int64_t jb, nb = n / MN__OW;
+        int64_t jb, nb, h;
+        float eps = p->eps;
 #ifdef MN__OVD
         const double rc = 1.0 / (double)bc2_sqrt;
 #endif
+        // the first h elements one by one, so that the lanes store the moments to whole 64-byte
+        // lines (a 64-byte access across two lines costs two)
+        h = (int64_t)(((64u - ((uintptr_t)ea & 63u)) & 63u) / sizeof(float));
+        h = h < n ? h : n;
+        for (j = 0; j < h; j++) mn__opt_adamw_el(param, grad, ea, eb, j, &c);
+        nb = (n - h) / MN__OW;
         MN__OMP_FOR_WORK(n, MN__OPT_MIN_PAR)
         for (jb = 0; jb < nb; jb++) {  // the loop below, MN__OW lanes at a time
-            int64_t k = jb * MN__OW;
+            int64_t k = h + jb * MN__OW;
             mn__ovf g = mn__ov_load(grad + k), a = mn__ov_load(ea + k), m, v;
             mn__ovf th = mn__ov_load(param + k) * decay;
             m = w1 < 0.5f ? a + w1 * (g - a) : g - (g - a) * (1.0f - w1);  // mn__opt_lerp
@@ -12632,17 +12654,12 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
 #endif
             mn__ov_store(param + k, th - step_size * (m / d));
         }
-        j0 = nb * MN__OW;
+        j0 = h + nb * MN__OW;
 #endif
 #if !MN__OV  // (with lanes, fewer than MN__OW elements are left: no team, not even its call)
         MN__OMP_FOR_WORK(n - j0, MN__OPT_MIN_PAR)
 #endif
-        for (j = j0; j < n; j++) {  // the same arithmetic, in the same order, as below
-            float g = grad[j], th = param[j] * decay, m, v;
-            m = ea[j] = mn__opt_lerp(ea[j], g, w1);
-            v = eb[j] = eb[j] * b2 + (1.0f - b2) * g * g;
-            param[j] = th - step_size * (m / (sqrtf(v) / bc2_sqrt + eps));
-        }
+        for (j = j0; j < n; j++) mn__opt_adamw_el(param, grad, ea, eb, j, &c);
         mn__opt_store16(p->dtype, param, param16, s->n);
         return MN_OK;
     }
