@@ -12346,14 +12346,23 @@ MN__PRIVATE int mn__omp_team(uint64_t work, uint64_t per) {
     uint64_t t = work / per;
     return t < 1 ? 1 : t < (uint64_t)max ? (int)t : max;
 }
+// The same team, handing out the iterations one at a time as threads come for them: a member
+// whose core is busy elsewhere takes fewer (each iteration should be a run of some 10^4 elements).
+#define MN__OMP_FOR_WORK_DYN(work, per) \
+    MN__PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(mn__omp_team((work), (per))) \
+               if (mn__omp_team((work), (per)) > 1))
 #else
 #define MN__OMP_FOR_WORK(work, per)
+#define MN__OMP_FOR_WORK_DYN(work, per)
 #define MN__OMP_FOR_DYNAMIC_IF(cond)
 #endif
 
 // Element-wise steps take one thread per this many elements (two from twice as many): below, a
 // team costs more than it saves, and a team whose second core is busy elsewhere waits for it.
 #define MN__OPT_MIN_PAR 524288
+// Vector iterations per run that a thread of a dynamic team takes at a time (16384 fp32 elements
+// with AVX-512).
+#define MN__OPT_RUN 1024
 
 // Vector lanes for the element-wise optimizer steps: GCC/clang vector extensions, the square root
 // through the instruction set's intrinsic (sqrtf would keep errno and stay scalar). Square root,
@@ -12628,7 +12637,7 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
         float *ea = s->exp_avg, *eb = s->exp_avg_sq;
         int64_t j, n = (int64_t)s->n, j0 = 0;
 #if MN__OV
-        int64_t jb, nb, h;
+        int64_t nb, h, run, nr;
         float eps = p->eps;
 #ifdef MN__OVD
         const double rc = 1.0 / (double)bc2_sqrt;
@@ -12639,20 +12648,24 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
         h = h < n ? h : n;
         for (j = 0; j < h; j++) mn__opt_adamw_el(param, grad, ea, eb, j, &c);
         nb = (n - h) / MN__OW;
-        MN__OMP_FOR_WORK(n, MN__OPT_MIN_PAR)
-        for (jb = 0; jb < nb; jb++) {  // the loop below, MN__OW lanes at a time
-            int64_t k = h + jb * MN__OW;
-            mn__ovf g = mn__ov_load(grad + k), a = mn__ov_load(ea + k), m, v;
-            mn__ovf th = mn__ov_load(param + k) * decay;
-            m = w1 < 0.5f ? a + w1 * (g - a) : g - (g - a) * (1.0f - w1);  // mn__opt_lerp
-            v = mn__ov_load(eb + k) * b2 + (1.0f - b2) * g * g;
-            mn__ov_store(ea + k, m), mn__ov_store(eb + k, v);
+        nr = (nb + MN__OPT_RUN - 1) / MN__OPT_RUN;
+        MN__OMP_FOR_WORK_DYN(n, MN__OPT_MIN_PAR)
+        for (run = 0; run < nr; run++) {  // runs of MN__OPT_RUN vector iterations
+            int64_t jb, end = (run + 1) * MN__OPT_RUN < nb ? (run + 1) * MN__OPT_RUN : nb;
+            for (jb = run * MN__OPT_RUN; jb < end; jb++) {  // the loop below, MN__OW lanes
+                int64_t k = h + jb * MN__OW;
+                mn__ovf g = mn__ov_load(grad + k), a = mn__ov_load(ea + k), m, v;
+                mn__ovf th = mn__ov_load(param + k) * decay;
+                m = w1 < 0.5f ? a + w1 * (g - a) : g - (g - a) * (1.0f - w1);  // mn__opt_lerp
+                v = mn__ov_load(eb + k) * b2 + (1.0f - b2) * g * g;
+                mn__ov_store(ea + k, m), mn__ov_store(eb + k, v);
 #ifdef MN__OVD
-            mn__ovf d = mn__ov_divc(MN__OSQRT(v), rc) + eps;  // = sqrt(v) / bc2_sqrt + eps
+                mn__ovf d = mn__ov_divc(MN__OSQRT(v), rc) + eps;  // = sqrt(v) / bc2_sqrt + eps
 #else
-            mn__ovf d = MN__OSQRT(v) / bc2_sqrt + eps;
+                mn__ovf d = MN__OSQRT(v) / bc2_sqrt + eps;
 #endif
-            mn__ov_store(param + k, th - step_size * (m / d));
+                mn__ov_store(param + k, th - step_size * (m / d));
+            }
         }
         j0 = h + nb * MN__OW;
 #endif
