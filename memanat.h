@@ -12408,15 +12408,19 @@ static inline mn__ovf mn__ov_abs(mn__ovf a) { return (mn__ovf)((mn__ovi)a & 0x7f
                                        _mm256_castsi256_ps(_mm256_set1_epi32(-1)), 4))
 #endif
 // x / c for a float c (the same c for every lane) as RN32(RN64(x * RN64(1 / c))): x widened to
-// double, one multiplication by the reciprocal rounded to double, narrowed back. This is the
-// correctly rounded float quotient x / c for every float x: the double path's relative error is
-// below 2^-52 (two double roundings), while x / c is never a float midpoint and lies at least
-// 2^-49 away from one (relative): with x = X 2^i, c = C 2^j, a midpoint M 2^k (X, C < 2^24,
-// 2^24 <= M < 2^25 odd), x - c * mid is a nonzero multiple of 2^min(i, j + k) against c * mid <
-// 2^(49 + j + k), and i < j + k cannot hold (X < 2^24 <= C M 2^(j+k-i) / 2^23 would fail). No
-// division instruction: the divide/square-root unit, which bounds AdamW's loop, serves the rest.
-// (Double rounding through binary64 is innocuous for one division of binary32 operands, as
-// 53 >= 2 * 24 + 2: Figueroa, "When is double rounding innocuous?", SIGNUM 1995.)
+// double, one multiplication by the reciprocal rounded to double, narrowed back. Wherever x / c
+// is not below FLT_MIN in magnitude (or is 0, inf, NaN), this is the correctly rounded quotient:
+// the double path's relative error is below 2^-52 (two roundings to 53 bits), while a quotient of
+// normal size is never a float midpoint and lies at least 2^-48 away from one (relative). With
+// x = X 2^i, c = C 2^j (X, C < 2^24, C >= 2^23) and a midpoint M 2^k (M odd, M >= 2^24), x - c M
+// 2^k is a nonzero multiple of 2^(j+k) (i >= j + k, else X, near C M 2^(j+k-i) >= 2^48, could not
+// be below 2^24) against c M 2^k < 2^(48 + j + k). Below FLT_MIN, midpoints have small M and a
+// quotient can be one exactly (x = 3 * 2^-149, c = 6), where the double path may round the other
+// way: callers keep to quotients of normal size. AdamW's sqrt(v) / sqrt(1 - beta2^t) qualifies:
+// sqrt of a float is 0 or at least 2^-75, and the divisor is at most 1. (Double rounding through
+// binary64 is innocuous for one division of binary32 operands, as 53 >= 2 * 24 + 2: Figueroa,
+// "When is double rounding innocuous?", SIGNUM 1995.) No division instruction: the divide/square-
+// root unit, which bounds AdamW's loop, serves the rest.
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_convertvector)
 #define MN__OVD 1
@@ -13333,9 +13337,6 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
     float b2t, w2t, eps1, alpha = 0, clip_div = 1, decay_coef = 0, b1 = 0, w1 = 0;
     float u[MN__OPT_AF_CHUNK], icbuf[MN__OPT_AF_ICOL], *ic = NULL;
     uint64_t i, j, b, c0, cw, n, j0, len;
-#ifdef MN__OVD
-    double rclip = 1.0;
-#endif
     int pass;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
@@ -13401,9 +13402,6 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
             rms_u = sqrt(ss / (double)n);
             clip = rms_u / (double)p->clip_threshold;
             clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
-#ifdef MN__OVD
-            rclip = 1.0 / (double)clip_div;  // mn__ov_divc: u / clip_div without a division
-#endif
             decay_coef = -p->weight_decay * alpha;
             b1 = p->beta1, w1 = 1.0f - p->beta1;
         }
@@ -13435,12 +13433,7 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
                     j = 0;
 #if MN__OV
                     for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes
-#ifdef MN__OVD
-                        mn__ovf v = mn__ov_divc(mn__ov_load(u + j), rclip) * alpha;
-#else
-                        mn__ovf v = mn__ov_load(u + j) / clip_div * alpha;
-#endif
-                        mn__ovf x = mn__ov_load(th + j);
+                        mn__ovf v = mn__ov_load(u + j) / clip_div * alpha, x = mn__ov_load(th + j);
                         if (m) v = mn__ov_load(m + j) * b1 + w1 * v, mn__ov_store(m + j, v);
                         if (p->weight_decay != 0.0f) x = x + decay_coef * x;
                         mn__ov_store(th + j, x - v);

@@ -8,6 +8,8 @@
 #include "harness.h"
 #include "../memanat.h"
 
+void test_optim_divc_bits(void);  // test_optimmath.c
+
 // --- AdamW ---------------------------------------------------------------------------------------
 
 // torch.optim.AdamW docs, algorithm box (the moment form, not the implementation's rearrangement).
@@ -1875,6 +1877,7 @@ const mnt_case test_optim_cases[] = {
     {"adamw8bit_bits_vs_plain_loop", test_adamw8bit_bits_vs_plain_loop},
     {"adafactor_bits_vs_plain_loop", test_adafactor_bits_vs_plain_loop},
     {"adafactor_wide_bits_vs_plain_loop", test_adafactor_wide_bits_vs_plain_loop},
+    {"divc_bits", test_optim_divc_bits},
     {"quantize_table_vs_search", test_quantize_table_vs_search},
 };
 const size_t test_optim_count = sizeof test_optim_cases / sizeof test_optim_cases[0];
