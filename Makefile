@@ -26,7 +26,8 @@ LDLIBS  := -lm -lpthread
 HDRS    := memanat.h
 # test/test_cuda.c is a program of its own (the GPU tests), linked with the CUDA backend.
 TESTSRC := test/main.c $(filter-out test/test_cuda.c,$(wildcard test/test_*.c))
-BENCHES := $(patsubst bench/%.c,build/%,$(wildcard bench/*.c))
+# bench/peer_*.c: peers linked into a benchmark (compiled with the peer's own flags), not programs.
+BENCHES := $(patsubst bench/%.c,build/%,$(filter-out bench/peer_%.c,$(wildcard bench/*.c)))
 
 # OpenMP when the compiler has it (the reference ops use it; the build works without it).
 OPENMP  := $(shell echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
@@ -252,8 +253,13 @@ build/%: bench/%.c bench/bench.h $(HDRS) | build
 	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) $(BENCH_FLAGS) -o $@ $< $(BENCH_LIBS) \
 	    $(LDLIBS)
 
-build/bench_table: bench/bench_table.c bench/bench.h $(HDRS) | build
-	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< $(TABLE_BLAS) $(LDLIBS)
+# The AdamW row's peer: llm.c's update loop built as llm.c builds it (-Ofast = -O3 -ffast-math).
+build/peer_llmc_adamw.o: bench/peer_llmc_adamw.c | build
+	$(CC) $(CSTD) -O3 -ffast-math -march=native -g $(WARN) -c -o $@ $<
+
+build/bench_table: bench/bench_table.c bench/bench.h build/peer_llmc_adamw.o $(HDRS) | build
+	$(CC) $(CSTD) -O3 -march=native -g $(WARN) $(OPENMP) -o $@ $< build/peer_llmc_adamw.o \
+	    $(TABLE_BLAS) $(LDLIBS)
 
 build/bench_trainer: trainer.c  # includes the trainer
 

@@ -12346,14 +12346,23 @@ MN__PRIVATE int mn__omp_team(uint64_t work, uint64_t per) {
     uint64_t t = work / per;
     return t < 1 ? 1 : t < (uint64_t)max ? (int)t : max;
 }
+// The same team, handing out the iterations one at a time as threads come for them: a member
+// whose core is busy elsewhere takes fewer (each iteration should be a run of some 10^4 elements).
+#define MN__OMP_FOR_WORK_DYN(work, per) \
+    MN__PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(mn__omp_team((work), (per))) \
+               if (mn__omp_team((work), (per)) > 1))
 #else
 #define MN__OMP_FOR_WORK(work, per)
+#define MN__OMP_FOR_WORK_DYN(work, per)
 #define MN__OMP_FOR_DYNAMIC_IF(cond)
 #endif
 
 // Element-wise steps take one thread per this many elements (two from twice as many): below, a
 // team costs more than it saves, and a team whose second core is busy elsewhere waits for it.
 #define MN__OPT_MIN_PAR 524288
+// Vector iterations per run that a thread of a dynamic team takes at a time (16384 fp32 elements
+// with AVX-512).
+#define MN__OPT_RUN 1024
 
 // Vector lanes for the element-wise optimizer steps: GCC/clang vector extensions, the square root
 // through the instruction set's intrinsic (sqrtf would keep errno and stay scalar). Square root,
@@ -12397,6 +12406,29 @@ static inline mn__ovf mn__ov_abs(mn__ovf a) { return (mn__ovf)((mn__ovi)a & 0x7f
 #define MN__OGATHER(p, idx) \
     ((mn__ovf)_mm256_mask_i32gather_ps(_mm256_setzero_ps(), (p), (__m256i)(idx), \
                                        _mm256_castsi256_ps(_mm256_set1_epi32(-1)), 4))
+#endif
+// x / c for a float c (the same c for every lane) as RN32(RN64(x * RN64(1 / c))): x widened to
+// double, one multiplication by the reciprocal rounded to double, narrowed back. Wherever x / c
+// is not below FLT_MIN in magnitude (or is 0, inf, NaN), this is the correctly rounded quotient:
+// the double path's relative error is below 2^-52 (two roundings to 53 bits), while a quotient of
+// normal size is never a float midpoint and lies at least 2^-48 away from one (relative). With
+// x = X 2^i, c = C 2^j (X, C < 2^24, C >= 2^23) and a midpoint M 2^k (M odd, M >= 2^24), x - c M
+// 2^k is a nonzero multiple of 2^(j+k) (i >= j + k, else X, near C M 2^(j+k-i) >= 2^48, could not
+// be below 2^24) against c M 2^k < 2^(48 + j + k). Below FLT_MIN, midpoints have small M and a
+// quotient can be one exactly (x = 3 * 2^-149, c = 6), where the double path may round the other
+// way: callers keep to quotients of normal size. AdamW's sqrt(v) / sqrt(1 - beta2^t) qualifies:
+// sqrt of a float is 0 or at least 2^-75, and the divisor is at most 1. (Double rounding through
+// binary64 is innocuous for one division of binary32 operands, as 53 >= 2 * 24 + 2: Figueroa,
+// "When is double rounding innocuous?", SIGNUM 1995.) No division instruction: the divide/square-
+// root unit, which bounds AdamW's loop, serves the rest.
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_convertvector)
+#define MN__OVD 1
+typedef double mn__ovd __attribute__((vector_size(MN__OW * sizeof(double))));
+static inline mn__ovf mn__ov_divc(mn__ovf x, double rc) {
+    return __builtin_convertvector(__builtin_convertvector(x, mn__ovd) * rc, mn__ovf);
+}
+#endif
 #endif
 #else
 #define MN__OV 0
@@ -12574,10 +12606,23 @@ MNIMPL mn_result mn_adamw_init(mn_adamw *s, const uint64_t *dims, uint32_t ndim,
     return MN_OK;
 }
 
+// One element of AdamW's common case (no maximize, no amsgrad), in the general loop's order.
+typedef struct mn__opt_aw {
+    float decay, w1, b2, step_size, bc2_sqrt, eps;
+} mn__opt_aw;
+static inline void mn__opt_adamw_el(float *param, const float *grad, float *ea, float *eb,
+                                    int64_t j, const mn__opt_aw *c) {
+    float g = grad[j], th = param[j] * c->decay, m, v;
+    m = ea[j] = mn__opt_lerp(ea[j], g, c->w1);
+    v = eb[j] = eb[j] * c->b2 + (1.0f - c->b2) * g * g;
+    param[j] = th - c->step_size * (m / (sqrtf(v) / c->bc2_sqrt + c->eps));
+}
+
 MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uint16_t *param16) {
     const mn_adamw_params *p;
     double t, bc1, bc2;
     float decay, step_size, bc2_sqrt, w1, b2;
+    mn__opt_aw c;
     uint64_t i;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
@@ -12590,30 +12635,48 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
     step_size = (float)((double)p->lr / bc1);
     bc2_sqrt = (float)sqrt(bc2);
     w1 = 1.0f - p->beta1, b2 = p->beta2;
+    c.decay = decay, c.w1 = w1, c.b2 = b2, c.step_size = step_size, c.bc2_sqrt = bc2_sqrt;
+    c.eps = p->eps;
     if (!p->maximize && !p->amsgrad) {  // the common case: no branch in the loop, threads
-        float *ea = s->exp_avg, *eb = s->exp_avg_sq, eps = p->eps;
+        float *ea = s->exp_avg, *eb = s->exp_avg_sq;
         int64_t j, n = (int64_t)s->n, j0 = 0;
 #if MN__OV
-        int64_t jb, nb = n / MN__OW;
-        MN__OMP_FOR_WORK(n, MN__OPT_MIN_PAR)
-        for (jb = 0; jb < nb; jb++) {  // the loop below, MN__OW lanes at a time
-            int64_t k = jb * MN__OW;
-            mn__ovf g = mn__ov_load(grad + k), a = mn__ov_load(ea + k), m, v;
-            mn__ovf th = mn__ov_load(param + k) * decay;
-            m = w1 < 0.5f ? a + w1 * (g - a) : g - (g - a) * (1.0f - w1);  // mn__opt_lerp
-            v = mn__ov_load(eb + k) * b2 + (1.0f - b2) * g * g;
-            mn__ov_store(ea + k, m), mn__ov_store(eb + k, v);
-            mn__ov_store(param + k, th - step_size * (m / (MN__OSQRT(v) / bc2_sqrt + eps)));
-        }
-        j0 = nb * MN__OW;
+        int64_t nb, h, run, nr;
+        float eps = p->eps;
+#ifdef MN__OVD
+        const double rc = 1.0 / (double)bc2_sqrt;
 #endif
-        MN__OMP_FOR_WORK(n - j0, MN__OPT_MIN_PAR)
-        for (j = j0; j < n; j++) {  // the same arithmetic, in the same order, as below
-            float g = grad[j], th = param[j] * decay, m, v;
-            m = ea[j] = mn__opt_lerp(ea[j], g, w1);
-            v = eb[j] = eb[j] * b2 + (1.0f - b2) * g * g;
-            param[j] = th - step_size * (m / (sqrtf(v) / bc2_sqrt + eps));
+        // the first h elements one by one, so that the lanes store the moments to whole 64-byte
+        // lines (a 64-byte access across two lines costs two)
+        h = (int64_t)(((64u - ((uintptr_t)ea & 63u)) & 63u) / sizeof(float));
+        h = h < n ? h : n;
+        for (j = 0; j < h; j++) mn__opt_adamw_el(param, grad, ea, eb, j, &c);
+        nb = (n - h) / MN__OW;
+        nr = (nb + MN__OPT_RUN - 1) / MN__OPT_RUN;
+        MN__OMP_FOR_WORK_DYN(n, MN__OPT_MIN_PAR)
+        for (run = 0; run < nr; run++) {  // runs of MN__OPT_RUN vector iterations
+            int64_t jb, end = (run + 1) * MN__OPT_RUN < nb ? (run + 1) * MN__OPT_RUN : nb;
+            for (jb = run * MN__OPT_RUN; jb < end; jb++) {  // the loop below, MN__OW lanes
+                int64_t k = h + jb * MN__OW;
+                mn__ovf g = mn__ov_load(grad + k), a = mn__ov_load(ea + k), m, v;
+                mn__ovf th = mn__ov_load(param + k) * decay;
+                m = w1 < 0.5f ? a + w1 * (g - a) : g - (g - a) * (1.0f - w1);  // mn__opt_lerp
+                v = mn__ov_load(eb + k) * b2 + (1.0f - b2) * g * g;
+                mn__ov_store(ea + k, m), mn__ov_store(eb + k, v);
+#ifdef MN__OVD
+                mn__ovf d = mn__ov_divc(MN__OSQRT(v), rc) + eps;  // = sqrt(v) / bc2_sqrt + eps
+#else
+                mn__ovf d = MN__OSQRT(v) / bc2_sqrt + eps;
+#endif
+                mn__ov_store(param + k, th - step_size * (m / d));
+            }
         }
+        j0 = h + nb * MN__OW;
+#endif
+#if !MN__OV  // (with lanes, fewer than MN__OW elements are left: no team, not even its call)
+        MN__OMP_FOR_WORK(n - j0, MN__OPT_MIN_PAR)
+#endif
+        for (j = j0; j < n; j++) mn__opt_adamw_el(param, grad, ea, eb, j, &c);
         mn__opt_store16(p->dtype, param, param16, s->n);
         return MN_OK;
     }
@@ -12709,6 +12772,7 @@ MN__PRIVATE uint8_t mn__opt_nearest(const float *map, float x) {
 typedef struct mn__opt_qtab {
     float thr[2 * MN__OPT_QJ];     // negative buckets (most negative first), then positive
     uint32_t code[2 * MN__OPT_QJ]; // index at the bucket's smallest float (a gather loads 32 bits)
+    float lev[256];  // T_1..T_255 in the order a binary search meets them (mn__opt_qcount16)
     int32_t zero;                  // entries below 0: map[i] >= 0 exactly when i >= zero
     int ok;                        // no bucket holds two thresholds
 } mn__opt_qtab;
@@ -12758,6 +12822,15 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
         }
         thr[k - 1] = mn__opt_ofloat(hi);
     }
+    // Level l (0..7) of the search holds 2^l candidates from 2^l - 1 on: candidate j is the
+    // threshold at j 2^(8-l) + 2^(7-l) - 1 (thr[] counts from 0, T_1 at 0).
+    for (k = 0; k < 255 && t->ok; k++) {
+        uint32_t l = 0, j;
+        while ((k + 1u) >> (l + 1u)) l++;  // k + 1 in [2^l, 2^(l+1))
+        j = k + 1u - (1u << l);
+        t->lev[k] = thr[(j << (8u - l)) + (1u << (7u - l)) - 1u];
+    }
+    t->lev[255] = 0.0f;
     for (k = 0; k < 2 * MN__OPT_QJ && t->ok; k++) {
         int neg = k < MN__OPT_QJ;
         uint32_t j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ;
@@ -12780,6 +12853,79 @@ static inline uint8_t mn__opt_nearest_tab(const mn__opt_qtab *t, float x) {
     return (uint8_t)(x != x ? 0u : c);  // NaN: the search's comparisons all fail
 }
 
+#if MN__OV && MN__OW == 16 && defined(__AVX512F__)
+// The number of thresholds at or below x (the table's index, x's code) by a branch-free binary
+// search over the 255 sorted thresholds in 16 lanes: at level l each lane's position idx is a
+// multiple of 2^(8-l) and the next threshold to test is T at idx + 2^(7-l) - 1; its candidates
+// (2^l of them, t->lev) sit in registers and a permute picks each lane's. The same comparisons
+// x >= T as the table's, against the same thresholds, so the same counts (NaN compares false: 0).
+// Two gathers per 16 values cost more on AVX-512 machines than these 15 permutes and 8 compares.
+// (Masked forms of the intrinsics: g++ 12 calls the plain ones' start uninitialized.)
+typedef struct mn__opt_qlev {
+    __m512 l[19];  // levels 0..4 one register each (0: broadcast), level 5 two, 6 four, 7 eight
+} mn__opt_qlev;
+static inline void mn__opt_qlev_load(mn__opt_qlev *q, const float *lev) {
+    int r;
+    q->l[0] = _mm512_set1_ps(lev[0]), q->l[1] = _mm512_loadu_ps(lev + 1);
+    q->l[2] = _mm512_loadu_ps(lev + 3), q->l[3] = _mm512_loadu_ps(lev + 7);
+    q->l[4] = _mm512_loadu_ps(lev + 15);
+    for (r = 0; r < 2; r++) q->l[5 + r] = _mm512_loadu_ps(lev + 31 + 16 * r);
+    for (r = 0; r < 4; r++) q->l[7 + r] = _mm512_loadu_ps(lev + 63 + 16 * r);
+    for (r = 0; r < 8; r++) q->l[11 + r] = _mm512_loadu_ps(lev + 127 + 16 * r);
+}
+static inline __m512i mn__opt_qcount16(const mn__opt_qlev *q, __m512 x) {
+    const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64);
+    __m512i idx = _mm512_setzero_si512(), j;
+    __m512 c, c1, c2, c3;
+    __mmask16 ge;
+    int l;
+    ge = _mm512_cmp_ps_mask(x, q->l[0], _CMP_GE_OQ);  // level 0: T_128, in every lane
+    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(128));
+    for (l = 1; l <= 4; l++) {
+        j = _mm512_maskz_srlv_epi32((__mmask16)0xFFFF, idx, _mm512_set1_epi32(8 - l));
+        c = _mm512_maskz_permutexvar_ps((__mmask16)0xFFFF, j, q->l[l]);
+        ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
+        idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(1 << (7 - l)));
+    }
+    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 3);  // level 5: 32 candidates
+    c = _mm512_permutex2var_ps(q->l[5], j, q->l[6]);
+    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
+    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(4));
+    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 2);  // level 6: 64
+    c = _mm512_permutex2var_ps(q->l[7], j, q->l[8]);
+    c1 = _mm512_permutex2var_ps(q->l[9], j, q->l[10]);
+    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c, c1);
+    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
+    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(2));
+    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 1);  // level 7: 128
+    c = _mm512_permutex2var_ps(q->l[11], j, q->l[12]);
+    c1 = _mm512_permutex2var_ps(q->l[13], j, q->l[14]);
+    c2 = _mm512_permutex2var_ps(q->l[15], j, q->l[16]);
+    c3 = _mm512_permutex2var_ps(q->l[17], j, q->l[18]);
+    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c, c1);
+    c2 = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c2, c3);
+    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b6), c, c2);
+    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
+    return _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(1));
+}
+// map[code] for 16 codes (0..255) of a 256-entry map: eight two-register permutes, then the
+// code's top three bits pick among them (exact: a lookup, as the gather's).
+static inline __m512 mn__opt_lut256(const float *map, __m512i ix) {
+    const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64);
+    __m512 a[8];
+    __mmask16 m5 = _mm512_test_epi32_mask(ix, b5), m6 = _mm512_test_epi32_mask(ix, b6);
+    __mmask16 m7 = _mm512_test_epi32_mask(ix, _mm512_set1_epi32(128));
+    int k;
+    for (k = 0; k < 8; k++)
+        a[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(map + 32 * k), ix,
+                                      _mm512_loadu_ps(map + 32 * k + 16));
+    for (k = 0; k < 4; k++) a[k] = _mm512_mask_blend_ps(m5, a[2 * k], a[2 * k + 1]);
+    a[0] = _mm512_mask_blend_ps(m6, a[0], a[1]), a[2] = _mm512_mask_blend_ps(m6, a[2], a[3]);
+    return _mm512_mask_blend_ps(m7, a[0], a[2]);
+}
+#define MN__OPT_PERM 1
+#endif
+
 // Tensors from this many elements quantize through the tables (their build costs about as much as
 // the search for some 10^4 elements); the search below it. Both give the same codes.
 #define MN__OPT_QTAB_MIN 16384u
@@ -12797,7 +12943,14 @@ MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const fl
         }
         return;
     }
-#ifdef MN__OGATHER
+#if defined(MN__OPT_PERM)
+    mn__opt_qlev ql;
+    mn__opt_qlev_load(&ql, t->lev);
+    for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, 16 lanes at a time
+        mn__ovf xv = mn__ov_load(x + i) * scale;
+        mn__ovi c = (mn__ovi)mn__opt_qcount16(&ql, (__m512)xv);
+        int l;
+#elif defined(MN__OGATHER)
     for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, MN__OW lanes at a time
         const mn__ovi e0 = {0}, jmax = e0 + (int32_t)(MN__OPT_QJ - 1u);
         mn__ovf xv = mn__ov_load(x + i) * scale, th;
@@ -12809,6 +12962,8 @@ MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const fl
         th = MN__OGATHER(t->thr, k);
         c = (mn__ovi)MN__OGATHER((const float *)t->code, k) - (xv >= th);
         c = c & (xv == xv);
+#endif
+#if defined(MN__OPT_PERM) || defined(MN__OGATHER)
         if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (c >= t->zero));
         for (l = 0; l < MN__OW; l++) codes[i + (uint64_t)l] = (uint8_t)c[l];
     }
@@ -12930,8 +13085,13 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
         for (l = 0; l < MN__OW; l++) i1[l] = code1[j + (uint64_t)l];
         for (l = 0; l < MN__OW; l++) i2[l] = code2[j + (uint64_t)l];
         fin = ((mn__ovi)gj & 0x7f800000) != 0x7f800000;
+#ifdef MN__OPT_PERM
+        m = (mn__ovf)mn__opt_lut256(map1, (__m512i)i1) * a1 * c->b1 + w1 * gj;
+        v = (mn__ovf)mn__opt_lut256(map2, (__m512i)i2) * a2 * c->b2 + w2 * gj * gj;
+#else
         m = MN__OGATHER(map1, i1) * a1 * c->b1 + w1 * gj;
         v = MN__OGATHER(map2, i2) * a2 * c->b2 + w2 * gj * gj;
+#endif
         mn__ov_store(mbuf + j, (mn__ovf)((mn__ovi)m & fin));
         mn__ov_store(vbuf + j, (mn__ovf)((mn__ovi)v & fin));
     }
@@ -13125,14 +13285,34 @@ MN__PRIVATE double mn__opt_row_mean(const mn_adafactor *s, uint64_t b) {
     return sum / (double)s->rows;
 }
 
+// 1 / sqrt(C_j) for the columns [0, cols) of a batch, once per pass instead of once per row.
+MN__PRIVATE void mn__opt_af_icol(const float *col, uint64_t cols, float *ic) {
+    uint64_t j = 0;
+#if MN__OV
+    for (; j + MN__OW <= cols; j += MN__OW)
+        mn__ov_store(ic + j, 1.0f / MN__OSQRT(mn__ov_load(col + j)));
+#endif
+    for (; j < cols; j++) ic[j] = 1.0f / sqrtf(col[j]);
+}
+
 // Update u before clipping for elements [j0, j0 + len) of the row at `base`, in the plain loop's
-// order of operations: factored rf * (1 / sqrt(C_j)) * g, else (1 / sqrt(V_k)) * g.
-MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, float rf, const float *grad,
-                              uint64_t base, uint64_t j0, uint64_t len, float *u) {
+// order of operations: factored rf * (1 / sqrt(C_j)) * g, else (1 / sqrt(V_k)) * g. With ic
+// (mn__opt_af_icol of the batch's columns) the factored form reads 1 / sqrt(C_j) from it: the
+// same value, without a square root and a division per element.
+MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, const float *ic, float rf,
+                              const float *grad, uint64_t base, uint64_t j0, uint64_t len,
+                              float *u) {
     const float *g = grad + base + j0;
     const float *c = s->factored ? col + j0 : s->exp_avg_sq + base + j0;
     uint64_t j = 0;
-    if (s->factored) {
+    if (s->factored && ic) {
+        ic += j0;
+#if MN__OV
+        for (; j + MN__OW <= len; j += MN__OW)
+            mn__ov_store(u + j, rf * mn__ov_load(ic + j) * mn__ov_load(g + j));
+#endif
+        for (; j < len; j++) u[j] = rf * ic[j] * g[j];
+    } else if (s->factored) {
 #if MN__OV
         for (; j + MN__OW <= len; j += MN__OW)
             mn__ov_store(u + j, rf * (1.0f / MN__OSQRT(mn__ov_load(c + j))) * mn__ov_load(g + j));
@@ -13148,13 +13328,14 @@ MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, float rf,
 }
 
 #define MN__OPT_AF_CHUNK 512u  // elements of a row per piece of the passes below
+#define MN__OPT_AF_ICOL 2048u  // columns whose 1 / sqrt(C_j) live on the stack (more: allocated)
 
 MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *grad,
                                    uint16_t *param16) {
     const mn_adafactor_params *p;
     double t, sum, rho, beta2t, rms_u, clip, ss, ps;
     float b2t, w2t, eps1, alpha = 0, clip_div = 1, decay_coef = 0, b1 = 0, w1 = 0;
-    float u[MN__OPT_AF_CHUNK];
+    float u[MN__OPT_AF_CHUNK], icbuf[MN__OPT_AF_ICOL], *ic = NULL;
     uint64_t i, j, b, c0, cw, n, j0, len;
     int pass;
     mn_result r;
@@ -13204,6 +13385,9 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
         for (i = 0; i < n; i++)
             s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2t + w2t * (grad[i] * grad[i] + eps1);
     }
+    if (s->factored)  // no room for the column factors: each row recomputes them
+        ic = s->cols <= MN__OPT_AF_ICOL ? icbuf
+                                        : (float *)mn__alloc_array(&s->alloc, s->cols, 4);
     // pass 0: RMS(param) before the step and RMS of the update, both summed in element order;
     // pass 1: apply u / max(1, RMS(u)/d) * alpha, through the first moment when there is one.
     // Both walk the same chunks and recompute u (keeping it would cost n floats).
@@ -13225,13 +13409,22 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
             const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
             const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
             float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
+            if (ic) mn__opt_af_icol(col, s->cols, ic);
             for (i = 0; i < s->rows; i++) {
                 float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
                 uint64_t base = (b * s->rows + i) * s->cols;
                 for (j0 = 0; j0 < s->cols; j0 += len) {
                     float *th = param + base + j0, *m = s->exp_avg ? s->exp_avg + base + j0 : NULL;
                     len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
-                    mn__opt_af_u(s, col, rf, grad, base, j0, len, u);
+                    if (pass == 0 && ic) {  // u in the loop of the sums: its loads overlap them
+                        const float *gj = grad + base + j0, *icj = ic + j0;
+                        for (j = 0; j < len; j++) {
+                            float uj = rf * icj[j] * gj[j];  // mn__opt_af_u
+                            ss += (double)uj * uj, ps += (double)th[j] * th[j];
+                        }
+                        continue;
+                    }
+                    mn__opt_af_u(s, col, ic, rf, grad, base, j0, len, u);
                     if (pass == 0) {
                         for (j = 0; j < len; j++)
                             ss += (double)u[j] * u[j], ps += (double)th[j] * th[j];
@@ -13256,6 +13449,7 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
             }
         }
     }
+    if (ic != icbuf) mn__free(&s->alloc, ic);
     mn__opt_store16(p->dtype, param, param16, n);
     return MN_OK;
 }

@@ -8,6 +8,8 @@
 //                build has OpenBLAS (MN_BENCH_CBLAS), else the FMA peak (times the threads).
 //   memory ops   GB/s of the bytes the op must move at least (each array read or written once);
 //                peer: memcpy of the same number of bytes, out of cache, timed beside it.
+//   adamw llm.c  mn_adamw_step beside llm.c's AdamW loop (bench/peer_llmc_adamw.c, built with
+//                -O3 -ffast-math as llm.c builds it) on the same parameters, gradients and state.
 //   2 threads    the op with 2 threads, idle and while a child process keeps a core busy; peer:
 //                the same op with 1 thread under the same condition (ratio > 1: 2 threads win).
 //   allocator    ns per mn_cache_alloc + mn_cache_release of mixed sizes with `live` blocks held;
@@ -217,6 +219,14 @@ static void w_emb(void *a) {
     mn_embedding_forward(k->out, k->tok, k->inp, k->w, k->B, k->T, k->C, k->V);
 }
 static void w_adamw(void *a) { mn_adamw_step(&((opw *)a)->aw, ((opw *)a)->p, ((opw *)a)->g, NULL); }
+void peer_llmc_adamw(float *param, const float *grad, float *m_mem, float *v_mem, size_t n,
+                     float lr, float beta1, float beta2, float eps, float weight_decay, int t);
+static void w_llmc_adamw(void *a) {  // the same hyperparameters and step count as memanat's
+    opw *k = (opw *)a;
+    const mn_adamw_params *q = &k->aw.params;
+    peer_llmc_adamw(k->p, k->g, k->aw.exp_avg, k->aw.exp_avg_sq, (size_t)k->aw.n, q->lr, q->beta1,
+                    q->beta2, q->eps, q->weight_decay, (int)k->aw.step + 1);
+}
 static void w_sgd(void *a) { mn_sgd_step(&((opw *)a)->sg, ((opw *)a)->p, ((opw *)a)->g, NULL); }
 static void w_lion(void *a) { mn_lion_step(&((opw *)a)->li, ((opw *)a)->p, ((opw *)a)->g, NULL); }
 static void w_a8(void *a) {
@@ -464,6 +474,10 @@ int main(int argc, char **argv) {
     snprintf(shape, sizeof shape, "%zu params", n);
     if (mn_adamw_init(&k.aw, dims, 2, NULL, NULL) != MN_OK) return 1;
     mem_row("adamw", shape, &k, w_adamw, 28.0 * (double)n, (double)n);
+    time_pair(w_adamw, &k, 1, w_llmc_adamw, &k, 1, &tm, &tp);
+    snprintf(a, sizeof a, "%.2f ns/el", tm / (double)n);
+    snprintf(b, sizeof b, "llm.c -Ofast %.2f ns/el", tp / (double)n);
+    row("adamw vs llm.c", shape, "fp32", "1", a, b, tp / tm);
     {
         mn_sgd_params sp;
         memset(&sp, 0, sizeof sp);

@@ -8,6 +8,8 @@
 #include "harness.h"
 #include "../memanat.h"
 
+void test_optim_divc_bits(void);  // test_optimmath.c
+
 // --- AdamW ---------------------------------------------------------------------------------------
 
 // torch.optim.AdamW docs, algorithm box (the moment form, not the implementation's rearrangement).
@@ -1718,6 +1720,42 @@ static void test_adafactor_bits_vs_plain_loop(void) {
     }
 }
 
+// Adafactor with rows wider than the 2048 columns whose factors the step keeps on its stack (it
+// allocates them beyond), at 2048, and row counts that leave tails after the blocks of four rows:
+// the plain loop's bits over 3 steps, with the first moment and clipping on two shapes.
+static void test_adafactor_wide_bits_vs_plain_loop(void) {
+    static const uint64_t shapes[3][2] = {{11, 2053}, {2, 4099}, {21, 2048}};
+    size_t q;
+    for (q = 0; q < 3; q++) {
+        const uint64_t *dims = shapes[q];
+        uint64_t n = dims[0] * dims[1];
+        float *p = mnt_fvec(n), *g = mnt_fvec(n), *rp = mnt_fvec(n), *M = mnt_fvec(n);
+        float *R = mnt_fvec(dims[0]), *C = mnt_fvec(dims[1]);
+        mn_adafactor s;
+        mn_adafactor_params prm;
+        int t, ok = 1;
+        memset(&prm, 0, sizeof prm);
+        if (q != 1) prm.beta1 = 0.9f, prm.clip_threshold = 0.05f;
+        CHECK_OK(mn_adafactor_init(&s, dims, 2, &prm, NULL));
+        memset(R, 0, dims[0] * 4), memset(C, 0, dims[1] * 4), memset(M, 0, n * 4);
+        fill_case(p, n, 1.0);
+        memcpy(rp, p, n * 4);
+        for (t = 1; t <= 3; t++) {
+            mnt_fill_normal(g, n, t % 2 ? 1e-2 : 1.0);
+            CHECK_OK(mn_adafactor_step(&s, p, g, NULL));
+            ref_adafactor_step(&s.params, (uint64_t)t, rp, g, dims, 2, R, C, NULL,
+                               s.exp_avg ? M : NULL);
+            ok &= same_bits(p, rp, n * 4) && same_bits(s.exp_avg_sq_row, R, dims[0] * 4) &&
+                  same_bits(s.exp_avg_sq_col, C, dims[1] * 4);
+            ok &= !s.exp_avg || same_bits(s.exp_avg, M, n * 4);
+        }
+        CHECK_MSG(ok, "adafactor [%llu, %llu]: not the plain loop's bits",
+                  (unsigned long long)dims[0], (unsigned long long)dims[1]);
+        mn_adafactor_free(&s);
+        free(p), free(g), free(rp), free(M), free(R), free(C);
+    }
+}
+
 // Checks the codes of mn_quantize_blockwise for x [n] (blocks of bs) against the search.
 static uint64_t quantize_mismatches(const float *map, const float *x, uint64_t n, uint32_t bs,
                                     uint8_t *codes, float *absmax) {
@@ -1838,6 +1876,8 @@ const mnt_case test_optim_cases[] = {
     {"sgd_lion_bits_vs_plain_loop", test_sgd_lion_bits_vs_plain_loop},
     {"adamw8bit_bits_vs_plain_loop", test_adamw8bit_bits_vs_plain_loop},
     {"adafactor_bits_vs_plain_loop", test_adafactor_bits_vs_plain_loop},
+    {"adafactor_wide_bits_vs_plain_loop", test_adafactor_wide_bits_vs_plain_loop},
+    {"divc_bits", test_optim_divc_bits},
     {"quantize_table_vs_search", test_quantize_table_vs_search},
 };
 const size_t test_optim_count = sizeof test_optim_cases / sizeof test_optim_cases[0];
