@@ -3,7 +3,8 @@
 # under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, the
 # header as C++ under clang++, and the ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every
 # parser), bench (benchmark programs; bench_matmul beside OpenBLAS when it links), cblas-test (the
-# ops tests with MEMANAT_CBLAS, against OpenBLAS), cuda-probe.
+# ops tests with MEMANAT_CBLAS, against OpenBLAS), native (the ops and optimizer tests built for
+# this CPU, so that its AVX2/AVX-512 paths run), cuda-probe.
 # With nvcc (found on PATH or in /usr/local/cuda/bin): `make` also builds build/memanat_cuda.o
 # (sm_80 and sm_90, warnings as errors, `ptxas -v` in build/ptxas.log) and links it into the
 # trainer (--device cuda), and `make test` first runs
@@ -47,7 +48,7 @@ CUDA_OBJ  := build/memanat_cuda.o
 CUDA_TEST := build/test_cuda
 endif
 
-.PHONY: all test sanitize cxx clang fuzz bench gpu-bench cuda-probe check clean python python-ext \
+.PHONY: all test sanitize cxx clang native fuzz bench gpu-bench cuda-probe check clean python python-ext \
         web web-probe fuzz-api cblas-test
 
 all: memanat trainer cuda-probe $(CUDA_OBJ)
@@ -179,6 +180,15 @@ sanitize: build/memanat_asan build/test_asan build/test_asan_ndebug
 	    bad_arguments | tail -n 1
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 MEMANAT_BIN=build/memanat_asan \
 	    MN_TEST_NO_BINDINGS=1 ./build/test_asan
+
+# The ops and optimizer tests built for this machine's CPU: the portable build above (-O2, no
+# -march) runs the generic vector lanes, this one the AVX2/AVX-512 paths that the trainer and
+# the benchmarks (built with -march=native) take.
+native: $(TESTSRC) test/harness.h test/cache_ref.h $(HDRS) trainer.c bind/memanat_api.c | build
+	$(CC) $(CSTD) -O2 -march=native -g $(WARN) $(OPENMP) -o build/test_native $(TESTSRC) $(LDLIBS)
+	./build/test_native ops > build/test_native.log || (tail -n 30 build/test_native.log; exit 1)
+	./build/test_native optim >> build/test_native.log || (tail -n 30 build/test_native.log; exit 1)
+	@echo "ops and optimizers built for this CPU: $$(grep -c '^\[ OK \]' build/test_native.log) passed"
 
 # The header compiles as C++ (nvcc compiles the CUDA backend as C++).
 cxx: test/cxx_check.cpp $(HDRS) | build
