@@ -13605,14 +13605,77 @@ MN__INLINE float mn__expf(float x) {
     return x == x ? p * s1 * s2 : x;
 }
 
+#if MN__OV
+// mn__expf on MN__OW lanes, bit for bit. Where every lane's argument lies in [-86.5, 88] (the
+// results are normal: n = round(x log2 e) in [-125, 127] and exp(r) in [0.70, 1.42]), the scale
+// 2^n of the scalar form (two exact multiplies by 2^h and 2^(n-h)) is the same as adding n to
+// the exponent field of exp(r), so the fast form has no clamps, no selects and no multiplies for
+// the scale. n comes out of the rounding sum t = x log2 e + 1.5 * 2^23 itself: for |n| < 2^22
+// the bits of t are those of 1.5 * 2^23 plus n. A vector with a lane outside the range (the
+// subnormal and overflow tails, +-inf, NaN) takes the scalar form lane by lane; one test of the
+// whole vector decides.
+typedef uint32_t mn__ovu __attribute__((vector_size(MN__OW * sizeof(uint32_t))));
+#if defined(__FMA__) && defined(__AVX512F__)
+#define MN__OFMA(a, b, c) ((mn__ovf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#elif defined(__FMA__) && defined(__AVX__)
+#define MN__OFMA(a, b, c) ((mn__ovf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#elif defined(__FMA__)
+#define MN__OFMA(a, b, c) ((mn__ovf)_mm_fmadd_ps((__m128)(a), (__m128)(b), (__m128)(c)))
+#else
+#define MN__OFMA(a, b, c) ((a) * (b) + (c))  // as MN__FMA: the scalar form's bits either way
+#endif
+MN__INLINE mn__ovf mn__ov_set1(float c) {
+    mn__ovf v = {0};
+    return v + c;
+}
+// Every lane of a comparison's mask set.
+MN__INLINE int mn__ov_all(mn__ovi m) {
+#if defined(__AVX512F__)
+    return _mm512_cmpneq_epi32_mask((__m512i)m, _mm512_set1_epi32(-1)) == 0;
+#elif defined(__AVX__)
+    return _mm256_movemask_ps((__m256)m) == 0xFF;
+#else
+    return _mm_movemask_ps((__m128)m) == 0xF;
+#endif
+}
+MN__INLINE mn__ovf mn__ov_expf(mn__ovf x) {
+    mn__ovf t, n, r, p;
+    int l;
+    if (!mn__ov_all((x > -86.5f) & (x < 88.0f))) {  // NaN fails both comparisons
+        float a[MN__OW];
+        mn__ov_store(a, x);
+        for (l = 0; l < MN__OW; l++) a[l] = mn__expf(a[l]);
+        return mn__ov_load(a);
+    }
+    t = x * 1.44269504088896341f + 12582912.0f;  // the scalar form's expression, as it is
+    n = t - 12582912.0f;
+    r = MN__OFMA(n, mn__ov_set1(2.12194440e-4f), MN__OFMA(n, mn__ov_set1(-0.693359375f), x));
+    p = MN__OFMA(r, mn__ov_set1(1.9875691500e-4f), mn__ov_set1(1.3981999507e-3f));
+    p = MN__OFMA(p, r, mn__ov_set1(8.3334519073e-3f));
+    p = MN__OFMA(p, r, mn__ov_set1(4.1665795894e-2f));
+    p = MN__OFMA(p, r, mn__ov_set1(1.6666665459e-1f));
+    p = MN__OFMA(p, r, mn__ov_set1(5.0000001201e-1f));
+    p = MN__OFMA(p, r * r, r) + 1.0f;
+    return (mn__ovf)((mn__ovu)p + (((mn__ovu)t - 0x4B400000u) << 23));
+}
+#endif
+
 // sum_i exp(x[i] - m) in MN__LN lanes, folded in double.
 MN__PRIVATE double mn__sumexp(const float *x, float m, size_t n) {
     float acc[MN__LN] = {0};
     double s = 0.0;
     size_t i = 0;
     int l;
+#if MN__OV
+    mn__ovf va[MN__LN / MN__OW] = {{0}};
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN / MN__OW; l++)
+            va[l] += mn__ov_expf(mn__ov_load(x + i + l * MN__OW) - m);
+    for (l = 0; l < MN__LN / MN__OW; l++) mn__ov_store(acc + l * MN__OW, va[l]);
+#else
     for (; n - i >= MN__LN; i += MN__LN)
         for (l = 0; l < MN__LN; l++) acc[l] += mn__expf(x[i + l] - m);
+#endif
     for (; i < n; i++) s += mn__expf(x[i] - m);
     for (l = 0; l < MN__LN; l++) s += acc[l];
     return s;
@@ -13624,11 +13687,22 @@ MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, floa
     double s = 0.0;
     size_t i = 0;
     int l;
+#if MN__OV
+    mn__ovf va[MN__LN / MN__OW] = {{0}};
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN / MN__OW; l++) {
+            mn__ovf e = mn__ov_expf(scale * mn__ov_load(x + i + l * MN__OW) - m);
+            mn__ov_store(y + i + l * MN__OW, e);
+            va[l] += e;
+        }
+    for (l = 0; l < MN__LN / MN__OW; l++) mn__ov_store(acc + l * MN__OW, va[l]);
+#else
     for (; n - i >= MN__LN; i += MN__LN)
         for (l = 0; l < MN__LN; l++) {
             y[i + l] = mn__expf(scale * x[i + l] - m);
             acc[l] += y[i + l];
         }
+#endif
     for (; i < n; i++) {
         y[i] = mn__expf(scale * x[i] - m);
         s += y[i];
