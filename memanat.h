@@ -14650,12 +14650,33 @@ MNIMPL mn_result mn_attention_backward(float *dqkv, const float *dout, const flo
 
 // ---- elementwise --------------------------------------------------------------------------------
 
+// out[0..n) = mn__gelu(inp[0..n)), bit for bit: MN__OW lanes at a time where the header has
+// them (the same expressions on vectors, the exp through mn__ov_expf), the scalar form for the
+// rest.
+MN__PRIVATE void mn__gelu_span(float *out, const float *inp, size_t n) {
+    size_t i = 0;
+#if MN__OV
+    for (; n - i >= MN__OW; i += MN__OW) {
+        mn__ovf x = mn__ov_load(inp + i), u, e, d;
+        u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
+        e = mn__ov_expf(-2.0f * mn__ov_abs(u)), d = 1.0f / (1.0f + e);
+        mn__ov_store(out + i, x * mn__ov_sel(u >= 0.0f, d, e * d));
+    }
+#endif
+    for (; i < n; i++) out[i] = mn__gelu(inp[i]);
+}
+
+#define MN__GELU_BLOCK 4096  // elements per task of the parallel loop (a multiple of MN__OW)
+
 MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
-    size_t i;
+    size_t b, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
-    for (i = 0; i < n; i++) out[i] = mn__gelu(inp[i]);
+    for (b = 0; b < nb; b++) {
+        size_t i = b * MN__GELU_BLOCK, len = n - i < MN__GELU_BLOCK ? n - i : MN__GELU_BLOCK;
+        mn__gelu_span(out + i, inp + i, len);
+    }
     return MN_OK;
 }
 
