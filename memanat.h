@@ -13628,20 +13628,23 @@ MN__INLINE mn__ovf mn__ov_set1(float c) {
     mn__ovf v = {0};
     return v + c;
 }
-// Every lane of a comparison's mask set.
-MN__INLINE int mn__ov_all(mn__ovi m) {
+// Every lane of x in the open interval (lo, hi) (false for a NaN lane): with AVX-512 the two
+// comparisons go straight to a mask register (through the vector type's comparison GCC would
+// widen the mask to a vector and compare it again).
+MN__INLINE int mn__ov_within(mn__ovf x, float lo, float hi) {
 #if defined(__AVX512F__)
-    return _mm512_cmpneq_epi32_mask((__m512i)m, _mm512_set1_epi32(-1)) == 0;
+    __mmask16 k = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(lo), _CMP_GT_OQ);
+    return _mm512_mask_cmp_ps_mask(k, (__m512)x, _mm512_set1_ps(hi), _CMP_LT_OQ) == 0xFFFF;
 #elif defined(__AVX__)
-    return _mm256_movemask_ps((__m256)m) == 0xFF;
+    return _mm256_movemask_ps((__m256)((x > lo) & (x < hi))) == 0xFF;
 #else
-    return _mm_movemask_ps((__m128)m) == 0xF;
+    return _mm_movemask_ps((__m128)((x > lo) & (x < hi))) == 0xF;
 #endif
 }
 MN__INLINE mn__ovf mn__ov_expf(mn__ovf x) {
     mn__ovf t, n, r, p;
     int l;
-    if (!mn__ov_all((x > -86.5f) & (x < 88.0f))) {  // NaN fails both comparisons
+    if (!mn__ov_within(x, -86.5f, 88.0f)) {
         float a[MN__OW];
         mn__ov_store(a, x);
         for (l = 0; l < MN__OW; l++) a[l] = mn__expf(a[l]);
