@@ -13799,14 +13799,80 @@ MN__INLINE float mn__expf(float x) {
     return x == x ? p * s1 * s2 : x;
 }
 
+#if MN__OV
+// mn__expf on MN__OW lanes, bit for bit. Where every lane's argument lies in [-86.5, 88] (the
+// results are normal: n = round(x log2 e) in [-125, 127] and exp(r) in [0.70, 1.42]), the scale
+// 2^n of the scalar form (two exact multiplies by 2^h and 2^(n-h)) is the same as adding n to
+// the exponent field of exp(r), so the fast form has no clamps, no selects and no multiplies for
+// the scale. n comes out of the rounding sum t = x log2 e + 1.5 * 2^23 itself: for |n| < 2^22
+// the bits of t are those of 1.5 * 2^23 plus n. A vector with a lane outside the range (the
+// subnormal and overflow tails, +-inf, NaN) takes the scalar form lane by lane; one test of the
+// whole vector decides.
+typedef uint32_t mn__ovu __attribute__((vector_size(MN__OW * sizeof(uint32_t))));
+#if defined(__FMA__) && defined(__AVX512F__)
+#define MN__OFMA(a, b, c) ((mn__ovf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#elif defined(__FMA__) && defined(__AVX__)
+#define MN__OFMA(a, b, c) ((mn__ovf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#elif defined(__FMA__)
+#define MN__OFMA(a, b, c) ((mn__ovf)_mm_fmadd_ps((__m128)(a), (__m128)(b), (__m128)(c)))
+#else
+#define MN__OFMA(a, b, c) ((a) * (b) + (c))  // as MN__FMA: the scalar form's bits either way
+#endif
+MN__INLINE mn__ovf mn__ov_set1(float c) {
+    mn__ovf v = {0};
+    return v + c;
+}
+// Every lane of x in the open interval (lo, hi) (false for a NaN lane): with AVX-512 the two
+// comparisons go straight to a mask register (through the vector type's comparison GCC would
+// widen the mask to a vector and compare it again).
+MN__INLINE int mn__ov_within(mn__ovf x, float lo, float hi) {
+#if defined(__AVX512F__)
+    __mmask16 k = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(lo), _CMP_GT_OQ);
+    return _mm512_mask_cmp_ps_mask(k, (__m512)x, _mm512_set1_ps(hi), _CMP_LT_OQ) == 0xFFFF;
+#elif defined(__AVX__)
+    return _mm256_movemask_ps((__m256)((x > lo) & (x < hi))) == 0xFF;
+#else
+    return _mm_movemask_ps((__m128)((x > lo) & (x < hi))) == 0xF;
+#endif
+}
+MN__INLINE mn__ovf mn__ov_expf(mn__ovf x) {
+    mn__ovf t, n, r, p;
+    int l;
+    if (!mn__ov_within(x, -86.5f, 88.0f)) {
+        float a[MN__OW];
+        mn__ov_store(a, x);
+        for (l = 0; l < MN__OW; l++) a[l] = mn__expf(a[l]);
+        return mn__ov_load(a);
+    }
+    t = x * 1.44269504088896341f + 12582912.0f;  // the scalar form's expression, as it is
+    n = t - 12582912.0f;
+    r = MN__OFMA(n, mn__ov_set1(2.12194440e-4f), MN__OFMA(n, mn__ov_set1(-0.693359375f), x));
+    p = MN__OFMA(r, mn__ov_set1(1.9875691500e-4f), mn__ov_set1(1.3981999507e-3f));
+    p = MN__OFMA(p, r, mn__ov_set1(8.3334519073e-3f));
+    p = MN__OFMA(p, r, mn__ov_set1(4.1665795894e-2f));
+    p = MN__OFMA(p, r, mn__ov_set1(1.6666665459e-1f));
+    p = MN__OFMA(p, r, mn__ov_set1(5.0000001201e-1f));
+    p = MN__OFMA(p, r * r, r) + 1.0f;
+    return (mn__ovf)((mn__ovu)p + (((mn__ovu)t - 0x4B400000u) << 23));
+}
+#endif
+
 // sum_i exp(x[i] - m) in MN__LN lanes, folded in double.
 MN__PRIVATE double mn__sumexp(const float *x, float m, size_t n) {
     float acc[MN__LN] = {0};
     double s = 0.0;
     size_t i = 0;
     int l;
+#if MN__OV
+    mn__ovf va[MN__LN / MN__OW] = {{0}};
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN / MN__OW; l++)
+            va[l] += mn__ov_expf(mn__ov_load(x + i + l * MN__OW) - m);
+    for (l = 0; l < MN__LN / MN__OW; l++) mn__ov_store(acc + l * MN__OW, va[l]);
+#else
     for (; n - i >= MN__LN; i += MN__LN)
         for (l = 0; l < MN__LN; l++) acc[l] += mn__expf(x[i + l] - m);
+#endif
     for (; i < n; i++) s += mn__expf(x[i] - m);
     for (l = 0; l < MN__LN; l++) s += acc[l];
     return s;
@@ -13818,11 +13884,22 @@ MN__PRIVATE double mn__exp_store_sum(float *y, const float *x, float scale, floa
     double s = 0.0;
     size_t i = 0;
     int l;
+#if MN__OV
+    mn__ovf va[MN__LN / MN__OW] = {{0}};
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN / MN__OW; l++) {
+            mn__ovf e = mn__ov_expf(scale * mn__ov_load(x + i + l * MN__OW) - m);
+            mn__ov_store(y + i + l * MN__OW, e);
+            va[l] += e;
+        }
+    for (l = 0; l < MN__LN / MN__OW; l++) mn__ov_store(acc + l * MN__OW, va[l]);
+#else
     for (; n - i >= MN__LN; i += MN__LN)
         for (l = 0; l < MN__LN; l++) {
             y[i + l] = mn__expf(scale * x[i + l] - m);
             acc[l] += y[i + l];
         }
+#endif
     for (; i < n; i++) {
         y[i] = mn__expf(scale * x[i] - m);
         s += y[i];
@@ -14770,12 +14847,33 @@ MNIMPL mn_result mn_attention_backward(float *dqkv, const float *dout, const flo
 
 // ---- elementwise --------------------------------------------------------------------------------
 
+// out[0..n) = mn__gelu(inp[0..n)), bit for bit: MN__OW lanes at a time where the header has
+// them (the same expressions on vectors, the exp through mn__ov_expf), the scalar form for the
+// rest.
+MN__PRIVATE void mn__gelu_span(float *out, const float *inp, size_t n) {
+    size_t i = 0;
+#if MN__OV
+    for (; n - i >= MN__OW; i += MN__OW) {
+        mn__ovf x = mn__ov_load(inp + i), u, e, d;
+        u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
+        e = mn__ov_expf(-2.0f * mn__ov_abs(u)), d = 1.0f / (1.0f + e);
+        mn__ov_store(out + i, x * mn__ov_sel(u >= 0.0f, d, e * d));
+    }
+#endif
+    for (; i < n; i++) out[i] = mn__gelu(inp[i]);
+}
+
+#define MN__GELU_BLOCK 4096  // elements per task of the parallel loop (a multiple of MN__OW)
+
 MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
-    size_t i;
+    size_t b, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
-    for (i = 0; i < n; i++) out[i] = mn__gelu(inp[i]);
+    for (b = 0; b < nb; b++) {
+        size_t i = b * MN__GELU_BLOCK, len = n - i < MN__GELU_BLOCK ? n - i : MN__GELU_BLOCK;
+        mn__gelu_span(out + i, inp + i, len);
+    }
     return MN_OK;
 }
 

@@ -1174,6 +1174,7 @@ static void test_bad_arguments(void) {
 // In test/test_opsmath.c (the inline math of the ops, against libm in double).
 void test_ops_expf_range(void);
 void test_ops_exp_edge_inputs(void);
+void test_ops_exp_vector_lanes(void);
 
 const mnt_case test_ops_cases[] = {
     {"matmul", test_matmul},
@@ -1190,6 +1191,7 @@ const mnt_case test_ops_cases[] = {
     {"activation_grid", test_activation_grid},
     {"expf_range", test_ops_expf_range},
     {"exp_edge_inputs", test_ops_exp_edge_inputs},
+    {"exp_vector_lanes", test_ops_exp_vector_lanes},
     {"embedding", test_embedding},
     {"crossentropy", test_crossentropy},
     {"philox_known_answers", test_philox},

@@ -15,6 +15,7 @@
 
 void test_ops_expf_range(void);
 void test_ops_exp_edge_inputs(void);
+void test_ops_exp_vector_lanes(void);
 
 // The spacing of floats at |w| (subnormal spacing 2^-149 below FLT_MIN); 2^104 past FLT_MAX,
 // where a float result can only be inf.
@@ -188,4 +189,66 @@ void test_ops_exp_edge_inputs(void) {
         CHECK_OK(mn_gelu_backward(gd, one, gy, 1));
         CHECK(isnan(gy[1]) && isnan(gd[0]));
     }
+}
+
+// An argument for the lane tests: mostly the ops' usual range, else one of the tails that the
+// vector exp hands to the scalar form (subnormal results, overflow, +-inf, NaN) or a value at the
+// edge of its fast range.
+static float lane_arg(void) {
+    static const float edge[] = {-86.5f, -86.49f, 88.0f, 87.99f, -87.34f, 88.73f};
+    double u = mnt_rand_uniform();
+    if (u < 0.80) return (float)(-20.0 + 22.0 * mnt_rand_uniform());
+    if (u < 0.88) return (float)(-104.0 + 17.5 * mnt_rand_uniform());
+    if (u < 0.92) return (float)(88.0 + 2.0 * mnt_rand_uniform());
+    if (u < 0.94) return -INFINITY;
+    if (u < 0.95) return INFINITY;
+    if (u < 0.96) return NAN;
+    return edge[mnt_rand_u64() % (sizeof edge / sizeof edge[0])];
+}
+
+// The vector loops of exp (mn__exp_store_sum, mn__sumexp) and of GELU (mn_gelu_forward) give the
+// bits of the plain C form, element by element and sum by sum, on rows whose vectors mix lanes of
+// the fast range with lanes of the tails, at lengths and offsets that are not multiples of the
+// vector width. The plain form here: mn__expf / mn__gelu per element, the sums in MN__LN float
+// lanes folded in double, as the header states them.
+void test_ops_exp_vector_lanes(void) {
+    enum { CAP = 1000 };
+    float *x = mnt_fvec(CAP + 1), *y = mnt_fvec(CAP + 1), *g = mnt_fvec(CAP + 1);
+    int trial, bad = 0;
+    for (trial = 0; trial < 300; trial++) {
+        size_t n = 1 + (size_t)(mnt_rand_u64() % CAP), off = (size_t)(mnt_rand_u64() % 2), i;
+        float m = trial % 3 == 0 ? 0.0f : (float)(4.0 * mnt_rand_normal());
+        float acc[MN__LN] = {0};
+        double want = 0.0, got, got2;
+        size_t full = n - n % MN__LN;
+        for (i = 0; i < n; i++) x[off + i] = trial % 4 == 0 ? (float)(-3.0 * mnt_rand_uniform())
+                                                         : lane_arg();
+        got = mn__exp_store_sum(y + off, x + off, 1.0f, m, n);
+        got2 = mn__sumexp(x + off, m, n);
+        for (i = 0; i < n; i++) {
+            float e = mn__expf(x[off + i] - m);
+            if (memcmp(&e, &y[off + i], sizeof e) != 0 && bad++ < 4)
+                mnt_fail(__FILE__, __LINE__, "exp(%.9g - %.9g): loop %.9g, scalar %.9g",
+                         x[off + i], m, y[off + i], e);
+            if (i < full) acc[i % MN__LN] += e;
+            else want += e;
+        }
+        for (i = 0; i < MN__LN; i++) want += acc[i];
+        CHECK_MSG(memcmp(&got, &want, sizeof got) == 0 || (isnan(got) && isnan(want)),
+                  "exp_store_sum n=%zu: %.17g, want %.17g", n, got, want);
+        CHECK_MSG(memcmp(&got2, &want, sizeof got) == 0 || (isnan(got2) && isnan(want)),
+                  "sumexp n=%zu: %.17g, want %.17g", n, got2, want);
+        // GELU: -2|u| leaves the fast range for |x| above about 9.5, and NaN / inf inputs
+        for (i = 0; i < n; i++) x[off + i] = lane_arg() * 0.2f;
+        CHECK_OK(mn_gelu_forward(g + off, x + off, n));
+        for (i = 0; i < n; i++) {
+            float e = mn__gelu(x[off + i]);
+            if (memcmp(&e, &g[off + i], sizeof e) != 0 && !(isnan(e) && isnan(g[off + i])) &&
+                bad++ < 4)
+                mnt_fail(__FILE__, __LINE__, "gelu(%.9g): loop %.9g, scalar %.9g", x[off + i],
+                         g[off + i], e);
+        }
+    }
+    CHECK(bad == 0);
+    free(x), free(y), free(g);
 }
