@@ -2270,15 +2270,19 @@ MNDEF mn_result mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t 
 //     checked from inside - array lengths, aliasing not allowed below - is the caller's part.
 //   - With OpenMP (-fopenmp) the heavy loops run in parallel; threads own disjoint outputs and
 //     every sum runs in a fixed order, so results do not depend on the thread count. Every op
-//     also builds and runs without OpenMP. No op allocates memory; matmul and attention keep
-//     their packed tiles on the stack (about 360 KiB per thread).
+//     also builds and runs without OpenMP. Matmul and attention keep their packed tiles on the
+//     stack (about 360 KiB per thread); the matmul forward with more than 128 output columns
+//     packs its weight blocks into MN_MALLOC memory instead (512 KiB per thread, freed before
+//     it returns; MN_ERR_OUT_OF_MEMORY, nothing written, when that fails). No other op
+//     allocates memory.
 //   - exp (softmax, attention, cross-entropy, GELU, SiLU) is computed inline (after Cephes expf)
 //     so the loops vectorize: within 1.5 ulp of exp over the whole float range (about 1 ulp
 //     measured), subnormal results rounded, not flushed; exp(NaN) is NaN, exp(-inf) is 0.
 
 // Matmul: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC], cache-blocked and register-tiled.
 // pre_gelu: [N,OC] or NULL. Non-NULL selects the fused GELU (tanh) epilogue: pre_gelu receives
-//   inp @ weight^T + bias and out = gelu(pre_gelu). bias may be NULL.
+//   inp @ weight^T + bias and out = gelu(pre_gelu). bias may be NULL. out (and pre_gelu) are
+//   only written, never read. OC > 128 allocates (see the notes above): MN_ERR_OUT_OF_MEMORY.
 MNDEF mn_result mn_matmul_forward(float *out, float *pre_gelu, const float *inp,
                                   const float *weight, const float *bias, size_t N, size_t C,
                                   size_t OC);
@@ -13971,7 +13975,14 @@ typedef struct mn__gemm {
     size_t b_rs, b_cs;
     size_t M, NC, K;
     mn_dtype a_dt, b_dt;
+    // init 1: c is not read, but set to bias[j] (0 where bias is NULL) + A B: the first k slice
+    // stores base + sum where the later ones add, which gives the bits of filling c first and
+    // accumulating, without the pass over c that the fill was (4 % of a GPT-2-tiny forward)
+    int init;
+    const float *bias;
 } mn__gemm;
+
+static const float mn__gemm_zeros[MN__NR] = {0};  // the base of an init product without bias
 
 // A 16-bit operand (a dtype other than 0 and MN_FP32).
 MN__INLINE int mn__gemm_is16(mn_dtype dt) { return dt != MN_DTYPE_DEFAULT && dt != MN_FP32; }
@@ -14000,18 +14011,47 @@ MN__PRIVATE void mn__gemm_cvt(float *x, const uint16_t *src, size_t n, mn_dtype 
     for (; i < n; i++) x[i] = mn__fp16_to_fp32_flat(src[i]);
 }
 
+// The same for exactly eight values, inlined into the transposed packing's column loop (a call
+// per eight values there was 10 % of a bf16 forward at the default trainer's shapes).
+// bf16 with AVX2: the bits moved up 16, and a NaN's quiet bit set as mn_bf16_to_fp32 does (the
+// magnitude compares as a signed integer: its sign bit is clear).
+MN__INLINE void mn__gemm_cvt8(float *x, const uint16_t *src, mn_dtype dt) {
+    int i;
+    (void)i;  // (unused where both types have their instructions)
+    if (dt == MN_BF16) {
+#if MN__OV && defined(__AVX2__)
+        __m256i v = _mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+        v = _mm256_or_si256(v, _mm256_and_si256(nan, _mm256_set1_epi32(0x400000)));
+        _mm256_storeu_si256((__m256i *)x, v);
+#else
+        for (i = 0; i < 8; i++) x[i] = mn__bf16_to_fp32_flat(src[i]);
+#endif
+        return;
+    }
+#if MN__OV && defined(__F16C__)
+    _mm256_storeu_ps(x, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)));
+#else
+    for (i = 0; i < 8; i++) x[i] = mn__fp16_to_fp32_flat(src[i]);
+#endif
+}
+
 // Register tile: acc = sum_k A(0..MR, k) (outer) bp[k][0..NR), then c += acc on the valid part
-// (mr rows, nr columns). A(m, k) = ap[m*ars + k*acs]: a packed tile (ars 1, acs MR) or MR rows
-// of the caller's matrix read in place (ars its row stride, acs 1); the same products either way.
+// (mr rows, nr columns), or c = base[j] + acc where base is not NULL (an init product's first k
+// slice). A(m, k) = ap[m*ars + k*acs]: a packed tile (ars 1, acs MR) or MR rows of the caller's
+// matrix read in place (ars its row stride, acs 1); the same products either way.
 MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr, const float *ap,
-                                            size_t ars, size_t acs, const float *bp, int kc) {
+                                            size_t ars, size_t acs, const float *bp, int kc,
+                                            const float *base) {
     float out[MN__MR][MN__NR];
     int k, m, j;
 #if MN__SIMD
     mn__vf acc0[MN__MR], acc1[MN__MR], b0, b1, zero;
     // c is read once, after the loop: ask for its lines now (a large c, such as the logits of a
     // big vocabulary, is in memory, not in cache, and the loop hides the wait)
-    for (m = 0; m < mr; m++) {
+    for (m = 0; m < mr && !base; m++) {
         __builtin_prefetch(c + (size_t)m * ldc, 1);
         __builtin_prefetch(c + (size_t)m * ldc + (nr - 1), 1);
     }
@@ -14044,7 +14084,10 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
             for (j = 0; j < MN__NR; j++) out[m][j] += av[(size_t)m * ars] * bv[j];
     }
 #endif
-    if (mr == MN__MR && nr == MN__NR) {
+    if (base) {
+        for (m = 0; m < mr; m++)
+            for (j = 0; j < nr; j++) c[(size_t)m * ldc + j] = base[j] + out[m][j];
+    } else if (mr == MN__MR && nr == MN__NR) {
         for (m = 0; m < MN__MR; m++)
             for (j = 0; j < MN__NR; j++) c[(size_t)m * ldc + j] += out[m][j];
     } else {
@@ -14083,7 +14126,7 @@ MN__PRIVATE void mn__gemm_pack_b(const mn__gemm *g, float *bpack, size_t k0, int
             const float *col = src + at;
             float *d = dst + (size_t)k * MN__NR + jj;
             if (qn == 8 && g->b_rs == 1) {
-                if (is16) mn__gemm_cvt(t, h + at, 8, g->b_dt), col = t;
+                if (is16) mn__gemm_cvt8(t, h + at, g->b_dt), col = t;
                 d[0] = col[0], d[MN__NR] = col[1], d[2 * MN__NR] = col[2];
                 d[3 * MN__NR] = col[3], d[4 * MN__NR] = col[4], d[5 * MN__NR] = col[5];
                 d[6 * MN__NR] = col[6], d[7 * MN__NR] = col[7];
@@ -14113,15 +14156,25 @@ MN__PRIVATE void mn__gemm_rows(const mn__gemm *g, const float *bpack, size_t k0,
         int mr = mb - i < MN__MR ? mb - i : MN__MR;
         size_t off = (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs;
         const float *src = (const float *)g->a + off, *ap = apack;
+        const uint16_t *pf = NULL;  // the next 16-bit strip, to prefetch (pm rows)
         size_t ars = 1, acs = MN__MR;
+        int pm = 0;
         if (!is16 && mr == MN__MR && (g->a_cs == 1 || g->a_rs == 1)) {
             ap = src, ars = g->a_rs, acs = g->a_cs;
         } else if (is16 && g->a_cs == 1) {
+            const uint16_t *h = (const uint16_t *)g->a + off;
             for (m = 0; m < MN__MR; m++)
                 mn__gemm_cvt(apack + (size_t)m * (size_t)kc,
-                             (const uint16_t *)g->a + off + (size_t)(m < mr ? m : mr - 1) * g->a_rs,
-                             (size_t)kc, g->a_dt);
+                             h + (size_t)(m < mr ? m : mr - 1) * g->a_rs, (size_t)kc, g->a_dt);
             ars = (size_t)kc, acs = 1;
+            // The conversion has no FMAs to hide its wait for A's lines (from L3: the strip is
+            // read again for every column block), so the next strip's lines are asked for now,
+            // into L2, and arrive while this strip's tiles run (forward GPT-2 fc at 4096 rows,
+            // bf16: the conversion took 14 % of the time, waiting on its loads).
+            if (mb - i > MN__MR) {
+                pf = h + (size_t)MN__MR * g->a_rs;
+                pm = mb - i - MN__MR < MN__MR ? mb - i - MN__MR : MN__MR;
+            }
         } else if (!is16 && g->a_cs == 1) {  // rows of A are contiguous
             for (m = 0; m < MN__MR; m++) {
                 const float *row = src + (size_t)(m < mr ? m : mr - 1) * g->a_rs;
@@ -14137,17 +14190,22 @@ MN__PRIVATE void mn__gemm_rows(const mn__gemm *g, const float *bpack, size_t k0,
         for (p = 0; p < npanel; p++) {
             int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
             float *c = g->c + (m0 + (size_t)i) * g->ldc + j0 + (size_t)p * MN__NR;
+            for (m = p * pm / npanel; m < (p + 1) * pm / npanel; m++)
+                for (k = 0; k < kc; k += 32) __builtin_prefetch(pf + (size_t)m * g->a_rs + k, 0, 3);
+            const float *base = NULL;
+            if (g->init && k0 == 0)
+                base = g->bias ? g->bias + j0 + (size_t)p * MN__NR : mn__gemm_zeros;
             mn__gemm_tile(c, g->ldc, mr, jn, ap, ars, acs, bpack + (size_t)p * MN__KC * MN__NR,
-                          kc);
+                          kc, base);
         }
     }
 }
 
 // One task: rows [m0, m0+mb) x columns [j0, j0+jb) of c, all of k: for each MN__KC slice of k in
-// order, B's slice is packed once (on this thread's stack, MN__KC x MN__JB floats, 256 KiB) and
-// every row strip of the task runs against it.
-MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, int jb) {
-    float bpack[MN__KC * MN__JB];
+// order, B's slice is packed once into bpack (MN__KC x jb floats, this thread's own) and every row
+// strip of the task runs against it.
+MN__PRIVATE void mn__gemm_task(const mn__gemm *g, float *bpack, size_t m0, int mb, size_t j0,
+                               int jb) {
     size_t k0;
     int kc, p, npanel = (jb + MN__NR - 1) / MN__NR;
     for (k0 = 0; k0 < g->K; k0 += MN__KC) {
@@ -14155,6 +14213,13 @@ MN__PRIVATE void mn__gemm_task(const mn__gemm *g, size_t m0, int mb, size_t j0, 
         for (p = 0; p < npanel; p++) mn__gemm_pack_b(g, bpack, k0, kc, j0, jb, p);
         mn__gemm_rows(g, bpack, k0, kc, j0, jb, m0, mb);
     }
+}
+
+// c = bias (or 0) for an init product that adds nothing to it (K 0) or that CBLAS serves.
+MN__PRIVATE void mn__gemm_fill(const mn__gemm *g) {
+    size_t m, j;
+    for (m = 0; m < g->M; m++)
+        for (j = 0; j < g->NC; j++) g->c[m * g->ldc + j] = g->bias ? g->bias[j] : 0.0f;
 }
 
 #ifdef MEMANAT_CBLAS
@@ -14178,6 +14243,7 @@ MN__PRIVATE int mn__gemm_cblas(const mn__gemm *g) {
     if (lda < (ta == CblasNoTrans ? g->K : g->M) || ldb < (tb == CblasNoTrans ? g->NC : g->K) ||
         g->ldc < g->NC || lda == 0 || ldb == 0 || g->ldc == 0)
         return 0;
+    if (g->init) mn__gemm_fill(g);
     cblas_sgemm(CblasRowMajor, ta, tb, (int)g->M, (int)g->NC, (int)g->K, 1.0f,
                 (const float *)g->a, (int)lda, (const float *)g->b, (int)ldb, 1.0f, g->c,
                 (int)g->ldc);
@@ -14191,25 +14257,72 @@ MN__PRIVATE int mn__gemm_cblas(const mn__gemm *g) {
 // (up to MN__MB_MAX) on one thread; with more threads it halves, down to MN__MB, while there are
 // fewer than four tasks per thread (the dynamic schedule then absorbs a slow or busy core).
 // Block sizes change which thread computes an output, never the order of its sum over k.
-MN__PRIVATE void mn__gemm_run(const mn__gemm *g) {
-    size_t jt = (g->NC + MN__JB - 1) / MN__JB, mt, t, ntask;
-    int mb = MN__MB_MAX, threads = 1, par;
-    if (g->M == 0 || g->NC == 0 || g->K == 0) return;
+// Columns per task: MN__JB, or MN__JB_T when B is read across its rows (the forward product,
+// B = weight^T). Each A strip is read (a 16-bit one converted) once per task and k slice, so a
+// wider task reads A half as often; the forward measured 6 to 15 % faster at GPT-2 shapes with
+// 256 columns (fp32 and bf16, alternated runs), the two backward products no faster (the weight
+// gradient about 2 % slower), so they keep 128 and pack on the stack (256 KiB). The wider blocks
+// (512 KiB) come from MN_MALLOC, one per thread, once per call: MN_ERR_OUT_OF_MEMORY when that
+// fails, and the product is then not computed.
+#define MN__JB_T 256
+#ifdef _OPENMP
+#define MN__GEMM_FOR(team) \
+    MN__PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(team) if ((team) > 1))
+#else
+#define MN__GEMM_FOR(team)
+#endif
+MN__PRIVATE void mn__gemm_task_stack(const mn__gemm *g, size_t m0, int mb, size_t j0, int jb) {
+    float bpack[MN__KC * MN__JB];
+    mn__gemm_task(g, bpack, m0, mb, j0, jb);
+}
+
+MN__PRIVATE mn_result mn__gemm_run(const mn__gemm *g) {
+    float *heap = NULL, *packs = NULL;
+    size_t jt, mt, t, ntask, jbw = g->b_cs != 1 ? MN__JB_T : MN__JB, per;
+    int mb = MN__MB_MAX, threads = 1, team = 1;
+    if (g->M == 0 || g->NC == 0) return MN_OK;
+    if (g->K == 0) {
+        if (g->init) mn__gemm_fill(g);
+        return MN_OK;
+    }
 #ifdef MEMANAT_CBLAS
-    if (mn__gemm_cblas(g)) return;
+    if (mn__gemm_cblas(g)) return MN_OK;
 #endif
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    par = threads > 1 && 2.0 * (double)g->M * (double)g->NC * (double)g->K >= MN__OMP_MIN_FLOPS;
-    while (par && mb > MN__MB && ((g->M + (size_t)mb - 1) / (size_t)mb) * jt < 4 * (size_t)threads)
+    if (jbw > MN__JB && g->NC <= MN__JB) jbw = MN__JB;  // one narrow block: no wider one needed
+    jt = (g->NC + jbw - 1) / jbw;
+    if (threads > 1 && 2.0 * (double)g->M * (double)g->NC * (double)g->K >= MN__OMP_MIN_FLOPS)
+        team = threads;
+    while (team > 1 && mb > MN__MB &&
+           ((g->M + (size_t)mb - 1) / (size_t)mb) * jt < 4 * (size_t)team)
         mb /= 2;
     mt = (g->M + (size_t)mb - 1) / (size_t)mb, ntask = mt * jt;
-    MN__OMP_FOR_DYNAMIC_IF(par && ntask > 1)
-    for (t = 0; t < ntask; t++) {
-        size_t m0 = (t / jt) * (size_t)mb, j0 = (t % jt) * MN__JB;
-        mn__gemm_task(g, m0, mn__tile_len(g->M - m0, mb), j0, mn__tile_len(g->NC - j0, MN__JB));
+    if (ntask < (size_t)team) team = (int)ntask;
+    per = MN__KC * jbw;  // floats of one thread's packed block
+    if (jbw > MN__JB) {
+        // one block per thread, each starting on a 64-byte line (per is a multiple of 16 floats)
+        uint64_t bytes;
+        if (mn_mul_u64((uint64_t)team, (uint64_t)per * sizeof(float), &bytes) != MN_OK ||
+            mn_add_u64(bytes, 64, &bytes) != MN_OK || bytes > (uint64_t)SIZE_MAX)
+            return MN_ERR_OVERFLOW;
+        heap = (float *)MN_MALLOC((size_t)bytes);
+        if (!heap) return MN_ERR_OUT_OF_MEMORY;
+        packs = (float *)((char *)heap + (64 - (uintptr_t)heap % 64) % 64);
     }
+    MN__GEMM_FOR(team)
+    for (t = 0; t < ntask; t++) {
+        size_t m0 = (t / jt) * (size_t)mb, j0 = (t % jt) * jbw;
+        int me = 0, mlen = mn__tile_len(g->M - m0, mb), jlen = mn__tile_len(g->NC - j0, (int)jbw);
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        if (packs) mn__gemm_task(g, packs + (size_t)me * per, m0, mlen, j0, jlen);
+        else mn__gemm_task_stack(g, m0, mlen, j0, jlen);
+    }
+    MN_FREE(heap);
+    return MN_OK;
 }
 
 // The same tasks on the calling thread (for callers already inside a parallel loop).
@@ -14218,8 +14331,8 @@ MN__PRIVATE void mn__gemm_serial(const mn__gemm *g) {
     if (g->K == 0) return;
     for (m0 = 0; m0 < g->M; m0 += MN__MB_MAX)
         for (j0 = 0; j0 < g->NC; j0 += MN__JB)
-            mn__gemm_task(g, m0, mn__tile_len(g->M - m0, MN__MB_MAX), j0,
-                          mn__tile_len(g->NC - j0, MN__JB));
+            mn__gemm_task_stack(g, m0, mn__tile_len(g->M - m0, MN__MB_MAX), j0,
+                                mn__tile_len(g->NC - j0, MN__JB));
 }
 
 // c[M, NC] (row stride ldc) += A(m, k) B(k, j) with the strides of mn__gemm, on this thread.
@@ -14229,7 +14342,7 @@ MN__PRIVATE void mn__gemm_acc(float *c, size_t ldc, const float *a, size_t a_rs,
     mn__gemm g;
     g.c = c, g.ldc = ldc, g.a = a, g.a_rs = a_rs, g.a_cs = a_cs;
     g.b = b, g.b_rs = b_rs, g.b_cs = b_cs, g.M = M, g.NC = NC, g.K = K;
-    g.a_dt = g.b_dt = MN_FP32;
+    g.a_dt = g.b_dt = MN_FP32, g.init = 0, g.bias = NULL;
     mn__gemm_serial(&g);
 }
 
@@ -14301,22 +14414,17 @@ MNIMPL mn_result mn_matmul_forward_typed(float *out, float *pre_gelu, const void
     // then out = gelu(pre_gelu) (cuBLASLt CUBLASLT_EPILOGUE_GELU_AUX_BIAS semantics).
     float *y = pre_gelu ? pre_gelu : out;
     mn__gemm g;
+    mn_result r;
     size_t n;
     if (!out || !inp || !weight || !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) ||
         !mn__ops_fits(OC, C, 1) || !mn__matmul_dtype(dtype))
         return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
-    for (n = 0; n < N; n++) {
-        float *row = y + n * OC;
-        size_t o;
-        if (bias) for (o = 0; o < OC; o++) row[o] = bias[o];
-        else for (o = 0; o < OC; o++) row[o] = 0.0f;
-    }
-    g.c = y, g.ldc = OC;
+    g.c = y, g.ldc = OC, g.init = 1, g.bias = bias;  // y = bias + the product (no fill pass)
     g.a = inp, g.a_rs = C, g.a_cs = 1;        // A(n, c) = inp[n, c]
     g.b = weight, g.b_rs = 1, g.b_cs = C;     // B(c, o) = weight[o, c]
     g.M = N, g.NC = OC, g.K = C, g.a_dt = g.b_dt = dtype;
-    mn__gemm_run(&g);
+    r = mn__gemm_run(&g);
+    if (r != MN_OK) return r;
     if (pre_gelu) {
         MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
         for (n = 0; n < N; n++) {
@@ -14334,6 +14442,7 @@ MNIMPL mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *db
     // dpre = dout * gelu'(pre) (fused epilogue); dx[n,c] += sum_o dpre[n,o] w[o,c];
     // dw[o,c] += sum_n dpre[n,o] x[n,c]; db[o] += sum_n dpre[n,o] (llm.c matmul_backward).
     mn__gemm g;
+    mn_result r;
     size_t n;
     if (!dout || (dinp && !weight) || (dweight && !inp) || (pre_gelu && !dout) ||
         !mn__ops_fits(N, C, 1) || !mn__ops_fits(N, OC, 1) || !mn__ops_fits(OC, C, 1) ||
@@ -14350,15 +14459,17 @@ MNIMPL mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *db
         g.c = dinp, g.ldc = C;
         g.a = dout, g.a_rs = OC, g.a_cs = 1;      // A(n, o) = dpre[n, o]
         g.b = weight, g.b_rs = C, g.b_cs = 1;     // B(o, c) = weight[o, c]
-        g.M = N, g.NC = C, g.K = OC, g.a_dt = MN_FP32, g.b_dt = dtype;
-        mn__gemm_run(&g);
+        g.M = N, g.NC = C, g.K = OC, g.a_dt = MN_FP32, g.b_dt = dtype, g.init = 0, g.bias = NULL;
+        r = mn__gemm_run(&g);
+        if (r != MN_OK) return r;
     }
     if (dweight) {
         g.c = dweight, g.ldc = C;
         g.a = dout, g.a_rs = 1, g.a_cs = OC;      // A(o, n) = dpre[n, o]
         g.b = inp, g.b_rs = C, g.b_cs = 1;        // B(n, c) = inp[n, c]
-        g.M = OC, g.NC = C, g.K = N, g.a_dt = MN_FP32, g.b_dt = dtype;
-        mn__gemm_run(&g);
+        g.M = OC, g.NC = C, g.K = N, g.a_dt = MN_FP32, g.b_dt = dtype, g.init = 0, g.bias = NULL;
+        r = mn__gemm_run(&g);
+        if (r != MN_OK) return r;
     }
     if (dbias) {
         // columns in blocks of 64 per thread; each block sums the rows in order

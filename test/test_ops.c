@@ -394,6 +394,89 @@ static void test_matmul_16bit_values(void) {
     free(v), free(eye), free(out), free(want), free(eyef);
 }
 
+// ---- matmul forward: the output set, never read, in the wide-column blocks ------------------------
+// The forward writes out = bias + inp @ weight^T without reading out (the first 512-deep slice
+// stores, the later ones add) and packs the weight in 256-column blocks from the heap when OC is
+// past 128. Fresh random shapes with out filled with NaN first (a read would show), sizes off the
+// register tile, the 256-column block and the 512-deep slice, fp32 and both 16-bit forms: against
+// the double loop over the rounded values, and bit for bit against the input-gradient product
+// (dinp += dout @ weight, weight row-major: another packing path) started from the bias rows,
+// which is the fill-then-accumulate order the forward replaces. C = 0 gives the bias (or zeros)
+// exactly; a failed allocation returns MN_ERR_OUT_OF_MEMORY with out untouched.
+static void run_matmul_init(mn_dtype dt, int N, int C, int OC, int bias) {
+    size_t ni = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC, k;
+    float *x = mnt_fvec(ni), *w = mnt_fvec(nw), *b = mnt_fvec((size_t)OC), *wt = mnt_fvec(nw);
+    float *y = mnt_fvec(ny), *yb = mnt_fvec(ny), *pre = mnt_fvec(ny);
+    uint16_t *xh = (uint16_t *)malloc(ni * 2 + 2), *wh = (uint16_t *)malloc(nw * 2 + 2);
+    uint16_t *wth = (uint16_t *)malloc(nw * 2 + 2);
+    double *want = mnt_dvec(ny);
+    const void *xa = x, *wa = w, *wta = wt;
+    char what[112];
+    int n, o, i, same_kernel = 1;
+    CHECK(xh && wh && wth);
+    mnt_fill_normal(x, ni, 1.0), mnt_fill_normal(w, nw, 1.0), mnt_fill_normal(b, (size_t)OC, 1.0);
+    if (dt != MN_FP32) {  // the operands rounded to the 16-bit type, and read back
+        to16(dt, x, xh, ni), to16(dt, w, wh, nw);
+        from16(dt, xh, x, ni), from16(dt, wh, w, nw);
+        xa = xh, wa = wh, wta = wth;
+    }
+    for (o = 0; o < OC; o++)
+        for (i = 0; i < C; i++) wt[(size_t)i * OC + o] = w[(size_t)o * C + i];
+    if (dt != MN_FP32) to16(dt, wt, wth, nw);
+    snprintf(what, sizeof what, "matmul forward %s N=%d C=%d OC=%d bias=%d", mn_dtype_name(dt), N,
+             C, OC, bias);
+    for (k = 0; k < ny; k++) y[k] = pre[k] = NAN;
+    CHECK_OK(mn_matmul_forward_typed(y, NULL, xa, wa, bias ? b : NULL, N, C, OC, dt));
+    ref_mm_plain(x, w, bias ? b : NULL, want, N, C, OC);
+    if (C == 0) {
+        for (k = 0; k < ny && y[k] == (bias ? b[k % (size_t)OC] : 0.0f); k++) {}
+        CHECK_MSG(k == ny, "%s: out[%zu] = %g, not the bias", what, k, k < ny ? y[k] : 0.0);
+    } else {
+        CHECK_CLOSE_SCALED(what, y, want, ny, TOL_FWD);
+    }
+    // the GELU epilogue: pre_gelu is the same product, out its GELU
+    CHECK_OK(mn_matmul_forward_typed(yb, pre, xa, wa, bias ? b : NULL, N, C, OC, dt));
+    EXPECT_SAME("forward pre_gelu vs plain", pre, y, ny);
+    for (k = 0; k < ny; k++) want[k] = gelu_tanh_d(pre[k]);
+    CHECK_CLOSE_SCALED(what, yb, want, ny, TOL_FWD);
+#ifdef MEMANAT_CBLAS
+    same_kernel = dt != MN_FP32;  // the fp32 products are the CBLAS's there
+#endif
+    if (same_kernel) {
+        for (n = 0; n < N; n++)
+            for (o = 0; o < OC; o++) yb[(size_t)n * OC + o] = bias ? b[o] : 0.0f;
+        // dinp[N, OC] += dout[N, C] @ weight[C, OC]: dout = x (fp32), weight = w^T
+        CHECK_OK(mn_matmul_backward_typed(yb, NULL, NULL, x, NULL, wta, NULL, N, OC, C, dt));
+        EXPECT_SAME("forward vs bias rows + the input-gradient product", y, yb, ny);
+    }
+    if (OC > 128 && N > 0) {  // the wide blocks come from the heap: a failure is reported
+        for (k = 0; k < ny; k++) y[k] = NAN;
+        mnt_fail_alloc_after(1);
+        // (no depth, or a CBLAS serving fp32: nothing to pack, nothing allocated)
+        CHECK_ERR(mn_matmul_forward_typed(y, NULL, xa, wa, bias ? b : NULL, N, C, OC, dt),
+                  C == 0 || !same_kernel ? MN_OK : MN_ERR_OUT_OF_MEMORY);
+        mnt_fail_alloc_after(0);
+        for (k = 0; k < ny && (C == 0 || !same_kernel || isnan(y[k])); k++) {}
+        CHECK_MSG(k == ny, "%s: out[%zu] written by a call that failed", what, k);
+    }
+    free(x), free(w), free(b), free(wt), free(y), free(yb), free(pre), free(xh), free(wh);
+    free(wth), free(want);
+}
+
+static void test_matmul_forward_init(void) {
+    static const mn_dtype dts[3] = {MN_FP32, MN_BF16, MN_FP16};
+    int d, r;
+    for (d = 0; d < 3; d++) {
+        run_matmul_init(dts[d], 9, 0, 300, 1);  // no depth: out = bias, exactly
+        run_matmul_init(dts[d], 3, 0, 40, 0);
+        run_matmul_init(dts[d], 70, 600, 531, (int)(mnt_rand_u64() & 1));  // two slices, 3 blocks
+        for (r = 0; r < 3; r++)  // fresh sizes: rows 1..80, depth 1..700, columns 1..700
+            run_matmul_init(dts[d], 1 + (int)(mnt_rand_u64() % 80),
+                            1 + (int)(mnt_rand_u64() % 700), 1 + (int)(mnt_rand_u64() % 700),
+                            (int)(mnt_rand_u64() & 1));
+    }
+}
+
 // ---- layernorm, RMSNorm -------------------------------------------------------------------------
 
 typedef struct ln_ctx {
@@ -1183,6 +1266,7 @@ const mnt_case test_ops_cases[] = {
     {"matmul_odd_shapes", test_matmul_odd_shapes},
     {"matmul_16bit", test_matmul_16bit},
     {"matmul_16bit_values", test_matmul_16bit_values},
+    {"matmul_forward_init", test_matmul_forward_init},
     {"layernorm", test_layernorm},
     {"rmsnorm", test_rmsnorm},
     {"softmax", test_softmax},
