@@ -8120,17 +8120,9 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
     return s;
 }
 
-MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
-    mn_fit_result *out = F->out;
-    mn_estimate_result cur, next;
-    mn_setup base, s, t;
-    mn_result err = MN_OK;
-    uint64_t cap_seq;
-    uint8_t steps[32];
-    uint32_t n = 0, i, k;
-    int bf16, progress = 1;
-    out->plan_slowdown = 1.0;
-    err = mn__fit_run(F, setup, &cur);
+// The estimate of the setup as given, with the allocator replay.
+MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estimate_result *cur) {
+    mn_result err = mn__fit_run(F, setup, cur);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay
@@ -8139,9 +8131,35 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
         // replayed one (it replays only setups whose allocated peak fits).
         mn_estimate_result q;
         if (mn__quick_estimate(F, setup, &q) == MN_OK && !q.fits) {
-            cur = q, err = MN_OK;
-            cur.setup.no_replay = setup->no_replay;  // the search replays what it asks after
+            *cur = q, err = MN_OK;
+            cur->setup.no_replay = setup->no_replay;  // the search replays what it asks after
         }
+    }
+    return err;
+}
+
+MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
+    mn_fit_result *out = F->out;
+    mn_estimate_result cur, next;
+    mn_setup base, s, t;
+    mn_result err = MN_OK;
+    uint64_t cap_seq;
+    uint8_t steps[32];
+    uint32_t n = 0, i, k;
+    int bf16, progress = 1, given = 0;
+    out->plan_slowdown = 1.0;
+    // The setup as given. Its step alone comes first: when its allocated peak does not fit, its
+    // replay (the costliest part of an estimate) cannot fit either and changes no decision below,
+    // so it is run only at the end, and only if this setup's estimate is then the answer.
+    // Deferred only where that replay could not fail either: no allocator config to parse, no
+    // tensor of 1 EiB or more (mn__replay refuses one; the peak holds every tensor).
+    if (!setup->no_replay && !setup->alloc_conf) {
+        (void)mn__fits(F, setup, &cur, &err);
+        given = err == MN_OK && !cur.fits && cur.peak_allocated < (1ull << 60);
+        if (given) cur.setup.no_replay = 0;  // cur is the step alone; the search replays
+        else if (err == MN_OK && !cur.fits) err = mn__fit_given(F, setup, &cur);
+    } else {
+        err = mn__fit_given(F, setup, &cur);
     }
     if (err != MN_OK) return err;
     out->estimates_run = 1;
@@ -8173,7 +8191,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
                 if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
                 if ((err = mn__quick_estimate(F, &t, &qn)) != MN_OK) return err;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
-                steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1;
+                steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
                 mn__fits(F, &s, &cur, &err);
                 if (err != MN_OK) return err;
             }
@@ -8209,6 +8227,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
         out->plan_slowdown *= mn__techs[steps[i]].factor;
         next = after;
     }
+    if (given && (err = mn__fit_given(F, setup, &cur)) != MN_OK) return err;
     out->plan_found = cur.fits;
     out->plan_setup = s;
     out->plan_setup.logger.log_fn = NULL, out->plan_setup.logger.user_data = NULL;
