@@ -521,7 +521,7 @@ static void test_fit_brute_force(void) {
 }
 
 // A fit whose setup as given does not fit replays that setup only if its estimate is the answer
-// (no technique helped). On random small models with a budget below the setup's need, half with
+// (no technique helped), and reuses the replay of equal allocation events. On random small models with a budget below the setup's need, half with
 // every technique already applied (inference, 4-bit weights, fused attention): the fit's estimate
 // equals a fresh estimate of its setup, field by field, and its largest batch and longest
 // sequence are 0 exactly when the setup's batch 1 (sequence 1) does not fit by itself.
@@ -539,6 +539,9 @@ static void test_fit_given_deferred(void) {
         if (mnt_rand_u64() % 2 && m.arch != MN_ARCH_STACK) {
             s.infer = 1, s.prompt = s.seq, s.new_tokens = 1 + mnt_rand_u64() % 8;
             s.attention = MN_ATTN_SDPA, s.quant = MN_QUANT_NF4_DQ;
+        } else if (mnt_rand_u64() % 2) {  // states on the host: setups the device cannot tell
+            s.framework = MN_FW_DEEPSPEED, s.zero_stage = 3, s.offload = MN_OFFLOAD_ALL;
+            s.optim = (mn_optim)(mnt_rand_u64() % 3);  // apart (the fit reuses their replays)
         }
         s.context = 1 << 20, s.capacity = 1ull << 40;
         if (mn_estimate(&m, &s, &r) != MN_OK) continue;  // (a setup this model cannot take)
