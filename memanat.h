@@ -4440,9 +4440,12 @@ typedef struct mn__cfg {
     uint32_t sm;           // the GPU's compute capability x 10 (SDPA backend choice)
 } mn__cfg;
 
+struct mn__replay_memo;
+
 typedef struct mn__sim {
     const mn_allocator *al;
     mn__cfg *c;
+    struct mn__replay_memo *rmemo;  // earlier replays to reuse (mn_fit's), or NULL
     // growing arrays: n* elements in use, c* allocated
     mn__tensor *tensors;     // nt, ct; a tensor id indexes it
     uint32_t *free_ids;      // ids free for reuse (reuse on): nfree, cfree
@@ -7142,6 +7145,74 @@ MN__PRIVATE void mn__replay_log(void *user_data, mn_log_level level, const char 
     if (level == MN_LOG_ERROR) mn__log(lg, level, "%s", msg);
 }
 
+// A fit's setups often differ only where the device never sees it (the optimizer of offloaded
+// states, a technique that changes no buffer): their allocation events are then the same, and so
+// is every statistic of their replay, which depends on the events, the device size, the
+// allocator config and the allocator alone. mn_fit keeps the last few successful replays with
+// their events and reuses one whose inputs are all equal.
+#define MN__REPLAY_MEMO 4
+
+typedef struct mn__replay_memo_entry {
+    mn_trace_event *ev;  // a copy of the events replayed (nev)
+    uint64_t nev, capacity;
+    const char *alloc_conf;
+    mn_cache_statistics st;
+} mn__replay_memo_entry;
+
+typedef struct mn__replay_memo {
+    mn__replay_memo_entry e[MN__REPLAY_MEMO];
+    uint32_t n, next;  // entries in use; the entry replaced next
+} mn__replay_memo;
+
+MN__PRIVATE void mn__replay_memo_free(mn__replay_memo *M) {
+    uint32_t i;
+    for (i = 0; i < M->n; i++) mn__free(NULL, M->e[i].ev);
+    memset(M, 0, sizeof *M);
+}
+
+// The entry replayed from the same inputs, or NULL.
+MN__PRIVATE const mn__replay_memo_entry *mn__replay_memo_find(const mn__sim *S,
+                                                              uint64_t capacity) {
+    const mn__replay_memo *M = S->rmemo;
+    const char *conf = S->c->s.alloc_conf;
+    uint32_t i;
+    uint64_t j;
+    if (S->al) return NULL;  // (a caller's allocator: not kept)
+    for (i = 0; i < M->n; i++) {
+        const mn__replay_memo_entry *e = &M->e[i];
+        if (e->nev != S->nev || e->capacity != capacity) continue;
+        if ((e->alloc_conf == NULL) != (conf == NULL) || (conf && strcmp(e->alloc_conf, conf)))
+            continue;
+        for (j = 0; j < S->nev; j++) {
+            const mn_trace_event *a = &e->ev[j], *b = &S->ev[j];
+            if (a->size != b->size || a->id != b->id || a->stream != b->stream ||
+                a->alloc != b->alloc || a->category != b->category || a->phase != b->phase)
+                break;
+        }
+        if (j == S->nev) return e;
+    }
+    return NULL;
+}
+
+// Keeps a successful replay (nothing when there is no room for its events).
+MN__PRIVATE void mn__replay_memo_add(mn__sim *S, uint64_t capacity,
+                                     const mn_cache_statistics *st) {
+    mn__replay_memo *M = S->rmemo;
+    mn__replay_memo_entry *e;
+    size_t bytes = (size_t)S->nev * sizeof *S->ev;  // (the size of S->ev in use: no overflow)
+    mn_trace_event *copy;
+    if (S->al) return;
+    copy = (mn_trace_event *)mn__alloc(NULL, bytes ? bytes : 1);
+    if (!copy) return;
+    if (bytes) memcpy(copy, S->ev, bytes);
+    e = &M->e[M->next];
+    if (M->n < MN__REPLAY_MEMO) M->n++;
+    else mn__free(NULL, e->ev);
+    M->next = (M->next + 1) % MN__REPLAY_MEMO;
+    e->ev = copy, e->nev = S->nev, e->capacity = capacity;
+    e->alloc_conf = S->c->s.alloc_conf, e->st = *st;
+}
+
 // Replays the events through the caching allocator on a simulated device. capacity 0 = unlimited.
 static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *st) {
     mn_sim_cache sc;
@@ -7149,6 +7220,13 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *
     mn_cache_desc cd;
     mn_replay_counts n;
     mn_result r;
+    if (S->rmemo) {
+        const mn__replay_memo_entry *e = mn__replay_memo_find(S, capacity);
+        if (e) {
+            *st = e->st;
+            return MN_OK;
+        }
+    }
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
     dd.capacity = capacity;
@@ -7170,6 +7248,7 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *
                 (unsigned long long)big);
         r = MN_ERR_OVERFLOW;
     }
+    if (r == MN_OK && S->rmemo) mn__replay_memo_add(S, capacity, st);
     return r;
 }
 
@@ -7179,7 +7258,7 @@ MN__PRIVATE void mn__sim_reset(mn__sim *S) {
     mn__sim k = *S;
     mn__free(S->al, S->block_start);
     memset(S, 0, sizeof *S);
-    S->al = k.al;
+    S->al = k.al, S->rmemo = k.rmemo;
     S->tensors = k.tensors, S->ct = k.ct, S->ops = k.ops, S->cops = k.cops;
     S->free_ids = k.free_ids, S->cfree = k.cfree, S->hist = k.hist, S->ch = k.ch;
     S->params = k.params, S->cp = k.cp, S->ev = k.ev, S->cev = k.cev;
@@ -7902,6 +7981,7 @@ typedef struct mn__fit {
     mn__sim S;                        // the arrays every estimate of the fit reuses
     mn__fit_memo memo[MN__FIT_MEMO];
     uint32_t nmemo, next;             // entries in use; the entry replaced next
+    mn__replay_memo rmemo;            // the last replays (mn__replay)
 } mn__fit;
 
 // One estimate run in the fit's simulation.
@@ -8124,17 +8204,9 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
     return s;
 }
 
-MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
-    mn_fit_result *out = F->out;
-    mn_estimate_result cur, next;
-    mn_setup base, s, t;
-    mn_result err = MN_OK;
-    uint64_t cap_seq;
-    uint8_t steps[32];
-    uint32_t n = 0, i, k;
-    int bf16, progress = 1;
-    out->plan_slowdown = 1.0;
-    err = mn__fit_run(F, setup, &cur);
+// The estimate of the setup as given, with the allocator replay.
+MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estimate_result *cur) {
+    mn_result err = mn__fit_run(F, setup, cur);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay
@@ -8143,9 +8215,35 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
         // replayed one (it replays only setups whose allocated peak fits).
         mn_estimate_result q;
         if (mn__quick_estimate(F, setup, &q) == MN_OK && !q.fits) {
-            cur = q, err = MN_OK;
-            cur.setup.no_replay = setup->no_replay;  // the search replays what it asks after
+            *cur = q, err = MN_OK;
+            cur->setup.no_replay = setup->no_replay;  // the search replays what it asks after
         }
+    }
+    return err;
+}
+
+MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
+    mn_fit_result *out = F->out;
+    mn_estimate_result cur, next;
+    mn_setup base, s, t;
+    mn_result err = MN_OK;
+    uint64_t cap_seq;
+    uint8_t steps[32];
+    uint32_t n = 0, i, k;
+    int bf16, progress = 1, given = 0;
+    out->plan_slowdown = 1.0;
+    // The setup as given. Its step alone comes first: when its allocated peak does not fit, its
+    // replay (the costliest part of an estimate) cannot fit either and changes no decision below,
+    // so it is run only at the end, and only if this setup's estimate is then the answer.
+    // Deferred only where that replay could not fail either: no allocator config to parse, no
+    // tensor of 1 EiB or more (mn__replay refuses one; the peak holds every tensor).
+    if (!setup->no_replay && !setup->alloc_conf) {
+        (void)mn__fits(F, setup, &cur, &err);
+        given = err == MN_OK && !cur.fits && cur.peak_allocated < (1ull << 60);
+        if (given) cur.setup.no_replay = 0;  // cur is the step alone; the search replays
+        else if (err == MN_OK && !cur.fits) err = mn__fit_given(F, setup, &cur);
+    } else {
+        err = mn__fit_given(F, setup, &cur);
     }
     if (err != MN_OK) return err;
     out->estimates_run = 1;
@@ -8177,7 +8275,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
                 if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
                 if ((err = mn__quick_estimate(F, &t, &qn)) != MN_OK) return err;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
-                steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1;
+                steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
                 mn__fits(F, &s, &cur, &err);
                 if (err != MN_OK) return err;
             }
@@ -8213,6 +8311,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
         out->plan_slowdown *= mn__techs[steps[i]].factor;
         next = after;
     }
+    if (given && (err = mn__fit_given(F, setup, &cur)) != MN_OK) return err;
     out->plan_found = cur.fits;
     out->plan_setup = s;
     out->plan_setup.logger.log_fn = NULL, out->plan_setup.logger.user_data = NULL;
@@ -8229,8 +8328,10 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     if (!F) return MN_ERR_OUT_OF_MEMORY;
     memset(F, 0, sizeof *F);
     F->m = model, F->out = out;
+    F->S.rmemo = &F->rmemo;
     r = mn__fit_in(F, setup);
     mn__sim_free(&F->S);
+    mn__replay_memo_free(&F->rmemo);
     mn__free(NULL, F);
     return r;
 }

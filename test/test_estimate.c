@@ -520,6 +520,53 @@ static void test_fit_brute_force(void) {
     }
 }
 
+// A fit whose setup as given does not fit replays that setup only if its estimate is the answer
+// (no technique helped), and reuses the replay of equal allocation events. On random small models with a budget below the setup's need, half with
+// every technique already applied (inference, 4-bit weights, fused attention): the fit's estimate
+// equals a fresh estimate of its setup, field by field, and its largest batch and longest
+// sequence are 0 exactly when the setup's batch 1 (sequence 1) does not fit by itself.
+static void test_fit_given_deferred(void) {
+    int it, deferred = 0;
+    for (it = 0; it < 16; it++) {
+        mn_layer L[10];
+        mn_model m = fit_random_model(L, 10);
+        mn_setup s = setup0();
+        mn_estimate_result r, fresh;
+        mn_fit_result f;
+        int k;
+        s.batch = 1 + mnt_rand_u64() % 8, s.seq = 8 + mnt_rand_u64() % 120;
+        s.precision = (mn_precision)(mnt_rand_u64() % 3);
+        if (mnt_rand_u64() % 2 && m.arch != MN_ARCH_STACK) {
+            s.infer = 1, s.prompt = s.seq, s.new_tokens = 1 + mnt_rand_u64() % 8;
+            s.attention = MN_ATTN_SDPA, s.quant = MN_QUANT_NF4_DQ;
+        } else if (mnt_rand_u64() % 2) {  // states on the host: setups the device cannot tell
+            s.framework = MN_FW_DEEPSPEED, s.zero_stage = 3, s.offload = MN_OFFLOAD_ALL;
+            s.optim = (mn_optim)(mnt_rand_u64() % 3);  // apart (the fit reuses their replays)
+        }
+        s.context = 1 << 20, s.capacity = 1ull << 40;
+        if (mn_estimate(&m, &s, &r) != MN_OK) continue;  // (a setup this model cannot take)
+        s.capacity = s.context + r.peak_allocated * (mnt_rand_u64() % 100) / 100;
+        CHECK_OK(mn_estimate(&m, &s, &r));
+        CHECK(!r.fits);
+        CHECK_OK(mn_fit(&m, &s, &f));
+        if (!f.plan_found && f.plan_len > 0) continue;  // (then the estimate is the step alone)
+        deferred += f.plan_len == 0;
+        CHECK_OK(mn_estimate(&m, &f.plan_setup, &fresh));
+        CHECK_EQ_U64(f.plan_estimate.peak_allocated, fresh.peak_allocated);
+        CHECK_EQ_U64(f.plan_estimate.peak_requested, fresh.peak_requested);
+        CHECK_EQ_U64(f.plan_estimate.peak_reserved, fresh.peak_reserved);
+        CHECK_EQ_U64(f.plan_estimate.device_used, fresh.device_used);
+        CHECK_EQ_U64(f.plan_estimate.alloc_events, fresh.alloc_events);
+        CHECK_EQ_INT(f.plan_estimate.fits, fresh.fits);
+        CHECK_EQ_INT(f.plan_estimate.setup.no_replay, 0);
+        for (k = 0; k < MN_CAT_COUNT; k++)
+            CHECK_EQ_U64(f.plan_estimate.at_peak[k], fresh.at_peak[k]);
+        CHECK_EQ_INT(f.max_batch == 0, !fit_check(&m, &s, 0, 1));
+        if (!s.infer) CHECK_EQ_INT(f.max_seq == 0, !fit_check(&m, &s, 1, 1));
+    }
+    CHECK_MSG(deferred > 0, "no fit kept the setup as given");
+}
+
 // Bad input returns an error code and one log line; huge models report instead of wrapping.
 static void test_bad_input(void) {
     mn_model m = preset("gpt2"), b;
@@ -1011,6 +1058,7 @@ const mnt_case test_estimate_cases[] = {
     {"zero_monotonic", test_zero_monotonic},
     {"fit", test_fit},
     {"fit_brute_force", test_fit_brute_force},
+    {"fit_given_deferred", test_fit_given_deferred},
     {"bad_input", test_bad_input},
     {"setup_bounds", test_setup_bounds},
     {"random_setups", test_random_setups},
