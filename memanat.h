@@ -26,7 +26,9 @@
 //                          cblas.h on the include path and link the library (e.g. -lopenblas). Results
 //                          then follow that library (its threads, its order of summation).
 //                          Nothing else uses it; without it the header needs no BLAS.
-// Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops.
+// Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops and
+// the element-wise optimizer steps (these time themselves and keep one thread while a team is not
+// faster, as on cores that other processes keep busy: mn_team_tune).
 //
 // QUICK START
 //   mn_model model;  mn_setup setup = {0};  mn_estimate_result r;
@@ -2042,16 +2044,19 @@ MNDEF mn_result mn_lion_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_
 // The thread count of an element-wise step (SGD, AdamW, 8-bit AdamW) in an OpenMP build. A team
 // is not faster than one thread while other processes keep the cores busy (a member that loses its
 // core holds the step up until it runs again), and only the step's own time shows that: each step
-// is timed, with one thread or with its team, and the lower median of the last five times of
-// each picks the next step's count; every 16th step takes the other one, to see if it has become
-// the faster. Set to zero by the init call; the caller never needs to touch it.
+// is timed, with one thread or with its team, and the count whose last five times have the lower
+// median runs the next step. The team's times show at once when it gets slower; while one
+// thread is the faster, every 16th step takes the team to see if it has become the faster again
+// (and every 256th step one thread, while the team is). Set to zero by the init call; the caller
+// never needs to touch it.
 #define MN_TEAM_TUNE_KEEP 5
 typedef struct mn_team_tune {
     double sec[2][MN_TEAM_TUNE_KEEP];  // the last step times, seconds: [0] one thread, [1] the
                                        // team; 0 = no time yet
     uint32_t next[2];                  // where the next time of each goes (a ring)
     int team;                          // the team size that sec[1] was timed with
-    uint32_t since;                    // steps since the count not taken last ran
+    int best;                          // the count that was the faster at the last step
+    uint32_t since;                    // steps since then, or since the other count last ran
 } mn_team_tune;
 
 // ---- SGD (torch.optim.SGD) ----------------------------------------------------------------------
@@ -12505,7 +12510,8 @@ MN__PRIVATE double mn__tune_clock(void) { return 0.0; }
 // then the step's seconds noted against the count it ran with. A new team size is timed afresh.
 // Medians, not means: one step that a busy core or the first touch of the memory made slow
 // (with either count) does not decide alone.
-#define MN__TUNE_PROBE 16u  // every this many steps, the count not taken runs once
+#define MN__TUNE_PROBE_TEAM 16u  // with one thread the faster, the team runs every 16th step
+#define MN__TUNE_PROBE_ONE 256u  // with the team the faster, one thread every 256th step
 // Median of the times kept in v[0..MN_TEAM_TUNE_KEEP) (the lower one of an even count); 0 when
 // none is kept.
 MN__PRIVATE double mn__tune_median(const double *v) {
@@ -12530,7 +12536,8 @@ MN__PRIVATE int mn__tune_pick(mn_team_tune *t, int team) {
     if (m1 == 0.0) return team;
     if (m0 == 0.0) return 1;
     best = m1 < m0 ? team : 1;
-    if (++t->since < MN__TUNE_PROBE) return best;
+    if (best != t->best) t->best = best, t->since = 0;
+    if (++t->since < (best == 1 ? MN__TUNE_PROBE_TEAM : MN__TUNE_PROBE_ONE)) return best;
     t->since = 0;
     return best == 1 ? team : 1;
 }

@@ -65,10 +65,11 @@ void test_optim_divc_bits(void) {
 }
 
 // The thread count of the optimizer steps (mn_team_tune), on made-up step times: the median of the
-// kept times against a sort of them; the count with the lower median taken, the other one every
-// 16th step; one slow step (either count) not flipping the choice; the team taken again once its
-// times drop below one thread's; a new team size timed afresh; one thread when the work gives no
-// team.
+// kept times against a sort of them; the count with the lower median taken, the team every 16th
+// step while one thread is the faster, one thread every 256th while the team is; one slow step
+// (either count) not flipping the choice; the team taken again once its times drop below one
+// thread's, and left once they rise above; a new team size timed afresh; one thread when the
+// work gives no team.
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
@@ -114,8 +115,10 @@ void test_optim_team_tune(void) {
     took = tune_steps(&t, 16 * MN_TEAM_TUNE_KEEP, 0.002, 0.004);  // the team became faster
     CHECK_MSG(took >= 16 * MN_TEAM_TUNE_KEEP - 3 * 16 - MN_TEAM_TUNE_KEEP,
               "team taken %d of %d steps after it became faster", took, 16 * MN_TEAM_TUNE_KEEP);
-    took = tune_steps(&t, 64, 0.002, 0.004);  // and kept: one thread every 16th step
-    CHECK_EQ_INT(took, 64 - 64 / 16);
+    took = tune_steps(&t, 512, 0.002, 0.004);  // and kept: one thread every 256th step
+    CHECK_EQ_INT(took, 512 - 512 / 256);
+    took = tune_steps(&t, 16, 0.008, 0.004);  // the team slowed down: left after three steps
+    CHECK_EQ_INT(took, 3);
     CHECK_EQ_INT(mn__tune_pick(&t, 4), 4);  // a new team size: timed afresh
     CHECK_EQ_INT(t.team, 4);
     CHECK(mn__tune_median(t.sec[1]) == 0.0);
