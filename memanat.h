@@ -26,7 +26,9 @@
 //                          cblas.h on the include path and link the library (e.g. -lopenblas). Results
 //                          then follow that library (its threads, its order of summation).
 //                          Nothing else uses it; without it the header needs no BLAS.
-// Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops.
+// Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops and
+// the element-wise optimizer steps (these time themselves and keep one thread while a team is not
+// faster, as on cores that other processes keep busy: mn_team_tune).
 //
 // QUICK START
 //   mn_model model;  mn_setup setup = {0};  mn_estimate_result r;
@@ -2039,6 +2041,24 @@ MNDEF mn_result mn_adafactor_state_bytes(const uint64_t *dims, uint32_t ndim, in
                                          uint64_t *out);
 MNDEF mn_result mn_lion_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out);
 
+// The thread count of an element-wise step (SGD, AdamW, 8-bit AdamW) in an OpenMP build. A team
+// is not faster than one thread while other processes keep the cores busy (a member that loses its
+// core holds the step up until it runs again), and only the step's own time shows that: each step
+// is timed, with one thread or with its team, and the count whose last five times have the lower
+// median runs the next step. The team's times show at once when it gets slower; while one
+// thread is the faster, every 16th step takes the team to see if it has become the faster again
+// (and every 256th step one thread, while the team is). Set to zero by the init call; the caller
+// never needs to touch it.
+#define MN_TEAM_TUNE_KEEP 5
+typedef struct mn_team_tune {
+    double sec[2][MN_TEAM_TUNE_KEEP];  // the last step times, seconds: [0] one thread, [1] the
+                                       // team; 0 = no time yet
+    uint32_t next[2];                  // where the next time of each goes (a ring)
+    int team;                          // the team size that sec[1] was timed with
+    int best;                          // the count that was the faster at the last step
+    uint32_t since;                    // steps since then, or since the other count last ran
+} mn_team_tune;
+
 // ---- SGD (torch.optim.SGD) ----------------------------------------------------------------------
 typedef struct mn_sgd_params {
     float lr;             // 0 = 1e-3 [z]
@@ -2057,6 +2077,7 @@ typedef struct mn_sgd {
     float *momentum_buffer;   // [n], NULL without momentum
     uint64_t state_bytes;     // == mn_sgd_state_bytes(dims, ndim, momentum != 0)
     mn_allocator alloc;
+    mn_team_tune tune;        // thread count of the step
 } mn_sgd;
 
 MNDEF mn_result mn_sgd_init(mn_sgd *s, const uint64_t *dims, uint32_t ndim, const mn_sgd_params *p,
@@ -2084,6 +2105,7 @@ typedef struct mn_adamw {
     float *max_exp_avg_sq;    // [n] amsgrad only, else NULL
     uint64_t state_bytes;     // == mn_optim_state_bytes({ADAMW, .amsgrad}, dims, ndim)
     mn_allocator alloc;
+    mn_team_tune tune;        // thread count of the step
 } mn_adamw;
 
 MNDEF mn_result mn_adamw_init(mn_adamw *s, const uint64_t *dims, uint32_t ndim,
@@ -2114,6 +2136,7 @@ typedef struct mn_adamw8bit {
     float *exp_avg, *exp_avg_sq; // [n] fp32 m and v of a small tensor (quantized == 0)
     uint64_t state_bytes;        // == mn_adamw8bit_state_bytes(dims, ndim, block, min_8bit)
     mn_allocator alloc;
+    mn_team_tune tune;           // thread count of the step
 } mn_adamw8bit;
 
 MNDEF mn_result mn_adamw8bit_init(mn_adamw8bit *s, const uint64_t *dims, uint32_t ndim,
@@ -12436,37 +12459,107 @@ MN__PRIVATE mn_result mn__opt_dtype(mn_dtype *dt) {
 // One zero-filled block of `bytes` for a state; NULL when bytes is 0.
 // OpenMP, when the build has it, for the element-wise optimizer steps and the ops: each thread
 // owns a disjoint range of elements, so results do not depend on the thread count.
+//
+// A team sized to the work: one thread per `per` units of work, at most the OpenMP maximum, one
+// (no team) below 2 * per. Its members claim the iterations in order, a run of about
+// MN__OMP_CLAIM elements at a time, as they come for them (schedule(dynamic)): a member whose
+// core is busy with another process, or that starts late, takes fewer runs and the others take
+// the rest, where a fixed split (schedule(static)) would have the loop wait for its whole share.
+// The end of the loop still waits for every member to arrive, so a member preempted in the
+// middle of a run holds the loop up until it runs again (a scheduler time slice, milliseconds);
+// nothing in a call shows that beforehand. The optimizer steps, whose state the caller keeps,
+// time their steps and leave the team when it is not the faster (mn_team_tune); the stateless
+// ops keep the team that their size gives.
+//   MN__OMP_FOR_WORK(work, per, iters)
+//   for (i = 0; i < iters; i++) body;      (one `for` over iters iterations, as `omp for`)
 #define MN__PRAGMA(x) _Pragma(#x)
 #ifdef _OPENMP
 #include <omp.h>
-#define MN__OMP_FOR_DYNAMIC_IF(cond) MN__PRAGMA(omp parallel for schedule(dynamic, 1) if (cond))
-// A team sized to the work: one thread per `per` units of work, at most the OpenMP maximum, one
-// (no team) below 2 * per. OpenMP threads wait actively by default: a team member whose core is
-// busy with another process holds the whole loop up, so small loops stay on the calling thread.
-#define MN__OMP_FOR_WORK(work, per) \
-    MN__PRAGMA(omp parallel for schedule(static) num_threads(mn__omp_team((work), (per))) \
-               if (mn__omp_team((work), (per)) > 1))
+// Elements per claim: tens of microseconds of a memory-bound loop (16384 elements measured 7 to
+// 19 % slower than a fixed split on two idle cores, 65536 as fast).
+#define MN__OMP_CLAIM 65536
 MN__PRIVATE int mn__omp_team(uint64_t work, uint64_t per) {
     int max = omp_get_max_threads();
     uint64_t t = work / per;
     return t < 1 ? 1 : t < (uint64_t)max ? (int)t : max;
 }
-// The same team, handing out the iterations one at a time as threads come for them: a member
-// whose core is busy elsewhere takes fewer (each iteration should be a run of some 10^4 elements).
-#define MN__OMP_FOR_WORK_DYN(work, per) \
-    MN__PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(mn__omp_team((work), (per))) \
-               if (mn__omp_team((work), (per)) > 1))
+// Iterations per claim for a loop of `iters` iterations doing `work` elements in all (at least 1).
+MN__PRIVATE int mn__omp_chunk(uint64_t work, uint64_t iters) {
+    uint64_t c = iters / (work / MN__OMP_CLAIM + 1);
+    return c < 1 ? 1 : c > (uint64_t)INT_MAX ? INT_MAX : (int)c;
+}
+#define MN__OMP_FOR_WORK(work, per, iters)                                                    \
+    MN__PRAGMA(omp parallel for schedule(dynamic, mn__omp_chunk((work), (iters)))              \
+               num_threads(mn__omp_team((work), (per))) if (mn__omp_team((work), (per)) > 1))
+// The same loop with a team of `team` threads chosen by the caller (mn__tune_begin).
+#define MN__OMP_FOR_TEAM(team, work, iters)                                                   \
+    MN__PRAGMA(omp parallel for schedule(dynamic, mn__omp_chunk((work), (iters)))              \
+               num_threads(team) if ((team) > 1))
+MN__PRIVATE double mn__tune_clock(void) { return omp_get_wtime(); }
 #else
-#define MN__OMP_FOR_WORK(work, per)
-#define MN__OMP_FOR_WORK_DYN(work, per)
-#define MN__OMP_FOR_DYNAMIC_IF(cond)
+#define MN__OMP_FOR_WORK(work, per, iters)
+#define MN__OMP_FOR_TEAM(team, work, iters)
+MN__PRIVATE int mn__omp_team(uint64_t work, uint64_t per) {
+    (void)work, (void)per;
+    return 1;
+}
+MN__PRIVATE double mn__tune_clock(void) { return 0.0; }
 #endif
+
+// mn_team_tune: the count for the next step from a team of `team` threads (sized to the work),
+// then the step's seconds noted against the count it ran with. A new team size is timed afresh.
+// Medians, not means: one step that a busy core or the first touch of the memory made slow
+// (with either count) does not decide alone.
+#define MN__TUNE_PROBE_TEAM 16u  // with one thread the faster, the team runs every 16th step
+#define MN__TUNE_PROBE_ONE 256u  // with the team the faster, one thread every 256th step
+// Median of the times kept in v[0..MN_TEAM_TUNE_KEEP) (the lower one of an even count); 0 when
+// none is kept.
+MN__PRIVATE double mn__tune_median(const double *v) {
+    double w[MN_TEAM_TUNE_KEEP];
+    int i, j, k = 0;
+    for (i = 0; i < MN_TEAM_TUNE_KEEP; i++) {
+        if (!(v[i] > 0.0)) continue;
+        for (j = k++; j > 0 && w[j - 1] > v[i]; j--) w[j] = w[j - 1];
+        w[j] = v[i];
+    }
+    return k ? w[(k - 1) / 2] : 0.0;
+}
+MN__PRIVATE int mn__tune_pick(mn_team_tune *t, int team) {
+    double m0, m1;
+    int best;
+    if (team <= 1) return 1;
+    if (t->team != team) {
+        memset(t->sec[1], 0, sizeof t->sec[1]);
+        t->team = team, t->next[1] = 0, t->since = 0;
+    }
+    m1 = mn__tune_median(t->sec[1]), m0 = mn__tune_median(t->sec[0]);
+    if (m1 == 0.0) return team;
+    if (m0 == 0.0) return 1;
+    best = m1 < m0 ? team : 1;
+    if (best != t->best) t->best = best, t->since = 0;
+    if (++t->since < (best == 1 ? MN__TUNE_PROBE_TEAM : MN__TUNE_PROBE_ONE)) return best;
+    t->since = 0;
+    return best == 1 ? team : 1;
+}
+MN__PRIVATE void mn__tune_note(mn_team_tune *t, int ran, double sec) {
+    int k = ran > 1;
+    if (!(sec > 0.0)) return;
+    t->sec[k][t->next[k] % MN_TEAM_TUNE_KEEP] = sec;
+    t->next[k] = (t->next[k] + 1) % MN_TEAM_TUNE_KEEP;
+}
+MN__PRIVATE int mn__tune_begin(mn_team_tune *t, uint64_t work, uint64_t per, double *t0) {
+    *t0 = mn__tune_clock();
+    return mn__tune_pick(t, mn__omp_team(work, per));
+}
+MN__PRIVATE void mn__tune_end(mn_team_tune *t, int ran, double t0) {
+    mn__tune_note(t, ran, mn__tune_clock() - t0);
+}
 
 // Element-wise steps take one thread per this many elements (two from twice as many): below, a
 // team costs more than it saves, and a team whose second core is busy elsewhere waits for it.
 #define MN__OPT_MIN_PAR 524288
-// Vector iterations per run that a thread of a dynamic team takes at a time (16384 fp32 elements
-// with AVX-512).
+// Vector iterations per run of the AdamW loop (16384 fp32 elements with AVX-512); a team member
+// claims about MN__OMP_CLAIM elements of runs at a time.
 #define MN__OPT_RUN 1024
 
 // Vector lanes for the element-wise optimizer steps: GCC/clang vector extensions, the square root
@@ -12628,7 +12721,9 @@ MNIMPL mn_result mn_sgd_step(mn_sgd *s, float *param, const float *grad, uint16_
         int64_t jb, nb = (int64_t)(s->n / MN__OW);
         int neg = s->params.maximize, first = s->step == 1, nest = s->params.nesterov;
         float *mb = s->momentum_buffer;
-        MN__OMP_FOR_WORK(s->n, MN__OPT_MIN_PAR)
+        double t0;
+        int team = mn__tune_begin(&s->tune, s->n, MN__OPT_MIN_PAR, &t0);
+        MN__OMP_FOR_TEAM(team, s->n, nb)
         for (jb = 0; jb < nb; jb++) {
             uint64_t k = (uint64_t)jb * MN__OW;
             mn__ovf gv = mn__ov_load(grad + k), th = mn__ov_load(param + k), bv;
@@ -12641,6 +12736,7 @@ MNIMPL mn_result mn_sgd_step(mn_sgd *s, float *param, const float *grad, uint16_
             }
             mn__ov_store(param + k, th - lr * gv);
         }
+        mn__tune_end(&s->tune, team, t0);
         i = (uint64_t)nb * MN__OW;
     }
 #endif
@@ -12748,6 +12844,8 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
 #if MN__OV
         int64_t nb, h, run, nr;
         float eps = p->eps;
+        double t0;
+        int team;
 #ifdef MN__OVD
         const double rc = 1.0 / (double)bc2_sqrt;
 #endif
@@ -12758,7 +12856,8 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
         for (j = 0; j < h; j++) mn__opt_adamw_el(param, grad, ea, eb, j, &c);
         nb = (n - h) / MN__OW;
         nr = (nb + MN__OPT_RUN - 1) / MN__OPT_RUN;
-        MN__OMP_FOR_WORK_DYN(n, MN__OPT_MIN_PAR)
+        team = mn__tune_begin(&s->tune, (uint64_t)n, MN__OPT_MIN_PAR, &t0);
+        MN__OMP_FOR_TEAM(team, n, nr)
         for (run = 0; run < nr; run++) {  // runs of MN__OPT_RUN vector iterations
             int64_t jb, end = (run + 1) * MN__OPT_RUN < nb ? (run + 1) * MN__OPT_RUN : nb;
             for (jb = run * MN__OPT_RUN; jb < end; jb++) {  // the loop below, MN__OW lanes
@@ -12776,10 +12875,11 @@ MNIMPL mn_result mn_adamw_step(mn_adamw *s, float *param, const float *grad, uin
                 mn__ov_store(param + k, th - step_size * (m / d));
             }
         }
+        mn__tune_end(&s->tune, team, t0);
         j0 = h + nb * MN__OW;
 #endif
 #if !MN__OV  // (with lanes, fewer than MN__OW elements are left: no team, not even its call)
-        MN__OMP_FOR_WORK(n - j0, MN__OPT_MIN_PAR)
+        MN__OMP_FOR_WORK(n - j0, MN__OPT_MIN_PAR, n - j0)
 #endif
         for (j = j0; j < n; j++) mn__opt_adamw_el(param, grad, ea, eb, j, &c);
         mn__opt_store16(p->dtype, param, param16, s->n);
@@ -13258,9 +13358,10 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     float map1[256], map2[256];
     mn__opt_qtab q1, q2;
     mn__opt_a8 c;
-    double t, c1, c2;
+    double t, c1, c2, t0;
     uint64_t i, per;
     int64_t run, nb;
+    int team;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
     if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
@@ -13290,11 +13391,12 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     q1.ok = q2.ok = 0;
     if (s->n >= MN__OPT_QTAB_MIN) mn__opt_qtab_init(&q1, map1), mn__opt_qtab_init(&q2, map2);
     c.q1 = q1.ok ? &q1 : NULL, c.q2 = q2.ok ? &q2 : NULL, c.map1 = map1, c.map2 = map2;
-    // The blocks are independent: threads take runs of them (about 16384 elements) as they come,
-    // so that a thread whose core is busy elsewhere takes fewer.
+    // The blocks are independent: threads claim runs of them (about 16384 elements, a few runs
+    // per claim) as they come, so that a thread whose core is busy elsewhere takes fewer.
     per = 16384u / p->block_size + 1u;
     nb = (int64_t)((s->blocks + per - 1) / per);
-    MN__OMP_FOR_DYNAMIC_IF(s->n >= MN__OPT_MIN_PAR / 4)
+    team = mn__tune_begin(&s->tune, s->n, MN__OPT_MIN_PAR / 8, &t0);
+    MN__OMP_FOR_TEAM(team, s->n, nb)
     for (run = 0; run < nb; run++) {
         uint64_t b, b1 = ((uint64_t)run + 1) * per < s->blocks ? ((uint64_t)run + 1) * per
                                                                  : s->blocks;
@@ -13304,6 +13406,7 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
                              s->n - k0 < p->block_size ? s->n - k0 : p->block_size);
         }
     }
+    mn__tune_end(&s->tune, team, t0);
     mn__opt_store16(p->dtype, param, param16, s->n);
     return MN_OK;
 }
@@ -14527,7 +14630,7 @@ MNIMPL mn_result mn_matmul_forward_typed(float *out, float *pre_gelu, const void
     r = mn__gemm_run(&g);
     if (r != MN_OK) return r;
     if (pre_gelu) {
-        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS, N)
         for (n = 0; n < N; n++) {
             size_t o;
             for (o = 0; o < OC; o++) out[n * OC + o] = mn__gelu(pre_gelu[n * OC + o]);
@@ -14550,7 +14653,7 @@ MNIMPL mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *db
         !mn__matmul_dtype(dtype))
         return MN_ERR_INVALID_ARG;
     if (pre_gelu) {
-        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS, N)
         for (n = 0; n < N; n++) {
             size_t o;
             for (o = 0; o < OC; o++) dout[n * OC + o] *= mn__gelu_grad(pre_gelu[n * OC + o]);
@@ -14575,7 +14678,7 @@ MNIMPL mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *db
     if (dbias) {
         // columns in blocks of 64 per thread; each block sums the rows in order
         size_t blk, nblk = (OC + 63) / 64;
-        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * OC, MN__OMP_MIN_ELEMS, nblk)
         for (blk = 0; blk < nblk; blk++) {
             size_t o0 = blk * 64, o1 = OC - o0 > 64 ? o0 + 64 : OC, o, r;
             float acc[64];
@@ -14599,7 +14702,7 @@ MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, cons
     // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
     size_t n;
     if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, N)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * C;
         float *y = out + n * C;
@@ -14679,7 +14782,7 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
         return MN_OK;
     }
     if (dinp) {
-        MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, N)
         for (n = 0; n < N; n++)
             mn__layernorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, mean[n], rstd[n],
                                  C);
@@ -14687,7 +14790,7 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
     if (!dweight && !dbias) return MN_OK;
     // parameter gradients: one contiguous range of columns per thread (long runs of each row,
     // which the prefetcher follows), rows summed in order
-    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, (size_t)team)
     for (part = 0; part < (size_t)team; part++) {
         size_t c0 = C / (size_t)team * part, c1 = C / (size_t)team * (part + 1), r;
         if (part + 1 == (size_t)team) c1 = C;
@@ -14704,7 +14807,7 @@ MNIMPL mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, c
     // Normalization", eq. 4; as in LLaMA's RMSNorm).
     size_t n;
     if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, N)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * C;
         float *y = out + n * C;
@@ -14767,12 +14870,12 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
         return MN_OK;
     }
     if (dinp) {
-        MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
+        MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, N)
         for (n = 0; n < N; n++)
             mn__rmsnorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);
     }
     if (!dweight) return MN_OK;
-    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, (size_t)team)
     for (part = 0; part < (size_t)team; part++) {
         size_t c0 = C / (size_t)team * part, c1 = C / (size_t)team * (part + 1), r;
         if (part + 1 == (size_t)team) c1 = C;
@@ -14790,7 +14893,7 @@ MNIMPL mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size
     // (max subtracted for range safety; llm.c train_gpt2.c attention_forward / softmax_forward).
     size_t n;
     if (!out || !inp || L == 0 || !mn__ops_fits(N, L, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(N * L, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * L, MN__OMP_MIN_ELEMS, N)
     for (n = 0; n < N; n++) {
         const float *x = inp + n * L;
         float *y = out + n * L;
@@ -14808,7 +14911,7 @@ MNIMPL mn_result mn_softmax_backward(float *dinp, const float *dout, const float
     // dz_j = p_j (dy_j - sum_k p_k dy_k); dx_j += scale dz_j (softmax Jacobian diag(p) - p p^T).
     size_t n;
     if (!dinp || !dout || !out || L == 0 || !mn__ops_fits(N, L, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(N * L, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * L, MN__OMP_MIN_ELEMS, N)
     for (n = 0; n < N; n++) {
         const float *p = out + n * L, *dy = dout + n * L;
         float *dx = dinp + n * L;
@@ -15027,7 +15130,7 @@ MNIMPL mn_result mn_attention_forward(float *out, float *att, const float *qkv, 
         !mn__ops_fits(B, T, C) || !mn__ops_fits(B * T, 3, C) ||
         (att && (!mn__ops_fits(B, NH, T) || !mn__ops_fits(B * NH, T, T))))
         return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK((uint64_t)B * T * T * C, (uint64_t)MN__OMP_MIN_FLOPS)
+    MN__OMP_FOR_WORK((uint64_t)B * T * T * C, (uint64_t)MN__OMP_MIN_FLOPS, B * NH)
     for (bh = 0; bh < B * NH; bh++) {
         size_t b = bh / NH, h = bh % NH;
         mn__att a;
@@ -15045,7 +15148,7 @@ MNIMPL mn_result mn_attention_backward(float *dqkv, const float *dout, const flo
         !mn__ops_fits(B, T, C) || !mn__ops_fits(B * T, 3, C) ||
         (att && (!mn__ops_fits(B, NH, T) || !mn__ops_fits(B * NH, T, T))))
         return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK((uint64_t)B * T * T * C, (uint64_t)MN__OMP_MIN_FLOPS)
+    MN__OMP_FOR_WORK((uint64_t)B * T * T * C, (uint64_t)MN__OMP_MIN_FLOPS, B * NH)
     for (bh = 0; bh < B * NH; bh++) {
         size_t b = bh / NH, h = bh % NH;
         float *dbase = dqkv + b * T * 3 * C;
@@ -15081,7 +15184,7 @@ MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
     size_t b, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nb)
     for (b = 0; b < nb; b++) {
         size_t i = b * MN__GELU_BLOCK, len = n - i < MN__GELU_BLOCK ? n - i : MN__GELU_BLOCK;
         mn__gelu_span(out + i, inp + i, len);
@@ -15093,7 +15196,7 @@ MNIMPL mn_result mn_gelu_backward(float *dinp, const float *dout, const float *i
     // dx += dy (0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
     size_t i;
     if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) dinp[i] += dout[i] * mn__gelu_grad(inp[i]);
     return MN_OK;
 }
@@ -15103,7 +15206,7 @@ MNIMPL mn_result mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
     // with erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2), which does not cancel for negative x
     size_t i;
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) out[i] = 0.5f * inp[i] * erfcf(-inp[i] * 0.70710678118654752f);
     return MN_OK;
 }
@@ -15112,7 +15215,7 @@ MNIMPL mn_result mn_gelu_erf_backward(float *dinp, const float *dout, const floa
     // dy/dx = Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
     size_t i;
     if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) {
         float x = inp[i];
         float g = 0.5f * erfcf(-x * 0.70710678118654752f) +
@@ -15129,7 +15232,7 @@ MNIMPL mn_result mn_silu_forward(float *out, const float *inp, size_t n) {
     // y = x sigmoid(x), Elfwing et al. 2018
     size_t i;
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) out[i] = inp[i] * mn__sigmoid(inp[i]);
     return MN_OK;
 }
@@ -15138,7 +15241,7 @@ MNIMPL mn_result mn_silu_backward(float *dinp, const float *dout, const float *i
     // dy/dx = s (1 + x (1 - s)), s = sigmoid(x), 1 - s = sigmoid(-x)
     size_t i;
     if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) {
         float x = inp[i], s = mn__sigmoid(x), sm = mn__sigmoid(-x);
         dinp[i] += dout[i] * (s + x * s * sm);
@@ -15150,7 +15253,7 @@ MNIMPL mn_result mn_swiglu_forward(float *out, const float *gate, const float *u
     // y = silu(g) u, Shazeer 2020 (SwiGLU with the projections done by the caller's matmuls)
     size_t i;
     if (n && (!out || !gate || !up)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) out[i] = gate[i] * mn__sigmoid(gate[i]) * up[i];
     return MN_OK;
 }
@@ -15160,7 +15263,7 @@ MNIMPL mn_result mn_swiglu_backward(float *dgate, float *dup, const float *dout,
     // dg += dy u silu'(g); du += dy silu(g)
     size_t i;
     if (n && (!dout || !gate || !up)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) {
         float g = gate[i], s = mn__sigmoid(g), sm = mn__sigmoid(-g);
         if (dgate) dgate[i] += dout[i] * up[i] * (s + g * s * sm);
@@ -15173,7 +15276,7 @@ MNIMPL mn_result mn_residual_forward(float *out, const float *a, const float *b,
     // y = a + b (llm.c train_gpt2.c residual_forward)
     size_t i;
     if (n && (!out || !a || !b)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) out[i] = a[i] + b[i];
     return MN_OK;
 }
@@ -15182,7 +15285,7 @@ MNIMPL mn_result mn_residual_backward(float *da, float *db, const float *dout, s
     // da += dy, db += dy
     size_t i;
     if (n && (!dout)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) {
         if (da) da[i] += dout[i];
         if (db) db[i] += dout[i];
@@ -15207,7 +15310,7 @@ MNIMPL mn_result mn_embedding_forward(float *out, const int *tokens, const float
     size_t n;
     if (!out || !tokens || !wte || V == 0) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(tokens, B * T, V, 0)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(B * T * C, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(B * T * C, MN__OMP_MIN_ELEMS, B * T)
     for (n = 0; n < B * T; n++) {
         float *y = out + n * C;
         const float *e = wte + (size_t)tokens[n] * C;
@@ -15227,7 +15330,7 @@ MNIMPL mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *do
     size_t blk, nblk = (C + 63) / 64;
     if (!dout || !tokens || V == 0) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(tokens, B * T, V, 0)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(B * T * C, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(B * T * C, MN__OMP_MIN_ELEMS, nblk)
     for (blk = 0; blk < nblk; blk++) {
         size_t c0 = blk * 64, c1 = C - c0 > 64 ? c0 + 64 : C, i, n;
         for (n = 0; n < B * T; n++) {
@@ -15261,7 +15364,7 @@ MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const floa
     size_t n;
     if (!losses || !logits || !targets || V == 0) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(N * V, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * V, MN__OMP_MIN_ELEMS, N)
     for (n = 0; n < N; n++) {
         const float *x = logits + n * V;
         float mx, inv, *p = probs ? probs + n * V : NULL;
@@ -15289,7 +15392,7 @@ MNIMPL mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, 
     if (!dlogits || !dlosses || !targets || V == 0) return MN_ERR_INVALID_ARG;
     if (!probs && !logits) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(N * V, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(N * V, MN__OMP_MIN_ELEMS, N)
     for (n = 0; n < N; n++) {
         float *dx = dlogits + n * V, d = dlosses[n];
         size_t j;
@@ -15353,7 +15456,7 @@ MN__PRIVATE void mn__dropout_keep(uint8_t *keep, size_t n, float p, uint64_t see
 MNIMPL mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed, uint64_t offset) {
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     if (!mask || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nc)
     for (c = 0; c < nc; c++) {
         size_t i0 = c * MN__DROP_CHUNK;
         size_t m = n - i0 < MN__DROP_CHUNK ? n - i0 : MN__DROP_CHUNK;
@@ -15368,7 +15471,7 @@ MNIMPL mn_result mn_dropout_forward(float *out, uint8_t *mask, const float *inp,
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     if (!out || !inp || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nc)
     for (c = 0; c < nc; c++) {
         uint8_t keep[MN__DROP_CHUNK];
         size_t i0 = c * MN__DROP_CHUNK, i;
@@ -15386,7 +15489,7 @@ MNIMPL mn_result mn_dropout_backward(float *dinp, const float *dout, const uint8
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     if (!dinp || !dout || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS)
+    MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nc)
     for (c = 0; c < nc; c++) {
         uint8_t keep[MN__DROP_CHUNK];
         size_t i0 = c * MN__DROP_CHUNK, i;

@@ -10,6 +10,7 @@
 #include "../memanat.h"
 #ifdef _OPENMP
 #include <omp.h>
+#include <pthread.h>
 #endif
 
 // ---- helpers -------------------------------------------------------------------------------------
@@ -1178,6 +1179,107 @@ static void test_thread_invariance_large(void) {
     for (r = 0; r < 3; r++) free(y[r]), free(g[r]), free(pw[r]);
     free(x), free(dy), free(w), free(b), free(loss), free(dl), free(mean), free(rstd), free(tgt);
 }
+
+// A team that shares the cores with a thread that never stops (as another process keeping a core
+// busy would): its members lose their cores at any point of a run, and take the iterations in a
+// different order from run to run. Each op with two threads, three times over, gives the bits of
+// one thread; the optimizer steps (fresh state: the first step takes the team, the others the
+// count that their timing picks) give the bits of one thread for the parameters and the state.
+#ifdef _OPENMP
+static volatile int busy_stop;
+static void *busy_spin(void *arg) {
+    volatile unsigned long x = 0;
+    (void)arg;
+    while (!busy_stop) x++;
+    return NULL;
+}
+#endif
+static void test_thread_busy_core(void) {
+#ifdef _OPENMP
+    size_t C = 2 * (200 + mnt_rand_u64() % 200) + 1, N = 1100000 / C + 1, n = N * C;
+    size_t no = 2 * 524288 + 1 + mnt_rand_u64() % 100000, i;
+    float *x = mnt_fvec(n), *dy = mnt_fvec(n), *w = mnt_fvec(C), *b = mnt_fvec(C);
+    float *mean = mnt_fvec(N), *rstd = mnt_fvec(N), *y[2], *g[2], *pw[2], *p[2], *st[2];
+    float *grad = mnt_fvec(no);
+    uint8_t *codes[2];
+    uint64_t dims[1];
+    pthread_t spin;
+    int saved = omp_get_max_threads(), r, rep, spinning;
+    mnt_fill_normal(x, n, 2.0);
+    mnt_fill_normal(dy, n, 1.0);
+    mnt_fill_normal(w, C, 1.0);
+    mnt_fill_normal(b, C, 1.0);
+    mnt_fill_normal(grad, no, 1.0);
+    dims[0] = no;
+    for (r = 0; r < 2; r++) {
+        y[r] = mnt_fvec(n), g[r] = mnt_fvec(n), pw[r] = mnt_fvec(2 * C);
+        p[r] = mnt_fvec(3 * no), st[r] = mnt_fvec(5 * no);
+        codes[r] = (uint8_t *)calloc(2 * no, 1);
+    }
+    busy_stop = 0;
+    spinning = pthread_create(&spin, NULL, busy_spin, NULL) == 0;
+    CHECK(spinning);
+    for (rep = 0; rep < 3; rep++) {
+        for (r = 0; r < 2; r++) {
+            mn_adamw aw;
+            mn_sgd sg;
+            mn_adamw8bit a8;
+            mn_sgd_params sp;
+            int k;
+            omp_set_num_threads(r + 1);
+            memset(g[r], 0, n * sizeof(float));
+            for (i = 0; i < 2 * C; i++) pw[r][i] = 0.5f;
+            mn_layernorm_forward(y[r], mean, rstd, x, w, b, N, C, 1e-5f);
+            mn_layernorm_backward(g[r], pw[r], pw[r] + C, dy, x, w, mean, rstd, N, C);
+            mn_softmax_backward(g[r], dy, y[r], N, C, 0.3f, 0);
+            mn_softmax_forward(y[r], x, N, C, 0.3f, 0);
+            mn_gelu_backward(g[r], dy, y[r], n);
+            mn_gelu_forward(y[r], y[r], n);
+            memcpy(p[r], grad, no * sizeof(float));
+            memcpy(p[r] + no, grad, no * sizeof(float));
+            memcpy(p[r] + 2 * no, grad, no * sizeof(float));
+            memset(&sp, 0, sizeof sp);
+            sp.momentum = 0.9f;
+            CHECK_OK(mn_adamw_init(&aw, dims, 1, NULL, NULL));
+            CHECK_OK(mn_sgd_init(&sg, dims, 1, &sp, NULL));
+            CHECK_OK(mn_adamw8bit_init(&a8, dims, 1, NULL, NULL));
+            for (k = 0; k < 3; k++) {
+                CHECK_OK(mn_adamw_step(&aw, p[r], grad, NULL));
+                CHECK_OK(mn_sgd_step(&sg, p[r] + no, grad, NULL));
+                CHECK_OK(mn_adamw8bit_step(&a8, p[r] + 2 * no, grad, NULL));
+            }
+            memcpy(st[r], aw.exp_avg, no * sizeof(float));
+            memcpy(st[r] + no, aw.exp_avg_sq, no * sizeof(float));
+            memcpy(st[r] + 2 * no, sg.momentum_buffer, no * sizeof(float));
+            memcpy(st[r] + 3 * no, a8.absmax1, a8.blocks * sizeof(float));
+            memcpy(st[r] + 4 * no, a8.absmax2, a8.blocks * sizeof(float));
+            CHECK(a8.quantized);
+            if (a8.quantized && codes[r]) {
+                memcpy(codes[r], a8.code1, no), memcpy(codes[r] + no, a8.code2, no);
+            }
+            mn_adamw_free(&aw), mn_sgd_free(&sg), mn_adamw8bit_free(&a8);
+        }
+        EXPECT_SAME("busy core: layernorm, softmax and gelu forwards", y[0], y[1], n);
+        EXPECT_SAME("busy core: their backwards", g[0], g[1], n);
+        EXPECT_SAME("busy core: layernorm parameter gradients", pw[0], pw[1], 2 * C);
+        EXPECT_SAME("busy core: adamw, sgd and 8-bit adamw parameters", p[0], p[1], 3 * no);
+        EXPECT_SAME("busy core: adamw and sgd state", st[0], st[1], 3 * no);
+        EXPECT_SAME("busy core: 8-bit adamw scales", st[0] + 3 * no, st[1] + 3 * no,
+                    (no + 255) / 256);
+        EXPECT_SAME("busy core: 8-bit adamw scales (v)", st[0] + 4 * no, st[1] + 4 * no,
+                    (no + 255) / 256);
+        CHECK(codes[0] && codes[1] && memcmp(codes[0], codes[1], 2 * no) == 0);
+    }
+    busy_stop = 1;
+    if (spinning) pthread_join(spin, NULL);
+    omp_set_num_threads(saved);
+    for (r = 0; r < 2; r++) free(y[r]), free(g[r]), free(pw[r]), free(p[r]), free(st[r]);
+    for (r = 0; r < 2; r++) free(codes[r]);
+    free(x), free(dy), free(w), free(b), free(mean), free(rstd), free(grad);
+#else
+    SKIP("built without OpenMP: no teams");
+#endif
+}
 #undef SET_THREADS
 
 // Bad arguments: every op refuses with MN_ERR_INVALID_ARG and leaves its outputs untouched;
@@ -1282,6 +1384,7 @@ const mnt_case test_ops_cases[] = {
     {"dropout", test_dropout},
     {"thread_count_invariance", test_thread_invariance},
     {"thread_count_invariance_large", test_thread_invariance_large},
+    {"thread_busy_core", test_thread_busy_core},
     {"bad_arguments", test_bad_arguments},
 };
 const size_t test_ops_count = sizeof test_ops_cases / sizeof test_ops_cases[0];

@@ -9,6 +9,7 @@
 #include "../memanat.h"
 
 void test_optim_divc_bits(void);  // test_optimmath.c
+void test_optim_team_tune(void);  // test_optimmath.c
 
 // --- AdamW ---------------------------------------------------------------------------------------
 
@@ -1878,6 +1879,7 @@ const mnt_case test_optim_cases[] = {
     {"adafactor_bits_vs_plain_loop", test_adafactor_bits_vs_plain_loop},
     {"adafactor_wide_bits_vs_plain_loop", test_adafactor_wide_bits_vs_plain_loop},
     {"divc_bits", test_optim_divc_bits},
+    {"team_tune", test_optim_team_tune},
     {"quantize_table_vs_search", test_quantize_table_vs_search},
 };
 const size_t test_optim_count = sizeof test_optim_cases / sizeof test_optim_cases[0];
