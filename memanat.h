@@ -9649,9 +9649,17 @@ typedef struct mn__c_block {
     uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
     uint8_t cat;
     struct mn__c_block *tmp;        // scratch list, and the spare list
-    void *host;                     // the host allocation the struct was aligned in
     char label[MN_CACHE_LABEL_MAX];
 } mn__c_block;
+
+// Block structs are carved from slabs, each one host allocation: its header, then blocks at a
+// stride of whole cache lines. A cache with many blocks keeps them dense (few pages for the
+// searches and merges to walk, away from the program's other allocations); a freed struct goes
+// to the spare list and the slabs go back to the host with the cache.
+typedef struct mn__c_slab {
+    struct mn__c_slab *next;
+    void *host;                     // the allocation the slab was aligned in
+} mn__c_slab;
 
 struct mn__c_segment {
     uint64_t addr, size;            // device range (expandable: the reserved range)
@@ -9719,8 +9727,10 @@ typedef struct mn__c_cache {
     uint64_t map_cap, map_count;
     mn__c_segment *segs;            // every segment
     mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
-    mn__c_block *spare;             // recycled block structs
+    mn__c_block *spare;             // unused block structs
     uint32_t spare_count;
+    uint32_t slab_count;
+    mn__c_slab *slabs;
     mn__c_use *spare_uses;
     mn__c_use *ev_head, *ev_tail;   // pending cross-stream frees, in record order
     struct mn_cache_stats st;
@@ -10199,32 +10209,47 @@ MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
 // ---- block structs ------------------------------------------------------------------------------
 
 #define MN__C_SPARE_BLOCKS 4
+#define MN__C_BLOCK_STRIDE ((sizeof(mn__c_block) + 63u) / 64u * 64u)  // whole cache lines
+#define MN__C_SLAB_MIN 64u     // blocks in the first slab; each next slab holds twice as many,
+#define MN__C_SLAB_MAX 16384u  // up to this many (3 MiB)
 
+// Makes sure n structs are spare, adding a slab if needed (its host allocation is the only one).
 MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
     while (c->spare_count < n) {
-        void *host = mn__alloc(&c->alloc, sizeof(mn__c_block) + 63);
-        mn__c_block *b;
+        uint32_t k = c->slab_count < 8 ? MN__C_SLAB_MIN << c->slab_count : MN__C_SLAB_MAX, i;
+        // at most 64 + 63 + 16384 strides of a few lines: far below SIZE_MAX
+        void *host = mn__alloc(&c->alloc, 64 + 63 + (size_t)k * MN__C_BLOCK_STRIDE);
+        mn__c_slab *sl;
+        unsigned char *base;
+        if (c->spare_count > UINT32_MAX - k) {  // unreachable: 2^32 spare structs
+            mn__free(&c->alloc, host);
+            return MN_ERR_OUT_OF_MEMORY;
+        }
         if (!host) return MN_ERR_OUT_OF_MEMORY;
-        b = (mn__c_block *)(((uintptr_t)host + 63) & ~(uintptr_t)63);
-        b->host = host;
-        b->tmp = c->spare;
-        c->spare = b;
-        c->spare_count++;
+        base = (unsigned char *)(((uintptr_t)host + 63) & ~(uintptr_t)63);
+        sl = (mn__c_slab *)(void *)base;
+        sl->host = host;
+        sl->next = c->slabs;
+        c->slabs = sl;
+        c->slab_count++;
+        for (i = k; i-- > 0;) {  // handed out in address order
+            mn__c_block *b = (mn__c_block *)(void *)(base + 64 + (size_t)i * MN__C_BLOCK_STRIDE);
+            b->tmp = c->spare;
+            c->spare = b;
+        }
+        c->spare_count += k;
     }
     return MN_OK;
 }
 
-// A zeroed block struct from the spares (or the host), NULL when the host is out of memory.
+// A zeroed block struct from the spares (or a new slab), NULL when the host is out of memory.
 MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     mn__c_block *b;
-    void *host;
     if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
     b = c->spare;
     c->spare = b->tmp;
     c->spare_count--;
-    host = b->host;
     memset(b, 0, sizeof *b);
-    b->host = host;
     c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
     b->prio = c->rng;
     b->mapped = 1;
@@ -10232,10 +10257,6 @@ MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
 }
 
 MN__PRIVATE void mn__c_block_delete(mn__c_cache *c, mn__c_block *b) {
-    if (c->spare_count >= 64) {
-        mn__free(&c->alloc, b->host);
-        return;
-    }
     b->tmp = c->spare;
     c->spare = b;
     c->spare_count++;
@@ -11222,13 +11243,16 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
             if (s->expandable && b->mapped)
                 c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size);
             for (u = b->uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
-            mn__free(&c->alloc, b->host);
         }
         if (s->expandable && c->dev.unreserve_fn)
             c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         mn__free(&c->alloc, s);
     }
-    for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b->host);
+    while (c->slabs) {
+        mn__c_slab *sl = c->slabs;
+        c->slabs = sl->next;
+        mn__free(&c->alloc, sl->host);
+    }
     for (k = 0; k < 2; k++) {
         mn__c_pool *p = k ? &c->large : &c->small;
         uint32_t i;
