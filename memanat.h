@@ -9819,15 +9819,17 @@ MN__PRIVATE void mn__c_tr_insert(mn__c_block **root, mn__c_block *n, int by_addr
     while (n->up && n->up->prio < n->prio) mn__c_tr_rotate_up(root, n);
 }
 
-// Treap erase without a search: rotate the node down to a leaf, then cut it off.
+// Treap erase without a search: rotate the node down until it has one child at most, then splice
+// that child into its place (the same treap as rotating it down to a leaf: a treap is unique for
+// its keys and priorities). The bin minimum, the node taken most, has no left child: no rotation.
 MN__PRIVATE void mn__c_tr_erase(mn__c_block **root, mn__c_block *n) {
-    while (n->l || n->r) {
-        mn__c_block *c = !n->l ? n->r : !n->r ? n->l : n->l->prio > n->r->prio ? n->l : n->r;
-        mn__c_tr_rotate_up(root, c);
-    }
-    if (!n->up) *root = NULL;
-    else if (n->up->l == n) n->up->l = NULL;
-    else n->up->r = NULL;
+    mn__c_block *c;
+    while (n->l && n->r) mn__c_tr_rotate_up(root, n->l->prio > n->r->prio ? n->l : n->r);
+    c = n->l ? n->l : n->r;
+    if (c) c->up = n->up;
+    if (!n->up) *root = c;
+    else if (n->up->l == n) n->up->l = c;
+    else n->up->r = c;
     n->up = NULL;
 }
 
