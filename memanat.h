@@ -9647,6 +9647,7 @@ typedef struct mn__c_block {
     uint64_t requested;
     uint64_t gc_base;               // pool's get_free_block count when cached (GC age)
     uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
+    uint32_t id;                    // slab << MN__C_SLAB_LOG | index in the slab (fixed)
     uint8_t cat;
     struct mn__c_block *tmp;        // scratch list, and the spare list
     char label[MN_CACHE_LABEL_MAX];
@@ -9655,9 +9656,9 @@ typedef struct mn__c_block {
 // Block structs are carved from slabs, each one host allocation: its header, then blocks at a
 // stride of whole cache lines. A cache with many blocks keeps them dense (few pages for the
 // searches and merges to walk, away from the program's other allocations); a freed struct goes
-// to the spare list and the slabs go back to the host with the cache.
+// to the spare list and the slabs go back to the host with the cache. A block's 32-bit id names
+// its slab and place, which is what the address map keeps.
 typedef struct mn__c_slab {
-    struct mn__c_slab *next;
     void *host;                     // the allocation the slab was aligned in
 } mn__c_slab;
 
@@ -9707,9 +9708,9 @@ typedef struct mn__c_pool {
     int small;
 } mn__c_pool;
 
-typedef struct mn__c_slot {  // the address kept beside the block: probes read no block
-    uint64_t addr;
-    mn__c_block *b;             // NULL = empty
+typedef struct mn__c_slot {  // 8 bytes: a probe reads no block unless the tags agree
+    uint32_t tag;            // the address's hash, top 32 bits (mn__c_hash64)
+    uint32_t id1;            // the block's id + 1, 0 = empty
 } mn__c_slot;
 
 typedef struct mn__c_cache {
@@ -9724,13 +9725,13 @@ typedef struct mn__c_cache {
 #endif
     mn__c_pool small, large;
     mn__c_slot *map;                // allocated and pending blocks by address, linear probing
-    uint64_t map_cap, map_count;
+    uint64_t map_cap, map_count;    // map_cap: a power of two, at most 2^32
     mn__c_segment *segs;            // every segment
     mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
     mn__c_block *spare;             // unused block structs
     uint32_t spare_count;
-    uint32_t slab_count;
-    mn__c_slab *slabs;
+    mn__c_slab **slabs;             // by id >> MN__C_SLAB_LOG
+    uint32_t slab_count, slab_cap;
     mn__c_use *spare_uses;
     mn__c_use *ev_head, *ev_tail;   // pending cross-stream frees, in record order
     struct mn_cache_stats st;
@@ -10142,104 +10143,54 @@ MN__PRIVATE mn__c_pool *mn__c_pool_of(mn__c_cache *c, const mn__c_block *b) {
     return b->small ? &c->small : &c->large;
 }
 
-// ---- address map --------------------------------------------------------------------------------
-
-// Fibonacci hashing: the top bits of the product (cap is a power of two, at least 2).
-MN__PRIVATE uint64_t mn__c_hash(uint64_t addr, uint64_t cap) {
-    return ((addr >> 9) * 0x9E3779B97F4A7C15ull) >> (64 - mn__c_log2_floor(cap));
-}
-
-// Makes room for one more entry (the only host allocation on the alloc path, done first).
-MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
-    uint64_t i, cap;
-    mn__c_slot *nm;
-    if ((c->map_count + 1) * 2 <= c->map_cap) return MN_OK;
-    cap = c->map_cap ? c->map_cap * 2 : 1024;
-    nm = (mn__c_slot *)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
-    if (!nm) return MN_ERR_OUT_OF_MEMORY;
-    memset(nm, 0, (size_t)cap * sizeof *nm);
-    for (i = 0; i < c->map_cap; i++) {
-        uint64_t h;
-        if (!c->map[i].b) continue;
-        h = mn__c_hash(c->map[i].addr, cap);
-        while (nm[h].b) h = (h + 1) & (cap - 1);
-        nm[h] = c->map[i];
-    }
-    mn__free(&c->alloc, c->map);
-    c->map = nm;
-    c->map_cap = cap;
-    return MN_OK;
-}
-
-MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
-    uint64_t h = mn__c_hash(b->addr, c->map_cap);
-    while (c->map[h].b) h = (h + 1) & (c->map_cap - 1);
-    c->map[h].addr = b->addr;
-    c->map[h].b = b;
-    c->map_count++;
-}
-
-MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
-    uint64_t h;
-    if (!c->map_cap) return UINT64_MAX;
-    h = mn__c_hash(addr, c->map_cap);
-    while (c->map[h].b) {
-        if (c->map[h].addr == addr) return h;
-        h = (h + 1) & (c->map_cap - 1);
-    }
-    return UINT64_MAX;
-}
-
-// Removes slot i, shifting later entries of the probe run back (no tombstones).
-MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
-    uint64_t mask = c->map_cap - 1, j = i;
-    c->map[i].b = NULL;
-    c->map_count--;
-    for (;;) {
-        uint64_t k;
-        j = (j + 1) & mask;
-        if (!c->map[j].b) return;
-        k = mn__c_hash(c->map[j].addr, c->map_cap);
-        // move j back to i if its home k is not cyclically in (i, j]
-        if ((i <= j) ? (i < k && k <= j) : (i < k || k <= j)) continue;
-        c->map[i] = c->map[j];
-        c->map[j].b = NULL;
-        i = j;
-    }
-}
-
 // ---- block structs ------------------------------------------------------------------------------
 
 #define MN__C_SPARE_BLOCKS 4
 #define MN__C_BLOCK_STRIDE ((sizeof(mn__c_block) + 63u) / 64u * 64u)  // whole cache lines
-#define MN__C_SLAB_MIN 64u     // blocks in the first slab; each next slab holds twice as many,
-#define MN__C_SLAB_MAX 16384u  // up to this many (3 MiB)
+#define MN__C_SLAB_LOG 14u     // a slab holds up to 2^14 blocks (3 MiB): 64 in the first, then
+#define MN__C_SLAB_MIN 64u     // twice as many in each next one
+#define MN__C_SLAB_LIMIT (1u << (32u - MN__C_SLAB_LOG))  // slabs a 32-bit id can name
 
-// Makes sure n structs are spare, adding a slab if needed (its host allocation is the only one).
+MN__PRIVATE mn__c_block *mn__c_block_at(const mn__c_cache *c, uint32_t id) {
+    unsigned char *base = (unsigned char *)c->slabs[id >> MN__C_SLAB_LOG] + 64;
+    return (mn__c_block *)(void *)(base + (size_t)(id & ((1u << MN__C_SLAB_LOG) - 1u)) *
+                                              MN__C_BLOCK_STRIDE);
+}
+
+// Makes sure n structs are spare, adding slabs if needed (host allocations: the slab, and the
+// table of slabs when it grows; a failure changes nothing).
 MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
     while (c->spare_count < n) {
-        uint32_t k = c->slab_count < 8 ? MN__C_SLAB_MIN << c->slab_count : MN__C_SLAB_MAX, i;
-        // at most 64 + 63 + 16384 strides of a few lines: far below SIZE_MAX
-        void *host = mn__alloc(&c->alloc, 64 + 63 + (size_t)k * MN__C_BLOCK_STRIDE);
+        uint32_t k = c->slab_count < MN__C_SLAB_LOG - 6u ? MN__C_SLAB_MIN << c->slab_count
+                                                          : 1u << MN__C_SLAB_LOG, i;
+        void *host;
         mn__c_slab *sl;
         unsigned char *base;
-        if (c->spare_count > UINT32_MAX - k) {  // unreachable: 2^32 spare structs
-            mn__free(&c->alloc, host);
-            return MN_ERR_OUT_OF_MEMORY;
+        // ids stay below 2^32 - 1 (the map keeps id + 1): never reached, 2^32 blocks
+        if (c->slab_count == MN__C_SLAB_LIMIT - 1u) return MN_ERR_OUT_OF_MEMORY;
+        if (c->slab_count == c->slab_cap) {
+            uint32_t cap = c->slab_cap ? c->slab_cap * 2 : 8;  // up to MN__C_SLAB_LIMIT
+            mn__c_slab **t = (mn__c_slab **)mn__alloc_array(&c->alloc, cap, sizeof *t);
+            if (!t) return MN_ERR_OUT_OF_MEMORY;
+            if (c->slab_count) memcpy(t, c->slabs, c->slab_count * sizeof *t);
+            mn__free(&c->alloc, c->slabs);
+            c->slabs = t;
+            c->slab_cap = cap;
         }
+        // 64 + 63 + 2^14 strides of a few lines: far below SIZE_MAX
+        host = mn__alloc(&c->alloc, 64 + 63 + (size_t)k * MN__C_BLOCK_STRIDE);
         if (!host) return MN_ERR_OUT_OF_MEMORY;
         base = (unsigned char *)(((uintptr_t)host + 63) & ~(uintptr_t)63);
         sl = (mn__c_slab *)(void *)base;
         sl->host = host;
-        sl->next = c->slabs;
-        c->slabs = sl;
-        c->slab_count++;
         for (i = k; i-- > 0;) {  // handed out in address order
             mn__c_block *b = (mn__c_block *)(void *)(base + 64 + (size_t)i * MN__C_BLOCK_STRIDE);
+            b->id = c->slab_count << MN__C_SLAB_LOG | i;
             b->tmp = c->spare;
             c->spare = b;
         }
-        c->spare_count += k;
+        c->slabs[c->slab_count++] = sl;
+        c->spare_count += k;  // at most 2^32 - 1 blocks in all slabs
     }
     return MN_OK;
 }
@@ -10247,11 +10198,14 @@ MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
 // A zeroed block struct from the spares (or a new slab), NULL when the host is out of memory.
 MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     mn__c_block *b;
+    uint32_t id;
     if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
     b = c->spare;
     c->spare = b->tmp;
     c->spare_count--;
+    id = b->id;
     memset(b, 0, sizeof *b);
+    b->id = id;
     c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
     b->prio = c->rng;
     b->mapped = 1;
@@ -10266,6 +10220,80 @@ MN__PRIVATE void mn__c_block_delete(mn__c_cache *c, mn__c_block *b) {
 
 MN__PRIVATE void mn__c_fix_head(mn__c_block *b) {
     if (!b->prev) b->seg->head = b;
+}
+
+// ---- address map --------------------------------------------------------------------------------
+
+// Fibonacci hashing: a slot's home is the top log2(cap) bits of the product, its tag the top 32
+// (so the tag gives the home back while cap <= 2^32).
+MN__PRIVATE uint64_t mn__c_hash64(uint64_t addr) { return (addr >> 9) * 0x9E3779B97F4A7C15ull; }
+
+MN__PRIVATE uint64_t mn__c_home(uint32_t tag, uint64_t cap) {
+    return (uint64_t)tag >> (32u - mn__c_log2_floor(cap));
+}
+
+// Makes room for one more entry (before anything else on the alloc path).
+MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
+    uint64_t i, cap;
+    mn__c_slot *nm;
+    if ((c->map_count + 1) * 2 <= c->map_cap) return MN_OK;
+    cap = c->map_cap ? c->map_cap * 2 : 1024;
+    if (cap > (1ull << 32) || cap > SIZE_MAX / sizeof *nm) return MN_ERR_OUT_OF_MEMORY;
+    nm = (mn__c_slot *)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
+    if (!nm) return MN_ERR_OUT_OF_MEMORY;
+    memset(nm, 0, (size_t)cap * sizeof *nm);
+    for (i = 0; i < c->map_cap; i++) {
+        uint64_t h;
+        if (!c->map[i].id1) continue;
+        h = mn__c_home(c->map[i].tag, cap);
+        while (nm[h].id1) h = (h + 1) & (cap - 1);
+        nm[h] = c->map[i];
+    }
+    mn__free(&c->alloc, c->map);
+    c->map = nm;
+    c->map_cap = cap;
+    return MN_OK;
+}
+
+MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
+    uint32_t tag = (uint32_t)(mn__c_hash64(b->addr) >> 32);
+    uint64_t h = mn__c_home(tag, c->map_cap);
+    while (c->map[h].id1) h = (h + 1) & (c->map_cap - 1);
+    c->map[h].tag = tag;
+    c->map[h].id1 = b->id + 1;
+    c->map_count++;
+}
+
+// The slot of addr, UINT64_MAX if none; the blocks whose tags agree are read to compare.
+MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
+    uint32_t tag;
+    uint64_t h;
+    if (!c->map_cap) return UINT64_MAX;
+    tag = (uint32_t)(mn__c_hash64(addr) >> 32);
+    h = mn__c_home(tag, c->map_cap);
+    while (c->map[h].id1) {
+        if (c->map[h].tag == tag && mn__c_block_at(c, c->map[h].id1 - 1)->addr == addr) return h;
+        h = (h + 1) & (c->map_cap - 1);
+    }
+    return UINT64_MAX;
+}
+
+// Removes slot i, shifting later entries of the probe run back (no tombstones).
+MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
+    uint64_t mask = c->map_cap - 1, j = i;
+    c->map[i].id1 = 0;
+    c->map_count--;
+    for (;;) {
+        uint64_t k;
+        j = (j + 1) & mask;
+        if (!c->map[j].id1) return;
+        k = mn__c_home(c->map[j].tag, c->map_cap);
+        // move j back to i if its home k is not cyclically in (i, j]
+        if ((i <= j) ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        c->map[i] = c->map[j];
+        c->map[j].id1 = 0;
+        i = j;
+    }
 }
 
 // ---- statistics ---------------------------------------------------------------------------------
@@ -11022,7 +11050,7 @@ MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot)
     uint64_t i = mn__c_map_slot(c, mn__c_addr(c, ptr));
     if (i == UINT64_MAX) return NULL;
     if (slot) *slot = i;
-    return c->map[i].b;
+    return mn__c_block_at(c, c->map[i].id1 - 1);
 }
 
 MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
@@ -11250,11 +11278,8 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
             c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         mn__free(&c->alloc, s);
     }
-    while (c->slabs) {
-        mn__c_slab *sl = c->slabs;
-        c->slabs = sl->next;
-        mn__free(&c->alloc, sl->host);
-    }
+    while (c->slab_count) mn__free(&c->alloc, c->slabs[--c->slab_count]->host);
+    mn__free(&c->alloc, c->slabs);
     for (k = 0; k < 2; k++) {
         mn__c_pool *p = k ? &c->large : &c->small;
         uint32_t i;
