@@ -10264,18 +10264,24 @@ MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
     c->map_count++;
 }
 
-// The slot of addr, UINT64_MAX if none; the blocks whose tags agree are read to compare.
-MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
+// The block at addr and its slot, NULL if none; the blocks whose tags agree are read to compare.
+MN__PRIVATE mn__c_block *mn__c_map_find(const mn__c_cache *c, uint64_t addr, uint64_t *slot) {
     uint32_t tag;
     uint64_t h;
-    if (!c->map_cap) return UINT64_MAX;
+    if (!c->map_cap) return NULL;
     tag = (uint32_t)(mn__c_hash64(addr) >> 32);
     h = mn__c_home(tag, c->map_cap);
     while (c->map[h].id1) {
-        if (c->map[h].tag == tag && mn__c_block_at(c, c->map[h].id1 - 1)->addr == addr) return h;
+        if (c->map[h].tag == tag) {
+            mn__c_block *b = mn__c_block_at(c, c->map[h].id1 - 1);
+            if (b->addr == addr) {
+                *slot = h;
+                return b;
+            }
+        }
         h = (h + 1) & (c->map_cap - 1);
     }
-    return UINT64_MAX;
+    return NULL;
 }
 
 // Removes slot i, shifting later entries of the probe run back (no tombstones).
@@ -11047,10 +11053,10 @@ done:
 }
 
 MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot) {
-    uint64_t i = mn__c_map_slot(c, mn__c_addr(c, ptr));
-    if (i == UINT64_MAX) return NULL;
-    if (slot) *slot = i;
-    return mn__c_block_at(c, c->map[i].id1 - 1);
+    uint64_t i;
+    mn__c_block *b = mn__c_map_find(c, mn__c_addr(c, ptr), &i);
+    if (b && slot) *slot = i;
+    return b;
 }
 
 MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
