@@ -9688,6 +9688,7 @@ struct mn__c_segment {
 
 typedef struct mn__c_bin {
     mn__c_block *root, *first;  // treap by (stream, size, addr); its smallest node
+    uint64_t first_addr;        // first->addr, 0 when empty (read without reading the block)
 } mn__c_bin;
 
 typedef struct mn__c_sbin {  // one stream of a pool
@@ -9884,6 +9885,25 @@ MN__PRIVATE mn__c_block *mn__c_tr_next(mn__c_block *b) {
     return b->up;
 }
 
+// ---- address map hashing ------------------------------------------------------------------------
+
+// Fibonacci hashing: a slot's home is the top log2(cap) bits of the product, its tag the top 32
+// (so the tag gives the home back while cap <= 2^32).
+MN__PRIVATE uint64_t mn__c_hash64(uint64_t addr) { return (addr >> 9) * 0x9E3779B97F4A7C15ull; }
+
+MN__PRIVATE uint64_t mn__c_home(uint32_t tag, uint64_t cap) {
+    return (uint64_t)tag >> (32u - mn__c_log2_floor(cap));
+}
+
+// Asks for the line of addr's home slot (a hint: no effect on results; none without GCC/clang).
+MN__PRIVATE void mn__c_map_prefetch(const mn__c_cache *c, uint64_t addr) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(&c->map[mn__c_home((uint32_t)(mn__c_hash64(addr) >> 32), c->map_cap)], 1);
+#else
+    (void)c, (void)addr;
+#endif
+}
+
 // ---- size-class bins ----------------------------------------------------------------------------
 
 MN__PRIVATE uint32_t mn__c_bin_of(uint64_t size) {  // non-decreasing in size
@@ -10035,19 +10055,26 @@ MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
     }
 }
 
-// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none.
-MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
+// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none. The
+// block found is most often its bin's first, whose address goes into the address map when it is
+// handed out: that slot's line is asked for together with the block's, not after it (with many
+// blocks both are cache misses).
+MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(const mn__c_cache *c, mn__c_pool *p, mn_stream s,
+                                                uint64_t size) {
     mn__c_sbin *e;
     mn__c_block *b;
     uint32_t i;
     if (!p->bins || !(e = mn__c_sbin_find(p, s, NULL))) return NULL;
     i = mn__c_bin_of(size);
     if (mn__c_bit_get(e, i)) {
+        mn__c_map_prefetch(c, p->bins[i].first_addr);
         b = mn__c_bin_lower(&p->bins[i], s, size);
         if (b && b->stream == s) return b;
     }
     i = mn__c_bit_next(e, i + 1);  // every block of a later bin is larger
-    return i < MN__C_BINS ? mn__c_bin_lower(&p->bins[i], s, 0) : NULL;
+    if (i >= MN__C_BINS) return NULL;
+    mn__c_map_prefetch(c, p->bins[i].first_addr);
+    return mn__c_bin_lower(&p->bins[i], s, 0);
 }
 
 // The free block after b in (stream, size, address) order, NULL if none of b's stream.
@@ -10113,7 +10140,7 @@ MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
         } else {
             mn__c_tr_insert(&bin->root, b, 0);
         }
-        if (!f || mn__c_node_lt(b, f, 0)) bin->first = b;
+        if (!f || mn__c_node_lt(b, f, 0)) bin->first = b, bin->first_addr = b->addr;
         mn__c_bit_set(mn__c_sbin_find(p, b->stream, NULL), b->bin);  // made with the segment
     } else {
         mn__c_tr_insert(&p->unmapped, b, 1);
@@ -10129,7 +10156,7 @@ MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
         int keep = n && n->stream == b->stream;  // the bin still holds blocks of b's stream
         if (!keep && bin->first != b)
             keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
-        if (bin->first == b) bin->first = n;
+        if (bin->first == b) bin->first = n, bin->first_addr = n ? n->addr : 0;
         mn__c_tr_erase(&bin->root, b);
         if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream, NULL), b->bin);
     } else {
@@ -10223,14 +10250,6 @@ MN__PRIVATE void mn__c_fix_head(mn__c_block *b) {
 }
 
 // ---- address map --------------------------------------------------------------------------------
-
-// Fibonacci hashing: a slot's home is the top log2(cap) bits of the product, its tag the top 32
-// (so the tag gives the home back while cap <= 2^32).
-MN__PRIVATE uint64_t mn__c_hash64(uint64_t addr) { return (addr >> 9) * 0x9E3779B97F4A7C15ull; }
-
-MN__PRIVATE uint64_t mn__c_home(uint32_t tag, uint64_t cap) {
-    return (uint64_t)tag >> (32u - mn__c_log2_floor(cap));
-}
 
 // Makes room for one more entry (before anything else on the alloc path).
 MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
@@ -10671,7 +10690,7 @@ MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_
                                               uint64_t size) {
     mn__c_block *b;
     if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) p->get_free_calls++;
-    b = mn__c_pool_lower_bound(p, s, size);
+    b = mn__c_pool_lower_bound(c, p, s, size);
     if (!b || b->stream != s) return NULL;
     if (c->cfg.expandable_segments && b->seg->expandable) {  // (the segment is not read else)
         // rank by the size the block can grow to (its unmapped successor included)
@@ -10839,7 +10858,7 @@ MN__PRIVATE int mn__c_release_available(mn__c_cache *c, mn__c_pool *p, mn_stream
     mn__c_block *b;
     if (c->pol.max_split == UINT64_MAX) return 0;
     key = size < c->pol.max_split ? c->pol.max_split : size;
-    b = mn__c_pool_lower_bound(p, s, key);
+    b = mn__c_pool_lower_bound(c, p, s, key);
     if (!b || b->stream != s || b->seg->expandable) {
         b = mn__c_pool_before(p, s, key, 0);
         while (b && released < key && b->size >= c->pol.max_split && b->stream == s) {
@@ -11371,7 +11390,8 @@ MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *
         uint64_t n = 0;
         mn__c_tree_check(bin->root, &n, 0, &prev, &bad);
         if (bad || (bin->root && bin->root->up) || (!bin->root) != (!bin->first) ||
-            (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))))
+            (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))) ||
+            bin->first_addr != (bin->first ? bin->first->addr : 0))
             MN__C_FAIL("cache check: bin %u out of order", i);
         for (b = bin->first; b; b = mn__c_tr_next((mn__c_block *)(uintptr_t)b)) {
             mn__c_sbin *e = mn__c_sbin_find(p, b->stream, NULL);
