@@ -9670,11 +9670,20 @@ typedef struct mn__c_block {
     uint64_t requested;
     uint64_t gc_base;               // pool's get_free_block count when cached (GC age)
     uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
+    uint32_t id;                    // slab << MN__C_SLAB_LOG | index in the slab (fixed)
     uint8_t cat;
     struct mn__c_block *tmp;        // scratch list, and the spare list
-    void *host;                     // the host allocation the struct was aligned in
     char label[MN_CACHE_LABEL_MAX];
 } mn__c_block;
+
+// Block structs are carved from slabs, each one host allocation: its header, then blocks at a
+// stride of whole cache lines. A cache with many blocks keeps them dense (few pages for the
+// searches and merges to walk, away from the program's other allocations); a freed struct goes
+// to the spare list and the slabs go back to the host with the cache. A block's 32-bit id names
+// its slab and place, which is what the address map keeps.
+typedef struct mn__c_slab {
+    void *host;                     // the allocation the slab was aligned in
+} mn__c_slab;
 
 struct mn__c_segment {
     uint64_t addr, size;            // device range (expandable: the reserved range)
@@ -9702,6 +9711,7 @@ struct mn__c_segment {
 
 typedef struct mn__c_bin {
     mn__c_block *root, *first;  // treap by (stream, size, addr); its smallest node
+    uint64_t first_addr;        // first->addr, 0 when empty (read without reading the block)
 } mn__c_bin;
 
 typedef struct mn__c_sbin {  // one stream of a pool
@@ -9722,9 +9732,9 @@ typedef struct mn__c_pool {
     int small;
 } mn__c_pool;
 
-typedef struct mn__c_slot {  // the address kept beside the block: probes read no block
-    uint64_t addr;
-    mn__c_block *b;             // NULL = empty
+typedef struct mn__c_slot {  // 8 bytes: a probe reads no block unless the tags agree
+    uint32_t tag;            // the address's hash, top 32 bits (mn__c_hash64)
+    uint32_t id1;            // the block's id + 1, 0 = empty
 } mn__c_slot;
 
 typedef struct mn__c_cache {
@@ -9739,11 +9749,13 @@ typedef struct mn__c_cache {
 #endif
     mn__c_pool small, large;
     mn__c_slot *map;                // allocated and pending blocks by address, linear probing
-    uint64_t map_cap, map_count;
+    uint64_t map_cap, map_count;    // map_cap: a power of two, at most 2^32
     mn__c_segment *segs;            // every segment
     mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
-    mn__c_block *spare;             // recycled block structs
+    mn__c_block *spare;             // unused block structs
     uint32_t spare_count;
+    mn__c_slab **slabs;             // by id >> MN__C_SLAB_LOG
+    uint32_t slab_count, slab_cap;
     mn__c_use *spare_uses;
     mn__c_use *ev_head, *ev_tail;   // pending cross-stream frees, in record order
     struct mn_cache_stats st;
@@ -9832,15 +9844,17 @@ MN__PRIVATE void mn__c_tr_insert(mn__c_block **root, mn__c_block *n, int by_addr
     while (n->up && n->up->prio < n->prio) mn__c_tr_rotate_up(root, n);
 }
 
-// Treap erase without a search: rotate the node down to a leaf, then cut it off.
+// Treap erase without a search: rotate the node down until it has one child at most, then splice
+// that child into its place (the same treap as rotating it down to a leaf: a treap is unique for
+// its keys and priorities). The bin minimum, the node taken most, has no left child: no rotation.
 MN__PRIVATE void mn__c_tr_erase(mn__c_block **root, mn__c_block *n) {
-    while (n->l || n->r) {
-        mn__c_block *c = !n->l ? n->r : !n->r ? n->l : n->l->prio > n->r->prio ? n->l : n->r;
-        mn__c_tr_rotate_up(root, c);
-    }
-    if (!n->up) *root = NULL;
-    else if (n->up->l == n) n->up->l = NULL;
-    else n->up->r = NULL;
+    mn__c_block *c;
+    while (n->l && n->r) mn__c_tr_rotate_up(root, n->l->prio > n->r->prio ? n->l : n->r);
+    c = n->l ? n->l : n->r;
+    if (c) c->up = n->up;
+    if (!n->up) *root = c;
+    else if (n->up->l == n) n->up->l = c;
+    else n->up->r = c;
     n->up = NULL;
 }
 
@@ -9892,6 +9906,25 @@ MN__PRIVATE mn__c_block *mn__c_tr_next(mn__c_block *b) {
     }
     while (b->up && b->up->r == b) b = b->up;
     return b->up;
+}
+
+// ---- address map hashing ------------------------------------------------------------------------
+
+// Fibonacci hashing: a slot's home is the top log2(cap) bits of the product, its tag the top 32
+// (so the tag gives the home back while cap <= 2^32).
+MN__PRIVATE uint64_t mn__c_hash64(uint64_t addr) { return (addr >> 9) * 0x9E3779B97F4A7C15ull; }
+
+MN__PRIVATE uint64_t mn__c_home(uint32_t tag, uint64_t cap) {
+    return (uint64_t)tag >> (32u - mn__c_log2_floor(cap));
+}
+
+// Asks for the line of addr's home slot (a hint: no effect on results; none without GCC/clang).
+MN__PRIVATE void mn__c_map_prefetch(const mn__c_cache *c, uint64_t addr) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(&c->map[mn__c_home((uint32_t)(mn__c_hash64(addr) >> 32), c->map_cap)], 1);
+#else
+    (void)c, (void)addr;
+#endif
 }
 
 // ---- size-class bins ----------------------------------------------------------------------------
@@ -10045,19 +10078,26 @@ MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
     }
 }
 
-// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none.
-MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
+// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none. The
+// block found is most often its bin's first, whose address goes into the address map when it is
+// handed out: that slot's line is asked for together with the block's, not after it (with many
+// blocks both are cache misses).
+MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(const mn__c_cache *c, mn__c_pool *p, mn_stream s,
+                                                uint64_t size) {
     mn__c_sbin *e;
     mn__c_block *b;
     uint32_t i;
     if (!p->bins || !(e = mn__c_sbin_find(p, s, NULL))) return NULL;
     i = mn__c_bin_of(size);
     if (mn__c_bit_get(e, i)) {
+        mn__c_map_prefetch(c, p->bins[i].first_addr);
         b = mn__c_bin_lower(&p->bins[i], s, size);
         if (b && b->stream == s) return b;
     }
     i = mn__c_bit_next(e, i + 1);  // every block of a later bin is larger
-    return i < MN__C_BINS ? mn__c_bin_lower(&p->bins[i], s, 0) : NULL;
+    if (i >= MN__C_BINS) return NULL;
+    mn__c_map_prefetch(c, p->bins[i].first_addr);
+    return mn__c_bin_lower(&p->bins[i], s, 0);
 }
 
 // The free block after b in (stream, size, address) order, NULL if none of b's stream.
@@ -10123,7 +10163,7 @@ MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
         } else {
             mn__c_tr_insert(&bin->root, b, 0);
         }
-        if (!f || mn__c_node_lt(b, f, 0)) bin->first = b;
+        if (!f || mn__c_node_lt(b, f, 0)) bin->first = b, bin->first_addr = b->addr;
         mn__c_bit_set(mn__c_sbin_find(p, b->stream, NULL), b->bin);  // made with the segment
     } else {
         mn__c_tr_insert(&p->unmapped, b, 1);
@@ -10139,7 +10179,7 @@ MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
         int keep = n && n->stream == b->stream;  // the bin still holds blocks of b's stream
         if (!keep && bin->first != b)
             keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
-        if (bin->first == b) bin->first = n;
+        if (bin->first == b) bin->first = n, bin->first_addr = n ? n->addr : 0;
         mn__c_tr_erase(&bin->root, b);
         if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream, NULL), b->bin);
     } else {
@@ -10153,27 +10193,102 @@ MN__PRIVATE mn__c_pool *mn__c_pool_of(mn__c_cache *c, const mn__c_block *b) {
     return b->small ? &c->small : &c->large;
 }
 
-// ---- address map --------------------------------------------------------------------------------
+// ---- block structs ------------------------------------------------------------------------------
 
-// Fibonacci hashing: the top bits of the product (cap is a power of two, at least 2).
-MN__PRIVATE uint64_t mn__c_hash(uint64_t addr, uint64_t cap) {
-    return ((addr >> 9) * 0x9E3779B97F4A7C15ull) >> (64 - mn__c_log2_floor(cap));
+#define MN__C_SPARE_BLOCKS 4
+#define MN__C_BLOCK_STRIDE ((sizeof(mn__c_block) + 63u) / 64u * 64u)  // whole cache lines
+#define MN__C_SLAB_LOG 14u     // a slab holds up to 2^14 blocks (3 MiB): 64 in the first, then
+#define MN__C_SLAB_MIN 64u     // twice as many in each next one
+#define MN__C_SLAB_LIMIT (1u << (32u - MN__C_SLAB_LOG))  // slabs a 32-bit id can name
+
+MN__PRIVATE mn__c_block *mn__c_block_at(const mn__c_cache *c, uint32_t id) {
+    unsigned char *base = (unsigned char *)c->slabs[id >> MN__C_SLAB_LOG] + 64;
+    return (mn__c_block *)(void *)(base + (size_t)(id & ((1u << MN__C_SLAB_LOG) - 1u)) *
+                                              MN__C_BLOCK_STRIDE);
 }
 
-// Makes room for one more entry (the only host allocation on the alloc path, done first).
+// Makes sure n structs are spare, adding slabs if needed (host allocations: the slab, and the
+// table of slabs when it grows; a failure changes nothing).
+MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
+    while (c->spare_count < n) {
+        uint32_t k = c->slab_count < MN__C_SLAB_LOG - 6u ? MN__C_SLAB_MIN << c->slab_count
+                                                          : 1u << MN__C_SLAB_LOG, i;
+        void *host;
+        mn__c_slab *sl;
+        unsigned char *base;
+        // ids stay below 2^32 - 1 (the map keeps id + 1): never reached, 2^32 blocks
+        if (c->slab_count == MN__C_SLAB_LIMIT - 1u) return MN_ERR_OUT_OF_MEMORY;
+        if (c->slab_count == c->slab_cap) {
+            uint32_t cap = c->slab_cap ? c->slab_cap * 2 : 8;  // up to MN__C_SLAB_LIMIT
+            mn__c_slab **t = (mn__c_slab **)mn__alloc_array(&c->alloc, cap, sizeof *t);
+            if (!t) return MN_ERR_OUT_OF_MEMORY;
+            if (c->slab_count) memcpy(t, c->slabs, c->slab_count * sizeof *t);
+            mn__free(&c->alloc, c->slabs);
+            c->slabs = t;
+            c->slab_cap = cap;
+        }
+        // 64 + 63 + 2^14 strides of a few lines: far below SIZE_MAX
+        host = mn__alloc(&c->alloc, 64 + 63 + (size_t)k * MN__C_BLOCK_STRIDE);
+        if (!host) return MN_ERR_OUT_OF_MEMORY;
+        base = (unsigned char *)(((uintptr_t)host + 63) & ~(uintptr_t)63);
+        sl = (mn__c_slab *)(void *)base;
+        sl->host = host;
+        for (i = k; i-- > 0;) {  // handed out in address order
+            mn__c_block *b = (mn__c_block *)(void *)(base + 64 + (size_t)i * MN__C_BLOCK_STRIDE);
+            b->id = c->slab_count << MN__C_SLAB_LOG | i;
+            b->tmp = c->spare;
+            c->spare = b;
+        }
+        c->slabs[c->slab_count++] = sl;
+        c->spare_count += k;  // at most 2^32 - 1 blocks in all slabs
+    }
+    return MN_OK;
+}
+
+// A zeroed block struct from the spares (or a new slab), NULL when the host is out of memory.
+MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
+    mn__c_block *b;
+    uint32_t id;
+    if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
+    b = c->spare;
+    c->spare = b->tmp;
+    c->spare_count--;
+    id = b->id;
+    memset(b, 0, sizeof *b);
+    b->id = id;
+    c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
+    b->prio = c->rng;
+    b->mapped = 1;
+    return b;
+}
+
+MN__PRIVATE void mn__c_block_delete(mn__c_cache *c, mn__c_block *b) {
+    b->tmp = c->spare;
+    c->spare = b;
+    c->spare_count++;
+}
+
+MN__PRIVATE void mn__c_fix_head(mn__c_block *b) {
+    if (!b->prev) b->seg->head = b;
+}
+
+// ---- address map --------------------------------------------------------------------------------
+
+// Makes room for one more entry (before anything else on the alloc path).
 MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
     uint64_t i, cap;
     mn__c_slot *nm;
     if ((c->map_count + 1) * 2 <= c->map_cap) return MN_OK;
     cap = c->map_cap ? c->map_cap * 2 : 1024;
+    if (cap > (1ull << 32) || cap > SIZE_MAX / sizeof *nm) return MN_ERR_OUT_OF_MEMORY;
     nm = (mn__c_slot *)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
     if (!nm) return MN_ERR_OUT_OF_MEMORY;
     memset(nm, 0, (size_t)cap * sizeof *nm);
     for (i = 0; i < c->map_cap; i++) {
         uint64_t h;
-        if (!c->map[i].b) continue;
-        h = mn__c_hash(c->map[i].addr, cap);
-        while (nm[h].b) h = (h + 1) & (cap - 1);
+        if (!c->map[i].id1) continue;
+        h = mn__c_home(c->map[i].tag, cap);
+        while (nm[h].id1) h = (h + 1) & (cap - 1);
         nm[h] = c->map[i];
     }
     mn__free(&c->alloc, c->map);
@@ -10183,89 +10298,50 @@ MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
 }
 
 MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
-    uint64_t h = mn__c_hash(b->addr, c->map_cap);
-    while (c->map[h].b) h = (h + 1) & (c->map_cap - 1);
-    c->map[h].addr = b->addr;
-    c->map[h].b = b;
+    uint32_t tag = (uint32_t)(mn__c_hash64(b->addr) >> 32);
+    uint64_t h = mn__c_home(tag, c->map_cap);
+    while (c->map[h].id1) h = (h + 1) & (c->map_cap - 1);
+    c->map[h].tag = tag;
+    c->map[h].id1 = b->id + 1;
     c->map_count++;
 }
 
-MN__PRIVATE uint64_t mn__c_map_slot(const mn__c_cache *c, uint64_t addr) {
+// The block at addr and its slot, NULL if none; the blocks whose tags agree are read to compare.
+MN__PRIVATE mn__c_block *mn__c_map_find(const mn__c_cache *c, uint64_t addr, uint64_t *slot) {
+    uint32_t tag;
     uint64_t h;
-    if (!c->map_cap) return UINT64_MAX;
-    h = mn__c_hash(addr, c->map_cap);
-    while (c->map[h].b) {
-        if (c->map[h].addr == addr) return h;
+    if (!c->map_cap) return NULL;
+    tag = (uint32_t)(mn__c_hash64(addr) >> 32);
+    h = mn__c_home(tag, c->map_cap);
+    while (c->map[h].id1) {
+        if (c->map[h].tag == tag) {
+            mn__c_block *b = mn__c_block_at(c, c->map[h].id1 - 1);
+            if (b->addr == addr) {
+                *slot = h;
+                return b;
+            }
+        }
         h = (h + 1) & (c->map_cap - 1);
     }
-    return UINT64_MAX;
+    return NULL;
 }
 
 // Removes slot i, shifting later entries of the probe run back (no tombstones).
 MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
     uint64_t mask = c->map_cap - 1, j = i;
-    c->map[i].b = NULL;
+    c->map[i].id1 = 0;
     c->map_count--;
     for (;;) {
         uint64_t k;
         j = (j + 1) & mask;
-        if (!c->map[j].b) return;
-        k = mn__c_hash(c->map[j].addr, c->map_cap);
+        if (!c->map[j].id1) return;
+        k = mn__c_home(c->map[j].tag, c->map_cap);
         // move j back to i if its home k is not cyclically in (i, j]
         if ((i <= j) ? (i < k && k <= j) : (i < k || k <= j)) continue;
         c->map[i] = c->map[j];
-        c->map[j].b = NULL;
+        c->map[j].id1 = 0;
         i = j;
     }
-}
-
-// ---- block structs ------------------------------------------------------------------------------
-
-#define MN__C_SPARE_BLOCKS 4
-
-MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
-    while (c->spare_count < n) {
-        void *host = mn__alloc(&c->alloc, sizeof(mn__c_block) + 63);
-        mn__c_block *b;
-        if (!host) return MN_ERR_OUT_OF_MEMORY;
-        b = (mn__c_block *)(((uintptr_t)host + 63) & ~(uintptr_t)63);
-        b->host = host;
-        b->tmp = c->spare;
-        c->spare = b;
-        c->spare_count++;
-    }
-    return MN_OK;
-}
-
-// A zeroed block struct from the spares (or the host), NULL when the host is out of memory.
-MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
-    mn__c_block *b;
-    void *host;
-    if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
-    b = c->spare;
-    c->spare = b->tmp;
-    c->spare_count--;
-    host = b->host;
-    memset(b, 0, sizeof *b);
-    b->host = host;
-    c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
-    b->prio = c->rng;
-    b->mapped = 1;
-    return b;
-}
-
-MN__PRIVATE void mn__c_block_delete(mn__c_cache *c, mn__c_block *b) {
-    if (c->spare_count >= 64) {
-        mn__free(&c->alloc, b->host);
-        return;
-    }
-    b->tmp = c->spare;
-    c->spare = b;
-    c->spare_count++;
-}
-
-MN__PRIVATE void mn__c_fix_head(mn__c_block *b) {
-    if (!b->prev) b->seg->head = b;
 }
 
 // ---- statistics ---------------------------------------------------------------------------------
@@ -10637,7 +10713,7 @@ MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_
                                               uint64_t size) {
     mn__c_block *b;
     if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) p->get_free_calls++;
-    b = mn__c_pool_lower_bound(p, s, size);
+    b = mn__c_pool_lower_bound(c, p, s, size);
     if (!b || b->stream != s) return NULL;
     if (c->cfg.expandable_segments && b->seg->expandable) {  // (the segment is not read else)
         // rank by the size the block can grow to (its unmapped successor included)
@@ -10805,7 +10881,7 @@ MN__PRIVATE int mn__c_release_available(mn__c_cache *c, mn__c_pool *p, mn_stream
     mn__c_block *b;
     if (c->pol.max_split == UINT64_MAX) return 0;
     key = size < c->pol.max_split ? c->pol.max_split : size;
-    b = mn__c_pool_lower_bound(p, s, key);
+    b = mn__c_pool_lower_bound(c, p, s, key);
     if (!b || b->stream != s || b->seg->expandable) {
         b = mn__c_pool_before(p, s, key, 0);
         while (b && released < key && b->size >= c->pol.max_split && b->stream == s) {
@@ -11019,10 +11095,10 @@ done:
 }
 
 MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot) {
-    uint64_t i = mn__c_map_slot(c, mn__c_addr(c, ptr));
-    if (i == UINT64_MAX) return NULL;
-    if (slot) *slot = i;
-    return c->map[i].b;
+    uint64_t i;
+    mn__c_block *b = mn__c_map_find(c, mn__c_addr(c, ptr), &i);
+    if (b && slot) *slot = i;
+    return b;
 }
 
 MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
@@ -11245,13 +11321,13 @@ MNIMPL void mn_cache_free(mn_cache *cache) {
             if (s->expandable && b->mapped)
                 c->dev.unmap_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size);
             for (u = b->uses; u; u = un) un = u->next, mn__free(&c->alloc, u);
-            mn__free(&c->alloc, b->host);
         }
         if (s->expandable && c->dev.unreserve_fn)
             c->dev.unreserve_fn(c->dev.user_data, mn__c_ptr(c, s->addr), s->size);
         mn__free(&c->alloc, s);
     }
-    for (b = c->spare; b; b = bn) bn = b->tmp, mn__free(&c->alloc, b->host);
+    while (c->slab_count) mn__free(&c->alloc, c->slabs[--c->slab_count]->host);
+    mn__free(&c->alloc, c->slabs);
     for (k = 0; k < 2; k++) {
         mn__c_pool *p = k ? &c->large : &c->small;
         uint32_t i;
@@ -11337,7 +11413,8 @@ MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *
         uint64_t n = 0;
         mn__c_tree_check(bin->root, &n, 0, &prev, &bad);
         if (bad || (bin->root && bin->root->up) || (!bin->root) != (!bin->first) ||
-            (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))))
+            (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))) ||
+            bin->first_addr != (bin->first ? bin->first->addr : 0))
             MN__C_FAIL("cache check: bin %u out of order", i);
         for (b = bin->first; b; b = mn__c_tr_next((mn__c_block *)(uintptr_t)b)) {
             mn__c_sbin *e = mn__c_sbin_find(p, b->stream, NULL);

@@ -825,6 +825,56 @@ static void test_host_failure_injection(void) {
     mnt_fail_alloc_after(0);
 }
 
+// Block structs come from slabs (64 structs, then twice as many each time, up to 16384): each
+// host allocation of a call (a slab, the table of slabs, a segment record, the address map) in
+// turn fails with nothing changed, at every slab boundary of 50000 blocks; the blocks carved from
+// the slabs stay apart (the check and the snapshot at the end).
+static void test_slab_failure_injection(void) {
+    enum { N = 50000 };
+    tc_env e;
+    void **p = (void **)malloc(N * sizeof *p);
+    int i, fails = 0;
+    CHECK(p != NULL);
+    if (!p) return;
+    CHECK_OK(tc_open(&e, 0, "", 0));
+    for (i = 0; i < N; i++) {
+        uint64_t size = 512 * (uint64_t)(1 + i % 7);
+        mn_stream s = (mn_stream)(i % 3 == 0);
+        long n;
+        for (n = 1; n < 8; n++) {
+            struct mn_cache_stats before = tc_stats(&e), after;
+            mn_result r;
+            mnt_fail_alloc_after(n);
+            r = mn_cache_alloc(&e.cache, size, s, MN_CAT_OTHER, NULL, &p[i]);
+            mnt_fail_alloc_after(0);
+            if (r == MN_OK) break;
+            CHECK_ERR(r, MN_ERR_OUT_OF_MEMORY);
+            CHECK(p[i] == NULL);
+            after = tc_stats(&e);  // (what was reserved before the failure stays reserved)
+            CHECK_EQ_U64(after.allocation[MN_STAT_ALL].current,
+                         before.allocation[MN_STAT_ALL].current);
+            CHECK_EQ_U64(after.segment[MN_STAT_ALL].current, before.segment[MN_STAT_ALL].current);
+            CHECK_EQ_U64(after.inactive_split[MN_STAT_ALL].current,
+                         before.inactive_split[MN_STAT_ALL].current);
+            fails++;
+        }
+        CHECK(n < 8);
+        if (i % 5 == 4) {
+            CHECK_OK(mn_cache_release(&e.cache, p[i - 2]));
+            p[i - 2] = NULL;
+        }
+    }
+    // 40000 live blocks and their free neighbours: 11 slabs, 2 growths of their table
+    CHECK(fails >= 13);
+    CHECK_OK(mn_cache_check(&e.cache));
+    tc_consistent(&e);
+    for (i = 0; i < N; i++) CHECK_OK(mn_cache_release(&e.cache, p[i]));
+    CHECK_OK(mn_cache_empty(&e.cache));
+    CHECK_EQ_U64(tc_stats(&e).segment[MN_STAT_ALL].current, 0);
+    tc_close(&e);
+    free(p);
+}
+
 // ---- threads -----------------------------------------------------------------------------------
 
 typedef struct tc_thread {
@@ -1875,6 +1925,7 @@ const mnt_case test_cache_cases[] = {
     {"expandable_segments", test_expandable_segments},
     {"device_failure_injection", test_device_failure_injection},
     {"host_failure_injection", test_host_failure_injection},
+    {"slab_failure_injection", test_slab_failure_injection},
     {"threads", test_threads},
     {"snapshot_json_and_svg", test_snapshot_json_and_svg},
     {"many_blocks_and_plain_device", test_many_blocks_and_plain_device},

@@ -247,7 +247,85 @@ static void test_random_traces(void) {
         cd_run(cases[k].config, cases[k].capacity, cases[k].fraction, 20000);
 }
 
+// Deep bins: 30000 live blocks of a few sizes (so thousands share each exact bin), every third
+// freed, then random allocations and releases: the best fit is a bin's lowest address, taken
+// from deep in a bin's order, a split's remainder joins a crowded bin, and the block structs span
+// many slabs. Addresses and statistics are compared after every call, snapshots now and then.
+static void test_deep_bins(void) {
+    enum { N = 30000 };
+    static const uint64_t sizes[] = {512, 1024, 1536, 4096, 8192, 65536, 1536 * 1024,
+                                     3 * MIB, 12 * MIB};
+    cd_pair p;
+    void **live = (void **)malloc(N * sizeof *live);
+    uint64_t nlive = 0, i;
+    int diverged = 0;
+    CHECK(live != NULL);
+    if (!live) return;
+    CHECK_OK(cd_open(&p, 0, "", 0));
+    if (!p.open) {
+        free(live);
+        return;
+    }
+    for (i = 0; i < 3 * (uint64_t)N && !diverged; i++) {
+        uint64_t r = mnt_rand_u64() % 100;
+        if (i < N || (r < 50 && nlive < N) || nlive == 0) {
+            uint64_t size = sizes[mnt_rand_u64() % (sizeof sizes / sizeof sizes[0])];
+            mn_stream s = (mn_stream)(mnt_rand_u64() % 8 == 0);
+            void *pa = NULL, *pb = NULL;
+            mn_result ra = mn_cache_alloc(&p.a, size, s, MN_CAT_OTHER, NULL, &pa);
+            mn_result rb = mr_cache_alloc(&p.b, size, s, MN_CAT_OTHER, NULL, &pb);
+            if (ra != rb || pa != pb) {
+                CHECK_MSG(0, "step %llu: alloc of %llu: %d %p, reference %d %p",
+                          (unsigned long long)i, (unsigned long long)size, (int)ra, pa, (int)rb,
+                          pb);
+                diverged = 1;
+            }
+            if (ra == MN_OK) live[nlive++] = pa;
+        } else {
+            uint64_t k = mnt_rand_u64() % nlive;
+            CHECK_OK(mn_cache_release(&p.a, live[k]));
+            CHECK_OK(mr_cache_release(&p.b, live[k]));
+            live[k] = live[--nlive];
+        }
+        if (i == N - 1) {  // holes: every third block
+            uint64_t k, n = 0;
+            for (k = 0; k < nlive; k++) {
+                if (k % 3 == 0) {
+                    CHECK_OK(mn_cache_release(&p.a, live[k]));
+                    CHECK_OK(mr_cache_release(&p.b, live[k]));
+                } else {
+                    live[n++] = live[k];
+                }
+            }
+            nlive = n;
+        }
+        if (!diverged && !cd_same_state(&p)) {
+            CHECK_MSG(0, "step %llu: statistics differ", (unsigned long long)i);
+            diverged = 1;
+        }
+        if (!diverged && i % 9973 == 0 && !cd_same_snapshot(&p)) {
+            CHECK_MSG(0, "step %llu: snapshots differ", (unsigned long long)i);
+            diverged = 1;
+        }
+    }
+    if (!diverged) {
+        CHECK(cd_same_snapshot(&p));
+        CHECK_OK(mn_cache_check(&p.a));
+    }
+    while (nlive) {
+        nlive--;
+        CHECK_OK(mn_cache_release(&p.a, live[nlive]));
+        CHECK_OK(mr_cache_release(&p.b, live[nlive]));
+    }
+    CHECK_OK(mn_cache_empty(&p.a));
+    CHECK_OK(mr_cache_empty(&p.b));
+    if (!diverged) CHECK(cd_same_state(&p));
+    cd_close(&p);
+    free(live);
+}
+
 const mnt_case test_cachediff_cases[] = {
     {"random_traces", test_random_traces},
+    {"deep_bins", test_deep_bins},
 };
 const size_t test_cachediff_count = sizeof test_cachediff_cases / sizeof test_cachediff_cases[0];
