@@ -4488,6 +4488,10 @@ typedef struct mn__sim {
     uint64_t steps;
     const uint64_t *mb_seq;
     uint64_t *step_marks;
+    // mn_fit: only whether the step fits is asked (decide); the replay at the device's size met
+    // an allocation it could not grant and stopped there (unsettled: the result holds the step
+    // alone and fits 0)
+    int decide, unsettled;
     mn_result err;
 } mn__sim;
 
@@ -7149,7 +7153,8 @@ MN__PRIVATE void mn__replay_log(void *user_data, mn_log_level level, const char 
 // states, a technique that changes no buffer): their allocation events are then the same, and so
 // is every statistic of their replay, which depends on the events, the device size, the
 // allocator config and the allocator alone. mn_fit keeps the last few successful replays with
-// their events and reuses one whose inputs are all equal.
+// their events and reuses one whose inputs are all equal (a replay stopped at its first
+// out-of-memory only where a stopped one is asked for).
 #define MN__REPLAY_MEMO 4
 
 typedef struct mn__replay_memo_entry {
@@ -7157,6 +7162,8 @@ typedef struct mn__replay_memo_entry {
     uint64_t nev, capacity;
     const char *alloc_conf;
     mn_cache_statistics st;
+    uint64_t failed;     // device allocations refused (mn_simdev.failed_calls)
+    int stopped;         // stopped at its first out-of-memory: st and failed are partial
 } mn__replay_memo_entry;
 
 typedef struct mn__replay_memo {
@@ -7170,9 +7177,9 @@ MN__PRIVATE void mn__replay_memo_free(mn__replay_memo *M) {
     memset(M, 0, sizeof *M);
 }
 
-// The entry replayed from the same inputs, or NULL.
+// The entry replayed from the same inputs, or NULL (a stopped one only when stop is set).
 MN__PRIVATE const mn__replay_memo_entry *mn__replay_memo_find(const mn__sim *S,
-                                                              uint64_t capacity) {
+                                                              uint64_t capacity, int stop) {
     const mn__replay_memo *M = S->rmemo;
     const char *conf = S->c->s.alloc_conf;
     uint32_t i;
@@ -7180,7 +7187,7 @@ MN__PRIVATE const mn__replay_memo_entry *mn__replay_memo_find(const mn__sim *S,
     if (S->al) return NULL;  // (a caller's allocator: not kept)
     for (i = 0; i < M->n; i++) {
         const mn__replay_memo_entry *e = &M->e[i];
-        if (e->nev != S->nev || e->capacity != capacity) continue;
+        if (e->nev != S->nev || e->capacity != capacity || (e->stopped && !stop)) continue;
         if ((e->alloc_conf == NULL) != (conf == NULL) || (conf && strcmp(e->alloc_conf, conf)))
             continue;
         for (j = 0; j < S->nev; j++) {
@@ -7196,7 +7203,8 @@ MN__PRIVATE const mn__replay_memo_entry *mn__replay_memo_find(const mn__sim *S,
 
 // Keeps a successful replay (nothing when there is no room for its events).
 MN__PRIVATE void mn__replay_memo_add(mn__sim *S, uint64_t capacity,
-                                     const mn_cache_statistics *st) {
+                                     const mn_cache_statistics *st, uint64_t failed,
+                                     int stopped) {
     mn__replay_memo *M = S->rmemo;
     mn__replay_memo_entry *e;
     size_t bytes = (size_t)S->nev * sizeof *S->ev;  // (the size of S->ev in use: no overflow)
@@ -7210,33 +7218,79 @@ MN__PRIVATE void mn__replay_memo_add(mn__sim *S, uint64_t capacity,
     else mn__free(NULL, e->ev);
     M->next = (M->next + 1) % MN__REPLAY_MEMO;
     e->ev = copy, e->nev = S->nev, e->capacity = capacity;
-    e->alloc_conf = S->c->s.alloc_conf, e->st = *st;
+    e->alloc_conf = S->c->s.alloc_conf, e->st = *st, e->failed = failed, e->stopped = stopped;
+}
+
+// mn_cache_replay's loop (an allocation of a live id first releases the old block, a free of an
+// id with no live block is skipped) that stops at the first allocation refused after the whole
+// out-of-memory ladder (*stopped 1). The ids index an array: the estimator's tensor ids are
+// below a few times the event count; other ids, or no host memory for the array, replay whole.
+MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped) {
+    const mn_trace_event *ev = S->ev;
+    uint64_t i, top = 0;
+    void **blk;
+    mn_result r = MN_OK;
+    *stopped = 0;
+    for (i = 0; i < S->nev; i++) top = ev[i].id > top ? ev[i].id : top;
+    if (top >= 4 * S->nev + 4096 ||
+        !(blk = (void **)mn__alloc_array(NULL, (size_t)top + 1, sizeof *blk)))
+        return mn_cache_replay(c, ev, S->nev, 0, NULL);
+    memset(blk, 0, ((size_t)top + 1) * sizeof *blk);
+    for (i = 0; i < S->nev && r == MN_OK; i++) {
+        const mn_trace_event *e = &ev[i];
+        void *p = NULL;
+        if (blk[e->id]) r = mn_cache_release(c, blk[e->id]), blk[e->id] = NULL;
+        if (!e->alloc || r != MN_OK) continue;
+        r = mn_cache_alloc(c, e->size, e->stream, (mn_category)e->category,
+                           e->phase ? mn_phase_name((mn_phase)e->phase) : NULL, &p);
+        if (r == MN_ERR_DEVICE_OOM) {
+            *stopped = 1, r = MN_OK;
+            break;
+        }
+        if (r == MN_OK) blk[e->id] = p;
+    }
+    mn__free(NULL, blk);
+    return r;
 }
 
 // Replays the events through the caching allocator on a simulated device. capacity 0 = unlimited.
-static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *st) {
+// *failed: the device allocations the device refused (failed may be NULL). stop (a capacity
+// set): stop at the first allocation refused after the out-of-memory ladder (*stopped 1; st and
+// *failed then count what was replayed up to it); stopped may be NULL when stop is 0.
+static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_statistics *st,
+                            uint64_t *failed, int *stopped) {
     mn_sim_cache sc;
     mn_simdev_desc dd;
     mn_cache_desc cd;
     mn_replay_counts n;
     mn_result r;
+    uint64_t refused;
+    int stp = 0;
+    if (stopped) *stopped = 0;
     if (S->rmemo) {
-        const mn__replay_memo_entry *e = mn__replay_memo_find(S, capacity);
+        const mn__replay_memo_entry *e = mn__replay_memo_find(S, capacity, stop);
         if (e) {
             *st = e->st;
+            if (failed) *failed = e->failed;
+            if (stopped) *stopped = e->stopped;
             return MN_OK;
         }
     }
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
+    memset(&n, 0, sizeof n);
     dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
     cd.logger.log_fn = mn__replay_log, cd.logger.user_data = (void *)&S->c->s.logger;
     if (S->al) cd.allocator = *S->al;
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
-    r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
+    if (stop && capacity) r = mn__replay_until_oom(S, &sc.cache, &stp);
+    else r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
     if (r == MN_OK) r = mn_cache_stats(&sc.cache, st);
+    refused = sc.dev.failed_calls;
     mn_sim_cache_free(&sc);
+    if (failed) *failed = refused;
+    if (stopped) *stopped = stp;
     if (r == MN_OK && capacity == 0 && n.failed) {
         // unlimited device: only a tensor of 1 EiB or more is refused (PyTorch's one_exa_bytes)
         uint64_t i, big = 0;
@@ -7248,7 +7302,7 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *
                 (unsigned long long)big);
         r = MN_ERR_OVERFLOW;
     }
-    if (r == MN_OK && S->rmemo) mn__replay_memo_add(S, capacity, st);
+    if (r == MN_OK && S->rmemo) mn__replay_memo_add(S, capacity, st, refused, stp);
     return r;
 }
 
@@ -7335,22 +7389,47 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     out->peak_reserved = S->peak;
     out->context = c.s.context, out->capacity = c.s.capacity;
     if (!c.s.no_replay) {
+        // The replay on an unlimited device gives the peaks; when its reserved peak exceeds the
+        // device and its allocated peak does not, PyTorch frees cached blocks and retries before
+        // it gives up: a replay at the real size (lim: without an out-of-memory) gives the
+        // reserved peak. When only whether the step fits is asked (S->decide), the replay at the
+        // real size runs first: while the device grants every allocation it is the unlimited
+        // one, step for step (with no allocator config, the allocator reads the device's size
+        // only from a refused allocation), so when none is refused it is the answer alone; an
+        // out-of-memory there means the step does not fit either way, and the replay stops.
         mn_cache_statistics st, st2;
-        uint64_t limit = c.s.capacity - c.s.context;
-        r = mn__replay(S, 0, &st);
-        if (r != MN_OK) return r;
-        out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
-        out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
-        if (out->peak_reserved > limit && out->peak_allocated <= limit) {
-            // PyTorch frees cached blocks and retries before it gives up: replay at the real size
-            r = mn__replay(S, limit, &st2);
+        uint64_t limit = c.s.capacity - c.s.context, failed = 0;
+        int lim = 0, stopped = 0;
+        if (S->decide && limit && !c.s.alloc_conf && S->peak < (1ull << 59) &&
+            UINTPTR_MAX >= UINT64_MAX) {  // (the unlimited replay could fail: see mn__fit_given)
+            r = mn__replay(S, limit, 1, &st2, &failed, &stopped);
             if (r != MN_OK) return r;
-            if (st2.num_ooms == 0) {
+            if (failed == 0) {
                 st = st2;
-                out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
+            } else if (stopped || st2.num_ooms) {
+                S->unsettled = 1;
+            } else {  // refused, then granted after freeing the cache: the unlimited replay's
+                r = mn__replay(S, 0, 0, &st, NULL, NULL);  // reserved peak exceeded the limit
+                if (r != MN_OK) return r;
+                lim = st.reserved_bytes[MN_STAT_ALL].peak > limit &&
+                      st.allocated_bytes[MN_STAT_ALL].peak <= limit;
+            }
+        } else {
+            r = mn__replay(S, 0, 0, &st, NULL, NULL);
+            if (r != MN_OK) return r;
+            if (st.reserved_bytes[MN_STAT_ALL].peak > limit &&
+                st.allocated_bytes[MN_STAT_ALL].peak <= limit) {
+                r = mn__replay(S, limit, 0, &st2, NULL, NULL);
+                if (r != MN_OK) return r;
+                lim = st2.num_ooms == 0;
             }
         }
-        if (c.s.framework == MN_FW_MEMANAT) {
+        if (!S->unsettled) {  // (else the result keeps the step alone's peaks)
+            out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
+            if (lim) st = st2;
+            out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
+        }
+        if (!S->unsettled && c.s.framework == MN_FW_MEMANAT) {
             // The trainer reports its cache's block sizes (rounded, unsplit remainders included):
             // the replay's statistics are the prediction, category by category.
             out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
@@ -7364,7 +7443,7 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         }
     }
     out->device_used = out->context + out->peak_reserved;
-    out->fits = out->device_used <= out->capacity;
+    out->fits = !S->unsettled && out->device_used <= out->capacity;
     out->setup = c.s;
     out->model = c.m;
     out->gpu = gpu;
@@ -7972,7 +8051,7 @@ typedef struct mn__fit_memo {
     mn_setup key;                    // the setup asked, no_replay set
     mn_estimate_result quick, full;  // the step alone; with the allocator replay (has_full)
     mn_result quick_err, full_err;
-    int has_full;
+    int has_full;                    // 1: full; 2: full holds "does not fit" alone (mn__fits)
 } mn__fit_memo;
 
 typedef struct mn__fit {
@@ -7982,12 +8061,16 @@ typedef struct mn__fit {
     mn__fit_memo memo[MN__FIT_MEMO];
     uint32_t nmemo, next;             // entries in use; the entry replaced next
     mn__replay_memo rmemo;            // the last replays (mn__replay)
+    int whole;                        // 1: every estimate whole, no replay stopped (the tests
+                                      // compare the fit's answers with and without)
 } mn__fit;
 
-// One estimate run in the fit's simulation.
-MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
+// One estimate run in the fit's simulation. decide: only whether it fits is asked (mn__sim).
+MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r,
+                                  int decide) {
     F->out->estimates_run++;
     mn__sim_reset(&F->S);
+    F->S.decide = decide && !F->whole;
     return mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
 }
 
@@ -8004,7 +8087,7 @@ MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s) {
     F->next = (F->next + 1) % MN__FIT_MEMO;
     if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
     e->key = q, e->has_full = 0;
-    e->quick_err = mn__fit_run(F, &q, &e->quick);
+    e->quick_err = mn__fit_run(F, &q, &e->quick, 0);
     return e;
 }
 
@@ -8016,13 +8099,19 @@ MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estim
 }
 
 // Fits the device? The replay never lowers the peak below what is allocated, so a setup whose
-// allocated peak does not fit is rejected without replaying it.
-MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err) {
+// allocated peak does not fit is rejected without replaying it. full 0: a setup that does not
+// fit may get a result that says only that (its replay stopped at an out-of-memory); full 1:
+// the estimate whole.
+MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err,
+                         int full) {
     mn__fit_memo *e = mn__fit_entry(F, s);
     mn_result x = e->quick_err;
     *r = e->quick;
     if (x == MN_OK && r->fits && !s->no_replay) {
-        if (!e->has_full) e->full_err = mn__fit_run(F, s, &e->full), e->has_full = 1;
+        if (!e->has_full || (full && e->has_full == 2)) {
+            e->full_err = mn__fit_run(F, s, &e->full, !full);
+            e->has_full = e->full_err == MN_OK && F->S.unsettled ? 2 : 1;
+        }
         *r = e->full, x = e->full_err;
     }
     if (x != MN_OK) { *err = x; return 0; }
@@ -8076,7 +8165,7 @@ MN__PRIVATE uint64_t mn__bisect(mn__fit *F, mn_setup *s, uint64_t *field, uint64
     while (hi - lo > 1 && *err == MN_OK) {
         uint64_t mid = lo + (hi - lo) / 2;
         *field = mid;
-        if (mn__fits(F, s, &r, err)) lo = mid;
+        if (mn__fits(F, s, &r, err, 0)) lo = mid;
         else hi = mid;
     }
     return lo;
@@ -8092,12 +8181,12 @@ MN__PRIVATE uint64_t mn__search(mn__fit *F, mn_setup *s, uint64_t *field, uint64
     // 2. with the allocator: gallop down from the bound (allocator slack is a few percent, so
     //    the first step is 1/32 of it), then bisect
     *field = bound;
-    if (mn__fits(F, s, &r, err)) return bound;
+    if (mn__fits(F, s, &r, err, 0)) return bound;
     hi = bound, step = bound / 32 ? bound / 32 : 1;
     for (;;) {  // (1 is tried before the answer is 0)
         uint64_t cand = bound > step ? bound - step : 1;
         *field = cand;
-        if (mn__fits(F, s, &r, err)) return mn__bisect(F, s, field, cand, hi, err);
+        if (mn__fits(F, s, &r, err, 0)) return mn__bisect(F, s, field, cand, hi, err);
         if (cand == 1 || *err != MN_OK) return 0;
         hi = cand, step *= 2;
     }
@@ -8206,7 +8295,7 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
 
 // The estimate of the setup as given, with the allocator replay.
 MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estimate_result *cur) {
-    mn_result err = mn__fit_run(F, setup, cur);
+    mn_result err = mn__fit_run(F, setup, cur, 0);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay
@@ -8238,7 +8327,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     // Deferred only where that replay could not fail either: no allocator config to parse, no
     // tensor of 1 EiB or more (mn__replay refuses one; the peak holds every tensor).
     if (!setup->no_replay && !setup->alloc_conf) {
-        (void)mn__fits(F, setup, &cur, &err);
+        (void)mn__fits(F, setup, &cur, &err, 0);
         given = err == MN_OK && !cur.fits && cur.peak_allocated < (1ull << 60);
         if (given) cur.setup.no_replay = 0;  // cur is the step alone; the search replays
         else if (err == MN_OK && !cur.fits) err = mn__fit_given(F, setup, &cur);
@@ -8276,17 +8365,19 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
                 if ((err = mn__quick_estimate(F, &t, &qn)) != MN_OK) return err;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
                 steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
-                mn__fits(F, &s, &cur, &err);
+                mn__fits(F, &s, &cur, &err, 0);
                 if (err != MN_OK) return err;
             }
         }
+        // no plan fits: the last setup tried is the answer, whole
+        if (!cur.fits && n > 0 && (mn__fits(F, &s, &cur, &err, 1), err != MN_OK)) return err;
     }
     // Prune: drop each step, the slowest first, whose removal still fits.
     for (k = MN__T_COUNT; cur.fits && k-- > 0;) {
         for (i = n; i-- > 0;) {
             if (steps[i] != k) continue;
             t = mn__plan_setup(&base, steps, n, i, bf16);
-            if (!mn__fits(F, &t, &next, &err)) {
+            if (!mn__fits(F, &t, &next, &err, 0)) {
                 if (err != MN_OK) return err;
                 continue;
             }
@@ -8319,7 +8410,8 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     return MN_OK;
 }
 
-MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out) {
+MN__PRIVATE mn_result mn__fit_with(const mn_model *model, const mn_setup *setup,
+                                   mn_fit_result *out, int whole) {
     mn__fit *F;
     mn_result r;
     if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
@@ -8327,13 +8419,17 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     F = (mn__fit *)mn__alloc(NULL, sizeof *F);
     if (!F) return MN_ERR_OUT_OF_MEMORY;
     memset(F, 0, sizeof *F);
-    F->m = model, F->out = out;
+    F->m = model, F->out = out, F->whole = whole;
     F->S.rmemo = &F->rmemo;
     r = mn__fit_in(F, setup);
     mn__sim_free(&F->S);
     mn__replay_memo_free(&F->rmemo);
     mn__free(NULL, F);
     return r;
+}
+
+MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out) {
+    return mn__fit_with(model, setup, out, 0);
 }
 // >>hfconfig implementation -----------------------------------------------------------------------
 //
