@@ -4456,8 +4456,11 @@ typedef struct mn__sim {
     uint32_t *block_start;   // first parameter of each block (stack: of each layer)
     uint64_t nt, ct, nops, cops, np, cp, nev, cev, nfree, cfree, ch;
     int history;             // keep each tensor's history (hist)
-    int reuse;               // a dead tensor's id is reused once no op names it (no events, no
-                             // explain: nothing reads a dead tensor's history)
+    int reuse;               // a dead tensor's id is reused once no op names it (no explain:
+                             // nothing reads a dead tensor's history; no events kept for the
+                             // caller: the replay pairs an id's allocation with its free, and
+                             // a reused id was freed before, so its statistics are the same)
+    int unique_ids;          // 1: no reuse (the tests compare the replays with and without)
     uint64_t cur[MN_CAT_COUNT];       // bytes live per category
     uint64_t total, peak;             // bytes live, and the most at any moment
     uint64_t total_r, peak_r;         // the same with each tensor rounded up to 512 bytes
@@ -4492,6 +4495,10 @@ typedef struct mn__sim {
     // an allocation it could not grant and stopped there (unsettled: the result holds the step
     // alone and fits 0)
     int decide, unsettled;
+    // mn_fit: where the simulated step alone goes as well (what the estimate with no_replay set
+    // gives), the replay then skipped when the step alone does not fit; set once written
+    mn_estimate_result *alone;
+    int alone_set;
     mn_result err;
 } mn__sim;
 
@@ -7356,7 +7363,8 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     if (r == MN_OK) {
         S->events = (keep & MN__KEEP_EVENTS) || !c.s.no_replay;
         S->history = (keep & MN__KEEP_HISTORY) != 0;
-        S->reuse = !S->events && !S->history && c.s.framework != MN_FW_MEMANAT;
+        S->reuse = !(keep & MN__KEEP_EVENTS) && !S->history && !S->unique_ids &&
+                   c.s.framework != MN_FW_MEMANAT;
         mn__run(S);
         r = S->err;
     }
@@ -7388,6 +7396,18 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     out->alloc_events = S->nev / 2;
     out->peak_reserved = S->peak;
     out->context = c.s.context, out->capacity = c.s.capacity;
+    if (S->alone && !c.s.no_replay) {  // (no replay: no events either, alloc_events 0)
+        mn_estimate_result *q = S->alone;
+        *q = *out;
+        q->alloc_events = 0;
+        q->device_used = q->context + q->peak_reserved;
+        q->fits = q->device_used <= q->capacity;
+        q->setup = c.s, q->setup.no_replay = 1;
+        q->model = c.m, q->gpu = gpu;
+        q->setup.logger.log_fn = NULL, q->setup.logger.user_data = NULL;
+        S->alone_set = 1;
+        if (!q->fits) return MN_OK;  // (out is not read)
+    }
     if (!c.s.no_replay) {
         // The replay on an unlimited device gives the peaks; when its reserved peak exceeds the
         // device and its allocated peak does not, PyTorch frees cached blocks and retries before
@@ -8065,18 +8085,22 @@ typedef struct mn__fit {
                                       // compare the fit's answers with and without)
 } mn__fit;
 
-// One estimate run in the fit's simulation. decide: only whether it fits is asked (mn__sim).
+// One estimate run in the fit's simulation. decide: only whether it fits is asked (mn__sim);
+// alone: where the step alone goes too, or NULL (mn__sim).
 MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r,
-                                  int decide) {
+                                  int decide, mn_estimate_result *alone) {
     F->out->estimates_run++;
     mn__sim_reset(&F->S);
     F->S.decide = decide && !F->whole;
+    F->S.unique_ids = F->whole;
+    F->S.alone = alone;
     return mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
 }
 
 // The entry of setup s with its step-alone result, run now when no entry has it (the oldest
-// entry makes room).
-MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s) {
+// entry makes room). replay (s is to be replayed when its step alone fits): one run gives both,
+// the step alone from its simulation and the replay after it (decide as mn__fit_run's).
+MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int replay, int decide) {
     mn_setup q = *s;
     mn__fit_memo *e;
     uint32_t i;
@@ -8087,13 +8111,23 @@ MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s) {
     F->next = (F->next + 1) % MN__FIT_MEMO;
     if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
     e->key = q, e->has_full = 0;
-    e->quick_err = mn__fit_run(F, &q, &e->quick, 0);
+    if (replay && !s->no_replay && !F->whole) {
+        mn_result x = mn__fit_run(F, s, &e->full, decide, &e->quick);
+        if (!F->S.alone_set) {  // (failed before the replay: the step alone fails alike)
+            e->quick = e->full, e->quick_err = x;
+        } else if (e->quick_err = MN_OK, e->quick.fits) {
+            e->full_err = x;
+            e->has_full = x == MN_OK && F->S.unsettled ? 2 : 1;
+        }
+        return e;
+    }
+    e->quick_err = mn__fit_run(F, &q, &e->quick, 0, NULL);
     return e;
 }
 
 // The step alone (no allocator replay): milliseconds. Its device_used counts peak allocated.
 MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
-    mn__fit_memo *e = mn__fit_entry(F, s);
+    mn__fit_memo *e = mn__fit_entry(F, s, 0, 0);
     *r = e->quick;
     return e->quick_err;
 }
@@ -8104,12 +8138,12 @@ MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estim
 // the estimate whole.
 MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err,
                          int full) {
-    mn__fit_memo *e = mn__fit_entry(F, s);
+    mn__fit_memo *e = mn__fit_entry(F, s, 1, !full);
     mn_result x = e->quick_err;
     *r = e->quick;
     if (x == MN_OK && r->fits && !s->no_replay) {
         if (!e->has_full || (full && e->has_full == 2)) {
-            e->full_err = mn__fit_run(F, s, &e->full, !full);
+            e->full_err = mn__fit_run(F, s, &e->full, !full, NULL);
             e->has_full = e->full_err == MN_OK && F->S.unsettled ? 2 : 1;
         }
         *r = e->full, x = e->full_err;
@@ -8295,7 +8329,7 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
 
 // The estimate of the setup as given, with the allocator replay.
 MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estimate_result *cur) {
-    mn_result err = mn__fit_run(F, setup, cur, 0);
+    mn_result err = mn__fit_run(F, setup, cur, 0, NULL);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay

@@ -2,8 +2,10 @@
 // static copy of the implementation (MEMANAT_STATIC), so the private helpers can be called
 // directly; its cases run in the estimate suite (test/test_estimate.c).
 //   - an estimate that asks only whether the step fits (mn__sim.decide: the replay at the
-//     device's size first, stopped at its first out-of-memory) against the whole estimate:
-//     every field equal where it settles, "does not fit" where it stops;
+//     device's size first, stopped at its first out-of-memory) against the whole estimate with
+//     every tensor on its own id (mn__sim.unique_ids): every field equal where it settles,
+//     "does not fit" where it stops; the step alone it writes on the way (mn__sim.alone) equal
+//     to the estimate with no_replay set; mn_estimate (ids reused) equal to the whole one;
 //   - mn_fit against the same fit with every estimate whole (mn__fit_with's whole).
 #define MEMANAT_STATIC
 #include "harness.h"
@@ -85,30 +87,51 @@ static int place_capacity(const mn_model *m, mn_setup *s) {
     return 1;
 }
 
+// The estimate with every tensor on its own id, as before ids were reused with the replay.
+static mn_result estimate_unique_ids(const mn_model *m, const mn_setup *s,
+                                     mn_estimate_result *out) {
+    mn__sim S;
+    mn_result r;
+    memset(&S, 0, sizeof S);
+    S.unique_ids = 1;
+    r = mn__estimate_in(m, s, out, &S, 0, NULL);
+    mn__sim_free(&S);
+    return r;
+}
+
 // The decide path against the whole estimate on random setups, the device placed so that its
 // three outcomes happen: settled with nothing refused (the same replay as the unlimited one),
 // settled after a refused allocation that freeing the cache granted (the unlimited replay
 // decides again), stopped at an out-of-memory (the step does not fit).
 void test_fit_decide_replay(void) {
-    int it, plain = 0, retried = 0, stopped = 0;
-    for (it = 0; it < 400 && (it < 60 || !plain || !retried || !stopped); it++) {
+    int it, plain = 0, retried = 0, stopped = 0, skipped = 0;
+    for (it = 0; it < 400 && (it < 60 || !plain || !retried || !stopped || !skipped); it++) {
         mn_model m = random_model();
-        mn_setup s = random_setup();
-        mn_estimate_result whole, dec, unlimited;
+        mn_setup s = random_setup(), u;
+        mn_estimate_result whole, reused, dec, unlimited, alone, quick;
         mn__sim S;
         mn_result r;
         if (!place_capacity(&m, &s)) continue;
-        {
-            mn_setup u = s;
-            u.capacity = 1ull << 40;
-            CHECK_OK(mn_estimate(&m, &u, &unlimited));
-        }
-        CHECK_OK(mn_estimate(&m, &s, &whole));
+        u = s, u.capacity = 1ull << 40;
+        CHECK_OK(estimate_unique_ids(&m, &u, &unlimited));
+        CHECK_OK(estimate_unique_ids(&m, &s, &whole));
+        CHECK_OK(mn_estimate(&m, &s, &reused));
+        same_estimate(&reused, &whole, it);
+        u = s, u.no_replay = 1;
+        CHECK_OK(mn_estimate(&m, &u, &quick));
         memset(&S, 0, sizeof S);
-        S.decide = 1;
+        S.decide = 1, S.alone = &alone;
         r = mn__estimate_in(&m, &s, &dec, &S, 0, NULL);
         CHECK_OK(r);
-        if (r == MN_OK && S.unsettled) {
+        CHECK(S.alone_set);
+        if (S.alone_set) {
+            same_estimate(&alone, &quick, it);
+            CHECK_EQ_INT(alone.setup.no_replay, 1);
+        }
+        if (r == MN_OK && S.alone_set && !alone.fits) {  // (then the replay is skipped)
+            skipped++;
+            CHECK(!whole.fits);
+        } else if (r == MN_OK && S.unsettled) {
             stopped++;
             CHECK_MSG(!whole.fits && !dec.fits, "case %d: stopped, but the step fits", it);
         } else if (r == MN_OK) {
@@ -118,8 +141,8 @@ void test_fit_decide_replay(void) {
         }
         mn__sim_free(&S);
     }
-    CHECK_MSG(plain && retried && stopped, "outcomes not all seen: %d plain, %d retried, %d "
-              "stopped", plain, retried, stopped);
+    CHECK_MSG(plain && retried && stopped && skipped, "outcomes not all seen: %d plain, %d "
+              "retried, %d stopped, %d skipped", plain, retried, stopped, skipped);
 }
 
 // mn_fit against the same fit with every estimate whole: the same answers, field by field.
