@@ -7159,73 +7159,106 @@ MN__PRIVATE void mn__replay_log(void *user_data, mn_log_level level, const char 
 // A fit's setups often differ only where the device never sees it (the optimizer of offloaded
 // states, a technique that changes no buffer): their allocation events are then the same, and so
 // is every statistic of their replay, which depends on the events, the device size, the
-// allocator config and the allocator alone. mn_fit keeps the last few successful replays with
-// their events and reuses one whose inputs are all equal (a replay stopped at its first
-// out-of-memory only where a stopped one is asked for).
-#define MN__REPLAY_MEMO 4
+// allocator config and the allocator alone. mn_fit keeps the events last replayed and the
+// replays made of them, and reuses one whose inputs are all equal (a replay stopped at its first
+// out-of-memory only where a stopped one is asked for). The events are not copied: the memo's
+// buffer and the simulation's trade places when the next estimate starts (mn__sim_reset), so
+// the fit writes its events into two buffers, each grown once.
+#define MN__REPLAY_KEPT 2  // replays kept of one set of events (unlimited, at the device's size)
 
-typedef struct mn__replay_memo_entry {
-    mn_trace_event *ev;  // a copy of the events replayed (nev)
-    uint64_t nev, capacity;
-    const char *alloc_conf;
+typedef struct mn__replay_kept {
+    uint64_t capacity;
     mn_cache_statistics st;
     uint64_t failed;     // device allocations refused (mn_simdev.failed_calls)
     int stopped;         // stopped at its first out-of-memory: st and failed are partial
-} mn__replay_memo_entry;
+} mn__replay_kept;
 
 typedef struct mn__replay_memo {
-    mn__replay_memo_entry e[MN__REPLAY_MEMO];
-    uint32_t n, next;  // entries in use; the entry replaced next
+    mn_trace_event *ev;  // the events last replayed (nev; cev allocated), not the simulation's
+    uint64_t nev, cev;
+    const char *alloc_conf, *cur_conf;  // the allocator config of ev; of S->ev
+    mn__replay_kept last[MN__REPLAY_KEPT], cur[MN__REPLAY_KEPT];  // replays of ev; of S->ev
+    uint32_t nlast, ncur;
+    int same;            // S->ev equals ev (a replay found it so)
 } mn__replay_memo;
 
 MN__PRIVATE void mn__replay_memo_free(mn__replay_memo *M) {
-    uint32_t i;
-    for (i = 0; i < M->n; i++) mn__free(NULL, M->e[i].ev);
+    mn__free(NULL, M->ev);
     memset(M, 0, sizeof *M);
 }
 
-// The entry replayed from the same inputs, or NULL (a stopped one only when stop is set).
-MN__PRIVATE const mn__replay_memo_entry *mn__replay_memo_find(const mn__sim *S,
-                                                              uint64_t capacity, int stop) {
-    const mn__replay_memo *M = S->rmemo;
+// The replay of the simulation's events with these inputs, or NULL (a stopped one only when stop
+// is set): one made in this estimate, or one of the events last replayed when they are equal.
+MN__PRIVATE const mn__replay_kept *mn__replay_memo_find(const mn__sim *S, uint64_t capacity,
+                                                        int stop) {
+    mn__replay_memo *M = S->rmemo;
     const char *conf = S->c->s.alloc_conf;
     uint32_t i;
     uint64_t j;
     if (S->al) return NULL;  // (a caller's allocator: not kept)
-    for (i = 0; i < M->n; i++) {
-        const mn__replay_memo_entry *e = &M->e[i];
-        if (e->nev != S->nev || e->capacity != capacity || (e->stopped && !stop)) continue;
-        if ((e->alloc_conf == NULL) != (conf == NULL) || (conf && strcmp(e->alloc_conf, conf)))
-            continue;
+    for (i = 0; i < M->ncur; i++)
+        if (M->cur[i].capacity == capacity && (stop || !M->cur[i].stopped)) return &M->cur[i];
+    if (M->nev != S->nev || (M->alloc_conf == NULL) != (conf == NULL) ||
+        (conf && strcmp(M->alloc_conf, conf)))
+        return NULL;
+    for (i = 0; i < M->nlast; i++)
+        if (M->last[i].capacity == capacity && (stop || !M->last[i].stopped)) break;
+    if (i == M->nlast) return NULL;
+    if (!M->same) {
         for (j = 0; j < S->nev; j++) {
-            const mn_trace_event *a = &e->ev[j], *b = &S->ev[j];
+            const mn_trace_event *a = &M->ev[j], *b = &S->ev[j];
             if (a->size != b->size || a->id != b->id || a->stream != b->stream ||
                 a->alloc != b->alloc || a->category != b->category || a->phase != b->phase)
-                break;
+                return NULL;
         }
-        if (j == S->nev) return e;
+        M->same = 1;
     }
-    return NULL;
+    return &M->last[i];
 }
 
-// Keeps a successful replay (nothing when there is no room for its events).
+// Keeps a successful replay of the simulation's events.
 MN__PRIVATE void mn__replay_memo_add(mn__sim *S, uint64_t capacity,
                                      const mn_cache_statistics *st, uint64_t failed,
                                      int stopped) {
     mn__replay_memo *M = S->rmemo;
-    mn__replay_memo_entry *e;
-    size_t bytes = (size_t)S->nev * sizeof *S->ev;  // (the size of S->ev in use: no overflow)
-    mn_trace_event *copy;
+    mn__replay_kept *k;
+    uint32_t i;
     if (S->al) return;
-    copy = (mn_trace_event *)mn__alloc(NULL, bytes ? bytes : 1);
-    if (!copy) return;
-    if (bytes) memcpy(copy, S->ev, bytes);
-    e = &M->e[M->next];
-    if (M->n < MN__REPLAY_MEMO) M->n++;
-    else mn__free(NULL, e->ev);
-    M->next = (M->next + 1) % MN__REPLAY_MEMO;
-    e->ev = copy, e->nev = S->nev, e->capacity = capacity;
-    e->alloc_conf = S->c->s.alloc_conf, e->st = *st, e->failed = failed, e->stopped = stopped;
+    for (i = 0; i < M->ncur && M->cur[i].capacity != capacity; i++) {}
+    if (i == MN__REPLAY_KEPT) i = 0;
+    k = &M->cur[i];
+    if (i == M->ncur) M->ncur++;
+    M->cur_conf = S->c->s.alloc_conf;
+    k->capacity = capacity, k->st = *st, k->failed = failed, k->stopped = stopped;
+}
+
+// At the start of the next estimate: the events just replayed become the events last replayed
+// (the buffers trade places), with their replays and, when they equal the earlier ones, those
+// replays of the earlier ones that were not made again.
+MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
+    mn__replay_memo *M = S->rmemo;
+    mn_trace_event *ev = M->ev;
+    uint64_t cev = M->cev;
+    uint32_t i, j;
+    if (!M->ncur) {
+        M->same = 0;
+        return;
+    }
+    if (M->same) {  // (the same events: the earlier replays hold for them too)
+        for (i = 0; i < M->nlast && M->ncur < MN__REPLAY_KEPT; i++) {
+            for (j = 0; j < M->ncur && M->cur[j].capacity != M->last[i].capacity; j++) {}
+            if (j == M->ncur) M->cur[M->ncur++] = M->last[i];
+        }
+    }
+    if (!ev && S->cev) {  // (the first turn: a buffer as large, so the next one grows no more)
+        ev = (mn_trace_event *)mn__alloc_array(NULL, (size_t)S->cev, sizeof *ev);
+        cev = ev ? S->cev : 0;
+    }
+    M->ev = S->ev, M->cev = S->cev, M->nev = S->nev;
+    M->alloc_conf = M->cur_conf;
+    for (i = 0; i < M->ncur; i++) M->last[i] = M->cur[i];
+    M->nlast = M->ncur, M->ncur = 0, M->same = 0;
+    S->ev = ev, S->cev = cev;
 }
 
 // mn_cache_replay's loop (an allocation of a live id first releases the old block, a free of an
@@ -7275,7 +7308,7 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
     int stp = 0;
     if (stopped) *stopped = 0;
     if (S->rmemo) {
-        const mn__replay_memo_entry *e = mn__replay_memo_find(S, capacity, stop);
+        const mn__replay_kept *e = mn__replay_memo_find(S, capacity, stop);
         if (e) {
             *st = e->st;
             if (failed) *failed = e->failed;
@@ -7316,7 +7349,9 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
 // Empties S for the next estimate but keeps its arrays and their capacity (mn_fit runs many
 // estimates of one model: reusing the arrays saves their fresh pages and regrowth copies).
 MN__PRIVATE void mn__sim_reset(mn__sim *S) {
-    mn__sim k = *S;
+    mn__sim k;
+    if (S->rmemo) mn__replay_memo_turn(S);
+    k = *S;
     mn__free(S->al, S->block_start);
     memset(S, 0, sizeof *S);
     S->al = k.al, S->rmemo = k.rmemo;
@@ -8125,6 +8160,39 @@ MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int repla
     return e;
 }
 
+// The entry of setup a, if any, kept for setup b as well when both resolve to the same inputs
+// (the setup as given and its resolved form, from which the searches start): an estimate reads
+// only what mn__resolve makes of its setup. (Resolved without a logger: nothing said twice.)
+MN__PRIVATE void mn__fit_alias(mn__fit *F, const mn_setup *a, const mn_setup *b) {
+    mn_setup x = *a, y = *b;
+    mn__cfg *c = NULL;
+    mn_gpu g[2];
+    uint32_t i;
+    if (F->whole) return;
+    x.no_replay = y.no_replay = 1;
+    for (i = 0; i < F->nmemo; i++)
+        if (!memcmp(&F->memo[i].key, &y, sizeof y)) return;  // (b has one already)
+    for (i = 0; i < F->nmemo; i++)
+        if (!memcmp(&F->memo[i].key, &x, sizeof x)) break;
+    if (i == F->nmemo) return;
+    memset(&x.logger, 0, sizeof x.logger), memset(&y.logger, 0, sizeof y.logger);
+    c = (mn__cfg *)mn__alloc_array(NULL, 2, sizeof *c);
+    if (c && mn__resolve(F->m, &x, &c[0], &g[0]) == MN_OK &&
+        mn__resolve(F->m, &y, &c[1], &g[1]) == MN_OK && !memcmp(&c[0], &c[1], sizeof *c) &&
+        !memcmp(&g[0], &g[1], sizeof g[0])) {
+        mn__fit_memo *e = &F->memo[F->next];
+        if (e == &F->memo[i]) {  // (the oldest entry is a's own: the next one makes room)
+            F->next = (F->next + 1) % MN__FIT_MEMO;
+            e = &F->memo[F->next];
+        }
+        F->next = (F->next + 1) % MN__FIT_MEMO;
+        if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
+        *e = F->memo[i];
+        e->key = *b, e->key.no_replay = 1;
+    }
+    mn__free(NULL, c);
+}
+
 // The step alone (no allocator replay): milliseconds. Its device_used counts peak allocated.
 MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
     mn__fit_memo *e = mn__fit_entry(F, s, 0, 0);
@@ -8372,6 +8440,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     out->estimates_run = 1;
     base = cur.setup;
     base.logger = setup->logger;
+    mn__fit_alias(F, setup, &base);
     bf16 = cur.gpu.bf16;
     t = base;
     out->max_batch = mn__search(F, &t, &t.batch, 1ull << 20, &err);
@@ -8454,7 +8523,7 @@ MN__PRIVATE mn_result mn__fit_with(const mn_model *model, const mn_setup *setup,
     if (!F) return MN_ERR_OUT_OF_MEMORY;
     memset(F, 0, sizeof *F);
     F->m = model, F->out = out, F->whole = whole;
-    F->S.rmemo = &F->rmemo;
+    F->S.rmemo = whole ? NULL : &F->rmemo;
     r = mn__fit_in(F, setup);
     mn__sim_free(&F->S);
     mn__replay_memo_free(&F->rmemo);

@@ -6,7 +6,8 @@
 //     every tensor on its own id (mn__sim.unique_ids): every field equal where it settles,
 //     "does not fit" where it stops; the step alone it writes on the way (mn__sim.alone) equal
 //     to the estimate with no_replay set; mn_estimate (ids reused) equal to the whole one;
-//   - mn_fit against the same fit with every estimate whole (mn__fit_with's whole).
+//   - mn_fit against the same fit with every estimate whole and nothing reused (mn__fit_with's
+//     whole: no replay memo, no step alone taken from a replayed run, no alias of the setup).
 #define MEMANAT_STATIC
 #include "harness.h"
 #define MN_MALLOC(sz) mnt_malloc(sz)
@@ -45,8 +46,14 @@ static mn_setup random_setup(void) {
     s.batch = 1 + mnt_rand_u64() % 8, s.seq = 8 + mnt_rand_u64() % 500;
     s.precision = (mn_precision)(mnt_rand_u64() % 4);
     s.checkpointing = (mn_ckpt)(mnt_rand_u64() % 3);
-    if (mnt_rand_u64() % 5 == 0) s.framework = MN_FW_MEMANAT;  // (the replay's categories)
-    else if (mnt_rand_u64() % 5 == 0) s.optim = MN_OPTIM_SGD;
+    if (mnt_rand_u64() % 5 == 0) {
+        s.framework = MN_FW_MEMANAT;  // (the replay's categories)
+    } else if (mnt_rand_u64() % 4 == 0) {  // states on the host: setups the device cannot tell
+        s.framework = MN_FW_DEEPSPEED, s.zero_stage = 3, s.offload = MN_OFFLOAD_ALL;
+        s.optim = (mn_optim)(mnt_rand_u64() % 3);  // apart (the fit reuses their replays)
+    } else if (mnt_rand_u64() % 5 == 0) {
+        s.optim = MN_OPTIM_SGD;
+    }
     s.context = 1 << 20, s.capacity = 1ull << 40;
     return s;
 }
