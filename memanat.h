@@ -8429,6 +8429,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     // Deferred only where that replay could not fail either: no allocator config to parse, no
     // tensor of 1 EiB or more (mn__replay refuses one; the peak holds every tensor).
     if (!setup->no_replay && !setup->alloc_conf) {
+        (void)mn__quick_estimate(F, setup, &cur);  // (the step alone first: events cost more)
         (void)mn__fits(F, setup, &cur, &err, 0);
         given = err == MN_OK && !cur.fits && cur.peak_allocated < (1ull << 60);
         if (given) cur.setup.no_replay = 0;  // cur is the step alone; the search replays
