@@ -2,7 +2,7 @@
 """Runs `memanat fit` and `memanat estimate` over a grid of setups with two builds of the CLI and
 reports every output that differs (stdout, stderr and exit status, text and --json).
 
-    python3 tools/compare_fit.py OLD_BINARY NEW_BINARY [--quick]
+    python3 tools/compare_fit.py OLD_BINARY NEW_BINARY [--quick] [--seed N]
 
 The grid: every preset of `NEW models`, several GPUs, precisions, batch and sequence lengths,
 checkpointing, optimizers, ZeRO with offload, LoRA/QLoRA and generation, drawn from a fixed seed
@@ -34,8 +34,8 @@ def positions(model):  # learned position tables: the longest sequence the model
     return 1 << 20
 
 
-def grid(models, quick):
-    rng = random.Random(20261126)
+def grid(models, quick, seed):
+    rng = random.Random(seed)
     runs = []
     per_model = 4 if quick else 12
     for m in models:
@@ -95,7 +95,8 @@ def run(binary, args):
 def main():
     old, new = sys.argv[1], sys.argv[2]
     quick = "--quick" in sys.argv[3:]
-    runs = grid(presets(new), quick)
+    seed = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 20261126
+    runs = grid(presets(new), quick, seed)
     with ThreadPoolExecutor(max_workers=2) as ex:
         a = list(ex.map(lambda r: run(old, r), runs))
         b = list(ex.map(lambda r: run(new, r), runs))
