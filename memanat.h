@@ -7455,10 +7455,16 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         mn_cache_statistics st, st2;
         uint64_t limit = c.s.capacity - c.s.context, failed = 0;
         int lim = 0, stopped = 0;
-        if (S->decide && limit && !c.s.alloc_conf && S->peak < (1ull << 59) &&
-            UINTPTR_MAX >= UINT64_MAX) {  // (the unlimited replay could fail: see mn__fit_given)
+        // (not where the unlimited replay could fail, refusing a tensor of 1 EiB or running out
+        // of simulated addresses: see mn__fit_given)
+        int plain = !(S->decide && limit && !c.s.alloc_conf && S->peak < (1ull << 59) &&
+                      UINTPTR_MAX >= UINT64_MAX);
+        if (!plain) {
             r = mn__replay(S, limit, 1, &st2, &failed, &stopped);
-            if (r != MN_OK) return r;
+            if (r == MN_ERR_UNSUPPORTED) plain = 1;  // (simulated addresses ran out: as before)
+            else if (r != MN_OK) return r;
+        }
+        if (!plain) {
             if (failed == 0) {
                 st = st2;
             } else if (stopped || st2.num_ooms) {
