@@ -15,6 +15,7 @@
 #define MEMANAT_IMPLEMENTATION
 #include "../memanat.h"
 
+#include <stdio.h>
 #include <string.h>
 
 void test_fit_decide_replay(void);
@@ -148,6 +149,9 @@ void test_fit_decide_replay(void) {
         }
         mn__sim_free(&S);
     }
+    if (mnt_verbose())
+        printf("       %d setups: %d plain, %d retried, %d stopped, %d skipped\n", it, plain,
+               retried, stopped, skipped);
     CHECK_MSG(plain && retried && stopped && skipped, "outcomes not all seen: %d plain, %d "
               "retried, %d stopped, %d skipped", plain, retried, stopped, skipped);
 }
