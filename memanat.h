@@ -4479,8 +4479,11 @@ typedef struct mn__sim {
     uint32_t *block_start;   // first parameter of each block (stack: of each layer)
     uint64_t nt, ct, nops, cops, np, cp, nev, cev, nfree, cfree, ch;
     int history;             // keep each tensor's history (hist)
-    int reuse;               // a dead tensor's id is reused once no op names it (no events, no
-                             // explain: nothing reads a dead tensor's history)
+    int reuse;               // a dead tensor's id is reused once no op names it (no explain:
+                             // nothing reads a dead tensor's history; no events kept for the
+                             // caller: the replay pairs an id's allocation with its free, and
+                             // a reused id was freed before, so its statistics are the same)
+    int unique_ids;          // 1: no reuse (the tests compare the replays with and without)
     uint64_t cur[MN_CAT_COUNT];       // bytes live per category
     uint64_t total, peak;             // bytes live, and the most at any moment
     uint64_t total_r, peak_r;         // the same with each tensor rounded up to 512 bytes
@@ -4511,6 +4514,14 @@ typedef struct mn__sim {
     uint64_t steps;
     const uint64_t *mb_seq;
     uint64_t *step_marks;
+    // mn_fit: only whether the step fits is asked (decide); the replay at the device's size met
+    // an allocation it could not grant and stopped there (unsettled: the result holds the step
+    // alone and fits 0)
+    int decide, unsettled;
+    // mn_fit: where the simulated step alone goes as well (what the estimate with no_replay set
+    // gives), the replay then skipped when the step alone does not fit; set once written
+    mn_estimate_result *alone;
+    int alone_set;
     mn_result err;
 } mn__sim;
 
@@ -7171,95 +7182,178 @@ MN__PRIVATE void mn__replay_log(void *user_data, mn_log_level level, const char 
 // A fit's setups often differ only where the device never sees it (the optimizer of offloaded
 // states, a technique that changes no buffer): their allocation events are then the same, and so
 // is every statistic of their replay, which depends on the events, the device size, the
-// allocator config and the allocator alone. mn_fit keeps the last few successful replays with
-// their events and reuses one whose inputs are all equal.
-#define MN__REPLAY_MEMO 4
+// allocator config and the allocator alone. mn_fit keeps the events last replayed and the
+// replays made of them, and reuses one whose inputs are all equal (a replay stopped at its first
+// out-of-memory only where a stopped one is asked for). The events are not copied: the memo's
+// buffer and the simulation's trade places when the next estimate starts (mn__sim_reset), so
+// the fit writes its events into two buffers, each grown once.
+#define MN__REPLAY_KEPT 2  // replays kept of one set of events (unlimited, at the device's size)
 
-typedef struct mn__replay_memo_entry {
-    mn_trace_event *ev;  // a copy of the events replayed (nev)
-    uint64_t nev, capacity;
-    const char *alloc_conf;
+typedef struct mn__replay_kept {
+    uint64_t capacity;
     mn_cache_statistics st;
-} mn__replay_memo_entry;
+    uint64_t failed;     // device allocations refused (mn_simdev.failed_calls)
+    int stopped;         // stopped at its first out-of-memory: st and failed are partial
+} mn__replay_kept;
 
 typedef struct mn__replay_memo {
-    mn__replay_memo_entry e[MN__REPLAY_MEMO];
-    uint32_t n, next;  // entries in use; the entry replaced next
+    mn_trace_event *ev;  // the events last replayed (nev; cev allocated), not the simulation's
+    uint64_t nev, cev;
+    const char *alloc_conf, *cur_conf;  // the allocator config of ev; of S->ev
+    mn__replay_kept last[MN__REPLAY_KEPT], cur[MN__REPLAY_KEPT];  // replays of ev; of S->ev
+    uint32_t nlast, ncur;
+    int same;            // S->ev equals ev (a replay found it so)
 } mn__replay_memo;
 
 MN__PRIVATE void mn__replay_memo_free(mn__replay_memo *M) {
-    uint32_t i;
-    for (i = 0; i < M->n; i++) mn__free(NULL, M->e[i].ev);
+    mn__free(NULL, M->ev);
     memset(M, 0, sizeof *M);
 }
 
-// The entry replayed from the same inputs, or NULL.
-MN__PRIVATE const mn__replay_memo_entry *mn__replay_memo_find(const mn__sim *S,
-                                                              uint64_t capacity) {
-    const mn__replay_memo *M = S->rmemo;
+// The replay of the simulation's events with these inputs, or NULL (a stopped one only when stop
+// is set): one made in this estimate, or one of the events last replayed when they are equal.
+MN__PRIVATE const mn__replay_kept *mn__replay_memo_find(const mn__sim *S, uint64_t capacity,
+                                                        int stop) {
+    mn__replay_memo *M = S->rmemo;
     const char *conf = S->c->s.alloc_conf;
     uint32_t i;
     uint64_t j;
     if (S->al) return NULL;  // (a caller's allocator: not kept)
-    for (i = 0; i < M->n; i++) {
-        const mn__replay_memo_entry *e = &M->e[i];
-        if (e->nev != S->nev || e->capacity != capacity) continue;
-        if ((e->alloc_conf == NULL) != (conf == NULL) || (conf && strcmp(e->alloc_conf, conf)))
-            continue;
+    for (i = 0; i < M->ncur; i++)
+        if (M->cur[i].capacity == capacity && (stop || !M->cur[i].stopped)) return &M->cur[i];
+    if (M->nev != S->nev || (M->alloc_conf == NULL) != (conf == NULL) ||
+        (conf && strcmp(M->alloc_conf, conf)))
+        return NULL;
+    for (i = 0; i < M->nlast; i++)
+        if (M->last[i].capacity == capacity && (stop || !M->last[i].stopped)) break;
+    if (i == M->nlast) return NULL;
+    if (!M->same) {
         for (j = 0; j < S->nev; j++) {
-            const mn_trace_event *a = &e->ev[j], *b = &S->ev[j];
+            const mn_trace_event *a = &M->ev[j], *b = &S->ev[j];
             if (a->size != b->size || a->id != b->id || a->stream != b->stream ||
                 a->alloc != b->alloc || a->category != b->category || a->phase != b->phase)
-                break;
+                return NULL;
         }
-        if (j == S->nev) return e;
+        M->same = 1;
     }
-    return NULL;
+    return &M->last[i];
 }
 
-// Keeps a successful replay (nothing when there is no room for its events).
+// Keeps a successful replay of the simulation's events.
 MN__PRIVATE void mn__replay_memo_add(mn__sim *S, uint64_t capacity,
-                                     const mn_cache_statistics *st) {
+                                     const mn_cache_statistics *st, uint64_t failed,
+                                     int stopped) {
     mn__replay_memo *M = S->rmemo;
-    mn__replay_memo_entry *e;
-    size_t bytes = (size_t)S->nev * sizeof *S->ev;  // (the size of S->ev in use: no overflow)
-    mn_trace_event *copy;
+    mn__replay_kept *k;
+    uint32_t i;
     if (S->al) return;
-    copy = (mn_trace_event *)mn__alloc(NULL, bytes ? bytes : 1);
-    if (!copy) return;
-    if (bytes) memcpy(copy, S->ev, bytes);
-    e = &M->e[M->next];
-    if (M->n < MN__REPLAY_MEMO) M->n++;
-    else mn__free(NULL, e->ev);
-    M->next = (M->next + 1) % MN__REPLAY_MEMO;
-    e->ev = copy, e->nev = S->nev, e->capacity = capacity;
-    e->alloc_conf = S->c->s.alloc_conf, e->st = *st;
+    for (i = 0; i < M->ncur && M->cur[i].capacity != capacity; i++) {}
+    if (i == MN__REPLAY_KEPT) i = 0;
+    k = &M->cur[i];
+    if (i == M->ncur) M->ncur++;
+    M->cur_conf = S->c->s.alloc_conf;
+    k->capacity = capacity, k->st = *st, k->failed = failed, k->stopped = stopped;
+}
+
+// At the start of the next estimate: the events just replayed become the events last replayed
+// (the buffers trade places), with their replays and, when they equal the earlier ones, those
+// replays of the earlier ones that were not made again.
+MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
+    mn__replay_memo *M = S->rmemo;
+    mn_trace_event *ev = M->ev;
+    uint64_t cev = M->cev;
+    uint32_t i, j;
+    if (!M->ncur) {
+        M->same = 0;
+        return;
+    }
+    if (M->same) {  // (the same events: the earlier replays hold for them too)
+        for (i = 0; i < M->nlast && M->ncur < MN__REPLAY_KEPT; i++) {
+            for (j = 0; j < M->ncur && M->cur[j].capacity != M->last[i].capacity; j++) {}
+            if (j == M->ncur) M->cur[M->ncur++] = M->last[i];
+        }
+    }
+    if (!ev && S->cev) {  // (the first turn: a buffer as large, so the next one grows no more)
+        ev = (mn_trace_event *)mn__alloc_array(NULL, (size_t)S->cev, sizeof *ev);
+        cev = ev ? S->cev : 0;
+    }
+    M->ev = S->ev, M->cev = S->cev, M->nev = S->nev;
+    M->alloc_conf = M->cur_conf;
+    for (i = 0; i < M->ncur; i++) M->last[i] = M->cur[i];
+    M->nlast = M->ncur, M->ncur = 0, M->same = 0;
+    S->ev = ev, S->cev = cev;
+}
+
+// mn_cache_replay's loop (an allocation of a live id first releases the old block, a free of an
+// id with no live block is skipped) that stops at the first allocation refused after the whole
+// out-of-memory ladder (*stopped 1). The ids index an array: the estimator's tensor ids are
+// below a few times the event count; other ids, or no host memory for the array, replay whole.
+MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped) {
+    const mn_trace_event *ev = S->ev;
+    uint64_t i, top = 0;
+    void **blk;
+    mn_result r = MN_OK;
+    *stopped = 0;
+    for (i = 0; i < S->nev; i++) top = ev[i].id > top ? ev[i].id : top;
+    if (top >= 4 * S->nev + 4096 ||
+        !(blk = (void **)mn__alloc_array(NULL, (size_t)top + 1, sizeof *blk)))
+        return mn_cache_replay(c, ev, S->nev, 0, NULL);
+    memset(blk, 0, ((size_t)top + 1) * sizeof *blk);
+    for (i = 0; i < S->nev && r == MN_OK; i++) {
+        const mn_trace_event *e = &ev[i];
+        void *p = NULL;
+        if (blk[e->id]) r = mn_cache_release(c, blk[e->id]), blk[e->id] = NULL;
+        if (!e->alloc || r != MN_OK) continue;
+        r = mn_cache_alloc(c, e->size, e->stream, (mn_category)e->category,
+                           e->phase ? mn_phase_name((mn_phase)e->phase) : NULL, &p);
+        if (r == MN_ERR_DEVICE_OOM) {
+            *stopped = 1, r = MN_OK;
+            break;
+        }
+        if (r == MN_OK) blk[e->id] = p;
+    }
+    mn__free(NULL, blk);
+    return r;
 }
 
 // Replays the events through the caching allocator on a simulated device. capacity 0 = unlimited.
-static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *st) {
+// *failed: the device allocations the device refused (failed may be NULL). stop (a capacity
+// set): stop at the first allocation refused after the out-of-memory ladder (*stopped 1; st and
+// *failed then count what was replayed up to it); stopped may be NULL when stop is 0.
+static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_statistics *st,
+                            uint64_t *failed, int *stopped) {
     mn_sim_cache sc;
     mn_simdev_desc dd;
     mn_cache_desc cd;
     mn_replay_counts n;
     mn_result r;
+    uint64_t refused;
+    int stp = 0;
+    if (stopped) *stopped = 0;
     if (S->rmemo) {
-        const mn__replay_memo_entry *e = mn__replay_memo_find(S, capacity);
+        const mn__replay_kept *e = mn__replay_memo_find(S, capacity, stop);
         if (e) {
             *st = e->st;
+            if (failed) *failed = e->failed;
+            if (stopped) *stopped = e->stopped;
             return MN_OK;
         }
     }
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
+    memset(&n, 0, sizeof n);
     dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
     cd.logger.log_fn = mn__replay_log, cd.logger.user_data = (void *)&S->c->s.logger;
     if (S->al) cd.allocator = *S->al;
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
-    r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
+    if (stop && capacity) r = mn__replay_until_oom(S, &sc.cache, &stp);
+    else r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
     if (r == MN_OK) r = mn_cache_stats(&sc.cache, st);
+    refused = sc.dev.failed_calls;
     mn_sim_cache_free(&sc);
+    if (failed) *failed = refused;
+    if (stopped) *stopped = stp;
     if (r == MN_OK && capacity == 0 && n.failed) {
         // unlimited device: only a tensor of 1 EiB or more is refused (PyTorch's one_exa_bytes)
         uint64_t i, big = 0;
@@ -7271,14 +7365,16 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, mn_cache_statistics *
                 (unsigned long long)big);
         r = MN_ERR_OVERFLOW;
     }
-    if (r == MN_OK && S->rmemo) mn__replay_memo_add(S, capacity, st);
+    if (r == MN_OK && S->rmemo) mn__replay_memo_add(S, capacity, st, refused, stp);
     return r;
 }
 
 // Empties S for the next estimate but keeps its arrays and their capacity (mn_fit runs many
 // estimates of one model: reusing the arrays saves their fresh pages and regrowth copies).
 MN__PRIVATE void mn__sim_reset(mn__sim *S) {
-    mn__sim k = *S;
+    mn__sim k;
+    if (S->rmemo) mn__replay_memo_turn(S);
+    k = *S;
     mn__free(S->al, S->block_start);
     memset(S, 0, sizeof *S);
     S->al = k.al, S->rmemo = k.rmemo;
@@ -7325,7 +7421,8 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     if (r == MN_OK) {
         S->events = (keep & MN__KEEP_EVENTS) || !c.s.no_replay;
         S->history = (keep & MN__KEEP_HISTORY) != 0;
-        S->reuse = !S->events && !S->history && c.s.framework != MN_FW_MEMANAT;
+        S->reuse = !(keep & MN__KEEP_EVENTS) && !S->history && !S->unique_ids &&
+                   c.s.framework != MN_FW_MEMANAT;
         mn__run(S);
         r = S->err;
     }
@@ -7357,23 +7454,66 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     out->alloc_events = S->nev / 2;
     out->peak_reserved = S->peak;
     out->context = c.s.context, out->capacity = c.s.capacity;
+    if (S->alone && !c.s.no_replay) {  // (no replay: no events either, alloc_events 0)
+        mn_estimate_result *q = S->alone;
+        *q = *out;
+        q->alloc_events = 0;
+        q->device_used = q->context + q->peak_reserved;
+        q->fits = q->device_used <= q->capacity;
+        q->setup = c.s, q->setup.no_replay = 1;
+        q->model = c.m, q->gpu = gpu;
+        q->setup.logger.log_fn = NULL, q->setup.logger.user_data = NULL;
+        S->alone_set = 1;
+        if (!q->fits) return MN_OK;  // (out is not read)
+    }
     if (!c.s.no_replay) {
+        // The replay on an unlimited device gives the peaks; when its reserved peak exceeds the
+        // device and its allocated peak does not, PyTorch frees cached blocks and retries before
+        // it gives up: a replay at the real size (lim: without an out-of-memory) gives the
+        // reserved peak. When only whether the step fits is asked (S->decide), the replay at the
+        // real size runs first: while the device grants every allocation it is the unlimited
+        // one, step for step (with no allocator config, the allocator reads the device's size
+        // only from a refused allocation), so when none is refused it is the answer alone; an
+        // out-of-memory there means the step does not fit either way, and the replay stops.
         mn_cache_statistics st, st2;
-        uint64_t limit = c.s.capacity - c.s.context;
-        r = mn__replay(S, 0, &st);
-        if (r != MN_OK) return r;
-        out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
-        out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
-        if (out->peak_reserved > limit && out->peak_allocated <= limit) {
-            // PyTorch frees cached blocks and retries before it gives up: replay at the real size
-            r = mn__replay(S, limit, &st2);
-            if (r != MN_OK) return r;
-            if (st2.num_ooms == 0) {
+        uint64_t limit = c.s.capacity - c.s.context, failed = 0;
+        int lim = 0, stopped = 0;
+        // (not where the unlimited replay could fail, refusing a tensor of 1 EiB or running out
+        // of simulated addresses: see mn__fit_given)
+        int plain = !(S->decide && limit && !c.s.alloc_conf && S->peak < (1ull << 59) &&
+                      UINTPTR_MAX >= UINT64_MAX);
+        if (!plain) {
+            r = mn__replay(S, limit, 1, &st2, &failed, &stopped);
+            if (r == MN_ERR_UNSUPPORTED) plain = 1;  // (simulated addresses ran out: as before)
+            else if (r != MN_OK) return r;
+        }
+        if (!plain) {
+            if (failed == 0) {
                 st = st2;
-                out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
+            } else if (stopped || st2.num_ooms) {
+                S->unsettled = 1;
+            } else {  // refused, then granted after freeing the cache: the unlimited replay's
+                r = mn__replay(S, 0, 0, &st, NULL, NULL);  // reserved peak exceeded the limit
+                if (r != MN_OK) return r;
+                lim = st.reserved_bytes[MN_STAT_ALL].peak > limit &&
+                      st.allocated_bytes[MN_STAT_ALL].peak <= limit;
+            }
+        } else {
+            r = mn__replay(S, 0, 0, &st, NULL, NULL);
+            if (r != MN_OK) return r;
+            if (st.reserved_bytes[MN_STAT_ALL].peak > limit &&
+                st.allocated_bytes[MN_STAT_ALL].peak <= limit) {
+                r = mn__replay(S, limit, 0, &st2, NULL, NULL);
+                if (r != MN_OK) return r;
+                lim = st2.num_ooms == 0;
             }
         }
-        if (c.s.framework == MN_FW_MEMANAT) {
+        if (!S->unsettled) {  // (else the result keeps the step alone's peaks)
+            out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
+            if (lim) st = st2;
+            out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
+        }
+        if (!S->unsettled && c.s.framework == MN_FW_MEMANAT) {
             // The trainer reports its cache's block sizes (rounded, unsplit remainders included):
             // the replay's statistics are the prediction, category by category.
             out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
@@ -7387,7 +7527,7 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         }
     }
     out->device_used = out->context + out->peak_reserved;
-    out->fits = out->device_used <= out->capacity;
+    out->fits = !S->unsettled && out->device_used <= out->capacity;
     out->setup = c.s;
     out->model = c.m;
     out->gpu = gpu;
@@ -7995,7 +8135,7 @@ typedef struct mn__fit_memo {
     mn_setup key;                    // the setup asked, no_replay set
     mn_estimate_result quick, full;  // the step alone; with the allocator replay (has_full)
     mn_result quick_err, full_err;
-    int has_full;
+    int has_full;                    // 1: full; 2: full holds "does not fit" alone (mn__fits)
 } mn__fit_memo;
 
 typedef struct mn__fit {
@@ -8005,18 +8145,26 @@ typedef struct mn__fit {
     mn__fit_memo memo[MN__FIT_MEMO];
     uint32_t nmemo, next;             // entries in use; the entry replaced next
     mn__replay_memo rmemo;            // the last replays (mn__replay)
+    int whole;                        // 1: every estimate whole, no replay stopped (the tests
+                                      // compare the fit's answers with and without)
 } mn__fit;
 
-// One estimate run in the fit's simulation.
-MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
+// One estimate run in the fit's simulation. decide: only whether it fits is asked (mn__sim);
+// alone: where the step alone goes too, or NULL (mn__sim).
+MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r,
+                                  int decide, mn_estimate_result *alone) {
     F->out->estimates_run++;
     mn__sim_reset(&F->S);
+    F->S.decide = decide && !F->whole;
+    F->S.unique_ids = F->whole;
+    F->S.alone = alone;
     return mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
 }
 
 // The entry of setup s with its step-alone result, run now when no entry has it (the oldest
-// entry makes room).
-MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s) {
+// entry makes room). replay (s is to be replayed when its step alone fits): one run gives both,
+// the step alone from its simulation and the replay after it (decide as mn__fit_run's).
+MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int replay, int decide) {
     mn_setup q = *s;
     mn__fit_memo *e;
     uint32_t i;
@@ -8027,25 +8175,74 @@ MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s) {
     F->next = (F->next + 1) % MN__FIT_MEMO;
     if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
     e->key = q, e->has_full = 0;
-    e->quick_err = mn__fit_run(F, &q, &e->quick);
+    if (replay && !s->no_replay && !F->whole) {
+        mn_result x = mn__fit_run(F, s, &e->full, decide, &e->quick);
+        if (!F->S.alone_set) {  // (failed before the replay: the step alone fails alike)
+            e->quick = e->full, e->quick_err = x;
+        } else if (e->quick_err = MN_OK, e->quick.fits) {
+            e->full_err = x;
+            e->has_full = x == MN_OK && F->S.unsettled ? 2 : 1;
+        }
+        return e;
+    }
+    e->quick_err = mn__fit_run(F, &q, &e->quick, 0, NULL);
     return e;
+}
+
+// The entry of setup a, if any, kept for setup b as well when both resolve to the same inputs
+// (the setup as given and its resolved form, from which the searches start): an estimate reads
+// only what mn__resolve makes of its setup. (Resolved without a logger: nothing said twice.)
+MN__PRIVATE void mn__fit_alias(mn__fit *F, const mn_setup *a, const mn_setup *b) {
+    mn_setup x = *a, y = *b;
+    mn__cfg *c = NULL;
+    mn_gpu g[2];
+    uint32_t i;
+    if (F->whole) return;
+    x.no_replay = y.no_replay = 1;
+    for (i = 0; i < F->nmemo; i++)
+        if (!memcmp(&F->memo[i].key, &y, sizeof y)) return;  // (b has one already)
+    for (i = 0; i < F->nmemo; i++)
+        if (!memcmp(&F->memo[i].key, &x, sizeof x)) break;
+    if (i == F->nmemo) return;
+    memset(&x.logger, 0, sizeof x.logger), memset(&y.logger, 0, sizeof y.logger);
+    c = (mn__cfg *)mn__alloc_array(NULL, 2, sizeof *c);
+    if (c && mn__resolve(F->m, &x, &c[0], &g[0]) == MN_OK &&
+        mn__resolve(F->m, &y, &c[1], &g[1]) == MN_OK && !memcmp(&c[0], &c[1], sizeof *c) &&
+        !memcmp(&g[0], &g[1], sizeof g[0])) {
+        mn__fit_memo *e = &F->memo[F->next];
+        if (e == &F->memo[i]) {  // (the oldest entry is a's own: the next one makes room)
+            F->next = (F->next + 1) % MN__FIT_MEMO;
+            e = &F->memo[F->next];
+        }
+        F->next = (F->next + 1) % MN__FIT_MEMO;
+        if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
+        *e = F->memo[i];
+        e->key = *b, e->key.no_replay = 1;
+    }
+    mn__free(NULL, c);
 }
 
 // The step alone (no allocator replay): milliseconds. Its device_used counts peak allocated.
 MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
-    mn__fit_memo *e = mn__fit_entry(F, s);
+    mn__fit_memo *e = mn__fit_entry(F, s, 0, 0);
     *r = e->quick;
     return e->quick_err;
 }
 
 // Fits the device? The replay never lowers the peak below what is allocated, so a setup whose
-// allocated peak does not fit is rejected without replaying it.
-MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err) {
-    mn__fit_memo *e = mn__fit_entry(F, s);
+// allocated peak does not fit is rejected without replaying it. full 0: a setup that does not
+// fit may get a result that says only that (its replay stopped at an out-of-memory); full 1:
+// the estimate whole.
+MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err,
+                         int full) {
+    mn__fit_memo *e = mn__fit_entry(F, s, 1, !full);
     mn_result x = e->quick_err;
     *r = e->quick;
     if (x == MN_OK && r->fits && !s->no_replay) {
-        if (!e->has_full) e->full_err = mn__fit_run(F, s, &e->full), e->has_full = 1;
+        if (!e->has_full || (full && e->has_full == 2)) {
+            e->full_err = mn__fit_run(F, s, &e->full, !full, NULL);
+            e->has_full = e->full_err == MN_OK && F->S.unsettled ? 2 : 1;
+        }
         *r = e->full, x = e->full_err;
     }
     if (x != MN_OK) { *err = x; return 0; }
@@ -8099,7 +8296,7 @@ MN__PRIVATE uint64_t mn__bisect(mn__fit *F, mn_setup *s, uint64_t *field, uint64
     while (hi - lo > 1 && *err == MN_OK) {
         uint64_t mid = lo + (hi - lo) / 2;
         *field = mid;
-        if (mn__fits(F, s, &r, err)) lo = mid;
+        if (mn__fits(F, s, &r, err, 0)) lo = mid;
         else hi = mid;
     }
     return lo;
@@ -8115,12 +8312,12 @@ MN__PRIVATE uint64_t mn__search(mn__fit *F, mn_setup *s, uint64_t *field, uint64
     // 2. with the allocator: gallop down from the bound (allocator slack is a few percent, so
     //    the first step is 1/32 of it), then bisect
     *field = bound;
-    if (mn__fits(F, s, &r, err)) return bound;
+    if (mn__fits(F, s, &r, err, 0)) return bound;
     hi = bound, step = bound / 32 ? bound / 32 : 1;
     for (;;) {  // (1 is tried before the answer is 0)
         uint64_t cand = bound > step ? bound - step : 1;
         *field = cand;
-        if (mn__fits(F, s, &r, err)) return mn__bisect(F, s, field, cand, hi, err);
+        if (mn__fits(F, s, &r, err, 0)) return mn__bisect(F, s, field, cand, hi, err);
         if (cand == 1 || *err != MN_OK) return 0;
         hi = cand, step *= 2;
     }
@@ -8229,7 +8426,7 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
 
 // The estimate of the setup as given, with the allocator replay.
 MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estimate_result *cur) {
-    mn_result err = mn__fit_run(F, setup, cur);
+    mn_result err = mn__fit_run(F, setup, cur, 0, NULL);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay
@@ -8261,7 +8458,8 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     // Deferred only where that replay could not fail either: no allocator config to parse, no
     // tensor of 1 EiB or more (mn__replay refuses one; the peak holds every tensor).
     if (!setup->no_replay && !setup->alloc_conf) {
-        (void)mn__fits(F, setup, &cur, &err);
+        (void)mn__quick_estimate(F, setup, &cur);  // (the step alone first: events cost more)
+        (void)mn__fits(F, setup, &cur, &err, 0);
         given = err == MN_OK && !cur.fits && cur.peak_allocated < (1ull << 60);
         if (given) cur.setup.no_replay = 0;  // cur is the step alone; the search replays
         else if (err == MN_OK && !cur.fits) err = mn__fit_given(F, setup, &cur);
@@ -8272,6 +8470,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     out->estimates_run = 1;
     base = cur.setup;
     base.logger = setup->logger;
+    mn__fit_alias(F, setup, &base);
     bf16 = cur.gpu.bf16;
     t = base;
     out->max_batch = mn__search(F, &t, &t.batch, 1ull << 20, &err);
@@ -8299,17 +8498,19 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
                 if ((err = mn__quick_estimate(F, &t, &qn)) != MN_OK) return err;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
                 steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
-                mn__fits(F, &s, &cur, &err);
+                mn__fits(F, &s, &cur, &err, 0);
                 if (err != MN_OK) return err;
             }
         }
+        // no plan fits: the last setup tried is the answer, whole
+        if (!cur.fits && n > 0 && (mn__fits(F, &s, &cur, &err, 1), err != MN_OK)) return err;
     }
     // Prune: drop each step, the slowest first, whose removal still fits.
     for (k = MN__T_COUNT; cur.fits && k-- > 0;) {
         for (i = n; i-- > 0;) {
             if (steps[i] != k) continue;
             t = mn__plan_setup(&base, steps, n, i, bf16);
-            if (!mn__fits(F, &t, &next, &err)) {
+            if (!mn__fits(F, &t, &next, &err, 0)) {
                 if (err != MN_OK) return err;
                 continue;
             }
@@ -8342,7 +8543,8 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     return MN_OK;
 }
 
-MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out) {
+MN__PRIVATE mn_result mn__fit_with(const mn_model *model, const mn_setup *setup,
+                                   mn_fit_result *out, int whole) {
     mn__fit *F;
     mn_result r;
     if (!model || !setup || !out) return MN_ERR_INVALID_ARG;
@@ -8350,13 +8552,17 @@ MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_res
     F = (mn__fit *)mn__alloc(NULL, sizeof *F);
     if (!F) return MN_ERR_OUT_OF_MEMORY;
     memset(F, 0, sizeof *F);
-    F->m = model, F->out = out;
-    F->S.rmemo = &F->rmemo;
+    F->m = model, F->out = out, F->whole = whole;
+    F->S.rmemo = whole ? NULL : &F->rmemo;
     r = mn__fit_in(F, setup);
     mn__sim_free(&F->S);
     mn__replay_memo_free(&F->rmemo);
     mn__free(NULL, F);
     return r;
+}
+
+MNIMPL mn_result mn_fit(const mn_model *model, const mn_setup *setup, mn_fit_result *out) {
+    return mn__fit_with(model, setup, out, 0);
 }
 // >>hfconfig implementation -----------------------------------------------------------------------
 //

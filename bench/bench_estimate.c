@@ -56,14 +56,18 @@ int main(void) {
                (unsigned long long)r.alloc_events, bench_median(t_sim, REPS), bench_median(t_rep, REPS), bench_median(t_fit, 5),
                (unsigned long long)f.estimates_run);
     }
-    {  // growth: llama-3-70b with the layer count and the sequence length scaled
-        static const uint64_t layers[] = {10, 20, 40, 80}, seqs[] = {1024, 4096, 16384, 65536};
+    {  // growth: llama-3-70b's shape with the layer count and the sequence length scaled; one
+       // estimate (with the allocator replay) and one fit, alternated, medians
+        static const uint64_t layers[] = {8, 32, 80, 160}, seqs[] = {1024, 4096, 8192, 32768};
         mn_model m;
         mn_setup s;
         mn_estimate_result r;
-        double t[REPS], t0;
+        mn_fit_result f;
+        double te[REPS], tf[5], t0;
         int i, k;
-        printf("\ngrowth (llama-3-70b, bf16, h100-80gb, batch 1; estimate with replay, us)\n");
+        printf("\ngrowth (llama-3-70b shape, bf16, h100-80gb, batch 1; seq 8192 or 80 layers)\n");
+        printf("%-8s %6s %10s %12s %10s %8s\n", "", "", "events", "estimate ms", "fit ms",
+               "fit runs");
         for (k = 0; k < 8; k++) {
             memset(&s, 0, sizeof s);
             if (mn_preset_find("llama-3-70b", &m) != MN_OK) return 1;
@@ -73,11 +77,16 @@ int main(void) {
             for (i = 0; i < REPS; i++) {
                 t0 = now_us();
                 if (mn_estimate(&m, &s, &r) != MN_OK) return 1;
-                t[i] = now_us() - t0;
+                te[i] = (now_us() - t0) / 1e3;
+                if (i >= 5) continue;
+                t0 = now_us();
+                if (mn_fit(&m, &s, &f) != MN_OK) return 1;
+                tf[i] = (now_us() - t0) / 1e3;
             }
-            printf("%-8s %6llu %10llu events %10.0f us\n", k < 4 ? "layers" : "seq",
+            printf("%-8s %6llu %10llu %12.2f %10.2f %8llu\n", k < 4 ? "layers" : "seq",
                    (unsigned long long)(k < 4 ? layers[k] : seqs[k - 4]),
-                   (unsigned long long)r.alloc_events, bench_median(t, REPS));
+                   (unsigned long long)r.alloc_events, bench_median(te, REPS),
+                   bench_median(tf, 5), (unsigned long long)f.estimates_run);
         }
     }
     {  // fit's cost against one estimate's, as the layers and the sequence grow (no replay: the

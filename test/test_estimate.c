@@ -1042,6 +1042,10 @@ static void test_explain(void) {
     }
 }
 
+// In test/test_fitpaths.c (mn_fit's shortcuts against whole estimates).
+void test_fit_decide_replay(void);
+void test_fit_shortcuts_whole(void);
+
 const mnt_case test_estimate_cases[] = {
     {"explain", test_explain},
     {"torch2_by_hand", test_torch2_by_hand},
@@ -1059,6 +1063,8 @@ const mnt_case test_estimate_cases[] = {
     {"fit", test_fit},
     {"fit_brute_force", test_fit_brute_force},
     {"fit_given_deferred", test_fit_given_deferred},
+    {"fit_decide_replay", test_fit_decide_replay},
+    {"fit_shortcuts_whole", test_fit_shortcuts_whole},
     {"bad_input", test_bad_input},
     {"setup_bounds", test_setup_bounds},
     {"random_setups", test_random_setups},

@@ -1,0 +1,191 @@
+// Tests of mn_fit's shortcuts against the estimates they stand for. This file builds its own
+// static copy of the implementation (MEMANAT_STATIC), so the private helpers can be called
+// directly; its cases run in the estimate suite (test/test_estimate.c).
+//   - an estimate that asks only whether the step fits (mn__sim.decide: the replay at the
+//     device's size first, stopped at its first out-of-memory) against the whole estimate with
+//     every tensor on its own id (mn__sim.unique_ids): every field equal where it settles,
+//     "does not fit" where it stops; the step alone it writes on the way (mn__sim.alone) equal
+//     to the estimate with no_replay set; mn_estimate (ids reused) equal to the whole one;
+//   - mn_fit against the same fit with every estimate whole and nothing reused (mn__fit_with's
+//     whole: no replay memo, no step alone taken from a replayed run, no alias of the setup).
+#define MEMANAT_STATIC
+#include "harness.h"
+#define MN_MALLOC(sz) mnt_malloc(sz)
+#define MN_FREE(p) mnt_free(p)
+#define MEMANAT_IMPLEMENTATION
+#include "../memanat.h"
+
+#include <stdio.h>
+#include <string.h>
+
+void test_fit_decide_replay(void);
+void test_fit_shortcuts_whole(void);
+
+// A decoder, encoder or encoder-decoder of a few narrow blocks, or a small preset.
+static mn_model random_model(void) {
+    static const char *names[] = {"gpt2", "t5-small", "bert-base-uncased", "qwen2-0.5b"};
+    static const mn_arch arch[] = {MN_ARCH_DECODER, MN_ARCH_ENCODER, MN_ARCH_ENCODER_DECODER};
+    mn_model m;
+    memset(&m, 0, sizeof m);
+    if (mnt_rand_u64() % 4 == 0) {
+        CHECK_OK(mn_preset_find(names[mnt_rand_u64() % 4], &m));
+        m.layers = 1 + mnt_rand_u64() % 3;  // (a few blocks: the test stays fast)
+        if (m.encoder_layers) m.encoder_layers = m.layers;
+        return m;
+    }
+    m.arch = arch[mnt_rand_u64() % 3];
+    m.layers = 1 + mnt_rand_u64() % 4, m.heads = 1 + mnt_rand_u64() % 4;
+    m.hidden = m.heads * (8 + mnt_rand_u64() % 120), m.vocab = 100 + mnt_rand_u64() % 20000;
+    m.max_positions = 1u << 16, m.gated_mlp = (int)(mnt_rand_u64() % 2);
+    m.posemb = (mn_posemb)(mnt_rand_u64() % MN_POS_COUNT);
+    return m;
+}
+
+static mn_setup random_setup(void) {
+    mn_setup s;
+    memset(&s, 0, sizeof s);
+    s.batch = 1 + mnt_rand_u64() % 8, s.seq = 8 + mnt_rand_u64() % 500;
+    s.precision = (mn_precision)(mnt_rand_u64() % 4);
+    s.checkpointing = (mn_ckpt)(mnt_rand_u64() % 3);
+    if (mnt_rand_u64() % 5 == 0) {
+        s.framework = MN_FW_MEMANAT;  // (the replay's categories)
+    } else if (mnt_rand_u64() % 4 == 0) {  // states on the host: setups the device cannot tell
+        s.framework = MN_FW_DEEPSPEED, s.zero_stage = 3, s.offload = MN_OFFLOAD_ALL;
+        s.optim = (mn_optim)(mnt_rand_u64() % 3);  // apart (the fit reuses their replays)
+    } else if (mnt_rand_u64() % 5 == 0) {
+        s.optim = MN_OPTIM_SGD;
+    }
+    s.context = 1 << 20, s.capacity = 1ull << 40;
+    return s;
+}
+
+// Every number of two estimates equal.
+static void same_estimate(const mn_estimate_result *a, const mn_estimate_result *b, int it) {
+    int k;
+    CHECK_MSG(a->peak_allocated == b->peak_allocated && a->peak_reserved == b->peak_reserved &&
+              a->peak_requested == b->peak_requested && a->device_used == b->device_used &&
+              a->fits == b->fits && a->alloc_events == b->alloc_events,
+              "case %d: allocated %llu/%llu reserved %llu/%llu fits %d/%d", it,
+              (unsigned long long)a->peak_allocated, (unsigned long long)b->peak_allocated,
+              (unsigned long long)a->peak_reserved, (unsigned long long)b->peak_reserved,
+              a->fits, b->fits);
+    CHECK_EQ_U64(a->activations, b->activations);
+    CHECK_EQ_U64(a->temporary, b->temporary);
+    CHECK_EQ_U64(a->workspace, b->workspace);
+    CHECK_EQ_U64(a->kv_cache, b->kv_cache);
+    CHECK_EQ_U64(a->model_states, b->model_states);
+    CHECK_EQ_INT(a->peak_phase, b->peak_phase);
+    for (k = 0; k < MN_CAT_COUNT; k++) {
+        CHECK_EQ_U64(a->at_peak[k], b->at_peak[k]);
+        CHECK_EQ_U64(a->cat_peak[k], b->cat_peak[k]);
+    }
+}
+
+// The setup with room for its allocated peak A plus u of its allocator slack R - A (u in
+// [-0.5, 1.3]: below A the device refuses for certain, between A and R the allocator frees its
+// cache and retries, above R nothing is refused). 0 when the model cannot take the setup.
+static int place_capacity(const mn_model *m, mn_setup *s) {
+    mn_estimate_result r;
+    double u = mnt_rand_uniform() * 1.8 - 0.5;
+    double a, slack;
+    if (mn_estimate(m, s, &r) != MN_OK) return 0;
+    a = (double)r.peak_allocated, slack = (double)(r.peak_reserved - r.peak_allocated);
+    if (u < 0) slack = a;  // (below A: down to half of it)
+    s->capacity = s->context + (uint64_t)(a + u * slack > 4096 ? a + u * slack : 4096);
+    return 1;
+}
+
+// The estimate with every tensor on its own id, as before ids were reused with the replay.
+static mn_result estimate_unique_ids(const mn_model *m, const mn_setup *s,
+                                     mn_estimate_result *out) {
+    mn__sim S;
+    mn_result r;
+    memset(&S, 0, sizeof S);
+    S.unique_ids = 1;
+    r = mn__estimate_in(m, s, out, &S, 0, NULL);
+    mn__sim_free(&S);
+    return r;
+}
+
+// The decide path against the whole estimate on random setups, the device placed so that its
+// three outcomes happen: settled with nothing refused (the same replay as the unlimited one),
+// settled after a refused allocation that freeing the cache granted (the unlimited replay
+// decides again), stopped at an out-of-memory (the step does not fit).
+void test_fit_decide_replay(void) {
+    int it, plain = 0, retried = 0, stopped = 0, skipped = 0;
+    for (it = 0; it < 400 && (it < 60 || !plain || !retried || !stopped || !skipped); it++) {
+        mn_model m = random_model();
+        mn_setup s = random_setup(), u;
+        mn_estimate_result whole, reused, dec, unlimited, alone, quick;
+        mn__sim S;
+        mn_result r;
+        if (!place_capacity(&m, &s)) continue;
+        u = s, u.capacity = 1ull << 40;
+        CHECK_OK(estimate_unique_ids(&m, &u, &unlimited));
+        CHECK_OK(estimate_unique_ids(&m, &s, &whole));
+        CHECK_OK(mn_estimate(&m, &s, &reused));
+        same_estimate(&reused, &whole, it);
+        u = s, u.no_replay = 1;
+        CHECK_OK(mn_estimate(&m, &u, &quick));
+        memset(&S, 0, sizeof S);
+        S.decide = 1, S.alone = &alone;
+        r = mn__estimate_in(&m, &s, &dec, &S, 0, NULL);
+        CHECK_OK(r);
+        CHECK(S.alone_set);
+        if (S.alone_set) {
+            same_estimate(&alone, &quick, it);
+            CHECK_EQ_INT(alone.setup.no_replay, 1);
+        }
+        if (r == MN_OK && S.alone_set && !alone.fits) {  // (then the replay is skipped)
+            skipped++;
+            CHECK(!whole.fits);
+        } else if (r == MN_OK && S.unsettled) {
+            stopped++;
+            CHECK_MSG(!whole.fits && !dec.fits, "case %d: stopped, but the step fits", it);
+        } else if (r == MN_OK) {
+            same_estimate(&dec, &whole, it);
+            if (whole.peak_reserved != unlimited.peak_reserved) retried++;
+            else plain++;
+        }
+        mn__sim_free(&S);
+    }
+    if (mnt_verbose())
+        printf("       %d setups: %d plain, %d retried, %d stopped, %d skipped\n", it, plain,
+               retried, stopped, skipped);
+    CHECK_MSG(plain && retried && stopped && skipped, "outcomes not all seen: %d plain, %d "
+              "retried, %d stopped, %d skipped", plain, retried, stopped, skipped);
+}
+
+// mn_fit against the same fit with every estimate whole: the same answers, field by field.
+void test_fit_shortcuts_whole(void) {
+    int it;
+    for (it = 0; it < 24; it++) {
+        mn_model m = random_model();
+        mn_setup s = random_setup();
+        mn_fit_result a, b;
+        mn_result ra, rb;
+        uint32_t i;
+        if (!place_capacity(&m, &s)) continue;
+        ra = mn_fit(&m, &s, &a);
+        rb = mn__fit_with(&m, &s, &b, 1);
+        CHECK_EQ_INT(ra, rb);
+        if (ra != MN_OK || rb != MN_OK) continue;
+        CHECK_EQ_U64(a.max_batch, b.max_batch);
+        CHECK_EQ_U64(a.max_seq, b.max_seq);
+        CHECK_EQ_INT(a.plan_found, b.plan_found);
+        CHECK_EQ_INT(a.plan_len, b.plan_len);
+        CHECK(a.plan_slowdown == b.plan_slowdown);
+        for (i = 0; i < a.plan_len && i < b.plan_len; i++) {
+            CHECK(!strcmp(a.plan[i].what, b.plan[i].what));
+            CHECK(!strcmp(a.plan[i].why, b.plan[i].why));
+        }
+        CHECK_EQ_U64(a.plan_setup.batch, b.plan_setup.batch);
+        CHECK_EQ_U64(a.plan_setup.accum, b.plan_setup.accum);
+        CHECK_EQ_INT(a.plan_setup.checkpointing, b.plan_setup.checkpointing);
+        CHECK_EQ_INT(a.plan_setup.optim, b.plan_setup.optim);
+        CHECK_EQ_INT(a.plan_setup.precision, b.plan_setup.precision);
+        CHECK_EQ_INT(a.plan_setup.zero_stage, b.plan_setup.zero_stage);
+        CHECK_EQ_U64(a.plan_setup.lora_rank, b.plan_setup.lora_rank);
+        same_estimate(&a.plan_estimate, &b.plan_estimate, it);
+    }
+}
