@@ -14128,17 +14128,16 @@ MN__INLINE void mn__prefetch(const float *x, size_t n) {
 #endif
 }
 
-// y[0..n) = src[0..n): streaming stores on the aligned vectors of y, ordinary ones before and
-// after them.
-MN__PRIVATE void mn__nt_copy(float *y, const float *src, size_t n) {
+// y[0..n) = src[0..n) c: streaming stores on the aligned vectors of y, ordinary ones before and
+// after them (c = 1: a copy, bit for bit, as x 1 = x).
+MN__PRIVATE void mn__nt_copy(float *y, const float *src, float c, size_t n) {
+    size_t i = 0;
 #if MN__NT
-    size_t i, h = mn__nt_head(y, n);
-    for (i = 0; i < h; i++) y[i] = src[i];
-    for (; n - i >= MN__OW; i += MN__OW) mn__ov_stream(y + i, mn__ov_load(src + i));
-    for (; i < n; i++) y[i] = src[i];
-#else
-    memcpy(y, src, n * sizeof *y);
+    size_t h = mn__nt_head(y, n);
+    for (; i < h; i++) y[i] = src[i] * c;
+    for (; n - i >= MN__OW; i += MN__OW) mn__ov_stream(y + i, mn__ov_load(src + i) * c);
 #endif
+    for (; i < n; i++) y[i] = src[i] * c;
 }
 
 // Length of the next tile of a size_t range: min(left, cap) for left >= 1 and a tile size
@@ -14732,7 +14731,7 @@ MN__PRIVATE void mn__layernorm_row(float *y, float *mean, float *rstd, const flo
     size_t i;
     if (bias) for (i = 0; i < C; i++) o[i] = (x[i] - m) * s * weight[i] + bias[i];
     else for (i = 0; i < C; i++) o[i] = (x[i] - m) * s * weight[i];
-    if (nt) mn__nt_copy(y, buf, C);
+    if (nt) mn__nt_copy(y, buf, 1.0f, C);
     if (mean) *mean = m;
     if (rstd) *rstd = s;
 }
@@ -14952,9 +14951,13 @@ MNIMPL mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size
             if (big && n + MN__PF_ROWS < N) mn__prefetch(x + MN__PF_ROWS * L, L);
             mx = mn__max_scaled(x, scale, len);
             inv = (float)(1.0 / mn__exp_store_sum(p, x, scale, mx, len, NULL));
+            if (nt && len == L) {  // scaled on the way out
+                mn__nt_copy(y, buf, inv, L);
+                continue;
+            }
             for (j = 0; j < len; j++) p[j] *= inv;
             for (; j < L; j++) p[j] = 0.0f;
-            if (nt) mn__nt_copy(y, buf, L);
+            if (nt) mn__nt_copy(y, buf, 1.0f, L);
         }
         if (nt) mn__nt_fence();
     }
