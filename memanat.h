@@ -14049,20 +14049,17 @@ MN__PRIVATE double mn__sumexp(const float *x, float m, size_t n) {
 // core and the share of a shared L3 that one core can count on, while the call's input passes
 // through the same caches); a smaller output keeps ordinary stores and is read back from cache by
 // the next op. (Softmax forward followed by a sum over its output, one Zen 5 core, 1 MiB L2,
-// 32 MiB L3: streaming lost by 25% at 1 to 4 MiB, broke even at 8 and won by 10% from 16.)
+// 32 MiB L3: streaming lost by 25% at 1 to 4 MiB, broke even at 8 and won by 10% from 16; the
+// threshold takes the side of a reader that reads its input more than once, as a matmul does.)
 // Only the store differs: every value is computed by the same code either way, into registers
 // or an L1 chunk of MN__NT_CHUNK floats, and streamed from there. Streaming stores are weakly
 // ordered: the loops give each thread one part of the rows (mn__nt_parts), and the thread fences
 // its stores (sfence) once, at the end of its part (a fence per row cost up to 20%). Large calls
 // also ask for their rows ahead (mn__prefetch). With MEMANAT_NO_SIMD or without x86 vector lanes
 // every store is an ordinary one.
-#ifndef MN__NT_MIN_BYTES
-#define MN__NT_MIN_BYTES ((uint64_t)8 << 20)
-#endif
+#define MN__NT_MIN_BYTES ((uint64_t)16 << 20)
 #define MN__NT_CHUNK 4096  // floats of the L1 chunk a row is computed into before it is streamed
-#ifndef MN__PF_ROWS
-#define MN__PF_ROWS 2
-#endif
+#define MN__PF_ROWS 2      // rows ahead that a large call asks for
 #if MN__OV
 #define MN__NT 1
 #define MN__NT_ALIGN (MN__OW * sizeof(float))  // bytes: the alignment a streaming store needs
@@ -15495,7 +15492,9 @@ MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const floa
     // over softmax_forward, fused as in llm.c fused_classifier). With probs the exponentials are
     // stored while they are summed (one exp per logit), then scaled.
     // A large call asks for the next row's logits while it computes the exponentials of this
-    // one (mn__prefetch), so that the max pass finds them in cache.
+    // one (pf of mn__exp_store_sum), so that the max pass finds them in cache. (Streaming the
+    // probs would need the exponentials twice, for the sum and for the stores, with no room
+    // for a row in L1: measured slower than the ordinary stores.)
     size_t n;
     int big;
     if (!losses || !logits || !targets || V == 0) return MN_ERR_INVALID_ARG;

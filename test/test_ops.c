@@ -1180,7 +1180,7 @@ static void test_thread_invariance_large(void) {
 }
 #undef SET_THREADS
 
-// Large calls (an output of 8 MiB or more, the ops' streaming threshold) write their output with
+// Large calls (an output of 16 MiB or more, the ops' streaming threshold) write their output with
 // streaming stores and ask for rows ahead (>>ops streaming stores); the values must be those of
 // small calls, bit for bit. Each op runs once on a large shape of odd widths, its output a random
 // 1 to 15 floats past malloc's alignment (so rows start unaligned and the heads and tails take
@@ -1202,8 +1202,8 @@ static void nt_check(const char *what, const float *got, const float *want, size
 }
 
 static void test_streaming_stores(void) {
-    size_t C = 2 * (300 + mnt_rand_u64() % 200) + 1, N = 2200000 / C + 1 + mnt_rand_u64() % 7;
-    size_t n = N * C, V = 50001 + 2 * (mnt_rand_u64() % 100), NV = 2200000 / V + 1;
+    size_t C = 2 * (300 + mnt_rand_u64() % 200) + 1, N = 4300000 / C + 1 + mnt_rand_u64() % 7;
+    size_t n = N * C, V = 50001 + 2 * (mnt_rand_u64() % 100), NV = 4300000 / V + 1;
     size_t cap = (n > NV * V ? n : NV * V) + 32, off = 1 + mnt_rand_u64() % 15, i, r;
     float *x = mnt_fvec(cap), *w = mnt_fvec(C), *b = mnt_fvec(C), *ybuf = mnt_fvec(cap);
     float *want = mnt_fvec(cap), *st = mnt_fvec(4 * N + 4 * NV + 8), *y = ybuf + off;
