@@ -1282,6 +1282,83 @@ static void test_thread_busy_core(void) {
 }
 #undef SET_THREADS
 
+// Large calls (an output of 16 MiB or more, the ops' streaming threshold) write their output with
+// streaming stores and ask for rows ahead (>>ops streaming stores); the values must be those of
+// small calls, bit for bit. Each op runs once on a large shape of odd widths, its output a random
+// 1 to 15 floats past malloc's alignment (so rows start unaligned and the heads and tails take
+// ordinary stores) and poisoned with NaN first, against the same op called on pieces below the
+// threshold (rows one by one, or L rows at a time where the causal mask counts rows); the float
+// after the output must keep its poison.
+static float nt_poison(void) {
+    uint32_t u = 0x7fc0dead;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static void nt_check(const char *what, const float *got, const float *want, size_t n) {
+    float p = nt_poison();
+    EXPECT_SAME(what, got, want, n);
+    CHECK_MSG(memcmp(&got[n], &p, sizeof p) == 0, "%s: the float after the output was written",
+              what);
+}
+
+static void test_streaming_stores(void) {
+    size_t C = 2 * (300 + mnt_rand_u64() % 200) + 1, N = 4300000 / C + 1 + mnt_rand_u64() % 7;
+    size_t n = N * C, V = 50001 + 2 * (mnt_rand_u64() % 100), NV = 4300000 / V + 1;
+    size_t cap = (n > NV * V ? n : NV * V) + 32, off = 1 + mnt_rand_u64() % 15, i, r;
+    float *x = mnt_fvec(cap), *w = mnt_fvec(C), *b = mnt_fvec(C), *ybuf = mnt_fvec(cap);
+    float *want = mnt_fvec(cap), *st = mnt_fvec(4 * N + 4 * NV + 8), *y = ybuf + off;
+    float *mean = st, *rstd = st + N, *mean1 = st + 2 * N, *rstd1 = st + 3 * N;
+    float *loss = st + 4 * N, *loss1 = loss + NV;
+    int *tgt = (int *)malloc(NV * sizeof(int)), variant;
+    if (!tgt) {
+        mnt_fail(__FILE__, __LINE__, "out of memory");
+        return;
+    }
+    mnt_fill_normal(x, cap, 2.0);
+    mnt_fill_normal(w, C, 1.0);
+    mnt_fill_normal(b, C, 1.0);
+    for (i = 0; i < NV; i++) tgt[i] = (int)(mnt_rand_u64() % V) - (i == 1);  // one ignored
+#define NT_POISON(cnt) for (i = 0; i < (cnt) + 1; i++) y[i] = nt_poison()
+    for (variant = 0; variant < 2; variant++) {  // with and without bias
+        const float *bias = variant ? NULL : b;
+        NT_POISON(n);
+        CHECK_OK(mn_layernorm_forward(y, mean, rstd, x, w, bias, N, C, 1e-5f));
+        for (r = 0; r < N; r++)
+            CHECK_OK(mn_layernorm_forward(want + r * C, mean1 + r, rstd1 + r, x + r * C, w, bias,
+                                          1, C, 1e-5f));
+        want[n] = nt_poison();
+        nt_check(variant ? "layernorm forward, no bias" : "layernorm forward", y, want, n);
+        EXPECT_SAME("layernorm mean", mean, mean1, N);
+        EXPECT_SAME("layernorm rstd", rstd, rstd1, N);
+    }
+    for (variant = 0; variant < 2; variant++) {  // plain and causal
+        NT_POISON(n);
+        CHECK_OK(mn_softmax_forward(y, x, N, C, 0.7f, variant));
+        for (r = 0; r < N; r += C)
+            CHECK_OK(mn_softmax_forward(want + r * C, x + r * C, N - r < C ? N - r : C, C, 0.7f,
+                                        variant));
+        want[n] = nt_poison();
+        nt_check(variant ? "softmax forward, causal" : "softmax forward", y, want, n);
+    }
+    NT_POISON(n);
+    CHECK_OK(mn_gelu_forward(y, x, n));
+    for (r = 0; r < n; r += 100003)
+        CHECK_OK(mn_gelu_forward(want + r, x + r, n - r < 100003 ? n - r : 100003));
+    want[n] = nt_poison();
+    nt_check("gelu forward", y, want, n);
+    NT_POISON(NV * V);
+    CHECK_OK(mn_crossentropy_forward(loss, y, x, tgt, NV, V));
+    for (r = 0; r < NV; r++)
+        CHECK_OK(mn_crossentropy_forward(loss1 + r, want + r * V, x + r * V, tgt + r, 1, V));
+    want[NV * V] = nt_poison();
+    nt_check("crossentropy probs", y, want, NV * V);
+    EXPECT_SAME("crossentropy losses", loss, loss1, NV);
+#undef NT_POISON
+    free(x), free(w), free(b), free(ybuf), free(want), free(st), free(tgt);
+}
+
 // Bad arguments: every op refuses with MN_ERR_INVALID_ARG and leaves its outputs untouched;
 // none asserts or crashes, with or without NDEBUG (make sanitize runs this under ASan both ways).
 // NULL for a needed array, a zero width that divides, and shapes whose element counts overflow
@@ -1360,6 +1437,7 @@ static void test_bad_arguments(void) {
 void test_ops_expf_range(void);
 void test_ops_exp_edge_inputs(void);
 void test_ops_exp_vector_lanes(void);
+void test_ops_reduce_vector_lanes(void);
 
 const mnt_case test_ops_cases[] = {
     {"matmul", test_matmul},
@@ -1378,6 +1456,7 @@ const mnt_case test_ops_cases[] = {
     {"expf_range", test_ops_expf_range},
     {"exp_edge_inputs", test_ops_exp_edge_inputs},
     {"exp_vector_lanes", test_ops_exp_vector_lanes},
+    {"reduce_vector_lanes", test_ops_reduce_vector_lanes},
     {"embedding", test_embedding},
     {"crossentropy", test_crossentropy},
     {"philox_known_answers", test_philox},
@@ -1385,6 +1464,7 @@ const mnt_case test_ops_cases[] = {
     {"thread_count_invariance", test_thread_invariance},
     {"thread_count_invariance_large", test_thread_invariance_large},
     {"thread_busy_core", test_thread_busy_core},
+    {"streaming_stores", test_streaming_stores},
     {"bad_arguments", test_bad_arguments},
 };
 const size_t test_ops_count = sizeof test_ops_cases / sizeof test_ops_cases[0];

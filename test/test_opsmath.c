@@ -41,7 +41,7 @@ static double ulp_err(float got, double want) {
 static void exp_chunk(const float *xs, float *ys, size_t k, double *worst, double *worst_sub,
                       int *fails) {
     size_t i;
-    mn__exp_store_sum(ys, xs, 1.0f, 0.0f, k);
+    mn__exp_store_sum(ys, xs, 1.0f, 0.0f, k, NULL);
     for (i = 0; i < k; i++) {
         double want = exp((double)xs[i]), e = ulp_err(ys[i], want);
         float one = mn__expf(xs[i]);
@@ -223,7 +223,7 @@ void test_ops_exp_vector_lanes(void) {
         size_t full = n - n % MN__LN;
         for (i = 0; i < n; i++) x[off + i] = trial % 4 == 0 ? (float)(-3.0 * mnt_rand_uniform())
                                                          : lane_arg();
-        got = mn__exp_store_sum(y + off, x + off, 1.0f, m, n);
+        got = mn__exp_store_sum(y + off, x + off, 1.0f, m, n, trial % 2 ? x : NULL);
         got2 = mn__sumexp(x + off, m, n);
         for (i = 0; i < n; i++) {
             float e = mn__expf(x[off + i] - m);
@@ -251,4 +251,56 @@ void test_ops_exp_vector_lanes(void) {
     }
     CHECK(bad == 0);
     free(x), free(y), free(g);
+}
+
+// The vector forms of the row reductions (mn__max_scaled, mn__sumsq_centered) and of the GELU
+// derivative (mn_gelu_backward, in stages over chunks) give the bits of the plain C form: the
+// same MN__LN lanes written out here, mn__gelu_grad per element, on lengths and offsets that are
+// not multiples of the vector width or of the chunk.
+void test_ops_reduce_vector_lanes(void) {
+    enum { CAP = 1300 };
+    float *x = mnt_fvec(CAP + 1), *g = mnt_fvec(CAP + 1), *dy = mnt_fvec(CAP + 1);
+    float *want = mnt_fvec(CAP + 1);
+    int trial, bad = 0;
+    for (trial = 0; trial < 300; trial++) {
+        size_t n = 1 + (size_t)(mnt_rand_u64() % CAP), off = (size_t)(mnt_rand_u64() % 2), i;
+        size_t full = n - n % MN__LN;
+        float scale = trial % 3 == 0 ? 1.0f : (float)mnt_rand_normal();
+        float m = (float)mnt_rand_normal();
+        float acc[MN__LN], mx = -INFINITY, got, fss;
+        double ss = 0.0;
+        for (i = 0; i < n; i++) x[off + i] = trial % 5 == 0 ? lane_arg() : (float)mnt_rand_normal();
+        for (i = 0; i < MN__LN; i++) acc[i] = -INFINITY;
+        for (i = 0; i < full; i++) {
+            float v = scale * x[off + i];
+            acc[i % MN__LN] = v > acc[i % MN__LN] ? v : acc[i % MN__LN];
+        }
+        for (; i < n; i++) mx = scale * x[off + i] > mx ? scale * x[off + i] : mx;
+        for (i = 0; i < MN__LN; i++) mx = acc[i] > mx ? acc[i] : mx;
+        got = mn__max_scaled(x + off, scale, n);
+        CHECK_MSG(memcmp(&got, &mx, sizeof got) == 0, "max_scaled n=%zu: %.9g, want %.9g", n,
+                  got, mx);
+        for (i = 0; i < MN__LN; i++) acc[i] = 0.0f;
+        for (i = 0; i < full; i++) {
+            float d = x[off + i] - m;
+            acc[i % MN__LN] = MN__FMA(d, d, acc[i % MN__LN]);
+        }
+        for (; i < n; i++) ss += (double)(x[off + i] - m) * (x[off + i] - m);
+        for (i = 0; i < MN__LN; i++) ss += acc[i];
+        got = mn__sumsq_centered(x + off, m, n), fss = (float)ss;
+        CHECK_MSG(memcmp(&got, &fss, sizeof got) == 0 || (isnan(got) && isnan(fss)),
+                  "sumsq_centered n=%zu: %.9g, want %.9g", n, got, fss);
+        for (i = 0; i < n; i++) x[off + i] = lane_arg() * 0.2f;
+        mnt_fill_normal(dy, CAP + 1, 1.0);
+        mnt_fill_normal(g, CAP + 1, 1.0);
+        for (i = 0; i < n; i++) want[i] = g[off + i] + dy[off + i] * mn__gelu_grad(x[off + i]);
+        CHECK_OK(mn_gelu_backward(g + off, dy + off, x + off, n));
+        for (i = 0; i < n; i++)
+            if (memcmp(&want[i], &g[off + i], sizeof want[i]) != 0 &&
+                !(isnan(want[i]) && isnan(g[off + i])) && bad++ < 4)
+                mnt_fail(__FILE__, __LINE__, "gelu backward at x = %.9g: %.9g, want %.9g",
+                         x[off + i], g[off + i], want[i]);
+    }
+    CHECK(bad == 0);
+    free(x), free(g), free(dy), free(want);
 }
