@@ -13710,9 +13710,13 @@ MNIMPL void mn_adamw8bit_free(mn_adamw8bit *s) {
 //   vector:            V ← β̂2 V + (1−β̂2) U;  u = g · rsqrt(V)
 //   u ← α_t u / max(1, RMS(u)/d);  (β1: m ← β1 m + (1−β1) u, u = m);  θ ← θ − λα_t θ;  θ ← θ − u
 // RMS(x) = ‖x‖₂/√numel. u is recomputed from the state in each pass instead of stored, so the
-// state is exactly the moments. The sums behind RMS(θ) and RMS(u) are double additions in element
-// order (the results do not depend on the build); each is one chain of dependent additions, so
-// the step runs at about one element per add latency (~3 cycles) whatever the memory speed.
+// state is exactly the moments. Three passes: the second moment (one read of g: row and column
+// sums together), the sums of θ² and u², the update. The sums are double additions in a fixed
+// order, the same in the scalar and the vector builds (the results do not depend on the build):
+// a row's sum of g² + ε1, and the sums behind RMS(θ) and RMS(u), run in 16 interleaved lanes (lane
+// l adds the terms of the columns j ≡ l mod 16, row after row) combined by a fixed tree at the
+// end (mn__opt_lanes_total), so that no single chain of dependent additions sets the step's pace;
+// a column's sum adds its rows in order.
 
 MNIMPL mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
                                    const mn_adafactor_params *p, const mn_allocator *alloc) {
@@ -13776,6 +13780,84 @@ MN__PRIVATE double mn__opt_row_mean(const mn_adafactor *s, uint64_t b) {
     return sum / (double)s->rows;
 }
 
+// The fixed order of the sums: MN__OPT_LANES interleaved double accumulators (lane l takes the
+// terms of the columns j with j % 16 == l, in row order), added up by a fixed tree.
+#define MN__OPT_LANES 16
+MN__PRIVATE double mn__opt_lanes_total(const double *a) {
+    double t[MN__OPT_LANES];
+    int w, l;
+    memcpy(t, a, sizeof t);
+    for (w = MN__OPT_LANES / 2; w >= 1; w /= 2)
+        for (l = 0; l < w; l++) t[l] += t[l + w];
+    return t[0];
+}
+
+#if MN__OV && defined(MN__OVD)
+// The lanes in MN__OPT_LV vectors of one register each (MN__OPT_DW doubles), held in registers
+// through the loops; floats widened MN__OPT_DW at a time.
+#if defined(__AVX512F__)
+#define MN__OPT_DW 8
+#elif defined(__AVX__)
+#define MN__OPT_DW 4
+#else
+#define MN__OPT_DW 2
+#endif
+#define MN__OPT_LV (MN__OPT_LANES / MN__OPT_DW)
+typedef float mn__opt_fv __attribute__((vector_size(MN__OPT_DW * sizeof(float))));
+typedef double mn__opt_dv __attribute__((vector_size(MN__OPT_DW * sizeof(double))));
+#define MN__OPT_LOAD(v, p) memcpy(&(v), (p), sizeof(v))
+#define MN__OPT_STORE(p, v) memcpy((p), &(v), sizeof(v))
+#endif
+
+// a[j % 16] += x[j]² and b[j % 16] += y[j]² in double (exact products of floats), j < len, where
+// x[0] and y[0] are in a lane-0 column.
+MN__PRIVATE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const float *y,
+                                   uint64_t len) {
+    uint64_t j = 0;
+#if defined(MN__OPT_LV)
+    mn__opt_dv va[MN__OPT_LV], vb[MN__OPT_LV], w;
+    mn__opt_fv f;
+    int l;
+    MN__OPT_LOAD(va, a), MN__OPT_LOAD(vb, b);
+    for (; j + MN__OPT_LANES <= len; j += MN__OPT_LANES)
+        for (l = 0; l < MN__OPT_LV; l++) {
+            MN__OPT_LOAD(f, x + j + (uint64_t)(l * MN__OPT_DW));
+            w = __builtin_convertvector(f, mn__opt_dv), va[l] += w * w;
+            MN__OPT_LOAD(f, y + j + (uint64_t)(l * MN__OPT_DW));
+            w = __builtin_convertvector(f, mn__opt_dv), vb[l] += w * w;
+        }
+    MN__OPT_STORE(a, va), MN__OPT_STORE(b, vb);
+#endif
+    for (; j < len; j++)
+        a[j % MN__OPT_LANES] += (double)x[j] * x[j], b[j % MN__OPT_LANES] += (double)y[j] * y[j];
+}
+
+// One row of g [cols] for the factored second moment, q_j = (double)(g_j² + ε1): rs[j % 16] += q_j
+// and, with cs, cs[j] += q_j (a column's sum in row order).
+MN__PRIVATE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, double *rs,
+                                  double *cs) {
+    uint64_t j = 0;
+#if defined(MN__OPT_LV)
+    mn__opt_dv vr[MN__OPT_LV], q, c;
+    mn__opt_fv f;
+    int l;
+    MN__OPT_LOAD(vr, rs);
+    for (; j + MN__OPT_LANES <= cols; j += MN__OPT_LANES)
+        for (l = 0; l < MN__OPT_LV; l++) {
+            uint64_t k = j + (uint64_t)(l * MN__OPT_DW);
+            MN__OPT_LOAD(f, g + k), q = __builtin_convertvector(f * f + eps1, mn__opt_dv);
+            vr[l] += q;
+            if (cs) MN__OPT_LOAD(c, cs + k), c += q, MN__OPT_STORE(cs + k, c);
+        }
+    MN__OPT_STORE(rs, vr);
+#endif
+    for (; j < cols; j++) {
+        double q1 = (double)(g[j] * g[j] + eps1);
+        rs[j % MN__OPT_LANES] += q1;
+        if (cs) cs[j] += q1;
+    }
+}
+
 // 1 / sqrt(C_j) for the columns [0, cols) of a batch, once per pass instead of once per row.
 MN__PRIVATE void mn__opt_af_icol(const float *col, uint64_t cols, float *ic) {
     uint64_t j = 0;
@@ -13819,15 +13901,49 @@ MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, const flo
 }
 
 #define MN__OPT_AF_CHUNK 512u  // elements of a row per piece of the passes below
-#define MN__OPT_AF_ICOL 2048u  // columns whose 1 / sqrt(C_j) live on the stack (more: allocated)
+#define MN__OPT_AF_ICOL 2048u  // columns whose scratch lives on the stack (more: allocated)
+
+// The factored second moment of batch b: each row's lanes and, with cs (scratch [cols]), the
+// column sums in the same read of g; without cs the columns go 64 at a time in a second read.
+MN__PRIVATE void mn__opt_af_moment(mn_adafactor *s, const float *grad, uint64_t b, float b2t,
+                                   float w2t, float eps1, double *cs) {
+    const float *gb = grad + b * s->rows * s->cols;
+    float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
+    uint64_t i, j, c0, cw;
+    if (cs) memset(cs, 0, (size_t)s->cols * sizeof *cs);
+    for (i = 0; i < s->rows; i++) {
+        double rs[MN__OPT_LANES] = {0};
+        mn__opt_af_rowsq(gb + i * s->cols, s->cols, eps1, rs, cs);
+        row[i] = row[i] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)s->cols);
+    }
+    if (cs) {
+        for (j = 0; j < s->cols; j++)
+            col[j] = col[j] * b2t + w2t * (float)(cs[j] / (double)s->rows);
+        return;
+    }
+    for (c0 = 0; c0 < s->cols; c0 += 64) {  // column means, 64 columns at a time
+        double acc[64] = {0};
+        cw = s->cols - c0 < 64 ? s->cols - c0 : 64;
+        for (i = 0; i < s->rows; i++)
+            for (j = 0; j < cw; j++) {
+                float g = gb[i * s->cols + c0 + j];
+                acc[j] += (double)(g * g + eps1);
+            }
+        for (j = 0; j < cw; j++)
+            col[c0 + j] = col[c0 + j] * b2t + w2t * (float)(acc[j] / (double)s->rows);
+    }
+}
 
 MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *grad,
                                    uint16_t *param16) {
     const mn_adafactor_params *p;
-    double t, sum, rho, beta2t, rms_u, clip, ss, ps;
+    double t, rho, beta2t, rms_u, clip;
+    double ss[MN__OPT_LANES] = {0}, ps[MN__OPT_LANES] = {0};
     float b2t, w2t, eps1, alpha = 0, clip_div = 1, decay_coef = 0, b1 = 0, w1 = 0;
     float u[MN__OPT_AF_CHUNK], icbuf[MN__OPT_AF_ICOL], *ic = NULL;
-    uint64_t i, j, b, c0, cw, n, j0, len;
+    double csbuf[MN__OPT_AF_ICOL], *cs = NULL;
+    void *scratch = NULL;
+    uint64_t i, j, b, n, j0, len;
     int pass;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
@@ -13837,60 +13953,40 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
     t = (double)++s->step;
     beta2t = 1.0 - pow(t, (double)p->decay_rate);
     b2t = (float)beta2t, w2t = (float)(1.0 - beta2t), eps1 = p->eps1;
-    // second moment; the row sums of four rows at a time (each in its own order, as one by one)
+    // scratch for the column sums and factors: without it (allocation failed), the column sums
+    // take a second read of g and each row recomputes the factors
+    if (s->factored && s->cols <= MN__OPT_AF_ICOL) {
+        ic = icbuf, cs = csbuf;
+    } else if (s->factored) {
+        scratch = mn__alloc_array(&s->alloc, (size_t)s->cols, sizeof(double) + sizeof(float));
+        if (scratch) cs = (double *)scratch, ic = (float *)(cs + s->cols);
+    }
     if (s->factored) {
-        for (b = 0; b < s->batch; b++) {
-            const float *gb = grad + b * s->rows * s->cols;
-            float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
-            for (i = 0; i + 4 <= s->rows; i += 4) {
-                const float *g0 = gb + i * s->cols, *g1 = g0 + s->cols, *g2 = g1 + s->cols;
-                const float *g3 = g2 + s->cols;
-                double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-                for (j = 0; j < s->cols; j++) {
-                    s0 += (double)(g0[j] * g0[j] + eps1), s1 += (double)(g1[j] * g1[j] + eps1);
-                    s2 += (double)(g2[j] * g2[j] + eps1), s3 += (double)(g3[j] * g3[j] + eps1);
-                }
-                row[i] = row[i] * b2t + w2t * (float)(s0 / (double)s->cols);
-                row[i + 1] = row[i + 1] * b2t + w2t * (float)(s1 / (double)s->cols);
-                row[i + 2] = row[i + 2] * b2t + w2t * (float)(s2 / (double)s->cols);
-                row[i + 3] = row[i + 3] * b2t + w2t * (float)(s3 / (double)s->cols);
-            }
-            for (; i < s->rows; i++) {
-                const float *gr = gb + i * s->cols;
-                for (sum = 0.0, j = 0; j < s->cols; j++) sum += (double)(gr[j] * gr[j] + eps1);
-                row[i] = row[i] * b2t + w2t * (float)(sum / (double)s->cols);
-            }
-            for (c0 = 0; c0 < s->cols; c0 += 64) {  // column means, 64 columns at a time
-                double acc[64] = {0};
-                cw = s->cols - c0 < 64 ? s->cols - c0 : 64;
-                for (i = 0; i < s->rows; i++)
-                    for (j = 0; j < cw; j++) {
-                        float g = gb[i * s->cols + c0 + j];
-                        acc[j] += (double)(g * g + eps1);
-                    }
-                for (j = 0; j < cw; j++)
-                    col[c0 + j] = col[c0 + j] * b2t + w2t * (float)(acc[j] / (double)s->rows);
-            }
-        }
+        for (b = 0; b < s->batch; b++) mn__opt_af_moment(s, grad, b, b2t, w2t, eps1, cs);
     } else {
-        for (i = 0; i < n; i++)
+        i = 0;
+#if MN__OV
+        for (; i + MN__OW <= n; i += MN__OW) {  // the loop below, MN__OW lanes at a time
+            mn__ovf g = mn__ov_load(grad + i);
+            mn__ov_store(s->exp_avg_sq + i,
+                         mn__ov_load(s->exp_avg_sq + i) * b2t + w2t * (g * g + eps1));
+        }
+#endif
+        for (; i < n; i++)
             s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2t + w2t * (grad[i] * grad[i] + eps1);
     }
-    if (s->factored)  // no room for the column factors: each row recomputes them
-        ic = s->cols <= MN__OPT_AF_ICOL ? icbuf
-                                        : (float *)mn__alloc_array(&s->alloc, s->cols, 4);
-    // pass 0: RMS(param) before the step and RMS of the update, both summed in element order;
-    // pass 1: apply u / max(1, RMS(u)/d) * alpha, through the first moment when there is one.
-    // Both walk the same chunks and recompute u (keeping it would cost n floats).
-    for (ss = 0.0, ps = 0.0, pass = 0; pass < 2; pass++) {
+    // pass 0: the lanes of the sums of θ² (before the step) and u²; pass 1: apply
+    // u / max(1, RMS(u)/d) * alpha, through the first moment when there is one. Both walk the
+    // same chunks (multiples of 16 columns) and recompute u (keeping it would cost n floats).
+    for (pass = 0; pass < 2; pass++) {
         if (pass == 1) {  // the step's scalars, from pass 0's sums
-            s->rms = (float)sqrt(ps / (double)n);
+            s->rms = (float)sqrt(mn__opt_lanes_total(ps) / (double)n);
             if (p->lr > 0.0f) rho = p->lr;
             else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
             alpha = (float)(p->no_scale_parameter ? rho
                                                   : fmax((double)p->eps2, (double)s->rms) * rho);
             s->alpha = alpha;
-            rms_u = sqrt(ss / (double)n);
+            rms_u = sqrt(mn__opt_lanes_total(ss) / (double)n);
             clip = rms_u / (double)p->clip_threshold;
             clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
             decay_coef = -p->weight_decay * alpha;
@@ -13907,18 +14003,9 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
                 for (j0 = 0; j0 < s->cols; j0 += len) {
                     float *th = param + base + j0, *m = s->exp_avg ? s->exp_avg + base + j0 : NULL;
                     len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
-                    if (pass == 0 && ic) {  // u in the loop of the sums: its loads overlap them
-                        const float *gj = grad + base + j0, *icj = ic + j0;
-                        for (j = 0; j < len; j++) {
-                            float uj = rf * icj[j] * gj[j];  // mn__opt_af_u
-                            ss += (double)uj * uj, ps += (double)th[j] * th[j];
-                        }
-                        continue;
-                    }
                     mn__opt_af_u(s, col, ic, rf, grad, base, j0, len, u);
                     if (pass == 0) {
-                        for (j = 0; j < len; j++)
-                            ss += (double)u[j] * u[j], ps += (double)th[j] * th[j];
+                        mn__opt_lanes_sq2(ss, u, ps, th, len);
                         continue;
                     }
                     j = 0;
@@ -13940,7 +14027,7 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
             }
         }
     }
-    if (ic != icbuf) mn__free(&s->alloc, ic);
+    mn__free(&s->alloc, scratch);
     mn__opt_store16(p->dtype, param, param16, n);
     return MN_OK;
 }
