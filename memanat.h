@@ -13248,21 +13248,26 @@ MN__PRIVATE uint8_t mn__opt_nearest(const float *map, float x) {
 // at or below x (x <= map[0]: none; x above map[255]: all 255). The floats are cut into buckets by
 // sign, exponent and the top MN__OPT_QM mantissa bits (every |x| < 2^-24 (1 + 2^-7) in the first
 // bucket of its sign, every |x| >= 2 - 2^-7 in the last); a bucket keeps the index at its smallest
-// float and the one threshold inside it (NaN: none, so that x >= it is false), and the table is
-// used only when no bucket holds two (checked as it is built; true for both dynamic maps). The
-// search it replaces is bitsandbytes' (csrc/kernels.cu dQuantize: binary search, then the nearer
-// neighbour). The test compares the two on each bucket's edges, around every midpoint and on a
-// sweep of [-1, 1]; with MN_TEST_EXHAUSTIVE=1 on every float of [-1, 1].
+// float and the one threshold inside it, and the table is used only when no bucket holds two and
+// the two edge buckets of each sign hold none (checked as it is built; true for both dynamic maps).
+// Every float of an inner bucket shares the top 16 bits of its order key (mn__opt_okey), so x >= T
+// is a comparison of the low 16 bits of the keys, and a bucket is one 32-bit word: the index at
+// its smallest float above bit 17, the low key bits of its threshold below (0x10000, which no key
+// reaches, where it has none). One gather per MN__OW values where the instruction set has one:
+// on AVX-512 it costs less than a branch-free binary search of the 255 thresholds held in
+// registers (eight levels of permutes and compares). The search it replaces is bitsandbytes'
+// (csrc/kernels.cu dQuantize: binary search, then the nearer neighbour). The test compares the two
+// on each bucket's edges, around every midpoint and on a sweep of [-1, 1]; with
+// MN_TEST_EXHAUSTIVE=1 on every float of [-1, 1].
 #define MN__OPT_QM 7u
 #define MN__OPT_QE0 103u  // biased exponent of 2^-24
 #define MN__OPT_QE1 127u  // biased exponent of 1
 #define MN__OPT_QJ ((MN__OPT_QE1 - MN__OPT_QE0 + 1u) << MN__OPT_QM)  // buckets per sign
+#define MN__OPT_QNONE 0x10000u  // a bucket without a threshold
 typedef struct mn__opt_qtab {
-    float thr[2 * MN__OPT_QJ];     // negative buckets (most negative first), then positive
-    uint32_t code[2 * MN__OPT_QJ]; // index at the bucket's smallest float (a gather loads 32 bits)
-    float lev[256];  // T_1..T_255 in the order a binary search meets them (mn__opt_qcount16)
+    uint32_t ent[2 * MN__OPT_QJ];  // negative buckets (most negative first), then positive
     int32_t zero;                  // entries below 0: map[i] >= 0 exactly when i >= zero
-    int ok;                        // no bucket holds two thresholds
+    int ok;                        // the conditions above hold
 } mn__opt_qtab;
 
 // Bucket of x: j orders the magnitudes, the negative half runs backwards.
@@ -13283,7 +13288,7 @@ MN__PRIVATE float mn__opt_ofloat(uint32_t k) {
 }
 
 // Builds the table of a map; ok only for a strictly ascending map of finite floats whose buckets
-// hold at most one threshold each.
+// hold at most one threshold each, none in an edge bucket.
 MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
     float thr[255];
     uint32_t k, p = 0;
@@ -13310,18 +13315,9 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
         }
         thr[k - 1] = mn__opt_ofloat(hi);
     }
-    // Level l (0..7) of the search holds 2^l candidates from 2^l - 1 on: candidate j is the
-    // threshold at j 2^(8-l) + 2^(7-l) - 1 (thr[] counts from 0, T_1 at 0).
-    for (k = 0; k < 255 && t->ok; k++) {
-        uint32_t l = 0, j;
-        while ((k + 1u) >> (l + 1u)) l++;  // k + 1 in [2^l, 2^(l+1))
-        j = k + 1u - (1u << l);
-        t->lev[k] = thr[(j << (8u - l)) + (1u << (7u - l)) - 1u];
-    }
-    t->lev[255] = 0.0f;
     for (k = 0; k < 2 * MN__OPT_QJ && t->ok; k++) {
         int neg = k < MN__OPT_QJ;
-        uint32_t j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ;
+        uint32_t j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ, lob = MN__OPT_QNONE;
         uint32_t a0 = j == 0 ? 0u : (j + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM);
         uint32_t a1 = j == MN__OPT_QJ - 1u
                           ? 0x7f800000u
@@ -13329,73 +13325,24 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
         float first = neg ? -mn__opt_float(a1) : mn__opt_float(a0);
         float last = neg ? -mn__opt_float(a0) : mn__opt_float(a1);
         while (p < 255 && thr[p] <= first) p++;
-        t->code[k] = p;
-        t->thr[k] = p < 255 && thr[p] <= last ? thr[p] : NAN;
+        if (p < 255 && thr[p] <= last) {
+            if (j == 0 || j == MN__OPT_QJ - 1u) t->ok = 0;  // keys differ above the low 16 bits
+            lob = mn__opt_okey(thr[p]) & 0xffffu;
+        }
+        t->ent[k] = p << 17 | lob;
         if (p + 1 < 255 && thr[p + 1] <= last) t->ok = 0;
     }
 }
 
 static inline uint8_t mn__opt_nearest_tab(const mn__opt_qtab *t, float x) {
-    uint32_t b = mn__opt_qbucket(x);
-    uint32_t c = t->code[b] + (uint32_t)(x >= t->thr[b]);
-    return (uint8_t)(x != x ? 0u : c);  // NaN: the search's comparisons all fail
+    uint32_t u = mn__opt_bits(x), e = t->ent[mn__opt_qbucket(x)];
+    uint32_t lo = (u ^ (0u - (u >> 31))) & 0xffffu;  // the low 16 bits of mn__opt_okey(x)
+    uint32_t c = (e >> 17) + (uint32_t)(lo >= (e & 0x1ffffu));
+    // NaN: 0, as the search's comparisons all fail
+    return (uint8_t)(c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u)));
 }
 
 #if MN__OV && MN__OW == 16 && defined(__AVX512F__)
-// The number of thresholds at or below x (the table's index, x's code) by a branch-free binary
-// search over the 255 sorted thresholds in 16 lanes: at level l each lane's position idx is a
-// multiple of 2^(8-l) and the next threshold to test is T at idx + 2^(7-l) - 1; its candidates
-// (2^l of them, t->lev) sit in registers and a permute picks each lane's. The same comparisons
-// x >= T as the table's, against the same thresholds, so the same counts (NaN compares false: 0).
-// Two gathers per 16 values cost more on AVX-512 machines than these 15 permutes and 8 compares.
-// (Masked forms of the intrinsics: g++ 12 calls the plain ones' start uninitialized.)
-typedef struct mn__opt_qlev {
-    __m512 l[19];  // levels 0..4 one register each (0: broadcast), level 5 two, 6 four, 7 eight
-} mn__opt_qlev;
-static inline void mn__opt_qlev_load(mn__opt_qlev *q, const float *lev) {
-    int r;
-    q->l[0] = _mm512_set1_ps(lev[0]), q->l[1] = _mm512_loadu_ps(lev + 1);
-    q->l[2] = _mm512_loadu_ps(lev + 3), q->l[3] = _mm512_loadu_ps(lev + 7);
-    q->l[4] = _mm512_loadu_ps(lev + 15);
-    for (r = 0; r < 2; r++) q->l[5 + r] = _mm512_loadu_ps(lev + 31 + 16 * r);
-    for (r = 0; r < 4; r++) q->l[7 + r] = _mm512_loadu_ps(lev + 63 + 16 * r);
-    for (r = 0; r < 8; r++) q->l[11 + r] = _mm512_loadu_ps(lev + 127 + 16 * r);
-}
-static inline __m512i mn__opt_qcount16(const mn__opt_qlev *q, __m512 x) {
-    const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64);
-    __m512i idx = _mm512_setzero_si512(), j;
-    __m512 c, c1, c2, c3;
-    __mmask16 ge;
-    int l;
-    ge = _mm512_cmp_ps_mask(x, q->l[0], _CMP_GE_OQ);  // level 0: T_128, in every lane
-    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(128));
-    for (l = 1; l <= 4; l++) {
-        j = _mm512_maskz_srlv_epi32((__mmask16)0xFFFF, idx, _mm512_set1_epi32(8 - l));
-        c = _mm512_maskz_permutexvar_ps((__mmask16)0xFFFF, j, q->l[l]);
-        ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-        idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(1 << (7 - l)));
-    }
-    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 3);  // level 5: 32 candidates
-    c = _mm512_permutex2var_ps(q->l[5], j, q->l[6]);
-    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(4));
-    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 2);  // level 6: 64
-    c = _mm512_permutex2var_ps(q->l[7], j, q->l[8]);
-    c1 = _mm512_permutex2var_ps(q->l[9], j, q->l[10]);
-    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c, c1);
-    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(2));
-    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 1);  // level 7: 128
-    c = _mm512_permutex2var_ps(q->l[11], j, q->l[12]);
-    c1 = _mm512_permutex2var_ps(q->l[13], j, q->l[14]);
-    c2 = _mm512_permutex2var_ps(q->l[15], j, q->l[16]);
-    c3 = _mm512_permutex2var_ps(q->l[17], j, q->l[18]);
-    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c, c1);
-    c2 = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c2, c3);
-    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b6), c, c2);
-    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-    return _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(1));
-}
 // map[code] for 16 codes (0..255) of a 256-entry map: eight two-register permutes, then the
 // code's top three bits pick among them (exact: a lookup, as the gather's).
 static inline __m512 mn__opt_lut256(const float *map, __m512i ix) {
@@ -13422,43 +13369,37 @@ static inline __m512 mn__opt_lut256(const float *map, __m512i ix) {
 // (NULL: the search); with keep_sign, one entry lower where x[i] < 0 and the entry is not below 0.
 MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const float *x,
                                float scale, uint64_t n, uint8_t *codes, int keep_sign) {
-    uint64_t i = 0;
+    uint64_t i;
+    int32_t zero;
     uint8_t q;
     if (!t) {
-        for (; i < n; i++) {
+        for (i = 0; i < n; i++) {
             q = mn__opt_nearest(map, x[i] * scale);
             codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (map[q] >= 0.0f)));
         }
         return;
     }
-#if defined(MN__OPT_PERM)
-    mn__opt_qlev ql;
-    mn__opt_qlev_load(&ql, t->lev);
-    for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, 16 lanes at a time
-        mn__ovf xv = mn__ov_load(x + i) * scale;
-        mn__ovi c = (mn__ovi)mn__opt_qcount16(&ql, (__m512)xv);
-        int l;
-#elif defined(MN__OGATHER)
+    zero = t->zero;  // a local: the stores to codes could otherwise alias it
+    i = 0;
+#if defined(MN__OGATHER)
     for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, MN__OW lanes at a time
         const mn__ovi e0 = {0}, jmax = e0 + (int32_t)(MN__OPT_QJ - 1u);
-        mn__ovf xv = mn__ov_load(x + i) * scale, th;
-        mn__ovi u = (mn__ovi)xv, j, k, c;
+        mn__ovf xv = mn__ov_load(x + i) * scale;
+        mn__ovi u = (mn__ovi)xv, j, k, e, c;
         int l;
         j = ((u & 0x7fffffff) >> (23 - MN__OPT_QM)) - (int32_t)(MN__OPT_QE0 << MN__OPT_QM);
         j = (j & ~(j < 0)), j = (j & (j <= jmax)) | (jmax & (j > jmax));
         k = ((jmax - j) & (u < 0)) | ((j + (int32_t)MN__OPT_QJ) & (u >= 0));
-        th = MN__OGATHER(t->thr, k);
-        c = (mn__ovi)MN__OGATHER((const float *)t->code, k) - (xv >= th);
+        e = (mn__ovi)MN__OGATHER((const float *)t->ent, k);
+        c = ((e >> 17) & 0x7fff) - (((u ^ (u >> 31)) & 0xffff) >= (e & 0x1ffff));
         c = c & (xv == xv);
-#endif
-#if defined(MN__OPT_PERM) || defined(MN__OGATHER)
-        if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (c >= t->zero));
+        if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (c >= zero));
         for (l = 0; l < MN__OW; l++) codes[i + (uint64_t)l] = (uint8_t)c[l];
     }
 #endif
     for (; i < n; i++) {
         q = mn__opt_nearest_tab(t, x[i] * scale);
-        codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (map[q] >= 0.0f)));
+        codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (q >= zero)));
     }
 }
 
