@@ -13248,21 +13248,26 @@ MN__PRIVATE uint8_t mn__opt_nearest(const float *map, float x) {
 // at or below x (x <= map[0]: none; x above map[255]: all 255). The floats are cut into buckets by
 // sign, exponent and the top MN__OPT_QM mantissa bits (every |x| < 2^-24 (1 + 2^-7) in the first
 // bucket of its sign, every |x| >= 2 - 2^-7 in the last); a bucket keeps the index at its smallest
-// float and the one threshold inside it (NaN: none, so that x >= it is false), and the table is
-// used only when no bucket holds two (checked as it is built; true for both dynamic maps). The
-// search it replaces is bitsandbytes' (csrc/kernels.cu dQuantize: binary search, then the nearer
-// neighbour). The test compares the two on each bucket's edges, around every midpoint and on a
-// sweep of [-1, 1]; with MN_TEST_EXHAUSTIVE=1 on every float of [-1, 1].
+// float and the one threshold inside it, and the table is used only when no bucket holds two and
+// the two edge buckets of each sign hold none (checked as it is built; true for both dynamic maps).
+// Every float of an inner bucket shares the top 16 bits of its order key (mn__opt_okey), so x >= T
+// is a comparison of the low 16 bits of the keys, and a bucket is one 32-bit word: the index at
+// its smallest float above bit 17, the low key bits of its threshold below (0x10000, which no key
+// reaches, where it has none). One gather per MN__OW values where the instruction set has one:
+// on AVX-512 it costs less than a branch-free binary search of the 255 thresholds held in
+// registers (eight levels of permutes and compares). The search it replaces is bitsandbytes'
+// (csrc/kernels.cu dQuantize: binary search, then the nearer neighbour). The test compares the two
+// on each bucket's edges, around every midpoint and on a sweep of [-1, 1]; with
+// MN_TEST_EXHAUSTIVE=1 on every float of [-1, 1].
 #define MN__OPT_QM 7u
 #define MN__OPT_QE0 103u  // biased exponent of 2^-24
 #define MN__OPT_QE1 127u  // biased exponent of 1
 #define MN__OPT_QJ ((MN__OPT_QE1 - MN__OPT_QE0 + 1u) << MN__OPT_QM)  // buckets per sign
+#define MN__OPT_QNONE 0x10000u  // a bucket without a threshold
 typedef struct mn__opt_qtab {
-    float thr[2 * MN__OPT_QJ];     // negative buckets (most negative first), then positive
-    uint32_t code[2 * MN__OPT_QJ]; // index at the bucket's smallest float (a gather loads 32 bits)
-    float lev[256];  // T_1..T_255 in the order a binary search meets them (mn__opt_qcount16)
+    uint32_t ent[2 * MN__OPT_QJ];  // negative buckets (most negative first), then positive
     int32_t zero;                  // entries below 0: map[i] >= 0 exactly when i >= zero
-    int ok;                        // no bucket holds two thresholds
+    int ok;                        // the conditions above hold
 } mn__opt_qtab;
 
 // Bucket of x: j orders the magnitudes, the negative half runs backwards.
@@ -13283,7 +13288,7 @@ MN__PRIVATE float mn__opt_ofloat(uint32_t k) {
 }
 
 // Builds the table of a map; ok only for a strictly ascending map of finite floats whose buckets
-// hold at most one threshold each.
+// hold at most one threshold each, none in an edge bucket.
 MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
     float thr[255];
     uint32_t k, p = 0;
@@ -13310,18 +13315,9 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
         }
         thr[k - 1] = mn__opt_ofloat(hi);
     }
-    // Level l (0..7) of the search holds 2^l candidates from 2^l - 1 on: candidate j is the
-    // threshold at j 2^(8-l) + 2^(7-l) - 1 (thr[] counts from 0, T_1 at 0).
-    for (k = 0; k < 255 && t->ok; k++) {
-        uint32_t l = 0, j;
-        while ((k + 1u) >> (l + 1u)) l++;  // k + 1 in [2^l, 2^(l+1))
-        j = k + 1u - (1u << l);
-        t->lev[k] = thr[(j << (8u - l)) + (1u << (7u - l)) - 1u];
-    }
-    t->lev[255] = 0.0f;
     for (k = 0; k < 2 * MN__OPT_QJ && t->ok; k++) {
         int neg = k < MN__OPT_QJ;
-        uint32_t j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ;
+        uint32_t j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ, lob = MN__OPT_QNONE;
         uint32_t a0 = j == 0 ? 0u : (j + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM);
         uint32_t a1 = j == MN__OPT_QJ - 1u
                           ? 0x7f800000u
@@ -13329,73 +13325,24 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
         float first = neg ? -mn__opt_float(a1) : mn__opt_float(a0);
         float last = neg ? -mn__opt_float(a0) : mn__opt_float(a1);
         while (p < 255 && thr[p] <= first) p++;
-        t->code[k] = p;
-        t->thr[k] = p < 255 && thr[p] <= last ? thr[p] : NAN;
+        if (p < 255 && thr[p] <= last) {
+            if (j == 0 || j == MN__OPT_QJ - 1u) t->ok = 0;  // keys differ above the low 16 bits
+            lob = mn__opt_okey(thr[p]) & 0xffffu;
+        }
+        t->ent[k] = p << 17 | lob;
         if (p + 1 < 255 && thr[p + 1] <= last) t->ok = 0;
     }
 }
 
 static inline uint8_t mn__opt_nearest_tab(const mn__opt_qtab *t, float x) {
-    uint32_t b = mn__opt_qbucket(x);
-    uint32_t c = t->code[b] + (uint32_t)(x >= t->thr[b]);
-    return (uint8_t)(x != x ? 0u : c);  // NaN: the search's comparisons all fail
+    uint32_t u = mn__opt_bits(x), e = t->ent[mn__opt_qbucket(x)];
+    uint32_t lo = (u ^ (0u - (u >> 31))) & 0xffffu;  // the low 16 bits of mn__opt_okey(x)
+    uint32_t c = (e >> 17) + (uint32_t)(lo >= (e & 0x1ffffu));
+    // NaN: 0, as the search's comparisons all fail
+    return (uint8_t)(c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u)));
 }
 
 #if MN__OV && MN__OW == 16 && defined(__AVX512F__)
-// The number of thresholds at or below x (the table's index, x's code) by a branch-free binary
-// search over the 255 sorted thresholds in 16 lanes: at level l each lane's position idx is a
-// multiple of 2^(8-l) and the next threshold to test is T at idx + 2^(7-l) - 1; its candidates
-// (2^l of them, t->lev) sit in registers and a permute picks each lane's. The same comparisons
-// x >= T as the table's, against the same thresholds, so the same counts (NaN compares false: 0).
-// Two gathers per 16 values cost more on AVX-512 machines than these 15 permutes and 8 compares.
-// (Masked forms of the intrinsics: g++ 12 calls the plain ones' start uninitialized.)
-typedef struct mn__opt_qlev {
-    __m512 l[19];  // levels 0..4 one register each (0: broadcast), level 5 two, 6 four, 7 eight
-} mn__opt_qlev;
-static inline void mn__opt_qlev_load(mn__opt_qlev *q, const float *lev) {
-    int r;
-    q->l[0] = _mm512_set1_ps(lev[0]), q->l[1] = _mm512_loadu_ps(lev + 1);
-    q->l[2] = _mm512_loadu_ps(lev + 3), q->l[3] = _mm512_loadu_ps(lev + 7);
-    q->l[4] = _mm512_loadu_ps(lev + 15);
-    for (r = 0; r < 2; r++) q->l[5 + r] = _mm512_loadu_ps(lev + 31 + 16 * r);
-    for (r = 0; r < 4; r++) q->l[7 + r] = _mm512_loadu_ps(lev + 63 + 16 * r);
-    for (r = 0; r < 8; r++) q->l[11 + r] = _mm512_loadu_ps(lev + 127 + 16 * r);
-}
-static inline __m512i mn__opt_qcount16(const mn__opt_qlev *q, __m512 x) {
-    const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64);
-    __m512i idx = _mm512_setzero_si512(), j;
-    __m512 c, c1, c2, c3;
-    __mmask16 ge;
-    int l;
-    ge = _mm512_cmp_ps_mask(x, q->l[0], _CMP_GE_OQ);  // level 0: T_128, in every lane
-    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(128));
-    for (l = 1; l <= 4; l++) {
-        j = _mm512_maskz_srlv_epi32((__mmask16)0xFFFF, idx, _mm512_set1_epi32(8 - l));
-        c = _mm512_maskz_permutexvar_ps((__mmask16)0xFFFF, j, q->l[l]);
-        ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-        idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(1 << (7 - l)));
-    }
-    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 3);  // level 5: 32 candidates
-    c = _mm512_permutex2var_ps(q->l[5], j, q->l[6]);
-    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(4));
-    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 2);  // level 6: 64
-    c = _mm512_permutex2var_ps(q->l[7], j, q->l[8]);
-    c1 = _mm512_permutex2var_ps(q->l[9], j, q->l[10]);
-    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c, c1);
-    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-    idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(2));
-    j = _mm512_maskz_srli_epi32((__mmask16)0xFFFF, idx, 1);  // level 7: 128
-    c = _mm512_permutex2var_ps(q->l[11], j, q->l[12]);
-    c1 = _mm512_permutex2var_ps(q->l[13], j, q->l[14]);
-    c2 = _mm512_permutex2var_ps(q->l[15], j, q->l[16]);
-    c3 = _mm512_permutex2var_ps(q->l[17], j, q->l[18]);
-    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c, c1);
-    c2 = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b5), c2, c3);
-    c = _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, b6), c, c2);
-    ge = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-    return _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(1));
-}
 // map[code] for 16 codes (0..255) of a 256-entry map: eight two-register permutes, then the
 // code's top three bits pick among them (exact: a lookup, as the gather's).
 static inline __m512 mn__opt_lut256(const float *map, __m512i ix) {
@@ -13422,43 +13369,37 @@ static inline __m512 mn__opt_lut256(const float *map, __m512i ix) {
 // (NULL: the search); with keep_sign, one entry lower where x[i] < 0 and the entry is not below 0.
 MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const float *x,
                                float scale, uint64_t n, uint8_t *codes, int keep_sign) {
-    uint64_t i = 0;
+    uint64_t i;
+    int32_t zero;
     uint8_t q;
     if (!t) {
-        for (; i < n; i++) {
+        for (i = 0; i < n; i++) {
             q = mn__opt_nearest(map, x[i] * scale);
             codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (map[q] >= 0.0f)));
         }
         return;
     }
-#if defined(MN__OPT_PERM)
-    mn__opt_qlev ql;
-    mn__opt_qlev_load(&ql, t->lev);
-    for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, 16 lanes at a time
-        mn__ovf xv = mn__ov_load(x + i) * scale;
-        mn__ovi c = (mn__ovi)mn__opt_qcount16(&ql, (__m512)xv);
-        int l;
-#elif defined(MN__OGATHER)
+    zero = t->zero;  // a local: the stores to codes could otherwise alias it
+    i = 0;
+#if defined(MN__OGATHER)
     for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, MN__OW lanes at a time
         const mn__ovi e0 = {0}, jmax = e0 + (int32_t)(MN__OPT_QJ - 1u);
-        mn__ovf xv = mn__ov_load(x + i) * scale, th;
-        mn__ovi u = (mn__ovi)xv, j, k, c;
+        mn__ovf xv = mn__ov_load(x + i) * scale;
+        mn__ovi u = (mn__ovi)xv, j, k, e, c;
         int l;
         j = ((u & 0x7fffffff) >> (23 - MN__OPT_QM)) - (int32_t)(MN__OPT_QE0 << MN__OPT_QM);
         j = (j & ~(j < 0)), j = (j & (j <= jmax)) | (jmax & (j > jmax));
         k = ((jmax - j) & (u < 0)) | ((j + (int32_t)MN__OPT_QJ) & (u >= 0));
-        th = MN__OGATHER(t->thr, k);
-        c = (mn__ovi)MN__OGATHER((const float *)t->code, k) - (xv >= th);
+        e = (mn__ovi)MN__OGATHER((const float *)t->ent, k);
+        c = ((e >> 17) & 0x7fff) - (((u ^ (u >> 31)) & 0xffff) >= (e & 0x1ffff));
         c = c & (xv == xv);
-#endif
-#if defined(MN__OPT_PERM) || defined(MN__OGATHER)
-        if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (c >= t->zero));
+        if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (c >= zero));
         for (l = 0; l < MN__OW; l++) codes[i + (uint64_t)l] = (uint8_t)c[l];
     }
 #endif
     for (; i < n; i++) {
         q = mn__opt_nearest_tab(t, x[i] * scale);
-        codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (map[q] >= 0.0f)));
+        codes[i] = (uint8_t)(q - (uint8_t)(keep_sign & (x[i] < 0.0f) & (q >= zero)));
     }
 }
 
@@ -13710,9 +13651,13 @@ MNIMPL void mn_adamw8bit_free(mn_adamw8bit *s) {
 //   vector:            V ← β̂2 V + (1−β̂2) U;  u = g · rsqrt(V)
 //   u ← α_t u / max(1, RMS(u)/d);  (β1: m ← β1 m + (1−β1) u, u = m);  θ ← θ − λα_t θ;  θ ← θ − u
 // RMS(x) = ‖x‖₂/√numel. u is recomputed from the state in each pass instead of stored, so the
-// state is exactly the moments. The sums behind RMS(θ) and RMS(u) are double additions in element
-// order (the results do not depend on the build); each is one chain of dependent additions, so
-// the step runs at about one element per add latency (~3 cycles) whatever the memory speed.
+// state is exactly the moments. Three passes: the second moment (one read of g: row and column
+// sums together), the sums of θ² and u², the update. The sums are double additions in a fixed
+// order, the same in the scalar and the vector builds (the results do not depend on the build):
+// a row's sum of g² + ε1, and the sums behind RMS(θ) and RMS(u), run in 16 interleaved lanes (lane
+// l adds the terms of the columns j ≡ l mod 16, row after row) combined by a fixed tree at the
+// end (mn__opt_lanes_total), so that no single chain of dependent additions sets the step's pace;
+// a column's sum adds its rows in order.
 
 MNIMPL mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
                                    const mn_adafactor_params *p, const mn_allocator *alloc) {
@@ -13776,6 +13721,84 @@ MN__PRIVATE double mn__opt_row_mean(const mn_adafactor *s, uint64_t b) {
     return sum / (double)s->rows;
 }
 
+// The fixed order of the sums: MN__OPT_LANES interleaved double accumulators (lane l takes the
+// terms of the columns j with j % 16 == l, in row order), added up by a fixed tree.
+#define MN__OPT_LANES 16
+MN__PRIVATE double mn__opt_lanes_total(const double *a) {
+    double t[MN__OPT_LANES];
+    int w, l;
+    memcpy(t, a, sizeof t);
+    for (w = MN__OPT_LANES / 2; w >= 1; w /= 2)
+        for (l = 0; l < w; l++) t[l] += t[l + w];
+    return t[0];
+}
+
+#if MN__OV && defined(MN__OVD)
+// The lanes in MN__OPT_LV vectors of one register each (MN__OPT_DW doubles), held in registers
+// through the loops; floats widened MN__OPT_DW at a time.
+#if defined(__AVX512F__)
+#define MN__OPT_DW 8
+#elif defined(__AVX__)
+#define MN__OPT_DW 4
+#else
+#define MN__OPT_DW 2
+#endif
+#define MN__OPT_LV (MN__OPT_LANES / MN__OPT_DW)
+typedef float mn__opt_fv __attribute__((vector_size(MN__OPT_DW * sizeof(float))));
+typedef double mn__opt_dv __attribute__((vector_size(MN__OPT_DW * sizeof(double))));
+#define MN__OPT_LOAD(v, p) memcpy(&(v), (p), sizeof(v))
+#define MN__OPT_STORE(p, v) memcpy((p), &(v), sizeof(v))
+#endif
+
+// a[j % 16] += x[j]² and b[j % 16] += y[j]² in double (exact products of floats), j < len, where
+// x[0] and y[0] are in a lane-0 column.
+MN__PRIVATE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const float *y,
+                                   uint64_t len) {
+    uint64_t j = 0;
+#if defined(MN__OPT_LV)
+    mn__opt_dv va[MN__OPT_LV], vb[MN__OPT_LV], w;
+    mn__opt_fv f;
+    int l;
+    MN__OPT_LOAD(va, a), MN__OPT_LOAD(vb, b);
+    for (; j + MN__OPT_LANES <= len; j += MN__OPT_LANES)
+        for (l = 0; l < MN__OPT_LV; l++) {
+            MN__OPT_LOAD(f, x + j + (uint64_t)(l * MN__OPT_DW));
+            w = __builtin_convertvector(f, mn__opt_dv), va[l] += w * w;
+            MN__OPT_LOAD(f, y + j + (uint64_t)(l * MN__OPT_DW));
+            w = __builtin_convertvector(f, mn__opt_dv), vb[l] += w * w;
+        }
+    MN__OPT_STORE(a, va), MN__OPT_STORE(b, vb);
+#endif
+    for (; j < len; j++)
+        a[j % MN__OPT_LANES] += (double)x[j] * x[j], b[j % MN__OPT_LANES] += (double)y[j] * y[j];
+}
+
+// One row of g [cols] for the factored second moment, q_j = (double)(g_j² + ε1): rs[j % 16] += q_j
+// and, with cs, cs[j] += q_j (a column's sum in row order).
+MN__PRIVATE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, double *rs,
+                                  double *cs) {
+    uint64_t j = 0;
+#if defined(MN__OPT_LV)
+    mn__opt_dv vr[MN__OPT_LV], q, c;
+    mn__opt_fv f;
+    int l;
+    MN__OPT_LOAD(vr, rs);
+    for (; j + MN__OPT_LANES <= cols; j += MN__OPT_LANES)
+        for (l = 0; l < MN__OPT_LV; l++) {
+            uint64_t k = j + (uint64_t)(l * MN__OPT_DW);
+            MN__OPT_LOAD(f, g + k), q = __builtin_convertvector(f * f + eps1, mn__opt_dv);
+            vr[l] += q;
+            if (cs) MN__OPT_LOAD(c, cs + k), c += q, MN__OPT_STORE(cs + k, c);
+        }
+    MN__OPT_STORE(rs, vr);
+#endif
+    for (; j < cols; j++) {
+        double q1 = (double)(g[j] * g[j] + eps1);
+        rs[j % MN__OPT_LANES] += q1;
+        if (cs) cs[j] += q1;
+    }
+}
+
 // 1 / sqrt(C_j) for the columns [0, cols) of a batch, once per pass instead of once per row.
 MN__PRIVATE void mn__opt_af_icol(const float *col, uint64_t cols, float *ic) {
     uint64_t j = 0;
@@ -13819,15 +13842,49 @@ MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, const flo
 }
 
 #define MN__OPT_AF_CHUNK 512u  // elements of a row per piece of the passes below
-#define MN__OPT_AF_ICOL 2048u  // columns whose 1 / sqrt(C_j) live on the stack (more: allocated)
+#define MN__OPT_AF_ICOL 2048u  // columns whose scratch lives on the stack (more: allocated)
+
+// The factored second moment of batch b: each row's lanes and, with cs (scratch [cols]), the
+// column sums in the same read of g; without cs the columns go 64 at a time in a second read.
+MN__PRIVATE void mn__opt_af_moment(mn_adafactor *s, const float *grad, uint64_t b, float b2t,
+                                   float w2t, float eps1, double *cs) {
+    const float *gb = grad + b * s->rows * s->cols;
+    float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
+    uint64_t i, j, c0, cw;
+    if (cs) memset(cs, 0, (size_t)s->cols * sizeof *cs);
+    for (i = 0; i < s->rows; i++) {
+        double rs[MN__OPT_LANES] = {0};
+        mn__opt_af_rowsq(gb + i * s->cols, s->cols, eps1, rs, cs);
+        row[i] = row[i] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)s->cols);
+    }
+    if (cs) {
+        for (j = 0; j < s->cols; j++)
+            col[j] = col[j] * b2t + w2t * (float)(cs[j] / (double)s->rows);
+        return;
+    }
+    for (c0 = 0; c0 < s->cols; c0 += 64) {  // column means, 64 columns at a time
+        double acc[64] = {0};
+        cw = s->cols - c0 < 64 ? s->cols - c0 : 64;
+        for (i = 0; i < s->rows; i++)
+            for (j = 0; j < cw; j++) {
+                float g = gb[i * s->cols + c0 + j];
+                acc[j] += (double)(g * g + eps1);
+            }
+        for (j = 0; j < cw; j++)
+            col[c0 + j] = col[c0 + j] * b2t + w2t * (float)(acc[j] / (double)s->rows);
+    }
+}
 
 MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *grad,
                                    uint16_t *param16) {
     const mn_adafactor_params *p;
-    double t, sum, rho, beta2t, rms_u, clip, ss, ps;
+    double t, rho, beta2t, rms_u, clip;
+    double ss[MN__OPT_LANES] = {0}, ps[MN__OPT_LANES] = {0};
     float b2t, w2t, eps1, alpha = 0, clip_div = 1, decay_coef = 0, b1 = 0, w1 = 0;
     float u[MN__OPT_AF_CHUNK], icbuf[MN__OPT_AF_ICOL], *ic = NULL;
-    uint64_t i, j, b, c0, cw, n, j0, len;
+    double csbuf[MN__OPT_AF_ICOL], *cs = NULL;
+    void *scratch = NULL;
+    uint64_t i, j, b, n, j0, len;
     int pass;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
@@ -13837,60 +13894,40 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
     t = (double)++s->step;
     beta2t = 1.0 - pow(t, (double)p->decay_rate);
     b2t = (float)beta2t, w2t = (float)(1.0 - beta2t), eps1 = p->eps1;
-    // second moment; the row sums of four rows at a time (each in its own order, as one by one)
+    // scratch for the column sums and factors: without it (allocation failed), the column sums
+    // take a second read of g and each row recomputes the factors
+    if (s->factored && s->cols <= MN__OPT_AF_ICOL) {
+        ic = icbuf, cs = csbuf;
+    } else if (s->factored) {
+        scratch = mn__alloc_array(&s->alloc, (size_t)s->cols, sizeof(double) + sizeof(float));
+        if (scratch) cs = (double *)scratch, ic = (float *)(cs + s->cols);
+    }
     if (s->factored) {
-        for (b = 0; b < s->batch; b++) {
-            const float *gb = grad + b * s->rows * s->cols;
-            float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
-            for (i = 0; i + 4 <= s->rows; i += 4) {
-                const float *g0 = gb + i * s->cols, *g1 = g0 + s->cols, *g2 = g1 + s->cols;
-                const float *g3 = g2 + s->cols;
-                double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-                for (j = 0; j < s->cols; j++) {
-                    s0 += (double)(g0[j] * g0[j] + eps1), s1 += (double)(g1[j] * g1[j] + eps1);
-                    s2 += (double)(g2[j] * g2[j] + eps1), s3 += (double)(g3[j] * g3[j] + eps1);
-                }
-                row[i] = row[i] * b2t + w2t * (float)(s0 / (double)s->cols);
-                row[i + 1] = row[i + 1] * b2t + w2t * (float)(s1 / (double)s->cols);
-                row[i + 2] = row[i + 2] * b2t + w2t * (float)(s2 / (double)s->cols);
-                row[i + 3] = row[i + 3] * b2t + w2t * (float)(s3 / (double)s->cols);
-            }
-            for (; i < s->rows; i++) {
-                const float *gr = gb + i * s->cols;
-                for (sum = 0.0, j = 0; j < s->cols; j++) sum += (double)(gr[j] * gr[j] + eps1);
-                row[i] = row[i] * b2t + w2t * (float)(sum / (double)s->cols);
-            }
-            for (c0 = 0; c0 < s->cols; c0 += 64) {  // column means, 64 columns at a time
-                double acc[64] = {0};
-                cw = s->cols - c0 < 64 ? s->cols - c0 : 64;
-                for (i = 0; i < s->rows; i++)
-                    for (j = 0; j < cw; j++) {
-                        float g = gb[i * s->cols + c0 + j];
-                        acc[j] += (double)(g * g + eps1);
-                    }
-                for (j = 0; j < cw; j++)
-                    col[c0 + j] = col[c0 + j] * b2t + w2t * (float)(acc[j] / (double)s->rows);
-            }
-        }
+        for (b = 0; b < s->batch; b++) mn__opt_af_moment(s, grad, b, b2t, w2t, eps1, cs);
     } else {
-        for (i = 0; i < n; i++)
+        i = 0;
+#if MN__OV
+        for (; i + MN__OW <= n; i += MN__OW) {  // the loop below, MN__OW lanes at a time
+            mn__ovf g = mn__ov_load(grad + i);
+            mn__ov_store(s->exp_avg_sq + i,
+                         mn__ov_load(s->exp_avg_sq + i) * b2t + w2t * (g * g + eps1));
+        }
+#endif
+        for (; i < n; i++)
             s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2t + w2t * (grad[i] * grad[i] + eps1);
     }
-    if (s->factored)  // no room for the column factors: each row recomputes them
-        ic = s->cols <= MN__OPT_AF_ICOL ? icbuf
-                                        : (float *)mn__alloc_array(&s->alloc, s->cols, 4);
-    // pass 0: RMS(param) before the step and RMS of the update, both summed in element order;
-    // pass 1: apply u / max(1, RMS(u)/d) * alpha, through the first moment when there is one.
-    // Both walk the same chunks and recompute u (keeping it would cost n floats).
-    for (ss = 0.0, ps = 0.0, pass = 0; pass < 2; pass++) {
+    // pass 0: the lanes of the sums of θ² (before the step) and u²; pass 1: apply
+    // u / max(1, RMS(u)/d) * alpha, through the first moment when there is one. Both walk the
+    // same chunks (multiples of 16 columns) and recompute u (keeping it would cost n floats).
+    for (pass = 0; pass < 2; pass++) {
         if (pass == 1) {  // the step's scalars, from pass 0's sums
-            s->rms = (float)sqrt(ps / (double)n);
+            s->rms = (float)sqrt(mn__opt_lanes_total(ps) / (double)n);
             if (p->lr > 0.0f) rho = p->lr;
             else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
             alpha = (float)(p->no_scale_parameter ? rho
                                                   : fmax((double)p->eps2, (double)s->rms) * rho);
             s->alpha = alpha;
-            rms_u = sqrt(ss / (double)n);
+            rms_u = sqrt(mn__opt_lanes_total(ss) / (double)n);
             clip = rms_u / (double)p->clip_threshold;
             clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
             decay_coef = -p->weight_decay * alpha;
@@ -13907,18 +13944,9 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
                 for (j0 = 0; j0 < s->cols; j0 += len) {
                     float *th = param + base + j0, *m = s->exp_avg ? s->exp_avg + base + j0 : NULL;
                     len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
-                    if (pass == 0 && ic) {  // u in the loop of the sums: its loads overlap them
-                        const float *gj = grad + base + j0, *icj = ic + j0;
-                        for (j = 0; j < len; j++) {
-                            float uj = rf * icj[j] * gj[j];  // mn__opt_af_u
-                            ss += (double)uj * uj, ps += (double)th[j] * th[j];
-                        }
-                        continue;
-                    }
                     mn__opt_af_u(s, col, ic, rf, grad, base, j0, len, u);
                     if (pass == 0) {
-                        for (j = 0; j < len; j++)
-                            ss += (double)u[j] * u[j], ps += (double)th[j] * th[j];
+                        mn__opt_lanes_sq2(ss, u, ps, th, len);
                         continue;
                     }
                     j = 0;
@@ -13940,7 +13968,7 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
             }
         }
     }
-    if (ic != icbuf) mn__free(&s->alloc, ic);
+    mn__free(&s->alloc, scratch);
     mn__opt_store16(p->dtype, param, param16, n);
     return MN_OK;
 }

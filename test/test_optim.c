@@ -1613,19 +1613,32 @@ static void test_adamw8bit_bits_vs_plain_loop(void) {
     }
 }
 
+// The step's fixed summation order: 16 double lanes, lane l taking the terms of the columns
+// j % 16 == l in row order, then the tree ((l0 + l8) + (l4 + l12)) + ... (lane w added to lane
+// l for w = 8, 4, 2, 1).
+static double lanes_total(const double *lane) {
+    double t[16];
+    int w, l;
+    for (l = 0; l < 16; l++) t[l] = lane[l];
+    for (w = 8; w >= 1; w /= 2)
+        for (l = 0; l < w; l++) t[l] = t[l] + t[l + w];
+    return t[0];
+}
+
 // transformers Adafactor.step per element (memanat.h's comment block): second moment, RMS(param)
-// and RMS(u) summed in double in element order, then the update.
+// and RMS(u) summed in double in the step's order (lanes_total: a row's sum of g² + eps1, and
+// the sums of p² and u², in 16 lanes by column), then the update.
 static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *p, const float *g,
                                const uint64_t *dims, uint32_t nd, float *R, float *C, float *V,
                                float *M) {
     uint64_t n = 1, rows, cols, batch, b, i, j, k;
-    double sum, rho, beta2t, ss = 0.0, rms, clip;
+    double sum, rho, beta2t, rms, clip, lane[16] = {0}, ss[16] = {0};
     float b2t, w2t, alpha, clip_div, decay;
     uint32_t d;
     for (d = 0; d < nd; d++) n *= dims[d];
     cols = dims[nd - 1], rows = nd >= 2 ? dims[nd - 2] : 1, batch = n / (rows * cols);
-    for (sum = 0.0, i = 0; i < n; i++) sum += (double)p[i] * p[i];
-    rms = (float)sqrt(sum / (double)n);
+    for (i = 0; i < n; i++) lane[i % cols % 16] += (double)p[i] * p[i];
+    rms = (float)sqrt(lanes_total(lane) / (double)n);
     rho = a->lr > 0.0f ? a->lr : fmin(a->warmup_init ? 1e-6 * (double)t : 1e-2, 1.0 / sqrt(t));
     alpha = (float)(a->no_scale_parameter ? rho : fmax((double)a->eps2, rms) * rho);
     beta2t = 1.0 - pow((double)t, (double)a->decay_rate);
@@ -1633,9 +1646,11 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
     for (b = 0; b < batch && nd >= 2; b++) {
         const float *gb = g + b * rows * cols;
         for (i = 0; i < rows; i++) {
-            for (sum = 0.0, j = 0; j < cols; j++)
-                sum += (double)(gb[i * cols + j] * gb[i * cols + j] + a->eps1);
-            R[b * rows + i] = R[b * rows + i] * b2t + w2t * (float)(sum / (double)cols);
+            memset(lane, 0, sizeof lane);
+            for (j = 0; j < cols; j++)
+                lane[j % 16] += (double)(gb[i * cols + j] * gb[i * cols + j] + a->eps1);
+            R[b * rows + i] =
+                R[b * rows + i] * b2t + w2t * (float)(lanes_total(lane) / (double)cols);
         }
         for (j = 0; j < cols; j++) {
             for (sum = 0.0, i = 0; i < rows; i++)
@@ -1659,7 +1674,7 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
                     float u = nd >= 2 ? rf * (1.0f / sqrtf(C[b * cols + j])) * g[e]
                                       : (1.0f / sqrtf(V[e])) * g[e];
                     if (k == 0) {
-                        ss += (double)u * u;
+                        ss[j % 16] += (double)u * u;
                         continue;
                     }
                     u = u / clip_div * alpha;
@@ -1669,7 +1684,7 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
                 }
             }
         }
-        clip = sqrt(ss / (double)n) / (double)a->clip_threshold;
+        clip = sqrt(lanes_total(ss) / (double)n) / (double)a->clip_threshold;
         clip_div = (float)(clip > 1.0 ? clip : 1.0);
     }
 }
@@ -1721,13 +1736,14 @@ static void test_adafactor_bits_vs_plain_loop(void) {
     }
 }
 
-// Adafactor with rows wider than the 2048 columns whose factors the step keeps on its stack (it
-// allocates them beyond), at 2048, and row counts that leave tails after the blocks of four rows:
-// the plain loop's bits over 3 steps, with the first moment and clipping on two shapes.
+// Adafactor with rows wider than the 2048 columns whose scratch (column sums and factors) the step
+// keeps on its stack (it allocates it beyond), at 2048, and a wide shape whose scratch allocation
+// fails (the column sums then take a second read of the gradient, the factors are recomputed per
+// row): the plain loop's bits over 3 steps, with the first moment and clipping on some shapes.
 static void test_adafactor_wide_bits_vs_plain_loop(void) {
-    static const uint64_t shapes[3][2] = {{11, 2053}, {2, 4099}, {21, 2048}};
+    static const uint64_t shapes[4][2] = {{11, 2053}, {2, 4099}, {21, 2048}, {13, 2085}};
     size_t q;
-    for (q = 0; q < 3; q++) {
+    for (q = 0; q < 4; q++) {
         const uint64_t *dims = shapes[q];
         uint64_t n = dims[0] * dims[1];
         float *p = mnt_fvec(n), *g = mnt_fvec(n), *rp = mnt_fvec(n), *M = mnt_fvec(n);
@@ -1742,8 +1758,12 @@ static void test_adafactor_wide_bits_vs_plain_loop(void) {
         fill_case(p, n, 1.0);
         memcpy(rp, p, n * 4);
         for (t = 1; t <= 3; t++) {
+            long before = mnt_total_allocs();
             mnt_fill_normal(g, n, t % 2 ? 1e-2 : 1.0);
+            if (q == 3) mnt_fail_alloc_after(1);  // the scratch
             CHECK_OK(mn_adafactor_step(&s, p, g, NULL));
+            mnt_fail_alloc_after(0);
+            CHECK(mnt_total_allocs() - before == (q < 2));  // q = 3: the one that failed
             ref_adafactor_step(&s.params, (uint64_t)t, rp, g, dims, 2, R, C, NULL,
                                s.exp_avg ? M : NULL);
             ok &= same_bits(p, rp, n * 4) && same_bits(s.exp_avg_sq_row, R, dims[0] * 4) &&
