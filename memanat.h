@@ -7252,7 +7252,7 @@ MN__PRIVATE void mn__pool_free(void *user, void *ptr) {
         mn__free(NULL, h);
         return;
     }
-    if (P->n == MN__POOL_KEPT) {  // (full: the oldest goes)
+    if (P->n == MN__POOL_KEPT) {  // (full: the first kept goes)
         mn__free(NULL, P->kept[0]);
         memmove(&P->kept[0], &P->kept[1], (MN__POOL_KEPT - 1) * sizeof P->kept[0]);
         memmove(&P->size[0], &P->size[1], (MN__POOL_KEPT - 1) * sizeof P->size[0]);
@@ -7369,10 +7369,12 @@ MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped
     mn_result r = MN_OK;
     *stopped = 0;
     for (i = 0; i < S->nev; i++) top = ev[i].id > top ? ev[i].id : top;
-    while (nb <= top) nb *= 2;  // (a fit's replays: sizes that repeat, kept in its pool)
-    if (top < 4 * S->nev + 4096 && nb <= SIZE_MAX / sizeof *blk)
-        blk = pool ? (void **)mn__pool_alloc(pool, (size_t)nb * sizeof *blk)
-                   : (void **)mn__alloc_array(NULL, (size_t)top + 1, sizeof *blk);
+    if (top < 4 * S->nev + 4096) {
+        while (nb <= top) nb *= 2;  // (a fit's replays: sizes that repeat, kept in its pool)
+        if (nb <= SIZE_MAX / sizeof *blk)
+            blk = pool ? (void **)mn__pool_alloc(pool, (size_t)nb * sizeof *blk)
+                       : (void **)mn__alloc_array(NULL, (size_t)top + 1, sizeof *blk);
+    }
     if (!blk) return mn_cache_replay(c, ev, S->nev, 0, NULL);
     memset(blk, 0, ((size_t)top + 1) * sizeof *blk);
     for (i = 0; i < S->nev && r == MN_OK; i++) {
