@@ -4521,7 +4521,9 @@ typedef struct mn__sim {
     // mn_fit: where the simulated step alone goes as well (what the estimate with no_replay set
     // gives), the replay then skipped when the step alone does not fit; set once written
     mn_estimate_result *alone;
-    int alone_set;
+    int alone_set, alone_replay;  // alone_replay: the replay ran after it
+    uint64_t alone_below;    // 0, or the replay only when the step alone's peak allocated is
+                             // below it
     mn_result err;
 } mn__sim;
 
@@ -4609,6 +4611,11 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
     if (S->total > S->peak) {
         S->peak = S->total, S->peak_phase = S->phase, S->peak_seq = S->seq;
         for (k = 0; k < MN_CAT_COUNT; k++) S->at_peak[k] = S->cur[k];
+        // (mn_fit: a step alone that will not fit, or not below alone_below, is not replayed;
+        // the peak only grows, so no event from here on would be read: none is kept)
+        if (S->alone && S->events && (S->peak > S->c->s.capacity - S->c->s.context ||
+                                      (S->alone_below && S->peak >= S->alone_below)))
+            S->events = 0;
     }
     mn__event(S, id, 1);
     return id;
@@ -7196,7 +7203,72 @@ typedef struct mn__replay_kept {
     int stopped;         // stopped at its first out-of-memory: st and failed are partial
 } mn__replay_kept;
 
+// Host memory of the replays of one fit: a replay's cache and simulated device ask for the same
+// sizes as the replay before (block slabs, address maps, their growth steps), so the large
+// blocks one frees are kept for the next, whose pages are then not faulted in again (a host's
+// malloc maps blocks of this size afresh and returns them when freed; a fresh page costs about
+// a microsecond, and a replay of 20 k events touches hundreds). Small blocks go back to the
+// host's heap, which keeps their pages warm for the simulation as well. Each block carries its
+// size in a header in front of it.
+#define MN__POOL_KEPT 32
+#define MN__POOL_MIN 131072  // bytes: smaller blocks are not kept (glibc's first mmap threshold)
+
+typedef union mn__pool_head {  // (as aligned as malloc's blocks: the header keeps it)
+    size_t size;
+    long double ld;
+    uint64_t u;
+    void *p;
+} mn__pool_head;
+
+typedef struct mn__host_pool {
+    void *kept[MN__POOL_KEPT];  // blocks freed, to be handed out again (header included)
+    size_t size[MN__POOL_KEPT];
+    uint32_t n;
+} mn__host_pool;
+
+MN__PRIVATE void *mn__pool_alloc(void *user, size_t size) {
+    mn__host_pool *P = (mn__host_pool *)user;
+    mn__pool_head *h;
+    uint32_t i;
+    for (i = P->n; i-- > 0;)
+        if (P->size[i] == size) {
+            h = (mn__pool_head *)P->kept[i];
+            P->n--, P->kept[i] = P->kept[P->n], P->size[i] = P->size[P->n];
+            return h + 1;
+        }
+    if (size > SIZE_MAX - sizeof *h) return NULL;
+    h = (mn__pool_head *)mn__alloc(NULL, size + sizeof *h);
+    if (!h) return NULL;
+    h->size = size;
+    return h + 1;
+}
+
+MN__PRIVATE void mn__pool_free(void *user, void *ptr) {
+    mn__host_pool *P = (mn__host_pool *)user;
+    mn__pool_head *h;
+    if (!ptr) return;
+    h = (mn__pool_head *)ptr - 1;
+    if (h->size < MN__POOL_MIN) {
+        mn__free(NULL, h);
+        return;
+    }
+    if (P->n == MN__POOL_KEPT) {  // (full: the first kept goes)
+        mn__free(NULL, P->kept[0]);
+        memmove(&P->kept[0], &P->kept[1], (MN__POOL_KEPT - 1) * sizeof P->kept[0]);
+        memmove(&P->size[0], &P->size[1], (MN__POOL_KEPT - 1) * sizeof P->size[0]);
+        P->n--;
+    }
+    P->kept[P->n] = h, P->size[P->n++] = h->size;
+}
+
+MN__PRIVATE void mn__pool_clear(mn__host_pool *P) {
+    uint32_t i;
+    for (i = 0; i < P->n; i++) mn__free(NULL, P->kept[i]);
+    P->n = 0;
+}
+
 typedef struct mn__replay_memo {
+    mn__host_pool pool;  // host memory of the fit's replays
     mn_trace_event *ev;  // the events last replayed (nev; cev allocated), not the simulation's
     uint64_t nev, cev;
     const char *alloc_conf, *cur_conf;  // the allocator config of ev; of S->ev
@@ -7206,6 +7278,7 @@ typedef struct mn__replay_memo {
 } mn__replay_memo;
 
 MN__PRIVATE void mn__replay_memo_free(mn__replay_memo *M) {
+    mn__pool_clear(&M->pool);
     mn__free(NULL, M->ev);
     memset(M, 0, sizeof *M);
 }
@@ -7290,14 +7363,19 @@ MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
 // below a few times the event count; other ids, or no host memory for the array, replay whole.
 MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped) {
     const mn_trace_event *ev = S->ev;
-    uint64_t i, top = 0;
-    void **blk;
+    mn__host_pool *pool = S->rmemo && !S->al ? &S->rmemo->pool : NULL;
+    uint64_t i, top = 0, nb = 512;
+    void **blk = NULL;
     mn_result r = MN_OK;
     *stopped = 0;
     for (i = 0; i < S->nev; i++) top = ev[i].id > top ? ev[i].id : top;
-    if (top >= 4 * S->nev + 4096 ||
-        !(blk = (void **)mn__alloc_array(NULL, (size_t)top + 1, sizeof *blk)))
-        return mn_cache_replay(c, ev, S->nev, 0, NULL);
+    if (top < 4 * S->nev + 4096) {
+        while (nb <= top) nb *= 2;  // (a fit's replays: sizes that repeat, kept in its pool)
+        if (nb <= SIZE_MAX / sizeof *blk)
+            blk = pool ? (void **)mn__pool_alloc(pool, (size_t)nb * sizeof *blk)
+                       : (void **)mn__alloc_array(NULL, (size_t)top + 1, sizeof *blk);
+    }
+    if (!blk) return mn_cache_replay(c, ev, S->nev, 0, NULL);
     memset(blk, 0, ((size_t)top + 1) * sizeof *blk);
     for (i = 0; i < S->nev && r == MN_OK; i++) {
         const mn_trace_event *e = &ev[i];
@@ -7312,7 +7390,8 @@ MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped
         }
         if (r == MN_OK) blk[e->id] = p;
     }
-    mn__free(NULL, blk);
+    if (pool) mn__pool_free(pool, blk);
+    else mn__free(NULL, blk);
     return r;
 }
 
@@ -7345,7 +7424,12 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
     dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
     cd.logger.log_fn = mn__replay_log, cd.logger.user_data = (void *)&S->c->s.logger;
-    if (S->al) cd.allocator = *S->al;
+    if (S->al) {
+        cd.allocator = *S->al;
+    } else if (S->rmemo) {  // (a fit: host memory kept from replay to replay)
+        cd.allocator.alloc_fn = mn__pool_alloc, cd.allocator.free_fn = mn__pool_free;
+        cd.allocator.user_data = &S->rmemo->pool;
+    }
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
     if (stop && capacity) r = mn__replay_until_oom(S, &sc.cache, &stp);
     else r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
@@ -7464,7 +7548,9 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         q->model = c.m, q->gpu = gpu;
         q->setup.logger.log_fn = NULL, q->setup.logger.user_data = NULL;
         S->alone_set = 1;
-        if (!q->fits) return MN_OK;  // (out is not read)
+        if (!q->fits || (S->alone_below && q->peak_allocated >= S->alone_below) || !S->events)
+            return MN_OK;  // (out is not read)
+        S->alone_replay = 1;
     }
     if (!c.s.no_replay) {
         // The replay on an unlimited device gives the peaks; when its reserved peak exceeds the
@@ -8147,24 +8233,44 @@ typedef struct mn__fit {
     mn__replay_memo rmemo;            // the last replays (mn__replay)
     int whole;                        // 1: every estimate whole, no replay stopped (the tests
                                       // compare the fit's answers with and without)
+    uint64_t most_events;             // the most allocation events a run of this fit has made
 } mn__fit;
+
+// Before a run that keeps its allocation events: room for twice the most events a run of this
+// fit has made (S->seq counts them whether kept or not), so that the buffer is not regrown from
+// 256 events by doubling, each size's fresh pages touched and copied. Pages of the room that a
+// run does not reach are never touched. Without host memory for it the run grows it as before.
+MN__PRIVATE void mn__fit_reserve_events(mn__fit *F) {
+    mn__sim *S = &F->S;
+    uint64_t want = F->most_events * 2;
+    if (F->most_events > 0x7ffffff8u || S->cev >= want) return;  // (mn__grow's limit)
+    mn__free(S->al, S->ev);  // (reset: no event in it is read again)
+    S->ev = (mn_trace_event *)mn__alloc_array(S->al, (size_t)want, sizeof *S->ev);
+    S->cev = S->ev ? want : 0;
+}
 
 // One estimate run in the fit's simulation. decide: only whether it fits is asked (mn__sim);
 // alone: where the step alone goes too, or NULL (mn__sim).
 MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r,
-                                  int decide, mn_estimate_result *alone) {
+                                  int decide, mn_estimate_result *alone, uint64_t below) {
+    mn_result x;
     F->out->estimates_run++;
     mn__sim_reset(&F->S);
+    if (!s->no_replay) mn__fit_reserve_events(F);
     F->S.decide = decide && !F->whole;
     F->S.unique_ids = F->whole;
-    F->S.alone = alone;
-    return mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
+    F->S.alone = alone, F->S.alone_below = below;
+    x = mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
+    if (F->S.seq > F->most_events) F->most_events = F->S.seq;
+    return x;
 }
 
 // The entry of setup s with its step-alone result, run now when no entry has it (the oldest
-// entry makes room). replay (s is to be replayed when its step alone fits): one run gives both,
-// the step alone from its simulation and the replay after it (decide as mn__fit_run's).
-MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int replay, int decide) {
+// entry makes room). replay (s is to be replayed when its step alone fits and, below set, its
+// peak allocated is below it): one run gives both, the step alone from its simulation and the
+// replay after it (decide as mn__fit_run's).
+MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int replay, int decide,
+                                        uint64_t below) {
     mn_setup q = *s;
     mn__fit_memo *e;
     uint32_t i;
@@ -8176,16 +8282,16 @@ MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int repla
     if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
     e->key = q, e->has_full = 0;
     if (replay && !s->no_replay && !F->whole) {
-        mn_result x = mn__fit_run(F, s, &e->full, decide, &e->quick);
+        mn_result x = mn__fit_run(F, s, &e->full, decide, &e->quick, below);
         if (!F->S.alone_set) {  // (failed before the replay: the step alone fails alike)
             e->quick = e->full, e->quick_err = x;
-        } else if (e->quick_err = MN_OK, e->quick.fits) {
+        } else if (e->quick_err = MN_OK, F->S.alone_replay) {
             e->full_err = x;
             e->has_full = x == MN_OK && F->S.unsettled ? 2 : 1;
         }
         return e;
     }
-    e->quick_err = mn__fit_run(F, &q, &e->quick, 0, NULL);
+    e->quick_err = mn__fit_run(F, &q, &e->quick, 0, NULL, 0);
     return e;
 }
 
@@ -8224,7 +8330,7 @@ MN__PRIVATE void mn__fit_alias(mn__fit *F, const mn_setup *a, const mn_setup *b)
 
 // The step alone (no allocator replay): milliseconds. Its device_used counts peak allocated.
 MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
-    mn__fit_memo *e = mn__fit_entry(F, s, 0, 0);
+    mn__fit_memo *e = mn__fit_entry(F, s, 0, 0, 0);
     *r = e->quick;
     return e->quick_err;
 }
@@ -8235,12 +8341,12 @@ MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estim
 // the estimate whole.
 MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err,
                          int full) {
-    mn__fit_memo *e = mn__fit_entry(F, s, 1, !full);
+    mn__fit_memo *e = mn__fit_entry(F, s, 1, !full, 0);
     mn_result x = e->quick_err;
     *r = e->quick;
     if (x == MN_OK && r->fits && !s->no_replay) {
         if (!e->has_full || (full && e->has_full == 2)) {
-            e->full_err = mn__fit_run(F, s, &e->full, !full, NULL);
+            e->full_err = mn__fit_run(F, s, &e->full, !full, NULL, 0);
             e->has_full = e->full_err == MN_OK && F->S.unsettled ? 2 : 1;
         }
         *r = e->full, x = e->full_err;
@@ -8426,7 +8532,7 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
 
 // The estimate of the setup as given, with the allocator replay.
 MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estimate_result *cur) {
-    mn_result err = mn__fit_run(F, setup, cur, 0, NULL);
+    mn_result err = mn__fit_run(F, setup, cur, 0, NULL, 0);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay
@@ -8493,9 +8599,13 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
         while (!cur.fits && progress && n < sizeof steps) {
             progress = 0;
             for (k = 0; k < MN__T_COUNT && !progress; k++) {
+                mn__fit_memo *e;
                 t = s;
                 if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
-                if ((err = mn__quick_estimate(F, &t, &qn)) != MN_OK) return err;
+                // (one run: its step alone, and the replay mn__fits asks below when it helps)
+                e = mn__fit_entry(F, &t, 1, 1, q.peak_allocated);
+                if ((err = e->quick_err) != MN_OK) return err;
+                qn = e->quick;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
                 steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
                 mn__fits(F, &s, &cur, &err, 0);

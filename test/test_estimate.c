@@ -1045,6 +1045,7 @@ static void test_explain(void) {
 // In test/test_fitpaths.c (mn_fit's shortcuts against whole estimates).
 void test_fit_decide_replay(void);
 void test_fit_shortcuts_whole(void);
+void test_fit_entry_below(void);
 
 const mnt_case test_estimate_cases[] = {
     {"explain", test_explain},
@@ -1065,6 +1066,7 @@ const mnt_case test_estimate_cases[] = {
     {"fit_given_deferred", test_fit_given_deferred},
     {"fit_decide_replay", test_fit_decide_replay},
     {"fit_shortcuts_whole", test_fit_shortcuts_whole},
+    {"fit_entry_below", test_fit_entry_below},
     {"bad_input", test_bad_input},
     {"setup_bounds", test_setup_bounds},
     {"random_setups", test_random_setups},

@@ -7,7 +7,11 @@
 //     "does not fit" where it stops; the step alone it writes on the way (mn__sim.alone) equal
 //     to the estimate with no_replay set; mn_estimate (ids reused) equal to the whole one;
 //   - mn_fit against the same fit with every estimate whole and nothing reused (mn__fit_with's
-//     whole: no replay memo, no step alone taken from a replayed run, no alias of the setup).
+//     whole: no replay memo, no step alone taken from a replayed run, no alias of the setup);
+//   - a fit's entry of a setup made in one run with a bound on the peak (mn__fit_entry's below:
+//     the greedy pass's candidates; the events no longer kept once the peak passes it or the
+//     device) against the step alone and the whole estimate, several setups in one fit (its
+//     replay memo and the host memory its replays keep).
 #define MEMANAT_STATIC
 #include "harness.h"
 #define MN_MALLOC(sz) mnt_malloc(sz)
@@ -20,6 +24,7 @@
 
 void test_fit_decide_replay(void);
 void test_fit_shortcuts_whole(void);
+void test_fit_entry_below(void);
 
 // A decoder, encoder or encoder-decoder of a few narrow blocks, or a small preset.
 static mn_model random_model(void) {
@@ -188,4 +193,68 @@ void test_fit_shortcuts_whole(void) {
         CHECK_EQ_U64(a.plan_setup.lora_rank, b.plan_setup.lora_rank);
         same_estimate(&a.plan_estimate, &b.plan_estimate, it);
     }
+}
+
+// mn__fit_entry with a bound (below): its step alone equal to the estimate with no_replay set;
+// replayed exactly when that fits and its peak allocated is below the bound, the replay then
+// equal to the whole estimate ("does not fit" where it stopped at an out-of-memory). Several
+// setups of one model share a fit, as the greedy pass's candidates do.
+void test_fit_entry_below(void) {
+    int it, replayed = 0, bounded = 0, alone_out = 0;
+    for (it = 0; it < 60 || !replayed || !bounded || !alone_out; it++) {
+        mn_model m = random_model();
+        mn_setup s0 = random_setup();
+        mn__fit *F;
+        mn_fit_result fo;
+        int j;
+        if (it >= 400) break;
+        if (!place_capacity(&m, &s0)) continue;
+        F = (mn__fit *)calloc(1, sizeof *F);
+        if (!F) return;
+        memset(&fo, 0, sizeof fo);
+        F->m = &m, F->out = &fo, F->S.rmemo = &F->rmemo;
+        for (j = 0; j < 3; j++) {
+            mn_setup s = s0, u;
+            mn_estimate_result quick, whole;
+            mn__fit_memo *e;
+            uint64_t below;
+            s.batch = 1 + (s0.batch + (uint64_t)j * 3) % 8;  // (the same model, other setups)
+            u = s, u.no_replay = 1;
+            if (mn_estimate(&m, &u, &quick) != MN_OK) continue;
+            switch (mnt_rand_u64() % 4) {  // none, below the peak, at it, above it
+            case 0: below = 0; break;
+            case 1: below = quick.peak_allocated / 2 + 1; break;
+            case 2: below = quick.peak_allocated; break;
+            default: below = quick.peak_allocated + 1 + mnt_rand_u64() % 4096; break;
+            }
+            e = mn__fit_entry(F, &s, 1, 1, below);
+            CHECK_OK(e->quick_err);
+            if (e->quick_err != MN_OK) continue;
+            same_estimate(&e->quick, &quick, it);
+            if (!quick.fits) {
+                alone_out++;
+                CHECK_EQ_INT(e->has_full, 0);
+                continue;
+            }
+            if (below && quick.peak_allocated >= below) {
+                bounded++;
+                CHECK_EQ_INT(e->has_full, 0);
+                continue;
+            }
+            replayed++;
+            CHECK(e->has_full == 1 || e->has_full == 2);
+            CHECK_OK(e->full_err);
+            CHECK_OK(estimate_unique_ids(&m, &s, &whole));
+            if (e->has_full == 2) CHECK_MSG(!whole.fits, "case %d: stopped, but it fits", it);
+            else if (e->has_full == 1) same_estimate(&e->full, &whole, it);
+        }
+        mn__sim_free(&F->S);
+        mn__replay_memo_free(&F->rmemo);
+        free(F);
+    }
+    if (mnt_verbose())
+        printf("       %d models: %d replayed, %d above the bound, %d not fitting alone\n", it,
+               replayed, bounded, alone_out);
+    CHECK_MSG(replayed && bounded && alone_out, "outcomes not all seen: %d replayed, %d bounded, "
+              "%d not fitting alone", replayed, bounded, alone_out);
 }
