@@ -523,8 +523,8 @@ static void test_fit_brute_force(void) {
 // A fit whose setup as given does not fit replays that setup only if its estimate is the answer
 // (no technique helped), and reuses the replay of equal allocation events. On random small models with a budget below the setup's need, half with
 // every technique already applied (inference, 4-bit weights, fused attention): the fit's estimate
-// equals a fresh estimate of its setup, field by field, and its largest batch and longest
-// sequence are 0 exactly when the setup's batch 1 (sequence 1) does not fit by itself.
+// equals a fresh estimate of its setup, field by field, its largest batch and longest sequence
+// fit, and they are 0 only when the setup's batch 1 (sequence 1) does not fit by itself.
 static void test_fit_given_deferred(void) {
     int it, deferred = 0;
     for (it = 0; it < 16; it++) {
@@ -561,8 +561,13 @@ static void test_fit_given_deferred(void) {
         CHECK_EQ_INT(f.plan_estimate.setup.no_replay, 0);
         for (k = 0; k < MN_CAT_COUNT; k++)
             CHECK_EQ_U64(f.plan_estimate.at_peak[k], fresh.at_peak[k]);
-        CHECK_EQ_INT(f.max_batch == 0, !fit_check(&m, &s, 0, 1));
-        if (!s.infer) CHECK_EQ_INT(f.max_seq == 0, !fit_check(&m, &s, 1, 1));
+        // (Reserved bytes need not grow with the batch: the allocator's rounding can make
+        // batch 1 reserve more than batch 2. The answer is a value that fits, not necessarily
+        // the first.)
+        if (f.max_batch) CHECK(fit_check(&m, &s, 0, f.max_batch));
+        else CHECK(!fit_check(&m, &s, 0, 1));
+        if (!s.infer && f.max_seq) CHECK(fit_check(&m, &s, 1, f.max_seq));
+        else if (!s.infer) CHECK(!fit_check(&m, &s, 1, 1));
     }
     CHECK_MSG(deferred > 0, "no fit kept the setup as given");
 }
