@@ -15759,6 +15759,17 @@ MN__INLINE void mn__ov_put(float *p, mn__ovf v, int nt) {
     if (nt) mn__ov_stream(p, v);
     else mn__ov_store(p, v);
 }
+// The first two stages over x[0..n) (n a multiple of MN__OW, at most MN__STAGE):
+// u = sqrt(2/pi) (x + 0.044715 x^3), then e = exp(-2|u|), as the scalar form computes them.
+MN__INLINE void mn__gelu_stage_ue(float *u, float *e, const float *x, size_t n) {
+    size_t j;
+    for (j = 0; j < n; j += MN__OW) {
+        mn__ovf v = mn__ov_load(x + j);
+        mn__ov_store(u + j, MN__GELU_S * (v + MN__GELU_A * v * v * v));
+    }
+    for (j = 0; j < n; j += MN__OW)
+        mn__ov_store(e + j, mn__ov_expf(-2.0f * mn__ov_abs(mn__ov_load(u + j))));
+}
 #endif
 
 MN__PRIVATE void mn__gelu_span(float *out, const float *inp, size_t n, int nt, size_t pf) {
@@ -15772,12 +15783,7 @@ MN__PRIVATE void mn__gelu_span(float *out, const float *inp, size_t n, int nt, s
         const float *x = inp + i;
         if (pf > i + (MN__PF_CHUNKS + 1) * MN__STAGE)
             mn__prefetch(x + MN__PF_CHUNKS * MN__STAGE, MN__STAGE);
-        for (j = 0; j < MN__STAGE; j += MN__OW) {
-            mn__ovf v = mn__ov_load(x + j);
-            mn__ov_store(u + j, MN__GELU_S * (v + MN__GELU_A * v * v * v));
-        }
-        for (j = 0; j < MN__STAGE; j += MN__OW)
-            mn__ov_store(e + j, mn__ov_expf(-2.0f * mn__ov_abs(mn__ov_load(u + j))));
+        mn__gelu_stage_ue(u, e, x, MN__STAGE);
         for (j = 0; j < MN__STAGE; j += MN__OW) {
             mn__ovf uv = mn__ov_load(u + j), ev = mn__ov_load(e + j), d = 1.0f / (1.0f + ev);
             mn__ov_put(out + i + j, mn__ov_load(x + j) * mn__ov_sel(uv >= 0.0f, d, ev * d), nt);
@@ -15801,12 +15807,7 @@ MN__PRIVATE void mn__gelu_grad_chunk(float *g, const float *x, size_t n) {
 #if MN__OV
     float u[MN__STAGE], e[MN__STAGE];
     size_t nv = n - n % MN__OW;
-    for (i = 0; i < nv; i += MN__OW) {
-        mn__ovf v = mn__ov_load(x + i);
-        mn__ov_store(u + i, MN__GELU_S * (v + MN__GELU_A * v * v * v));
-    }
-    for (i = 0; i < nv; i += MN__OW)
-        mn__ov_store(e + i, mn__ov_expf(-2.0f * mn__ov_abs(mn__ov_load(u + i))));
+    mn__gelu_stage_ue(u, e, x, nv);
     for (i = 0; i < nv; i += MN__OW) {
         mn__ovf v = mn__ov_load(x + i), uv = mn__ov_load(u + i), ev = mn__ov_load(e + i);
         mn__ovf d = 1.0f / (1.0f + ev), ed = ev * d, s = mn__ov_sel(uv >= 0.0f, d, ed);
