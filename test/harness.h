@@ -63,6 +63,11 @@ void mnt_fill_normal(float *x, size_t n, double scale);
 // y[i] = x[i], the fp32 values widened for a double-precision reference.
 void mnt_to_double(const float *x, double *y, size_t n);
 
+// The Adafactor step's fixed summation order over its 16 double lanes (lane l holds the terms of
+// the columns j % 16 == l in row order): lane w added to lane l for w = 8, 4, 2, 1, so
+// ((l0 + l8) + (l4 + l12)) + ... Tests that must give the step's bits sum in this order.
+double mnt_lanes_total(const double *lane);
+
 // fp32 results against a double reference: every element must satisfy
 //     |got[i] - want[i]| <= abs_tol + rel_tol * |want[i]|      (NaN fails)
 // One failure line per call: how many elements are off, the worst one (largest excess over its

@@ -182,6 +182,15 @@ void mnt_to_double(const float *x, double *y, size_t n) {
     for (i = 0; i < n; i++) y[i] = x[i];
 }
 
+double mnt_lanes_total(const double *lane) {
+    double t[16];
+    int w, l;
+    for (l = 0; l < 16; l++) t[l] = lane[l];
+    for (w = 8; w >= 1; w /= 2)
+        for (l = 0; l < w; l++) t[l] = t[l] + t[l + w];
+    return t[0];
+}
+
 // A NaN, once seen, stays the maximum (so it shows in the report).
 static double max_nan(double m, double v) { return m != m || v <= m ? m : v; }
 

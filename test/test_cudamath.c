@@ -776,17 +776,9 @@ static void test_lion(void) {
 // against mn_adafactor_step over 5 steps: factored ([3,5,37], [64,96]) and not ([1003]);
 // relative step, fixed lr with beta1 and weight decay, no_scale_parameter with warmup_init.
 // The host sums run in the host step's order (16 double lanes by column, lane l taking the
-// columns j % 16 == l row after row, added by a fixed tree: lanes_total), so the results are
+// columns j % 16 == l row after row, added by a fixed tree: mnt_lanes_total), so the results are
 // bit-for-bit equal; the device adds the same terms in another order (within 1e-5 on the GPU
 // test).
-static double lanes_total(const double *lane) {
-    double t[16];
-    int w, l;
-    for (l = 0; l < 16; l++) t[l] = lane[l];
-    for (w = 8; w >= 1; w /= 2)
-        for (l = 0; l < w; l++) t[l] = t[l] + t[l + w];
-    return t[0];
-}
 
 static void test_adafactor(void) {
     static const uint64_t shapes[][3] = {{3, 5, 37}, {1, 64, 96}, {1, 1, 1003}};
@@ -822,14 +814,14 @@ static void test_adafactor(void) {
                 mnt_fill_normal(grad, n, t == 3 ? 1e-3 : 1.0);
                 CHECK_OK(mn_adafactor_step(&s, param, grad, NULL));
                 for (e = 0; e < n; e++) lane[e % Cc % 16] += (double)hp[e] * hp[e];
-                alpha = mn_hd_adafactor_alpha(&k, (float)sqrt(lanes_total(lane) / (double)n));
+                alpha = mn_hd_adafactor_alpha(&k, (float)sqrt(mnt_lanes_total(lane) / (double)n));
                 CHECK(alpha == s.alpha);
                 if (factored) {
                     for (i = 0; i < B * R; i++) {
                         memset(lane, 0, sizeof lane);
                         for (j = 0; j < Cc; j++)
                             lane[j % 16] += (double)(grad[i * Cc + j] * grad[i * Cc + j] + k.eps1);
-                        hr[i] = mn_hd_adafactor_moment(hr[i], lanes_total(lane), Cc, &k);
+                        hr[i] = mn_hd_adafactor_moment(hr[i], mnt_lanes_total(lane), Cc, &k);
                     }
                     for (b = 0; b < B; b++)
                         for (j = 0; j < Cc; j++) {
@@ -854,7 +846,7 @@ static void test_adafactor(void) {
                                        : mn_hd_adafactor_u_vec(grad[e], hv[e]);
                     lane[e % Cc % 16] += (double)u * u;
                 }
-                clip_div = mn_hd_adafactor_clip_div(lanes_total(lane), n, q->clip_threshold);
+                clip_div = mn_hd_adafactor_clip_div(mnt_lanes_total(lane), n, q->clip_threshold);
                 for (e = 0; e < n; e++) {
                     float u = factored ? mn_hd_adafactor_u(grad[e], hr[e / Cc], rmean[e / Cc / R],
                                                            hc[e / Cc / R * Cc + e % Cc])

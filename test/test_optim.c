@@ -1613,20 +1613,8 @@ static void test_adamw8bit_bits_vs_plain_loop(void) {
     }
 }
 
-// The step's fixed summation order: 16 double lanes, lane l taking the terms of the columns
-// j % 16 == l in row order, then the tree ((l0 + l8) + (l4 + l12)) + ... (lane w added to lane
-// l for w = 8, 4, 2, 1).
-static double lanes_total(const double *lane) {
-    double t[16];
-    int w, l;
-    for (l = 0; l < 16; l++) t[l] = lane[l];
-    for (w = 8; w >= 1; w /= 2)
-        for (l = 0; l < w; l++) t[l] = t[l] + t[l + w];
-    return t[0];
-}
-
 // transformers Adafactor.step per element (memanat.h's comment block): second moment, RMS(param)
-// and RMS(u) summed in double in the step's order (lanes_total: a row's sum of g² + eps1, and
+// and RMS(u) summed in double in the step's order (mnt_lanes_total: a row's sum of g² + eps1, and
 // the sums of p² and u², in 16 lanes by column), then the update.
 static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *p, const float *g,
                                const uint64_t *dims, uint32_t nd, float *R, float *C, float *V,
@@ -1638,7 +1626,7 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
     for (d = 0; d < nd; d++) n *= dims[d];
     cols = dims[nd - 1], rows = nd >= 2 ? dims[nd - 2] : 1, batch = n / (rows * cols);
     for (i = 0; i < n; i++) lane[i % cols % 16] += (double)p[i] * p[i];
-    rms = (float)sqrt(lanes_total(lane) / (double)n);
+    rms = (float)sqrt(mnt_lanes_total(lane) / (double)n);
     rho = a->lr > 0.0f ? a->lr : fmin(a->warmup_init ? 1e-6 * (double)t : 1e-2, 1.0 / sqrt(t));
     alpha = (float)(a->no_scale_parameter ? rho : fmax((double)a->eps2, rms) * rho);
     beta2t = 1.0 - pow((double)t, (double)a->decay_rate);
@@ -1650,7 +1638,7 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
             for (j = 0; j < cols; j++)
                 lane[j % 16] += (double)(gb[i * cols + j] * gb[i * cols + j] + a->eps1);
             R[b * rows + i] =
-                R[b * rows + i] * b2t + w2t * (float)(lanes_total(lane) / (double)cols);
+                R[b * rows + i] * b2t + w2t * (float)(mnt_lanes_total(lane) / (double)cols);
         }
         for (j = 0; j < cols; j++) {
             for (sum = 0.0, i = 0; i < rows; i++)
@@ -1684,7 +1672,7 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
                 }
             }
         }
-        clip = sqrt(lanes_total(ss) / (double)n) / (double)a->clip_threshold;
+        clip = sqrt(mnt_lanes_total(ss) / (double)n) / (double)a->clip_threshold;
         clip_div = (float)(clip > 1.0 ? clip : 1.0);
     }
 }
