@@ -1304,6 +1304,9 @@ typedef struct mn_cuda_desc {
                                // for the device's SM (32 MiB on sm 90+, 4 MiB otherwise)
     mn_allocator allocator;    // host memory for the private state, all-zero = malloc/free
     mn_logger logger;          // CUDA / cuBLAS failures: the call, the error name and text
+    void *stream;              // a cudaStream_t of the caller's that every call runs on (kept:
+                               // never destroyed; e.g. another context's ctx->stream, so both
+                               // are ordered), NULL = the context creates a non-blocking stream
 } mn_cuda_desc;
 
 typedef struct mn_cuda {       // fields are read-only for callers

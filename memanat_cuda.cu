@@ -65,6 +65,7 @@ struct mn__cuda_priv {
     void *host;               // host scratch (embedding bucketing)
     size_t host_bytes;
     int foreign_workspace;    // ctx->workspace is the caller's (mn_cuda_workspace_set)
+    int foreign_stream;       // ctx->stream is the caller's (mn_cuda_desc.stream)
     float *q8_maps;           // [512] device: the signed, then the unsigned dynamic map (8-bit)
     // driver API for virtual memory (NULL when not available)
     PFN_cuMemAddressReserve_v10020 mem_reserve;
@@ -231,7 +232,7 @@ static void mn__release(mn_cuda *ctx) {
     mn__host_free(ctx, p->host);
     if (ctx->workspace && !p->foreign_workspace) (void)cudaFree(ctx->workspace);
     if (ctx->lt) (void)cublasLtDestroy((cublasLtHandle_t)ctx->lt);
-    if (ctx->stream) (void)cudaStreamDestroy(mn__stream(ctx));
+    if (ctx->stream && !p->foreign_stream) (void)cudaStreamDestroy(mn__stream(ctx));
     mn__host_free(ctx, p);
     ctx->p = NULL, ctx->stream = NULL, ctx->lt = NULL, ctx->workspace = NULL;
 }
@@ -263,7 +264,12 @@ MNDEF mn_result mn_cuda_init(mn_cuda *ctx, const mn_cuda_desc *desc) {
              MN__CU(ctx, cudaSetDevice(ctx->desc.device));
              MN__CU(ctx, cudaGetDeviceProperties(&prop, ctx->desc.device));
              MN__CU(ctx, cudaMemGetInfo(&free_b, &total_b));
-             MN__CU(ctx, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+             if (ctx->desc.stream) {
+                 s = (cudaStream_t)ctx->desc.stream;
+                 ctx->p->foreign_stream = 1;
+             } else {
+                 MN__CU(ctx, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+             }
              ctx->stream = s;
              MN__LT(ctx, cublasLtCreate(&lt));
              ctx->lt = lt;

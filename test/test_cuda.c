@@ -7,7 +7,8 @@
 // fp32 1e-4 (GEMMs with TF32 off), fp16 4e-3, bf16 1.6e-2, reported as max abs/rel error.
 //
 // Without a device it prints one line, "SKIP cuda: no CUDA device (<reason>)", and exits 0.
-// Usage: build/test_cuda [substring]   (MN_TEST_SEED=N repeats a run)
+// Usage: build/test_cuda [name]   (a case's name runs that case alone, another string every case
+// whose name contains it; MN_TEST_SEED=N repeats a run)
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdlib.h>
@@ -1014,6 +1015,38 @@ static void test_cache_streams(void) {
     mn_cache_free(&c);
 }
 
+// A context on another's stream (mn_cuda_desc.stream): its work is ordered with the owner's, and
+// freeing it leaves the stream to its owner.
+static void test_shared_stream(void) {
+    mn_cuda c2;
+    mn_cuda_desc d;
+    float h[1000], *back;
+    void *a = NULL, *b = NULL;
+    size_t i;
+    memset(&d, 0, sizeof d);
+    d.logger.log_fn = log_stderr;
+    d.stream = ctx.stream;
+    for (i = 0; i < 1000; i++) h[i] = nrand();
+    OK(mn_cuda_init(&c2, &d));
+    CHECK(c2.stream == ctx.stream);
+    a = dev(MN_FP32, h, 1000);
+    b = dev_poisoned(MN_FP32, 1000);  // an asynchronous fill on ctx's stream
+    OK(mn_cuda_gelu_forward(&c2, b, a, 1000, MN_FP32));  // queued after it on the same stream
+    mn_cuda_free(&c2);
+    OK(mn_cuda_sync(&ctx));  // the stream outlives the context that borrowed it
+    back = down(MN_FP32, b, 1000);
+    for (i = 0; i < 1000; i++) {
+        float want;
+        mn_gelu_forward(&want, &h[i], 1);
+        if (!(fabsf(back[i] - want) <= 1e-5f * (1.0f + fabsf(want)))) {
+            FAIL("shared stream: [%zu] got %g want %g", i, back[i], want);
+            break;
+        }
+    }
+    free(back);
+    release(a), release(b);
+}
+
 // An allocation larger than the device: PyTorch's message with the real free and total bytes.
 static void test_cache_oom(void) {
     mn_cache c;
@@ -1061,11 +1094,12 @@ static const tcase cases[] = {
     {"cache", test_cache},
     {"cache_streams", test_cache_streams},
     {"cache_oom", test_cache_oom},
+    {"shared_stream", test_shared_stream},
 };
 
 int main(int argc, char **argv) {
     char reason[256];
-    int count = 0, passed = 0, failed = 0;
+    int count = 0, passed = 0, failed = 0, exact = 0;
     size_t i;
     const char *seed = getenv("MN_TEST_SEED");
     mn_cuda_desc desc;
@@ -1074,6 +1108,8 @@ int main(int argc, char **argv) {
         return 0;
     }
     verbose = getenv("MN_TEST_VERBOSE") && *getenv("MN_TEST_VERBOSE") != '0';
+    for (i = 0; argc > 1 && i < sizeof cases / sizeof cases[0]; i++)
+        exact |= !strcmp(cases[i].name, argv[1]);  // a case's own name runs that case alone
     rng = seed ? strtoull(seed, NULL, 10) : (uint64_t)time(NULL);
     memset(&desc, 0, sizeof desc);
     desc.logger.log_fn = log_stderr;
@@ -1082,6 +1118,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     desc.no_fused_epilogues = 1;
+    desc.stream = ctx.stream;  // one stream: the unfused GEMMs are ordered with ctx's copies
     if (mn_cuda_init(&ctx_unfused, &desc) != MN_OK) {
         printf("[FAIL] mn_cuda_init (unfused)\n0 passed, 1 failed\n");
         return 1;
@@ -1090,7 +1127,8 @@ int main(int argc, char **argv) {
            ctx.name, ctx.sm, (unsigned long long)(ctx.total_bytes >> 20),
            (unsigned long long)(ctx.workspace_bytes >> 20), (unsigned long long)rng);
     for (i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        if (argc > 1 && !strstr(cases[i].name, argv[1])) continue;
+        if (argc > 1 && (exact ? strcmp(cases[i].name, argv[1]) : !strstr(cases[i].name, argv[1])))
+            continue;
         cur_failed = 0;
         cases[i].fn();
         if (mn_cuda_sync(&ctx) != MN_OK) FAIL("stream error after the test");
