@@ -288,8 +288,13 @@ static void test_layernorm(void) {
             }
 }
 
+// Row in registers with NP = 1, 2, 4, 8 packs per lane ({96,32} {300,200} {50,264} {24,520}
+// {1024,1024} {16,2000}, fp32 and 16-bit reach different NP), the 16-byte streaming fallback
+// past the register row ({8,4096}; fp32 {16,2000}), single elements (odd L). N % L != 0 causal.
 static void test_softmax(void) {
-    static const size_t shapes[][2] = {{4, 1}, {6, 5}, {3, 77}, {1024, 1024}, {2, 50257}};
+    static const size_t shapes[][2] = {{4, 1}, {6, 5}, {3, 77}, {1024, 1024}, {2, 50257},
+                                       {96, 32}, {300, 200}, {50, 264}, {24, 520}, {16, 2000},
+                                       {8, 4096}};
     size_t s;
     int d, causal;
     for (d = 0; d < 3; d++)
