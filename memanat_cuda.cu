@@ -2249,6 +2249,51 @@ mn__dgelu_bias_partial_kernel(float *partial, T *dout, const T *pre_gelu, size_t
     partial[(size_t)blockIdx.y * OC + c] = acc;
 }
 
+// The same with 16-byte packs (OC a multiple of the pack K, dout and pre_gelu 16-byte aligned):
+// thread (x, y) owns the K columns of pack blockIdx.x * 32 + x and rows r0 + y, r0 + y + 8, ..
+// of the chunk, so a warp moves 512 contiguous bytes of a row per access; the 8 row-threads of
+// each column are then added in y order through shared memory (deterministic).
+template <typename T>
+static __global__ void __launch_bounds__(32 * MN__COL_THREADS_Y)
+mn__dgelu_bias_partial_vec_kernel(float *partial, T *dout, const T *pre_gelu, size_t N, size_t OC,
+                                  size_t rows_per_chunk) {
+    const int K = (int)(16 / sizeof(T));
+    __shared__ float sb[MN__COL_THREADS_Y][32 * (16 / sizeof(T))];
+    size_t c = ((size_t)blockIdx.x * 32 + threadIdx.x) * K, r0 = blockIdx.y * rows_per_chunk, r;
+    size_t r1 = r0 + rows_per_chunk < N ? r0 + rows_per_chunk : N;
+    float acc[16 / sizeof(T)];
+    unsigned t, y;
+    int k;
+#pragma unroll
+    for (k = 0; k < K; k++) acc[k] = 0.0f;
+    if (c < OC)  // OC % K == 0: a pack is wholly inside the row or wholly past it
+        for (r = r0 + threadIdx.y; r < r1; r += MN__COL_THREADS_Y) {
+            T *d = dout + r * OC + c;
+            mn__pack<T> v = mn__ld16(d);
+            if (pre_gelu) {
+                mn__pack<T> x = mn__ld16(pre_gelu + r * OC + c);
+#pragma unroll
+                for (k = 0; k < K; k++)
+                    v.v[k] = mn__cvt<T>(mn__ld<T>(&v.v[k]) * mn_hd_gelu_grad(mn__ld<T>(&x.v[k])));
+                mn__st16(d, v);
+            }
+#pragma unroll
+            for (k = 0; k < K; k++) acc[k] += mn__ld<T>(&v.v[k]);
+        }
+    if (!partial) return;
+#pragma unroll
+    for (k = 0; k < K; k++) sb[threadIdx.y][threadIdx.x * K + k] = acc[k];
+    __syncthreads();
+    // column t of the block's 32 K: the sum of its 8 row-threads, in y order
+    for (t = threadIdx.y * 32 + threadIdx.x; t < 32u * K; t += 32 * MN__COL_THREADS_Y) {
+        size_t col = (size_t)blockIdx.x * 32 * K + t;
+        float s = 0.0f;
+        if (col >= OC) continue;
+        for (y = 0; y < MN__COL_THREADS_Y; y++) s += sb[y][t];
+        partial[(size_t)blockIdx.y * OC + col] = s;
+    }
+}
+
 template <typename T>
 static __global__ void __launch_bounds__(256) mn__add_kernel(T *dst, const T *src, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -2303,18 +2348,24 @@ MNDEF mn_result mn_cuda_matmul_forward(mn_cuda *ctx, void *out, void *pre_gelu, 
 template <typename T>
 static mn_result mn__dgelu_bias(mn_cuda *ctx, void *dbias, void *dout, const void *pre_gelu,
                                 size_t N, size_t OC) {
+    const size_t K = 16 / sizeof(T);
     unsigned chunks = mn__row_chunks(N);
     size_t rows = (N + chunks - 1) / chunks;
     float *part = NULL;
-    dim3 grid(mn__blocks(OC, 32), chunks), block(32, MN__COL_THREADS_Y);
+    int vec = OC % K == 0 && mn__is16(dout) && mn__is16(pre_gelu);
+    dim3 grid(mn__blocks(vec ? OC / K : OC, 32), chunks), block(32, MN__COL_THREADS_Y);
     if (dbias) {
         void *scr;
         mn_result r = mn__scratch(ctx, (size_t)chunks * OC * sizeof(float), &scr);
         if (r != MN_OK) return r;
         part = (float *)scr;
     }
-    mn__dgelu_bias_partial_kernel<T><<<grid, block, 0, mn__stream(ctx)>>>(
-        part, (T *)dout, (const T *)pre_gelu, N, OC, rows);
+    if (vec)
+        mn__dgelu_bias_partial_vec_kernel<T><<<grid, block, 0, mn__stream(ctx)>>>(
+            part, (T *)dout, (const T *)pre_gelu, N, OC, rows);
+    else
+        mn__dgelu_bias_partial_kernel<T><<<grid, block, 0, mn__stream(ctx)>>>(
+            part, (T *)dout, (const T *)pre_gelu, N, OC, rows);
     MN__LAUNCHED(ctx);
     if (dbias) {
         mn__col_finish_kernel<T><<<mn__blocks(OC, 256), 256, 0, mn__stream(ctx)>>>(

@@ -886,7 +886,10 @@ static void test_adafactor(void) {
 // ---- GEMM and epilogues -------------------------------------------------------------------------
 
 static void test_matmul_ctx(mn_cuda *c, const char *tag) {
-    static const size_t shapes[][3] = {{1, 37, 11}, {64, 768, 3072}, {129, 77, 40}, {256, 64, 50257}};
+    // dgelu/dbias column kernel: 16-byte packs for OC 3072, 40, 1000 (a partial last block of
+    // packs, 60-row chunks), single elements for OC 11 and 50257
+    static const size_t shapes[][3] = {{1, 37, 11}, {64, 768, 3072}, {129, 77, 40},
+                                       {256, 64, 50257}, {300, 24, 1000}};
     size_t s;
     int d, mode;  // mode 0 plain, 1 bias, 2 bias + gelu, 3 gelu without bias
     char what[96];
