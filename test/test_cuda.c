@@ -289,8 +289,13 @@ static void test_layernorm(void) {
             }
 }
 
+// Row in registers with NP = 1, 2, 4, 8 packs per lane ({96,32} {300,200} {50,264} {24,520}
+// {1024,1024} {16,2000}, fp32 and 16-bit reach different NP), the 16-byte streaming fallback
+// past the register row ({8,4096}; fp32 {16,2000}), single elements (odd L). N % L != 0 causal.
 static void test_softmax(void) {
-    static const size_t shapes[][2] = {{4, 1}, {6, 5}, {3, 77}, {1024, 1024}, {2, 50257}};
+    static const size_t shapes[][2] = {{4, 1}, {6, 5}, {3, 77}, {1024, 1024}, {2, 50257},
+                                       {96, 32}, {300, 200}, {50, 264}, {24, 520}, {16, 2000},
+                                       {8, 4096}};
     size_t s;
     int d, causal;
     for (d = 0; d < 3; d++)
@@ -882,7 +887,10 @@ static void test_adafactor(void) {
 // ---- GEMM and epilogues -------------------------------------------------------------------------
 
 static void test_matmul_ctx(mn_cuda *c, const char *tag) {
-    static const size_t shapes[][3] = {{1, 37, 11}, {64, 768, 3072}, {129, 77, 40}, {256, 64, 50257}};
+    // dgelu/dbias column kernel: 16-byte packs for OC 3072, 40, 1000 (a partial last block of
+    // packs, 60-row chunks), single elements for OC 11 and 50257
+    static const size_t shapes[][3] = {{1, 37, 11}, {64, 768, 3072}, {129, 77, 40},
+                                       {256, 64, 50257}, {300, 24, 1000}};
     size_t s;
     int d, mode;  // mode 0 plain, 1 bias, 2 bias + gelu, 3 gelu without bias
     char what[96];
