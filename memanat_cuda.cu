@@ -726,22 +726,118 @@ mn__layernorm_forward_kernel(T *residual, T *out, float *mean, float *rstd, cons
     }
 }
 
-// 16-byte packs when every row and vector starts 16-byte aligned (C a multiple of the pack).
+// The register path, for rows of at most 8 packs a lane (C <= 32 K 8, K = 16 / sizeof(T)) when C
+// is a multiple of the pack and every pointer is 16-byte aligned: the warp reads its row once
+// into NP packs a lane (pack j of lane l holds columns (32 j + l) K ..; packs past C are not
+// read), takes the mean and the centred variance from the registers in the order of the kernel
+// above, and writes the output. RESID: inp1 and inp2 are read whole before residual is written,
+// so residual may alias either. Bytes: 2 N C sizeof(T) (4 with RESID) + 8 N.
+template <typename T, int RESID, int NP>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__layernorm_forward_reg_kernel(T *residual, T *out, float *mean, float *rstd, const T *inp1,
+                                 const T *inp2, const T *weight, const T *bias, size_t N, size_t C,
+                                 float eps) {
+    const int K = (int)(16 / sizeof(T));
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32;
+    unsigned lane = threadIdx.x % 32;
+    mn__pack<T> p[NP];
+    float s = 0.0f, m, v = 0.0f, r;
+    int j, k;
+    if (row >= N) return;
+    if (RESID) {
+        mn__pack<T> a[NP], b[NP];
+#pragma unroll
+        for (j = 0; j < NP; j++) {
+            size_t i = ((size_t)j * 32 + lane) * K;
+            if (i < C) a[j] = mn__ld16(inp1 + row * C + i), b[j] = mn__ld16(inp2 + row * C + i);
+        }
+#pragma unroll
+        for (j = 0; j < NP; j++) {
+            size_t i = ((size_t)j * 32 + lane) * K;
+            if (i >= C) continue;
+#pragma unroll
+            for (k = 0; k < K; k++)
+                p[j].v[k] = mn__cvt<T>(mn__ld<T>(&a[j].v[k]) + mn__ld<T>(&b[j].v[k]));
+            mn__st16(residual + row * C + i, p[j]);
+        }
+    } else {
+#pragma unroll
+        for (j = 0; j < NP; j++) {
+            size_t i = ((size_t)j * 32 + lane) * K;
+            if (i < C) p[j] = mn__ld16(inp1 + row * C + i);
+        }
+    }
+#pragma unroll
+    for (j = 0; j < NP; j++)
+        if (((size_t)j * 32 + lane) * K < C)
+#pragma unroll
+            for (k = 0; k < K; k++) s += mn__ld<T>(&p[j].v[k]);
+    m = mn__warp_sum(s) / (float)C;
+#pragma unroll
+    for (j = 0; j < NP; j++)
+        if (((size_t)j * 32 + lane) * K < C)
+#pragma unroll
+            for (k = 0; k < K; k++) {
+                float d = mn__ld<T>(&p[j].v[k]) - m;
+                v += d * d;
+            }
+    r = mn_hd_rstd(mn__warp_sum(v) / (float)C, eps);
+#pragma unroll
+    for (j = 0; j < NP; j++) {
+        size_t i = ((size_t)j * 32 + lane) * K;
+        mn__pack<T> w, b, o;
+        if (i >= C) continue;
+        w = mn__ld16(weight + i);
+        if (bias) b = mn__ld16(bias + i);
+#pragma unroll
+        for (k = 0; k < K; k++)
+            o.v[k] = mn__cvt<T>(mn_hd_layernorm_out(mn__ld<T>(&p[j].v[k]), m, r, mn__ld<T>(&w.v[k]),
+                                                    bias ? mn__ld<T>(&b.v[k]) : 0.0f));
+        mn__st16(out + row * C + i, o);
+    }
+    if (lane == 0) {
+        if (mean) mean[row] = m;
+        if (rstd) rstd[row] = r;
+    }
+}
+
+// Packs a lane for a row of C elements in packs of K, rounded up to an instantiated count
+// (1, 2, 3, 4, 6, 8); 0 when the row does not fit in 8.
+static int mn__ln_np(size_t C, size_t K) {
+    size_t n = (C / K + 31) / 32;
+    return n <= 4 ? (int)n : n <= 6 ? 6 : n <= 8 ? 8 : 0;
+}
+
+// The register kernel when C is a multiple of the pack, every pointer is 16-byte aligned and the
+// row fits in 8 packs a lane; else the kernel above, 16-byte packs when aligned.
 template <typename T, int RESID>
 static void mn__layernorm_launch(mn_cuda *ctx, void *residual, void *out, float *mean, float *rstd,
                                  const void *inp1, const void *inp2, const void *weight,
                                  const void *bias, size_t N, size_t C, float eps) {
-    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK), threads = 32 * MN__ROWS_PER_BLOCK;
+    cudaStream_t s = mn__stream(ctx);
     int vec = C % (16 / sizeof(T)) == 0 && mn__is16(residual) && mn__is16(out) &&
               mn__is16(inp1) && mn__is16(inp2) && mn__is16(weight) && mn__is16(bias);
+    int np = vec ? mn__ln_np(C, 16 / sizeof(T)) : 0;
+#define MN__LN_FWD(NP) mn__layernorm_forward_reg_kernel<T, RESID, NP><<<grid, threads, 0, s>>>( \
+        (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2, (const T *)weight, \
+        (const T *)bias, N, C, eps)
+    switch (np) {
+    case 1: MN__LN_FWD(1); return;
+    case 2: MN__LN_FWD(2); return;
+    case 3: MN__LN_FWD(3); return;
+    case 4: MN__LN_FWD(4); return;
+    case 6: MN__LN_FWD(6); return;
+    case 8: MN__LN_FWD(8); return;
+    default: break;
+    }
+#undef MN__LN_FWD
     if (vec)
-        mn__layernorm_forward_kernel<T, RESID, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0,
-                                                    mn__stream(ctx)>>>(
+        mn__layernorm_forward_kernel<T, RESID, 1><<<grid, threads, 0, s>>>(
             (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
             (const T *)weight, (const T *)bias, N, C, eps);
     else
-        mn__layernorm_forward_kernel<T, RESID, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0,
-                                                    mn__stream(ctx)>>>(
+        mn__layernorm_forward_kernel<T, RESID, 0><<<grid, threads, 0, s>>>(
             (T *)residual, (T *)out, mean, rstd, (const T *)inp1, (const T *)inp2,
             (const T *)weight, (const T *)bias, N, C, eps);
 }
@@ -837,12 +933,179 @@ mn__layernorm_param_partial_kernel(float *pw, float *pb, const T *dout, const T 
     if (pb) pb[(size_t)blockIdx.y * C + c] = ab;
 }
 
+// The register path of the whole backward, for C a multiple of the pack, C <= 1024 (at most 32
+// columns a lane: their dweight and dbias sums live in registers) and 16-byte aligned pointers.
+// Warp w of the grid takes rows w, w + warps, ..., reads the row's dy and x once into NP packs a
+// lane (the columns of the forward's register path: each lane always owns the same ones; their
+// weight comes from L1 on each use, registers being short), forms the two row sums, writes
+// dx += r (g - mean g - xh mean g xh), and adds dy xh and dy into its columns' sums. At the end
+// the block adds its warps' sums in warp order through shared memory into pw[block, C] and
+// pb[block, C] (either may be NULL; then the sums are not kept). weight is read only with dinp.
+// Bytes: 4 N C sizeof(T) + 8 N, and 2 x 4 C per block of partial sums written and read back.
+#define MN__LN_BWD_COLS 32       // register path of the backward: at most 32 columns a lane
+
+template <typename T, int NP>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__layernorm_backward_reg_kernel(T *dinp, float *pw, float *pb, const T *dout, const T *inp,
+                                  const T *weight, const float *mean, const float *rstd, size_t N,
+                                  size_t C) {
+    const int K = (int)(16 / sizeof(T)), CW = 32 * K * NP;
+    __shared__ float red[MN__ROWS_PER_BLOCK * CW];
+    unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    size_t row, warps = (size_t)gridDim.x * MN__ROWS_PER_BLOCK, c;
+    float aw[NP][K], ab[NP][K];
+    int j, k, q;
+#pragma unroll
+    for (j = 0; j < NP; j++)
+#pragma unroll
+        for (k = 0; k < K; k++) aw[j][k] = 0.0f, ab[j][k] = 0.0f;
+    for (row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + warp; row < N; row += warps) {
+        mn__pack<T> dy[NP], x[NP];
+        float m = mean[row], r = rstd[row], sg = 0.0f, sgx = 0.0f, gm, gxm;
+#pragma unroll
+        for (j = 0; j < NP; j++) {
+            size_t i = ((size_t)j * 32 + lane) * K;
+            if (i < C) dy[j] = mn__ld16(dout + row * C + i), x[j] = mn__ld16(inp + row * C + i);
+        }
+#pragma unroll
+        for (j = 0; j < NP; j++) {
+            size_t i = ((size_t)j * 32 + lane) * K;
+            mn__pack<T> w;
+            if (i >= C) continue;
+            if (dinp) w = mn__ld16(weight + i);
+#pragma unroll
+            for (k = 0; k < K; k++) {
+                float d = mn__ld<T>(&dy[j].v[k]), xh = (mn__ld<T>(&x[j].v[k]) - m) * r;
+                aw[j][k] += d * xh, ab[j][k] += d;
+                if (dinp) {
+                    float g = mn__ld<T>(&w.v[k]) * d;
+                    sg += g, sgx += g * xh;
+                }
+            }
+        }
+        if (!dinp) continue;
+        gm = mn__warp_sum(sg) / (float)C;
+        gxm = mn__warp_sum(sgx) / (float)C;
+#pragma unroll
+        for (j = 0; j < NP; j++) {
+            size_t i = ((size_t)j * 32 + lane) * K;
+            mn__pack<T> o, w;
+            if (i >= C) continue;
+            o = mn__ld16(dinp + row * C + i), w = mn__ld16(weight + i);
+#pragma unroll
+            for (k = 0; k < K; k++) {
+                float d = mn__ld<T>(&dy[j].v[k]), xh = (mn__ld<T>(&x[j].v[k]) - m) * r;
+                float g = mn__ld<T>(&w.v[k]) * d;
+                o.v[k] = mn__cvt<T>(mn__ld<T>(&o.v[k]) + mn_hd_layernorm_dinp(g, xh, gm, gxm, r));
+            }
+            mn__st16(dinp + row * C + i, o);
+        }
+    }
+#pragma unroll
+    for (q = 0; q < 2; q++) {  // q 0: dweight's sums, 1: dbias's; the branches are block-uniform
+        float *part = q ? pb : pw;
+        if (!part) continue;
+#pragma unroll
+        for (j = 0; j < NP; j++)
+#pragma unroll
+            for (k = 0; k < K; k++)
+                red[warp * CW + (j * 32 + lane) * K + k] = q ? ab[j][k] : aw[j][k];
+        __syncthreads();
+        for (c = threadIdx.x; c < C; c += blockDim.x) {
+            float s = 0.0f;
+            for (j = 0; j < MN__ROWS_PER_BLOCK; j++) s += red[j * CW + c];
+            part[(size_t)blockIdx.x * C + c] = s;
+        }
+        __syncthreads();
+    }
+}
+
+// dweight += sum_b pw[b, C], dbias += sum_b pb[b, C] (either may be NULL) in one launch: block
+// (32, 16) covers 32 columns; thread y adds the partial rows y, y + 16, ... in order, then row 0
+// adds the 16 sums in order (deterministic). grid (C / 32, 2): y 0 dweight, 1 dbias.
+#define MN__LN_FINISH_Y 16
+template <typename T>
+static __global__ void __launch_bounds__(32 * MN__LN_FINISH_Y)
+mn__layernorm_param_finish_kernel(T *dweight, T *dbias, const float *pw, const float *pb,
+                                  unsigned parts, size_t C) {
+    __shared__ float sh[MN__LN_FINISH_Y][33];
+    T *dst = blockIdx.y ? dbias : dweight;
+    const float *part = blockIdx.y ? pb : pw;
+    size_t c = (size_t)blockIdx.x * 32 + threadIdx.x;
+    unsigned k;
+    float s = 0.0f;
+    if (!dst) return;  // the whole block
+    if (c < C)
+        for (k = threadIdx.y; k < parts; k += MN__LN_FINISH_Y) s += part[(size_t)k * C + c];
+    sh[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= C) return;
+    s = 0.0f;
+    for (k = 0; k < MN__LN_FINISH_Y; k++) s += sh[k][threadIdx.x];
+    dst[c] = mn__cvt<T>(mn__ld<T>(dst + c) + s);
+}
+
+// The register path: one kernel over all rows on a grid that the device holds at once (the
+// kernel's blocks an SM, at most 4, times the SMs), then one finish kernel for both parameter
+// gradients. The grid depends only on the device and the shape: the sums keep their order.
+template <typename T, int NP>
+static mn_result mn__layernorm_backward_reg(mn_cuda *ctx, void *dinp, void *dweight, void *dbias,
+                                            const void *dout, const void *inp, const void *weight,
+                                            const float *mean, const float *rstd, size_t N,
+                                            size_t C) {
+    cudaStream_t s = mn__stream(ctx);
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK), cap;
+    float *pw = NULL, *pb = NULL;
+    int occ = 0;
+    MN__CU(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &occ, mn__layernorm_backward_reg_kernel<T, NP>, 32 * MN__ROWS_PER_BLOCK, 0));
+    occ = occ < 1 ? 1 : occ > 4 ? 4 : occ;
+    cap = (unsigned)(ctx->sm_count > 0 ? ctx->sm_count : 1) * (unsigned)occ;
+    if (grid > cap) grid = cap;
+    if (dweight || dbias) {
+        void *scr;
+        mn_result r;
+        if ((r = mn__scratch(ctx, 2 * (size_t)grid * C * sizeof(float), &scr)) != MN_OK) return r;
+        pw = dweight ? (float *)scr : NULL;
+        pb = dbias ? (float *)scr + (size_t)grid * C : NULL;
+    }
+    mn__layernorm_backward_reg_kernel<T, NP><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, s>>>(
+        (T *)dinp, pw, pb, (const T *)dout, (const T *)inp, (const T *)weight, mean, rstd, N, C);
+    MN__LAUNCHED(ctx);
+    if (dweight || dbias) {
+        dim3 fgrid(mn__blocks(C, 32), 2), fblock(32, MN__LN_FINISH_Y);
+        mn__layernorm_param_finish_kernel<T><<<fgrid, fblock, 0, s>>>((T *)dweight, (T *)dbias,
+                                                                      pw, pb, grid, C);
+        MN__LAUNCHED(ctx);
+    }
+    return MN_OK;
+}
+
+// The register path when C is a multiple of the pack, at most MN__LN_BWD_COLS columns a lane and
+// every pointer 16-byte aligned; else the row kernel, the column kernel and a finish a gradient.
 template <typename T>
 static mn_result mn__layernorm_backward(mn_cuda *ctx, void *dinp, void *dweight, void *dbias,
                                         const void *dout, const void *inp, const void *weight,
                                         const float *mean, const float *rstd, size_t N,
                                         size_t C) {
     cudaStream_t s = mn__stream(ctx);
+    const int K = (int)(16 / sizeof(T));
+    int np = C % K == 0 && mn__is16(dinp) && mn__is16(dout) && mn__is16(inp) && mn__is16(weight)
+                 ? mn__ln_np(C, K) : 0;
+    // NP past MN__LN_BWD_COLS / K never comes here: instantiated as 1, not launched.
+#define MN__LN_BWD(NP) return mn__layernorm_backward_reg<T, \
+        ((NP) * K <= MN__LN_BWD_COLS ? (NP) : 1)>(ctx, dinp, dweight, dbias, dout, inp, weight, \
+                                                   mean, rstd, N, C)
+    if (np && (size_t)np * K <= MN__LN_BWD_COLS) switch (np) {
+        case 1: MN__LN_BWD(1);
+        case 2: MN__LN_BWD(2);
+        case 3: MN__LN_BWD(3);
+        case 4: MN__LN_BWD(4);
+        case 6: MN__LN_BWD(6);
+        case 8: MN__LN_BWD(8);
+        default: break;
+        }
+#undef MN__LN_BWD
     if (dinp) {
         mn__layernorm_backward_kernel<T><<<mn__blocks(N, MN__ROWS_PER_BLOCK),
                                            32 * MN__ROWS_PER_BLOCK, 0, s>>>(

@@ -236,34 +236,46 @@ static void test_workspace(void) {
     free(x), free(w), free(b), free(ref);
 }
 
+// LayerNorm forward (plain and fused with the residual add) and backward against the CPU ops.
+// Shapes {N, C, off}: the register paths with every pack count (fp32 / 16-bit: 64 -> 1 / 1,
+// 200 -> 2 / 1 with a partial last pack, 512 -> 4 / 2, 768 -> 6 / 3, 1024 -> 8 / 4; 1600 and
+// 2048 forward only, 8 packs a lane at 16 bits), the backward's grid-stride rows (4096), and the
+// fallbacks: C not a multiple of the pack (1, 37, 769, 4100), past the registers (fp32 1600,
+// 2048), inputs one element off 16-byte alignment (off = 1). Odd shapes run the backward as two
+// calls, dinp alone and then dweight and dbias alone (weight NULL).
 static void test_layernorm(void) {
-    static const size_t shapes[][2] = {{1, 1}, {3, 37}, {64, 769}, {4096, 768}, {5, 1600}};
+    static const size_t shapes[][3] = {{1, 1, 0},    {3, 37, 0},   {4096, 768, 0}, {64, 769, 0},
+                                       {5, 1600, 0}, {33, 200, 0}, {7, 64, 0},     {9, 512, 0},
+                                       {300, 1024, 0}, {6, 1024, 0}, {2, 2048, 0}, {7, 4100, 0},
+                                       {9, 512, 1},  {5, 768, 1}};
     size_t s, i;
     int d, fused;
     for (d = 0; d < 3; d++)
         for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             for (fused = 0; fused < 2; fused++) {
                 mn_dtype dt = dts[d];
-                size_t N = shapes[s][0], C = shapes[s][1];
-                float *a = hrand(dt, N * C, 2), *b = hrand(dt, N * C, 1), *w = hrand(dt, C, 1);
-                float *bias = hrand(dt, C, 1), *dy = hrand(dt, N * C, 1), *x = hvec(N * C);
+                size_t N = shapes[s][0], C = shapes[s][1], off = shapes[s][2], n = N * C + off;
+                float *a = hrand(dt, n, 2), *b = hrand(dt, n, 1), *w = hrand(dt, C, 1);
+                float *bias = hrand(dt, C, 1), *dy = hrand(dt, n, 1), *x = hvec(N * C);
                 float *out = hvec(N * C), *mu = hvec(N), *rs = hvec(N), *dx = hrand(dt, N * C, 1);
                 float *dw = hrand(dt, C, 1), *db = hrand(dt, C, 1);
-                void *da = dev(dt, a, N * C), *dbb = dev(dt, b, N * C), *dwt = dev(dt, w, C);
-                void *dbias = dev(dt, bias, C), *ddy = dev(dt, dy, N * C);
+                void *da = dev(dt, a, n), *dbb = dev(dt, b, n), *dwt = dev(dt, w, C);
+                void *dbias = dev(dt, bias, C), *ddy = dev(dt, dy, n);
                 void *dout = dev_poisoned(dt, N * C), *dres = dev_poisoned(dt, N * C);
                 void *dmu = dev_poisoned(MN_FP32, N), *drs = dev_poisoned(MN_FP32, N);
                 void *ddx = dev(dt, dx, N * C), *ddw = dev(dt, dw, C), *ddb = dev(dt, db, C);
+                void *da_off = (char *)da + off * esz(dt), *dbb_off = (char *)dbb + off * esz(dt);
+                void *ddy_off = (char *)ddy + off * esz(dt);
                 if (fused) {
-                    for (i = 0; i < N * C; i++) x[i] = stf(dt, a[i] + b[i]);
+                    for (i = 0; i < N * C; i++) x[i] = stf(dt, a[off + i] + b[off + i]);
                     OK(mn_cuda_residual_layernorm_forward(&ctx, dres, dout, (float *)dmu,
-                                                          (float *)drs, da, dbb, dwt, dbias, N, C,
-                                                          1e-5f, dt));
+                                                          (float *)drs, da_off, dbb_off, dwt,
+                                                          dbias, N, C, 1e-5f, dt));
                     compare("residual (fused)", dt, dt_tol[d], dres, x, N * C);
                 } else {
-                    memcpy(x, a, N * C * sizeof *x);
-                    OK(mn_cuda_layernorm_forward(&ctx, dout, (float *)dmu, (float *)drs, da, dwt,
-                                                 dbias, N, C, 1e-5f, dt));
+                    memcpy(x, a + off, N * C * sizeof *x);
+                    OK(mn_cuda_layernorm_forward(&ctx, dout, (float *)dmu, (float *)drs, da_off,
+                                                 dwt, dbias, N, C, 1e-5f, dt));
                 }
                 mn_layernorm_forward(out, mu, rs, x, w, bias, N, C, 1e-5f);
                 compare(fused ? "residual+layernorm out" : "layernorm out", dt, dt_tol[d], dout,
@@ -272,9 +284,16 @@ static void test_layernorm(void) {
                 compare("layernorm rstd", MN_FP32, dt_tol[d], drs, rs, N);
                 if (!fused) {  // backward from the reference statistics (uploaded)
                     void *rmu = dev(MN_FP32, mu, N), *rrs = dev(MN_FP32, rs, N);
-                    mn_layernorm_backward(dx, dw, db, dy, x, w, mu, rs, N, C);
-                    OK(mn_cuda_layernorm_backward(&ctx, ddx, ddw, ddb, ddy, da, dwt, (float *)rmu,
-                                                  (float *)rrs, N, C, dt));
+                    mn_layernorm_backward(dx, dw, db, dy + off, x, w, mu, rs, N, C);
+                    if (s % 2 == 0) {
+                        OK(mn_cuda_layernorm_backward(&ctx, ddx, ddw, ddb, ddy_off, da_off, dwt,
+                                                      (float *)rmu, (float *)rrs, N, C, dt));
+                    } else {
+                        OK(mn_cuda_layernorm_backward(&ctx, ddx, NULL, NULL, ddy_off, da_off, dwt,
+                                                      (float *)rmu, (float *)rrs, N, C, dt));
+                        OK(mn_cuda_layernorm_backward(&ctx, NULL, ddw, ddb, ddy_off, da_off, NULL,
+                                                      (float *)rmu, (float *)rrs, N, C, dt));
+                    }
                     compare("layernorm backward dinp", dt, dt_tol[d], ddx, dx, N * C);
                     // parameter gradients sum N rows: the tolerance grows with sqrt(N)
                     compare("layernorm backward dweight", dt, dt_tol[d] * sqrt((double)N), ddw, dw, C);
