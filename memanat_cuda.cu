@@ -1496,45 +1496,122 @@ MNDEF mn_result mn_cuda_gelu_backward(mn_cuda *ctx, void *dinp, const void *dout
 // ---- kernels: >>ops crossentropy (the LM head, fused) -------------------------------------------
 // One block per row: the target logit is read first (dlogits may overwrite logits), then the
 // online max/sum over the row (thread, warp, block), then dlogit = (p - onehot) dloss.
+// The row is read once from DRAM: VEC moves 16-byte packs (K elements; the row's start is aligned
+// only every few rows, so a scalar head up to the first 16-byte boundary and a scalar tail go to
+// threads 0..ns-1), and CACHE keeps each thread's packs in shared memory between the two passes
+// (V * size of T bytes: 100 KB for 50257 bf16, two blocks per H100 SM); without it the second
+// pass reads them again. A thread writes only elements it has read itself, so in place is safe.
 
-template <typename T>
-static __global__ void __launch_bounds__(MN__CE_THREADS)
+#define MN__CE_UNROLL 4  // packs a thread has in flight
+template <typename T, int VEC, int CACHE>
+static __global__ void __launch_bounds__(MN__CE_THREADS, 2)
 mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *targets,
                         float dloss, size_t N, size_t V) {
+    extern __shared__ uint4 mn__ce_cache[];  // [np] packs when CACHE
+    const int K = VEC ? (int)(16 / sizeof(T)) : 1, U = MN__CE_UNROLL;
     __shared__ mn_hd_maxsum warp_s[MN__CE_THREADS / 32];
     __shared__ mn_hd_maxsum row_s;
     __shared__ float target_logit;
-    size_t row = blockIdx.x, j;
-    const T *x = logits + row * V;
-    int tgt = targets[row];
-    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, k;
+    mn__pack<T> *cache = reinterpret_cast<mn__pack<T> *>(mn__ce_cache);
+    size_t row = blockIdx.x, head = 0, np, ns, js = 0, p;
+    const T *x = logits + row * V, *xv;
+    int tgt = targets[row], u, k;
+    unsigned t = threadIdx.x, B = blockDim.x, lane = t % 32, warp = t / 32;
+    float xs = 0.0f;
     mn_hd_maxsum s = mn_hd_maxsum_init();
-    if (threadIdx.x == 0)
+    (void)N;
+    if (VEC) {  // the base is 16-byte aligned: the row starts row * V * sizeof(T) % 16 bytes past
+        size_t off = row * V * sizeof(T) % 16;
+        head = off ? (16 - off) / sizeof(T) : 0;
+        if (head > V) head = V;
+    }
+    np = (V - head) / (size_t)K, ns = V - np * (size_t)K, xv = x + head;
+    if (t == 0)
         target_logit = tgt >= 0 && (size_t)tgt < V ? mn__ld<T>(x + tgt) : __int_as_float(0x7fc00000);
-    for (j = threadIdx.x; j < V; j += blockDim.x) s = mn_hd_maxsum_add(s, mn__ld<T>(x + j));
+    if (t < ns) {  // head elements 0..head-1, then the tail after the packs
+        js = t < head ? t : head + np * (size_t)K + (t - head);
+        xs = mn__ld<T>(x + js);
+        s = mn_hd_maxsum_add(s, xs);
+    }
+    for (p = t; p < np; p += (size_t)U * B) {
+        mn__pack<T> q[MN__CE_UNROLL];
+#pragma unroll
+        for (u = 0; u < U; u++)
+            if (p + (size_t)u * B < np) q[u] = mn__ldk<T, VEC>(xv + (p + (size_t)u * B) * K);
+#pragma unroll
+        for (u = 0; u < U; u++)
+            if (p + (size_t)u * B < np) {
+                if (CACHE) cache[p + (size_t)u * B] = q[u];
+                for (k = 0; k < K; k++) s = mn_hd_maxsum_add(s, mn__ld<T>(&q[u].v[k]));
+            }
+    }
     s = mn__warp_maxsum(s);
     if (lane == 0) warp_s[warp] = s;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        mn_hd_maxsum t = warp_s[0];
-        for (k = 1; k < blockDim.x / 32; k++) t = mn_hd_maxsum_merge(t, warp_s[k]);
-        row_s = t;
-        losses[row] = tgt < 0 ? 0.0f : mn_hd_ce_loss(t, target_logit);
+    if (warp == 0) {
+        s = lane < B / 32 ? warp_s[lane] : mn_hd_maxsum_init();
+        s = mn__warp_maxsum(s);
+        if (lane == 0) {
+            row_s = s;
+            losses[row] = tgt < 0 ? 0.0f : mn_hd_ce_loss(s, target_logit);
+        }
     }
     __syncthreads();
     if (!dlogits) return;
     s = row_s;
-    for (j = threadIdx.x; j < V; j += blockDim.x) {
-        float d = tgt < 0 ? 0.0f : mn_hd_ce_dlogit(mn__ld<T>(x + j), s, (size_t)tgt == j, dloss);
-        dlogits[row * V + j] = mn__cvt<T>(d);
+    if (t < ns)
+        dlogits[row * V + js] =
+            mn__cvt<T>(tgt < 0 ? 0.0f : mn_hd_ce_dlogit(xs, s, (size_t)tgt == js, dloss));
+    for (p = t; p < np; p += (size_t)U * B) {
+        T *dv = dlogits + row * V + head;
+        mn__pack<T> q[MN__CE_UNROLL];
+#pragma unroll
+        for (u = 0; u < U; u++)
+            if (p + (size_t)u * B < np)
+                q[u] = CACHE ? cache[p + (size_t)u * B]
+                             : mn__ldk<T, VEC>(xv + (p + (size_t)u * B) * K);
+#pragma unroll
+        for (u = 0; u < U; u++)
+            if (p + (size_t)u * B < np) {
+                // the target's place in the pack: K or more when it is elsewhere (or tgt < 0)
+                size_t tk = (size_t)tgt - (head + (p + (size_t)u * B) * K);
+                int kt = tk < (size_t)K ? (int)tk : K;
+                mn__pack<T> o;
+                for (k = 0; k < K; k++) {
+                    float d = mn_hd_ce_dlogit(mn__ld<T>(&q[u].v[k]), s, k == kt, dloss);
+                    o.v[k] = mn__cvt<T>(tgt < 0 ? 0.0f : d);
+                }
+                mn__stk<T, VEC>(dv + (p + (size_t)u * B) * K, o);
+            }
     }
 }
 
 template <typename T>
 static mn_result mn__crossentropy(mn_cuda *ctx, float *losses, void *dlogits, const void *logits,
                                   const int *targets, float dloss, size_t N, size_t V) {
-    mn__crossentropy_kernel<T><<<(unsigned)N, MN__CE_THREADS, 0, mn__stream(ctx)>>>(
-        losses, (T *)dlogits, (const T *)logits, targets, dloss, N, V);
+    const size_t K = 16 / sizeof(T);
+    size_t cache_bytes = (V / K) * 16;  // at least the packs of any row
+    int optin = 0;
+    T *d = (T *)dlogits;
+    const T *x = (const T *)logits;
+    MN__CU(ctx, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                       ctx->desc.device));
+    optin -= 1024;  // room for the kernel's own shared arrays
+    if (!(mn__is16(logits) && (!dlogits || mn__is16(dlogits)))) {
+        mn__crossentropy_kernel<T, 0, 0><<<(unsigned)N, MN__CE_THREADS, 0, mn__stream(ctx)>>>(
+            losses, d, x, targets, dloss, N, V);
+    } else if (optin > 0 && cache_bytes <= (size_t)optin) {
+        MN__CU(ctx, cudaFuncSetAttribute(mn__crossentropy_kernel<T, 1, 1>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+        MN__CU(ctx, cudaFuncSetAttribute(mn__crossentropy_kernel<T, 1, 1>,
+                                         cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         (int)cudaSharedmemCarveoutMaxShared));
+        mn__crossentropy_kernel<T, 1, 1><<<(unsigned)N, MN__CE_THREADS, cache_bytes,
+                                           mn__stream(ctx)>>>(losses, d, x, targets, dloss, N, V);
+    } else {
+        mn__crossentropy_kernel<T, 1, 0><<<(unsigned)N, MN__CE_THREADS, 0, mn__stream(ctx)>>>(
+            losses, d, x, targets, dloss, N, V);
+    }
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -1683,44 +1760,75 @@ MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe,
 }
 
 // ---- kernels: >>optim global norm, AdamW, SGD, Lion, Adafactor -----------------------------------
-// Norm: each of a fixed number of blocks sums squares over a grid-stride range (fp32), writes its
-// partial; one thread adds the partials in order in double: deterministic on a given device.
+// Norm: each of a fixed number of blocks (two 1024-thread blocks per SM, all resident at once)
+// sums squares (fp32) over a grid-stride range of 16-byte packs, MN__NORM_UNROLL of them in
+// flight per thread (the last, partial round one at a time); the scalar head before the first
+// 16-byte boundary and the tail after the last pack go to the first threads. Each block writes
+// its partial; one thread adds the partials in order in double: deterministic on a given device.
 
-#define MN__NORM_THREADS 512
+#define MN__NORM_THREADS 1024
+#define MN__NORM_UNROLL 4
+static_assert(MN__NORM_THREADS == 1024, "one warp adds the block's 32 warp sums");
 template <typename T>
-static __global__ void __launch_bounds__(MN__NORM_THREADS)
+static __global__ void __launch_bounds__(MN__NORM_THREADS, 2)
 mn__norm_partial_kernel(float *partial, const T *g, size_t n) {
     __shared__ float ws[MN__NORM_THREADS / 32];
-    size_t i;
+    const size_t K = 16 / sizeof(T);
+    const int U = MN__NORM_UNROLL;
+    size_t head = (16 - ((uintptr_t)g & 15)) % 16 / sizeof(T), np, i;
+    size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    const T *gv;
     float s = 0.0f;
-    unsigned k;
-    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float v = mn__ld<T>(g + i);
-        s += v * v;
+    int u, k;
+    if (head > n) head = n;  // g is T-aligned: head elements up to the first 16-byte boundary
+    np = (n - head) / K, gv = g + head;
+    if (tid < n - np * K) {  // head elements 0..head-1, then the tail after the packs
+        float v = mn__ld<T>(g + (tid < head ? tid : head + np * K + (tid - head)));
+        s = v * v;
+    }
+    for (i = tid; i + (size_t)(U - 1) * stride < np; i += (size_t)U * stride) {
+        mn__pack<T> q[MN__NORM_UNROLL];
+#pragma unroll
+        for (u = 0; u < U; u++) q[u] = mn__ld16<T>(gv + (i + (size_t)u * stride) * K);
+#pragma unroll
+        for (u = 0; u < U; u++)
+            for (k = 0; k < (int)K; k++) {
+                float v = mn__ld<T>(&q[u].v[k]);
+                s += v * v;
+            }
+    }
+    for (; i < np; i += stride) {  // the last, partial round
+        mn__pack<T> q = mn__ld16<T>(gv + i * K);
+        for (k = 0; k < (int)K; k++) {
+            float v = mn__ld<T>(&q.v[k]);
+            s += v * v;
+        }
     }
     s = mn__warp_sum(s);
     if (threadIdx.x % 32 == 0) ws[threadIdx.x / 32] = s;
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    s = 0.0f;
-    for (k = 0; k < MN__NORM_THREADS / 32; k++) s += ws[k];
-    partial[blockIdx.x] = s;
+    if (threadIdx.x >= 32) return;
+    s = mn__warp_sum(ws[threadIdx.x]);  // MN__NORM_THREADS / 32 == 32 warp sums
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
 static __global__ void mn__norm_finish_kernel(float *norm, const float *partial, unsigned count) {
     double acc = 0.0;
     unsigned k;
+#pragma unroll 8
     for (k = 0; k < count; k++) acc += (double)partial[k];
     *norm = (float)sqrt(acc);
 }
 
 template <typename T>
 static mn_result mn__global_norm(mn_cuda *ctx, float *norm_out, const void *grad, uint64_t n) {
-    unsigned grid = (unsigned)(ctx->sm_count > 0 ? ctx->sm_count : 1) * 4u;
+    // __launch_bounds__(MN__NORM_THREADS, 2) keeps two blocks resident per SM
+    unsigned grid = (unsigned)(ctx->sm_count > 0 ? ctx->sm_count : 1) * 2u;
+    unsigned need = mn__blocks(n / (16 / sizeof(T)) + 1, MN__NORM_THREADS);
     void *scr;
     mn_result r;
-    if (grid > mn__blocks(n, MN__NORM_THREADS)) grid = mn__blocks(n, MN__NORM_THREADS);
+    if (grid > need) grid = need;
     if (grid < 1) grid = 1;
     if ((r = mn__scratch(ctx, grid * sizeof(float), &scr)) != MN_OK) return r;
     mn__norm_partial_kernel<T><<<grid, MN__NORM_THREADS, 0, mn__stream(ctx)>>>(

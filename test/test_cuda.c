@@ -384,39 +384,84 @@ static void test_attention(void) {
                 }
 }
 
+// Shapes: 50257 starts consecutive rows at every 16-byte offset (scalar head, packs, tail), 3 is
+// under one pack, 120001 does not fit the shared-memory row cache (second read). Modes: out of
+// place (and loss only), in place, in place one element past a 16-byte boundary (scalar path).
 static void test_crossentropy(void) {
-    static const size_t shapes[][2] = {{1, 50257}, {7, 50257}, {33, 37}};
+    static const size_t shapes[][2] = {{1, 50257}, {7, 50257}, {33, 37}, {5, 3}, {3, 120001}};
+    static const char *mode_name[3] = {"crossentropy dlogits", "crossentropy dlogits (in place)",
+                                       "crossentropy dlogits (in place, unaligned)"};
     size_t s, n;
-    int d, inplace;
+    int d, mode;
     for (d = 0; d < 3; d++)
-        for (s = 0; s < 3; s++)
-            for (inplace = 0; inplace < 2; inplace++) {
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            for (mode = 0; mode < 3; mode++) {
                 mn_dtype dt = dts[d];
-                size_t N = shapes[s][0], V = shapes[s][1];
-                float dloss = 1.0f / (float)N, *x = hrand(dt, N * V, 4), *loss = hvec(N);
+                size_t N = shapes[s][0], V = shapes[s][1], off = mode == 2 ? 1 : 0;
+                float dloss = 1.0f / (float)N, *x = hrand(dt, N * V + off, 4), *loss = hvec(N);
                 float *dx = hvec(N * V), *dl = hvec(N);
                 int *tg = (int *)malloc(N * sizeof(int));
-                void *dlog = dev(dt, x, N * V), *dgrad, *dlossd = dev_poisoned(MN_FP32, N), *dtg;
+                void *dbase = dev(dt, x, N * V + off), *dlog, *dgrad, *dtg;
+                void *dlossd = dev_poisoned(MN_FP32, N);
                 if (!tg) abort();
+                dlog = (char *)dbase + off * esz(dt);
                 for (n = 0; n < N; n++) tg[n] = (int)(urand() * (double)V), dl[n] = dloss;
                 if (N > 2) tg[2] = -1;  // ignored row
+                if (N > 3) tg[3] = (int)V - 1;  // the last element (a tail or a pack's end)
                 if (mn_cuda_mem_alloc(&ctx, N * sizeof(int), &dtg) != MN_OK ||
                     mn_cuda_mem_copy(&ctx, dtg, tg, N * sizeof(int)) != MN_OK) {
                     FAIL("targets upload");
                     return;
                 }
-                dgrad = inplace ? dlog : dev_poisoned(dt, N * V);
-                if (mn_crossentropy_forward(loss, NULL, x, tg, N, V) != MN_OK ||
-                    mn_crossentropy_backward(dx, dl, NULL, x, tg, N, V) != MN_OK)
+                dgrad = mode ? dlog : dev_poisoned(dt, N * V);
+                if (mn_crossentropy_forward(loss, NULL, x + off, tg, N, V) != MN_OK ||
+                    mn_crossentropy_backward(dx, dl, NULL, x + off, tg, N, V) != MN_OK)
                     FAIL("reference crossentropy");
+                if (mode == 0) {  // loss only
+                    OK(mn_cuda_crossentropy_forward_backward(&ctx, (float *)dlossd, NULL, dlog,
+                                                             (const int *)dtg, dloss, N, V, dt));
+                    compare("crossentropy loss (no dlogits)", MN_FP32, dt_tol[d], dlossd, loss, N);
+                    OK(mn_cuda_mem_set(&ctx, dlossd, 0xFF, N * 4));
+                }
                 OK(mn_cuda_crossentropy_forward_backward(&ctx, (float *)dlossd, dgrad, dlog,
                                                          (const int *)dtg, dloss, N, V, dt));
                 compare("crossentropy loss", MN_FP32, dt_tol[d], dlossd, loss, N);
-                compare(inplace ? "crossentropy dlogits (in place)" : "crossentropy dlogits", dt,
-                        dt_tol[d] * dloss, dgrad, dx, N * V);
-                if (!inplace) release(dgrad);
-                release(dlog), release(dlossd), release(dtg);
+                compare(mode_name[mode], dt, dt_tol[d] * dloss, dgrad, dx, N * V);
+                if (!mode) release(dgrad);
+                release(dbase), release(dlossd), release(dtg);
                 free(x), free(loss), free(dx), free(dl), free(tg);
+            }
+}
+
+// The global norm against a double sum of squares, at 16-byte aligned and unaligned starts (a
+// scalar head), with and without a tail; two runs give the same bits. 2^24 + 3 elements take
+// several unrolled grid-stride rounds on a large GPU, 2^20 + 5 only the last, partial one.
+static void test_global_norm(void) {
+    static const size_t sizes[] = {1, 7, 1003, (1 << 20) + 5, (1 << 24) + 3};
+    static const size_t offs[] = {0, 1, 3};
+    size_t s, o, i;
+    int d;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
+            for (o = 0; o < sizeof offs / sizeof offs[0]; o++) {
+                mn_dtype dt = dts[d];
+                size_t n = sizes[s], off = offs[o];
+                float *g = hrand(dt, n + off, 1), *got1, *got2;
+                void *dg = dev(dt, g, n + off), *dn = dev_poisoned(MN_FP32, 2);
+                double want = 0.0;
+                for (i = 0; i < n; i++) want += (double)g[off + i] * g[off + i];
+                want = sqrt(want);
+                OK(mn_cuda_global_norm(&ctx, (float *)dn, (char *)dg + off * esz(dt), n, dt));
+                OK(mn_cuda_global_norm(&ctx, (float *)dn + 1, (char *)dg + off * esz(dt), n, dt));
+                got1 = down(MN_FP32, dn, 2), got2 = got1 + 1;
+                if (!(fabs(got1[0] - want) <= 1e-5 * want))
+                    FAIL("global norm %s n=%zu offset %zu: got %.9g want %.9g",
+                         mn_dtype_name(dt), n, off, got1[0], want);
+                if (memcmp(got1, got2, 4) != 0)
+                    FAIL("global norm %s n=%zu offset %zu: %.9g then %.9g", mn_dtype_name(dt), n,
+                         off, got1[0], got2[0]);
+                release(dg), release(dn);
+                free(g), free(got1);
             }
 }
 
@@ -1112,6 +1157,7 @@ static const tcase cases[] = {
     {"softmax", test_softmax},
     {"attention", test_attention},
     {"crossentropy", test_crossentropy},
+    {"global_norm", test_global_norm},
     {"embedding", test_embedding},
     {"adamw", test_adamw},
     {"adamw8bit", test_adamw8bit},
