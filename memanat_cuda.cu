@@ -1152,92 +1152,9 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 
 // ---- kernels: >>ops softmax ---------------------------------------------------------------------
 // One warp per row: the online max/sum over the visible columns, then the probabilities (masked
-// columns exactly 0). Backward: dot = sum out dout, then dinp += scale out (dout - dot).
-// Row in registers (L a multiple of the pack K = 16 / sizeof(T), L <= 32 K NP, the tensors 16-byte
-// aligned): lane l holds packs j = 0..NP-1 at column (32 j + l) K, the row is read once, and a
-// pack wholly past the visible columns is neither read nor (backward) written. Else the streaming
-// kernels: VEC (16-byte packs) or single elements, the visible row read twice.
-#define MN__SM_NP_MAX 8  // packs per lane of the register row: 2048 fp16/bf16 or 1024 fp32 columns
-
-template <typename T, int NP>
-static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
-mn__softmax_forward_reg_kernel(T *out, const T *inp, size_t N, size_t L, float scale,
-                               int causal) {
-    const int K = (int)(16 / sizeof(T));
-    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, len;
-    unsigned lane = threadIdx.x % 32;
-    mn__pack<T> p[NP];
-    mn_hd_maxsum s = mn_hd_maxsum_init();
-    int j, k;
-    if (row >= N) return;
-    len = (size_t)mn_hd_softmax_len(row, L, causal);
-#pragma unroll
-    for (j = 0; j < NP; j++) {  // i < len <= L and L % K == 0: the whole pack is in the row
-        size_t i = ((size_t)j * 32 + lane) * K;
-        if (i < len) p[j] = mn__ld16(inp + row * L + i);
-    }
-#pragma unroll
-    for (j = 0; j < NP; j++) {
-        size_t i = ((size_t)j * 32 + lane) * K;
-#pragma unroll
-        for (k = 0; k < K; k++)
-            if (i + k < len) s = mn_hd_maxsum_add(s, scale * mn__ld<T>(&p[j].v[k]));
-    }
-    s = mn__warp_maxsum(s);
-#pragma unroll
-    for (j = 0; j < NP; j++) {
-        size_t i = ((size_t)j * 32 + lane) * K;
-        mn__pack<T> o;
-        if (i >= L) continue;
-#pragma unroll
-        for (k = 0; k < K; k++)
-            o.v[k] = mn__cvt<T>(i + k < len ? mn_hd_softmax_prob(scale * mn__ld<T>(&p[j].v[k]), s)
-                                            : 0.0f);
-        mn__st16(out + row * L + i, o);
-    }
-}
-
-template <typename T, int NP>
-static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
-mn__softmax_backward_reg_kernel(T *dinp, const T *dout, const T *out, size_t N, size_t L,
-                                float scale, int causal) {
-    const int K = (int)(16 / sizeof(T));
-    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, len;
-    unsigned lane = threadIdx.x % 32;
-    mn__pack<T> p[NP], q[NP], d[NP];
-    float dot = 0.0f;
-    int j, k;
-    if (row >= N) return;
-    len = (size_t)mn_hd_softmax_len(row, L, causal);
-#pragma unroll
-    for (j = 0; j < NP; j++) {  // y, dy and dx of the visible packs, all loads issued at once
-        size_t i = ((size_t)j * 32 + lane) * K;
-        if (i < len) {
-            p[j] = mn__ld16(out + row * L + i), q[j] = mn__ld16(dout + row * L + i);
-            d[j] = mn__ld16(dinp + row * L + i);
-        }
-    }
-#pragma unroll
-    for (j = 0; j < NP; j++) {
-        size_t i = ((size_t)j * 32 + lane) * K;
-#pragma unroll
-        for (k = 0; k < K; k++)
-            if (i + k < len) dot += mn__ld<T>(&p[j].v[k]) * mn__ld<T>(&q[j].v[k]);
-    }
-    dot = mn__warp_sum(dot);
-#pragma unroll
-    for (j = 0; j < NP; j++) {  // a pack across len keeps its masked entries
-        size_t i = ((size_t)j * 32 + lane) * K;
-        if (i >= len) continue;
-#pragma unroll
-        for (k = 0; k < K; k++)
-            if (i + k < len)
-                d[j].v[k] = mn__cvt<T>(mn__ld<T>(&d[j].v[k]) +
-                                       mn_hd_softmax_dinp(mn__ld<T>(&p[j].v[k]),
-                                                          mn__ld<T>(&q[j].v[k]), dot, scale));
-        mn__st16(dinp + row * L + i, d[j]);
-    }
-}
+// columns exactly 0). Backward: dot = sum out dout, then dinp += scale out (dout - dot). VEC: each
+// lane moves 16-byte packs (L a multiple of the pack, the tensors 16-byte aligned), else single
+// elements; a pack wholly past the visible columns is not read.
 
 template <typename T, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
@@ -1296,43 +1213,16 @@ mn__softmax_backward_kernel(T *dinp, const T *dout, const T *out, size_t N, size
     }
 }
 
-// Packs per lane of the register row: the smallest NP in 1, 2, 4, 8 with L <= 32 K NP; 0 when the
-// row takes the streaming kernels (L not a multiple of the pack, too long, or a pointer unaligned).
-template <typename T> static int mn__softmax_np(size_t L, int aligned) {
-    const size_t K = 16 / sizeof(T);
-    int np = 1;
-    if (!aligned || L % K != 0 || L > 32 * K * MN__SM_NP_MAX) return 0;
-    while (L > 32 * K * (size_t)np) np *= 2;
-    return np;
-}
-
 template <typename T>
 static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, size_t N, size_t L,
                                      float scale, int causal) {
-    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK), block = 32 * MN__ROWS_PER_BLOCK;
-    int vec = mn__is16(out) && mn__is16(inp);
-    cudaStream_t s = mn__stream(ctx);
-    T *y = (T *)out;
-    const T *x = (const T *)inp;
-    switch (mn__softmax_np<T>(L, vec)) {
-    case 1:
-        mn__softmax_forward_reg_kernel<T, 1><<<grid, block, 0, s>>>(y, x, N, L, scale, causal);
-        break;
-    case 2:
-        mn__softmax_forward_reg_kernel<T, 2><<<grid, block, 0, s>>>(y, x, N, L, scale, causal);
-        break;
-    case 4:
-        mn__softmax_forward_reg_kernel<T, 4><<<grid, block, 0, s>>>(y, x, N, L, scale, causal);
-        break;
-    case 8:
-        mn__softmax_forward_reg_kernel<T, 8><<<grid, block, 0, s>>>(y, x, N, L, scale, causal);
-        break;
-    default:
-        if (vec && L % (16 / sizeof(T)) == 0)
-            mn__softmax_forward_kernel<T, 1><<<grid, block, 0, s>>>(y, x, N, L, scale, causal);
-        else
-            mn__softmax_forward_kernel<T, 0><<<grid, block, 0, s>>>(y, x, N, L, scale, causal);
-    }
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    if (L % (16 / sizeof(T)) == 0 && mn__is16(out) && mn__is16(inp))
+        mn__softmax_forward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)out, (const T *)inp, N, L, scale, causal);
+    else
+        mn__softmax_forward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)out, (const T *)inp, N, L, scale, causal);
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -1340,36 +1230,13 @@ static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, s
 template <typename T>
 static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *out,
                                       size_t N, size_t L, float scale, int causal) {
-    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK), block = 32 * MN__ROWS_PER_BLOCK;
-    int vec = mn__is16(dinp) && mn__is16(dout) && mn__is16(out);
-    cudaStream_t s = mn__stream(ctx);
-    T *dx = (T *)dinp;
-    const T *dy = (const T *)dout, *y = (const T *)out;
-    switch (mn__softmax_np<T>(L, vec)) {
-    case 1:
-        mn__softmax_backward_reg_kernel<T, 1><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
-                                                                      causal);
-        break;
-    case 2:
-        mn__softmax_backward_reg_kernel<T, 2><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
-                                                                      causal);
-        break;
-    case 4:
-        mn__softmax_backward_reg_kernel<T, 4><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
-                                                                      causal);
-        break;
-    case 8:
-        mn__softmax_backward_reg_kernel<T, 8><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
-                                                                      causal);
-        break;
-    default:
-        if (vec && L % (16 / sizeof(T)) == 0)
-            mn__softmax_backward_kernel<T, 1><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
-                                                                      causal);
-        else
-            mn__softmax_backward_kernel<T, 0><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
-                                                                      causal);
-    }
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
+    if (L % (16 / sizeof(T)) == 0 && mn__is16(dinp) && mn__is16(dout) && mn__is16(out))
+        mn__softmax_backward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)dinp, (const T *)dout, (const T *)out, N, L, scale, causal);
+    else
+        mn__softmax_backward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
+            (T *)dinp, (const T *)dout, (const T *)out, N, L, scale, causal);
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
