@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/gpu_trainer.sh - trainer --device cuda on a GPU machine (bench/gpu.sh runs it after its
-# table; about 2 minutes on an H100). Needs ./trainer built with nvcc (make trainer). Prints:
+# table; 15 s on an H100). Needs ./trainer built with nvcc (make trainer). Prints:
 #   1. the fp32 loss curve on the GPU against the CPU trainer's, 50 steps of the tiny model, the
 #      largest difference in loss against a stated tolerance (0.02 nats: the two differ in the
 #      order of their sums only);
