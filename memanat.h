@@ -4468,6 +4468,18 @@ typedef struct mn__cfg {
 
 struct mn__replay_memo;
 
+// An allocation event as the simulation keeps it: mn_trace_event less its stream (the simulation
+// has only the default one) and with the tensor id in 32 bits, 16 bytes instead of 24 (a fit
+// writes hundreds of thousands; mn__events_public gives them their public form).
+typedef struct mn__ev {
+    uint64_t size;    // bytes (allocations)
+    uint32_t id;      // tensor id
+    uint8_t alloc;    // 1 = allocate, 0 = free
+    uint8_t category; // mn_category
+    uint8_t phase;    // mn_phase
+    uint8_t zero;     // 0 (events compare as bytes)
+} mn__ev;
+
 typedef struct mn__sim {
     const mn_allocator *al;
     mn__cfg *c;
@@ -4478,7 +4490,7 @@ typedef struct mn__sim {
     mn__tensor_hist *hist;   // each tensor's history when kept (history on): ch allocated
     mn__op *ops;             // the autograd tape: nops, cops
     mn__param *params;       // np, cp
-    mn_trace_event *ev;      // allocation events: nev, cev
+    mn__ev *ev;              // allocation events: nev, cev
     uint32_t *block_start;   // first parameter of each block (stack: of each layer)
     uint64_t nt, ct, nops, cops, np, cp, nev, cev, nfree, cfree, ch;
     int history;             // keep each tensor's history (hist)
@@ -4562,17 +4574,32 @@ MN__PRIVATE uint64_t mn__prod3(mn__sim *S, uint64_t a, uint64_t b, uint64_t c) {
 }
 
 MN__PRIVATE void mn__event(mn__sim *S, uint32_t id, int alloc) {
-    mn_trace_event *e;
+    mn__ev *e;
     if (!S->events) return;
     if (S->nev >= S->cev && !mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev))
         return;
     e = &S->ev[S->nev++];
     e->size = S->tensors[id].bytes;
     e->id = id;
-    e->stream = 0;
     e->alloc = (uint8_t)alloc;
     e->category = S->tensors[id].category;
     e->phase = (uint8_t)S->phase;
+    e->zero = 0;
+}
+
+// The simulation's events in their public form, allocated with al (NULL: none, or no memory).
+MN__PRIVATE mn_trace_event *mn__events_public(const mn_allocator *al, const mn__ev *ev,
+                                              uint64_t n) {
+    mn_trace_event *t;
+    uint64_t i;
+    if (n == 0 || n > SIZE_MAX / sizeof *t) return NULL;
+    t = (mn_trace_event *)mn__alloc_array(al, (size_t)n, sizeof *t);
+    if (!t) return NULL;
+    for (i = 0; i < n; i++) {
+        t[i].size = ev[i].size, t[i].id = ev[i].id, t[i].stream = 0;
+        t[i].alloc = ev[i].alloc, t[i].category = ev[i].category, t[i].phase = ev[i].phase;
+    }
+    return t;
 }
 
 MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn_category cat) {
@@ -7272,7 +7299,7 @@ MN__PRIVATE void mn__pool_clear(mn__host_pool *P) {
 
 typedef struct mn__replay_memo {
     mn__host_pool pool;  // host memory of the fit's replays
-    mn_trace_event *ev;  // the events last replayed (nev; cev allocated), not the simulation's
+    mn__ev *ev;          // the events last replayed (nev; cev allocated), not the simulation's
     uint64_t nev, cev;
     const char *alloc_conf, *cur_conf;  // the allocator config of ev; of S->ev
     mn__replay_kept last[MN__REPLAY_KEPT], cur[MN__REPLAY_KEPT];  // replays of ev; of S->ev
@@ -7293,7 +7320,6 @@ MN__PRIVATE const mn__replay_kept *mn__replay_memo_find(const mn__sim *S, uint64
     mn__replay_memo *M = S->rmemo;
     const char *conf = S->c->s.alloc_conf;
     uint32_t i;
-    uint64_t j;
     if (S->al) return NULL;  // (a caller's allocator: not kept)
     for (i = 0; i < M->ncur; i++)
         if (M->cur[i].capacity == capacity && (stop || !M->cur[i].stopped)) return &M->cur[i];
@@ -7303,13 +7329,8 @@ MN__PRIVATE const mn__replay_kept *mn__replay_memo_find(const mn__sim *S, uint64
     for (i = 0; i < M->nlast; i++)
         if (M->last[i].capacity == capacity && (stop || !M->last[i].stopped)) break;
     if (i == M->nlast) return NULL;
-    if (!M->same) {
-        for (j = 0; j < S->nev; j++) {
-            const mn_trace_event *a = &M->ev[j], *b = &S->ev[j];
-            if (a->size != b->size || a->id != b->id || a->stream != b->stream ||
-                a->alloc != b->alloc || a->category != b->category || a->phase != b->phase)
-                return NULL;
-        }
+    if (!M->same) {  // (every byte of an event is a field, its padding field 0)
+        if (S->nev && memcmp(M->ev, S->ev, (size_t)S->nev * sizeof *S->ev)) return NULL;
         M->same = 1;
     }
     return &M->last[i];
@@ -7336,7 +7357,7 @@ MN__PRIVATE void mn__replay_memo_add(mn__sim *S, uint64_t capacity,
 // replays of the earlier ones that were not made again.
 MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
     mn__replay_memo *M = S->rmemo;
-    mn_trace_event *ev = M->ev;
+    mn__ev *ev = M->ev;
     uint64_t cev = M->cev;
     uint32_t i, j;
     if (!M->ncur) {
@@ -7350,7 +7371,7 @@ MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
         }
     }
     if (!ev && S->cev) {  // (the first turn: a buffer as large, so the next one grows no more)
-        ev = (mn_trace_event *)mn__alloc_array(NULL, (size_t)S->cev, sizeof *ev);
+        ev = (mn__ev *)mn__alloc_array(NULL, (size_t)S->cev, sizeof *ev);
         cev = ev ? S->cev : 0;
     }
     M->ev = S->ev, M->cev = S->cev, M->nev = S->nev;
@@ -7361,16 +7382,19 @@ MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
 }
 
 // mn_cache_replay's loop (an allocation of a live id first releases the old block, a free of an
-// id with no live block is skipped) that stops at the first allocation refused after the whole
-// out-of-memory ladder (*stopped 1). The ids index an array: the estimator's tensor ids are
-// below a few times the event count; other ids, or no host memory for the array, replay whole.
-MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped) {
-    const mn_trace_event *ev = S->ev;
+// id with no live block is skipped, *failed counts the allocations refused after the whole
+// out-of-memory ladder) on the simulation's events; with stop set it stops at the first one
+// refused (*stopped 1). The ids index an array: the estimator's tensor ids are below a few times
+// the event count; other ids, or no host memory for the array, replay whole through
+// mn_cache_replay.
+MN__PRIVATE mn_result mn__replay_events(mn__sim *S, mn_cache *c, int stop, int *stopped,
+                                        uint64_t *failed) {
+    const mn__ev *ev = S->ev;
     mn__host_pool *pool = S->rmemo && !S->al ? &S->rmemo->pool : NULL;
     uint64_t i, top = 0, nb = 512;
     void **blk = NULL;
     mn_result r = MN_OK;
-    *stopped = 0;
+    *stopped = 0, *failed = 0;
     for (i = 0; i < S->nev; i++) top = ev[i].id > top ? ev[i].id : top;
     if (top < 4 * S->nev + 4096) {
         while (nb <= top) nb *= 2;  // (a fit's replays: sizes that repeat, kept in its pool)
@@ -7378,17 +7402,28 @@ MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped
             blk = pool ? (void **)mn__pool_alloc(pool, (size_t)nb * sizeof *blk)
                        : (void **)mn__alloc_array(NULL, (size_t)top + 1, sizeof *blk);
     }
-    if (!blk) return mn_cache_replay(c, ev, S->nev, 0, NULL);
+    if (!blk) {
+        mn_trace_event *t = mn__events_public(S->al, ev, S->nev);
+        mn_replay_counts n;
+        memset(&n, 0, sizeof n);
+        if (!t && S->nev) return MN_ERR_OUT_OF_MEMORY;
+        r = mn_cache_replay(c, t, S->nev, 0, &n);
+        mn__free(S->al, t);
+        *failed = n.failed;
+        return r;
+    }
     memset(blk, 0, ((size_t)top + 1) * sizeof *blk);
     for (i = 0; i < S->nev && r == MN_OK; i++) {
-        const mn_trace_event *e = &ev[i];
+        const mn__ev *e = &ev[i];
         void *p = NULL;
         if (blk[e->id]) r = mn_cache_release(c, blk[e->id]), blk[e->id] = NULL;
         if (!e->alloc || r != MN_OK) continue;
-        r = mn_cache_alloc(c, e->size, e->stream, (mn_category)e->category,
+        r = mn_cache_alloc(c, e->size, 0, (mn_category)e->category,
                            e->phase ? mn_phase_name((mn_phase)e->phase) : NULL, &p);
         if (r == MN_ERR_DEVICE_OOM) {
-            *stopped = 1, r = MN_OK;
+            ++*failed, r = MN_OK;
+            if (!stop) continue;
+            *stopped = 1;
             break;
         }
         if (r == MN_OK) blk[e->id] = p;
@@ -7407,9 +7442,8 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
     mn_sim_cache sc;
     mn_simdev_desc dd;
     mn_cache_desc cd;
-    mn_replay_counts n;
     mn_result r;
-    uint64_t refused;
+    uint64_t refused, nfailed = 0;
     int stp = 0;
     if (stopped) *stopped = 0;
     if (S->rmemo) {
@@ -7423,7 +7457,6 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
     }
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
-    memset(&n, 0, sizeof n);
     dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
     cd.logger.log_fn = mn__replay_log, cd.logger.user_data = (void *)&S->c->s.logger;
@@ -7434,14 +7467,13 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
         cd.allocator.user_data = &S->rmemo->pool;
     }
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
-    if (stop && capacity) r = mn__replay_until_oom(S, &sc.cache, &stp);
-    else r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
+    r = mn__replay_events(S, &sc.cache, stop && capacity, &stp, &nfailed);
     if (r == MN_OK) r = mn_cache_stats(&sc.cache, st);
     refused = sc.dev.failed_calls;
     mn_sim_cache_free(&sc);
     if (failed) *failed = refused;
     if (stopped) *stopped = stp;
-    if (r == MN_OK && capacity == 0 && n.failed) {
+    if (r == MN_OK && capacity == 0 && nfailed) {
         // unlimited device: only a tensor of 1 EiB or more is refused (PyTorch's one_exa_bytes)
         uint64_t i, big = 0;
         for (i = 0; i < S->nev; i++)
@@ -7652,9 +7684,10 @@ MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
     s2 = *setup;
     s2.no_replay = 1;
     r = mn__estimate(model, &s2, allocator, &res, &S, MN__KEEP_EVENTS, NULL);
-    if (r == MN_OK) {
-        *events = S.ev, *count = S.nev;
-        S.ev = NULL;
+    if (r == MN_OK && S.nev) {
+        *events = mn__events_public(allocator, S.ev, S.nev);
+        if (*events) *count = S.nev;
+        else r = MN_ERR_OUT_OF_MEMORY;
     }
     mn__sim_free(&S);
     return r;
@@ -7674,7 +7707,11 @@ MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup
     s2 = *setup;
     s2.no_replay = 1;
     r = mn__estimate(model, &s2, allocator, &res, &S, MN__KEEP_EVENTS, NULL);
-    if (r == MN_OK) r = mn_cache_replay(cache, S.ev, S.nev, 0, NULL);
+    if (r == MN_OK && S.nev) {
+        mn_trace_event *t = mn__events_public(allocator, S.ev, S.nev);
+        r = t ? mn_cache_replay(cache, t, S.nev, 0, NULL) : MN_ERR_OUT_OF_MEMORY;
+        mn__free(allocator, t);
+    }
     mn__sim_free(&S);
     return r;
 }
@@ -8012,7 +8049,10 @@ MN__PRIVATE mn_result mn__lengths_replay(mn__sim *S, const uint64_t *marks, uint
     mn_cache_desc cd;
     mn_replay_counts n;
     mn__lengths_ctx x;
+    mn_trace_event *t;
     mn_result r;
+    t = mn__events_public(S->al, S->ev, S->nev);  // (NULL: no events, or no memory)
+    if (!t && S->nev) return MN_ERR_OUT_OF_MEMORY;
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
     dd.capacity = capacity;
@@ -8020,12 +8060,14 @@ MN__PRIVATE mn_result mn__lengths_replay(mn__sim *S, const uint64_t *marks, uint
     cd.logger = S->c->s.logger;
     x.out = out, x.reserved_peak = 0;
     memset(&n, 0, sizeof n);
-    if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
-    r = mn_cache_replay_marked(&sc.cache, S->ev, S->nev, marks, S->steps + 1, mn__lengths_mark,
+    if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) goto free_events;
+    r = mn_cache_replay_marked(&sc.cache, t, S->nev, marks, S->steps + 1, mn__lengths_mark,
                                &x, &n);
     *ooms = n.failed;
     out->reserved = x.reserved_peak;
     mn_sim_cache_free(&sc);
+free_events:
+    mn__free(S->al, t);
     return r;
 }
 
@@ -8248,7 +8290,7 @@ MN__PRIVATE void mn__fit_reserve_events(mn__fit *F) {
     uint64_t want = F->most_events * 2;
     if (F->most_events > 0x7ffffff8u || S->cev >= want) return;  // (mn__grow's limit)
     mn__free(S->al, S->ev);  // (reset: no event in it is read again)
-    S->ev = (mn_trace_event *)mn__alloc_array(S->al, (size_t)want, sizeof *S->ev);
+    S->ev = (mn__ev *)mn__alloc_array(S->al, (size_t)want, sizeof *S->ev);
     S->cev = S->ev ? want : 0;
 }
 
