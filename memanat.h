@@ -4539,6 +4539,10 @@ typedef struct mn__sim {
     int alone_set, alone_replay;  // alone_replay: the replay ran after it
     uint64_t alone_below;    // 0, or the replay only when the step alone's peak allocated is
                              // below it
+    // mn_fit: where the step does not fit, only that is asked, of the step alone too (cut): the
+    // run stops once its peak allocated passes the device, which it does not leave (over set; the
+    // result's numbers are then those of the run so far, and it does not fit)
+    int cut, over;
     mn_result err;
 } mn__sim;
 
@@ -4646,6 +4650,8 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
         if (S->alone && S->events && (S->peak > S->c->s.capacity - S->c->s.context ||
                                       (S->alone_below && S->peak >= S->alone_below)))
             S->events = 0;
+        if (S->cut && S->peak > S->c->s.capacity - S->c->s.context)
+            S->over = 1, S->err = MN_ERR_DEVICE_OOM;  // (every op of the run ends at an error)
     }
     mn__event(S, id, 1);
     return id;
@@ -7543,11 +7549,13 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         S->reuse = !(keep & MN__KEEP_EVENTS) && !S->history && !S->unique_ids &&
                    c.s.framework != MN_FW_MEMANAT;
         mn__run(S);
-        r = S->err;
+        r = S->over ? MN_OK : S->err;
     }
 #ifndef NDEBUG
-    if (r == MN_OK && S->reuse) {  // id reuse's books: every dead record that no op on the tape
-        uint64_t i, dead = 0;       // names is on the free list, once; an empty tape names none
+    // id reuse's books: every dead record that no op on the tape names is on the free list, once;
+    // an empty tape names none (a run cut short ends mid-step)
+    if (r == MN_OK && S->reuse && !S->over) {
+        uint64_t i, dead = 0;
         for (i = 0; i < S->nt; i++) {
             MN_ASSERT(S->nops || !S->tensors[i].tape);
             dead += !S->tensors[i].live && !S->tensors[i].tape;
@@ -8267,6 +8275,7 @@ typedef struct mn__fit_memo {
     mn_estimate_result quick, full;  // the step alone; with the allocator replay (has_full)
     mn_result quick_err, full_err;
     int has_full;                    // 1: full; 2: full holds "does not fit" alone (mn__fits)
+    int cut;                         // quick holds "does not fit" alone (its run was cut short)
 } mn__fit_memo;
 
 typedef struct mn__fit {
@@ -8295,14 +8304,17 @@ MN__PRIVATE void mn__fit_reserve_events(mn__fit *F) {
 }
 
 // One estimate run in the fit's simulation. decide: only whether it fits is asked (mn__sim);
-// alone: where the step alone goes too, or NULL (mn__sim).
+// alone: where the step alone goes too, or NULL (mn__sim); cut: of a step that does not fit, only
+// that (mn__sim).
 MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r,
-                                  int decide, mn_estimate_result *alone, uint64_t below) {
+                                  int decide, mn_estimate_result *alone, uint64_t below,
+                                  int cut) {
     mn_result x;
     F->out->estimates_run++;
     mn__sim_reset(&F->S);
     if (!s->no_replay) mn__fit_reserve_events(F);
     F->S.decide = decide && !F->whole;
+    F->S.cut = cut && !F->whole;
     F->S.unique_ids = F->whole;
     F->S.alone = alone, F->S.alone_below = below;
     x = mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
@@ -8313,21 +8325,27 @@ MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_res
 // The entry of setup s with its step-alone result, run now when no entry has it (the oldest
 // entry makes room). replay (s is to be replayed when its step alone fits and, below set, its
 // peak allocated is below it): one run gives both, the step alone from its simulation and the
-// replay after it (decide as mn__fit_run's).
+// replay after it (decide as mn__fit_run's). cut: where the step does not fit, the caller reads
+// only that (mn__fit_run's); an entry that holds only that is run again for other callers.
 MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int replay, int decide,
-                                        uint64_t below) {
+                                        uint64_t below, int cut) {
     mn_setup q = *s;
     mn__fit_memo *e;
     uint32_t i;
     q.no_replay = 1;
-    for (i = 0; i < F->nmemo; i++)
-        if (!memcmp(&F->memo[i].key, &q, sizeof q)) return &F->memo[i];
-    e = &F->memo[F->next];
-    F->next = (F->next + 1) % MN__FIT_MEMO;
-    if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
+    for (i = 0; i < F->nmemo && memcmp(&F->memo[i].key, &q, sizeof q); i++) {}
+    if (i < F->nmemo && (cut || !F->memo[i].cut)) return &F->memo[i];
+    if (i < F->nmemo) {  // (cut short before: run whole in its place)
+        e = &F->memo[i];
+    } else {
+        e = &F->memo[F->next];
+        F->next = (F->next + 1) % MN__FIT_MEMO;
+        if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
+    }
     e->key = q, e->has_full = 0;
     if (replay && !s->no_replay && !F->whole) {
-        mn_result x = mn__fit_run(F, s, &e->full, decide, &e->quick, below);
+        mn_result x = mn__fit_run(F, s, &e->full, decide, &e->quick, below, cut);
+        e->cut = F->S.over;
         if (!F->S.alone_set) {  // (failed before the replay: the step alone fails alike)
             e->quick = e->full, e->quick_err = x;
         } else if (e->quick_err = MN_OK, F->S.alone_replay) {
@@ -8336,7 +8354,8 @@ MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int repla
         }
         return e;
     }
-    e->quick_err = mn__fit_run(F, &q, &e->quick, 0, NULL, 0);
+    e->quick_err = mn__fit_run(F, &q, &e->quick, 0, NULL, 0, cut);
+    e->cut = F->S.over;
     return e;
 }
 
@@ -8374,24 +8393,26 @@ MN__PRIVATE void mn__fit_alias(mn__fit *F, const mn_setup *a, const mn_setup *b)
 }
 
 // The step alone (no allocator replay): milliseconds. Its device_used counts peak allocated.
-MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
-    mn__fit_memo *e = mn__fit_entry(F, s, 0, 0, 0);
+// cut: where it does not fit, r says only that (mn__fit_entry).
+MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r,
+                                         int cut) {
+    mn__fit_memo *e = mn__fit_entry(F, s, 0, 0, 0, cut);
     *r = e->quick;
     return e->quick_err;
 }
 
 // Fits the device? The replay never lowers the peak below what is allocated, so a setup whose
 // allocated peak does not fit is rejected without replaying it. full 0: a setup that does not
-// fit may get a result that says only that (its replay stopped at an out-of-memory); full 1:
-// the estimate whole.
+// fit may get a result that says only that (its replay stopped at an out-of-memory, or its step
+// alone was cut short once its peak passed the device); full 1: the estimate whole.
 MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err,
                          int full) {
-    mn__fit_memo *e = mn__fit_entry(F, s, 1, !full, 0);
+    mn__fit_memo *e = mn__fit_entry(F, s, 1, !full, 0, !full);
     mn_result x = e->quick_err;
     *r = e->quick;
     if (x == MN_OK && r->fits && !s->no_replay) {
         if (!e->has_full || (full && e->has_full == 2)) {
-            e->full_err = mn__fit_run(F, s, &e->full, !full, NULL, 0);
+            e->full_err = mn__fit_run(F, s, &e->full, !full, NULL, 0, 0);
             e->has_full = e->full_err == MN_OK && F->S.unsettled ? 2 : 1;
         }
         *r = e->full, x = e->full_err;
@@ -8417,7 +8438,9 @@ MN__PRIVATE uint64_t mn__bound(mn__fit *F, mn_setup *s, uint64_t *field, uint64_
         double g = -1.0;
         mn_result e;
         *field = v;
-        if ((e = mn__quick_estimate(F, s, &r)) != MN_OK && v == 1) return *err = e, 0;
+        // (at 1 only "does not fit" is read where it does not: the answer is then 0)
+        e = mn__quick_estimate(F, s, &r, v == 1);
+        if (e != MN_OK && v == 1) return *err = e, 0;
         if (e != MN_OK) {  // a value out of range (a prompt beyond the positions) does not fit
             r.fits = 0, r.device_used = 0;
         } else {
@@ -8577,7 +8600,7 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
 
 // The estimate of the setup as given, with the allocator replay.
 MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estimate_result *cur) {
-    mn_result err = mn__fit_run(F, setup, cur, 0, NULL, 0);
+    mn_result err = mn__fit_run(F, setup, cur, 0, NULL, 0, 0);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay
@@ -8585,7 +8608,7 @@ MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estima
         // fit does not fit replayed either, and the search below starts from it as from the
         // replayed one (it replays only setups whose allocated peak fits).
         mn_estimate_result q;
-        if (mn__quick_estimate(F, setup, &q) == MN_OK && !q.fits) {
+        if (mn__quick_estimate(F, setup, &q, 0) == MN_OK && !q.fits) {
             *cur = q, err = MN_OK;
             cur->setup.no_replay = setup->no_replay;  // the search replays what it asks after
         }
@@ -8609,7 +8632,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     // Deferred only where that replay could not fail either: no allocator config to parse, no
     // tensor of 1 EiB or more (mn__replay refuses one; the peak holds every tensor).
     if (!setup->no_replay && !setup->alloc_conf) {
-        (void)mn__quick_estimate(F, setup, &cur);  // (the step alone first: events cost more)
+        (void)mn__quick_estimate(F, setup, &cur, 0);  // (the step alone first: events cost more)
         (void)mn__fits(F, setup, &cur, &err, 0);
         given = err == MN_OK && !cur.fits && cur.peak_allocated < (1ull << 60);
         if (given) cur.setup.no_replay = 0;  // cur is the step alone; the search replays
@@ -8640,7 +8663,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     s = base;
     if (!cur.fits) {
         mn_estimate_result q, qn;
-        if ((err = mn__quick_estimate(F, &s, &q)) != MN_OK) return err;
+        if ((err = mn__quick_estimate(F, &s, &q, 0)) != MN_OK) return err;
         while (!cur.fits && progress && n < sizeof steps) {
             progress = 0;
             for (k = 0; k < MN__T_COUNT && !progress; k++) {
@@ -8648,7 +8671,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
                 t = s;
                 if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
                 // (one run: its step alone, and the replay mn__fits asks below when it helps)
-                e = mn__fit_entry(F, &t, 1, 1, q.peak_allocated);
+                e = mn__fit_entry(F, &t, 1, 1, q.peak_allocated, 0);
                 if ((err = e->quick_err) != MN_OK) return err;
                 qn = e->quick;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
@@ -8675,13 +8698,13 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     }
     // Report the kept steps with the peak each one saves (the step alone: what is allocated).
     t = base;
-    if ((err = mn__quick_estimate(F, &t, &next)) != MN_OK) return err;
+    if ((err = mn__quick_estimate(F, &t, &next, 0)) != MN_OK) return err;
     for (i = 0; i < n && out->plan_len < sizeof out->plan / sizeof out->plan[0]; i++) {
         mn_estimate_result after;
         mn_plan_step *p = &out->plan[out->plan_len++];
         char a[32], b[32];
         mn__tech_apply((mn__tech)steps[i], &t, bf16);
-        if ((err = mn__quick_estimate(F, &t, &after)) != MN_OK) return err;
+        if ((err = mn__quick_estimate(F, &t, &after, 0)) != MN_OK) return err;
         mn__tech_describe((mn__tech)steps[i], &t, p->what, sizeof p->what);
         mn_size_format(next.peak_allocated, a, sizeof a);
         mn_size_format(after.peak_allocated, b, sizeof b);
