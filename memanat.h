@@ -7595,7 +7595,7 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
             return MN_OK;  // (out is not read)
         S->alone_replay = 1;
     }
-    if (!c.s.no_replay) {
+    if (!c.s.no_replay && !S->over) {  // (over: the step alone's peak does not fit)
         // The replay on an unlimited device gives the peaks; when its reserved peak exceeds the
         // device and its allocated peak does not, PyTorch frees cached blocks and retries before
         // it gives up: a replay at the real size (lim: without an out-of-memory) gives the
