@@ -4468,6 +4468,18 @@ typedef struct mn__cfg {
 
 struct mn__replay_memo;
 
+// An allocation event as the simulation keeps it: mn_trace_event less its stream (the simulation
+// has only the default one) and with the tensor id in 32 bits, 16 bytes instead of 24 (a fit
+// writes hundreds of thousands; mn__events_public gives them their public form).
+typedef struct mn__ev {
+    uint64_t size;    // bytes (allocations)
+    uint32_t id;      // tensor id
+    uint8_t alloc;    // 1 = allocate, 0 = free
+    uint8_t category; // mn_category
+    uint8_t phase;    // mn_phase
+    uint8_t zero;     // 0 (events compare as bytes)
+} mn__ev;
+
 typedef struct mn__sim {
     const mn_allocator *al;
     mn__cfg *c;
@@ -4478,7 +4490,7 @@ typedef struct mn__sim {
     mn__tensor_hist *hist;   // each tensor's history when kept (history on): ch allocated
     mn__op *ops;             // the autograd tape: nops, cops
     mn__param *params;       // np, cp
-    mn_trace_event *ev;      // allocation events: nev, cev
+    mn__ev *ev;              // allocation events: nev, cev
     uint32_t *block_start;   // first parameter of each block (stack: of each layer)
     uint64_t nt, ct, nops, cops, np, cp, nev, cev, nfree, cfree, ch;
     int history;             // keep each tensor's history (hist)
@@ -4527,6 +4539,10 @@ typedef struct mn__sim {
     int alone_set, alone_replay;  // alone_replay: the replay ran after it
     uint64_t alone_below;    // 0, or the replay only when the step alone's peak allocated is
                              // below it
+    // mn_fit: where the step does not fit, only that is asked, of the step alone too (cut): the
+    // run stops once its peak allocated passes the device, which it does not leave (over set; the
+    // result's numbers are then those of the run so far, and it does not fit)
+    int cut, over;
     mn_result err;
 } mn__sim;
 
@@ -4562,17 +4578,32 @@ MN__PRIVATE uint64_t mn__prod3(mn__sim *S, uint64_t a, uint64_t b, uint64_t c) {
 }
 
 MN__PRIVATE void mn__event(mn__sim *S, uint32_t id, int alloc) {
-    mn_trace_event *e;
+    mn__ev *e;
     if (!S->events) return;
     if (S->nev >= S->cev && !mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev))
         return;
     e = &S->ev[S->nev++];
     e->size = S->tensors[id].bytes;
     e->id = id;
-    e->stream = 0;
     e->alloc = (uint8_t)alloc;
     e->category = S->tensors[id].category;
     e->phase = (uint8_t)S->phase;
+    e->zero = 0;
+}
+
+// The simulation's events in their public form, allocated with al (NULL: none, or no memory).
+MN__PRIVATE mn_trace_event *mn__events_public(const mn_allocator *al, const mn__ev *ev,
+                                              uint64_t n) {
+    mn_trace_event *t;
+    uint64_t i;
+    if (n == 0 || n > SIZE_MAX / sizeof *t) return NULL;
+    t = (mn_trace_event *)mn__alloc_array(al, (size_t)n, sizeof *t);
+    if (!t) return NULL;
+    for (i = 0; i < n; i++) {
+        t[i].size = ev[i].size, t[i].id = ev[i].id, t[i].stream = 0;
+        t[i].alloc = ev[i].alloc, t[i].category = ev[i].category, t[i].phase = ev[i].phase;
+    }
+    return t;
 }
 
 MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn_category cat) {
@@ -4619,6 +4650,8 @@ MN__PRIVATE uint32_t mn__tensor_new(mn__sim *S, uint64_t numel, uint32_t esz, mn
         if (S->alone && S->events && (S->peak > S->c->s.capacity - S->c->s.context ||
                                       (S->alone_below && S->peak >= S->alone_below)))
             S->events = 0;
+        if (S->cut && S->peak > S->c->s.capacity - S->c->s.context)
+            S->over = 1, S->err = MN_ERR_DEVICE_OOM;  // (every op of the run ends at an error)
     }
     mn__event(S, id, 1);
     return id;
@@ -7272,7 +7305,7 @@ MN__PRIVATE void mn__pool_clear(mn__host_pool *P) {
 
 typedef struct mn__replay_memo {
     mn__host_pool pool;  // host memory of the fit's replays
-    mn_trace_event *ev;  // the events last replayed (nev; cev allocated), not the simulation's
+    mn__ev *ev;          // the events last replayed (nev; cev allocated), not the simulation's
     uint64_t nev, cev;
     const char *alloc_conf, *cur_conf;  // the allocator config of ev; of S->ev
     mn__replay_kept last[MN__REPLAY_KEPT], cur[MN__REPLAY_KEPT];  // replays of ev; of S->ev
@@ -7293,7 +7326,6 @@ MN__PRIVATE const mn__replay_kept *mn__replay_memo_find(const mn__sim *S, uint64
     mn__replay_memo *M = S->rmemo;
     const char *conf = S->c->s.alloc_conf;
     uint32_t i;
-    uint64_t j;
     if (S->al) return NULL;  // (a caller's allocator: not kept)
     for (i = 0; i < M->ncur; i++)
         if (M->cur[i].capacity == capacity && (stop || !M->cur[i].stopped)) return &M->cur[i];
@@ -7303,13 +7335,8 @@ MN__PRIVATE const mn__replay_kept *mn__replay_memo_find(const mn__sim *S, uint64
     for (i = 0; i < M->nlast; i++)
         if (M->last[i].capacity == capacity && (stop || !M->last[i].stopped)) break;
     if (i == M->nlast) return NULL;
-    if (!M->same) {
-        for (j = 0; j < S->nev; j++) {
-            const mn_trace_event *a = &M->ev[j], *b = &S->ev[j];
-            if (a->size != b->size || a->id != b->id || a->stream != b->stream ||
-                a->alloc != b->alloc || a->category != b->category || a->phase != b->phase)
-                return NULL;
-        }
+    if (!M->same) {  // (every byte of an event is a field, its padding field 0)
+        if (S->nev && memcmp(M->ev, S->ev, (size_t)S->nev * sizeof *S->ev)) return NULL;
         M->same = 1;
     }
     return &M->last[i];
@@ -7336,7 +7363,7 @@ MN__PRIVATE void mn__replay_memo_add(mn__sim *S, uint64_t capacity,
 // replays of the earlier ones that were not made again.
 MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
     mn__replay_memo *M = S->rmemo;
-    mn_trace_event *ev = M->ev;
+    mn__ev *ev = M->ev;
     uint64_t cev = M->cev;
     uint32_t i, j;
     if (!M->ncur) {
@@ -7350,7 +7377,7 @@ MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
         }
     }
     if (!ev && S->cev) {  // (the first turn: a buffer as large, so the next one grows no more)
-        ev = (mn_trace_event *)mn__alloc_array(NULL, (size_t)S->cev, sizeof *ev);
+        ev = (mn__ev *)mn__alloc_array(NULL, (size_t)S->cev, sizeof *ev);
         cev = ev ? S->cev : 0;
     }
     M->ev = S->ev, M->cev = S->cev, M->nev = S->nev;
@@ -7361,16 +7388,19 @@ MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
 }
 
 // mn_cache_replay's loop (an allocation of a live id first releases the old block, a free of an
-// id with no live block is skipped) that stops at the first allocation refused after the whole
-// out-of-memory ladder (*stopped 1). The ids index an array: the estimator's tensor ids are
-// below a few times the event count; other ids, or no host memory for the array, replay whole.
-MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped) {
-    const mn_trace_event *ev = S->ev;
+// id with no live block is skipped, *failed counts the allocations refused after the whole
+// out-of-memory ladder) on the simulation's events; with stop set it stops at the first one
+// refused (*stopped 1). The ids index an array: the estimator's tensor ids are below a few times
+// the event count; other ids, or no host memory for the array, replay whole through
+// mn_cache_replay.
+MN__PRIVATE mn_result mn__replay_events(mn__sim *S, mn_cache *c, int stop, int *stopped,
+                                        uint64_t *failed) {
+    const mn__ev *ev = S->ev;
     mn__host_pool *pool = S->rmemo && !S->al ? &S->rmemo->pool : NULL;
     uint64_t i, top = 0, nb = 512;
     void **blk = NULL;
     mn_result r = MN_OK;
-    *stopped = 0;
+    *stopped = 0, *failed = 0;
     for (i = 0; i < S->nev; i++) top = ev[i].id > top ? ev[i].id : top;
     if (top < 4 * S->nev + 4096) {
         while (nb <= top) nb *= 2;  // (a fit's replays: sizes that repeat, kept in its pool)
@@ -7378,17 +7408,28 @@ MN__PRIVATE mn_result mn__replay_until_oom(mn__sim *S, mn_cache *c, int *stopped
             blk = pool ? (void **)mn__pool_alloc(pool, (size_t)nb * sizeof *blk)
                        : (void **)mn__alloc_array(NULL, (size_t)top + 1, sizeof *blk);
     }
-    if (!blk) return mn_cache_replay(c, ev, S->nev, 0, NULL);
+    if (!blk) {
+        mn_trace_event *t = mn__events_public(S->al, ev, S->nev);
+        mn_replay_counts n;
+        memset(&n, 0, sizeof n);
+        if (!t && S->nev) return MN_ERR_OUT_OF_MEMORY;
+        r = mn_cache_replay(c, t, S->nev, 0, &n);
+        mn__free(S->al, t);
+        *failed = n.failed;
+        return r;
+    }
     memset(blk, 0, ((size_t)top + 1) * sizeof *blk);
     for (i = 0; i < S->nev && r == MN_OK; i++) {
-        const mn_trace_event *e = &ev[i];
+        const mn__ev *e = &ev[i];
         void *p = NULL;
         if (blk[e->id]) r = mn_cache_release(c, blk[e->id]), blk[e->id] = NULL;
         if (!e->alloc || r != MN_OK) continue;
-        r = mn_cache_alloc(c, e->size, e->stream, (mn_category)e->category,
+        r = mn_cache_alloc(c, e->size, 0, (mn_category)e->category,
                            e->phase ? mn_phase_name((mn_phase)e->phase) : NULL, &p);
         if (r == MN_ERR_DEVICE_OOM) {
-            *stopped = 1, r = MN_OK;
+            ++*failed, r = MN_OK;
+            if (!stop) continue;
+            *stopped = 1;
             break;
         }
         if (r == MN_OK) blk[e->id] = p;
@@ -7407,9 +7448,8 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
     mn_sim_cache sc;
     mn_simdev_desc dd;
     mn_cache_desc cd;
-    mn_replay_counts n;
     mn_result r;
-    uint64_t refused;
+    uint64_t refused, nfailed = 0;
     int stp = 0;
     if (stopped) *stopped = 0;
     if (S->rmemo) {
@@ -7423,7 +7463,6 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
     }
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
-    memset(&n, 0, sizeof n);
     dd.capacity = capacity;
     cd.config = S->c->s.alloc_conf;
     cd.logger.log_fn = mn__replay_log, cd.logger.user_data = (void *)&S->c->s.logger;
@@ -7434,14 +7473,13 @@ static mn_result mn__replay(mn__sim *S, uint64_t capacity, int stop, mn_cache_st
         cd.allocator.user_data = &S->rmemo->pool;
     }
     if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
-    if (stop && capacity) r = mn__replay_until_oom(S, &sc.cache, &stp);
-    else r = mn_cache_replay(&sc.cache, S->ev, S->nev, 0, &n);
+    r = mn__replay_events(S, &sc.cache, stop && capacity, &stp, &nfailed);
     if (r == MN_OK) r = mn_cache_stats(&sc.cache, st);
     refused = sc.dev.failed_calls;
     mn_sim_cache_free(&sc);
     if (failed) *failed = refused;
     if (stopped) *stopped = stp;
-    if (r == MN_OK && capacity == 0 && n.failed) {
+    if (r == MN_OK && capacity == 0 && nfailed) {
         // unlimited device: only a tensor of 1 EiB or more is refused (PyTorch's one_exa_bytes)
         uint64_t i, big = 0;
         for (i = 0; i < S->nev; i++)
@@ -7511,11 +7549,13 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         S->reuse = !(keep & MN__KEEP_EVENTS) && !S->history && !S->unique_ids &&
                    c.s.framework != MN_FW_MEMANAT;
         mn__run(S);
-        r = S->err;
+        r = S->over ? MN_OK : S->err;
     }
 #ifndef NDEBUG
-    if (r == MN_OK && S->reuse) {  // id reuse's books: every dead record that no op on the tape
-        uint64_t i, dead = 0;       // names is on the free list, once; an empty tape names none
+    // id reuse's books: every dead record that no op on the tape names is on the free list, once;
+    // an empty tape names none (a run cut short ends mid-step)
+    if (r == MN_OK && S->reuse && !S->over) {
+        uint64_t i, dead = 0;
         for (i = 0; i < S->nt; i++) {
             MN_ASSERT(S->nops || !S->tensors[i].tape);
             dead += !S->tensors[i].live && !S->tensors[i].tape;
@@ -7555,7 +7595,7 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
             return MN_OK;  // (out is not read)
         S->alone_replay = 1;
     }
-    if (!c.s.no_replay) {
+    if (!c.s.no_replay && !S->over) {  // (over: the step alone's peak does not fit)
         // The replay on an unlimited device gives the peaks; when its reserved peak exceeds the
         // device and its allocated peak does not, PyTorch frees cached blocks and retries before
         // it gives up: a replay at the real size (lim: without an out-of-memory) gives the
@@ -7652,9 +7692,10 @@ MNIMPL mn_result mn_estimate_trace(const mn_model *model, const mn_setup *setup,
     s2 = *setup;
     s2.no_replay = 1;
     r = mn__estimate(model, &s2, allocator, &res, &S, MN__KEEP_EVENTS, NULL);
-    if (r == MN_OK) {
-        *events = S.ev, *count = S.nev;
-        S.ev = NULL;
+    if (r == MN_OK && S.nev) {
+        *events = mn__events_public(allocator, S.ev, S.nev);
+        if (*events) *count = S.nev;
+        else r = MN_ERR_OUT_OF_MEMORY;
     }
     mn__sim_free(&S);
     return r;
@@ -7674,7 +7715,11 @@ MNIMPL mn_result mn_estimate_replay(const mn_model *model, const mn_setup *setup
     s2 = *setup;
     s2.no_replay = 1;
     r = mn__estimate(model, &s2, allocator, &res, &S, MN__KEEP_EVENTS, NULL);
-    if (r == MN_OK) r = mn_cache_replay(cache, S.ev, S.nev, 0, NULL);
+    if (r == MN_OK && S.nev) {
+        mn_trace_event *t = mn__events_public(allocator, S.ev, S.nev);
+        r = t ? mn_cache_replay(cache, t, S.nev, 0, NULL) : MN_ERR_OUT_OF_MEMORY;
+        mn__free(allocator, t);
+    }
     mn__sim_free(&S);
     return r;
 }
@@ -8012,7 +8057,10 @@ MN__PRIVATE mn_result mn__lengths_replay(mn__sim *S, const uint64_t *marks, uint
     mn_cache_desc cd;
     mn_replay_counts n;
     mn__lengths_ctx x;
+    mn_trace_event *t;
     mn_result r;
+    t = mn__events_public(S->al, S->ev, S->nev);  // (NULL: no events, or no memory)
+    if (!t && S->nev) return MN_ERR_OUT_OF_MEMORY;
     memset(&dd, 0, sizeof dd);
     memset(&cd, 0, sizeof cd);
     dd.capacity = capacity;
@@ -8020,12 +8068,14 @@ MN__PRIVATE mn_result mn__lengths_replay(mn__sim *S, const uint64_t *marks, uint
     cd.logger = S->c->s.logger;
     x.out = out, x.reserved_peak = 0;
     memset(&n, 0, sizeof n);
-    if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) return r;
-    r = mn_cache_replay_marked(&sc.cache, S->ev, S->nev, marks, S->steps + 1, mn__lengths_mark,
+    if ((r = mn_sim_cache_init(&sc, &dd, &cd)) != MN_OK) goto free_events;
+    r = mn_cache_replay_marked(&sc.cache, t, S->nev, marks, S->steps + 1, mn__lengths_mark,
                                &x, &n);
     *ooms = n.failed;
     out->reserved = x.reserved_peak;
     mn_sim_cache_free(&sc);
+free_events:
+    mn__free(S->al, t);
     return r;
 }
 
@@ -8225,6 +8275,7 @@ typedef struct mn__fit_memo {
     mn_estimate_result quick, full;  // the step alone; with the allocator replay (has_full)
     mn_result quick_err, full_err;
     int has_full;                    // 1: full; 2: full holds "does not fit" alone (mn__fits)
+    int cut;                         // quick holds "does not fit" alone (its run was cut short)
 } mn__fit_memo;
 
 typedef struct mn__fit {
@@ -8248,19 +8299,22 @@ MN__PRIVATE void mn__fit_reserve_events(mn__fit *F) {
     uint64_t want = F->most_events * 2;
     if (F->most_events > 0x7ffffff8u || S->cev >= want) return;  // (mn__grow's limit)
     mn__free(S->al, S->ev);  // (reset: no event in it is read again)
-    S->ev = (mn_trace_event *)mn__alloc_array(S->al, (size_t)want, sizeof *S->ev);
+    S->ev = (mn__ev *)mn__alloc_array(S->al, (size_t)want, sizeof *S->ev);
     S->cev = S->ev ? want : 0;
 }
 
 // One estimate run in the fit's simulation. decide: only whether it fits is asked (mn__sim);
-// alone: where the step alone goes too, or NULL (mn__sim).
+// alone: where the step alone goes too, or NULL (mn__sim); cut: of a step that does not fit, only
+// that (mn__sim).
 MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_result *r,
-                                  int decide, mn_estimate_result *alone, uint64_t below) {
+                                  int decide, mn_estimate_result *alone, uint64_t below,
+                                  int cut) {
     mn_result x;
     F->out->estimates_run++;
     mn__sim_reset(&F->S);
     if (!s->no_replay) mn__fit_reserve_events(F);
     F->S.decide = decide && !F->whole;
+    F->S.cut = cut && !F->whole;
     F->S.unique_ids = F->whole;
     F->S.alone = alone, F->S.alone_below = below;
     x = mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
@@ -8271,21 +8325,27 @@ MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_res
 // The entry of setup s with its step-alone result, run now when no entry has it (the oldest
 // entry makes room). replay (s is to be replayed when its step alone fits and, below set, its
 // peak allocated is below it): one run gives both, the step alone from its simulation and the
-// replay after it (decide as mn__fit_run's).
+// replay after it (decide as mn__fit_run's). cut: where the step does not fit, the caller reads
+// only that (mn__fit_run's); an entry that holds only that is run again for other callers.
 MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int replay, int decide,
-                                        uint64_t below) {
+                                        uint64_t below, int cut) {
     mn_setup q = *s;
     mn__fit_memo *e;
     uint32_t i;
     q.no_replay = 1;
-    for (i = 0; i < F->nmemo; i++)
-        if (!memcmp(&F->memo[i].key, &q, sizeof q)) return &F->memo[i];
-    e = &F->memo[F->next];
-    F->next = (F->next + 1) % MN__FIT_MEMO;
-    if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
+    for (i = 0; i < F->nmemo && memcmp(&F->memo[i].key, &q, sizeof q); i++) {}
+    if (i < F->nmemo && (cut || !F->memo[i].cut)) return &F->memo[i];
+    if (i < F->nmemo) {  // (cut short before: run whole in its place)
+        e = &F->memo[i];
+    } else {
+        e = &F->memo[F->next];
+        F->next = (F->next + 1) % MN__FIT_MEMO;
+        if (F->nmemo < MN__FIT_MEMO) F->nmemo++;
+    }
     e->key = q, e->has_full = 0;
     if (replay && !s->no_replay && !F->whole) {
-        mn_result x = mn__fit_run(F, s, &e->full, decide, &e->quick, below);
+        mn_result x = mn__fit_run(F, s, &e->full, decide, &e->quick, below, cut);
+        e->cut = F->S.over;
         if (!F->S.alone_set) {  // (failed before the replay: the step alone fails alike)
             e->quick = e->full, e->quick_err = x;
         } else if (e->quick_err = MN_OK, F->S.alone_replay) {
@@ -8294,7 +8354,8 @@ MN__PRIVATE mn__fit_memo *mn__fit_entry(mn__fit *F, const mn_setup *s, int repla
         }
         return e;
     }
-    e->quick_err = mn__fit_run(F, &q, &e->quick, 0, NULL, 0);
+    e->quick_err = mn__fit_run(F, &q, &e->quick, 0, NULL, 0, cut);
+    e->cut = F->S.over;
     return e;
 }
 
@@ -8332,24 +8393,26 @@ MN__PRIVATE void mn__fit_alias(mn__fit *F, const mn_setup *a, const mn_setup *b)
 }
 
 // The step alone (no allocator replay): milliseconds. Its device_used counts peak allocated.
-MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r) {
-    mn__fit_memo *e = mn__fit_entry(F, s, 0, 0, 0);
+// cut: where it does not fit, r says only that (mn__fit_entry).
+MN__PRIVATE mn_result mn__quick_estimate(mn__fit *F, const mn_setup *s, mn_estimate_result *r,
+                                         int cut) {
+    mn__fit_memo *e = mn__fit_entry(F, s, 0, 0, 0, cut);
     *r = e->quick;
     return e->quick_err;
 }
 
 // Fits the device? The replay never lowers the peak below what is allocated, so a setup whose
 // allocated peak does not fit is rejected without replaying it. full 0: a setup that does not
-// fit may get a result that says only that (its replay stopped at an out-of-memory); full 1:
-// the estimate whole.
+// fit may get a result that says only that (its replay stopped at an out-of-memory, or its step
+// alone was cut short once its peak passed the device); full 1: the estimate whole.
 MN__PRIVATE int mn__fits(mn__fit *F, const mn_setup *s, mn_estimate_result *r, mn_result *err,
                          int full) {
-    mn__fit_memo *e = mn__fit_entry(F, s, 1, !full, 0);
+    mn__fit_memo *e = mn__fit_entry(F, s, 1, !full, 0, !full);
     mn_result x = e->quick_err;
     *r = e->quick;
     if (x == MN_OK && r->fits && !s->no_replay) {
         if (!e->has_full || (full && e->has_full == 2)) {
-            e->full_err = mn__fit_run(F, s, &e->full, !full, NULL, 0);
+            e->full_err = mn__fit_run(F, s, &e->full, !full, NULL, 0, 0);
             e->has_full = e->full_err == MN_OK && F->S.unsettled ? 2 : 1;
         }
         *r = e->full, x = e->full_err;
@@ -8375,7 +8438,9 @@ MN__PRIVATE uint64_t mn__bound(mn__fit *F, mn_setup *s, uint64_t *field, uint64_
         double g = -1.0;
         mn_result e;
         *field = v;
-        if ((e = mn__quick_estimate(F, s, &r)) != MN_OK && v == 1) return *err = e, 0;
+        // (at 1 only "does not fit" is read where it does not: the answer is then 0)
+        e = mn__quick_estimate(F, s, &r, v == 1);
+        if (e != MN_OK && v == 1) return *err = e, 0;
         if (e != MN_OK) {  // a value out of range (a prompt beyond the positions) does not fit
             r.fits = 0, r.device_used = 0;
         } else {
@@ -8535,7 +8600,7 @@ MN__PRIVATE mn_setup mn__plan_setup(const mn_setup *base, const uint8_t *steps, 
 
 // The estimate of the setup as given, with the allocator replay.
 MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estimate_result *cur) {
-    mn_result err = mn__fit_run(F, setup, cur, 0, NULL, 0);
+    mn_result err = mn__fit_run(F, setup, cur, 0, NULL, 0, 0);
     if (err == MN_ERR_UNSUPPORTED && UINTPTR_MAX < UINT64_MAX) {
         // Narrow pointers (wasm32): the simulated device addresses about 1 TiB (mn_simdev_init),
         // so a step needing more cannot be replayed. The step alone then decides: the replay
@@ -8543,7 +8608,7 @@ MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estima
         // fit does not fit replayed either, and the search below starts from it as from the
         // replayed one (it replays only setups whose allocated peak fits).
         mn_estimate_result q;
-        if (mn__quick_estimate(F, setup, &q) == MN_OK && !q.fits) {
+        if (mn__quick_estimate(F, setup, &q, 0) == MN_OK && !q.fits) {
             *cur = q, err = MN_OK;
             cur->setup.no_replay = setup->no_replay;  // the search replays what it asks after
         }
@@ -8567,7 +8632,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     // Deferred only where that replay could not fail either: no allocator config to parse, no
     // tensor of 1 EiB or more (mn__replay refuses one; the peak holds every tensor).
     if (!setup->no_replay && !setup->alloc_conf) {
-        (void)mn__quick_estimate(F, setup, &cur);  // (the step alone first: events cost more)
+        (void)mn__quick_estimate(F, setup, &cur, 0);  // (the step alone first: events cost more)
         (void)mn__fits(F, setup, &cur, &err, 0);
         given = err == MN_OK && !cur.fits && cur.peak_allocated < (1ull << 60);
         if (given) cur.setup.no_replay = 0;  // cur is the step alone; the search replays
@@ -8598,7 +8663,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     s = base;
     if (!cur.fits) {
         mn_estimate_result q, qn;
-        if ((err = mn__quick_estimate(F, &s, &q)) != MN_OK) return err;
+        if ((err = mn__quick_estimate(F, &s, &q, 0)) != MN_OK) return err;
         while (!cur.fits && progress && n < sizeof steps) {
             progress = 0;
             for (k = 0; k < MN__T_COUNT && !progress; k++) {
@@ -8606,7 +8671,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
                 t = s;
                 if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
                 // (one run: its step alone, and the replay mn__fits asks below when it helps)
-                e = mn__fit_entry(F, &t, 1, 1, q.peak_allocated);
+                e = mn__fit_entry(F, &t, 1, 1, q.peak_allocated, 0);
                 if ((err = e->quick_err) != MN_OK) return err;
                 qn = e->quick;
                 if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
@@ -8633,13 +8698,13 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     }
     // Report the kept steps with the peak each one saves (the step alone: what is allocated).
     t = base;
-    if ((err = mn__quick_estimate(F, &t, &next)) != MN_OK) return err;
+    if ((err = mn__quick_estimate(F, &t, &next, 0)) != MN_OK) return err;
     for (i = 0; i < n && out->plan_len < sizeof out->plan / sizeof out->plan[0]; i++) {
         mn_estimate_result after;
         mn_plan_step *p = &out->plan[out->plan_len++];
         char a[32], b[32];
         mn__tech_apply((mn__tech)steps[i], &t, bf16);
-        if ((err = mn__quick_estimate(F, &t, &after)) != MN_OK) return err;
+        if ((err = mn__quick_estimate(F, &t, &after, 0)) != MN_OK) return err;
         mn__tech_describe((mn__tech)steps[i], &t, p->what, sizeof p->what);
         mn_size_format(next.peak_allocated, a, sizeof a);
         mn_size_format(after.peak_allocated, b, sizeof b);

@@ -1051,6 +1051,7 @@ static void test_explain(void) {
 void test_fit_decide_replay(void);
 void test_fit_shortcuts_whole(void);
 void test_fit_entry_below(void);
+void test_fit_entry_cut(void);
 
 const mnt_case test_estimate_cases[] = {
     {"explain", test_explain},
@@ -1072,6 +1073,7 @@ const mnt_case test_estimate_cases[] = {
     {"fit_decide_replay", test_fit_decide_replay},
     {"fit_shortcuts_whole", test_fit_shortcuts_whole},
     {"fit_entry_below", test_fit_entry_below},
+    {"fit_entry_cut", test_fit_entry_cut},
     {"bad_input", test_bad_input},
     {"setup_bounds", test_setup_bounds},
     {"random_setups", test_random_setups},

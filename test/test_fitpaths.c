@@ -11,7 +11,10 @@
 //   - a fit's entry of a setup made in one run with a bound on the peak (mn__fit_entry's below:
 //     the greedy pass's candidates; the events no longer kept once the peak passes it or the
 //     device) against the step alone and the whole estimate, several setups in one fit (its
-//     replay memo and the host memory its replays keep).
+//     replay memo and the host memory its replays keep);
+//   - a fit's entry where only "does not fit" is read (mn__fit_entry's cut: the run stops once
+//     its peak passes the device) against the step alone and the whole estimate, and the same
+//     setup asked again whole.
 #define MEMANAT_STATIC
 #include "harness.h"
 #define MN_MALLOC(sz) mnt_malloc(sz)
@@ -25,6 +28,7 @@
 void test_fit_decide_replay(void);
 void test_fit_shortcuts_whole(void);
 void test_fit_entry_below(void);
+void test_fit_entry_cut(void);
 
 // A decoder, encoder or encoder-decoder of a few narrow blocks, or a small preset.
 static mn_model random_model(void) {
@@ -227,7 +231,7 @@ void test_fit_entry_below(void) {
             case 2: below = quick.peak_allocated; break;
             default: below = quick.peak_allocated + 1 + mnt_rand_u64() % 4096; break;
             }
-            e = mn__fit_entry(F, &s, 1, 1, below);
+            e = mn__fit_entry(F, &s, 1, 1, below, 0);
             CHECK_OK(e->quick_err);
             if (e->quick_err != MN_OK) continue;
             same_estimate(&e->quick, &quick, it);
@@ -257,4 +261,65 @@ void test_fit_entry_below(void) {
                replayed, bounded, alone_out);
     CHECK_MSG(replayed && bounded && alone_out, "outcomes not all seen: %d replayed, %d bounded, "
               "%d not fitting alone", replayed, bounded, alone_out);
+}
+
+// mn__fit_entry with cut set, as a fit's probes ask (mn__fits, and the searches' first value):
+// cut short only where the step alone does not fit, its answer (mn__fits) that of the whole
+// estimate, its result otherwise the step alone's; asked again without cut, the same setup gets
+// the step alone whole. Several setups of one model share a fit.
+void test_fit_entry_cut(void) {
+    int it, cut = 0, fitting = 0;
+    for (it = 0; it < 60 || !cut || !fitting; it++) {
+        mn_model m = random_model();
+        mn_setup s0 = random_setup();
+        mn__fit *F;
+        mn_fit_result fo;
+        int j;
+        if (it >= 400) break;
+        if (!place_capacity(&m, &s0)) continue;
+        F = (mn__fit *)calloc(1, sizeof *F);
+        if (!F) return;
+        memset(&fo, 0, sizeof fo);
+        F->m = &m, F->out = &fo, F->S.rmemo = &F->rmemo;
+        for (j = 0; j < 3; j++) {
+            mn_setup s = s0, u;
+            mn_estimate_result quick, whole, r;
+            mn__fit_memo *e;
+            mn_result err = MN_OK;
+            int fits, replay = (int)(mnt_rand_u64() % 2);
+            s.batch = 1 + (s0.batch + (uint64_t)j * 3) % 8;  // (the same model, other setups)
+            u = s, u.no_replay = 1;
+            if (mn_estimate(&m, &u, &quick) != MN_OK) continue;
+            CHECK_OK(estimate_unique_ids(&m, &s, &whole));
+            if (replay) {  // (mn__fits: its entry, with the replay when the step alone fits)
+                fits = mn__fits(F, &s, &r, &err, 0);
+                CHECK_OK(err);
+                CHECK_EQ_INT(fits, whole.fits);
+                e = mn__fit_entry(F, &s, 1, 1, 0, 1);  // (the entry it made)
+            } else {
+                e = mn__fit_entry(F, &s, 0, 0, 0, 1);
+            }
+            CHECK_OK(e->quick_err);
+            CHECK_EQ_INT(e->quick.fits, quick.fits);
+            if (e->cut) {
+                cut++;
+                CHECK_MSG(!quick.fits, "case %d: cut short, but the step alone fits", it);
+                CHECK_EQ_INT(e->has_full, 0);
+            } else {
+                same_estimate(&e->quick, &quick, it);
+            }
+            fitting += quick.fits;
+            e = mn__fit_entry(F, &s, 0, 0, 0, 0);  // (asked whole: run again when cut short)
+            CHECK_OK(e->quick_err);
+            CHECK_EQ_INT(e->cut, 0);
+            same_estimate(&e->quick, &quick, it);
+        }
+        mn__sim_free(&F->S);
+        mn__replay_memo_free(&F->rmemo);
+        free(F);
+    }
+    if (mnt_verbose())
+        printf("       %d models: %d cut short, %d fitting alone\n", it, cut, fitting);
+    CHECK_MSG(cut && fitting, "outcomes not all seen: %d cut short, %d fitting alone", cut,
+              fitting);
 }
