@@ -13891,9 +13891,10 @@ MN__PRIVATE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const f
 }
 
 // One row of g [cols] for the factored second moment, q_j = (double)(g_j² + ε1): rs[j % 16] += q_j
-// and, with cs, cs[j] += q_j (a column's sum in row order).
+// and, with cs, cs[j] += q_j (a column's sum in row order), or cs[j] = q_j with set (the same as
+// adding to zero, without zeroing).
 MN__PRIVATE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, double *rs,
-                                  double *cs) {
+                                  double *cs, int set) {
     uint64_t j = 0;
 #if defined(MN__OPT_LV)
     mn__opt_dv vr[MN__OPT_LV], q, c;
@@ -13905,14 +13906,15 @@ MN__PRIVATE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, dou
             uint64_t k = j + (uint64_t)(l * MN__OPT_DW);
             MN__OPT_LOAD(f, g + k), q = __builtin_convertvector(f * f + eps1, mn__opt_dv);
             vr[l] += q;
-            if (cs) MN__OPT_LOAD(c, cs + k), c += q, MN__OPT_STORE(cs + k, c);
+            if (cs && set) MN__OPT_STORE(cs + k, q);
+            else if (cs) MN__OPT_LOAD(c, cs + k), c += q, MN__OPT_STORE(cs + k, c);
         }
     MN__OPT_STORE(rs, vr);
 #endif
     for (; j < cols; j++) {
         double q1 = (double)(g[j] * g[j] + eps1);
         rs[j % MN__OPT_LANES] += q1;
-        if (cs) cs[j] += q1;
+        if (cs) cs[j] = set ? q1 : cs[j] + q1;
     }
 }
 
@@ -14023,13 +14025,12 @@ MN__PRIVATE void mn__opt_af_moment(mn_adafactor *s, const float *grad, uint64_t 
     int64_t k, nk = (int64_t)q->npb;
     (void)team;  // (a build without OpenMP)
     if (q->spr > 1) {  // rows of several pieces, one after the other: a column's sum by row
-        if (cs) memset(cs, 0, (size_t)cols * sizeof *cs);
         for (i = 0; i < s->rows; i++) {
             double rs[MN__OPT_LANES] = {0};
             for (c0 = 0; c0 < cols; c0 += q->sp) {
                 double ps[MN__OPT_LANES] = {0};
                 cw = cols - c0 < q->sp ? cols - c0 : q->sp;
-                mn__opt_af_rowsq(gb + i * cols + c0, cw, eps1, ps, cs ? cs + c0 : NULL);
+                mn__opt_af_rowsq(gb + i * cols + c0, cw, eps1, ps, cs ? cs + c0 : NULL, i == 0);
                 mn__opt_lanes_add(rs, ps);
             }
             row[i] = row[i] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)cols);
@@ -14040,17 +14041,18 @@ MN__PRIVATE void mn__opt_af_moment(mn_adafactor *s, const float *grad, uint64_t 
     for (k = 0; k < nk; k++) {  // pieces of rp whole rows
         uint64_t ik, i0 = (uint64_t)k * q->rp, i1 = i0 + q->rp < s->rows ? i0 + q->rp : s->rows;
         double pbuf[MN__OPT_AF_ICOL], *pt = NULL;
-        if (cs) pt = cols <= MN__OPT_AF_ICOL ? pbuf : part + (size_t)mn__omp_me() * cols;
-        if (pt) memset(pt, 0, (size_t)cols * sizeof *pt);
+        // (the first piece's partials are the sums so far: straight into cs, which the others
+        // touch only in their ordered blocks, after the first's)
+        if (cs && k == 0) pt = cs;
+        else if (cs) pt = cols <= MN__OPT_AF_ICOL ? pbuf : part + (size_t)mn__omp_me() * cols;
         for (ik = i0; ik < i1; ik++) {
             double rs[MN__OPT_LANES] = {0};
-            mn__opt_af_rowsq(gb + ik * cols, cols, eps1, rs, pt);
+            mn__opt_af_rowsq(gb + ik * cols, cols, eps1, rs, pt, ik == i0);
             row[ik] = row[ik] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)cols);
         }
         MN__OMP_ORDERED {
             uint64_t jk;
-            if (pt && k == 0) memcpy(cs, pt, (size_t)cols * sizeof *cs);
-            else if (pt)
+            if (pt && k > 0)
                 for (jk = 0; jk < cols; jk++) cs[jk] += pt[jk];
         }
     }
