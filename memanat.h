@@ -27,7 +27,7 @@
 //                          then follow that library (its threads, its order of summation).
 //                          Nothing else uses it; without it the header needs no BLAS.
 // Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops and
-// the element-wise optimizer steps (these time themselves and keep one thread while a team is not
+// the optimizer steps but Lion's (these time themselves and keep one thread while a team is not
 // faster, as on cores that other processes keep busy: mn_team_tune).
 //
 // QUICK START
@@ -2044,11 +2044,11 @@ MNDEF mn_result mn_adafactor_state_bytes(const uint64_t *dims, uint32_t ndim, in
                                          uint64_t *out);
 MNDEF mn_result mn_lion_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out);
 
-// The thread count of an element-wise step (SGD, AdamW, 8-bit AdamW) in an OpenMP build. A team
-// is not faster than one thread while other processes keep the cores busy (a member that loses its
-// core holds the step up until it runs again), and only the step's own time shows that: each step
-// is timed, with one thread or with its team, and the count whose last five times have the lower
-// median runs the next step. The team's times show at once when it gets slower; while one
+// The thread count of an optimizer step (SGD, AdamW, 8-bit AdamW, Adafactor) in an OpenMP build. A
+// team is not faster than one thread while other processes keep the cores busy (a member that loses
+// its core holds the step up until it runs again), and only the step's own time shows that: each
+// step is timed, with one thread or with its team, and the count whose last five times have the
+// lower median runs the next step. The team's times show at once when it gets slower; while one
 // thread is the faster, every 16th step takes the team to see if it has become the faster again
 // (and every 256th step one thread, while the team is). Set to zero by the init call; the caller
 // never needs to touch it.
