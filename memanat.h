@@ -2188,7 +2188,7 @@ typedef struct mn_adafactor {
     float alpha;                 // step size alpha_t of the last step
     uint64_t state_bytes;        // == mn_adafactor_state_bytes(dims, ndim, beta1 != 0)
     mn_allocator alloc;
-    mn_team_tune tune;           // thread count of the update pass
+    mn_team_tune tune;           // thread count of the step
 } mn_adafactor;
 
 MNDEF mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
