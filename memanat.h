@@ -13838,6 +13838,14 @@ MN__PRIVATE double mn__opt_row_mean(const mn_adafactor *s, uint64_t b) {
     return sum / (double)s->rows;
 }
 
+// The loops of the passes below are inlined into each pass (called from more than one place,
+// they are otherwise left as calls, whose tests of their arguments then run per chunk).
+#if defined(__GNUC__) || defined(__clang__)
+#define MN__OPT_INLINE static inline __attribute__((always_inline, unused))
+#else
+#define MN__OPT_INLINE static inline
+#endif
+
 // The fixed order of the sums: MN__OPT_LANES interleaved double accumulators (lane l takes the
 // terms of the columns j with j % 16 == l, in row order), added up by a fixed tree.
 #define MN__OPT_LANES 16
@@ -13869,8 +13877,8 @@ typedef double mn__opt_dv __attribute__((vector_size(MN__OPT_DW * sizeof(double)
 
 // a[j % 16] += x[j]² and b[j % 16] += y[j]² in double (exact products of floats), j < len, where
 // x[0] and y[0] are in a lane-0 column.
-MN__PRIVATE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const float *y,
-                                   uint64_t len) {
+MN__OPT_INLINE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const float *y,
+                                      uint64_t len) {
     uint64_t j = 0;
 #if defined(MN__OPT_LV)
     mn__opt_dv va[MN__OPT_LV], vb[MN__OPT_LV], w;
@@ -13893,8 +13901,8 @@ MN__PRIVATE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const f
 // One row of g [cols] for the factored second moment, q_j = (double)(g_j² + ε1): rs[j % 16] += q_j
 // and, with cs, cs[j] += q_j (a column's sum in row order), or cs[j] = q_j with set (the same as
 // adding to zero, without zeroing).
-MN__PRIVATE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, double *rs,
-                                  double *cs, int set) {
+MN__OPT_INLINE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, double *rs,
+                                     double *cs, int set) {
     uint64_t j = 0;
 #if defined(MN__OPT_LV)
     mn__opt_dv vr[MN__OPT_LV], q, c;
@@ -13932,9 +13940,9 @@ MN__PRIVATE void mn__opt_af_icol(const float *col, uint64_t cols, float *ic) {
 // order of operations: factored rf * (1 / sqrt(C_j)) * g, else (1 / sqrt(V_k)) * g. With ic
 // (mn__opt_af_icol of the batch's columns) the factored form reads 1 / sqrt(C_j) from it: the
 // same value, without a square root and a division per element.
-MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, const float *ic, float rf,
-                              const float *grad, uint64_t base, uint64_t j0, uint64_t len,
-                              float *u) {
+MN__OPT_INLINE void mn__opt_af_u(const mn_adafactor *s, const float *col, const float *ic, float rf,
+                                 const float *grad, uint64_t base, uint64_t j0, uint64_t len,
+                                 float *u) {
     const float *g = grad + base + j0;
     const float *c = s->factored ? col + j0 : s->exp_avg_sq + base + j0;
     uint64_t j = 0;
@@ -14086,8 +14094,8 @@ typedef struct mn__opt_af_coef {
 
 // θ ← θ(1 − λα_t) − u' for len elements, u' = u / clip_div * alpha_t, or, with the first moment
 // m, m ← β1 m + (1 − β1) u' and u' = m.
-MN__PRIVATE void mn__opt_af_apply(const mn__opt_af_coef *c, const float *u, float *th, float *m,
-                                  uint64_t len) {
+MN__OPT_INLINE void mn__opt_af_apply(const mn__opt_af_coef *c, const float *u, float *th, float *m,
+                                     uint64_t len) {
     uint64_t j = 0;
     float clip_div = c->clip_div, alpha = c->alpha, decay = c->decay_coef, b1 = c->b1, w1 = c->w1;
     int wd = c->decay;
@@ -14109,9 +14117,9 @@ MN__PRIVATE void mn__opt_af_apply(const mn__opt_af_coef *c, const float *u, floa
 
 // The lanes of u² (ss) and θ² (ps) over rows [i0, i1) x columns [c0, c1) of batch b (c0 a
 // multiple of MN__OPT_AF_CHUNK), u recomputed chunk by chunk (keeping it would cost n floats).
-MN__PRIVATE void mn__opt_af_sq(const mn_adafactor *s, const float *param, const float *grad,
-                               uint64_t b, const float *ic, float rmean, uint64_t i0, uint64_t i1,
-                               uint64_t c0, uint64_t c1, double *ss, double *ps) {
+MN__OPT_INLINE void mn__opt_af_sq(const mn_adafactor *s, const float *param, const float *grad,
+                                  uint64_t b, const float *ic, float rmean, uint64_t i0,
+                                  uint64_t i1, uint64_t c0, uint64_t c1, double *ss, double *ps) {
     const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
     float u[MN__OPT_AF_CHUNK];
     uint64_t i, j0, len;
