@@ -27,7 +27,7 @@
 //                          then follow that library (its threads, its order of summation).
 //                          Nothing else uses it; without it the header needs no BLAS.
 // Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops and
-// the element-wise optimizer steps (these time themselves and keep one thread while a team is not
+// the optimizer steps but Lion's (these time themselves and keep one thread while a team is not
 // faster, as on cores that other processes keep busy: mn_team_tune).
 //
 // QUICK START
@@ -2044,11 +2044,11 @@ MNDEF mn_result mn_adafactor_state_bytes(const uint64_t *dims, uint32_t ndim, in
                                          uint64_t *out);
 MNDEF mn_result mn_lion_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out);
 
-// The thread count of an element-wise step (SGD, AdamW, 8-bit AdamW) in an OpenMP build. A team
-// is not faster than one thread while other processes keep the cores busy (a member that loses its
-// core holds the step up until it runs again), and only the step's own time shows that: each step
-// is timed, with one thread or with its team, and the count whose last five times have the lower
-// median runs the next step. The team's times show at once when it gets slower; while one
+// The thread count of an optimizer step (SGD, AdamW, 8-bit AdamW, Adafactor) in an OpenMP build. A
+// team is not faster than one thread while other processes keep the cores busy (a member that loses
+// its core holds the step up until it runs again), and only the step's own time shows that: each
+// step is timed, with one thread or with its team, and the count whose last five times have the
+// lower median runs the next step. The team's times show at once when it gets slower; while one
 // thread is the faster, every 16th step takes the team to see if it has become the faster again
 // (and every 256th step one thread, while the team is). Set to zero by the init call; the caller
 // never needs to touch it.
@@ -2188,6 +2188,7 @@ typedef struct mn_adafactor {
     float alpha;                 // step size alpha_t of the last step
     uint64_t state_bytes;        // == mn_adafactor_state_bytes(dims, ndim, beta1 != 0)
     mn_allocator alloc;
+    mn_team_tune tune;           // thread count of the step
 } mn_adafactor;
 
 MNDEF mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
@@ -13831,11 +13832,14 @@ MNIMPL void mn_adamw8bit_free(mn_adamw8bit *s) {
 // RMS(x) = ‖x‖₂/√numel. u is recomputed from the state in each pass instead of stored, so the
 // state is exactly the moments. Three passes: the second moment (one read of g: row and column
 // sums together), the sums of θ² and u², the update. The sums are double additions in a fixed
-// order, the same in the scalar and the vector builds (the results do not depend on the build):
-// a row's sum of g² + ε1, and the sums behind RMS(θ) and RMS(u), run in 16 interleaved lanes (lane
-// l adds the terms of the columns j ≡ l mod 16, row after row) combined by a fixed tree at the
-// end (mn__opt_lanes_total), so that no single chain of dependent additions sets the step's pace;
-// a column's sum adds its rows in order.
+// order, the same in the scalar and the vector builds and for any thread count (the results do
+// not depend on either): a row's sum of g² + ε1, and the sums behind RMS(θ) and RMS(u), run in 16
+// interleaved lanes (lane l adds the terms of the columns j ≡ l mod 16, row after row) combined by
+// a fixed tree at the end (mn__opt_lanes_total), so that no single chain of dependent additions
+// sets the step's pace; a column's sum adds its rows in order. Beyond 65536 elements the terms
+// go in pieces fixed by the shape (MN__OPT_AF_PIECE), each summed from zero in that order and
+// added to the total in piece order, so that a team of threads can take the pieces; a tensor of
+// one piece adds its terms in one sequence. The update has no sums: the team splits it freely.
 
 MNIMPL mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
                                    const mn_adafactor_params *p, const mn_allocator *alloc) {
@@ -13899,6 +13903,14 @@ MN__PRIVATE double mn__opt_row_mean(const mn_adafactor *s, uint64_t b) {
     return sum / (double)s->rows;
 }
 
+// The loops of the passes below are inlined into each pass (called from more than one place,
+// they are otherwise left as calls, whose tests of their arguments then run per chunk).
+#if defined(__GNUC__) || defined(__clang__)
+#define MN__OPT_INLINE static inline __attribute__((always_inline, unused))
+#else
+#define MN__OPT_INLINE static inline
+#endif
+
 // The fixed order of the sums: MN__OPT_LANES interleaved double accumulators (lane l takes the
 // terms of the columns j with j % 16 == l, in row order), added up by a fixed tree.
 #define MN__OPT_LANES 16
@@ -13930,8 +13942,8 @@ typedef double mn__opt_dv __attribute__((vector_size(MN__OPT_DW * sizeof(double)
 
 // a[j % 16] += x[j]² and b[j % 16] += y[j]² in double (exact products of floats), j < len, where
 // x[0] and y[0] are in a lane-0 column.
-MN__PRIVATE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const float *y,
-                                   uint64_t len) {
+MN__OPT_INLINE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const float *y,
+                                      uint64_t len) {
     uint64_t j = 0;
 #if defined(MN__OPT_LV)
     mn__opt_dv va[MN__OPT_LV], vb[MN__OPT_LV], w;
@@ -13952,9 +13964,10 @@ MN__PRIVATE void mn__opt_lanes_sq2(double *a, const float *x, double *b, const f
 }
 
 // One row of g [cols] for the factored second moment, q_j = (double)(g_j² + ε1): rs[j % 16] += q_j
-// and, with cs, cs[j] += q_j (a column's sum in row order).
-MN__PRIVATE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, double *rs,
-                                  double *cs) {
+// and, with cs, cs[j] += q_j (a column's sum in row order), or cs[j] = q_j with set (the same as
+// adding to zero, without zeroing).
+MN__OPT_INLINE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, double *rs,
+                                     double *cs, int set) {
     uint64_t j = 0;
 #if defined(MN__OPT_LV)
     mn__opt_dv vr[MN__OPT_LV], q, c;
@@ -13966,14 +13979,15 @@ MN__PRIVATE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, dou
             uint64_t k = j + (uint64_t)(l * MN__OPT_DW);
             MN__OPT_LOAD(f, g + k), q = __builtin_convertvector(f * f + eps1, mn__opt_dv);
             vr[l] += q;
-            if (cs) MN__OPT_LOAD(c, cs + k), c += q, MN__OPT_STORE(cs + k, c);
+            if (cs && set) MN__OPT_STORE(cs + k, q);
+            else if (cs) MN__OPT_LOAD(c, cs + k), c += q, MN__OPT_STORE(cs + k, c);
         }
     MN__OPT_STORE(rs, vr);
 #endif
     for (; j < cols; j++) {
         double q1 = (double)(g[j] * g[j] + eps1);
         rs[j % MN__OPT_LANES] += q1;
-        if (cs) cs[j] += q1;
+        if (cs) cs[j] = set ? q1 : cs[j] + q1;
     }
 }
 
@@ -13991,9 +14005,9 @@ MN__PRIVATE void mn__opt_af_icol(const float *col, uint64_t cols, float *ic) {
 // order of operations: factored rf * (1 / sqrt(C_j)) * g, else (1 / sqrt(V_k)) * g. With ic
 // (mn__opt_af_icol of the batch's columns) the factored form reads 1 / sqrt(C_j) from it: the
 // same value, without a square root and a division per element.
-MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, const float *ic, float rf,
-                              const float *grad, uint64_t base, uint64_t j0, uint64_t len,
-                              float *u) {
+MN__OPT_INLINE void mn__opt_af_u(const mn_adafactor *s, const float *col, const float *ic, float rf,
+                                 const float *grad, uint64_t base, uint64_t j0, uint64_t len,
+                                 float *u) {
     const float *g = grad + base + j0;
     const float *c = s->factored ? col + j0 : s->exp_avg_sq + base + j0;
     uint64_t j = 0;
@@ -14022,34 +14036,166 @@ MN__PRIVATE void mn__opt_af_u(const mn_adafactor *s, const float *col, const flo
 #define MN__OPT_AF_CHUNK 512u  // elements of a row per piece of the passes below
 #define MN__OPT_AF_ICOL 2048u  // columns whose scratch lives on the stack (more: allocated)
 
-// The factored second moment of batch b: each row's lanes and, with cs (scratch [cols]), the
-// column sums in the same read of g; without cs the columns go 64 at a time in a second read.
-MN__PRIVATE void mn__opt_af_moment(mn_adafactor *s, const float *grad, uint64_t b, float b2t,
-                                   float w2t, float eps1, double *cs) {
+// The pieces of the sums, from the shape alone (so the sums do not depend on the thread count):
+// about MN__OPT_AF_PIECE elements each (a multiple of MN__OPT_AF_CHUNK, so that a piece's first
+// column is a lane-0 column).
+//   a batch of at most MN__OPT_AF_PIECE elements: bp = PIECE / (rows * cols) whole batches;
+//   else rows of at most PIECE columns: rp = PIECE / cols rows of one batch;
+//   else: PIECE columns of one row (sp, the span of a row's piece).
+// A piece's sums start from zero and are added to the total in piece order (a row's lanes span
+// by span, a column's sum rp rows at a time, the lanes of θ² and u² piece by piece); a tensor of
+// one piece adds its terms straight in order. The team takes a batch's pieces (from large
+// batches), their totals added in order (omp ordered).
+#define MN__OPT_AF_PIECE 65536u
+typedef struct mn__opt_af_geo {
+    uint64_t bp;   // whole batches per piece, 0 = a batch has several pieces
+    uint64_t rp;   // rows per piece of a batch (rows when bp > 0)
+    uint64_t sp;   // columns per piece of a row (cols, or MN__OPT_AF_PIECE)
+    uint64_t spr;  // pieces per row (1 when sp == cols)
+    uint64_t npb;  // pieces per batch (1 when bp > 0)
+} mn__opt_af_geo;
+MN__PRIVATE mn__opt_af_geo mn__opt_af_pieces(uint64_t rows, uint64_t cols) {
+    mn__opt_af_geo q;
+    q.bp = 0, q.rp = 1, q.sp = cols, q.spr = 1;
+    if (cols > MN__OPT_AF_PIECE) {
+        q.sp = MN__OPT_AF_PIECE, q.spr = (cols + MN__OPT_AF_PIECE - 1) / MN__OPT_AF_PIECE;
+    } else if (rows <= MN__OPT_AF_PIECE / cols) {
+        q.bp = MN__OPT_AF_PIECE / (rows * cols), q.rp = rows;
+    } else {
+        q.rp = MN__OPT_AF_PIECE / cols;
+    }
+    q.npb = (rows + q.rp - 1) / q.rp * q.spr;
+    return q;
+}
+
+#ifdef _OPENMP
+// A loop over iters pieces whose `MN__OMP_ORDERED { ... }` blocks run in piece order.
+#define MN__OMP_FOR_ORDERED(team, iters)                                                      \
+    MN__PRAGMA(omp parallel for ordered schedule(dynamic, 1) num_threads(team) if ((team) > 1))
+#define MN__OMP_ORDERED MN__PRAGMA(omp ordered)
+MN__PRIVATE int mn__omp_me(void) { return omp_get_thread_num(); }
+#else
+#define MN__OMP_FOR_ORDERED(team, iters)
+#define MN__OMP_ORDERED
+MN__PRIVATE int mn__omp_me(void) { return 0; }
+#endif
+
+MN__PRIVATE void mn__opt_lanes_add(double *to, const double *a) {
+    int l;
+    for (l = 0; l < MN__OPT_LANES; l++) to[l] += a[l];
+}
+
+// The factored second moment of batch b. With cs (scratch [cols]) the column sums come in the
+// same read of g as the rows', each piece's into its own partials (part: [team][cols] scratch
+// beyond MN__OPT_AF_ICOL columns, else the stack) added to cs in piece order; without cs the
+// columns go 64 at a time in a second read, in the same order.
+MN__PRIVATE void mn__opt_af_moment(mn_adafactor *s, const float *grad, uint64_t b,
+                                   const mn__opt_af_geo *q, float b2t, float w2t, float eps1,
+                                   double *cs, double *part, int team) {
     const float *gb = grad + b * s->rows * s->cols;
     float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
-    uint64_t i, j, c0, cw;
-    if (cs) memset(cs, 0, (size_t)s->cols * sizeof *cs);
-    for (i = 0; i < s->rows; i++) {
-        double rs[MN__OPT_LANES] = {0};
-        mn__opt_af_rowsq(gb + i * s->cols, s->cols, eps1, rs, cs);
-        row[i] = row[i] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)s->cols);
+    uint64_t i, j, c0, cw, cols = s->cols;
+    int64_t k, nk = (int64_t)q->npb;
+    (void)team;  // (a build without OpenMP)
+    if (q->spr > 1) {  // rows of several pieces, one after the other: a column's sum by row
+        for (i = 0; i < s->rows; i++) {
+            double rs[MN__OPT_LANES] = {0};
+            for (c0 = 0; c0 < cols; c0 += q->sp) {
+                double ps[MN__OPT_LANES] = {0};
+                cw = cols - c0 < q->sp ? cols - c0 : q->sp;
+                mn__opt_af_rowsq(gb + i * cols + c0, cw, eps1, ps, cs ? cs + c0 : NULL, i == 0);
+                mn__opt_lanes_add(rs, ps);
+            }
+            row[i] = row[i] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)cols);
+        }
+        nk = 0;
+    }
+    MN__OMP_FOR_ORDERED(team, nk)
+    for (k = 0; k < nk; k++) {  // pieces of rp whole rows
+        uint64_t ik, i0 = (uint64_t)k * q->rp, i1 = i0 + q->rp < s->rows ? i0 + q->rp : s->rows;
+        double pbuf[MN__OPT_AF_ICOL], *pt = NULL;
+        // (the first piece's partials are the sums so far: straight into cs, which the others
+        // touch only in their ordered blocks, after the first's)
+        if (cs && k == 0) pt = cs;
+        else if (cs) pt = cols <= MN__OPT_AF_ICOL ? pbuf : part + (size_t)mn__omp_me() * cols;
+        for (ik = i0; ik < i1; ik++) {
+            double rs[MN__OPT_LANES] = {0};
+            mn__opt_af_rowsq(gb + ik * cols, cols, eps1, rs, pt, ik == i0);
+            row[ik] = row[ik] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)cols);
+        }
+        MN__OMP_ORDERED {
+            uint64_t jk;
+            if (pt && k > 0)
+                for (jk = 0; jk < cols; jk++) cs[jk] += pt[jk];
+        }
     }
     if (cs) {
-        for (j = 0; j < s->cols; j++)
-            col[j] = col[j] * b2t + w2t * (float)(cs[j] / (double)s->rows);
+        for (j = 0; j < cols; j++) col[j] = col[j] * b2t + w2t * (float)(cs[j] / (double)s->rows);
         return;
     }
-    for (c0 = 0; c0 < s->cols; c0 += 64) {  // column means, 64 columns at a time
-        double acc[64] = {0};
-        cw = s->cols - c0 < 64 ? s->cols - c0 : 64;
-        for (i = 0; i < s->rows; i++)
+    for (c0 = 0; c0 < cols; c0 += 64) {  // column means, 64 columns at a time, rp rows at a time
+        double acc[64], sum[64] = {0};
+        cw = cols - c0 < 64 ? cols - c0 : 64;
+        for (i = 0; i < s->rows; i++) {
+            if (i % q->rp == 0) memset(acc, 0, sizeof acc);
             for (j = 0; j < cw; j++) {
-                float g = gb[i * s->cols + c0 + j];
+                float g = gb[i * cols + c0 + j];
                 acc[j] += (double)(g * g + eps1);
             }
+            if ((i + 1) % q->rp != 0 && i + 1 < s->rows) continue;
+            for (j = 0; j < cw; j++) sum[j] = i < q->rp ? acc[j] : sum[j] + acc[j];
+        }
         for (j = 0; j < cw; j++)
-            col[c0 + j] = col[c0 + j] * b2t + w2t * (float)(acc[j] / (double)s->rows);
+            col[c0 + j] = col[c0 + j] * b2t + w2t * (float)(sum[j] / (double)s->rows);
+    }
+}
+
+// The update's scalars: the clipping divisor max(1, RMS(u)/d), alpha_t, the decay -λα_t (applied
+// where λ != 0), beta1.
+typedef struct mn__opt_af_coef {
+    float clip_div, alpha, decay_coef, b1, w1;
+    int decay;
+} mn__opt_af_coef;
+
+// θ ← θ(1 − λα_t) − u' for len elements, u' = u / clip_div * alpha_t, or, with the first moment
+// m, m ← β1 m + (1 − β1) u' and u' = m.
+MN__OPT_INLINE void mn__opt_af_apply(const mn__opt_af_coef *c, const float *u, float *th, float *m,
+                                     uint64_t len) {
+    uint64_t j = 0;
+    float clip_div = c->clip_div, alpha = c->alpha, decay = c->decay_coef, b1 = c->b1, w1 = c->w1;
+    int wd = c->decay;
+#if MN__OV
+    for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes
+        mn__ovf v = mn__ov_load(u + j) / clip_div * alpha, x = mn__ov_load(th + j);
+        if (m) v = mn__ov_load(m + j) * b1 + w1 * v, mn__ov_store(m + j, v);
+        if (wd) x = x + decay * x;
+        mn__ov_store(th + j, x - v);
+    }
+#endif
+    for (; j < len; j++) {
+        float v = u[j] / clip_div * alpha;
+        if (m) v = m[j] = m[j] * b1 + w1 * v;
+        if (wd) th[j] = th[j] + decay * th[j];
+        th[j] = th[j] - v;
+    }
+}
+
+// The lanes of u² (ss) and θ² (ps) over rows [i0, i1) x columns [c0, c1) of batch b (c0 a
+// multiple of MN__OPT_AF_CHUNK), u recomputed chunk by chunk (keeping it would cost n floats).
+MN__OPT_INLINE void mn__opt_af_sq(const mn_adafactor *s, const float *param, const float *grad,
+                                  uint64_t b, const float *ic, float rmean, uint64_t i0,
+                                  uint64_t i1, uint64_t c0, uint64_t c1, double *ss, double *ps) {
+    const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
+    float u[MN__OPT_AF_CHUNK];
+    uint64_t i, j0, len;
+    for (i = i0; i < i1; i++) {
+        float rf = s->factored ? 1.0f / sqrtf(s->exp_avg_sq_row[b * s->rows + i] / rmean) : 1.0f;
+        uint64_t base = (b * s->rows + i) * s->cols;
+        for (j0 = c0; j0 < c1; j0 += len) {
+            len = c1 - j0 < MN__OPT_AF_CHUNK ? c1 - j0 : MN__OPT_AF_CHUNK;
+            mn__opt_af_u(s, col, ic, rf, grad, base, j0, len, u);
+            mn__opt_lanes_sq2(ss, u, ps, param + base + j0, len);
+        }
     }
 }
 
@@ -14057,13 +14203,16 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
                                    uint16_t *param16) {
     const mn_adafactor_params *p;
     double t, rho, beta2t, rms_u, clip;
-    double ss[MN__OPT_LANES] = {0}, ps[MN__OPT_LANES] = {0};
-    float b2t, w2t, eps1, alpha = 0, clip_div = 1, decay_coef = 0, b1 = 0, w1 = 0;
-    float u[MN__OPT_AF_CHUNK], icbuf[MN__OPT_AF_ICOL], *ic = NULL;
-    double csbuf[MN__OPT_AF_ICOL], *cs = NULL;
+    double ss[MN__OPT_LANES] = {0}, ps[MN__OPT_LANES] = {0}, t0;
+    double gs[MN__OPT_LANES] = {0}, gp[MN__OPT_LANES] = {0};  // a piece of whole batches
+    float b2t, w2t, eps1, alpha;
+    float icbuf[MN__OPT_AF_ICOL], *ic = NULL;
+    double csbuf[MN__OPT_AF_ICOL], *cs = NULL, *part = NULL;
     void *scratch = NULL;
-    uint64_t i, j, b, n, j0, len;
-    int pass;
+    uint64_t b, n;
+    mn__opt_af_geo q;
+    mn__opt_af_coef c;
+    int team;
     mn_result r;
     if (!s) return MN_ERR_INVALID_ARG;
     if ((r = mn__opt_step_check(s->n, param, grad, s->params.dtype, param16)) != MN_OK) return r;
@@ -14072,80 +14221,99 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
     t = (double)++s->step;
     beta2t = 1.0 - pow(t, (double)p->decay_rate);
     b2t = (float)beta2t, w2t = (float)(1.0 - beta2t), eps1 = p->eps1;
+    q = mn__opt_af_pieces(s->rows, s->cols);
+    // the thread count of the whole step: a team only for batches of several pieces
+    team = mn__tune_begin(&s->tune, q.bp ? 0 : s->rows * s->cols, MN__OPT_MIN_PAR, &t0);
     // scratch for the column sums and factors: without it (allocation failed), the column sums
-    // take a second read of g and each row recomputes the factors
+    // take a second read of g, each row recomputes the factors, and one thread runs the step
     if (s->factored && s->cols <= MN__OPT_AF_ICOL) {
         ic = icbuf, cs = csbuf;
     } else if (s->factored) {
-        scratch = mn__alloc_array(&s->alloc, (size_t)s->cols, sizeof(double) + sizeof(float));
-        if (scratch) cs = (double *)scratch, ic = (float *)(cs + s->cols);
+        scratch = mn__alloc_array(&s->alloc, (size_t)s->cols,
+                                  sizeof(double) * (1 + (size_t)team) + sizeof(float));
+        if (scratch) {
+            cs = (double *)scratch, part = cs + s->cols;
+            ic = (float *)(part + s->cols * (uint64_t)team);
+        } else {
+            team = 1;
+        }
     }
     if (s->factored) {
-        for (b = 0; b < s->batch; b++) mn__opt_af_moment(s, grad, b, b2t, w2t, eps1, cs);
+        for (b = 0; b < s->batch; b++)
+            mn__opt_af_moment(s, grad, b, &q, b2t, w2t, eps1, cs, part, team);
     } else {
-        i = 0;
+        int64_t k, nk = (int64_t)((n + MN__OPT_AF_CHUNK - 1) / MN__OPT_AF_CHUNK);
+        MN__OMP_FOR_TEAM(team, n, nk)
+        for (k = 0; k < nk; k++) {
+            uint64_t e = (uint64_t)k * MN__OPT_AF_CHUNK, end = e + MN__OPT_AF_CHUNK;
+            float *v = s->exp_avg_sq;
+            if (end > n) end = n;
 #if MN__OV
-        for (; i + MN__OW <= n; i += MN__OW) {  // the loop below, MN__OW lanes at a time
-            mn__ovf g = mn__ov_load(grad + i);
-            mn__ov_store(s->exp_avg_sq + i,
-                         mn__ov_load(s->exp_avg_sq + i) * b2t + w2t * (g * g + eps1));
-        }
+            for (; e + MN__OW <= end; e += MN__OW) {  // the loop below, MN__OW lanes at a time
+                mn__ovf g = mn__ov_load(grad + e);
+                mn__ov_store(v + e, mn__ov_load(v + e) * b2t + w2t * (g * g + eps1));
+            }
 #endif
-        for (; i < n; i++)
-            s->exp_avg_sq[i] = s->exp_avg_sq[i] * b2t + w2t * (grad[i] * grad[i] + eps1);
+            for (; e < end; e++) v[e] = v[e] * b2t + w2t * (grad[e] * grad[e] + eps1);
+        }
     }
-    // pass 0: the lanes of the sums of θ² (before the step) and u²; pass 1: apply
-    // u / max(1, RMS(u)/d) * alpha, through the first moment when there is one. Both walk the
-    // same chunks (multiples of 16 columns) and recompute u (keeping it would cost n floats).
-    for (pass = 0; pass < 2; pass++) {
-        if (pass == 1) {  // the step's scalars, from pass 0's sums
-            s->rms = (float)sqrt(mn__opt_lanes_total(ps) / (double)n);
-            if (p->lr > 0.0f) rho = p->lr;
-            else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
-            alpha = (float)(p->no_scale_parameter ? rho
-                                                  : fmax((double)p->eps2, (double)s->rms) * rho);
-            s->alpha = alpha;
-            rms_u = sqrt(mn__opt_lanes_total(ss) / (double)n);
-            clip = rms_u / (double)p->clip_threshold;
-            clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
-            decay_coef = -p->weight_decay * alpha;
-            b1 = p->beta1, w1 = 1.0f - p->beta1;
+    // pass 0: the lanes of the sums of θ² (before the step) and u², piece by piece
+    for (b = 0; b < s->batch; b++) {
+        const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
+        float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
+        int64_t k, nk = (int64_t)q.npb;
+        if (ic) mn__opt_af_icol(col, s->cols, ic);
+        if (q.bp) {  // pieces of whole batches
+            mn__opt_af_sq(s, param, grad, b, ic, rmean, 0, s->rows, 0, s->cols, gs, gp);
+            if ((b + 1) % q.bp != 0 && b + 1 < s->batch) continue;
+            mn__opt_lanes_add(ss, gs), mn__opt_lanes_add(ps, gp);
+            memset(gs, 0, sizeof gs), memset(gp, 0, sizeof gp);
+            continue;
         }
-        for (b = 0; b < s->batch; b++) {
-            const float *row = s->factored ? s->exp_avg_sq_row + b * s->rows : NULL;
-            const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
-            float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
-            if (ic) mn__opt_af_icol(col, s->cols, ic);
-            for (i = 0; i < s->rows; i++) {
-                float rf = s->factored ? 1.0f / sqrtf(row[i] / rmean) : 1.0f;
-                uint64_t base = (b * s->rows + i) * s->cols;
-                for (j0 = 0; j0 < s->cols; j0 += len) {
-                    float *th = param + base + j0, *m = s->exp_avg ? s->exp_avg + base + j0 : NULL;
-                    len = s->cols - j0 < MN__OPT_AF_CHUNK ? s->cols - j0 : MN__OPT_AF_CHUNK;
-                    mn__opt_af_u(s, col, ic, rf, grad, base, j0, len, u);
-                    if (pass == 0) {
-                        mn__opt_lanes_sq2(ss, u, ps, th, len);
-                        continue;
-                    }
-                    j = 0;
-#if MN__OV
-                    for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes
-                        mn__ovf v = mn__ov_load(u + j) / clip_div * alpha, x = mn__ov_load(th + j);
-                        if (m) v = mn__ov_load(m + j) * b1 + w1 * v, mn__ov_store(m + j, v);
-                        if (p->weight_decay != 0.0f) x = x + decay_coef * x;
-                        mn__ov_store(th + j, x - v);
-                    }
-#endif
-                    for (; j < len; j++) {
-                        float v = u[j] / clip_div * alpha;
-                        if (m) v = m[j] = m[j] * b1 + w1 * v;
-                        if (p->weight_decay != 0.0f) th[j] = th[j] + decay_coef * th[j];
-                        th[j] = th[j] - v;
-                    }
-                }
+        MN__OMP_FOR_ORDERED(team, nk)
+        for (k = 0; k < nk; k++) {
+            uint64_t ik = (uint64_t)k / q.spr * q.rp, jk = (uint64_t)k % q.spr * q.sp;
+            double ks[MN__OPT_LANES] = {0}, kp[MN__OPT_LANES] = {0};
+            mn__opt_af_sq(s, param, grad, b, ic, rmean, ik,
+                          ik + q.rp < s->rows ? ik + q.rp : s->rows, jk,
+                          jk + q.sp < s->cols ? jk + q.sp : s->cols, ks, kp);
+            MN__OMP_ORDERED {
+                mn__opt_lanes_add(ss, ks), mn__opt_lanes_add(ps, kp);
             }
         }
     }
+    // the step's scalars, from pass 0's sums
+    s->rms = (float)sqrt(mn__opt_lanes_total(ps) / (double)n);
+    if (p->lr > 0.0f) rho = p->lr;
+    else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
+    alpha = (float)(p->no_scale_parameter ? rho : fmax((double)p->eps2, (double)s->rms) * rho);
+    s->alpha = alpha;
+    rms_u = sqrt(mn__opt_lanes_total(ss) / (double)n);
+    clip = rms_u / (double)p->clip_threshold;
+    c.clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
+    c.alpha = alpha, c.decay_coef = -p->weight_decay * alpha, c.decay = p->weight_decay != 0.0f;
+    c.b1 = p->beta1, c.w1 = 1.0f - p->beta1;
+    // pass 1: apply u / max(1, RMS(u)/d) * alpha, through the first moment when there is one.
+    // No sums: each element on its own, so the team splits a batch's chunks any way it likes.
+    for (b = 0; b < s->batch; b++) {
+        const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
+        float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
+        uint64_t cpr = (s->cols + MN__OPT_AF_CHUNK - 1) / MN__OPT_AF_CHUNK;  // chunks per row
+        int64_t k, nk = (int64_t)(s->rows * cpr);
+        if (ic) mn__opt_af_icol(col, s->cols, ic);
+        MN__OMP_FOR_TEAM(team, s->rows * s->cols, nk)
+        for (k = 0; k < nk; k++) {
+            uint64_t ik = b * s->rows + (uint64_t)k / cpr;
+            uint64_t jk = (uint64_t)k % cpr * MN__OPT_AF_CHUNK;
+            uint64_t lk = s->cols - jk < MN__OPT_AF_CHUNK ? s->cols - jk : MN__OPT_AF_CHUNK;
+            float uk[MN__OPT_AF_CHUNK];
+            float rf = s->factored ? 1.0f / sqrtf(s->exp_avg_sq_row[ik] / rmean) : 1.0f;
+            mn__opt_af_u(s, col, ic, rf, grad, ik * s->cols, jk, lk, uk);
+            mn__opt_af_apply(&c, uk, param + ik * s->cols + jk,
+                             s->exp_avg ? s->exp_avg + ik * s->cols + jk : NULL, lk);
+        }
+    }
+    mn__tune_end(&s->tune, team, t0);
     mn__free(&s->alloc, scratch);
     mn__opt_store16(p->dtype, param, param16, n);
     return MN_OK;

@@ -776,9 +776,10 @@ static void test_lion(void) {
 // against mn_adafactor_step over 5 steps: factored ([3,5,37], [64,96]) and not ([1003]);
 // relative step, fixed lr with beta1 and weight decay, no_scale_parameter with warmup_init.
 // The host sums run in the host step's order (16 double lanes by column, lane l taking the
-// columns j % 16 == l row after row, added by a fixed tree: mnt_lanes_total), so the results are
-// bit-for-bit equal; the device adds the same terms in another order (within 1e-5 on the GPU
-// test).
+// columns j % 16 == l row after row, added by a fixed tree: mnt_lanes_total; these tensors are
+// one piece of the host's sums, at most 65536 elements, so the terms go in one sequence), so the
+// results are bit-for-bit equal; the device adds the same terms in another order (within 1e-5 on
+// the GPU test).
 
 static void test_adafactor(void) {
     static const uint64_t shapes[][3] = {{3, 5, 37}, {1, 64, 96}, {1, 1, 1003}};

@@ -7,6 +7,9 @@
 #include <string.h>
 #include "harness.h"
 #include "../memanat.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 void test_optim_divc_bits(void);  // test_optimmath.c
 void test_optim_team_tune(void);  // test_optimmath.c
@@ -1613,19 +1616,56 @@ static void test_adamw8bit_bits_vs_plain_loop(void) {
     }
 }
 
+// The pieces of Adafactor's sums (memanat.h, MN__OPT_AF_PIECE): a batch of at most 65536
+// elements goes whole, bp = 65536 / (rows * cols) batches to a piece; rows of at most 65536
+// columns go rp = 65536 / cols at a time; wider rows 65536 columns at a time (sp).
+enum { AF_PIECE = 65536 };
+typedef struct af_geo {
+    uint64_t bp, rp, sp, rows, cols;
+} af_geo;
+static af_geo af_pieces(uint64_t rows, uint64_t cols) {
+    af_geo q;
+    q.rows = rows, q.cols = cols, q.bp = 0, q.rp = 1, q.sp = cols;
+    if (cols > AF_PIECE) q.sp = AF_PIECE;
+    else if (rows * cols <= AF_PIECE) q.bp = AF_PIECE / (rows * cols), q.rp = rows;
+    else q.rp = AF_PIECE / cols;
+    return q;
+}
+// The piece of flat element e (pieces are runs of consecutive elements, numbered in order).
+static uint64_t af_piece_of(const af_geo *q, uint64_t e) {
+    uint64_t j = e % q->cols, i = e / q->cols % q->rows, b = e / q->cols / q->rows;
+    uint64_t spr = (q->cols + q->sp - 1) / q->sp, rpb = (q->rows + q->rp - 1) / q->rp;
+    if (q->bp) return b / q->bp;
+    return (b * rpb + i / q->rp) * spr + j / q->sp;
+}
+// lane[l] += piece[l], then piece zeroed: a piece's lanes added to the total in piece order.
+static void af_flush(double *lane, double *piece) {
+    int l;
+    for (l = 0; l < 16; l++) lane[l] += piece[l], piece[l] = 0.0;
+}
+
 // transformers Adafactor.step per element (memanat.h's comment block): second moment, RMS(param)
-// and RMS(u) summed in double in the step's order (mnt_lanes_total: a row's sum of g² + eps1, and
-// the sums of p² and u², in 16 lanes by column), then the update.
+// and RMS(u) summed in double in the step's order, then the update. The order: a row's sum of
+// g² + eps1 in 16 lanes by column (lane l takes the columns j % 16 == l), span by span of the
+// row's pieces, added by mnt_lanes_total; a column's sum rp rows at a time, the partials added in
+// order; the sums of p² and u² in 16 lanes by column, each piece's lanes (in flat order) added to
+// the total in piece order.
 static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *p, const float *g,
                                const uint64_t *dims, uint32_t nd, float *R, float *C, float *V,
                                float *M) {
-    uint64_t n = 1, rows, cols, batch, b, i, j, k;
-    double sum, rho, beta2t, rms, clip, lane[16] = {0}, ss[16] = {0};
+    uint64_t n = 1, rows, cols, batch, b, i, j, k, e, pc;
+    double sum, part, rho, beta2t, rms, clip, lane[16] = {0}, ss[16] = {0}, pl[16] = {0};
     float b2t, w2t, alpha, clip_div, decay;
     uint32_t d;
+    af_geo q;
     for (d = 0; d < nd; d++) n *= dims[d];
     cols = dims[nd - 1], rows = nd >= 2 ? dims[nd - 2] : 1, batch = n / (rows * cols);
-    for (i = 0; i < n; i++) lane[i % cols % 16] += (double)p[i] * p[i];
+    q = af_pieces(rows, cols);
+    for (pc = 0, e = 0; e < n; e++) {
+        if (af_piece_of(&q, e) != pc) af_flush(lane, pl), pc = af_piece_of(&q, e);
+        pl[e % cols % 16] += (double)p[e] * p[e];
+    }
+    af_flush(lane, pl);
     rms = (float)sqrt(mnt_lanes_total(lane) / (double)n);
     rho = a->lr > 0.0f ? a->lr : fmin(a->warmup_init ? 1e-6 * (double)t : 1e-2, 1.0 / sqrt(t));
     alpha = (float)(a->no_scale_parameter ? rho : fmax((double)a->eps2, rms) * rho);
@@ -1635,21 +1675,27 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
         const float *gb = g + b * rows * cols;
         for (i = 0; i < rows; i++) {
             memset(lane, 0, sizeof lane);
-            for (j = 0; j < cols; j++)
-                lane[j % 16] += (double)(gb[i * cols + j] * gb[i * cols + j] + a->eps1);
+            for (j = 0; j < cols; j++) {
+                if (j % q.sp == 0) af_flush(lane, pl);
+                pl[j % 16] += (double)(gb[i * cols + j] * gb[i * cols + j] + a->eps1);
+            }
+            af_flush(lane, pl);
             R[b * rows + i] =
                 R[b * rows + i] * b2t + w2t * (float)(mnt_lanes_total(lane) / (double)cols);
         }
         for (j = 0; j < cols; j++) {
-            for (sum = 0.0, i = 0; i < rows; i++)
-                sum += (double)(gb[i * cols + j] * gb[i * cols + j] + a->eps1);
+            for (sum = 0.0, i = 0; i < rows; i += q.rp) {
+                for (part = 0.0, k = i; k < i + q.rp && k < rows; k++)
+                    part += (double)(gb[k * cols + j] * gb[k * cols + j] + a->eps1);
+                sum = i == 0 ? part : sum + part;
+            }
             C[b * cols + j] = C[b * cols + j] * b2t + w2t * (float)(sum / (double)rows);
         }
     }
     for (i = 0; i < n && nd < 2; i++) V[i] = V[i] * b2t + w2t * (g[i] * g[i] + a->eps1);
     decay = -a->weight_decay * alpha;
     for (clip_div = 1.0f, k = 0; k < 2; k++) {
-        for (b = 0; b < batch; b++) {
+        for (pc = 0, b = 0; b < batch; b++) {
             float rmean = 1.0f;
             if (nd >= 2) {
                 for (sum = 0.0, i = 0; i < rows; i++) sum += R[b * rows + i];
@@ -1658,11 +1704,13 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
             for (i = 0; i < rows; i++) {
                 float rf = nd >= 2 ? 1.0f / sqrtf(R[b * rows + i] / rmean) : 1.0f;
                 for (j = 0; j < cols; j++) {
-                    uint64_t e = (b * rows + i) * cols + j;
-                    float u = nd >= 2 ? rf * (1.0f / sqrtf(C[b * cols + j])) * g[e]
-                                      : (1.0f / sqrtf(V[e])) * g[e];
+                    float u;
+                    e = (b * rows + i) * cols + j;
+                    u = nd >= 2 ? rf * (1.0f / sqrtf(C[b * cols + j])) * g[e]
+                                : (1.0f / sqrtf(V[e])) * g[e];
                     if (k == 0) {
-                        ss[j % 16] += (double)u * u;
+                        if (af_piece_of(&q, e) != pc) af_flush(ss, pl), pc = af_piece_of(&q, e);
+                        pl[j % 16] += (double)u * u;
                         continue;
                     }
                     u = u / clip_div * alpha;
@@ -1672,6 +1720,7 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
                 }
             }
         }
+        af_flush(ss, pl);
         clip = sqrt(mnt_lanes_total(ss) / (double)n) / (double)a->clip_threshold;
         clip_div = (float)(clip > 1.0 ? clip : 1.0);
     }
@@ -1763,6 +1812,126 @@ static void test_adafactor_wide_bits_vs_plain_loop(void) {
         mn_adafactor_free(&s);
         free(p), free(g), free(rp), free(M), free(R), free(C);
     }
+}
+
+// Adafactor on shapes of several pieces of its sums (pieces of whole batches, of rows, of
+// row spans, a vector of spans), ragged last pieces, one of them wider than the stacked scratch
+// and one whose scratch allocation fails (the column sums then take a second read, rp rows at a
+// time): the plain loop's bits over 3 steps, then the steps that a team of two threads takes
+// (from shapes large enough for one) against one thread's and the plain loop's, bit for bit.
+static void test_adafactor_pieces_bits(void) {
+    static const uint64_t shapes[][3] = {
+        {40, 50, 40}, {300, 700, 0}, {3, 70001, 0}, {150001, 0, 0}, {90, 3001, 0},
+        {1100, 1000, 0}, {2, 1030, 1031}, {400, 3000, 0}, {17, 70001, 0}, {1100017, 0, 0}};
+    static const uint32_t nds[] = {3, 2, 2, 1, 2, 2, 3, 2, 2, 1};
+    size_t q;
+    for (q = 0; q < sizeof nds / sizeof nds[0]; q++) {
+        const uint64_t *dims = shapes[q];
+        uint32_t nd = nds[q], d;
+        uint64_t n = 1, nr, nc;
+        int big = q >= 5, runs = 1, run, t, ok = 1;
+        float *p, *g, *rp, *R, *C, *V, *M;
+        mn_adafactor s[2];
+        mn_adafactor_params prm;
+        for (d = 0; d < nd; d++) n *= dims[d];
+        nr = nd >= 2 ? n / dims[nd - 1] : 1, nc = nd >= 2 ? n / dims[nd - 2] : 1;
+        p = mnt_fvec(2 * n), g = mnt_fvec(n), rp = mnt_fvec(n), V = mnt_fvec(n), M = mnt_fvec(n);
+        R = mnt_fvec(nr), C = mnt_fvec(nc);
+        memset(&prm, 0, sizeof prm);
+        if (q % 2) prm.beta1 = 0.9f, prm.weight_decay = 0.01f;
+        if (q % 3 == 2) prm.clip_threshold = 0.05f;
+#ifdef _OPENMP
+        if (big) runs = 2;
+#endif
+        for (run = 0; run < runs; run++) CHECK_OK(mn_adafactor_init(&s[run], dims, nd, &prm, NULL));
+        memset(R, 0, nr * 4), memset(C, 0, nc * 4), memset(V, 0, n * 4), memset(M, 0, n * 4);
+        fill_case(p, n, 1.0);
+        memcpy(rp, p, n * 4), memcpy(p + n, p, n * 4);
+        for (t = 1; t <= 3; t++) {
+            mnt_fill_normal(g, n, t % 2 ? 1e-2 : 1.0);
+            for (run = 0; run < runs; run++) {
+#ifdef _OPENMP
+                int saved = omp_get_max_threads();
+                omp_set_num_threads(run + 1);
+                memset(&s[run].tune, 0, sizeof s[run].tune);  // untimed: the team runs the step
+#endif
+                if (q == 4 && t == 2) mnt_fail_alloc_after(1);  // the scratch of 3001 columns
+                CHECK_OK(mn_adafactor_step(&s[run], p + run * n, g, NULL));
+                mnt_fail_alloc_after(0);
+#ifdef _OPENMP
+                omp_set_num_threads(saved);
+#endif
+            }
+            ref_adafactor_step(&s[0].params, (uint64_t)t, rp, g, dims, nd, R, C, V,
+                               s[0].exp_avg ? M : NULL);
+            for (run = 0; run < runs; run++) {
+                ok &= same_bits(p + run * n, rp, n * 4);
+                ok &= nd >= 2 ? same_bits(s[run].exp_avg_sq_row, R, nr * 4) &&
+                                    same_bits(s[run].exp_avg_sq_col, C, nc * 4)
+                              : same_bits(s[run].exp_avg_sq, V, n * 4);
+                ok &= !s[run].exp_avg || same_bits(s[run].exp_avg, M, n * 4);
+            }
+        }
+        CHECK_MSG(ok, "adafactor shape %d (%d runs): not the plain loop's bits", (int)q, runs);
+        for (run = 0; run < runs; run++) mn_adafactor_free(&s[run]);
+        free(p), free(g), free(rp), free(R), free(C), free(V), free(M);
+        (void)big;
+    }
+}
+
+// Data on which the order of Adafactor's sums shows in the floats, at [1024, 1040] (17 pieces:
+// 16 of 63 rows, one of 16; 65 columns of each lane in a row): g = p = 1 but g[0][0] = 2^27,
+// g[1][0] = 2^15 and p[0][0] = y. Column 0's terms are 2^54, 2^30 and ones: each one added
+// alone to 2^54 + 2^30 vanishes (half an ulp is 2), so in one sequence the sum stays 2^54 + 2^30,
+// whose mean (/ 1024) is halfway between two floats and rounds down (to even), while the later
+// pieces' ones, summed first, count and round it up. RMS(p): lane 0 holds y² (>= 2^54) and
+// ones the same way; y is found where the two orders give different floats.
+static float af_order_rms(float y, int pieces) {
+    double lane[16];
+    int k, l;
+    for (l = 0; l < 16; l++) lane[l] = 1024.0 * 65;
+    lane[0] = (double)y * y;
+    for (k = 1; pieces && k < 17; k++) lane[0] += (k < 16 ? 63.0 : 16.0) * 65;
+    return (float)sqrt(mnt_lanes_total(lane) / (1024.0 * 1040));
+}
+
+static void test_adafactor_pieces_order(void) {
+    uint64_t dims[2] = {1024, 1040}, n = 1024 * 1040, i;
+    float y = 134217728.0f, cp = (float)((18014398509481984.0 + 1073741824.0) / 1024.0);  // 2^27
+    float *p = mnt_fvec(2 * n), *g = mnt_fvec(n), *rp = mnt_fvec(n), *R = mnt_fvec(1024);
+    float *C = mnt_fvec(1040);
+    int run, runs = 1, tries;
+    for (tries = 0; tries < 1 << 20 && af_order_rms(y, 1) == af_order_rms(y, 0); tries++)
+        y = nextafterf(y, INFINITY);
+    CHECK(af_order_rms(y, 1) != af_order_rms(y, 0));  // the data tells the orders apart
+#ifdef _OPENMP
+    runs = 2;
+#endif
+    for (i = 0; i < n; i++) g[i] = 1.0f, rp[i] = 1.0f;
+    g[0] = 134217728.0f, g[1040] = 32768.0f, rp[0] = y;
+    memset(R, 0, 1024 * 4), memset(C, 0, 1040 * 4);
+    memcpy(p, rp, n * 4), memcpy(p + n, rp, n * 4);
+    for (run = 0; run < runs; run++) {
+        mn_adafactor s;
+        CHECK_OK(mn_adafactor_init(&s, dims, 2, NULL, NULL));
+        if (run == 0) ref_adafactor_step(&s.params, 1, rp, g, dims, 2, R, C, NULL, NULL);
+        CHECK(C[0] > cp);  // rounded up: one sequence would give cp
+#ifdef _OPENMP
+        {
+            int saved = omp_get_max_threads();
+            omp_set_num_threads(run + 1);  // a fresh state: the team takes the first step
+            CHECK_OK(mn_adafactor_step(&s, p + run * n, g, NULL));
+            omp_set_num_threads(saved);
+        }
+#else
+        CHECK_OK(mn_adafactor_step(&s, p + run * n, g, NULL));
+#endif
+        CHECK(s.exp_avg_sq_col[0] == C[0] && s.rms == af_order_rms(y, 1));
+        CHECK(same_bits(p + run * n, rp, n * 4) && same_bits(s.exp_avg_sq_row, R, 1024 * 4) &&
+              same_bits(s.exp_avg_sq_col, C, 1040 * 4));
+        mn_adafactor_free(&s);
+    }
+    free(p), free(g), free(rp), free(R), free(C);
 }
 
 // Checks the codes of mn_quantize_blockwise for x [n] (blocks of bs) against the search.
@@ -1886,6 +2055,8 @@ const mnt_case test_optim_cases[] = {
     {"adamw8bit_bits_vs_plain_loop", test_adamw8bit_bits_vs_plain_loop},
     {"adafactor_bits_vs_plain_loop", test_adafactor_bits_vs_plain_loop},
     {"adafactor_wide_bits_vs_plain_loop", test_adafactor_wide_bits_vs_plain_loop},
+    {"adafactor_pieces_bits", test_adafactor_pieces_bits},
+    {"adafactor_pieces_order", test_adafactor_pieces_order},
     {"divc_bits", test_optim_divc_bits},
     {"team_tune", test_optim_team_tune},
     {"quantize_table_vs_search", test_quantize_table_vs_search},
