@@ -65,12 +65,12 @@ if [ -n "$SAN" ]; then
     # each case alone (a case's name selects only it); the device OOM that cache_oom induces on
     # purpose is an API error memcheck would count, so that case runs with API errors unreported
     for t in cache cache_streams shared_stream gelu residual workspace layernorm softmax attention \
-             crossentropy embedding adamw adamw8bit sgd_lion adafactor matmul; do
+             crossentropy global_norm embedding adamw adamw8bit sgd_lion adafactor matmul; do
         run "memcheck_$t" 120 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda "$t"
     done
     run memcheck_cache_oom 120 "$SAN" --tool memcheck --report-api-errors no --error-exitcode 3 \
         ./build/test_cuda cache_oom
-    for t in layernorm softmax crossentropy adamw adamw8bit adafactor; do
+    for t in layernorm softmax crossentropy global_norm adamw adamw8bit adafactor; do
         run "racecheck_$t" 120 "$SAN" --tool racecheck --error-exitcode 3 ./build/test_cuda "$t"
     done
     # matmul (the dGELU/dbias column kernel): cuBLAS's own sm90 GEMM kernels (nvjet_*) draw
