@@ -13441,14 +13441,14 @@ MN__PRIVATE uint8_t mn__opt_nearest(const float *map, float x) {
 // float and the one threshold inside it, and the table is used only when no bucket holds two and
 // the two edge buckets of each sign hold none (checked as it is built; true for both dynamic maps).
 // Every float of an inner bucket shares the top 16 bits of its order key (mn__opt_okey), so x >= T
-// is a comparison of the low 16 bits L of the keys, and a bucket is one 32-bit word: the index p at
-// its smallest float shifted up by 17, plus 2^17 - L(T) (L(T) = 2^16, which no key reaches, where it
-// has none). Adding L(x) < 2^16 to the word carries into bit 17 exactly when L(x) >= L(T), so the
-// index of x is (word + L(x)) >> 17. One gather per MN__OW values where the instruction set has one:
-// on AVX-512 it costs less than a branch-free binary search of the 255 thresholds held in
-// registers (eight levels of permutes and compares). The search it replaces is bitsandbytes'
-// (csrc/kernels.cu dQuantize: binary search, then the nearer neighbour). The test compares the two
-// on each bucket's edges, around every midpoint and on a sweep of [-1, 1]; with
+// is a comparison of the low 16 bits L of the keys, and a bucket is one 32-bit word: the index p
+// at its smallest float shifted up by 17, plus 2^17 - L(T) (L(T) = 2^16, which no key reaches,
+// where it has none). Adding L(x) < 2^16 to the word carries into bit 17 exactly when
+// L(x) >= L(T), so the index of x is (word + L(x)) >> 17. One gather per MN__OW values where the
+// instruction set has one: on AVX-512 it costs less than a branch-free binary search of the 255
+// thresholds held in registers (eight levels of permutes and compares). The search it replaces is
+// bitsandbytes' (csrc/kernels.cu dQuantize: binary search, then the nearer neighbour). The test
+// compares the two on each bucket's edges, around every midpoint and on a sweep of [-1, 1]; with
 // MN_TEST_EXHAUSTIVE=1 on every float of [-1, 1].
 #define MN__OPT_QM 7u
 #define MN__OPT_QE0 103u  // biased exponent of 2^-24
