@@ -13067,6 +13067,17 @@ static inline mn__ovf mn__ov_abs(mn__ovf a) { return (mn__ovf)((mn__ovi)a & 0x7f
     ((mn__ovf)_mm256_mask_i32gather_ps(_mm256_setzero_ps(), (p), (__m256i)(idx), \
                                        _mm256_castsi256_ps(_mm256_set1_epi32(-1)), 4))
 #endif
+// Lane-wise maximum and minimum of 32-bit integers, where there is a gather; MN__OMAXF(a, b) is
+// a > b ? a : b lane by lane (b where either is NaN).
+#if defined(__AVX512F__)
+#define MN__OMAXF(a, b) ((mn__ovf)_mm512_max_ps((__m512)(a), (__m512)(b)))
+#define MN__OMAXI(a, b) ((mn__ovi)_mm512_max_epi32((__m512i)(a), (__m512i)(b)))
+#define MN__OMINI(a, b) ((mn__ovi)_mm512_min_epi32((__m512i)(a), (__m512i)(b)))
+#elif defined(__AVX2__)
+#define MN__OMAXF(a, b) ((mn__ovf)_mm256_max_ps((__m256)(a), (__m256)(b)))
+#define MN__OMAXI(a, b) ((mn__ovi)_mm256_max_epi32((__m256i)(a), (__m256i)(b)))
+#define MN__OMINI(a, b) ((mn__ovi)_mm256_min_epi32((__m256i)(a), (__m256i)(b)))
+#endif
 // x / c for a float c (the same c for every lane) as RN32(RN64(x * RN64(1 / c))): x widened to
 // double, one multiplication by the reciprocal rounded to double, narrowed back. Wherever x / c
 // is not below FLT_MIN in magnitude (or is 0, inf, NaN), this is the correctly rounded quotient:
@@ -13430,13 +13441,14 @@ MN__PRIVATE uint8_t mn__opt_nearest(const float *map, float x) {
 // float and the one threshold inside it, and the table is used only when no bucket holds two and
 // the two edge buckets of each sign hold none (checked as it is built; true for both dynamic maps).
 // Every float of an inner bucket shares the top 16 bits of its order key (mn__opt_okey), so x >= T
-// is a comparison of the low 16 bits of the keys, and a bucket is one 32-bit word: the index at
-// its smallest float above bit 17, the low key bits of its threshold below (0x10000, which no key
-// reaches, where it has none). One gather per MN__OW values where the instruction set has one:
-// on AVX-512 it costs less than a branch-free binary search of the 255 thresholds held in
-// registers (eight levels of permutes and compares). The search it replaces is bitsandbytes'
-// (csrc/kernels.cu dQuantize: binary search, then the nearer neighbour). The test compares the two
-// on each bucket's edges, around every midpoint and on a sweep of [-1, 1]; with
+// is a comparison of the low 16 bits L of the keys, and a bucket is one 32-bit word: the index p
+// at its smallest float shifted up by 17, plus 2^17 - L(T) (L(T) = 2^16, which no key reaches,
+// where it has none). Adding L(x) < 2^16 to the word carries into bit 17 exactly when
+// L(x) >= L(T), so the index of x is (word + L(x)) >> 17. One gather per MN__OW values where the
+// instruction set has one: on AVX-512 it costs less than a branch-free binary search of the 255
+// thresholds held in registers (eight levels of permutes and compares). The search it replaces is
+// bitsandbytes' (csrc/kernels.cu dQuantize: binary search, then the nearer neighbour). The test
+// compares the two on each bucket's edges, around every midpoint and on a sweep of [-1, 1]; with
 // MN_TEST_EXHAUSTIVE=1 on every float of [-1, 1].
 #define MN__OPT_QM 7u
 #define MN__OPT_QE0 103u  // biased exponent of 2^-24
@@ -13508,7 +13520,7 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
             if (j == 0 || j == MN__OPT_QJ - 1u) t->ok = 0;  // keys differ above the low 16 bits
             lob = mn__opt_okey(thr[p]) & 0xffffu;
         }
-        t->ent[k] = p << 17 | lob;
+        t->ent[k] = (p << 17) + 0x20000u - lob;
         if (p + 1 < 255 && thr[p + 1] <= last) t->ok = 0;
     }
 }
@@ -13516,7 +13528,7 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map) {
 static inline uint8_t mn__opt_nearest_tab(const mn__opt_qtab *t, float x) {
     uint32_t u = mn__opt_bits(x), e = t->ent[mn__opt_qbucket(x)];
     uint32_t lo = (u ^ (0u - (u >> 31))) & 0xffffu;  // the low 16 bits of mn__opt_okey(x)
-    uint32_t c = (e >> 17) + (uint32_t)(lo >= (e & 0x1ffffu));
+    uint32_t c = (e + lo) >> 17;
     // NaN: 0, as the search's comparisons all fail
     return (uint8_t)(c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u)));
 }
@@ -13544,6 +13556,25 @@ static inline __m512 mn__opt_lut256(const float *map, __m512i ix) {
 // the search for some 10^4 elements); the search below it. Both give the same codes.
 #define MN__OPT_QTAB_MIN 16384u
 
+#if defined(MN__OGATHER)
+// codes[l] for the MN__OW values x of mn__opt_codes (unscaled) through the table's entries ent.
+static inline void mn__opt_codes_v(const uint32_t *ent, mn__ovf x, float scale, int keep_sign,
+                                   int32_t zero, uint8_t *codes) {
+    const mn__ovi e0 = {0}, jmax = e0 + (int32_t)(MN__OPT_QJ - 1u);
+    mn__ovf xv = x * scale;
+    mn__ovi u = (mn__ovi)xv, s = u >> 31, j, k, e, c;
+    int l;
+    j = ((u & 0x7fffffff) >> (23 - MN__OPT_QM)) - (int32_t)(MN__OPT_QE0 << MN__OPT_QM);
+    j = MN__OMINI(MN__OMAXI(j, e0), jmax);
+    k = (j ^ s) + (int32_t)MN__OPT_QJ;  // j ^ -1 = -1 - j: the negative half runs backwards
+    e = (mn__ovi)MN__OGATHER((const float *)ent, k);
+    c = (e + ((u ^ s) & 0xffff)) >> 17;  // below 2^25: no sign
+    c = c & (xv == xv);
+    if (keep_sign) c = c + ((x < 0.0f) & (c >= zero));
+    for (l = 0; l < MN__OW; l++) codes[l] = (uint8_t)c[l];
+}
+#endif
+
 // codes[i] = mn__opt_nearest(map, x[i] * scale) for i < n, through the table t when there is one
 // (NULL: the search); with keep_sign, one entry lower where x[i] < 0 and the entry is not below 0.
 MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const float *x,
@@ -13561,20 +13592,8 @@ MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const fl
     zero = t->zero;  // a local: the stores to codes could otherwise alias it
     i = 0;
 #if defined(MN__OGATHER)
-    for (; i + MN__OW <= n; i += MN__OW) {  // mn__opt_nearest_tab, MN__OW lanes at a time
-        const mn__ovi e0 = {0}, jmax = e0 + (int32_t)(MN__OPT_QJ - 1u);
-        mn__ovf xv = mn__ov_load(x + i) * scale;
-        mn__ovi u = (mn__ovi)xv, j, k, e, c;
-        int l;
-        j = ((u & 0x7fffffff) >> (23 - MN__OPT_QM)) - (int32_t)(MN__OPT_QE0 << MN__OPT_QM);
-        j = (j & ~(j < 0)), j = (j & (j <= jmax)) | (jmax & (j > jmax));
-        k = ((jmax - j) & (u < 0)) | ((j + (int32_t)MN__OPT_QJ) & (u >= 0));
-        e = (mn__ovi)MN__OGATHER((const float *)t->ent, k);
-        c = ((e >> 17) & 0x7fff) - (((u ^ (u >> 31)) & 0xffff) >= (e & 0x1ffff));
-        c = c & (xv == xv);
-        if (keep_sign) c = c + ((mn__ov_load(x + i) < 0.0f) & (c >= zero));
-        for (l = 0; l < MN__OW; l++) codes[i + (uint64_t)l] = (uint8_t)c[l];
-    }
+    for (; i + MN__OW <= n; i += MN__OW)  // mn__opt_nearest_tab, MN__OW lanes at a time
+        mn__opt_codes_v(t->ent, mn__ov_load(x + i), scale, keep_sign, zero, codes + i);
 #endif
     for (; i < n; i++) {
         q = mn__opt_nearest_tab(t, x[i] * scale);
@@ -13664,9 +13683,9 @@ MNIMPL mn_result mn_adamw8bit_init(mn_adamw8bit *s, const uint64_t *dims, uint32
 }
 
 // One block of the quantized step: k0 is its first element, len its length (at most
-// MN__OPT_MAX_BLOCK). Three loops: the moments and their new block scales; the parameter update
-// (vector lanes: per element the same operations as the plain loop, so the same bits); the codes.
-// The block scales are maxima, which do not depend on the order in which they are taken.
+// MN__OPT_MAX_BLOCK). Two passes: the moments and their new block scales; the parameter update
+// (vector lanes: per element the same operations as the plain loop, so the same bits) and the
+// codes. The block scales are maxima, which do not depend on the order in which they are taken.
 typedef struct mn__opt_a8 {
     const mn__opt_qtab *q1, *q2;
     const float *map1, *map2;  // [256] each
@@ -13674,18 +13693,31 @@ typedef struct mn__opt_a8 {
     int decay_on;
 } mn__opt_a8;
 
+#if MN__OV
+// The parameter update of mn__opt_a8_block for MN__OW lanes: t unchanged where g is not finite.
+static inline mn__ovf mn__opt_a8_param(const mn__opt_a8 *c, mn__ovf t, mn__ovf m, mn__ovf v,
+                                       mn__ovf g) {
+    mn__ovf u = t + c->step_size * (m / (MN__OSQRT(v) + c->eps_c));
+    mn__ovi fin = ((mn__ovi)g & 0x7f800000) != 0x7f800000;
+    if (c->decay_on) u = u * c->decay;
+    return mn__ov_sel(fin, u, t);
+}
+#endif
+
 MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *param,
                                   const float *grad, uint64_t b, uint64_t k0, uint64_t len) {
     float mbuf[MN__OPT_MAX_BLOCK], vbuf[MN__OPT_MAX_BLOCK];
     const float *map1 = c->map1, *map2 = c->map2;
     const uint8_t *code1 = s->code1 + k0, *code2 = s->code2 + k0;
+    uint8_t *cd1 = s->code1 + k0, *cd2 = s->code2 + k0;
     const float *g = grad + k0;
     float *th = param + k0;
     float a1 = s->absmax1[b], a2 = s->absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
     float w1 = 1.0f - c->b1, w2 = 1.0f - c->b2, ss = c->step_size, eps = c->eps_c;
-    uint64_t j;
+    uint64_t j, jc;
     j = 0;
 #ifdef MN__OGATHER
+    mn__ovf mx1 = {0}, mx2 = {0};  // the block maxima so far, lane by lane (as the scalar loop's)
     for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes at a time
         mn__ovi i1 = {0}, i2 = {0}, fin;
         mn__ovf gj = mn__ov_load(g + j), m, v;
@@ -13700,35 +13732,26 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
         m = MN__OGATHER(map1, i1) * a1 * c->b1 + w1 * gj;
         v = MN__OGATHER(map2, i2) * a2 * c->b2 + w2 * gj * gj;
 #endif
-        mn__ov_store(mbuf + j, (mn__ovf)((mn__ovi)m & fin));
-        mn__ov_store(vbuf + j, (mn__ovf)((mn__ovi)v & fin));
+        m = (mn__ovf)((mn__ovi)m & fin), v = (mn__ovf)((mn__ovi)v & fin);
+        mn__ov_store(mbuf + j, m);
+        mn__ov_store(vbuf + j, v);
+        mx1 = MN__OMAXF(mn__ov_abs(m), mx1), mx2 = MN__OMAXF(v, mx2);
     }
-#endif
-    for (; j < len; j++) {  // dequantize and update the moments; 0 where g is inf/NaN
-        float gj = g[j];
-        int fin = mn__opt_finite(gj);
-        float m = map1[code1[j]] * a1 * c->b1 + w1 * gj;
-        float v = map2[code2[j]] * a2 * c->b2 + w2 * gj * gj;
-        mbuf[j] = fin ? m : 0.0f, vbuf[j] = fin ? v : 0.0f;
-    }
-    j = 0;
-#if MN__OV
     {
-        mn__ovf mx1, mx2, zero = {0};
         int l;
-        mx1 = zero, mx2 = zero;
-        for (; j + MN__OW <= len; j += MN__OW) {
-            mn__ovf am = mn__ov_abs(mn__ov_load(mbuf + j)), v = mn__ov_load(vbuf + j);
-            mx1 = mn__ov_sel(am > mx1, am, mx1), mx2 = mn__ov_sel(v > mx2, v, mx2);
-        }
         for (l = 0; l < MN__OW; l++) {
             if (mx1[l] > n1) n1 = mx1[l];
             if (mx2[l] > n2) n2 = mx2[l];
         }
     }
 #endif
-    for (; j < len; j++) {
-        float am = fabsf(mbuf[j]);
+    for (; j < len; j++) {  // dequantize and update the moments; 0 where g is inf/NaN
+        float gj = g[j], am;
+        int fin = mn__opt_finite(gj);
+        float m = map1[code1[j]] * a1 * c->b1 + w1 * gj;
+        float v = map2[code2[j]] * a2 * c->b2 + w2 * gj * gj;
+        mbuf[j] = fin ? m : 0.0f, vbuf[j] = fin ? v : 0.0f;
+        am = fabsf(mbuf[j]);  // the block maxima; a NaN never counts
         if (am > n1) n1 = am;
         if (vbuf[j] > n2) n2 = vbuf[j];
     }
@@ -13736,14 +13759,23 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
     inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
     inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
     j = 0;
-#if MN__OV
-    for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes at a time
-        mn__ovf m = mn__ov_load(mbuf + j), v = mn__ov_load(vbuf + j), gj = mn__ov_load(g + j);
-        mn__ovf t = mn__ov_load(th + j), u = t + ss * (m / (MN__OSQRT(v) + eps));
-        mn__ovi fin = ((mn__ovi)gj & 0x7f800000) != 0x7f800000;
-        if (c->decay_on) u = u * c->decay;
-        mn__ov_store(th + j, mn__ov_sel(fin, u, t));
+#if defined(MN__OGATHER)
+    if (c->q1 && c->q2) {  // the loop below and the codes' of both maps at once: one pass
+        int32_t z1 = c->q1->zero;
+        for (; j + MN__OW <= len; j += MN__OW) {
+            mn__ovf m = mn__ov_load(mbuf + j), v = mn__ov_load(vbuf + j);
+            mn__ov_store(th + j, mn__opt_a8_param(c, mn__ov_load(th + j), m, v,
+                                                  mn__ov_load(g + j)));
+            mn__opt_codes_v(c->q1->ent, m, inv1, 1, z1, cd1 + j);  // m < 0 keeps its sign
+            mn__opt_codes_v(c->q2->ent, v, inv2, 0, 0, cd2 + j);
+        }
     }
+#endif
+    jc = j;  // the codes are written below jc
+#if MN__OV
+    for (; j + MN__OW <= len; j += MN__OW)  // the loop below, MN__OW lanes at a time
+        mn__ov_store(th + j, mn__opt_a8_param(c, mn__ov_load(th + j), mn__ov_load(mbuf + j),
+                                              mn__ov_load(vbuf + j), mn__ov_load(g + j)));
 #endif
     for (; j < len; j++) {  // parameter update from the fp32 m and v
         if (mn__opt_finite(g[j])) {
@@ -13751,8 +13783,8 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
             th[j] = c->decay_on ? t * c->decay : t;
         }
     }
-    mn__opt_codes(c->q1, map1, mbuf, inv1, len, s->code1 + k0, 1);  // m < 0 keeps its sign
-    mn__opt_codes(c->q2, map2, vbuf, inv2, len, s->code2 + k0, 0);
+    mn__opt_codes(c->q1, map1, mbuf + jc, inv1, len - jc, cd1 + jc, 1);  // m < 0 keeps its sign
+    mn__opt_codes(c->q2, map2, vbuf + jc, inv2, len - jc, cd2 + jc, 0);
 }
 
 MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *grad,
