@@ -199,6 +199,21 @@ void test_fit_shortcuts_whole(void) {
     }
 }
 
+// A fit's state as mn__fit_with sets it up (the replay memo on), for calling its entries alone.
+static mn__fit *fit_new(const mn_model *m, mn_fit_result *fo) {
+    mn__fit *F = (mn__fit *)calloc(1, sizeof *F);
+    if (!F) return NULL;
+    memset(fo, 0, sizeof *fo);
+    F->m = m, F->out = fo, F->S.rmemo = &F->rmemo;
+    return F;
+}
+
+static void fit_free(mn__fit *F) {
+    mn__sim_free(&F->S);
+    mn__replay_memo_free(&F->rmemo);
+    free(F);
+}
+
 // mn__fit_entry with a bound (below): its step alone equal to the estimate with no_replay set;
 // replayed exactly when that fits and its peak allocated is below the bound, the replay then
 // equal to the whole estimate ("does not fit" where it stopped at an out-of-memory). Several
@@ -213,10 +228,7 @@ void test_fit_entry_below(void) {
         int j;
         if (it >= 400) break;
         if (!place_capacity(&m, &s0)) continue;
-        F = (mn__fit *)calloc(1, sizeof *F);
-        if (!F) return;
-        memset(&fo, 0, sizeof fo);
-        F->m = &m, F->out = &fo, F->S.rmemo = &F->rmemo;
+        if (!(F = fit_new(&m, &fo))) return;
         for (j = 0; j < 3; j++) {
             mn_setup s = s0, u;
             mn_estimate_result quick, whole;
@@ -252,9 +264,7 @@ void test_fit_entry_below(void) {
             if (e->has_full == 2) CHECK_MSG(!whole.fits, "case %d: stopped, but it fits", it);
             else if (e->has_full == 1) same_estimate(&e->full, &whole, it);
         }
-        mn__sim_free(&F->S);
-        mn__replay_memo_free(&F->rmemo);
-        free(F);
+        fit_free(F);
     }
     if (mnt_verbose())
         printf("       %d models: %d replayed, %d above the bound, %d not fitting alone\n", it,
@@ -277,10 +287,7 @@ void test_fit_entry_cut(void) {
         int j;
         if (it >= 400) break;
         if (!place_capacity(&m, &s0)) continue;
-        F = (mn__fit *)calloc(1, sizeof *F);
-        if (!F) return;
-        memset(&fo, 0, sizeof fo);
-        F->m = &m, F->out = &fo, F->S.rmemo = &F->rmemo;
+        if (!(F = fit_new(&m, &fo))) return;
         for (j = 0; j < 3; j++) {
             mn_setup s = s0, u;
             mn_estimate_result quick, whole, r;
@@ -314,9 +321,7 @@ void test_fit_entry_cut(void) {
             CHECK_EQ_INT(e->cut, 0);
             same_estimate(&e->quick, &quick, it);
         }
-        mn__sim_free(&F->S);
-        mn__replay_memo_free(&F->rmemo);
-        free(F);
+        fit_free(F);
     }
     if (mnt_verbose())
         printf("       %d models: %d cut short, %d fitting alone\n", it, cut, fitting);
