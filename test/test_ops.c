@@ -1284,7 +1284,6 @@ static void test_thread_busy_core(void) {
     for (r = 0; r < 2; r++) free(codes[r]);
     free(x), free(dy), free(w), free(b), free(mean), free(rstd), free(grad);
 }
-#undef SET_THREADS
 
 // Large calls (an output of 16 MiB or more, the ops' streaming threshold) write their output with
 // streaming stores and ask for rows ahead (>>ops streaming stores); the values must be those of
@@ -1362,6 +1361,92 @@ static void test_streaming_stores(void) {
 #undef NT_POISON
     free(x), free(w), free(b), free(ybuf), free(want), free(st), free(tgt);
 }
+
+// The layernorm backward on a large call (N * C past MN__NT_MIN_BYTES: the one-thread loop asks
+// for rows ahead), with a fresh odd C (rows end in a scalar tail), for each of the eight choices
+// of outputs (dinp, dweight, dbias, each given or NULL). One thread (one fused pass over each row
+// with vector lanes) against four (with OpenMP, the team's path: rows for dinp, then columns),
+// bit for bit; against a double loop on sampled rows of dinp and on every column of dweight and
+// dbias; and each output the same bits whichever other outputs the call computes.
+static void test_layernorm_backward_paths(void) {
+    enum { S = 8 };  // sampled rows
+    size_t C = 2 * (300 + mnt_rand_u64() % 200) + 1, N = 4300000 / C + 1, n = N * C, i, j;
+    float *x = mnt_fvec(n), *dy = mnt_fvec(n), *w = mnt_fvec(C), *mean = mnt_fvec(N);
+    float *rstd = mnt_fvec(N), *dx[2], *pw[2], *all = mnt_fvec(2 * C + S * C);
+    double *want = mnt_dvec(2 * C), *g = mnt_dvec(C), *xh = mnt_dvec(C);
+    size_t rows[S];
+    static const int threads[2] = {1, 4};
+    int mask, t, k;
+#ifdef _OPENMP
+    int saved = omp_get_max_threads();
+#endif
+    rows[0] = 0, rows[1] = 1, rows[2] = N - 2, rows[3] = N - 1;
+    for (k = 4; k < S; k++) rows[k] = mnt_rand_u64() % N;
+    mnt_fill_normal(x, n, 2.0);
+    mnt_fill_normal(dy, n, 1.0);
+    mnt_fill_normal(w, C, 1.0);
+    for (t = 0; t < 2; t++) dx[t] = mnt_fvec(n), pw[t] = mnt_fvec(2 * C);
+    for (i = 0; i < n; i++) x[i] += (float)(i / C % 7);  // per-row offsets
+    CHECK_OK(mn_layernorm_forward(dx[0], mean, rstd, x, w, NULL, N, C, 1e-5f));
+    // the parameter gradients in double: 0.5 + sum over the rows
+    for (i = 0; i < 2 * C; i++) want[i] = 0.5;
+    for (j = 0; j < N; j++)
+        for (i = 0; i < C; i++) {
+            double d = dy[j * C + i];
+            want[i] += d * (((double)x[j * C + i] - mean[j]) * rstd[j]), want[C + i] += d;
+        }
+    for (mask = 7; mask >= 0; mask--) {  // 7 (every output) first: the bits the others must give
+        char what[96];
+        for (t = 0; t < 2; t++) {
+            SET_THREADS(threads[t]);
+            for (i = 0; i < n; i++) dx[t][i] = (float)(i % 5) * 0.25f;  // added to
+            for (i = 0; i < 2 * C; i++) pw[t][i] = 0.5f;
+            CHECK_OK(mn_layernorm_backward(mask & 1 ? dx[t] : NULL, mask & 2 ? pw[t] : NULL,
+                                           mask & 4 ? pw[t] + C : NULL, dy, x, w, mean, rstd, N,
+                                           C));
+        }
+        snprintf(what, sizeof what, "layernorm backward C=%zu outputs %d, 1 vs 4 threads", C,
+                 mask);
+        EXPECT_SAME(what, dx[0], dx[1], n);
+        EXPECT_SAME(what, pw[0], pw[1], 2 * C);
+        if (mask == 7) {
+            snprintf(what, sizeof what, "layernorm backward C=%zu dweight, dbias", C);
+            CHECK_CLOSE_SCALED(what, pw[0], want, 2 * C, 3e-5);
+            memcpy(all, pw[0], 2 * C * sizeof(float));
+        }
+        snprintf(what, sizeof what, "layernorm backward C=%zu outputs %d: dweight", C, mask);
+        if (mask & 2) EXPECT_SAME(what, pw[0], all, C);
+        else for (i = 0; i < C; i++) CHECK(pw[0][i] == 0.5f);
+        snprintf(what, sizeof what, "layernorm backward C=%zu outputs %d: dbias", C, mask);
+        if (mask & 4) EXPECT_SAME(what, pw[0] + C, all + C, C);
+        else for (i = 0; i < C; i++) CHECK(pw[0][C + i] == 0.5f);
+        if (!(mask & 1)) continue;
+        for (k = 0; k < S; k++) {  // dx += r (g - mean(g) - xh mean(g xh)), in double
+            const float *xr = x + rows[k] * C, *dyr = dy + rows[k] * C;
+            float *got = dx[0] + rows[k] * C;
+            double gm = 0.0, gxm = 0.0, m = mean[rows[k]], r = rstd[rows[k]];
+            for (i = 0; i < C; i++) {
+                g[i] = (double)w[i] * dyr[i], xh[i] = ((double)xr[i] - m) * r;
+                gm += g[i], gxm += g[i] * xh[i];
+            }
+            gm /= (double)C, gxm /= (double)C;
+            for (i = 0; i < C; i++)
+                g[i] = (double)((rows[k] * C + i) % 5) * 0.25 + r * (g[i] - gm - xh[i] * gxm);
+            snprintf(what, sizeof what, "layernorm backward C=%zu outputs %d: dinp row %zu", C,
+                     mask, rows[k]);
+            CHECK_CLOSE_SCALED(what, got, g, C, 2e-6);
+            if (mask == 7) memcpy(all + 2 * C + k * C, got, C * sizeof(float));
+            else EXPECT_SAME(what, got, all + 2 * C + k * C, C);
+        }
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(saved);
+#endif
+    for (t = 0; t < 2; t++) free(dx[t]), free(pw[t]);
+    free(x), free(dy), free(w), free(mean), free(rstd), free(all), free(want), free(g), free(xh);
+}
+
+#undef SET_THREADS
 
 // Bad arguments: every op refuses with MN_ERR_INVALID_ARG and leaves its outputs untouched;
 // none asserts or crashes, with or without NDEBUG (make sanitize runs this under ASan both ways).
@@ -1469,6 +1554,7 @@ const mnt_case test_ops_cases[] = {
     {"thread_count_invariance_large", test_thread_invariance_large},
     {"thread_busy_core", test_thread_busy_core},
     {"streaming_stores", test_streaming_stores},
+    {"layernorm_backward_paths", test_layernorm_backward_paths},
     {"bad_arguments", test_bad_arguments},
 };
 const size_t test_ops_count = sizeof test_ops_cases / sizeof test_ops_cases[0];
