@@ -13550,6 +13550,48 @@ static inline __m512 mn__opt_lut256(const float *map, __m512i ix) {
     return _mm512_mask_blend_ps(m7, a[0], a[2]);
 }
 #define MN__OPT_PERM 1
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// The same lookup for 64 codes at once through byte permutes: plane k (planes + 256 k) holds
+// byte k of every entry's bits, two 128-byte permutes and a blend on the code's top bit look
+// one plane up, and two rounds of unpacks put each code's four bytes back together. The
+// unpacks interleave within 128-bit lanes, so the codes are first permuted (mn__opt_deq_order)
+// so that out[q] holds the entries of codes 16q .. 16q + 15. 22 instructions for 64 lookups
+// against about 18 for 16 through mn__opt_lut256.
+#define MN__OPT_VBMI 1
+MN__PRIVATE void mn__opt_planes(const float *map, uint8_t planes[4 * 256]) {
+    int i, k;
+    for (i = 0; i < 256; i++)
+        for (k = 0; k < 4; k++) planes[256 * k + i] = (uint8_t)(mn__opt_bits(map[i]) >> (8 * k));
+}
+// Byte 16 L + 4 q + i of the permuted codes is code 16 q + 4 L + i: out[q] takes bytes
+// 16 L + 4 q .. 16 L + 4 q + 3 of each lane L.
+static const uint8_t mn__opt_deq_order[64] = {
+    0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+    4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+    8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+    12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+static inline void mn__opt_deq64(const uint8_t *planes, const uint8_t *codes, __m512 out[4]) {
+    __m512i x = _mm512_permutexvar_epi8(_mm512_loadu_si512((const void *)mn__opt_deq_order),
+                                        _mm512_loadu_si512((const void *)codes));
+    __mmask64 top = _mm512_movepi8_mask(x);
+    __m512i b[4], w[4];
+    int k;
+    for (k = 0; k < 4; k++) {
+        const uint8_t *pk = planes + 256 * k;
+        __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)pk), x,
+                                              _mm512_loadu_si512((const void *)(pk + 64)));
+        __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512((const void *)(pk + 128)), x,
+                                              _mm512_loadu_si512((const void *)(pk + 192)));
+        b[k] = _mm512_mask_blend_epi8(top, lo, hi);
+    }
+    w[0] = _mm512_unpacklo_epi8(b[0], b[1]), w[1] = _mm512_unpackhi_epi8(b[0], b[1]);
+    w[2] = _mm512_unpacklo_epi8(b[2], b[3]), w[3] = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w[0], w[2]));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w[0], w[2]));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w[1], w[3]));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w[1], w[3]));
+}
+#endif
 #endif
 
 // Tensors from this many elements quantize through the tables (their build costs about as much as
@@ -13689,9 +13731,28 @@ MNIMPL mn_result mn_adamw8bit_init(mn_adamw8bit *s, const uint64_t *dims, uint32
 typedef struct mn__opt_a8 {
     const mn__opt_qtab *q1, *q2;
     const float *map1, *map2;  // [256] each
+    const uint8_t *planes1, *planes2;  // [4 * 256] each, mn__opt_planes of the maps (or NULL)
     float b1, b2, step_size, eps_c, decay;
     int decay_on;
 } mn__opt_a8;
+
+#ifdef MN__OGATHER
+// The moments of mn__opt_a8_block for MN__OW lanes from the dequantized entries e1, e2 (map[code]
+// unscaled) and the gradient g: stored to m and v, their block maxima so far to mx1 and mx2.
+static inline void mn__opt_a8_moments(const mn__opt_a8 *c, float a1, float a2, mn__ovf e1,
+                                      mn__ovf e2, const float *g, float *m, float *v,
+                                      mn__ovf *mx1, mn__ovf *mx2) {
+    float w1 = 1.0f - c->b1, w2 = 1.0f - c->b2;
+    mn__ovf gj = mn__ov_load(g), mj, vj;
+    mn__ovi fin = ((mn__ovi)gj & 0x7f800000) != 0x7f800000;
+    mj = e1 * a1 * c->b1 + w1 * gj;
+    vj = e2 * a2 * c->b2 + w2 * gj * gj;
+    mj = (mn__ovf)((mn__ovi)mj & fin), vj = (mn__ovf)((mn__ovi)vj & fin);
+    mn__ov_store(m, mj);
+    mn__ov_store(v, vj);
+    *mx1 = MN__OMAXF(mn__ov_abs(mj), *mx1), *mx2 = MN__OMAXF(vj, *mx2);
+}
+#endif
 
 #if MN__OV
 // The parameter update of mn__opt_a8_block for MN__OW lanes: t unchanged where g is not finite.
@@ -13718,24 +13779,33 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
     j = 0;
 #ifdef MN__OGATHER
     mn__ovf mx1 = {0}, mx2 = {0};  // the block maxima so far, lane by lane (as the scalar loop's)
+#ifdef MN__OPT_VBMI
+    if (c->planes1 && c->planes2)
+        for (; j + 64 <= len; j += 64) {  // the loop below, 64 lookups at a time
+            __m512 e1[4], e2[4];
+            int q;
+            mn__opt_deq64(c->planes1, code1 + j, e1);
+            mn__opt_deq64(c->planes2, code2 + j, e2);
+            for (q = 0; q < 4; q++) {
+                uint64_t jq = j + 16u * (uint64_t)q;
+                mn__opt_a8_moments(c, a1, a2, (mn__ovf)e1[q], (mn__ovf)e2[q], g + jq, mbuf + jq,
+                                   vbuf + jq, &mx1, &mx2);
+            }
+        }
+#endif
     for (; j + MN__OW <= len; j += MN__OW) {  // the loop below, MN__OW lanes at a time
-        mn__ovi i1 = {0}, i2 = {0}, fin;
-        mn__ovf gj = mn__ov_load(g + j), m, v;
+        mn__ovi i1 = {0}, i2 = {0};
         int l;
         for (l = 0; l < MN__OW; l++) i1[l] = code1[j + (uint64_t)l];
         for (l = 0; l < MN__OW; l++) i2[l] = code2[j + (uint64_t)l];
-        fin = ((mn__ovi)gj & 0x7f800000) != 0x7f800000;
 #ifdef MN__OPT_PERM
-        m = (mn__ovf)mn__opt_lut256(map1, (__m512i)i1) * a1 * c->b1 + w1 * gj;
-        v = (mn__ovf)mn__opt_lut256(map2, (__m512i)i2) * a2 * c->b2 + w2 * gj * gj;
+        mn__opt_a8_moments(c, a1, a2, (mn__ovf)mn__opt_lut256(map1, (__m512i)i1),
+                           (mn__ovf)mn__opt_lut256(map2, (__m512i)i2), g + j, mbuf + j, vbuf + j,
+                           &mx1, &mx2);
 #else
-        m = MN__OGATHER(map1, i1) * a1 * c->b1 + w1 * gj;
-        v = MN__OGATHER(map2, i2) * a2 * c->b2 + w2 * gj * gj;
+        mn__opt_a8_moments(c, a1, a2, MN__OGATHER(map1, i1), MN__OGATHER(map2, i2), g + j,
+                           mbuf + j, vbuf + j, &mx1, &mx2);
 #endif
-        m = (mn__ovf)((mn__ovi)m & fin), v = (mn__ovf)((mn__ovi)v & fin);
-        mn__ov_store(mbuf + j, m);
-        mn__ov_store(vbuf + j, v);
-        mx1 = MN__OMAXF(mn__ov_abs(m), mx1), mx2 = MN__OMAXF(v, mx2);
     }
     {
         int l;
@@ -13793,6 +13863,9 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     float map1[256], map2[256];
     mn__opt_qtab q1, q2;
     mn__opt_a8 c;
+#ifdef MN__OPT_VBMI
+    uint8_t planes[2][4 * 256];
+#endif
     double t, c1, c2, t0;
     uint64_t i, per;
     int64_t run, nb;
@@ -13826,6 +13899,11 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     q1.ok = q2.ok = 0;
     if (s->n >= MN__OPT_QTAB_MIN) mn__opt_qtab_init(&q1, map1), mn__opt_qtab_init(&q2, map2);
     c.q1 = q1.ok ? &q1 : NULL, c.q2 = q2.ok ? &q2 : NULL, c.map1 = map1, c.map2 = map2;
+    c.planes1 = c.planes2 = NULL;
+#ifdef MN__OPT_VBMI
+    mn__opt_planes(map1, planes[0]), mn__opt_planes(map2, planes[1]);
+    c.planes1 = planes[0], c.planes2 = planes[1];
+#endif
     // The blocks are independent: threads claim runs of them (about 16384 elements, a few runs
     // per claim) as they come, so that a thread whose core is busy elsewhere takes fewer.
     per = 16384u / p->block_size + 1u;
