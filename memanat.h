@@ -13380,6 +13380,13 @@ MNIMPL void mn_adamw_free(mn_adamw *s) {
     memset(s, 0, sizeof *s);
 }
 
+// Forced inlining for the optimizers' vector helpers (their locals then stay in registers).
+#if defined(__GNUC__) || defined(__clang__)
+#define MN__OPT_INLINE static inline __attribute__((always_inline, unused))
+#else
+#define MN__OPT_INLINE static inline
+#endif
+
 // ---- 8-bit AdamW --------------------------------------------------------------------------------
 //
 // bitsandbytes (Dettmers et al. 2022, arXiv 2110.02861; csrc/kernels.cu
@@ -13568,11 +13575,13 @@ static int mn__opt_cmpf(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-// Checks the side neg of q on the intervals of y between the breaks brk [nb] (sorted here).
-static int mn__opt_qa_verify(const mn__opt_qarith *q, const float *map, float *brk, int32_t nb,
+// Checks the side neg of q on the intervals of y between the breaks brk [nb] (sorted here). The
+// search's index of x is the number of thresholds at or below it (thr [255], ascending).
+static int mn__opt_qa_verify(const mn__opt_qarith *q, const float *thr, float *brk, int32_t nb,
                              int32_t nseg, int neg) {
-    int32_t i;
+    int32_t i, p = 0;
     qsort(brk, (size_t)nb, sizeof brk[0], mn__opt_cmpf);
+    while (neg && p < 255 && thr[p] <= 0.0f) p++;  // x = -y falls as y rises
     for (i = 0; i < nb; i++) {  // each interval [brk[i], next break)
         float yl = brk[i], yr, rl, rr;
         int32_t sl, sr;
@@ -13582,7 +13591,17 @@ static int mn__opt_qa_verify(const mn__opt_qarith *q, const float *map, float *b
         sl = mn__opt_qa_seg(q, yl, neg), sr = mn__opt_qa_seg(q, yr, neg);
         if (sl != sr || sl >= nseg || !(q->a[sl] >= 0.0f)) return 0;
         rl = fmaf(q->a[sl], yl, q->c[sl]), rr = fmaf(q->a[sl], yr, q->c[sl]);
-        pl = mn__opt_nearest(map, neg ? -yl : yl), pr = mn__opt_nearest(map, neg ? -yr : yr);
+        if (neg) {
+            while (p > 0 && thr[p - 1] > -yl) p--;
+            pl = (uint32_t)p;
+            while (p > 0 && thr[p - 1] > -yr) p--;
+            pr = (uint32_t)p;
+        } else {
+            while (p < 255 && thr[p] <= yl) p++;
+            pl = (uint32_t)p;
+            while (p < 255 && thr[p] <= yr) p++;
+            pr = (uint32_t)p;
+        }
         if (pl != pr || !mn__opt_qa_check(rl, rr, q->hi[sl], neg, q->mirror, pl)) return 0;
     }
     return 1;
@@ -13647,16 +13666,21 @@ MN__PRIVATE void mn__opt_qarith_init(mn__opt_qarith *q, const float *map, const 
         for (k = k0; k <= 255 && i == 0; k++) brk[nb++] = thr[k - 1];
         for (k = 1; k < k0 && i == 1; k++) brk[nb++] = nextafterf(-thr[k - 1], INFINITY);
         for (e = 1; e < nseg && i == 1; e++) brk[nb++] = nst[e];
-        if (!mn__opt_qa_verify(q, map, brk, nb, nseg, i)) return;
+        if (!mn__opt_qa_verify(q, thr, brk, nb, nseg, i)) return;
     }
     q->ok = 1;
 }
 #endif
 
-// Builds the table of a map from its thresholds (mn__opt_thresholds); ok only for a strictly
-// ascending map of finite floats whose buckets hold at most one threshold each, none in an edge
-// bucket.
-MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map, const float *thr) {
+// Tensors from this many elements also get the arithmetic form (its build, some 7 us a map,
+// costs about what it saves on 5 * 10^4 elements).
+#define MN__OPT_QARITH_MIN 65536u
+
+// Builds the table of a map from its thresholds (mn__opt_thresholds), with the arithmetic form
+// for n values from MN__OPT_QARITH_MIN; ok only for a strictly ascending map of finite floats
+// whose buckets hold at most one threshold each, none in an edge bucket.
+MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map, const float *thr,
+                                   uint64_t n) {
     uint32_t k, p = 0;
     t->ok = thr != NULL;
     for (t->zero = 0; t->zero < 256 && map[t->zero] < 0.0f; t->zero++) {}
@@ -13679,8 +13703,9 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map, const floa
     }
     t->ar.ok = 0;
 #if defined(MN__OPT_QARITH)
-    if (t->ok) mn__opt_qarith_init(&t->ar, map, thr);
+    if (t->ok && n >= MN__OPT_QARITH_MIN) mn__opt_qarith_init(&t->ar, map, thr);
 #endif
+    (void)n;
 }
 
 static inline uint8_t mn__opt_nearest_tab(const mn__opt_qtab *t, float x) {
@@ -13757,34 +13782,46 @@ static inline void mn__opt_deq64(const uint8_t *planes, const uint8_t *codes, __
 #define MN__OPT_QTAB_MIN 16384u
 
 #if defined(MN__OPT_QARITH)
-// codes[l] for the 16 values x of mn__opt_codes_v through q (mn__opt_qarith_init), or 0 where a
-// lane lies in a window (codes then untouched).
-static inline int mn__opt_codes_a(const mn__opt_qarith *q, mn__ovf x, float scale, int keep_sign,
-                                  int32_t zero, uint8_t *codes) {
+// The tables of a mn__opt_qarith in registers, loaded once per loop (mn__opt_qa_load).
+typedef struct mn__opt_qa_v {
+    __m512 split0, split1, nsplit0, nsplit1, a, c;
+    __m512i seg0, seg1, hi;
+} mn__opt_qa_v;
+MN__OPT_INLINE void mn__opt_qa_load(const mn__opt_qarith *q, mn__opt_qa_v *v) {
+    v->split0 = _mm512_loadu_ps(q->split), v->split1 = _mm512_loadu_ps(q->split + 16);
+    v->nsplit0 = _mm512_loadu_ps(q->nsplit), v->nsplit1 = _mm512_loadu_ps(q->nsplit + 16);
+    v->a = _mm512_loadu_ps(q->a), v->c = _mm512_loadu_ps(q->c);
+    v->seg0 = _mm512_loadu_si512((const void *)q->seg);
+    v->seg1 = _mm512_loadu_si512((const void *)(q->seg + 16));
+    v->hi = _mm512_loadu_si512((const void *)q->hi);
+}
+
+// codes[l] for the 16 values x of mn__opt_codes_v through the tables q of a mn__opt_qarith with
+// that mirror flag, or 0 where a lane lies in a window (codes then untouched).
+MN__OPT_INLINE int mn__opt_codes_a(const mn__opt_qa_v *q, int mirror, mn__ovf x, float scale,
+                                   int keep_sign, int32_t zero, uint8_t *codes) {
     __m512 xv = (__m512)(x * scale), ax = _mm512_abs_ps(xv), r, sp;
     __mmask16 neg = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_LT_OQ), far;
     __m512i e = _mm512_srli_epi32(_mm512_castps_si512(ax), 23), g, c;
     e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(MN__OPT_QA_E0)),
                          _mm512_set1_epi32(MN__OPT_QA_E0 + 31));  // (the low 5 bits index)
-    g = _mm512_permutex2var_epi32(_mm512_loadu_si512((const void *)q->seg), e,
-                                  _mm512_loadu_si512((const void *)(q->seg + 16)));
-    sp = _mm512_mask_blend_ps(
-        neg, _mm512_permutex2var_ps(_mm512_loadu_ps(q->split), e, _mm512_loadu_ps(q->split + 16)),
-        _mm512_permutex2var_ps(_mm512_loadu_ps(q->nsplit), e, _mm512_loadu_ps(q->nsplit + 16)));
+    g = _mm512_permutex2var_epi32(q->seg0, e, q->seg1);
+    sp = _mm512_permutex2var_ps(q->split0, e, q->split1);
+    if (mirror)  // (without: x < 0 takes 0 whatever its segment)
+        sp = _mm512_mask_blend_ps(neg, sp, _mm512_permutex2var_ps(q->nsplit0, e, q->nsplit1));
     far = _mm512_cmp_ps_mask(ax, sp, _CMP_GE_OQ);
     g = _mm512_mask_add_epi32(g, far, g, _mm512_set1_epi32(1));
-    r = _mm512_fmadd_ps(_mm512_permutexvar_ps(g, _mm512_loadu_ps(q->a)), ax,
-                        _mm512_permutexvar_ps(g, _mm512_loadu_ps(q->c)));
-    // r - round(r) (vreducps, nearest even): NaN compares false, so it takes the table
+    r = _mm512_fmadd_ps(_mm512_permutexvar_ps(g, q->a), ax, _mm512_permutexvar_ps(g, q->c));
+    // r - round(r) (vreduceps, nearest even): NaN compares false, so it takes the table
     far = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_reduce_ps(r, 0)),
                              _mm512_set1_ps(MN__OPT_QA_WIN), _CMP_GT_OQ);
     if (far != (__mmask16)0xFFFF) return 0;
-    c = _mm512_min_epi32(_mm512_cvttps_epi32(r),
-                         _mm512_permutexvar_epi32(g, _mm512_loadu_si512((const void *)q->hi)));
-    if (q->mirror)  // 254 - c, at least 0
+    c = _mm512_min_epi32(_mm512_cvttps_epi32(r), _mm512_permutexvar_epi32(g, q->hi));
+    if (mirror)  // 254 - c, at least 0
         c = _mm512_max_epi32(_mm512_mask_sub_epi32(c, neg, _mm512_set1_epi32(254), c),
                              _mm512_setzero_si512());
-    else c = _mm512_mask_mov_epi32(c, neg, _mm512_setzero_si512());
+    else
+        c = _mm512_mask_mov_epi32(c, neg, _mm512_setzero_si512());
     if (keep_sign) {
         neg = _mm512_cmp_ps_mask((__m512)x, _mm512_setzero_ps(), _CMP_LT_OQ);
         neg = _mm512_mask_cmpge_epi32_mask(neg, c, _mm512_set1_epi32(zero));
@@ -13804,9 +13841,6 @@ static inline void mn__opt_codes_v(const mn__opt_qtab *t, mn__ovf x, float scale
     mn__ovf xv = x * scale;
     mn__ovi u = (mn__ovi)xv, s = u >> 31, j, k, e, c;
     int l;
-#if defined(MN__OPT_QARITH)
-    if (t->ar.ok && mn__opt_codes_a(&t->ar, x, scale, keep_sign, zero, codes)) return;
-#endif
     j = ((u & 0x7fffffff) >> (23 - MN__OPT_QM)) - (int32_t)(MN__OPT_QE0 << MN__OPT_QM);
     j = MN__OMINI(MN__OMAXI(j, e0), jmax);
     k = (j ^ s) + (int32_t)MN__OPT_QJ;  // j ^ -1 = -1 - j: the negative half runs backwards
@@ -13834,6 +13868,18 @@ MN__PRIVATE void mn__opt_codes(const mn__opt_qtab *t, const float *map, const fl
     }
     zero = t->zero;  // a local: the stores to codes could otherwise alias it
     i = 0;
+#if defined(MN__OPT_QARITH)
+    if (t->ar.ok) {  // the arithmetic form, the table next to a threshold
+        mn__opt_qa_v r;
+        int mirror = t->ar.mirror;
+        mn__opt_qa_load(&t->ar, &r);
+        for (; i + MN__OW <= n; i += MN__OW) {
+            mn__ovf xi = mn__ov_load(x + i);
+            if (!mn__opt_codes_a(&r, mirror, xi, scale, keep_sign, zero, codes + i))
+                mn__opt_codes_v(t, xi, scale, keep_sign, zero, codes + i);
+        }
+    }
+#endif
 #if defined(MN__OGATHER)
     for (; i + MN__OW <= n; i += MN__OW)  // mn__opt_nearest_tab, MN__OW lanes at a time
         mn__opt_codes_v(t, mn__ov_load(x + i), scale, keep_sign, zero, codes + i);
@@ -13852,7 +13898,7 @@ MNIMPL mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_
     if (!map || !x || !codes || !absmax || block_size == 0) return MN_ERR_INVALID_ARG;
     t.ok = 0;
     if (n >= MN__OPT_QTAB_MIN)  // any map: ok only where it applies
-        mn__opt_qtab_init(&t, map, mn__opt_thresholds(map, thr) ? thr : NULL);
+        mn__opt_qtab_init(&t, map, mn__opt_thresholds(map, thr) ? thr : NULL, n);
     for (b = 0, i0 = 0; i0 < n; b++, i0 += block_size) {
         float am = 0.0f, inv;
         end = n - i0 < block_size ? n : i0 + block_size;
@@ -13942,14 +13988,14 @@ typedef struct mn__opt_a8 {
 #ifdef MN__OGATHER
 // The moments of mn__opt_a8_block for MN__OW lanes from the dequantized entries e1, e2 (map[code]
 // unscaled) and the gradient g: stored to m and v, their block maxima so far to mx1 and mx2.
-static inline void mn__opt_a8_moments(const mn__opt_a8 *c, float a1, float a2, mn__ovf e1,
-                                      mn__ovf e2, const float *g, float *m, float *v,
-                                      mn__ovf *mx1, mn__ovf *mx2) {
-    float w1 = 1.0f - c->b1, w2 = 1.0f - c->b2;
+// k: the block's scales a1, a2, then b1, b2, w1 = 1 - b1, w2 = 1 - b2.
+MN__OPT_INLINE void mn__opt_a8_moments(const float *k, mn__ovf e1, mn__ovf e2, const float *g,
+                                       float *m, float *v, mn__ovf *mx1, mn__ovf *mx2) {
+    float a1 = k[0], a2 = k[1], b1 = k[2], b2 = k[3], w1 = k[4], w2 = k[5];
     mn__ovf gj = mn__ov_load(g), mj, vj;
     mn__ovi fin = ((mn__ovi)gj & 0x7f800000) != 0x7f800000;
-    mj = e1 * a1 * c->b1 + w1 * gj;
-    vj = e2 * a2 * c->b2 + w2 * gj * gj;
+    mj = e1 * a1 * b1 + w1 * gj;
+    vj = e2 * a2 * b2 + w2 * gj * gj;
     mj = (mn__ovf)((mn__ovi)mj & fin), vj = (mn__ovf)((mn__ovi)vj & fin);
     mn__ov_store(m, mj);
     mn__ov_store(v, vj);
@@ -13959,11 +14005,11 @@ static inline void mn__opt_a8_moments(const mn__opt_a8 *c, float a1, float a2, m
 
 #if MN__OV
 // The parameter update of mn__opt_a8_block for MN__OW lanes: t unchanged where g is not finite.
-static inline mn__ovf mn__opt_a8_param(const mn__opt_a8 *c, mn__ovf t, mn__ovf m, mn__ovf v,
-                                       mn__ovf g) {
-    mn__ovf u = t + c->step_size * (m / (MN__OSQRT(v) + c->eps_c));
+MN__OPT_INLINE mn__ovf mn__opt_a8_param(float ss, float eps, float decay, int decay_on, mn__ovf t,
+                                        mn__ovf m, mn__ovf v, mn__ovf g) {
+    mn__ovf u = t + ss * (m / (MN__OSQRT(v) + eps));
     mn__ovi fin = ((mn__ovi)g & 0x7f800000) != 0x7f800000;
-    if (c->decay_on) u = u * c->decay;
+    if (decay_on) u = u * decay;
     return mn__ov_sel(fin, u, t);
 }
 #endif
@@ -13982,6 +14028,7 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
     j = 0;
 #ifdef MN__OGATHER
     mn__ovf mx1 = {0}, mx2 = {0};  // the block maxima so far, lane by lane (as the scalar loop's)
+    const float k[6] = {a1, a2, c->b1, c->b2, w1, w2};
 #ifdef MN__OPT_VBMI
     if (c->planes1 && c->planes2)
         for (; j + 64 <= len; j += 64) {  // the loop below, 64 lookups at a time
@@ -13991,7 +14038,7 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
             mn__opt_deq64(c->planes2, code2 + j, e2);
             for (q = 0; q < 4; q++) {
                 uint64_t jq = j + 16u * (uint64_t)q;
-                mn__opt_a8_moments(c, a1, a2, (mn__ovf)e1[q], (mn__ovf)e2[q], g + jq, mbuf + jq,
+                mn__opt_a8_moments(k, (mn__ovf)e1[q], (mn__ovf)e2[q], g + jq, mbuf + jq,
                                    vbuf + jq, &mx1, &mx2);
             }
         }
@@ -14002,12 +14049,12 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
         for (l = 0; l < MN__OW; l++) i1[l] = code1[j + (uint64_t)l];
         for (l = 0; l < MN__OW; l++) i2[l] = code2[j + (uint64_t)l];
 #ifdef MN__OPT_PERM
-        mn__opt_a8_moments(c, a1, a2, (mn__ovf)mn__opt_lut256(map1, (__m512i)i1),
+        mn__opt_a8_moments(k, (mn__ovf)mn__opt_lut256(map1, (__m512i)i1),
                            (mn__ovf)mn__opt_lut256(map2, (__m512i)i2), g + j, mbuf + j, vbuf + j,
                            &mx1, &mx2);
 #else
-        mn__opt_a8_moments(c, a1, a2, MN__OGATHER(map1, i1), MN__OGATHER(map2, i2), g + j,
-                           mbuf + j, vbuf + j, &mx1, &mx2);
+        mn__opt_a8_moments(k, MN__OGATHER(map1, i1), MN__OGATHER(map2, i2), g + j, mbuf + j,
+                           vbuf + j, &mx1, &mx2);
 #endif
     }
     {
@@ -14035,10 +14082,28 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
 #if defined(MN__OGATHER)
     if (c->q1 && c->q2) {  // the loop below and the codes' of both maps at once: one pass
         int32_t z1 = c->q1->zero;
+        float decay = c->decay;
+        int decay_on = c->decay_on;
+#if defined(MN__OPT_QARITH)
+        if (c->q1->ar.ok && c->q2->ar.ok && c->q1->ar.mirror && !c->q2->ar.mirror) {
+            mn__opt_qa_v r1, r2;  // (the arithmetic form, the table next to a threshold)
+            mn__opt_qa_load(&c->q1->ar, &r1), mn__opt_qa_load(&c->q2->ar, &r2);
+            for (; j + MN__OW <= len; j += MN__OW) {
+                mn__ovf m = mn__ov_load(mbuf + j), v = mn__ov_load(vbuf + j);
+                mn__ov_store(th + j, mn__opt_a8_param(ss, eps, decay, decay_on,
+                                                      mn__ov_load(th + j), m, v,
+                                                      mn__ov_load(g + j)));
+                if (!mn__opt_codes_a(&r1, 1, m, inv1, 1, z1, cd1 + j))  // m < 0 keeps its sign
+                    mn__opt_codes_v(c->q1, m, inv1, 1, z1, cd1 + j);
+                if (!mn__opt_codes_a(&r2, 0, v, inv2, 0, 0, cd2 + j))
+                    mn__opt_codes_v(c->q2, v, inv2, 0, 0, cd2 + j);
+            }
+        }
+#endif
         for (; j + MN__OW <= len; j += MN__OW) {
             mn__ovf m = mn__ov_load(mbuf + j), v = mn__ov_load(vbuf + j);
-            mn__ov_store(th + j, mn__opt_a8_param(c, mn__ov_load(th + j), m, v,
-                                                  mn__ov_load(g + j)));
+            mn__ov_store(th + j, mn__opt_a8_param(ss, eps, decay, decay_on, mn__ov_load(th + j),
+                                                  m, v, mn__ov_load(g + j)));
             mn__opt_codes_v(c->q1, m, inv1, 1, z1, cd1 + j);  // m < 0 keeps its sign
             mn__opt_codes_v(c->q2, v, inv2, 0, 0, cd2 + j);
         }
@@ -14047,8 +14112,9 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
     jc = j;  // the codes are written below jc
 #if MN__OV
     for (; j + MN__OW <= len; j += MN__OW)  // the loop below, MN__OW lanes at a time
-        mn__ov_store(th + j, mn__opt_a8_param(c, mn__ov_load(th + j), mn__ov_load(mbuf + j),
-                                              mn__ov_load(vbuf + j), mn__ov_load(g + j)));
+        mn__ov_store(th + j, mn__opt_a8_param(ss, eps, c->decay, c->decay_on, mn__ov_load(th + j),
+                                              mn__ov_load(mbuf + j), mn__ov_load(vbuf + j),
+                                              mn__ov_load(g + j)));
 #endif
     for (; j < len; j++) {  // parameter update from the fp32 m and v
         if (mn__opt_finite(g[j])) {
@@ -14102,8 +14168,8 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     q1.ok = q2.ok = 0;
     if (s->n >= MN__OPT_QTAB_MIN) {
         float thr[255];
-        mn__opt_qtab_init(&q1, map1, mn__opt_thresholds(map1, thr) ? thr : NULL);
-        mn__opt_qtab_init(&q2, map2, mn__opt_thresholds(map2, thr) ? thr : NULL);
+        mn__opt_qtab_init(&q1, map1, mn__opt_thresholds(map1, thr) ? thr : NULL, s->n);
+        mn__opt_qtab_init(&q2, map2, mn__opt_thresholds(map2, thr) ? thr : NULL, s->n);
     }
     c.q1 = q1.ok ? &q1 : NULL, c.q2 = q2.ok ? &q2 : NULL, c.map1 = map1, c.map2 = map2;
     c.planes1 = c.planes2 = NULL;
@@ -14220,13 +14286,9 @@ MN__PRIVATE double mn__opt_row_mean(const mn_adafactor *s, uint64_t b) {
     return sum / (double)s->rows;
 }
 
-// The loops of the passes below are inlined into each pass (called from more than one place,
-// they are otherwise left as calls, whose tests of their arguments then run per chunk).
-#if defined(__GNUC__) || defined(__clang__)
-#define MN__OPT_INLINE static inline __attribute__((always_inline, unused))
-#else
-#define MN__OPT_INLINE static inline
-#endif
+// The loops of the passes below are inlined into each pass (MN__OPT_INLINE: called from more
+// than one place, they are otherwise left as calls, whose tests of their arguments then run per
+// chunk).
 
 // The fixed order of the sums: MN__OPT_LANES interleaved double accumulators (lane l takes the
 // terms of the columns j with j % 16 == l, in row order), added up by a fixed tree.
