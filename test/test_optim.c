@@ -2023,6 +2023,60 @@ static void test_quantize_table_vs_search(void) {
     free(q.x), free(q.codes);
 }
 
+static int cmp_float_asc(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+// mn_quantize_blockwise against the search on maps of several shapes, so that the quantizer's
+// arithmetic form (memanat.h, mn__opt_qarith) meets maps it takes and maps it turns down: the
+// dynamic maps with entries moved by up to 3 floats (0 and 1 kept), evenly spaced signed (0 at
+// 127, 1 at 255) and unsigned maps, sorted random maps. Values: at and next to every midpoint,
+// mirrored, and at random; one block whose absmax is 1, so that the values quantize unscaled.
+static void test_quantize_maps_vs_search(void) {
+    enum { N = 1 << 16 };
+    float map[256], *x = mnt_fvec(N), absmax[1];
+    uint8_t *codes = (uint8_t *)malloc(N);
+    uint64_t bad = 0;
+    int f, k, d, n;
+    for (f = 0; f < 7; f++) {
+        if (f < 4) {
+            mn_dynamic_map(f % 2, map);
+            for (k = 0; k < 255 && f >= 2; k++) {
+                if (map[k] == 0.0f) continue;
+                for (d = (int)(mnt_rand_u64() % 4); d > 0; d--)
+                    map[k] = nextafterf(map[k], mnt_rand_u64() % 2 ? 2.0f : -2.0f);
+            }
+        } else if (f == 4) {
+            for (k = 0; k < 255; k++) map[k] = (float)(k - 127) / 128.0f;
+            map[255] = 1.0f;
+        } else if (f == 5) {
+            for (k = 0; k < 256; k++) map[k] = (float)k / 255.0f;
+        } else {
+            for (k = 0; k < 256; k++) map[k] = 2.0f * (float)(mnt_rand_u64() % 1000000) / 1e6f - 1.0f;
+            qsort(map, 256, sizeof map[0], cmp_float_asc);
+            for (k = 1; k < 256; k++)
+                if (map[k] <= map[k - 1]) map[k] = nextafterf(map[k - 1], 2.0f);
+        }
+        n = 0;
+        x[n++] = 1.0f;
+        for (k = 1; k < 256; k++) {
+            float mid = map[k - 1] + (map[k] - map[k - 1]) / 2.0f, v = mid, w = mid;
+            for (d = 0; d < 6; d++) {
+                x[n++] = v, x[n++] = w, x[n++] = -v, x[n++] = -w;
+                v = nextafterf(v, -2.0f), w = nextafterf(w, 2.0f);
+            }
+        }
+        for (; n < N; n++) x[n] = 2.0f * (float)(mnt_rand_u64() % 16777216) / 16777216.0f - 1.0f;
+        for (k = 0; k < N; k++)  // (|x| <= 1: the block's absmax is 1)
+            if (!(fabsf(x[k]) <= 1.0f)) x[k] = 0.5f;
+        bad += quantize_mismatches(map, x, N, N, codes, absmax);
+        CHECK_NEAR(absmax[0], 1.0, 0, 0);
+    }
+    CHECK_MSG(bad == 0, "%llu codes differ from the search", (unsigned long long)bad);
+    free(x), free(codes);
+}
+
 const mnt_case test_optim_cases[] = {
     {"adamw_steps", test_adamw_steps},
     {"adamw_first_step_closed_form", test_adamw_first_step_closed_form},
@@ -2056,6 +2110,7 @@ const mnt_case test_optim_cases[] = {
     {"adamw_bits_vs_plain_loop", test_adamw_bits_vs_plain_loop},
     {"sgd_lion_bits_vs_plain_loop", test_sgd_lion_bits_vs_plain_loop},
     {"adamw8bit_bits_vs_plain_loop", test_adamw8bit_bits_vs_plain_loop},
+    {"quantize_maps_vs_search", test_quantize_maps_vs_search},
     {"adafactor_bits_vs_plain_loop", test_adafactor_bits_vs_plain_loop},
     {"adafactor_wide_bits_vs_plain_loop", test_adafactor_wide_bits_vs_plain_loop},
     {"adafactor_pieces_bits", test_adafactor_pieces_bits},
