@@ -1212,20 +1212,37 @@ static void test_fp32_to_half_edges(void) {
     CHECK(isnan(mn_bf16_to_fp32(0xff81)));
 }
 
+// The array conversions at every start within a cache line of either array (they run a scalar
+// head up to the fp32 array's first 64-byte boundary, then their vector loop) and at lengths
+// below, at and above that head; elements outside [0, n) keep their poison.
 static void test_conversion_arrays(void) {
-    enum { N = 4097 };
-    float *x = mnt_fvec(N), *y = mnt_fvec(N);
-    uint16_t *h = (uint16_t *)malloc(N * 2);
-    int i, bad = 0;
-    for (i = 0; i < N; i++) x[i] = random_probe(i & 1);
-    mn_fp32_to_fp16_array(x, h, N);
-    for (i = 0; i < N; i++) bad += h[i] != mn_fp32_to_fp16(x[i]);
-    mn_fp16_to_fp32_array(h, y, N);
-    for (i = 0; i < N; i++) bad += !isnan(y[i]) && y[i] != mn_fp16_to_fp32(h[i]);
-    mn_fp32_to_bf16_array(x, h, N);
-    for (i = 0; i < N; i++) bad += h[i] != mn_fp32_to_bf16(x[i]);
-    mn_bf16_to_fp32_array(h, y, N);
-    for (i = 0; i < N; i++) bad += !isnan(y[i]) && y[i] != mn_bf16_to_fp32(h[i]);
+    enum { N = 4097, PAD = 40 };
+    float *x = mnt_fvec(N + PAD), *y = mnt_fvec(N + PAD);
+    uint16_t *h = (uint16_t *)malloc((N + PAD) * 2);
+    int i, bad = 0, o, q, k;
+    for (i = 0; i < N + PAD; i++) x[i] = random_probe(i & 1);
+    for (o = 0; o < 17; o++) {
+        for (k = 0; k < 4; k++) {
+            int n = k == 0 ? N : k == 1 ? (int)(mnt_rand_uniform() * 20.0) : k == 2 ? 16 - o : 1 + o;
+            float *xs = x + o, *ys = y + (o * 7) % 17;
+            uint16_t *hs = h + (o * 5 + k) % 17;
+            if (n < 0) n = 0;
+            q = (int)(hs - h);
+            for (i = 0; i < N + PAD; i++) h[i] = 0xabcd;
+            mn_fp32_to_fp16_array(xs, hs, (uint64_t)n);
+            for (i = 0; i < n; i++) bad += hs[i] != mn_fp32_to_fp16(xs[i]);
+            for (i = 0; i < N + PAD; i++) bad += (i < q || i >= q + n) && h[i] != 0xabcd;
+            for (i = 0; i < N + PAD; i++) y[i] = 7.0f;
+            mn_fp16_to_fp32_array(hs, ys, (uint64_t)n);
+            for (i = 0; i < n; i++) bad += !isnan(ys[i]) && ys[i] != mn_fp16_to_fp32(hs[i]);
+            for (i = 0; i < N + PAD; i++) bad += (y + i < ys || y + i >= ys + n) && y[i] != 7.0f;
+            mn_fp32_to_bf16_array(xs, hs, (uint64_t)n);
+            for (i = 0; i < n; i++) bad += hs[i] != mn_fp32_to_bf16(xs[i]);
+            mn_bf16_to_fp32_array(hs, ys, (uint64_t)n);
+            for (i = 0; i < n; i++) bad += !isnan(ys[i]) && ys[i] != mn_bf16_to_fp32(hs[i]);
+            for (i = 0; i < N + PAD; i++) bad += (y + i < ys || y + i >= ys + n) && y[i] != 7.0f;
+        }
+    }
     CHECK_EQ_INT(bad, 0);
     mn_fp32_to_fp16_array(x, h, 0);  // n = 0 touches nothing
     free(x), free(y), free(h);
