@@ -16532,12 +16532,11 @@ MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     nt = big && mn__nt_want(out);
     parts = mn__nt_parts(n);
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, parts)
-    for (part = 0; part < parts; part++) {
-        size_t b, b1 = mn__part_start(nb, parts, part + 1);
-        for (b = mn__part_start(nb, parts, part); b < b1; b++) {
-            size_t i = b * MN__GELU_BLOCK, len = n - i < MN__GELU_BLOCK ? n - i : MN__GELU_BLOCK;
-            mn__gelu_span(out + i, inp + i, len, nt, big ? n - i : 0);
-        }
+    for (part = 0; part < parts; part++) {  // (one span a part: one scalar head up to a line)
+        size_t i = mn__part_start(nb, parts, part) * MN__GELU_BLOCK;
+        size_t i1 = mn__part_start(nb, parts, part + 1) * MN__GELU_BLOCK;
+        if (i1 > n) i1 = n;
+        if (i < i1) mn__gelu_span(out + i, inp + i, i1 - i, nt, big ? n - i : 0);
         if (nt) mn__nt_fence();
     }
     return MN_OK;
