@@ -13560,7 +13560,7 @@ MN__PRIVATE int mn__opt_thresholds(const float *map, float thr[255]) {
 // every interval of |x| between consecutive thresholds, bucket and segment starts, the indices
 // that floor(r) can give outside the windows (r is monotone on it) must equal the search's,
 // which is constant on it; ok = 0 (the table alone) where one differs. About 25 instructions
-// for 16 values against 12 and a gather; on AMD Zen 4 the two gathers were some 40% of the 8-bit
+// for 16 values against 12 and a gather; on AMD Zen 5 the two gathers were some 40% of the 8-bit
 // step. The lines are good to about 1e-5 of an index: 1 lane in 2000 falls in a window.
 #define MN__OPT_QARITH 1
 #define MN__OPT_QA_WIN (1.0f / 4096.0f)
@@ -13575,7 +13575,8 @@ static inline int32_t mn__opt_qa_seg(const mn__opt_qarith *q, float y, int neg) 
 
 // The codes that the fast path can give for r in [rl, rr] outside the windows all equal want (the
 // cap hi, then the sign rule: mirror, neg: 254 - code, or 0 for !mirror and neg).
-static int mn__opt_qa_check(float rl, float rr, int32_t hi, int neg, int mirror, uint32_t want) {
+MN__PRIVATE int mn__opt_qa_check(float rl, float rr, int32_t hi, int neg, int mirror,
+                                 uint32_t want) {
     double lo = floor((double)rl - 1.0 + (double)MN__OPT_QA_WIN) + 1.0;
     double up = ceil((double)rr - (double)MN__OPT_QA_WIN) - 1.0;
     double ms[2];
@@ -13594,15 +13595,15 @@ static int mn__opt_qa_check(float rl, float rr, int32_t hi, int neg, int mirror,
     return 1;
 }
 
-static int mn__opt_cmpf(const void *a, const void *b) {
+MN__PRIVATE int mn__opt_cmpf(const void *a, const void *b) {
     float x = *(const float *)a, y = *(const float *)b;
     return x < y ? -1 : x > y;
 }
 
 // Checks the side neg of q on the intervals of y between the breaks brk [nb] (sorted here). The
 // search's index of x is the number of thresholds at or below it (thr [255], ascending).
-static int mn__opt_qa_verify(const mn__opt_qarith *q, const float *thr, float *brk, int32_t nb,
-                             int32_t nseg, int neg) {
+MN__PRIVATE int mn__opt_qa_verify(const mn__opt_qarith *q, const float *thr, float *brk,
+                                  int32_t nb, int32_t nseg, int neg) {
     int32_t i, p = 0;
     qsort(brk, (size_t)nb, sizeof brk[0], mn__opt_cmpf);
     while (neg && p < 255 && thr[p] <= 0.0f) p++;  // x = -y falls as y rises
