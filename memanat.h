@@ -14959,6 +14959,13 @@ MNIMPL mn_result mn_unscale_grads_to_fp32(mn_dtype dtype, const void *src, float
 #else
 #define MN__INLINE static inline
 #endif
+// A helper whose stack frame must stay out of its caller's (a large buffer on a path that the
+// caller's other callers never take).
+#if defined(__GNUC__) || defined(__clang__)
+#define MN__NOINLINE __attribute__((noinline))
+#else
+#define MN__NOINLINE
+#endif
 
 // Elementwise loops take one thread per this many elements (two threads from twice as many), a
 // GEMM goes parallel above this many flops: below them the team's start and its end barrier cost
@@ -15341,6 +15348,7 @@ typedef float mn__vf __attribute__((vector_size(MN__VW * sizeof(float))));
 #endif
 #define MN__NR (2 * MN__VW)  // columns of the register tile
 #define MN__KC 512           // depth of a packed block
+#define MN__MC (2 * MN__MR)  // rows of a transposed A packed at a time (mn__gemm_rows_t)
 #define MN__JB 128           // columns per task (a multiple of MN__NR)
 #define MN__MB 256           // fewest rows per task of the parallel schedule
 #define MN__MB_MAX 65536     // most rows per task
@@ -15432,13 +15440,41 @@ MN__INLINE void mn__gemm_cvt8(float *x, const uint16_t *src, mn_dtype dt) {
 // (mr rows, nr columns), or c = base[j] + acc where base is not NULL (an init product's first k
 // slice). A(m, k) = ap[m*ars + k*acs]: a packed tile (ars 1, acs MR) or MR rows of the caller's
 // matrix read in place (ars its row stride, acs 1); the same products either way.
+// cp, where not NULL, is a copy that rides along: cp->rows rows of a transposed A, packed for a
+// later tile, spread evenly over the k loop (see mn__gemm_rows_t).
+typedef struct mn__gemm_cp {
+    const float *src;  // row 0 of the copy at strip 0: A(m, k) = src[m + k*stride]
+    size_t stride;     // floats from one row (k) of src to the next
+    float *dst;        // row 0 of strip 0 in a packed block ([strip][MN__KC][MN__MR])
+    int rows, strips;  // rows (k) to copy, at most the tile's kc; strips of MN__MR floats per row
+    int pf_rows;       // rows of src from row 0 that exist (asked for ahead up to there)
+} mn__gemm_cp;
+#define MN__CP_AHEAD 16  // rows of src that a copy asks for ahead of the row it copies
+
+// Row r of the copy (its strips, MN__MR floats each), and the lines of row r + MN__CP_AHEAD
+// asked for: each row of src is a line or two of its own, OC floats from the next, which the
+// hardware prefetcher does not follow.
+MN__INLINE void mn__gemm_cp_row(const mn__gemm_cp *cp, int r) {
+    const float *s = cp->src + (size_t)r * cp->stride;
+    float *d = cp->dst + (size_t)r * MN__MR;
+    int t, n = cp->strips * MN__MR;
+    if (r + MN__CP_AHEAD < cp->pf_rows) {
+        const float *f = s + (size_t)MN__CP_AHEAD * cp->stride;
+        for (t = 0; t < n; t += 64 / (int)sizeof(float)) __builtin_prefetch(f + t);
+        __builtin_prefetch(f + n - 1);
+    }
+    for (t = 0; t < cp->strips; t++)
+        memcpy(d + (size_t)t * MN__KC * MN__MR, s + (size_t)t * MN__MR, sizeof(float) * MN__MR);
+}
+
 MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr, const float *ap,
                                             size_t ars, size_t acs, const float *bp, int kc,
-                                            const float *base) {
+                                            const float *base, const mn__gemm_cp *cp) {
     float out[MN__MR][MN__NR];
-    int k, m, j;
+    int k, m, j, crows = cp ? cp->rows : 0, cr = 0;
 #if MN__SIMD
     mn__vf acc0[MN__MR], acc1[MN__MR], b0, b1, zero;
+    int cacc = 0;  // copies due: one row each time it passes kc (Bresenham's line stepping)
     // c is read once, after the loop: ask for its lines now (a large c, such as the logits of a
     // big vocabulary, is in memory, not in cache, and the loop hides the wait)
     for (m = 0; m < mr && !base; m++) {
@@ -15449,11 +15485,13 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
     for (m = 0; m < MN__MR; m++) acc0[m] = zero, acc1[m] = zero;
     for (k = 0; k < kc; k++) {
         const float *av = ap + (size_t)k * acs, *bv = bp + (size_t)k * MN__NR;
-        // A read in place along k with a stride (the weight gradient's transposed A: each k a
-        // line of its own, OC floats apart) is asked for eight k ahead: the hardware prefetcher
-        // does not follow a stride across pages (+4 to 8 % on GPT-2's qkv weight gradient in
-        // alternated runs; a line already in cache, as for rows read along k, costs one load).
+        // A read in place along k with a stride (the weight gradient's transposed A where
+        // mn__gemm_rows_t does not pack it: each k a line of its own, OC floats apart) is asked
+        // for eight k ahead: the hardware prefetcher does not follow a stride across pages (+4 to
+        // 8 % on GPT-2's qkv weight gradient read in place, in alternated runs; a line already in
+        // cache, as for rows read along k or a packed A, costs one load).
         __builtin_prefetch(av + 8 * acs);
+        if (crows && (cacc += crows) >= kc) cacc -= kc, mn__gemm_cp_row(cp, cr++);
         memcpy(&b0, bv, sizeof b0);
         memcpy(&b1, bv + MN__VW, sizeof b1);
         // the row loop written out, so that -O2 keeps the accumulators in registers too
@@ -15465,7 +15503,9 @@ MN__PRIVATE MN__CONTRACT void mn__gemm_tile(float *c, size_t ldc, int mr, int nr
         memcpy(&out[m][0], &acc0[m], sizeof acc0[m]);
         memcpy(&out[m][MN__VW], &acc1[m], sizeof acc1[m]);
     }
+    for (; cr < crows; cr++) mn__gemm_cp_row(cp, cr);
 #else
+    for (; cr < crows; cr++) mn__gemm_cp_row(cp, cr);
     for (m = 0; m < MN__MR; m++)
         for (j = 0; j < MN__NR; j++) out[m][j] = 0.0f;
     for (k = 0; k < kc; k++) {
@@ -15529,19 +15569,98 @@ MN__PRIVATE void mn__gemm_pack_b(const mn__gemm *g, float *bpack, size_t k0, int
     }
 }
 
+// A transposed A (a_rs 1, a_cs OC: the weight gradient's A(o, n) = dy[n, o]) has its MR
+// floats per k in a line of their own, OC floats from the next k. Read in place, a strip's kc
+// lines are read again for each column panel, and they do not stay in cache: where OC * 4 bytes
+// is a multiple of 4096 (GPT-2's 3072 columns) the lines share one L1 set and 16 of L2's (with
+// 4 KiB pages), which hold 256 of the 512; where OC is large (the vocabulary) each k is a page
+// of its own. That ran the weight gradient at 61-64 % of the FMA peak at those shapes (one Zen 5
+// core), against 80-90 % for the other products. So the strips are packed as [k][MR], a block
+// of MN__MC rows at a time, and the tiles read them from there. A packing pass of its own costs
+// 15-20 % (it waits on every row of A, from L3 or memory, with no FMAs to overlap); instead the
+// tiles of a block copy the next block along their k loops (mn__gemm_cp), a row every few k,
+// each asking for the row MN__CP_AHEAD rows on. The tiles compute the same sums either way.
+// Where A's rows are close (OC below 256: 3 % slower at C 256, OC 64), or where they are less
+// than a page apart and there are one or two column panels (C <= 64: 4 to 5 % slower at OC 192
+// to 512, 24 % faster at OC 1024), the copy costs more than it saves, and A is read in place.
+
+// Rows [ka, kb) of a block of mc rows of a transposed A whose element (0, 0) is src: strip s of
+// the block goes to ap + s * MN__KC * MN__MR as [k][MN__MR], rows past mc repeating the last one
+// (their sums are discarded).
+MN__PRIVATE void mn__gemm_pack_at(float *ap, const float *src, size_t a_cs, int mc, int ka,
+                                  int kb) {
+    int k, s, m, ns = (mc + MN__MR - 1) / MN__MR;
+    for (k = ka; k < kb; k++) {
+        const float *row = src + (size_t)k * a_cs;
+        for (s = 0; s < ns; s++) {
+            float *d = ap + (size_t)s * MN__KC * MN__MR + (size_t)k * MN__MR;
+            int mr = mc - s * MN__MR < MN__MR ? mc - s * MN__MR : MN__MR;
+            if (mr == MN__MR) memcpy(d, row + s * MN__MR, sizeof(float) * MN__MR);
+            else for (m = 0; m < MN__MR; m++) d[m] = row[s * MN__MR + (m < mr ? m : mr - 1)];
+        }
+    }
+}
+
+// Rows [m0, m0+mb) of c for a transposed fp32 A (see above): blocks of MN__MC rows, packed into
+// two buffers in turn; the first block is packed before its tiles, a last partial strip of the
+// next block too, and every full strip of the next block by the tiles of the current one (the
+// tile call q of nq copies its rows [q kc / nq, (q + 1) kc / nq)). Not inlined: its buffers (64
+// KiB with AVX-512) stay out of the frame of mn__gemm_rows, which the attention's tiles use too.
+MN__PRIVATE MN__NOINLINE void mn__gemm_rows_t(const mn__gemm *g, const float *bpack, size_t k0, int kc,
+                                 size_t j0, int jb, size_t m0, int mb) {
+    float apack[2][MN__MC * MN__KC];
+    const float *a = (const float *)g->a + m0 + k0 * g->a_cs;
+    int npanel = (jb + MN__NR - 1) / MN__NR, i, s, p, cur = 0;
+    int mc = mn__tile_len((size_t)mb, MN__MC);
+    mn__gemm_pack_at(apack[0], a, g->a_cs, mc, 0, kc);
+    for (i = 0; i < mb; i += MN__MC, cur ^= 1) {
+        int ns = (mc + MN__MR - 1) / MN__MR, q = 0, nq = ns * npanel;
+        int nn = mb - i - mc < MN__MC ? mb - i - mc : MN__MC;  // rows of the next block
+        int full = nn > 0 ? nn / MN__MR : 0;  // its full strips, copied along the tiles
+        const float *nsrc = a + i + mc;
+        mn__gemm_cp cp;
+        if (nn % MN__MR)  // a last partial strip: packed here
+            mn__gemm_pack_at(apack[cur ^ 1] + (size_t)full * MN__KC * MN__MR,
+                             nsrc + full * MN__MR, g->a_cs, nn % MN__MR, 0, kc);
+        cp.stride = g->a_cs, cp.strips = full;
+        for (s = 0; s < ns; s++) {
+            int mr = mc - s * MN__MR < MN__MR ? mc - s * MN__MR : MN__MR;
+            for (p = 0; p < npanel; p++, q++) {
+                int jn = jb - p * MN__NR < MN__NR ? jb - p * MN__NR : MN__NR;
+                int r0 = q * kc / nq, r1 = (q + 1) * kc / nq;
+                float *c = g->c + (m0 + (size_t)i + (size_t)s * MN__MR) * g->ldc + j0 +
+                           (size_t)p * MN__NR;
+                const float *base = NULL;
+                cp.src = nsrc + (size_t)r0 * g->a_cs, cp.dst = apack[cur ^ 1] + (size_t)r0 * MN__MR;
+                cp.rows = full ? r1 - r0 : 0, cp.pf_rows = kc - r0;
+                if (g->init && k0 == 0)
+                    base = g->bias ? g->bias + j0 + (size_t)p * MN__NR : mn__gemm_zeros;
+                mn__gemm_tile(c, g->ldc, mr, jn, apack[cur] + (size_t)s * MN__KC * MN__MR, 1,
+                              MN__MR, bpack + (size_t)p * MN__KC * MN__NR, kc, base, &cp);
+            }
+        }
+        mc = nn;
+    }
+}
+
 // Rows [m0, m0+mb) of c against a packed B slice (k0.., j0..) of kc x jb: c += A B on that part.
-// A full fp32 strip of MR rows is read in place when either index of A is contiguous (rows of A
-// for the forward and input-gradient products, columns of A for the weight gradient: MR floats
-// per k). Copying the weight gradient's strips to [k][MR] first measured slower (about 10 %):
-// the copy waits for kc lines from L3 that the tile, reading in place, overlaps with its FMAs.
-// A 16-bit strip with contiguous rows is converted row by row to [MR][kc] (runs the compiler
-// vectorizes), then read like rows in place. A partial strip (or a matrix with neither stride
-// 1) is packed as [k][MR] one value at a time; rows past the end repeat the last row (their sums
-// are discarded).
+// A transposed fp32 A (the weight gradient) goes to mn__gemm_rows_t where its rows (k) are 1 KiB
+// or more apart, and it has more than two column panels or its rows are a page or more apart.
+// Else a full fp32 strip of MR rows is read in place when either index of A is contiguous (rows
+// of A for the forward and input-gradient products, columns of A for the weight gradient: MR
+// floats per k). A 16-bit strip with contiguous rows is converted row by row to [MR][kc] (runs
+// the compiler vectorizes), then read like rows in place. A partial strip (or a matrix with
+// neither stride 1) is packed as [k][MR] one value at a time; rows past the end repeat the last
+// row (their sums are discarded).
 MN__PRIVATE void mn__gemm_rows(const mn__gemm *g, const float *bpack, size_t k0, int kc, size_t j0,
                                int jb, size_t m0, int mb) {
     float apack[MN__KC * MN__MR];
     int npanel = (jb + MN__NR - 1) / MN__NR, p, i, k, m, is16 = mn__gemm_is16(g->a_dt);
+    if (!is16 && g->a_rs == 1 && g->a_cs >= 1024 / sizeof(float) &&
+        (npanel > 2 || g->a_cs >= 4096 / sizeof(float))) {
+        mn__gemm_rows_t(g, bpack, k0, kc, j0, jb, m0, mb);
+        return;
+    }
     for (i = 0; i < mb; i += MN__MR) {
         int mr = mb - i < MN__MR ? mb - i : MN__MR;
         size_t off = (m0 + (size_t)i) * g->a_rs + k0 * g->a_cs;
@@ -15586,7 +15705,7 @@ MN__PRIVATE void mn__gemm_rows(const mn__gemm *g, const float *bpack, size_t k0,
             if (g->init && k0 == 0)
                 base = g->bias ? g->bias + j0 + (size_t)p * MN__NR : mn__gemm_zeros;
             mn__gemm_tile(c, g->ldc, mr, jn, ap, ars, acs, bpack + (size_t)p * MN__KC * MN__NR,
-                          kc, base);
+                          kc, base, NULL);
         }
     }
 }

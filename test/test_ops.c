@@ -395,6 +395,85 @@ static void test_matmul_16bit_values(void) {
     free(v), free(eye), free(out), free(want), free(eyef);
 }
 
+// ---- matmul weight gradient: dout read across its rows ------------------------------------------
+// dweight[o, c] += sum_n dout[n, o] inp[n, c] reads dout along n with a stride of OC floats. Where
+// that stride is 1 KiB or more, and inp is wider than two column panels or the stride is a page
+// or more, blocks of dout's columns are packed while the tiles of the block before run; else
+// dout is read in place (the last shape here, and the 2-column task of the third). Column counts
+// that leave a partial strip, a partial block, a next block of one row, a two-thread task of
+// fewer rows than a strip (the third shape), and 1024 (rows of dout 4096 bytes apart, a multiple
+// of the page); depths past a 512-deep slice; inp widths off the 128-column task; fp32 and
+// 16-bit inp (dout rounded to the type as well); one thread and two. Added to random starting
+// values, against the double loop; from zero, bit for bit the forward product on explicitly
+// transposed copies (inp = dout^T, weight = inp^T: the same sums through the row-contiguous A
+// and the transposed B packing of the forward).
+static void transpose16(mn_dtype dt, const float *x, uint16_t *h, float *t, int R, int C) {
+    int r, c;
+    for (r = 0; r < R; r++)
+        for (c = 0; c < C; c++) t[(size_t)c * R + r] = x[(size_t)r * C + c];
+    if (dt != MN_FP32) to16(dt, t, h, (size_t)R * C);
+}
+
+static void run_matmul_dw(mn_dtype dt, int N, int C, int OC) {
+    size_t ni = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC, k;
+    float *x = mnt_fvec(ni), *dy = mnt_fvec(ny), *dw = mnt_fvec(nw), *dw0 = mnt_fvec(nw);
+    float *fw = mnt_fvec(nw), *xt = mnt_fvec(ni), *dyt = mnt_fvec(ny);
+    uint16_t *xh = (uint16_t *)malloc(ni * 2), *xth = (uint16_t *)malloc(ni * 2);
+    uint16_t *dyth = (uint16_t *)malloc(ny * 2), *tmp = (uint16_t *)malloc(ny * 2);
+    double *want = mnt_dvec(nw);
+    const void *xin = dt == MN_FP32 ? (const void *)x : (const void *)xh;
+    const void *fin = dt == MN_FP32 ? (const void *)dyt : (const void *)dyth;
+    const void *fwt = dt == MN_FP32 ? (const void *)xt : (const void *)xth;
+    char what[96];
+    int n, o, i, t;
+    CHECK(xh && xth && dyth && tmp);
+    mnt_fill_normal(x, ni, 1.0), mnt_fill_normal(dy, ny, 1.0), mnt_fill_normal(dw, nw, 1.0);
+    if (dt != MN_FP32) {  // the values of the type, so that the forward sees the same ones
+        to16(dt, x, xh, ni), from16(dt, xh, x, ni);
+        to16(dt, dy, tmp, ny), from16(dt, tmp, dy, ny);
+    }
+    memcpy(dw0, dw, nw * sizeof(float));
+    CHECK_OK(mn_matmul_backward_typed(NULL, dw, NULL, dy, xin, NULL, NULL, N, C, OC, dt));
+    for (k = 0; k < nw; k++) want[k] = dw0[k];
+    for (n = 0; n < N; n++)
+        for (o = 0; o < OC; o++)
+            for (i = 0; i < C; i++)
+                want[(size_t)o * C + i] += (double)dy[(size_t)n * OC + o] * x[(size_t)n * C + i];
+    snprintf(what, sizeof what, "matmul %s N=%d C=%d OC=%d dweight", mn_dtype_name(dt), N, C, OC);
+    CHECK_CLOSE_SCALED(what, dw, want, nw, TOL_GRAD);
+    transpose16(dt, dy, dyth, dyt, N, OC), transpose16(dt, x, xth, xt, N, C);
+    for (t = 1; t <= 2; t++) {
+#ifdef _OPENMP
+        int saved = omp_get_max_threads();
+        omp_set_num_threads(t);
+#endif
+        memset(dw, 0, nw * sizeof(float));
+        CHECK_OK(mn_matmul_backward_typed(NULL, dw, NULL, dy, xin, NULL, NULL, N, C, OC, dt));
+        CHECK_OK(mn_matmul_forward_typed(fw, NULL, fin, fwt, NULL, OC, N, C, dt));
+#ifdef _OPENMP
+        omp_set_num_threads(saved);
+#endif
+#ifndef MEMANAT_CBLAS  // there the fp32 products are the CBLAS's
+        snprintf(what, sizeof what, "%s N=%d C=%d OC=%d dweight vs transposed forward, %d thr",
+                 mn_dtype_name(dt), N, C, OC, t);
+        EXPECT_SAME(what, dw, fw, nw);
+#endif
+    }
+    free(x), free(dy), free(dw), free(dw0), free(fw), free(xt), free(dyt), free(xh), free(xth);
+    free(dyth), free(tmp), free(want);
+}
+
+static void test_matmul_dweight(void) {
+    static const int shapes[][3] = {{600, 40, 1024}, {531, 37, 1037}, {200, 130, 773},
+                                    {70, 100, 300},  {9, 97, 257},    {300, 40, 83}};
+    static const mn_dtype dts[3] = {MN_FP32, MN_BF16, MN_FP16};
+    size_t s;
+    int d;
+    for (d = 0; d < 3; d++)
+        for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            run_matmul_dw(dts[d], shapes[s][0], shapes[s][1], shapes[s][2]);
+}
+
 // ---- matmul forward: the output set, never read, in the wide-column blocks ------------------------
 // The forward writes out = bias + inp @ weight^T without reading out (the first 512-deep slice
 // stores, the later ones add) and packs the weight in 256-column blocks from the heap when OC is
@@ -1535,6 +1614,7 @@ const mnt_case test_ops_cases[] = {
     {"matmul_odd_shapes", test_matmul_odd_shapes},
     {"matmul_16bit", test_matmul_16bit},
     {"matmul_16bit_values", test_matmul_16bit_values},
+    {"matmul_dweight", test_matmul_dweight},
     {"matmul_forward_init", test_matmul_forward_init},
     {"layernorm", test_layernorm},
     {"rmsnorm", test_rmsnorm},
