@@ -10068,9 +10068,17 @@ typedef struct mn__c_block {
     uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
     uint32_t id;                    // slab << MN__C_SLAB_LOG | index in the slab (fixed)
     uint8_t cat;
+    uint8_t label_state;            // MN__C_LABEL_*: how label reads (its line is read only then)
     struct mn__c_block *tmp;        // scratch list, and the spare list
     char label[MN_CACHE_LABEL_MAX];
 } mn__c_block;
+
+// A block's label as its bytes read (the snapshot copies all MN_CACHE_LABEL_MAX): zeros for a new
+// struct, then each allocation's label written over it with its terminating zero, or only a zero
+// first byte for no label. Held without touching the label's cache line until a label is given.
+#define MN__C_LABEL_ZERO 0     // all bytes zero (label not written since the struct was made)
+#define MN__C_LABEL_SET 1      // label as written
+#define MN__C_LABEL_CLEARED 2  // label as written, but a zero first byte
 
 // Block structs are carved from slabs, each one host allocation: its header, then blocks at a
 // stride of whole cache lines. A cache with many blocks keeps them dense (few pages for the
@@ -10119,7 +10127,9 @@ typedef struct mn__c_sbin {  // one stream of a pool
 } mn__c_sbin;
 
 typedef struct mn__c_pool {
-    mn__c_bin *bins;         // MN__C_BINS, allocated with the pool's first segment
+    mn__c_bin *bins;         // MN__C_BINS, allocated with the pool's first segment; a bin's
+                             // fields are set when it first takes a block (set)
+    uint64_t set[MN__C_BIN_WORDS];  // the bins whose fields are set (held a block once)
     mn__c_sbin **streams;    // sorted by stream
     mn__c_sbin *cur;         // the entry found last, NULL after a sweep
     uint32_t nstreams, cap_streams;
@@ -10332,6 +10342,15 @@ MN__PRIVATE void mn__c_map_prefetch(const mn__c_cache *c, uint64_t addr) {
 #endif
 }
 
+// Asks for the line at p (a hint, as above; p may be NULL).
+MN__PRIVATE void mn__c_prefetch(const void *p) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p);
+#else
+    (void)p;
+#endif
+}
+
 // ---- size-class bins ----------------------------------------------------------------------------
 
 MN__PRIVATE uint32_t mn__c_bin_of(uint64_t size) {  // non-decreasing in size
@@ -10417,6 +10436,7 @@ MN__PRIVATE uint32_t mn__c_bit_prev(const mn__c_sbin *e, uint32_t i) {
 // lower_bound((s, size, 0)) inside one bin: its first node when that is not less than the key.
 MN__PRIVATE mn__c_block *mn__c_bin_lower(const mn__c_bin *bin, mn_stream s, uint64_t size) {
     mn__c_block *f = bin->first;
+    if (f) mn__c_prefetch(&f->prev);  // its second line, read next when it is handed out
     if (f && (f->stream > s || (f->stream == s && f->size >= size))) return f;
     return mn__c_tr_lower_bound(bin->root, s, size, 0, 0);
 }
@@ -10428,8 +10448,7 @@ MN__PRIVATE mn_result mn__c_sbin_reserve(mn__c_cache *c, mn__c_pool *p, mn_strea
     mn__c_sbin *e;
     if (!p->bins) {
         p->bins = (mn__c_bin *)mn__alloc_array(&c->alloc, MN__C_BINS, sizeof *p->bins);
-        if (!p->bins) return MN_ERR_OUT_OF_MEMORY;
-        memset(p->bins, 0, MN__C_BINS * sizeof *p->bins);
+        if (!p->bins) return MN_ERR_OUT_OF_MEMORY;  // (not zeroed: 500 kB, most never used)
     }
     if (mn__c_sbin_search(p, s, &pos)) return MN_OK;
     if (p->nstreams == p->cap_streams) {
@@ -10555,8 +10574,14 @@ MN__C_STEP void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
     b->in_tree = 1;
     p->whole += (uint64_t)mn__c_whole(b);
     if (b->mapped) {
-        mn__c_bin *bin = &p->bins[b->bin = mn__c_bin_of(b->size)];
-        mn__c_block *f = bin->first;
+        uint32_t i = b->bin = mn__c_bin_of(b->size);
+        mn__c_bin *bin = &p->bins[i];
+        mn__c_block *f;
+        if (!((p->set[i >> 6] >> (i & 63u)) & 1u)) {  // its first block: fields not set yet
+            p->set[i >> 6] |= 1ull << (i & 63u);
+            bin->root = bin->first = NULL;
+        }
+        f = bin->first;
         b->gc_base = p->get_free_calls;  // BlockPool::insert_into_blocks
         if (f && mn__c_node_lt(b, f, 0)) {  // a new first node: the old one's left child (it had
             f->l = b, b->up = f;            // none), then up by priority
@@ -10658,8 +10683,8 @@ MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     memset(b, 0, offsetof(mn__c_block, id));  // all but id, cat, tmp and the label
     b->id = id;
     b->cat = 0;
+    b->label_state = MN__C_LABEL_ZERO;
     b->tmp = NULL;
-    memset(b->label, 0, sizeof b->label);
     c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
     b->prio = c->rng;
     b->mapped = 1;
@@ -11405,10 +11430,12 @@ MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64
     b->cat = (uint8_t)cat;
     if (label) {
         size_t n = 0;
+        if (b->label_state == MN__C_LABEL_ZERO) memset(b->label, 0, sizeof b->label);
         while (n < MN_CACHE_LABEL_MAX - 1 && label[n]) b->label[n] = label[n], n++;
         b->label[n] = 0;
-    } else {
-        b->label[0] = 0;
+        b->label_state = MN__C_LABEL_SET;
+    } else if (b->label_state == MN__C_LABEL_SET) {
+        b->label_state = MN__C_LABEL_CLEARED;
     }
     mn__c_trace(c, MN_TRACE_ALLOC, b->addr, orig, b->size, b->stream, b->cat);
     mn__c_map_put(c, b);
@@ -11557,6 +11584,7 @@ MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
         return MN_ERR_INVALID_ARG;
     }
     c->clock++;
+    mn__c_prefetch(b->prev), mn__c_prefetch(b->next);  // the merge tests read their first lines
     if (b->uses && c->dev.event_record_fn) {  // insert_events: one event per use stream
         for (u = b->uses; u; u = u->next) {
             mn_result r = c->dev.event_record_fn(c->dev.user_data, u->stream, &u->event);
@@ -11853,6 +11881,7 @@ MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *
         const mn__c_bin *bin = &p->bins[i];
         const mn__c_block *prev = NULL, *b;
         uint64_t n = 0;
+        if (!((p->set[i >> 6] >> (i & 63u)) & 1u)) continue;  // never used (fields not set)
         mn__c_tree_check(bin->root, &n, 0, &prev, &bad);
         if (bad || (bin->root && bin->root->up) || (!bin->root) != (!bin->first) ||
             (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))) ||
@@ -12068,7 +12097,8 @@ MNIMPL mn_result mn_cache_snapshot_take(mn_cache *cache, mn_cache_snapshot *out)
                      : b->event_count ? MN_BLOCK_ACTIVE_PENDING_FREE : MN_BLOCK_INACTIVE;
             x->requested = x->state == MN_BLOCK_INACTIVE ? 0 : b->requested;
             x->category = (mn_category)b->cat;
-            memcpy(x->label, b->label, sizeof x->label);
+            if (b->label_state != MN__C_LABEL_ZERO) memcpy(x->label, b->label, sizeof x->label);
+            if (b->label_state == MN__C_LABEL_CLEARED) x->label[0] = 0;
             g->total_size += b->size;
             g->block_count++;
             if (b->allocated) g->allocated_size += b->size;

@@ -21,6 +21,20 @@ typedef struct cd_pair {
     int open;
 } cd_pair;
 
+// memanat.h's host memory comes filled with a pattern, as reused memory can be: what its
+// allocator reads must have been set by it (the bins of a pool are set as they are first used).
+static void *cd_dirty_alloc(void *user_data, size_t n) {
+    void *q = malloc(n);
+    (void)user_data;
+    if (q) memset(q, 0xA5, n);
+    return q;
+}
+
+static void cd_dirty_free(void *user_data, void *q) {
+    (void)user_data;
+    free(q);
+}
+
 static mn_result cd_open(cd_pair *p, uint64_t capacity, const char *config, uint32_t trace) {
     mn_simdev_desc dd;
     mn_cache_desc cd;
@@ -34,7 +48,9 @@ static mn_result cd_open(cd_pair *p, uint64_t capacity, const char *config, uint
     cd.config = config;
     cd.trace_entries = trace;
     cd.device = mn_simdev_device(&p->dev_a);
+    cd.allocator.alloc_fn = cd_dirty_alloc, cd.allocator.free_fn = cd_dirty_free;
     if ((r = mn_cache_init(&p->a, &cd)) != MN_OK) return r;
+    memset(&cd.allocator, 0, sizeof cd.allocator);
     cd.device = mn_simdev_device(&p->dev_b);
     if ((r = mr_cache_init(&p->b, &cd)) != MN_OK) return r;
     p->open = 1;
