@@ -10129,7 +10129,7 @@ typedef struct mn__c_sbin {  // one stream of a pool
 typedef struct mn__c_pool {
     mn__c_bin *bins;         // MN__C_BINS, allocated with the pool's first segment; a bin's
                              // fields are set when it first takes a block (set)
-    uint64_t set[MN__C_BIN_WORDS];  // the bins whose fields are set (held a block once)
+    uint8_t set[MN__C_BINS];  // 1: the bin's fields are set (it held a block once)
     mn__c_sbin **streams;    // sorted by stream
     mn__c_sbin *cur;         // the entry found last, NULL after a sweep
     uint32_t nstreams, cap_streams;
@@ -10577,8 +10577,8 @@ MN__C_STEP void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
         uint32_t i = b->bin = mn__c_bin_of(b->size);
         mn__c_bin *bin = &p->bins[i];
         mn__c_block *f;
-        if (!((p->set[i >> 6] >> (i & 63u)) & 1u)) {  // its first block: fields not set yet
-            p->set[i >> 6] |= 1ull << (i & 63u);
+        if (!p->set[i]) {  // its first block: fields not set yet
+            p->set[i] = 1;
             bin->root = bin->first = NULL;
         }
         f = bin->first;
@@ -10787,37 +10787,60 @@ MN__PRIVATE void mn__c_stat_dec(mn_stat *s, uint64_t n) {
     s->freed += n;
 }
 
+// A pool statistic changes in its pool and in the aggregate by the same amount
+// (get_stat_types_for_pool), so the aggregate's current value and totals are the sums of the
+// pools': only its peak is kept as it changes (from the two pools' current values), the rest is
+// summed by mn__c_stats_sync before the statistics are read.
+MN__PRIVATE void mn__c_stat2_inc(mn_stat *st, int small, uint64_t n) {  // st: [MN_STAT_TYPE_COUNT]
+    mn_stat *q = &st[small ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL];
+    mn_stat *o = &st[small ? MN_STAT_LARGE_POOL : MN_STAT_SMALL_POOL];
+    uint64_t v = q->current + n, a = v + o->current;
+    q->current = v;
+    if (v > q->peak) q->peak = v;
+    if (a > st[MN_STAT_ALL].peak) st[MN_STAT_ALL].peak = a;
+    q->allocated += n;
+}
+
+MN__PRIVATE void mn__c_stat2_dec(mn_stat *st, int small, uint64_t n) {
+    mn_stat *q = &st[small ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL];
+    MN_ASSERT(q->current >= n);
+    q->current -= n;
+    q->freed += n;
+}
+
+// op is inc or dec; small: the block's pool.
+#define MN__C_STAT2(c, field, small, op, n) mn__c_stat2_##op((c)->st.field, (small), (n))
+
+MN__PRIVATE uint64_t mn__c_all_current(const mn_stat *st) {
+    return st[MN_STAT_SMALL_POOL].current + st[MN_STAT_LARGE_POOL].current;
+}
+
+MN__PRIVATE void mn__c_stat_sum(mn_stat *st) {
+    st[MN_STAT_ALL].current = mn__c_all_current(st);
+    st[MN_STAT_ALL].allocated = st[MN_STAT_SMALL_POOL].allocated + st[MN_STAT_LARGE_POOL].allocated;
+    st[MN_STAT_ALL].freed = st[MN_STAT_SMALL_POOL].freed + st[MN_STAT_LARGE_POOL].freed;
+}
+
+#define MN__C_AGG_POOL(name) mn__c_stat_sum(c->st.name);
+#define MN__C_AGG_ONE(name)
+#define MN__C_AGG_COUNT(name)
+#define MN__C_AGG_VALUE(name)
+#define MN__C_AGG_CAT(name)
+#define MN__C_AGG_CATV(name)
+#define MN__C_AGG(kind, name, unit, label) MN__C_AGG_##kind(name)
+
 // While no release has waited for an event, a block leaves the active statistics in the call
 // that takes it out of the allocated ones, by the same amounts: active and active_bytes equal
 // allocation and allocated_bytes field for field, peaks and totals included. Until then (twin)
-// only the latter are kept, and mn__c_stats_sync copies them before the statistics are read; the
-// first release that waits for an event copies them for good.
+// only the latter are kept and copied here; the first release that waits for an event copies
+// them for good. Then the aggregates are summed (above). Before anything reads c->st.
 MN__PRIVATE void mn__c_stats_sync(mn__c_cache *c) {
-    if (!c->twin) return;
-    memcpy(c->st.active, c->st.allocation, sizeof c->st.active);
-    memcpy(c->st.active_bytes, c->st.allocated_bytes, sizeof c->st.active_bytes);
+    if (c->twin) {
+        memcpy(c->st.active, c->st.allocation, sizeof c->st.active);
+        memcpy(c->st.active_bytes, c->st.allocated_bytes, sizeof c->st.active_bytes);
+    }
+    MN_CACHE_STATS(MN__C_AGG)
 }
-
-// The aggregate and a pool by the same amount (the aggregate holds the pool's current value and
-// more: the pool's check covers both).
-MN__PRIVATE void mn__c_stat2_inc(mn_stat *all, mn_stat *pool, uint64_t n) {
-    uint64_t a = all->current + n, q = pool->current + n;
-    all->current = a, pool->current = q;
-    if (a > all->peak) all->peak = a;
-    if (q > pool->peak) pool->peak = q;
-    all->allocated += n, pool->allocated += n;
-}
-
-MN__PRIVATE void mn__c_stat2_dec(mn_stat *all, mn_stat *pool, uint64_t n) {
-    MN_ASSERT(pool->current >= n);
-    all->current -= n, pool->current -= n;
-    all->freed += n, pool->freed += n;
-}
-
-// Applies to the aggregate and to the block's pool (get_stat_types_for_pool); op is inc or dec.
-#define MN__C_STAT2(c, field, small, op, n) \
-    mn__c_stat2_##op(&(c)->st.field[MN_STAT_ALL], \
-                     &(c)->st.field[(small) ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL], (n))
 
 // ---- history ------------------------------------------------------------------------------------
 
@@ -11449,7 +11472,7 @@ MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64
     mn__c_stat_inc(&c->st.cat_allocation[cat], 1);
     mn__c_stat_inc(&c->st.cat_allocated_bytes[cat], b->size);
     mn__c_stat_inc(&c->st.cat_requested_bytes[cat], orig);
-    if (c->st.allocated_bytes[MN_STAT_ALL].current == c->st.allocated_bytes[MN_STAT_ALL].peak) {
+    if (mn__c_all_current(c->st.allocated_bytes) == c->st.allocated_bytes[MN_STAT_ALL].peak) {
         int k;
         for (k = 0; k < MN_CAT_COUNT; k++)
             c->st.cat_at_peak[k] = c->st.cat_allocated_bytes[k].current;
@@ -11471,8 +11494,8 @@ MNIMPL void mn_cache_format_size(uint64_t n, char *buf, size_t cap) {
 MN__PRIVATE void mn__c_oom_message(mn__c_cache *c, uint64_t alloc_size, uint64_t dev_free,
                                  uint64_t dev_total) {
     char a[32], t[32], f[32], al[32], ub[32], allowed[64];
-    uint64_t allocated = c->st.allocated_bytes[MN_STAT_ALL].current;
-    uint64_t reserved = c->st.reserved_bytes[MN_STAT_ALL].current;
+    uint64_t allocated = mn__c_all_current(c->st.allocated_bytes);
+    uint64_t reserved = mn__c_all_current(c->st.reserved_bytes);
     mn_cache_format_size(alloc_size, a, sizeof a);
     mn_cache_format_size(dev_total, t, sizeof t);
     mn_cache_format_size(dev_free, f, sizeof f);
@@ -11600,7 +11623,7 @@ MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
         }
     }
     small = b->small;
-    if (n && c->twin) mn__c_stats_sync(c), c->twin = 0;  // active stays while events wait
+    if (n && c->twin) mn__c_stats_sync(c), c->twin = 0;  // active differs while events wait
     mn__c_map_del(c, slot);
     b->allocated = 0;
     MN__C_STAT2(c, allocation, small, dec, 1);
@@ -11881,7 +11904,7 @@ MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *
         const mn__c_bin *bin = &p->bins[i];
         const mn__c_block *prev = NULL, *b;
         uint64_t n = 0;
-        if (!((p->set[i >> 6] >> (i & 63u)) & 1u)) continue;  // never used (fields not set)
+        if (!p->set[i]) continue;  // never used (fields not set)
         mn__c_tree_check(bin->root, &n, 0, &prev, &bad);
         if (bad || (bin->root && bin->root->up) || (!bin->root) != (!bin->first) ||
             (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))) ||
