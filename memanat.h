@@ -10129,7 +10129,7 @@ typedef struct mn__c_sbin {  // one stream of a pool
 typedef struct mn__c_pool {
     mn__c_bin *bins;         // MN__C_BINS, allocated with the pool's first segment; a bin's
                              // fields are set when it first takes a block (set)
-    uint8_t set[MN__C_BINS];  // 1: the bin's fields are set (it held a block once)
+    uint8_t *set;            // [MN__C_BINS] after the bins: 1 = the bin's fields are set
     mn__c_sbin **streams;    // sorted by stream
     mn__c_sbin *cur;         // the entry found last, NULL after a sweep
     uint32_t nstreams, cap_streams;
@@ -10447,8 +10447,10 @@ MN__PRIVATE mn_result mn__c_sbin_reserve(mn__c_cache *c, mn__c_pool *p, mn_strea
     uint32_t pos;
     mn__c_sbin *e;
     if (!p->bins) {
-        p->bins = (mn__c_bin *)mn__alloc_array(&c->alloc, MN__C_BINS, sizeof *p->bins);
+        p->bins = (mn__c_bin *)mn__alloc_array(&c->alloc, MN__C_BINS, sizeof *p->bins + 1);
         if (!p->bins) return MN_ERR_OUT_OF_MEMORY;  // (not zeroed: 500 kB, most never used)
+        p->set = (uint8_t *)(p->bins + MN__C_BINS);
+        memset(p->set, 0, MN__C_BINS);
     }
     if (mn__c_sbin_search(p, s, &pos)) return MN_OK;
     if (p->nstreams == p->cap_streams) {
@@ -10674,20 +10676,26 @@ MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
 // A zeroed block struct from the spares (or a new slab), NULL when the host is out of memory.
 MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     mn__c_block *b;
-    uint32_t id;
     if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
     b = c->spare;
     c->spare = b->tmp;
     c->spare_count--;
-    id = b->id;
-    memset(b, 0, offsetof(mn__c_block, id));  // all but id, cat, tmp and the label
-    b->id = id;
+    b->l = b->r = b->up = NULL;  // field by field: the label's line is left alone (label_state)
+    b->addr = b->size = 0;
+    b->stream = 0;
+    c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
+    b->prio = c->rng;
+    b->uses = NULL;
+    b->event_count = 0;
+    b->allocated = b->small = b->in_tree = 0;
+    b->mapped = 1;
+    b->prev = b->next = NULL;
+    b->seg = NULL;
+    b->requested = b->gc_base = 0;
+    b->bin = 0;
     b->cat = 0;
     b->label_state = MN__C_LABEL_ZERO;
     b->tmp = NULL;
-    c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
-    b->prio = c->rng;
-    b->mapped = 1;
     return b;
 }
 
