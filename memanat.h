@@ -10155,7 +10155,7 @@ typedef struct mn__c_cache {
     pthread_mutex_t mu;
 #endif
     int solo;                       // one caller only (an estimate's own replay): no lock
-    int twin;                       // active stats not kept: they equal allocation's (stats)
+    int twin;                       // active stats not kept, equal to allocation (stats_sync)
     mn__c_pool small, large;
     mn__c_slot *map;                // allocated and pending blocks by address, linear probing
     uint64_t map_cap, map_count;    // map_cap: a power of two, at most 2^32
