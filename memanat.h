@@ -10033,6 +10033,14 @@ MNIMPL uint64_t mn_cache_segment_size(const mn_cache_config *cfg, uint64_t round
 
 // ---- >>cache/alloc: blocks, segments, trees -----------------------------------------------------
 
+// The steps of a cached allocation and release, inlined into the two calls (no saving and
+// restoring of registers per step: a cached pair is a thousand instructions or so).
+#if defined(__GNUC__) || defined(__clang__)
+#define MN__C_STEP static inline __attribute__((always_inline, unused))
+#else
+#define MN__C_STEP static
+#endif
+
 typedef struct mn__c_segment mn__c_segment;
 
 typedef struct mn__c_use {   // a stream the block was used on; later the event recorded there
@@ -10060,9 +10068,17 @@ typedef struct mn__c_block {
     uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
     uint32_t id;                    // slab << MN__C_SLAB_LOG | index in the slab (fixed)
     uint8_t cat;
+    uint8_t label_state;            // MN__C_LABEL_*: how label reads (its line is read only then)
     struct mn__c_block *tmp;        // scratch list, and the spare list
     char label[MN_CACHE_LABEL_MAX];
 } mn__c_block;
+
+// A block's label as its bytes read (the snapshot copies all MN_CACHE_LABEL_MAX): zeros for a new
+// struct, then each allocation's label written over it with its terminating zero, or only a zero
+// first byte for no label. Held without touching the label's cache line until a label is given.
+#define MN__C_LABEL_ZERO 0     // all bytes zero (label not written since the struct was made)
+#define MN__C_LABEL_SET 1      // label as written
+#define MN__C_LABEL_CLEARED 2  // label as written, but a zero first byte
 
 // Block structs are carved from slabs, each one host allocation: its header, then blocks at a
 // stride of whole cache lines. A cache with many blocks keeps them dense (few pages for the
@@ -10111,9 +10127,12 @@ typedef struct mn__c_sbin {  // one stream of a pool
 } mn__c_sbin;
 
 typedef struct mn__c_pool {
-    mn__c_bin *bins;         // MN__C_BINS, allocated with the pool's first segment
+    mn__c_bin *bins;         // MN__C_BINS, allocated with the pool's first segment; a bin's
+                             // fields are set when it first takes a block (set)
+    uint8_t *set;            // [MN__C_BINS] after the bins: 1 = the bin's fields are set
     mn__c_sbin **streams;    // sorted by stream
-    uint32_t nstreams, cap_streams, hint;
+    mn__c_sbin *cur;         // the entry found last, NULL after a sweep
+    uint32_t nstreams, cap_streams;
     mn__c_block *unmapped;   // unmapped tails of expandable segments, by (stream, addr)
     uint64_t get_free_calls;
     uint64_t whole;          // free mapped blocks that are a whole fixed segment (releasable)
@@ -10136,6 +10155,7 @@ typedef struct mn__c_cache {
     pthread_mutex_t mu;
 #endif
     int solo;                       // one caller only (an estimate's own replay): no lock
+    int twin;                       // active stats not kept, equal to allocation (stats_sync)
     mn__c_pool small, large;
     mn__c_slot *map;                // allocated and pending blocks by address, linear probing
     uint64_t map_cap, map_count;    // map_cap: a power of two, at most 2^32
@@ -10322,6 +10342,15 @@ MN__PRIVATE void mn__c_map_prefetch(const mn__c_cache *c, uint64_t addr) {
 #endif
 }
 
+// Asks for the line at p (a hint, as above; p may be NULL).
+MN__PRIVATE void mn__c_prefetch(const void *p) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p);
+#else
+    (void)p;
+#endif
+}
+
 // ---- size-class bins ----------------------------------------------------------------------------
 
 MN__PRIVATE uint32_t mn__c_bin_of(uint64_t size) {  // non-decreasing in size
@@ -10344,20 +10373,16 @@ MN__PRIVATE mn__c_sbin *mn__c_sbin_search(mn__c_pool *p, mn_stream s, uint32_t *
         else hi = mid;
     }
     if (pos) *pos = lo;
-    if (lo < p->nstreams && p->streams[lo]->stream == s) {
-        p->hint = lo;
-        return p->streams[lo];
-    }
+    if (lo < p->nstreams && p->streams[lo]->stream == s) return p->cur = p->streams[lo];
     return NULL;
 }
 
-// The same, first trying the stream found last (a test inlined at the call).
-MN__PRIVATE mn__c_sbin *mn__c_sbin_find(mn__c_pool *p, mn_stream s, uint32_t *pos) {
-    if (p->hint < p->nstreams && p->streams[p->hint]->stream == s) {
-        if (pos) *pos = p->hint;
-        return p->streams[p->hint];
-    }
-    return mn__c_sbin_search(p, s, pos);
+// The entry of stream s, NULL if none, first trying the entry found last (a test inlined at the
+// call; the entries of a sweep's streams are spares, so a sweep forgets it).
+MN__PRIVATE mn__c_sbin *mn__c_sbin_find(mn__c_pool *p, mn_stream s) {
+    mn__c_sbin *e = p->cur;
+    if (e && e->stream == s) return e;
+    return mn__c_sbin_search(p, s, NULL);
 }
 
 MN__PRIVATE int mn__c_bit_get(const mn__c_sbin *e, uint32_t i) {
@@ -10411,6 +10436,7 @@ MN__PRIVATE uint32_t mn__c_bit_prev(const mn__c_sbin *e, uint32_t i) {
 // lower_bound((s, size, 0)) inside one bin: its first node when that is not less than the key.
 MN__PRIVATE mn__c_block *mn__c_bin_lower(const mn__c_bin *bin, mn_stream s, uint64_t size) {
     mn__c_block *f = bin->first;
+    if (f) mn__c_prefetch(&f->prev);  // its second line, read next when it is handed out
     if (f && (f->stream > s || (f->stream == s && f->size >= size))) return f;
     return mn__c_tr_lower_bound(bin->root, s, size, 0, 0);
 }
@@ -10421,11 +10447,12 @@ MN__PRIVATE mn_result mn__c_sbin_reserve(mn__c_cache *c, mn__c_pool *p, mn_strea
     uint32_t pos;
     mn__c_sbin *e;
     if (!p->bins) {
-        p->bins = (mn__c_bin *)mn__alloc_array(&c->alloc, MN__C_BINS, sizeof *p->bins);
-        if (!p->bins) return MN_ERR_OUT_OF_MEMORY;
-        memset(p->bins, 0, MN__C_BINS * sizeof *p->bins);
+        p->bins = (mn__c_bin *)mn__alloc_array(&c->alloc, MN__C_BINS, sizeof *p->bins + 1);
+        if (!p->bins) return MN_ERR_OUT_OF_MEMORY;  // (not zeroed: 500 kB, most never used)
+        p->set = (uint8_t *)(p->bins + MN__C_BINS);
+        memset(p->set, 0, MN__C_BINS);
     }
-    if (mn__c_sbin_find(p, s, &pos)) return MN_OK;
+    if (mn__c_sbin_search(p, s, &pos)) return MN_OK;
     if (p->nstreams == p->cap_streams) {
         uint32_t cap = p->cap_streams ? p->cap_streams * 2 : 4;
         mn__c_sbin **ns = (mn__c_sbin **)mn__alloc_array(&c->alloc, cap, sizeof *ns);
@@ -10469,7 +10496,7 @@ MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
             }
         }
         p->nstreams = n;
-        p->hint = 0;
+        p->cur = NULL;
     }
 }
 
@@ -10477,12 +10504,12 @@ MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
 // block found is most often its bin's first, whose address goes into the address map when it is
 // handed out: that slot's line is asked for together with the block's, not after it (with many
 // blocks both are cache misses).
-MN__PRIVATE mn__c_block *mn__c_pool_lower_bound(const mn__c_cache *c, mn__c_pool *p, mn_stream s,
-                                                uint64_t size) {
+MN__C_STEP mn__c_block *mn__c_pool_lower_bound(const mn__c_cache *c, mn__c_pool *p, mn_stream s,
+                                               uint64_t size) {
     mn__c_sbin *e;
     mn__c_block *b;
     uint32_t i;
-    if (!p->bins || !(e = mn__c_sbin_find(p, s, NULL))) return NULL;
+    if (!p->bins || !(e = mn__c_sbin_find(p, s))) return NULL;
     i = mn__c_bin_of(size);
     if (mn__c_bit_get(e, i)) {
         mn__c_map_prefetch(c, p->bins[i].first_addr);
@@ -10500,7 +10527,7 @@ MN__PRIVATE mn__c_block *mn__c_pool_next(mn__c_pool *p, const mn__c_block *b) {
     mn__c_block *n = mn__c_tr_next((mn__c_block *)(uintptr_t)b);
     uint32_t i;
     if (n && n->stream == b->stream) return n;
-    i = mn__c_bit_next(mn__c_sbin_find(p, b->stream, NULL), b->bin + 1);
+    i = mn__c_bit_next(mn__c_sbin_find(p, b->stream), b->bin + 1);
     return i < MN__C_BINS ? mn__c_bin_lower(&p->bins[i], b->stream, 0) : NULL;
 }
 
@@ -10510,7 +10537,7 @@ MN__PRIVATE mn__c_block *mn__c_pool_before(mn__c_pool *p, mn_stream s, uint64_t 
     mn__c_sbin *e;
     mn__c_block *b;
     uint32_t i;
-    if (!p->bins || !(e = mn__c_sbin_find(p, s, NULL))) return NULL;
+    if (!p->bins || !(e = mn__c_sbin_find(p, s))) return NULL;
     i = mn__c_bin_of(size);
     if (mn__c_bit_get(e, i)) {
         b = mn__c_tr_before(p->bins[i].root, s, size, addr, 0);
@@ -10543,14 +10570,20 @@ MN__PRIVATE int mn__c_whole(const mn__c_block *b) {
     return b->mapped && !b->prev && !b->next && !b->seg->expandable;
 }
 
-MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
+MN__C_STEP void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(!b->in_tree);
     b->l = b->r = NULL;
     b->in_tree = 1;
     p->whole += (uint64_t)mn__c_whole(b);
     if (b->mapped) {
-        mn__c_bin *bin = &p->bins[b->bin = mn__c_bin_of(b->size)];
-        mn__c_block *f = bin->first;
+        uint32_t i = b->bin = mn__c_bin_of(b->size);
+        mn__c_bin *bin = &p->bins[i];
+        mn__c_block *f;
+        if (!p->set[i]) {  // its first block: fields not set yet
+            p->set[i] = 1;
+            bin->root = bin->first = NULL;
+        }
+        f = bin->first;
         b->gc_base = p->get_free_calls;  // BlockPool::insert_into_blocks
         if (f && mn__c_node_lt(b, f, 0)) {  // a new first node: the old one's left child (it had
             f->l = b, b->up = f;            // none), then up by priority
@@ -10559,13 +10592,13 @@ MN__PRIVATE void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
             mn__c_tr_insert(&bin->root, b, 0);
         }
         if (!f || mn__c_node_lt(b, f, 0)) bin->first = b, bin->first_addr = b->addr;
-        mn__c_bit_set(mn__c_sbin_find(p, b->stream, NULL), b->bin);  // made with the segment
+        mn__c_bit_set(mn__c_sbin_find(p, b->stream), b->bin);  // made with the segment
     } else {
         mn__c_tr_insert(&p->unmapped, b, 1);
     }
 }
 
-MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
+MN__C_STEP void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(b->in_tree);
     p->whole -= (uint64_t)mn__c_whole(b);
     if (b->mapped) {
@@ -10576,7 +10609,7 @@ MN__PRIVATE void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
             keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
         if (bin->first == b) bin->first = n, bin->first_addr = n ? n->addr : 0;
         mn__c_tr_erase(&bin->root, b);
-        if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream, NULL), b->bin);
+        if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream), b->bin);
     } else {
         mn__c_tr_erase(&p->unmapped, b);
     }
@@ -10643,17 +10676,26 @@ MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
 // A zeroed block struct from the spares (or a new slab), NULL when the host is out of memory.
 MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     mn__c_block *b;
-    uint32_t id;
     if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
     b = c->spare;
     c->spare = b->tmp;
     c->spare_count--;
-    id = b->id;
-    memset(b, 0, sizeof *b);
-    b->id = id;
+    b->l = b->r = b->up = NULL;  // field by field: the label's line is left alone (label_state)
+    b->addr = b->size = 0;
+    b->stream = 0;
     c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
     b->prio = c->rng;
+    b->uses = NULL;
+    b->event_count = 0;
+    b->allocated = b->small = b->in_tree = 0;
     b->mapped = 1;
+    b->prev = b->next = NULL;
+    b->seg = NULL;
+    b->requested = b->gc_base = 0;
+    b->bin = 0;
+    b->cat = 0;
+    b->label_state = MN__C_LABEL_ZERO;
+    b->tmp = NULL;
     return b;
 }
 
@@ -10753,10 +10795,60 @@ MN__PRIVATE void mn__c_stat_dec(mn_stat *s, uint64_t n) {
     s->freed += n;
 }
 
-// Applies to the aggregate and to the block's pool (get_stat_types_for_pool).
-#define MN__C_STAT2(c, field, small, op, n) do { \
-    op(&(c)->st.field[MN_STAT_ALL], (n)); \
-    op(&(c)->st.field[(small) ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL], (n)); } while (0)
+// A pool statistic changes in its pool and in the aggregate by the same amount
+// (get_stat_types_for_pool), so the aggregate's current value and totals are the sums of the
+// pools': only its peak is kept as it changes (from the two pools' current values), the rest is
+// summed by mn__c_stats_sync before the statistics are read.
+MN__PRIVATE void mn__c_stat2_inc(mn_stat *st, int small, uint64_t n) {  // st: [MN_STAT_TYPE_COUNT]
+    mn_stat *q = &st[small ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL];
+    mn_stat *o = &st[small ? MN_STAT_LARGE_POOL : MN_STAT_SMALL_POOL];
+    uint64_t v = q->current + n, a = v + o->current;
+    q->current = v;
+    if (v > q->peak) q->peak = v;
+    if (a > st[MN_STAT_ALL].peak) st[MN_STAT_ALL].peak = a;
+    q->allocated += n;
+}
+
+MN__PRIVATE void mn__c_stat2_dec(mn_stat *st, int small, uint64_t n) {
+    mn_stat *q = &st[small ? MN_STAT_SMALL_POOL : MN_STAT_LARGE_POOL];
+    MN_ASSERT(q->current >= n);
+    q->current -= n;
+    q->freed += n;
+}
+
+// op is inc or dec; small: the block's pool.
+#define MN__C_STAT2(c, field, small, op, n) mn__c_stat2_##op((c)->st.field, (small), (n))
+
+MN__PRIVATE uint64_t mn__c_all_current(const mn_stat *st) {
+    return st[MN_STAT_SMALL_POOL].current + st[MN_STAT_LARGE_POOL].current;
+}
+
+MN__PRIVATE void mn__c_stat_sum(mn_stat *st) {
+    st[MN_STAT_ALL].current = mn__c_all_current(st);
+    st[MN_STAT_ALL].allocated = st[MN_STAT_SMALL_POOL].allocated + st[MN_STAT_LARGE_POOL].allocated;
+    st[MN_STAT_ALL].freed = st[MN_STAT_SMALL_POOL].freed + st[MN_STAT_LARGE_POOL].freed;
+}
+
+#define MN__C_AGG_POOL(name) mn__c_stat_sum(c->st.name);
+#define MN__C_AGG_ONE(name)
+#define MN__C_AGG_COUNT(name)
+#define MN__C_AGG_VALUE(name)
+#define MN__C_AGG_CAT(name)
+#define MN__C_AGG_CATV(name)
+#define MN__C_AGG(kind, name, unit, label) MN__C_AGG_##kind(name)
+
+// While no release has waited for an event, a block leaves the active statistics in the call
+// that takes it out of the allocated ones, by the same amounts: active and active_bytes equal
+// allocation and allocated_bytes field for field, peaks and totals included. Until then (twin)
+// only the latter are kept and copied here; the first release that waits for an event copies
+// them for good. Then the aggregates are summed (above). Before anything reads c->st.
+MN__PRIVATE void mn__c_stats_sync(mn__c_cache *c) {
+    if (c->twin) {
+        memcpy(c->st.active, c->st.allocation, sizeof c->st.active);
+        memcpy(c->st.active_bytes, c->st.allocated_bytes, sizeof c->st.active_bytes);
+    }
+    MN_CACHE_STATS(MN__C_AGG)
+}
 
 // ---- history ------------------------------------------------------------------------------------
 
@@ -10832,6 +10924,7 @@ MNIMPL mn_result mn_cache_init(mn_cache *cache, const mn_cache_desc *desc) {
     c->logger = desc->logger;
     c->device_index = desc->device_index;
     c->small.small = 1;
+    c->twin = 1;
     c->rng = 0x9E3779B9u;
     c->st.max_split_size = c->pol.max_split;
     if (desc->trace_entries) {
@@ -10869,7 +10962,7 @@ MN__PRIVATE uint64_t mn__c_addr(const mn__c_cache *c, const void *ptr) {
 
 // try_merge_blocks: src joins dst when it is free, has no pending events or stream uses, and is
 // mapped the same way. Returns the bytes taken over (0 = no merge).
-MN__PRIVATE uint64_t mn__c_try_merge(mn__c_cache *c, mn__c_block *dst, mn__c_block *src) {
+MN__C_STEP uint64_t mn__c_try_merge(mn__c_cache *c, mn__c_block *dst, mn__c_block *src) {
     uint64_t sub;
     if (!src || src->allocated || src->event_count > 0 || src->uses || dst->mapped != src->mapped)
         return 0;
@@ -10890,7 +10983,7 @@ MN__PRIVATE uint64_t mn__c_try_merge(mn__c_cache *c, mn__c_block *dst, mn__c_blo
 }
 
 // free_block: the block becomes reusable; it merges with free neighbours and returns to its pool.
-MN__PRIVATE void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
+MN__C_STEP void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
     mn__c_pool *p = mn__c_pool_of(c, b);
     uint64_t orig = b->size, req = b->requested, sub;
     int64_t net_blocks = 0, net_bytes = 0;
@@ -10907,18 +11000,20 @@ MN__PRIVATE void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
     if (!c->cfg.expandable_segments || !b->seg->expandable) {
         uint64_t nb = (uint64_t)(net_blocks < 0 ? -net_blocks : net_blocks);
         uint64_t ns = (uint64_t)(net_bytes < 0 ? -net_bytes : net_bytes);
-        if (net_blocks > 0) MN__C_STAT2(c, inactive_split, small, mn__c_stat_inc, nb);
-        if (net_blocks < 0) MN__C_STAT2(c, inactive_split, small, mn__c_stat_dec, nb);
-        if (net_bytes > 0) MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_inc, ns);
-        if (net_bytes < 0) MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_dec, ns);
+        if (net_blocks > 0) MN__C_STAT2(c, inactive_split, small, inc, nb);
+        if (net_blocks < 0) MN__C_STAT2(c, inactive_split, small, dec, nb);
+        if (net_bytes > 0) MN__C_STAT2(c, inactive_split_bytes, small, inc, ns);
+        if (net_bytes < 0) MN__C_STAT2(c, inactive_split_bytes, small, dec, ns);
     }
-    MN__C_STAT2(c, active, small, mn__c_stat_dec, 1);
-    MN__C_STAT2(c, active_bytes, small, mn__c_stat_dec, orig);
-    MN__C_STAT2(c, requested_bytes, small, mn__c_stat_dec, req);
+    if (!c->twin) {
+        MN__C_STAT2(c, active, small, dec, 1);
+        MN__C_STAT2(c, active_bytes, small, dec, orig);
+    }
+    MN__C_STAT2(c, requested_bytes, small, dec, req);
 }
 
 MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
-    if (--mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs == 0)
+    if (--mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream)->segs == 0)
         c->idle_streams++;  // its entry goes at the end of the call (mn__c_sbin_sweep)
     if (s->prev_seg) s->prev_seg->next_seg = s->next_seg;
     else c->segs = s->next_seg;
@@ -10927,7 +11022,7 @@ MN__PRIVATE void mn__c_seg_unlink(mn__c_cache *c, mn__c_segment *s) {
 }
 
 MN__PRIVATE void mn__c_seg_link(mn__c_cache *c, mn__c_segment *s) {
-    if (mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream, NULL)->segs++ == 0)
+    if (mn__c_sbin_find(s->small ? &c->small : &c->large, s->stream)->segs++ == 0)
         c->idle_streams--;  // the entry was reserved for this segment
     s->prev_seg = NULL;
     s->next_seg = c->segs;
@@ -10951,8 +11046,8 @@ MN__PRIVATE void mn__c_release_block(mn__c_cache *c, mn__c_block *b) {
     mn__c_note_dev_error(c, c->dev.free_fn(c->dev.user_data, mn__c_ptr(c, b->addr), b->size),
                          "free");
     c->total_allocated_memory -= b->size;
-    MN__C_STAT2(c, segment, small, mn__c_stat_dec, 1);
-    MN__C_STAT2(c, reserved_bytes, small, mn__c_stat_dec, b->size);
+    MN__C_STAT2(c, segment, small, dec, 1);
+    MN__C_STAT2(c, reserved_bytes, small, dec, b->size);
     if (b->size >= c->pol.max_split) mn__c_stat_dec(&c->st.oversize_segments, 1);
     mn__c_pool_erase(mn__c_pool_of(c, b), b);
     mn__c_seg_unlink(c, s);
@@ -11001,7 +11096,7 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
     b->size = end - beg;
     b->mapped = 0;
     c->total_allocated_memory -= b->size;
-    MN__C_STAT2(c, reserved_bytes, b->small, mn__c_stat_dec, b->size);
+    MN__C_STAT2(c, reserved_bytes, b->small, dec, b->size);
     c->st.num_device_free++;
     mn__c_trace(c, MN_TRACE_SEGMENT_UNMAP, b->addr, b->size, b->size, b->stream, 0);
     mn__c_try_merge(c, b, b->prev);
@@ -11104,8 +11199,8 @@ MN__PRIVATE void mn__c_release_cached(mn__c_cache *c) {
 // ---- allocation ---------------------------------------------------------------------------------
 
 // get_free_block: best fit on the same stream, with the oversize rules.
-MN__PRIVATE mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_stream s,
-                                              uint64_t size) {
+MN__C_STEP mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_stream s,
+                                             uint64_t size) {
     mn__c_block *b;
     if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) p->get_free_calls++;
     b = mn__c_pool_lower_bound(c, p, s, size);
@@ -11163,7 +11258,7 @@ MN__PRIVATE mn_result mn__c_map_block(mn__c_cache *c, mn__c_block *to_map, uint6
     mn__c_try_merge(c, to_map, to_map->next);
     mn__c_pool_insert(p, to_map);
     c->total_allocated_memory += m;
-    MN__C_STAT2(c, reserved_bytes, to_map->small, mn__c_stat_inc, m);
+    MN__C_STAT2(c, reserved_bytes, to_map->small, inc, m);
     c->st.num_device_alloc++;
     mn__c_trace(c, MN_TRACE_SEGMENT_MAP, at, m, m, to_map->stream, 0);
     return MN_OK;
@@ -11260,8 +11355,8 @@ MN__PRIVATE mn_result mn__c_alloc_block(mn__c_cache *c, mn__c_pool *p, mn_stream
     b = mn__c_block_new(c);  // reserved by the caller, cannot fail
     b->addr = seg->addr, b->size = alloc_size, b->stream = s, b->small = seg->small, b->seg = seg;
     seg->head = b;
-    MN__C_STAT2(c, segment, p->small, mn__c_stat_inc, 1);
-    MN__C_STAT2(c, reserved_bytes, p->small, mn__c_stat_inc, alloc_size);
+    MN__C_STAT2(c, segment, p->small, inc, 1);
+    MN__C_STAT2(c, reserved_bytes, p->small, inc, alloc_size);
     if (alloc_size >= c->pol.max_split) mn__c_stat_inc(&c->st.oversize_segments, 1);
     c->st.num_device_alloc++;
     mn__c_trace(c, MN_TRACE_SEGMENT_ALLOC, b->addr, alloc_size, alloc_size, s, 0);
@@ -11332,9 +11427,9 @@ MN__PRIVATE int mn__c_should_split(const mn__c_cache *c, const mn__c_block *b, u
 }
 
 // alloc_found_block: splits off the front when asked and hands the block out.
-MN__PRIVATE mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64_t size,
-                                           uint64_t orig, int split, mn_category cat,
-                                           const char *label) {
+MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64_t size,
+                                          uint64_t orig, int split, mn_category cat,
+                                          const char *label) {
     mn__c_pool *p = mn__c_pool_of(c, b);
     int already_split = b->prev || b->next, small = b->small;
     int exp = c->cfg.expandable_segments && b->seg->expandable;
@@ -11352,36 +11447,40 @@ MN__PRIVATE mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint6
         mn__c_fix_head(b);
         mn__c_pool_insert(p, rem);
         if (already_split && !exp) {
-            MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_dec, size);
+            MN__C_STAT2(c, inactive_split_bytes, small, dec, size);
         } else if (!exp) {
-            MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_inc, rem->size);
-            MN__C_STAT2(c, inactive_split, small, mn__c_stat_inc, 1);
+            MN__C_STAT2(c, inactive_split_bytes, small, inc, rem->size);
+            MN__C_STAT2(c, inactive_split, small, inc, 1);
         }
     } else if (already_split && !exp) {
-        MN__C_STAT2(c, inactive_split_bytes, small, mn__c_stat_dec, b->size);
-        MN__C_STAT2(c, inactive_split, small, mn__c_stat_dec, 1);
+        MN__C_STAT2(c, inactive_split_bytes, small, dec, b->size);
+        MN__C_STAT2(c, inactive_split, small, dec, 1);
     }
     b->allocated = 1;
     b->requested = orig;
     b->cat = (uint8_t)cat;
     if (label) {
         size_t n = 0;
+        if (b->label_state == MN__C_LABEL_ZERO) memset(b->label, 0, sizeof b->label);
         while (n < MN_CACHE_LABEL_MAX - 1 && label[n]) b->label[n] = label[n], n++;
         b->label[n] = 0;
-    } else {
-        b->label[0] = 0;
+        b->label_state = MN__C_LABEL_SET;
+    } else if (b->label_state == MN__C_LABEL_SET) {
+        b->label_state = MN__C_LABEL_CLEARED;
     }
     mn__c_trace(c, MN_TRACE_ALLOC, b->addr, orig, b->size, b->stream, b->cat);
     mn__c_map_put(c, b);
-    MN__C_STAT2(c, allocation, small, mn__c_stat_inc, 1);
-    MN__C_STAT2(c, allocated_bytes, small, mn__c_stat_inc, b->size);
-    MN__C_STAT2(c, active, small, mn__c_stat_inc, 1);
-    MN__C_STAT2(c, active_bytes, small, mn__c_stat_inc, b->size);
-    MN__C_STAT2(c, requested_bytes, small, mn__c_stat_inc, orig);
+    MN__C_STAT2(c, allocation, small, inc, 1);
+    MN__C_STAT2(c, allocated_bytes, small, inc, b->size);
+    if (!c->twin) {
+        MN__C_STAT2(c, active, small, inc, 1);
+        MN__C_STAT2(c, active_bytes, small, inc, b->size);
+    }
+    MN__C_STAT2(c, requested_bytes, small, inc, orig);
     mn__c_stat_inc(&c->st.cat_allocation[cat], 1);
     mn__c_stat_inc(&c->st.cat_allocated_bytes[cat], b->size);
     mn__c_stat_inc(&c->st.cat_requested_bytes[cat], orig);
-    if (c->st.allocated_bytes[MN_STAT_ALL].current == c->st.allocated_bytes[MN_STAT_ALL].peak) {
+    if (mn__c_all_current(c->st.allocated_bytes) == c->st.allocated_bytes[MN_STAT_ALL].peak) {
         int k;
         for (k = 0; k < MN_CAT_COUNT; k++)
             c->st.cat_at_peak[k] = c->st.cat_allocated_bytes[k].current;
@@ -11403,8 +11502,8 @@ MNIMPL void mn_cache_format_size(uint64_t n, char *buf, size_t cap) {
 MN__PRIVATE void mn__c_oom_message(mn__c_cache *c, uint64_t alloc_size, uint64_t dev_free,
                                  uint64_t dev_total) {
     char a[32], t[32], f[32], al[32], ub[32], allowed[64];
-    uint64_t allocated = c->st.allocated_bytes[MN_STAT_ALL].current;
-    uint64_t reserved = c->st.reserved_bytes[MN_STAT_ALL].current;
+    uint64_t allocated = mn__c_all_current(c->st.allocated_bytes);
+    uint64_t reserved = mn__c_all_current(c->st.reserved_bytes);
     mn_cache_format_size(alloc_size, a, sizeof a);
     mn_cache_format_size(dev_total, t, sizeof t);
     mn_cache_format_size(dev_free, f, sizeof f);
@@ -11444,8 +11543,10 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
         return MN_ERR_DEVICE_OOM;
     }
     // host memory first, so that nothing below fails half-way
-    if ((r = mn__c_map_reserve(c)) != MN_OK) goto done;
-    if ((r = mn__c_spare_reserve(c, MN__C_SPARE_BLOCKS)) != MN_OK) goto done;
+    if ((c->map_count + 1) * 2 > c->map_cap && (r = mn__c_map_reserve(c)) != MN_OK) goto done;
+    if (c->spare_count < MN__C_SPARE_BLOCKS &&
+        (r = mn__c_spare_reserve(c, MN__C_SPARE_BLOCKS)) != MN_OK)
+        goto done;
     if (c->ev_head) mn__c_process_events(c);
     size = mn__c_round_size(&c->pol, orig);
     p = size <= MN__C_SMALL_SIZE ? &c->small : &c->large;
@@ -11514,6 +11615,7 @@ MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
         return MN_ERR_INVALID_ARG;
     }
     c->clock++;
+    mn__c_prefetch(b->prev), mn__c_prefetch(b->next);  // the merge tests read their first lines
     if (b->uses && c->dev.event_record_fn) {  // insert_events: one event per use stream
         for (u = b->uses; u; u = u->next) {
             mn_result r = c->dev.event_record_fn(c->dev.user_data, u->stream, &u->event);
@@ -11529,10 +11631,11 @@ MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
         }
     }
     small = b->small;
+    if (n && c->twin) mn__c_stats_sync(c), c->twin = 0;  // active differs while events wait
     mn__c_map_del(c, slot);
     b->allocated = 0;
-    MN__C_STAT2(c, allocation, small, mn__c_stat_dec, 1);
-    MN__C_STAT2(c, allocated_bytes, small, mn__c_stat_dec, b->size);
+    MN__C_STAT2(c, allocation, small, dec, 1);
+    MN__C_STAT2(c, allocated_bytes, small, dec, b->size);
     mn__c_stat_dec(&c->st.cat_allocation[b->cat], 1);
     mn__c_stat_dec(&c->st.cat_allocated_bytes[b->cat], b->size);
     mn__c_stat_dec(&c->st.cat_requested_bytes[b->cat], b->requested);
@@ -11626,6 +11729,7 @@ MNIMPL mn_result mn_cache_set_memory_fraction(mn_cache *cache, double fraction) 
 MNIMPL mn_result mn_cache_stats(mn_cache *cache, struct mn_cache_stats *out) {
     if (!cache || !cache->p || !out) return MN_ERR_INVALID_ARG;
     mn__c_lock(cache->p);
+    mn__c_stats_sync(cache->p);
     *out = cache->p->st;
     mn__c_unlock(cache->p);
     return MN_OK;
@@ -11664,6 +11768,7 @@ MNIMPL void mn_cache_reset_peak_stats(mn_cache *cache) {
     if (!cache || !cache->p) return;
     c = cache->p;
     mn__c_lock(c);
+    mn__c_stats_sync(c);
     MN_CACHE_STATS(MN__C_PEAK)
     for (k = 0; k < MN_CAT_COUNT; k++) c->st.cat_at_peak[k] = c->st.cat_allocated_bytes[k].current;
     mn__c_unlock(c);
@@ -11674,6 +11779,7 @@ MNIMPL void mn_cache_reset_accumulated_stats(mn_cache *cache) {
     if (!cache || !cache->p) return;
     c = cache->p;
     mn__c_lock(c);
+    mn__c_stats_sync(c);
     MN_CACHE_STATS(MN__C_ACC)
     mn__c_unlock(c);
 }
@@ -11796,7 +11902,7 @@ MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *
     for (sg = c->segs; sg; sg = sg->next_seg)
         if ((sg->small != 0) == (p->small != 0)) {
             have++;
-            if (!mn__c_sbin_find(p, sg->stream, NULL))
+            if (!mn__c_sbin_find(p, sg->stream))
                 MN__C_FAIL("cache check: segment %llx has no stream entry",
                            (unsigned long long)sg->addr);
         }
@@ -11806,13 +11912,14 @@ MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *
         const mn__c_bin *bin = &p->bins[i];
         const mn__c_block *prev = NULL, *b;
         uint64_t n = 0;
+        if (!p->set[i]) continue;  // never used (fields not set)
         mn__c_tree_check(bin->root, &n, 0, &prev, &bad);
         if (bad || (bin->root && bin->root->up) || (!bin->root) != (!bin->first) ||
             (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))) ||
             bin->first_addr != (bin->first ? bin->first->addr : 0))
             MN__C_FAIL("cache check: bin %u out of order", i);
         for (b = bin->first; b; b = mn__c_tr_next((mn__c_block *)(uintptr_t)b)) {
-            mn__c_sbin *e = mn__c_sbin_find(p, b->stream, NULL);
+            mn__c_sbin *e = mn__c_sbin_find(p, b->stream);
             if (b->bin != i || mn__c_bin_of(b->size) != i || !e || !mn__c_bit_get(e, i))
                 MN__C_FAIL("cache check: block %llx in bin %u", (unsigned long long)b->addr, i);
             if (b == bin->first || mn__c_tr_prev((mn__c_block *)(uintptr_t)b)->stream != b->stream)
@@ -11862,6 +11969,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
     if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
     c = cache->p;
     mn__c_lock(c);
+    mn__c_stats_sync(c);
     memset(&want, 0, sizeof want);
     for (s = c->segs; s; s = s->next_seg) {
         uint64_t sum = 0, at = s->addr;
@@ -12020,7 +12128,8 @@ MNIMPL mn_result mn_cache_snapshot_take(mn_cache *cache, mn_cache_snapshot *out)
                      : b->event_count ? MN_BLOCK_ACTIVE_PENDING_FREE : MN_BLOCK_INACTIVE;
             x->requested = x->state == MN_BLOCK_INACTIVE ? 0 : b->requested;
             x->category = (mn_category)b->cat;
-            memcpy(x->label, b->label, sizeof x->label);
+            if (b->label_state != MN__C_LABEL_ZERO) memcpy(x->label, b->label, sizeof x->label);
+            if (b->label_state == MN__C_LABEL_CLEARED) x->label[0] = 0;
             g->total_size += b->size;
             g->block_count++;
             if (b->allocated) g->allocated_size += b->size;
@@ -12042,6 +12151,7 @@ MNIMPL mn_result mn_cache_snapshot_take(mn_cache *cache, mn_cache_snapshot *out)
     out->base_reserved = c->base_reserved;
     out->config = c->cfg;
     out->device_index = c->device_index;
+    mn__c_stats_sync(c);
     out->stats = c->st;
     mn__c_unlock(c);
     // segments by address, their blocks gathered in the same order
