@@ -39,20 +39,18 @@
 
 static int reps = 5;
 
-// OpenMP's threads for the rows; OpenBLAS's only around its own rows (blas_threads): its workers
-// spin for a while after each call, and any of OpenBLAS's calls, openblas_set_num_threads
-// included, sets them spinning again, on the core that a 2-thread row of the header's ops needs
-// (layernorm forward on 2 threads measured 0.22 of 1 thread that way, 2.1 without OpenBLAS).
+// OpenMP's threads for every row, OpenBLAS's as well during its own rows (blas_rows); the rows
+// after them leave OpenBLAS on 1 thread. (Its workers spin after a call unless told not to, see
+// main, on the core that a 2-thread row of the header's ops needs: layernorm forward on 2
+// threads measured 0.22 of 1 thread with OpenBLAS's workers spinning, 1.8 to 1.9 without.)
+static int blas_rows;
+
 static void set_threads(int t) {
 #ifdef _OPENMP
     omp_set_num_threads(t);
 #endif
-    (void)t;
-}
-
-static void blas_threads(int t) {
 #ifdef MN_BENCH_CBLAS
-    openblas_set_num_threads(t);
+    if (blas_rows) openblas_set_num_threads(t);
 #endif
     (void)t;
 }
@@ -396,6 +394,17 @@ int main(int argc, char **argv) {
     uint64_t dims[2];
     size_t i, n;
     FILE *f;
+#ifdef MN_BENCH_CBLAS
+    // OpenBLAS's workers spin for 2^28 cycles after each call by default, on the cores that the
+    // header's 2-thread rows use next (its 2-thread matmul read 0.8 to 2.5 of OpenBLAS from run
+    // to run, 2.2 to 2.6 with the workers asleep at once, OpenBLAS's own rate unchanged); the
+    // variable is read as the library loads, so the program runs itself again with it set
+    // (2^4 cycles: they sleep at once).
+    if (!getenv("OPENBLAS_THREAD_TIMEOUT") && setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1) == 0) {
+        execv("/proc/self/exe", argv);
+        unsetenv("OPENBLAS_THREAD_TIMEOUT");  // (no exec: on as it is)
+    }
+#endif
     if (argc > 1) reps = atoi(argv[1]);
     if (reps < 1 || reps > 64) reps = 5;
     ncpu = bench_cpu_model(cpu, sizeof cpu);
@@ -438,13 +447,13 @@ int main(int argc, char **argv) {
     k.tok = (int *)malloc(n * sizeof(int)), k.h16 = (uint16_t *)malloc(n * 2);
     if (!k.tok || !k.h16) return 1;
     for (i = 0; i < n; i++) k.tok[i] = (int)(rnd() % 50257);
+    blas_rows = 1;
     for (th = 1; th <= 2; th++) {
         char ts[8];
         snprintf(ts, sizeof ts, "%d", th);
         snprintf(shape, sizeof shape, "%zux%zux%zu", k.N, k.C, k.OC);
         fl = 2.0 * (double)k.N * (double)k.C * (double)k.OC;
 #ifdef MN_BENCH_CBLAS
-        blas_threads(th);
         time_pair(w_mm_fwd, &k, th, w_blas_fwd, &k, th, &tm, &tp);
         snprintf(b, sizeof b, "openblas %.1f GFLOP/s", fl / tp);
 #else
@@ -463,8 +472,8 @@ int main(int argc, char **argv) {
         snprintf(a, sizeof a, "%.1f GFLOP/s", 2 * fl / tm);
         row("matmul bwd (dx+dw)", shape, "fp32", ts, a, b, tp / tm);
     }
-    blas_threads(1);
-    {  // (OpenBLAS's workers, spinning after its last 2-thread call, go to sleep)
+    set_threads(1), blas_rows = 0;
+    {  // (time for OpenBLAS's workers to go idle where they still spin: no exec in main)
         struct timespec ts = {0, 500000000};
         nanosleep(&ts, NULL);
     }
