@@ -10635,9 +10635,9 @@ MN__PRIVATE mn__c_block *mn__c_block_at(const mn__c_cache *c, uint32_t id) {
                                               MN__C_BLOCK_STRIDE);
 }
 
-// Makes sure n structs are spare, adding slabs if needed (host allocations: the slab, and the
-// table of slabs when it grows; a failure changes nothing).
-MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
+// Adds slabs until n structs are spare (host allocations: the slab, and the table of slabs when
+// it grows; a failure changes nothing). Callers go through mn__c_spare_reserve.
+MN__PRIVATE mn_result mn__c_spare_grow(mn__c_cache *c, uint32_t n) {
     while (c->spare_count < n) {
         uint32_t k = c->slab_count < MN__C_SLAB_LOG - 6u ? MN__C_SLAB_MIN << c->slab_count
                                                           : 1u << MN__C_SLAB_LOG, i;
@@ -10671,6 +10671,11 @@ MN__PRIVATE mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
         c->spare_count += k;  // at most 2^32 - 1 blocks in all slabs
     }
     return MN_OK;
+}
+
+// Makes sure n structs are spare (the check inline: on every allocation it holds).
+MN__C_STEP mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
+    return c->spare_count >= n ? MN_OK : mn__c_spare_grow(c, n);
 }
 
 // A zeroed block struct from the spares (or a new slab), NULL when the host is out of memory.
@@ -10711,11 +10716,10 @@ MN__PRIVATE void mn__c_fix_head(mn__c_block *b) {
 
 // ---- address map --------------------------------------------------------------------------------
 
-// Makes room for one more entry (before anything else on the alloc path).
-MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
+// Doubles the map (mn__c_map_reserve, when one more entry would fill it past half).
+MN__PRIVATE mn_result mn__c_map_grow(mn__c_cache *c) {
     uint64_t i, cap;
     mn__c_slot *nm;
-    if ((c->map_count + 1) * 2 <= c->map_cap) return MN_OK;
     cap = c->map_cap ? c->map_cap * 2 : 1024;
     if (cap > (1ull << 32) || cap > SIZE_MAX / sizeof *nm) return MN_ERR_OUT_OF_MEMORY;
     nm = (mn__c_slot *)mn__alloc_array(&c->alloc, (size_t)cap, sizeof *nm);
@@ -10732,6 +10736,11 @@ MN__PRIVATE mn_result mn__c_map_reserve(mn__c_cache *c) {
     c->map = nm;
     c->map_cap = cap;
     return MN_OK;
+}
+
+// Makes room for one more entry (before anything else on the alloc path; the check inline).
+MN__C_STEP mn_result mn__c_map_reserve(mn__c_cache *c) {
+    return (c->map_count + 1) * 2 <= c->map_cap ? MN_OK : mn__c_map_grow(c);
 }
 
 MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
@@ -11543,10 +11552,8 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
         return MN_ERR_DEVICE_OOM;
     }
     // host memory first, so that nothing below fails half-way
-    if ((c->map_count + 1) * 2 > c->map_cap && (r = mn__c_map_reserve(c)) != MN_OK) goto done;
-    if (c->spare_count < MN__C_SPARE_BLOCKS &&
-        (r = mn__c_spare_reserve(c, MN__C_SPARE_BLOCKS)) != MN_OK)
-        goto done;
+    if ((r = mn__c_map_reserve(c)) != MN_OK) goto done;
+    if ((r = mn__c_spare_reserve(c, MN__C_SPARE_BLOCKS)) != MN_OK) goto done;
     if (c->ev_head) mn__c_process_events(c);
     size = mn__c_round_size(&c->pol, orig);
     p = size <= MN__C_SMALL_SIZE ? &c->small : &c->large;
