@@ -260,6 +260,18 @@ static void ref_mm_plain(const float *x, const float *w, const float *b, double 
         }
 }
 
+// want[o, c] = start[o, c] + sum_n dy[n, o] x[n, c] in double, n ascending (the weight gradient).
+static void ref_dweight(double *want, const float *start, const float *dy, const float *x, int N,
+                        int C, int OC) {
+    size_t k;
+    int n, o, i;
+    for (k = 0; k < (size_t)OC * C; k++) want[k] = start[k];
+    for (n = 0; n < N; n++)
+        for (o = 0; o < OC; o++)
+            for (i = 0; i < C; i++)
+                want[(size_t)o * C + i] += (double)dy[(size_t)n * OC + o] * x[(size_t)n * C + i];
+}
+
 static void run_matmul16(mn_dtype dt, int N, int C, int OC) {
     size_t ni = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC, k;
     float *x = mnt_fvec(ni), *w = mnt_fvec(nw), *b = mnt_fvec((size_t)OC), *xr = mnt_fvec(ni);
@@ -311,11 +323,7 @@ static void run_matmul16(mn_dtype dt, int N, int C, int OC) {
                 want[(size_t)n * C + i] += (double)dy[(size_t)n * OC + o] * wr[(size_t)o * C + i];
     snprintf(what, sizeof what, "matmul %s N=%d C=%d OC=%d dinp", mn_dtype_name(dt), N, C, OC);
     CHECK_CLOSE_SCALED(what, dx, want, ni, TOL_GRAD);
-    for (k = 0; k < nw; k++) want[k] = dw32[k];
-    for (o = 0; o < OC; o++)
-        for (n = 0; n < N; n++)
-            for (i = 0; i < C; i++)
-                want[(size_t)o * C + i] += (double)dy[(size_t)n * OC + o] * xr[(size_t)n * C + i];
+    ref_dweight(want, dw32, dy, xr, N, C, OC);
     snprintf(what, sizeof what, "matmul %s N=%d C=%d OC=%d dweight", mn_dtype_name(dt), N, C, OC);
     CHECK_CLOSE_SCALED(what, dw, want, nw, TOL_GRAD);
     CHECK_OK(mn_matmul_backward(dx32, dw32, db32, dy32, xr, wr, NULL, N, C, OC));
@@ -415,7 +423,7 @@ static void transpose16(mn_dtype dt, const float *x, uint16_t *h, float *t, int 
 }
 
 static void run_matmul_dw(mn_dtype dt, int N, int C, int OC) {
-    size_t ni = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC, k;
+    size_t ni = (size_t)N * C, nw = (size_t)OC * C, ny = (size_t)N * OC;
     float *x = mnt_fvec(ni), *dy = mnt_fvec(ny), *dw = mnt_fvec(nw), *dw0 = mnt_fvec(nw);
     float *fw = mnt_fvec(nw), *xt = mnt_fvec(ni), *dyt = mnt_fvec(ny);
     uint16_t *xh = (uint16_t *)malloc(ni * 2), *xth = (uint16_t *)malloc(ni * 2);
@@ -425,7 +433,7 @@ static void run_matmul_dw(mn_dtype dt, int N, int C, int OC) {
     const void *fin = dt == MN_FP32 ? (const void *)dyt : (const void *)dyth;
     const void *fwt = dt == MN_FP32 ? (const void *)xt : (const void *)xth;
     char what[96];
-    int n, o, i, t;
+    int t;
     CHECK(xh && xth && dyth && tmp);
     mnt_fill_normal(x, ni, 1.0), mnt_fill_normal(dy, ny, 1.0), mnt_fill_normal(dw, nw, 1.0);
     if (dt != MN_FP32) {  // the values of the type, so that the forward sees the same ones
@@ -434,11 +442,7 @@ static void run_matmul_dw(mn_dtype dt, int N, int C, int OC) {
     }
     memcpy(dw0, dw, nw * sizeof(float));
     CHECK_OK(mn_matmul_backward_typed(NULL, dw, NULL, dy, xin, NULL, NULL, N, C, OC, dt));
-    for (k = 0; k < nw; k++) want[k] = dw0[k];
-    for (n = 0; n < N; n++)
-        for (o = 0; o < OC; o++)
-            for (i = 0; i < C; i++)
-                want[(size_t)o * C + i] += (double)dy[(size_t)n * OC + o] * x[(size_t)n * C + i];
+    ref_dweight(want, dw0, dy, x, N, C, OC);
     snprintf(what, sizeof what, "matmul %s N=%d C=%d OC=%d dweight", mn_dtype_name(dt), N, C, OC);
     CHECK_CLOSE_SCALED(what, dw, want, nw, TOL_GRAD);
     transpose16(dt, dy, dyth, dyt, N, OC), transpose16(dt, x, xth, xt, N, C);
