@@ -214,6 +214,17 @@ static void fit_free(mn__fit *F) {
     free(F);
 }
 
+// Setup j of the model's fit (s0's model with another batch) into *s, and its step alone (the
+// estimate with no_replay set) into *quick; 0 where that estimate fails.
+static int fit_setup(const mn_model *m, const mn_setup *s0, int j, mn_setup *s,
+                     mn_estimate_result *quick) {
+    mn_setup u;
+    *s = *s0;
+    s->batch = 1 + (s0->batch + (uint64_t)j * 3) % 8;
+    u = *s, u.no_replay = 1;
+    return mn_estimate(m, &u, quick) == MN_OK;
+}
+
 // mn__fit_entry with a bound (below): its step alone equal to the estimate with no_replay set;
 // replayed exactly when that fits and its peak allocated is below the bound, the replay then
 // equal to the whole estimate ("does not fit" where it stopped at an out-of-memory). Several
@@ -230,13 +241,11 @@ void test_fit_entry_below(void) {
         if (!place_capacity(&m, &s0)) continue;
         if (!(F = fit_new(&m, &fo))) return;
         for (j = 0; j < 3; j++) {
-            mn_setup s = s0, u;
+            mn_setup s;
             mn_estimate_result quick, whole;
             mn__fit_memo *e;
             uint64_t below;
-            s.batch = 1 + (s0.batch + (uint64_t)j * 3) % 8;  // (the same model, other setups)
-            u = s, u.no_replay = 1;
-            if (mn_estimate(&m, &u, &quick) != MN_OK) continue;
+            if (!fit_setup(&m, &s0, j, &s, &quick)) continue;
             switch (mnt_rand_u64() % 4) {  // none, below the peak, at it, above it
             case 0: below = 0; break;
             case 1: below = quick.peak_allocated / 2 + 1; break;
@@ -289,14 +298,12 @@ void test_fit_entry_cut(void) {
         if (!place_capacity(&m, &s0)) continue;
         if (!(F = fit_new(&m, &fo))) return;
         for (j = 0; j < 3; j++) {
-            mn_setup s = s0, u;
+            mn_setup s;
             mn_estimate_result quick, whole, r;
             mn__fit_memo *e;
             mn_result err = MN_OK;
             int fits, replay = (int)(mnt_rand_u64() % 2);
-            s.batch = 1 + (s0.batch + (uint64_t)j * 3) % 8;  // (the same model, other setups)
-            u = s, u.no_replay = 1;
-            if (mn_estimate(&m, &u, &quick) != MN_OK) continue;
+            if (!fit_setup(&m, &s0, j, &s, &quick)) continue;
             CHECK_OK(estimate_unique_ids(&m, &s, &whole));
             if (replay) {  // (mn__fits: its entry, with the replay when the step alone fits)
                 fits = mn__fits(F, &s, &r, &err, 0);
