@@ -15149,8 +15149,17 @@ MN__PRIVATE float mn__dot(const float *x, const float *y, size_t n) {
     double s = 0.0;
     size_t i = 0;
     int l;
+#if MN__OV  // the same lanes on vectors (as mn__sumsq_centered)
+    mn__ovf va[MN__LN / MN__OW] = {{0}};
+    for (; n - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN / MN__OW; l++)
+            va[l] = MN__OFMA(mn__ov_load(x + i + l * MN__OW), mn__ov_load(y + i + l * MN__OW),
+                             va[l]);
+    for (l = 0; l < MN__LN / MN__OW; l++) mn__ov_store(acc + l * MN__OW, va[l]);
+#else
     for (; n - i >= MN__LN; i += MN__LN)
         for (l = 0; l < MN__LN; l++) acc[l] = MN__FMA(x[i + l], y[i + l], acc[l]);
+#endif
     for (; i < n; i++) s += (double)x[i] * y[i];
     for (l = 0; l < MN__LN; l++) s += acc[l];
     return (float)s;
@@ -16307,38 +16316,93 @@ MNIMPL mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, c
                                     size_t N, size_t C, float eps) {
     // r = 1/sqrt(mean(x^2) + eps); y = x r w (Zhang & Sennrich 2019, "Root Mean Square Layer
     // Normalization", eq. 4; as in LLaMA's RMSNorm).
-    size_t n;
+    // A large call streams and asks ahead as mn_layernorm_forward does.
+    size_t part, parts;
+    int big, nt;
     if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
-    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, N)
-    for (n = 0; n < N; n++) {
-        const float *x = inp + n * C;
-        float *y = out + n * C;
-        float s = 1.0f / sqrtf(mn__dot(x, x, C) / (float)C + eps);
-        size_t i;
-        for (i = 0; i < C; i++) y[i] = x[i] * s * weight[i];
-        if (rstd) rstd[n] = s;
+    big = mn__nt_big(N, C), nt = big && mn__nt_want(out);
+    parts = mn__nt_parts((uint64_t)N * C);
+    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, parts)
+    for (part = 0; part < parts; part++) {
+        size_t n, n1 = mn__part_start(N, parts, part + 1);
+        for (n = mn__part_start(N, parts, part); n < n1; n++) {
+            const float *x = inp + n * C;
+            float buf[MN__NT_CHUNK], *y = nt ? buf : out + n * C, s;
+            size_t i;
+            if (big && n + MN__PF_ROWS < N) mn__prefetch(x + MN__PF_ROWS * C, C);
+            s = 1.0f / sqrtf(mn__dot(x, x, C) / (float)C + eps);
+#if MN__OV  // (the compiler leaves the loop below scalar here)
+            for (i = 0; C - i >= MN__OW; i += MN__OW)
+                mn__ov_store(y + i, mn__ov_load(x + i) * s * mn__ov_load(weight + i));
+#else
+            i = 0;
+#endif
+            for (; i < C; i++) y[i] = x[i] * s * weight[i];
+            if (nt) mn__nt_copy(out + n * C, buf, 1.0f, C);
+            if (rstd) rstd[n] = s;
+        }
+        if (nt) mn__nt_fence();
     }
     return MN_OK;
 }
 
-// One row of the RMSNorm backward: dx += r (g - xh mean(g xh)), g = w dy, xh = x r, the mean
-// from MN__LN float lanes folded in double.
-MN__PRIVATE void mn__rmsnorm_dx_row(float *dx, const float *dy, const float *x, const float *w,
-                                    float r, size_t C) {
-    float agx[MN__LN] = {0}, gxm;
+// mean(g xh) of a row of the RMSNorm backward, g = w dy, xh = x r, from MN__LN float lanes
+// folded in double.
+MN__PRIVATE float mn__rmsnorm_gxm(const float *dy, const float *x, const float *w, float r,
+                                  size_t C) {
+    float agx[MN__LN] = {0};
     double sgx = 0.0;
     size_t i = 0;
     int l;
+#if MN__OV  // the same lanes on vectors (as mn__sumsq_centered)
+    mn__ovf va[MN__LN / MN__OW] = {{0}};
+    for (; C - i >= MN__LN; i += MN__LN)
+        for (l = 0; l < MN__LN / MN__OW; l++) {
+            size_t k = i + (size_t)l * MN__OW;
+            va[l] = MN__OFMA(mn__ov_load(w + k) * mn__ov_load(dy + k), mn__ov_load(x + k) * r,
+                             va[l]);
+        }
+    for (l = 0; l < MN__LN / MN__OW; l++) mn__ov_store(agx + l * MN__OW, va[l]);
+#else
     for (; C - i >= MN__LN; i += MN__LN)
         for (l = 0; l < MN__LN; l++) agx[l] = MN__FMA(w[i + l] * dy[i + l], x[i + l] * r, agx[l]);
+#endif
     for (; i < C; i++) sgx += (double)(w[i] * dy[i]) * (x[i] * r);
     for (l = 0; l < MN__LN; l++) sgx += agx[l];
-    gxm = (float)(sgx / (double)C);
+    return (float)(sgx / (double)C);
+}
+MN__PRIVATE void mn__rmsnorm_dx_row(float *dx, const float *dy, const float *x, const float *w,
+                                    float r, size_t C) {
+    float gxm = mn__rmsnorm_gxm(dy, x, w, r, C);  // dx += r (g - xh mean(g xh))
+    size_t i;
     for (i = 0; i < C; i++) {
         float g = w[i] * dy[i];
         dx[i] += r * (g - (x[i] * r) * gxm);
     }
 }
+
+#if MN__OV
+// One row of the RMSNorm backward and the row's share of dweight (NULL: not wanted) in one pass
+// after the mean: the values of mn__rmsnorm_dx_row and mn__rmsnorm_dw_row, each element computed
+// by the same operations in the same order (as mn__layernorm_bwd_row).
+MN__PRIVATE void mn__rmsnorm_bwd_row(float *dx, float *dweight, const float *dy, const float *x,
+                                     const float *w, float r, size_t C) {
+    float gxm = mn__rmsnorm_gxm(dy, x, w, r, C);
+    mn__ovf vr = mn__ov_set1(r), vgxm = mn__ov_set1(gxm);
+    size_t i = 0;
+    for (; C - i >= MN__OW; i += MN__OW) {
+        mn__ovf d = mn__ov_load(dy + i), g = mn__ov_load(w + i) * d;
+        mn__ovf xh = mn__ov_load(x + i) * vr;  // (g and xh rounded as in the scalar form)
+        mn__ov_store(dx + i, mn__ov_load(dx + i) + vr * (g - xh * vgxm));
+        if (dweight) mn__ov_store(dweight + i, mn__ov_load(dweight + i) + d * xh);
+    }
+    for (; i < C; i++) {
+        float g = w[i] * dy[i], xh = x[i] * r;
+        dx[i] += r * (g - xh * gxm);
+        if (dweight) dweight[i] += dy[i] * xh;
+    }
+}
+#endif
 
 // One row's share of dweight over columns [c0, c1), added straight in, rows in order (as
 // mn__layernorm_dwb_row).
@@ -16355,7 +16419,9 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
     // (the layernorm backward without the mean terms; derivation in Zhang & Sennrich 2019).
     // One pass over the rows for both gradients; with three or more threads, rows for dinp, then
     // one contiguous column range per thread for dweight (the same order per column, so the same
-    // bits).
+    // bits). On one thread, as mn_layernorm_backward: with vector lanes dx and dweight in one
+    // pass after the mean (mn__rmsnorm_bwd_row), and a large call asks for the next row of dout,
+    // inp and dinp as it starts one.
     size_t n, part;
     int team = 1;
     if (!dout || !inp || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
@@ -16364,10 +16430,23 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
     team = mn__omp_team((uint64_t)N * C, MN__OMP_MIN_ELEMS);
 #endif
     if (team <= 2) {  // one thread, one pass (the threshold of mn_layernorm_backward)
+        int big = mn__nt_big(N, C);
         for (n = 0; n < N; n++) {
-            if (dinp)
-                mn__rmsnorm_dx_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);
-            if (dweight) mn__rmsnorm_dw_row(dweight, dout + n * C, inp + n * C, rstd[n], 0, C);
+            const float *x = inp + n * C, *dy = dout + n * C;
+            if (big && n + 1 < N) {
+                mn__prefetch(x + C, C);
+                mn__prefetch(dy + C, C);
+                if (dinp) mn__prefetch(dinp + (n + 1) * C, C);
+            }
+#if MN__OV
+            if (dinp) {
+                mn__rmsnorm_bwd_row(dinp + n * C, dweight, dy, x, weight, rstd[n], C);
+                continue;
+            }
+#else
+            if (dinp) mn__rmsnorm_dx_row(dinp + n * C, dy, x, weight, rstd[n], C);
+#endif
+            if (dweight) mn__rmsnorm_dw_row(dweight, dy, x, rstd[n], 0, C);
         }
         return MN_OK;
     }

@@ -190,6 +190,10 @@ static void w_ln(void *a) {
     opw *k = (opw *)a;
     mn_layernorm_forward(k->out, k->mean, k->rstd, k->inp, k->w, k->b, k->N, k->C, 1e-5f);
 }
+static void w_rms(void *a) {
+    opw *k = (opw *)a;
+    mn_rmsnorm_forward(k->out, k->rstd, k->inp, k->w, k->N, k->C, 1e-5f);
+}
 static void w_sm(void *a) {
     opw *k = (opw *)a;
     mn_softmax_forward(k->out, k->inp, k->N, k->C, 1.0f, 0);
@@ -204,6 +208,10 @@ static void w_ce(void *a) {
 }
 // The backward rows reuse the forward rows' buffers (only the time matters): dout from p, the
 // gradients accumulate into g (out for the cross-entropy's [256, V] dlogits, with probs from inp).
+static void w_rms_bwd(void *a) {
+    opw *k = (opw *)a;
+    mn_rmsnorm_backward(k->g, k->dw, k->p, k->inp, k->w, k->rstd, k->N, k->C);
+}
 static void w_ln_bwd(void *a) {
     opw *k = (opw *)a;
     mn_layernorm_backward(k->g, k->dw, k->db, k->p, k->inp, k->w, k->mean, k->rstd, k->N, k->C);
@@ -482,6 +490,8 @@ int main(int argc, char **argv) {
     snprintf(shape, sizeof shape, "%zux%zu", k.N, k.C);
     mem_row("layernorm fwd", shape, &k, w_ln, 8.0 * (double)n, 0);
     mem_row("layernorm bwd", shape, &k, w_ln_bwd, 16.0 * (double)n, 0);
+    mem_row("rmsnorm fwd", shape, &k, w_rms, 8.0 * (double)n, 0);
+    mem_row("rmsnorm bwd", shape, &k, w_rms_bwd, 16.0 * (double)n, 0);
     mem_row("softmax fwd", shape, &k, w_sm, 8.0 * (double)n, 0);
     mem_row("softmax bwd", shape, &k, w_sm_bwd, 16.0 * (double)n, 0);
     mem_row("gelu fwd", shape, &k, w_gelu, 8.0 * (double)n, 0);

@@ -1419,6 +1419,13 @@ static void test_streaming_stores(void) {
         EXPECT_SAME("layernorm mean", mean, mean1, N);
         EXPECT_SAME("layernorm rstd", rstd, rstd1, N);
     }
+    NT_POISON(n);
+    CHECK_OK(mn_rmsnorm_forward(y, rstd, x, w, N, C, 1e-5f));
+    for (r = 0; r < N; r++)
+        CHECK_OK(mn_rmsnorm_forward(want + r * C, rstd1 + r, x + r * C, w, 1, C, 1e-5f));
+    want[n] = nt_poison();
+    nt_check("rmsnorm forward", y, want, n);
+    EXPECT_SAME("rmsnorm rstd", rstd, rstd1, N);
     for (variant = 0; variant < 2; variant++) {  // plain and causal
         NT_POISON(n);
         CHECK_OK(mn_softmax_forward(y, x, N, C, 0.7f, variant));
@@ -1445,21 +1452,23 @@ static void test_streaming_stores(void) {
     free(x), free(w), free(b), free(ybuf), free(want), free(st), free(tgt);
 }
 
-// The layernorm backward on a large call (N * C past MN__NT_MIN_BYTES: the one-thread loop asks
-// for rows ahead), with a fresh odd C (rows end in a scalar tail), for each of the eight choices
-// of outputs (dinp, dweight, dbias, each given or NULL). One thread (one fused pass over each row
-// with vector lanes) against four (with OpenMP, the team's path: rows for dinp, then columns),
-// bit for bit; against a double loop on sampled rows of dinp and on every column of dweight and
-// dbias; and each output the same bits whichever other outputs the call computes.
-static void test_layernorm_backward_paths(void) {
+// The layernorm and RMSNorm backwards on a large call (N * C past MN__NT_MIN_BYTES: the
+// one-thread loop asks for rows ahead), with a fresh odd C (rows end in a scalar tail), for each
+// choice of outputs (dinp, dweight and the layernorm's dbias, each given or NULL). One thread (one
+// fused pass over each row with vector lanes) against four (with OpenMP, the team's path: rows
+// for dinp, then columns), bit for bit; against a double loop on sampled rows of dinp and on every
+// column of dweight and dbias; and each output the same bits whichever other outputs the call
+// computes. The RMSNorm forward's large call (streamed rows) is checked on the sampled rows too.
+static void norm_backward_paths(int rms) {
     enum { S = 8 };  // sampled rows
     size_t C = 2 * (300 + mnt_rand_u64() % 200) + 1, N = 4300000 / C + 1, n = N * C, i, j;
     float *x = mnt_fvec(n), *dy = mnt_fvec(n), *w = mnt_fvec(C), *mean = mnt_fvec(N);
     float *rstd = mnt_fvec(N), *dx[2], *pw[2], *all = mnt_fvec(2 * C + S * C);
     double *want = mnt_dvec(2 * C), *g = mnt_dvec(C), *xh = mnt_dvec(C);
+    const char *op = rms ? "rmsnorm" : "layernorm";
     size_t rows[S];
     static const int threads[2] = {1, 4};
-    int mask, t, k;
+    int mask, t, k, full = rms ? 3 : 7;  // every output of the op
 #ifdef _OPENMP
     int saved = omp_get_max_threads();
 #endif
@@ -1470,7 +1479,26 @@ static void test_layernorm_backward_paths(void) {
     mnt_fill_normal(w, C, 1.0);
     for (t = 0; t < 2; t++) dx[t] = mnt_fvec(n), pw[t] = mnt_fvec(2 * C);
     for (i = 0; i < n; i++) x[i] += (float)(i / C % 7);  // per-row offsets
-    CHECK_OK(mn_layernorm_forward(dx[0], mean, rstd, x, w, NULL, N, C, 1e-5f));
+    if (rms) {  // mean 0: xh = x r below for both
+        CHECK_OK(mn_rmsnorm_forward(dx[0], rstd, x, w, N, C, 1e-5f));
+        for (j = 0; j < N; j++) mean[j] = 0.0f;
+        for (k = 0; k < S; k++) {  // y = x r w, r = 1 / sqrt(mean(x^2) + eps), in double
+            const float *xr = x + rows[k] * C;
+            double ss = 0.0, r;
+            char what[96];
+            for (i = 0; i < C; i++) ss += (double)xr[i] * xr[i];
+            r = 1.0 / sqrt(ss / (double)C + 1e-5);
+            CHECK_MSG(fabs(rstd[rows[k]] - r) <= 1e-6 * r, "rmsnorm rstd row %zu: %g, want %g",
+                      rows[k], (double)rstd[rows[k]], r);
+            for (i = 0; i < C; i++) g[i] = (double)xr[i] * r * w[i];
+            snprintf(what, sizeof what, "rmsnorm forward C=%zu row %zu", C, rows[k]);
+            CHECK_CLOSE_SCALED(what, dx[0] + rows[k] * C, g, C, 2e-6);
+            for (i = 0; i < C; i++) all[i] = xr[i] * rstd[rows[k]] * w[i];  // the float form
+            EXPECT_SAME(what, dx[0] + rows[k] * C, all, C);
+        }
+    } else {
+        CHECK_OK(mn_layernorm_forward(dx[0], mean, rstd, x, w, NULL, N, C, 1e-5f));
+    }
     // the parameter gradients in double: 0.5 + sum over the rows
     for (i = 0; i < 2 * C; i++) want[i] = 0.5;
     for (j = 0; j < N; j++)
@@ -1478,33 +1506,33 @@ static void test_layernorm_backward_paths(void) {
             double d = dy[j * C + i];
             want[i] += d * (((double)x[j * C + i] - mean[j]) * rstd[j]), want[C + i] += d;
         }
-    for (mask = 7; mask >= 0; mask--) {  // 7 (every output) first: the bits the others must give
+    for (mask = full; mask >= 0; mask--) {  // every output first: the bits the others must give
         char what[96];
         for (t = 0; t < 2; t++) {
+            float *dinp = mask & 1 ? dx[t] : NULL, *dw = mask & 2 ? pw[t] : NULL;
             SET_THREADS(threads[t]);
             for (i = 0; i < n; i++) dx[t][i] = (float)(i % 5) * 0.25f;  // added to
             for (i = 0; i < 2 * C; i++) pw[t][i] = 0.5f;
-            CHECK_OK(mn_layernorm_backward(mask & 1 ? dx[t] : NULL, mask & 2 ? pw[t] : NULL,
-                                           mask & 4 ? pw[t] + C : NULL, dy, x, w, mean, rstd, N,
-                                           C));
+            if (rms) CHECK_OK(mn_rmsnorm_backward(dinp, dw, dy, x, w, rstd, N, C));
+            else CHECK_OK(mn_layernorm_backward(dinp, dw, mask & 4 ? pw[t] + C : NULL, dy, x, w,
+                                                mean, rstd, N, C));
         }
-        snprintf(what, sizeof what, "layernorm backward C=%zu outputs %d, 1 vs 4 threads", C,
-                 mask);
+        snprintf(what, sizeof what, "%s backward C=%zu outputs %d, 1 vs 4 threads", op, C, mask);
         EXPECT_SAME(what, dx[0], dx[1], n);
         EXPECT_SAME(what, pw[0], pw[1], 2 * C);
-        if (mask == 7) {
-            snprintf(what, sizeof what, "layernorm backward C=%zu dweight, dbias", C);
-            CHECK_CLOSE_SCALED(what, pw[0], want, 2 * C, 3e-5);
+        if (mask == full) {
+            snprintf(what, sizeof what, "%s backward C=%zu dweight, dbias", op, C);
+            CHECK_CLOSE_SCALED(what, pw[0], want, rms ? C : 2 * C, 3e-5);
             memcpy(all, pw[0], 2 * C * sizeof(float));
         }
-        snprintf(what, sizeof what, "layernorm backward C=%zu outputs %d: dweight", C, mask);
+        snprintf(what, sizeof what, "%s backward C=%zu outputs %d: dweight", op, C, mask);
         if (mask & 2) EXPECT_SAME(what, pw[0], all, C);
         else for (i = 0; i < C; i++) CHECK(pw[0][i] == 0.5f);
-        snprintf(what, sizeof what, "layernorm backward C=%zu outputs %d: dbias", C, mask);
+        snprintf(what, sizeof what, "%s backward C=%zu outputs %d: dbias", op, C, mask);
         if (mask & 4) EXPECT_SAME(what, pw[0] + C, all + C, C);
         else for (i = 0; i < C; i++) CHECK(pw[0][C + i] == 0.5f);
         if (!(mask & 1)) continue;
-        for (k = 0; k < S; k++) {  // dx += r (g - mean(g) - xh mean(g xh)), in double
+        for (k = 0; k < S; k++) {  // dx += r (g - mean(g) - xh mean(g xh)) (RMSNorm: no mean(g))
             const float *xr = x + rows[k] * C, *dyr = dy + rows[k] * C;
             float *got = dx[0] + rows[k] * C;
             double gm = 0.0, gxm = 0.0, m = mean[rows[k]], r = rstd[rows[k]];
@@ -1512,13 +1540,13 @@ static void test_layernorm_backward_paths(void) {
                 g[i] = (double)w[i] * dyr[i], xh[i] = ((double)xr[i] - m) * r;
                 gm += g[i], gxm += g[i] * xh[i];
             }
-            gm /= (double)C, gxm /= (double)C;
+            gm = rms ? 0.0 : gm / (double)C, gxm /= (double)C;
             for (i = 0; i < C; i++)
                 g[i] = (double)((rows[k] * C + i) % 5) * 0.25 + r * (g[i] - gm - xh[i] * gxm);
-            snprintf(what, sizeof what, "layernorm backward C=%zu outputs %d: dinp row %zu", C,
+            snprintf(what, sizeof what, "%s backward C=%zu outputs %d: dinp row %zu", op, C,
                      mask, rows[k]);
             CHECK_CLOSE_SCALED(what, got, g, C, 2e-6);
-            if (mask == 7) memcpy(all + 2 * C + k * C, got, C * sizeof(float));
+            if (mask == full) memcpy(all + 2 * C + k * C, got, C * sizeof(float));
             else EXPECT_SAME(what, got, all + 2 * C + k * C, C);
         }
     }
@@ -1528,6 +1556,8 @@ static void test_layernorm_backward_paths(void) {
     for (t = 0; t < 2; t++) free(dx[t]), free(pw[t]);
     free(x), free(dy), free(w), free(mean), free(rstd), free(all), free(want), free(g), free(xh);
 }
+static void test_layernorm_backward_paths(void) { norm_backward_paths(0); }
+static void test_rmsnorm_backward_paths(void) { norm_backward_paths(1); }
 
 #undef SET_THREADS
 
@@ -1639,6 +1669,7 @@ const mnt_case test_ops_cases[] = {
     {"thread_busy_core", test_thread_busy_core},
     {"streaming_stores", test_streaming_stores},
     {"layernorm_backward_paths", test_layernorm_backward_paths},
+    {"rmsnorm_backward_paths", test_rmsnorm_backward_paths},
     {"bad_arguments", test_bad_arguments},
 };
 const size_t test_ops_count = sizeof test_ops_cases / sizeof test_ops_cases[0];
