@@ -1531,7 +1531,8 @@ MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
 // batch = rows = 1, cols = n. Kernels in order: RMS(param) and alpha_t, the row means (a warp per
 // row), the column means (partial sums per 64-row chunk, then the chunks in order), mean(R) (a
 // warp per batch), the update's RMS, the update; every sum in double, in a fixed order
-// (deterministic). Scratch: 8 bytes x batch x cols x min(512, rows / 64) and a few KiB.
+// (deterministic). Scratch: 8 bytes x batch x cols x min(512, rows / 64) and a few KiB. (The host
+// step sums a matrix's u² another way, from exact terms: clip_div may differ by an ulp.)
 typedef struct mn_cuda_adafactor_args {
     mn_cuda_optim_flat flat;
     float *exp_avg_sq_row;     // [batch, rows] R (zero before the first step), NULL: not factored
@@ -2186,6 +2187,7 @@ typedef struct mn_adafactor {
     float *exp_avg;              // [n] with beta1
     float rms;                   // RMS(param) before the last step (transformers state["RMS"])
     float alpha;                 // step size alpha_t of the last step
+    float clip_div;              // the last step's update divisor max(1, RMS(u) / clip_threshold)
     uint64_t state_bytes;        // == mn_adafactor_state_bytes(dims, ndim, beta1 != 0)
     mn_allocator alloc;
     mn_team_tune tune;           // thread count of the step
@@ -14355,16 +14357,19 @@ MNIMPL void mn_adamw8bit_free(mn_adamw8bit *s) {
 //   vector:            V ← β̂2 V + (1−β̂2) U;  u = g · rsqrt(V)
 //   u ← α_t u / max(1, RMS(u)/d);  (β1: m ← β1 m + (1−β1) u, u = m);  θ ← θ − λα_t θ;  θ ← θ − u
 // RMS(x) = ‖x‖₂/√numel. u is recomputed from the state in each pass instead of stored, so the
-// state is exactly the moments. Three passes: the second moment (one read of g: row and column
-// sums together), the sums of θ² and u², the update. The sums are double additions in a fixed
-// order, the same in the scalar and the vector builds and for any thread count (the results do
-// not depend on either): a row's sum of g² + ε1, and the sums behind RMS(θ) and RMS(u), run in 16
-// interleaved lanes (lane l adds the terms of the columns j ≡ l mod 16, row after row) combined by
-// a fixed tree at the end (mn__opt_lanes_total), so that no single chain of dependent additions
-// sets the step's pace; a column's sum adds its rows in order. Beyond 65536 elements the terms
-// go in pieces fixed by the shape (MN__OPT_AF_PIECE), each summed from zero in that order and
-// added to the total in piece order, so that a team of threads can take the pieces; a tensor of
-// one piece adds its terms in one sequence. The update has no sums: the team splits it freely.
+// state is exactly the moments. Two passes: the second moment with the sums of θ² and u² (one
+// read of g and θ: row and column sums together), then the update. A matrix's Σu² needs no u:
+// Σ_ij u² = mean(R) Σ_j (Σ_i g_ij² / R_i) / C_j, whose column sums take each row's g² / R_i as
+// soon as R_i is known (a second read of the row, from the cache). The sums are double additions
+// in a fixed order, the same in the scalar and the vector builds and for any thread count (the
+// results do not depend on either): a row's sum of g² + ε1, and the sums behind RMS(θ) and a
+// vector's RMS(u), run in 16 interleaved lanes (lane l adds the terms of the columns j ≡ l mod
+// 16, row after row) combined by a fixed tree at the end (mn__opt_lanes_total), so that no single
+// chain of dependent additions sets the step's pace; a column's sums add its rows in order, and
+// Σ_j goes in the same 16 lanes, batch after batch. Beyond 65536 elements the terms go in pieces
+// fixed by the shape (MN__OPT_AF_PIECE), each summed from zero in that order and added to the
+// total in piece order, so that a team of threads can take the pieces; a tensor of one piece adds
+// its terms in one sequence. The update has no sums: the team splits it freely.
 
 MNIMPL mn_result mn_adafactor_init(mn_adafactor *s, const uint64_t *dims, uint32_t ndim,
                                    const mn_adafactor_params *p, const mn_allocator *alloc) {
@@ -14457,6 +14462,15 @@ MN__PRIVATE double mn__opt_lanes_total(const double *a) {
 #define MN__OPT_LV (MN__OPT_LANES / MN__OPT_DW)
 typedef float mn__opt_fv __attribute__((vector_size(MN__OPT_DW * sizeof(float))));
 typedef double mn__opt_dv __attribute__((vector_size(MN__OPT_DW * sizeof(double))));
+// floats to doubles (exact) in one instruction: GCC 12 builds __builtin_convertvector of 8 floats
+// from two 4-wide conversions and inserts
+#if defined(__AVX512F__)
+#define MN__OPT_CVT(f) ((mn__opt_dv)_mm512_cvtps_pd((__m256)(f)))
+#elif defined(__AVX__)
+#define MN__OPT_CVT(f) ((mn__opt_dv)_mm256_cvtps_pd((__m128)(f)))
+#else
+#define MN__OPT_CVT(f) __builtin_convertvector(f, mn__opt_dv)
+#endif
 #define MN__OPT_LOAD(v, p) memcpy(&(v), (p), sizeof(v))
 #define MN__OPT_STORE(p, v) memcpy((p), &(v), sizeof(v))
 #endif
@@ -14474,9 +14488,9 @@ MN__OPT_INLINE void mn__opt_lanes_sq2(double *a, const float *x, double *b, cons
     for (; j + MN__OPT_LANES <= len; j += MN__OPT_LANES)
         for (l = 0; l < MN__OPT_LV; l++) {
             MN__OPT_LOAD(f, x + j + (uint64_t)(l * MN__OPT_DW));
-            w = __builtin_convertvector(f, mn__opt_dv), va[l] += w * w;
+            w = MN__OPT_CVT(f), va[l] += w * w;
             MN__OPT_LOAD(f, y + j + (uint64_t)(l * MN__OPT_DW));
-            w = __builtin_convertvector(f, mn__opt_dv), vb[l] += w * w;
+            w = MN__OPT_CVT(f), vb[l] += w * w;
         }
     MN__OPT_STORE(a, va), MN__OPT_STORE(b, vb);
 #endif
@@ -14486,29 +14500,64 @@ MN__OPT_INLINE void mn__opt_lanes_sq2(double *a, const float *x, double *b, cons
 
 // One row of g [cols] for the factored second moment, q_j = (double)(g_j² + ε1): rs[j % 16] += q_j
 // and, with cs, cs[j] += q_j (a column's sum in row order), or cs[j] = q_j with set (the same as
-// adding to zero, without zeroing).
-MN__OPT_INLINE void mn__opt_af_rowsq(const float *g, uint64_t cols, float eps1, double *rs,
-                                     double *cs, int set) {
+// adding to zero, without zeroing); and the row of θ [cols] for RMS(θ): ps[j % 16] += θ_j².
+MN__OPT_INLINE void mn__opt_af_rowsq(const float *g, const float *th, uint64_t cols, float eps1,
+                                     double *rs, double *ps, double *cs, int set) {
     uint64_t j = 0;
 #if defined(MN__OPT_LV)
-    mn__opt_dv vr[MN__OPT_LV], q, c;
+    mn__opt_dv vr[MN__OPT_LV], vp[MN__OPT_LV], q, c, w;
     mn__opt_fv f;
     int l;
-    MN__OPT_LOAD(vr, rs);
+    MN__OPT_LOAD(vr, rs), MN__OPT_LOAD(vp, ps);
     for (; j + MN__OPT_LANES <= cols; j += MN__OPT_LANES)
         for (l = 0; l < MN__OPT_LV; l++) {
             uint64_t k = j + (uint64_t)(l * MN__OPT_DW);
-            MN__OPT_LOAD(f, g + k), q = __builtin_convertvector(f * f + eps1, mn__opt_dv);
+            MN__OPT_LOAD(f, g + k), q = MN__OPT_CVT(f * f + eps1);
             vr[l] += q;
             if (cs && set) MN__OPT_STORE(cs + k, q);
             else if (cs) MN__OPT_LOAD(c, cs + k), c += q, MN__OPT_STORE(cs + k, c);
+            MN__OPT_LOAD(f, th + k), w = MN__OPT_CVT(f), vp[l] += w * w;
         }
-    MN__OPT_STORE(rs, vr);
+    MN__OPT_STORE(rs, vr), MN__OPT_STORE(ps, vp);
 #endif
     for (; j < cols; j++) {
         double q1 = (double)(g[j] * g[j] + eps1);
         rs[j % MN__OPT_LANES] += q1;
+        ps[j % MN__OPT_LANES] += (double)th[j] * th[j];
         if (cs) cs[j] = set ? q1 : cs[j] + q1;
+    }
+}
+
+// The same row of g once R_i is known (the row is still in cache): as[j] += g_j² inv, inv = 1 / R_i
+// (or as[j] = with set), a column's sum of g² / R_i in row order, behind RMS(u). Meanwhile no
+// demand reads go to memory: it prefetches the rows of g and θ (th, this row's) from
+// MN__OPT_AF_PF elements past the next row's start, where the hardware's prefetcher alone leaves
+// the loads of the next rows to stall (on a Zen 5 core at [8192, 768]: the step 0.9 of the time
+// without; 512 elements ahead gained less, 2048 and 4096 the same, the next row itself lost).
+#define MN__OPT_AF_PF 1024u
+MN__OPT_INLINE void mn__opt_af_rowinv(const float *g, const float *th, uint64_t cols, double inv,
+                                      double *as, int set) {
+    uint64_t j = 0;
+#if defined(MN__OPT_LV)
+    mn__opt_dv c, w;
+    mn__opt_fv f;
+    for (; j + MN__OPT_DW <= cols; j += MN__OPT_DW) {
+        if (j % 16 == 0) {  // a cache line of each (addresses past the tensor: never dereferenced)
+            uintptr_t off = (uintptr_t)(cols + MN__OPT_AF_PF + j) * sizeof(float);
+            __builtin_prefetch((const void *)((uintptr_t)g + off));
+            __builtin_prefetch((const void *)((uintptr_t)th + off));
+        }
+        MN__OPT_LOAD(f, g + j), w = MN__OPT_CVT(f);
+        w = w * w * inv;  // (its own statement, as t below: never contracted into an FMA)
+        if (!set) MN__OPT_LOAD(c, as + j), w = c + w;
+        MN__OPT_STORE(as + j, w);
+    }
+#else
+    (void)th;
+#endif
+    for (; j < cols; j++) {
+        double t = (double)g[j] * g[j] * inv;
+        as[j] = set ? t : as[j] + t;
     }
 }
 
@@ -14564,9 +14613,9 @@ MN__OPT_INLINE void mn__opt_af_u(const mn_adafactor *s, const float *col, const 
 //   else rows of at most PIECE columns: rp = PIECE / cols rows of one batch;
 //   else: PIECE columns of one row (sp, the span of a row's piece).
 // A piece's sums start from zero and are added to the total in piece order (a row's lanes span
-// by span, a column's sum rp rows at a time, the lanes of θ² and u² piece by piece); a tensor of
-// one piece adds its terms straight in order. The team takes a batch's pieces (from large
-// batches), their totals added in order (omp ordered).
+// by span, a column's sums rp rows at a time, the lanes of θ² and of a vector's u² piece by
+// piece); a tensor of one piece adds its terms straight in order. The team takes a batch's
+// pieces (from large batches), their totals added in order (omp ordered).
 #define MN__OPT_AF_PIECE 65536u
 typedef struct mn__opt_af_geo {
     uint64_t bp;   // whole batches per piece, 0 = a batch has several pieces
@@ -14606,69 +14655,104 @@ MN__PRIVATE void mn__opt_lanes_add(double *to, const double *a) {
     for (l = 0; l < MN__OPT_LANES; l++) to[l] += a[l];
 }
 
-// The factored second moment of batch b. With cs (scratch [cols]) the column sums come in the
-// same read of g as the rows', each piece's into its own partials (part: [team][cols] scratch
-// beyond MN__OPT_AF_ICOL columns, else the stack) added to cs in piece order; without cs the
-// columns go 64 at a time in a second read, in the same order.
-MN__PRIVATE void mn__opt_af_moment(mn_adafactor *s, const float *grad, uint64_t b,
-                                   const mn__opt_af_geo *q, float b2t, float w2t, float eps1,
-                                   double *cs, double *part, int team) {
-    const float *gb = grad + b * s->rows * s->cols;
+// What the factored second moment of a batch reads and where its sums go: cs and as (scratch
+// [cols], NULL when its allocation failed) the column sums of g² + ε1 and of g² / R_i, part
+// ([team][2 cols] scratch beyond MN__OPT_AF_ICOL columns) each piece's partials of both.
+typedef struct mn__opt_af_mom {
+    const float *grad, *param;
+    float b2t, w2t, eps1;
+    double *cs, *as, *part;
+    int team;
+} mn__opt_af_mom;
+
+// The factored second moment of batch b, the lanes of θ² (ps) and the sum behind RMS(u).
+// u_ij = g_ij rsqrt(R_i / mean(R)) rsqrt(C_j), so Σ u² = mean(R) Σ_j (Σ_i g_ij² / R_i) / C_j: each
+// row's g² / R_i goes to its column's sum as soon as R_i is known (the row's second read, from
+// the cache), and the batch's Σ_j (that sum) / C_j in 16 lanes by column is returned, the
+// caller scaling it by mean(R). With cs the column sums come in the same read of g as the
+// rows', each piece's into its own partials added in piece order; without cs the columns go 64
+// at a time in a second read, in the same order. A batch of several pieces adds each piece's
+// lanes of θ² (from zero) to ps in order; a piece of whole batches adds to ps straight.
+MN__PRIVATE double mn__opt_af_moment(mn_adafactor *s, const mn__opt_af_mom *m,
+                                     const mn__opt_af_geo *q, uint64_t b, double *ps) {
+    const float *gb = m->grad + b * s->rows * s->cols, *pb = m->param + b * s->rows * s->cols;
     float *row = s->exp_avg_sq_row + b * s->rows, *col = s->exp_avg_sq_col + b * s->cols;
+    float b2t = m->b2t, w2t = m->w2t, eps1 = m->eps1;
+    double *cs = m->cs, *as = m->as, uc[MN__OPT_LANES] = {0};
     uint64_t i, j, c0, cw, cols = s->cols;
     int64_t k, nk = (int64_t)q->npb;
-    (void)team;  // (a build without OpenMP)
     if (q->spr > 1) {  // rows of several pieces, one after the other: a column's sum by row
         for (i = 0; i < s->rows; i++) {
             double rs[MN__OPT_LANES] = {0};
             for (c0 = 0; c0 < cols; c0 += q->sp) {
-                double ps[MN__OPT_LANES] = {0};
+                double sr[MN__OPT_LANES] = {0}, sp[MN__OPT_LANES] = {0};
                 cw = cols - c0 < q->sp ? cols - c0 : q->sp;
-                mn__opt_af_rowsq(gb + i * cols + c0, cw, eps1, ps, cs ? cs + c0 : NULL, i == 0);
-                mn__opt_lanes_add(rs, ps);
+                mn__opt_af_rowsq(gb + i * cols + c0, pb + i * cols + c0, cw, eps1, sr, sp,
+                                 cs ? cs + c0 : NULL, i == 0);
+                mn__opt_lanes_add(rs, sr), mn__opt_lanes_add(ps, sp);
             }
             row[i] = row[i] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)cols);
+            if (as)
+                mn__opt_af_rowinv(gb + i * cols, pb + i * cols, cols, 1.0 / (double)row[i], as,
+                                  i == 0);
         }
         nk = 0;
     }
-    MN__OMP_FOR_ORDERED(team, nk)
+    MN__OMP_FOR_ORDERED(m->team, nk)
     for (k = 0; k < nk; k++) {  // pieces of rp whole rows
         uint64_t ik, i0 = (uint64_t)k * q->rp, i1 = i0 + q->rp < s->rows ? i0 + q->rp : s->rows;
-        double pbuf[MN__OPT_AF_ICOL], *pt = NULL;
-        // (the first piece's partials are the sums so far: straight into cs, which the others
-        // touch only in their ordered blocks, after the first's)
-        if (cs && k == 0) pt = cs;
-        else if (cs) pt = cols <= MN__OPT_AF_ICOL ? pbuf : part + (size_t)mn__omp_me() * cols;
+        double pbuf[2 * MN__OPT_AF_ICOL], *pt = NULL, *pa = NULL;
+        double kp[MN__OPT_LANES] = {0}, *lp = q->bp ? ps : kp;
+        // (the first piece's partials are the sums so far: straight into cs and as, which the
+        // others touch only in their ordered blocks, after the first's)
+        if (cs && k == 0) pt = cs, pa = as;
+        else if (cs && cols <= MN__OPT_AF_ICOL) pt = pbuf, pa = pbuf + cols;
+        else if (cs) pt = m->part + (size_t)mn__omp_me() * 2 * cols, pa = pt + cols;
         for (ik = i0; ik < i1; ik++) {
             double rs[MN__OPT_LANES] = {0};
-            mn__opt_af_rowsq(gb + ik * cols, cols, eps1, rs, pt, ik == i0);
+            mn__opt_af_rowsq(gb + ik * cols, pb + ik * cols, cols, eps1, rs, lp, pt, ik == i0);
             row[ik] = row[ik] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)cols);
+            if (pa)
+                mn__opt_af_rowinv(gb + ik * cols, pb + ik * cols, cols, 1.0 / (double)row[ik], pa,
+                                  ik == i0);
         }
         MN__OMP_ORDERED {
             uint64_t jk;
             if (pt && k > 0)
-                for (jk = 0; jk < cols; jk++) cs[jk] += pt[jk];
+                for (jk = 0; jk < cols; jk++) cs[jk] += pt[jk], as[jk] += pa[jk];
+            if (!q->bp) mn__opt_lanes_add(ps, kp);
         }
     }
     if (cs) {
-        for (j = 0; j < cols; j++) col[j] = col[j] * b2t + w2t * (float)(cs[j] / (double)s->rows);
-        return;
+        for (j = 0; j < cols; j++) {
+            col[j] = col[j] * b2t + w2t * (float)(cs[j] / (double)s->rows);
+            uc[j % MN__OPT_LANES] += as[j] / (double)col[j];
+        }
+        return mn__opt_lanes_total(uc);
     }
     for (c0 = 0; c0 < cols; c0 += 64) {  // column means, 64 columns at a time, rp rows at a time
-        double acc[64], sum[64] = {0};
+        double acc[64], sum[64] = {0}, acc2[64], sum2[64] = {0};
         cw = cols - c0 < 64 ? cols - c0 : 64;
         for (i = 0; i < s->rows; i++) {
-            if (i % q->rp == 0) memset(acc, 0, sizeof acc);
+            double inv = 1.0 / (double)row[i];
+            if (i % q->rp == 0) memset(acc, 0, sizeof acc), memset(acc2, 0, sizeof acc2);
             for (j = 0; j < cw; j++) {
                 float g = gb[i * cols + c0 + j];
-                acc[j] += (double)(g * g + eps1);
+                double t = (double)g * g * inv;
+                acc[j] += (double)(g * g + eps1), acc2[j] += t;
             }
             if ((i + 1) % q->rp != 0 && i + 1 < s->rows) continue;
-            for (j = 0; j < cw; j++) sum[j] = i < q->rp ? acc[j] : sum[j] + acc[j];
+            for (j = 0; j < cw; j++) {
+                sum[j] = i < q->rp ? acc[j] : sum[j] + acc[j];
+                sum2[j] = i < q->rp ? acc2[j] : sum2[j] + acc2[j];
+            }
         }
-        for (j = 0; j < cw; j++)
+        for (j = 0; j < cw; j++) {
             col[c0 + j] = col[c0 + j] * b2t + w2t * (float)(sum[j] / (double)s->rows);
+            uc[(c0 + j) % MN__OPT_LANES] += sum2[j] / (double)col[c0 + j];
+        }
     }
+    return mn__opt_lanes_total(uc);
 }
 
 // The update's scalars: the clipping divisor max(1, RMS(u)/d), alpha_t, the decay -λα_t (applied
@@ -14701,37 +14785,41 @@ MN__OPT_INLINE void mn__opt_af_apply(const mn__opt_af_coef *c, const float *u, f
     }
 }
 
-// The lanes of u² (ss) and θ² (ps) over rows [i0, i1) x columns [c0, c1) of batch b (c0 a
-// multiple of MN__OPT_AF_CHUNK), u recomputed chunk by chunk (keeping it would cost n floats).
-MN__OPT_INLINE void mn__opt_af_sq(const mn_adafactor *s, const float *param, const float *grad,
-                                  uint64_t b, const float *ic, float rmean, uint64_t i0,
-                                  uint64_t i1, uint64_t c0, uint64_t c1, double *ss, double *ps) {
-    const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
-    float u[MN__OPT_AF_CHUNK];
-    uint64_t i, j0, len;
-    for (i = i0; i < i1; i++) {
-        float rf = s->factored ? 1.0f / sqrtf(s->exp_avg_sq_row[b * s->rows + i] / rmean) : 1.0f;
-        uint64_t base = (b * s->rows + i) * s->cols;
-        for (j0 = c0; j0 < c1; j0 += len) {
-            len = c1 - j0 < MN__OPT_AF_CHUNK ? c1 - j0 : MN__OPT_AF_CHUNK;
-            mn__opt_af_u(s, col, ic, rf, grad, base, j0, len, u);
-            mn__opt_lanes_sq2(ss, u, ps, param + base + j0, len);
+// The unfactored second moment V of elements [e0, e1) and the lanes of u² (ss) and θ² (ps)
+// there, chunk by chunk (u recomputed from the fresh V: keeping it would cost n floats).
+MN__OPT_INLINE void mn__opt_af_vec(const mn_adafactor *s, const float *param, const float *grad,
+                                   float b2t, float w2t, float eps1, uint64_t e0, uint64_t e1,
+                                   double *ss, double *ps) {
+    float u[MN__OPT_AF_CHUNK], *v = s->exp_avg_sq;
+    uint64_t e, j0, len;
+    for (j0 = e0; j0 < e1; j0 += len) {
+        len = e1 - j0 < MN__OPT_AF_CHUNK ? e1 - j0 : MN__OPT_AF_CHUNK;
+        e = j0;
+#if MN__OV
+        for (; e + MN__OW <= j0 + len; e += MN__OW) {  // the loop below, MN__OW lanes at a time
+            mn__ovf g = mn__ov_load(grad + e);
+            mn__ov_store(v + e, mn__ov_load(v + e) * b2t + w2t * (g * g + eps1));
         }
+#endif
+        for (; e < j0 + len; e++) v[e] = v[e] * b2t + w2t * (grad[e] * grad[e] + eps1);
+        mn__opt_af_u(s, NULL, NULL, 1.0f, grad, 0, j0, len, u);
+        mn__opt_lanes_sq2(ss, u, ps, param + j0, len);
     }
 }
 
 MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *grad,
                                    uint16_t *param16) {
     const mn_adafactor_params *p;
-    double t, rho, beta2t, rms_u, clip;
+    double t, rho, beta2t, rms_u, clip, su = 0.0;
     double ss[MN__OPT_LANES] = {0}, ps[MN__OPT_LANES] = {0}, t0;
-    double gs[MN__OPT_LANES] = {0}, gp[MN__OPT_LANES] = {0};  // a piece of whole batches
-    float b2t, w2t, eps1, alpha;
+    double gp[MN__OPT_LANES] = {0};  // a piece of whole batches
+    float alpha;
     float icbuf[MN__OPT_AF_ICOL], *ic = NULL;
-    double csbuf[MN__OPT_AF_ICOL], *cs = NULL, *part = NULL;
+    double csbuf[2 * MN__OPT_AF_ICOL];
     void *scratch = NULL;
     uint64_t b, n;
     mn__opt_af_geo q;
+    mn__opt_af_mom m;
     mn__opt_af_coef c;
     int team;
     mn_result r;
@@ -14741,67 +14829,47 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
     n = s->n;
     t = (double)++s->step;
     beta2t = 1.0 - pow(t, (double)p->decay_rate);
-    b2t = (float)beta2t, w2t = (float)(1.0 - beta2t), eps1 = p->eps1;
+    memset(&m, 0, sizeof m);
+    m.grad = grad, m.param = param;
+    m.b2t = (float)beta2t, m.w2t = (float)(1.0 - beta2t), m.eps1 = p->eps1;
     q = mn__opt_af_pieces(s->rows, s->cols);
     // the thread count of the whole step: a team only for batches of several pieces
     team = mn__tune_begin(&s->tune, q.bp ? 0 : s->rows * s->cols, MN__OPT_MIN_PAR, &t0);
     // scratch for the column sums and factors: without it (allocation failed), the column sums
     // take a second read of g, each row recomputes the factors, and one thread runs the step
     if (s->factored && s->cols <= MN__OPT_AF_ICOL) {
-        ic = icbuf, cs = csbuf;
+        ic = icbuf, m.cs = csbuf, m.as = csbuf + s->cols;
     } else if (s->factored) {
         scratch = mn__alloc_array(&s->alloc, (size_t)s->cols,
-                                  sizeof(double) * (1 + (size_t)team) + sizeof(float));
+                                  sizeof(double) * (2 + 2 * (size_t)team) + sizeof(float));
         if (scratch) {
-            cs = (double *)scratch, part = cs + s->cols;
-            ic = (float *)(part + s->cols * (uint64_t)team);
+            m.cs = (double *)scratch, m.as = m.cs + s->cols, m.part = m.as + s->cols;
+            ic = (float *)(m.part + s->cols * 2 * (uint64_t)team);
         } else {
             team = 1;
         }
     }
+    m.team = team;
+    // pass 0: the second moment and the sums of θ² (before the step) and u², piece by piece
     if (s->factored) {
-        for (b = 0; b < s->batch; b++)
-            mn__opt_af_moment(s, grad, b, &q, b2t, w2t, eps1, cs, part, team);
-    } else {
-        int64_t k, nk = (int64_t)((n + MN__OPT_AF_CHUNK - 1) / MN__OPT_AF_CHUNK);
-        MN__OMP_FOR_TEAM(team, n, nk)
-        for (k = 0; k < nk; k++) {
-            uint64_t e = (uint64_t)k * MN__OPT_AF_CHUNK, end = e + MN__OPT_AF_CHUNK;
-            float *v = s->exp_avg_sq;
-            if (end > n) end = n;
-#if MN__OV
-            for (; e + MN__OW <= end; e += MN__OW) {  // the loop below, MN__OW lanes at a time
-                mn__ovf g = mn__ov_load(grad + e);
-                mn__ov_store(v + e, mn__ov_load(v + e) * b2t + w2t * (g * g + eps1));
-            }
-#endif
-            for (; e < end; e++) v[e] = v[e] * b2t + w2t * (grad[e] * grad[e] + eps1);
+        for (b = 0; b < s->batch; b++) {
+            double ac = mn__opt_af_moment(s, &m, &q, b, q.bp ? gp : ps);
+            su += (double)(float)mn__opt_row_mean(s, b) * ac;  // mean(R) as the update's factors
+            if (!q.bp || ((b + 1) % q.bp != 0 && b + 1 < s->batch)) continue;
+            mn__opt_lanes_add(ps, gp), memset(gp, 0, sizeof gp);
         }
-    }
-    // pass 0: the lanes of the sums of θ² (before the step) and u², piece by piece
-    for (b = 0; b < s->batch; b++) {
-        const float *col = s->factored ? s->exp_avg_sq_col + b * s->cols : NULL;
-        float rmean = s->factored ? (float)mn__opt_row_mean(s, b) : 1.0f;
-        int64_t k, nk = (int64_t)q.npb;
-        if (ic) mn__opt_af_icol(col, s->cols, ic);
-        if (q.bp) {  // pieces of whole batches
-            mn__opt_af_sq(s, param, grad, b, ic, rmean, 0, s->rows, 0, s->cols, gs, gp);
-            if ((b + 1) % q.bp != 0 && b + 1 < s->batch) continue;
-            mn__opt_lanes_add(ss, gs), mn__opt_lanes_add(ps, gp);
-            memset(gs, 0, sizeof gs), memset(gp, 0, sizeof gp);
-            continue;
-        }
+    } else {  // one row of pieces of q.sp elements
+        int64_t k, nk = (int64_t)q.spr;
         MN__OMP_FOR_ORDERED(team, nk)
         for (k = 0; k < nk; k++) {
-            uint64_t ik = (uint64_t)k / q.spr * q.rp, jk = (uint64_t)k % q.spr * q.sp;
+            uint64_t e0 = (uint64_t)k * q.sp, e1 = e0 + q.sp < n ? e0 + q.sp : n;
             double ks[MN__OPT_LANES] = {0}, kp[MN__OPT_LANES] = {0};
-            mn__opt_af_sq(s, param, grad, b, ic, rmean, ik,
-                          ik + q.rp < s->rows ? ik + q.rp : s->rows, jk,
-                          jk + q.sp < s->cols ? jk + q.sp : s->cols, ks, kp);
+            mn__opt_af_vec(s, param, grad, m.b2t, m.w2t, m.eps1, e0, e1, ks, kp);
             MN__OMP_ORDERED {
                 mn__opt_lanes_add(ss, ks), mn__opt_lanes_add(ps, kp);
             }
         }
+        su = mn__opt_lanes_total(ss);
     }
     // the step's scalars, from pass 0's sums
     s->rms = (float)sqrt(mn__opt_lanes_total(ps) / (double)n);
@@ -14809,9 +14877,10 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
     else rho = fmin(p->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
     alpha = (float)(p->no_scale_parameter ? rho : fmax((double)p->eps2, (double)s->rms) * rho);
     s->alpha = alpha;
-    rms_u = sqrt(mn__opt_lanes_total(ss) / (double)n);
+    rms_u = sqrt(su / (double)n);
     clip = rms_u / (double)p->clip_threshold;
     c.clip_div = (float)(clip > 1.0 ? clip : 1.0);  // the divisor max(1, RMS(u)/d)
+    s->clip_div = c.clip_div;
     c.alpha = alpha, c.decay_coef = -p->weight_decay * alpha, c.decay = p->weight_decay != 0.0f;
     c.b1 = p->beta1, c.w1 = 1.0f - p->beta1;
     // pass 1: apply u / max(1, RMS(u)/d) * alpha, through the first moment when there is one.

@@ -1668,13 +1668,13 @@ static void af_flush(double *lane, double *piece) {
 // and RMS(u) summed in double in the step's order, then the update. The order: a row's sum of
 // g² + eps1 in 16 lanes by column (lane l takes the columns j % 16 == l), span by span of the
 // row's pieces, added by mnt_lanes_total; a column's sum rp rows at a time, the partials added in
-// order; the sums of p² and u² in 16 lanes by column, each piece's lanes (in flat order) added to
-// the total in piece order.
+// order; the sum of p² (and the unfactored u²) in 16 lanes by column, each piece's lanes (in flat
+// order) added to the total in piece order; the factored u² through the column sums of g² / R_i.
 static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *p, const float *g,
                                const uint64_t *dims, uint32_t nd, float *R, float *C, float *V,
                                float *M) {
     uint64_t n = 1, rows, cols, batch, b, i, j, k, e, pc;
-    double sum, part, rho, beta2t, rms, clip, lane[16] = {0}, ss[16] = {0}, pl[16] = {0};
+    double sum, part, rho, beta2t, rms, clip, su, lane[16] = {0}, ss[16] = {0}, pl[16] = {0};
     float b2t, w2t, alpha, clip_div, decay;
     uint32_t d;
     af_geo q;
@@ -1713,6 +1713,27 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
         }
     }
     for (i = 0; i < n && nd < 2; i++) V[i] = V[i] * b2t + w2t * (g[i] * g[i] + a->eps1);
+    // factored Σu² = Σ_b mean(R) Σ_j (Σ_i g² / R_i) / C_j: the column's sum of g² (1 / R_i) rp
+    // rows at a time as C's, Σ_j in 16 lanes by column, the batches in order
+    for (su = 0.0, b = 0; b < batch && nd >= 2; b++) {
+        const float *gb = g + b * rows * cols;
+        float rmean;
+        for (sum = 0.0, i = 0; i < rows; i++) sum += R[b * rows + i];
+        rmean = (float)(sum / (double)rows);
+        memset(lane, 0, sizeof lane);
+        for (j = 0; j < cols; j++) {
+            for (sum = 0.0, i = 0; i < rows; i += q.rp) {
+                for (part = 0.0, k = i; k < i + q.rp && k < rows; k++) {
+                    double t = (double)gb[k * cols + j] * gb[k * cols + j] *
+                               (1.0 / (double)R[b * rows + k]);
+                    part += t;
+                }
+                sum = i == 0 ? part : sum + part;
+            }
+            lane[j % 16] += sum / (double)C[b * cols + j];
+        }
+        su += (double)rmean * mnt_lanes_total(lane);
+    }
     decay = -a->weight_decay * alpha;
     for (clip_div = 1.0f, k = 0; k < 2; k++) {
         for (pc = 0, b = 0; b < batch; b++) {
@@ -1728,6 +1749,7 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
                     e = (b * rows + i) * cols + j;
                     u = nd >= 2 ? rf * (1.0f / sqrtf(C[b * cols + j])) * g[e]
                                 : (1.0f / sqrtf(V[e])) * g[e];
+                    if (k == 0 && nd >= 2) break;  // (Σu² above)
                     if (k == 0) {
                         if (af_piece_of(&q, e) != pc) af_flush(ss, pl), pc = af_piece_of(&q, e);
                         pl[j % 16] += (double)u * u;
@@ -1741,7 +1763,8 @@ static void ref_adafactor_step(const mn_adafactor_params *a, uint64_t t, float *
             }
         }
         af_flush(ss, pl);
-        clip = sqrt(mnt_lanes_total(ss) / (double)n) / (double)a->clip_threshold;
+        if (nd < 2) su = mnt_lanes_total(ss);
+        clip = sqrt(su / (double)n) / (double)a->clip_threshold;
         clip_div = (float)(clip > 1.0 ? clip : 1.0);
     }
 }
@@ -1954,6 +1977,88 @@ static void test_adafactor_pieces_order(void) {
     free(p), free(g), free(rp), free(R), free(C);
 }
 
+// Adafactor's update divisor max(1, RMS(u) / d) (mn_adafactor.clip_div) against the double
+// formula on the state the step leaves, u_ij = g_ij / sqrt(R_i C_j / mean(R)), to 2.4e-7 relative
+// (2 to 4 float ulps, for the float mean(R) of the step's factors and the double sums' rounding):
+// shapes of one piece, of pieces of rows (odd columns), of whole batches, of row spans (cols >
+// 65536), with allocated scratch, and one that a team of two takes; clipping active (d = 0.05)
+// and not (d = 1000, the divisor 1). The update to fp32 rounding of the double one, and 1 and 2
+// threads bit for bit.
+static void test_adafactor_clip_sum(void) {
+    static const uint64_t shapes[][3] = {{1, 37, 41},  {1, 300, 333},  {4, 7, 517},
+                                         {1, 3, 70001}, {1, 97, 2049}, {1, 1100, 1001}};
+    size_t q;
+    int clip;
+    for (q = 0; q < sizeof shapes / sizeof shapes[0]; q++)
+        for (clip = 0; clip < 2; clip++) {
+            uint64_t B = shapes[q][0], R = shapes[q][1], Cc = shapes[q][2], n = B * R * Cc;
+            uint64_t dims[3], b, i, j, e, bad = 0;
+            uint32_t nd = B > 1 ? 3 : 2;
+            float *p = mnt_fvec(2 * n), *g = mnt_fvec(n);
+            double *p0 = mnt_dvec(n), *ud = mnt_dvec(n), su, mr, div;
+            mn_adafactor s[2];
+            mn_adafactor_params prm;
+            int run, runs = 1, t, same = 1;
+#ifdef _OPENMP
+            runs = 2;
+#endif
+            if (nd == 3) dims[0] = B, dims[1] = R, dims[2] = Cc;
+            else dims[0] = R, dims[1] = Cc;
+            memset(&prm, 0, sizeof prm);
+            prm.clip_threshold = clip ? 0.05f : 1000.0f;
+            for (run = 0; run < runs; run++)
+                CHECK_OK(mn_adafactor_init(&s[run], dims, nd, &prm, NULL));
+            fill_case(p, n, 1.0);
+            memcpy(p + n, p, n * 4);
+            for (t = 1; t <= 3; t++) {
+                mnt_fill_normal(g, n, t == 2 ? 1e-3 : 1.0);
+                mnt_to_double(p, p0, n);
+                for (run = 0; run < runs; run++) {
+#ifdef _OPENMP
+                    int saved = omp_get_max_threads();
+                    omp_set_num_threads(run + 1);
+                    memset(&s[run].tune, 0, sizeof s[run].tune);  // untimed: the team runs it
+#endif
+                    CHECK_OK(mn_adafactor_step(&s[run], p + run * n, g, NULL));
+#ifdef _OPENMP
+                    omp_set_num_threads(saved);
+#endif
+                }
+                for (su = 0.0, b = 0; b < B; b++) {
+                    const float *Rb = s[0].exp_avg_sq_row + b * R;
+                    const float *Cb = s[0].exp_avg_sq_col + b * Cc;
+                    for (mr = 0.0, i = 0; i < R; i++) mr += Rb[i];
+                    for (mr /= (double)R, i = 0; i < R; i++)
+                        for (j = 0; j < Cc; j++) {
+                            e = (b * R + i) * Cc + j;
+                            ud[e] = g[e] / sqrt((double)Rb[i] * Cb[j] / mr);
+                            su += ud[e] * ud[e];
+                        }
+                }
+                div = fmax(1.0, sqrt(su / (double)n) / prm.clip_threshold);
+                CHECK_NEAR(s[0].clip_div, div, 0, 2.4e-7);
+                // (at t = 2, g 1e-3 against the moments of t = 1: |u| small, no clipping)
+                CHECK(clip && t != 2 ? s[0].clip_div > 1.0f : s[0].clip_div == 1.0f);
+                for (e = 0; e < n; e++) {
+                    double upd = s[0].alpha * ud[e] / div, got = (double)p[e] - p0[e];
+                    double ulps = 2.5e-7 * fmax(fabs(p0[e]), fabs((double)p[e]));
+                    if (!(fabs(got + upd) <= ulps + 2e-6 * fabs(upd))) bad++;
+                }
+                for (run = 1; run < runs; run++)
+                    same &= same_bits(p + run * n, p, n * 4) && s[run].clip_div == s[0].clip_div &&
+                            same_bits(s[run].exp_avg_sq_row, s[0].exp_avg_sq_row, B * R * 4) &&
+                            same_bits(s[run].exp_avg_sq_col, s[0].exp_avg_sq_col, B * Cc * 4);
+            }
+            CHECK_MSG(bad == 0, "adafactor [%llu,%llu,%llu] clip %d: %llu updates off",
+                      (unsigned long long)B, (unsigned long long)R, (unsigned long long)Cc, clip,
+                      (unsigned long long)bad);
+            CHECK_MSG(same, "adafactor [%llu,%llu,%llu]: 2 threads not 1 thread's bits",
+                      (unsigned long long)B, (unsigned long long)R, (unsigned long long)Cc);
+            for (run = 0; run < runs; run++) mn_adafactor_free(&s[run]);
+            free(p), free(g), free(p0), free(ud);
+        }
+}
+
 // Checks the codes of mn_quantize_blockwise for x [n] (blocks of bs) against the search.
 static uint64_t quantize_mismatches(const float *map, const float *x, uint64_t n, uint32_t bs,
                                     uint8_t *codes, float *absmax) {
@@ -2132,6 +2237,7 @@ const mnt_case test_optim_cases[] = {
     {"adafactor_wide_bits_vs_plain_loop", test_adafactor_wide_bits_vs_plain_loop},
     {"adafactor_pieces_bits", test_adafactor_pieces_bits},
     {"adafactor_pieces_order", test_adafactor_pieces_order},
+    {"adafactor_clip_sum", test_adafactor_clip_sum},
     {"divc_bits", test_optim_divc_bits},
     {"team_tune", test_optim_team_tune},
     {"quantize_table_vs_search", test_quantize_table_vs_search},
