@@ -16212,11 +16212,13 @@ MNIMPL mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *db
 
 // One row of the layernorm forward (mean and rstd NULL: not kept); nt: the row is computed into
 // an L1 chunk and streamed (C <= MN__NT_CHUNK).
+// rms: the RMSNorm's row (mean 0, no bias: x - 0 is x, so y = x r w and the sum of squares is
+// mn__dot(x, x) bit for bit).
 MN__PRIVATE void mn__layernorm_row(float *y, float *mean, float *rstd, const float *x,
                                    const float *weight, const float *bias, size_t C, float eps,
-                                   int nt) {
+                                   int nt, int rms) {
     float buf[MN__NT_CHUNK], *o = nt ? buf : y;
-    float m = mn__sum(x, C) / (float)C;
+    float m = rms ? 0.0f : mn__sum(x, C) / (float)C;
     float v = mn__sumsq_centered(x, m, C) / (float)C;
     float s = 1.0f / sqrtf(v + eps);
     size_t i;
@@ -16227,13 +16229,10 @@ MN__PRIVATE void mn__layernorm_row(float *y, float *mean, float *rstd, const flo
     if (rstd) *rstd = s;
 }
 
-MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                      const float *weight, const float *bias, size_t N, size_t C,
-                                      float eps) {
-    // mu = mean(x), var = mean((x - mu)^2) (biased), r = 1/sqrt(var + eps);
-    // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
-    // A large call with rows that fit an L1 chunk streams its output and asks for a row
-    // MN__PF_ROWS ahead as it starts one (>>ops streaming stores); the threads claim parts of rows.
+// The layernorm forward, or with rms the RMSNorm's (mean and bias NULL).
+MN__PRIVATE mn_result mn__norm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                       const float *weight, const float *bias, size_t N, size_t C,
+                                       float eps, int rms) {
     size_t part, parts;
     int big, nt;
     if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
@@ -16245,11 +16244,21 @@ MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, cons
         for (n = mn__part_start(N, parts, part); n < n1; n++) {
             if (big && n + MN__PF_ROWS < N) mn__prefetch(inp + (n + MN__PF_ROWS) * C, C);
             mn__layernorm_row(out + n * C, mean ? mean + n : NULL, rstd ? rstd + n : NULL,
-                              inp + n * C, weight, bias, C, eps, nt);
+                              inp + n * C, weight, bias, C, eps, nt, rms);
         }
         if (nt) mn__nt_fence();
     }
     return MN_OK;
+}
+
+MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                      const float *weight, const float *bias, size_t N, size_t C,
+                                      float eps) {
+    // mu = mean(x), var = mean((x - mu)^2) (biased), r = 1/sqrt(var + eps);
+    // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
+    // A large call with rows that fit an L1 chunk streams its output and asks for a row
+    // MN__PF_ROWS ahead as it starts one (>>ops streaming stores); the threads claim parts of rows.
+    return mn__norm_forward(out, mean, rstd, inp, weight, bias, N, C, eps, 0);
 }
 
 // The two means of a row of the layernorm backward: *gm = mean(g), *gxm = mean(g xh), g = w dy,
@@ -16273,6 +16282,14 @@ MN__PRIVATE void mn__layernorm_dx_means(float *gm, float *gxm, const float *dy, 
     }
     for (l = 0; l < MN__LN; l++) sg += ag[l], sgx += agx[l];
     *gm = (float)(sg / (double)C), *gxm = (float)(sgx / (double)C);
+}
+
+// Asks for the next row of a norm's backward: x, dy and, when wanted, dinp's row at offset o.
+MN__INLINE void mn__prefetch_bwd_row(const float *x, const float *dy, const float *dinp, size_t o,
+                                     size_t C) {
+    mn__prefetch(x, C);
+    mn__prefetch(dy, C);
+    if (dinp) mn__prefetch(dinp + o, C);
 }
 
 // One row of the layernorm backward: dx += r (g - mean(g) - xh mean(g xh)), g = w dy,
@@ -16358,11 +16375,7 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
         int big = mn__nt_big(N, C);
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
-            if (big && n + 1 < N) {
-                mn__prefetch(x + C, C);
-                mn__prefetch(dy + C, C);
-                if (dinp) mn__prefetch(dinp + (n + 1) * C, C);
-            }
+            if (big && n + 1 < N) mn__prefetch_bwd_row(x + C, dy + C, dinp, (n + 1) * C, C);
 #if MN__OV
             if (dinp) {
                 mn__layernorm_bwd_row(dinp + n * C, dweight, dbias, dy, x, weight, mean[n],
@@ -16399,35 +16412,8 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
 MNIMPL mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
                                     size_t N, size_t C, float eps) {
     // r = 1/sqrt(mean(x^2) + eps); y = x r w (Zhang & Sennrich 2019, "Root Mean Square Layer
-    // Normalization", eq. 4; as in LLaMA's RMSNorm).
-    // A large call streams and asks ahead as mn_layernorm_forward does.
-    size_t part, parts;
-    int big, nt;
-    if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
-    big = mn__nt_big(N, C), nt = big && mn__nt_want(out);
-    parts = mn__nt_parts((uint64_t)N * C);
-    MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, parts)
-    for (part = 0; part < parts; part++) {
-        size_t n, n1 = mn__part_start(N, parts, part + 1);
-        for (n = mn__part_start(N, parts, part); n < n1; n++) {
-            const float *x = inp + n * C;
-            float buf[MN__NT_CHUNK], *y = nt ? buf : out + n * C, s;
-            size_t i;
-            if (big && n + MN__PF_ROWS < N) mn__prefetch(x + MN__PF_ROWS * C, C);
-            s = 1.0f / sqrtf(mn__dot(x, x, C) / (float)C + eps);
-#if MN__OV  // (the compiler leaves the loop below scalar here)
-            for (i = 0; C - i >= MN__OW; i += MN__OW)
-                mn__ov_store(y + i, mn__ov_load(x + i) * s * mn__ov_load(weight + i));
-#else
-            i = 0;
-#endif
-            for (; i < C; i++) y[i] = x[i] * s * weight[i];
-            if (nt) mn__nt_copy(out + n * C, buf, 1.0f, C);
-            if (rstd) rstd[n] = s;
-        }
-        if (nt) mn__nt_fence();
-    }
-    return MN_OK;
+    // Normalization", eq. 4; as in LLaMA's RMSNorm): the layernorm forward's loop with mean 0.
+    return mn__norm_forward(out, NULL, rstd, inp, weight, NULL, N, C, eps, 1);
 }
 
 // mean(g xh) of a row of the RMSNorm backward, g = w dy, xh = x r, from MN__LN float lanes
@@ -16517,11 +16503,7 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
         int big = mn__nt_big(N, C);
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
-            if (big && n + 1 < N) {
-                mn__prefetch(x + C, C);
-                mn__prefetch(dy + C, C);
-                if (dinp) mn__prefetch(dinp + (n + 1) * C, C);
-            }
+            if (big && n + 1 < N) mn__prefetch_bwd_row(x + C, dy + C, dinp, (n + 1) * C, C);
 #if MN__OV
             if (dinp) {
                 mn__rmsnorm_bwd_row(dinp + n * C, dweight, dy, x, weight, rstd[n], C);
