@@ -15357,8 +15357,10 @@ MN__PRIVATE double mn__sumexp(const float *x, float m, size_t n) {
 // the next op. (Softmax forward followed by a sum over its output, one Zen 5 core, 1 MiB L2,
 // 32 MiB L3: streaming lost by 25% at 1 to 4 MiB, broke even at 8 and won by 10% from 16; the
 // threshold takes the side of a reader that reads its input more than once, as a matmul does.)
-// Only the store differs: every value is computed by the same code either way, into registers
-// or an L1 chunk of MN__NT_CHUNK floats, and streamed from there. Streaming stores are weakly
+// Only the store differs: every value is computed by the same code either way, into registers,
+// an L1 chunk of MN__NT_CHUNK floats or a scratch row in L2 (the cross-entropy's probs), and
+// streamed from there; the row loops of softmax and cross-entropy join the passes of three rows
+// in one (mn__nt_row_pass) with the same arithmetic in the same order. Streaming stores are weakly
 // ordered: the loops cut the rows into parts (mn__nt_parts), and the thread that computes a part
 // fences its stores (sfence) once, at the end of the part (a fence per row cost up to 20%). Large calls
 // also ask for their rows ahead (mn__prefetch). With MEMANAT_NO_SIMD or without x86 vector lanes
@@ -15464,15 +15466,17 @@ MN__INLINE float *mn__nt_row_at(float *b, const float *y, size_t n) {
 // mn__exp_store_sum(e, x, scale, m, n, NULL) for row r + 1, bit for bit, while it does
 // mn__nt_copy(y, src, c, n) for row r (y NULL: none) and *mn = mn__max_scaled(xn, scale, n) for
 // row r + 2 (xn NULL: none), asking for xn[i + MN__ROW_AHEAD] as it reads xn[i] (pf: the floats
-// readable from xn, at least n; a loop passes on past the row, into the next one). Apart, the
-// pass of exponentials keeps the arithmetic busy with memory idle and the passes of loads and of
-// streaming stores keep memory busy with the arithmetic idle; one pass over the three rows keeps
-// both busy. (On one Zen 5 core the hardware prefetcher kept up with neither form: without the
-// requests ahead the pass was 1.6x slower than the passes apart; with requests 8 KiB ahead into
-// L2 no faster than apart; into L1, 1.4 to 1.7x faster than apart.) At each step the stores of
-// row r read src before the exponentials of row r + 1 write e, so that the two rows may share a
-// buffer: mn__nt_row_at places them (a row r's src ahead of the e of the next by the floats
-// before y's first aligned vector, where its stores start).
+// readable from xn, at least n; a loop passes on past the row, into the next one); x NULL: no
+// exponentials (returns 0). Apart, the pass of exponentials keeps the arithmetic busy with
+// memory idle and the passes of loads and of streaming stores keep memory busy with the
+// arithmetic idle; one pass over the three rows keeps both busy. (The cross-entropy forward,
+// one Zen 5 core, against its loop row by row with ordinary stores: without the requests ahead
+// the one pass was 1.6x slower, as the hardware prefetcher did not keep up; with requests
+// 8 KiB ahead into L2 as fast; into L1 1.2 to 1.7x faster; 4 and 16 KiB ahead, and steps of 32
+// and 128 floats, within the noise.) At each step the stores of row r read src before the
+// exponentials of row r + 1 write e, so that the two rows may share a buffer: mn__nt_row_at
+// places them (a row r's src ahead of the e of the next by the floats before y's first aligned
+// vector, where its stores start).
 MN__PRIVATE double mn__nt_row_pass(float *e, const float *x, float scale, float m, float *y,
                                    const float *src, float c, const float *xn, size_t pf,
                                    float *mn, size_t n) {
@@ -17111,7 +17115,7 @@ MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const floa
     // go to a scratch row of its thread, which stays in L2 with the logits, and one pass per row
     // computes them, streams the probs of the row before from the scratch row, scaled, and
     // finds the max of the row after (mn__nt_row_pass; the same values as the loop row by row;
-    // 1.3 to 1.6x measured, one Zen 5 core, 256 rows of 50257, and 1.2x at 128256). Its parts
+    // 1.2 to 1.6x measured, one Zen 5 core, 256 rows of 50257, and 1.2x at 128256). Its parts
     // take at least MN__CE_PART_ROWS rows, as each starts with a pass of loads alone and ends
     // with one of stores alone. The scratch rows are one allocation per call, MN_MALLOC; without
     // it the call goes row by row with ordinary stores. Otherwise a large call asks for the next
