@@ -17106,7 +17106,7 @@ MNIMPL mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *do
 
 // ---- cross-entropy ------------------------------------------------------------------------------
 
-#define MN__CE_PART_ROWS 4  // rows at least in a part of a call that streams its probs
+#define MN__CE_PART_ROWS 8  // rows of a part of a call that streams its probs (about)
 
 // Softmax statistics of a row of logits: max and log sum exp(x - max).
 MN__PRIVATE void mn__logsumexp(const float *x, size_t V, float *mx, double *lse) {
@@ -17127,9 +17127,11 @@ MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const floa
     // go to a scratch row of its thread, which stays in L2 with the logits, and one pass per row
     // computes them, streams the probs of the row before from the scratch row, scaled, and
     // finds the max of the row after (mn__nt_row_pass; the same values as the loop row by row;
-    // 1.2 to 1.6x measured, one Zen 5 core, 256 rows of 50257, and 1.2x at 128256). Its parts
-    // take at least MN__CE_PART_ROWS rows, as each starts with a pass of loads alone and ends
-    // with one of stores alone. The scratch rows are one allocation per call, MN_MALLOC; without
+    // 1.3 to 1.6x measured, one Zen 5 core, 256 rows of 50257, and 1.2x at 128256). Its parts
+    // take about MN__CE_PART_ROWS rows, as each starts with a pass of loads alone and ends with
+    // one of stores alone (two threads, CPU time against the loop row by row: 1.2x with parts
+    // of 4 rows, 1.3x with 8; longer parts leave a team whose second core is busy elsewhere
+    // waiting longer). The scratch rows are one allocation per call, MN_MALLOC; without
     // it the call goes row by row with ordinary stores. Otherwise a large call asks for the next
     // row's logits while it computes the exponentials of this one (pf of mn__exp_store_sum), so
     // that the max pass finds them in cache.
