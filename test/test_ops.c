@@ -1452,6 +1452,78 @@ static void test_streaming_stores(void) {
     free(x), free(w), free(b), free(ybuf), free(want), free(st), free(tgt);
 }
 
+// The large softmax forward without the mask and the large cross-entropy forward with probs go
+// through their rows in one pass per row, which finds the max of the row after and streams the
+// output of the row before from a buffer that the two rows share (>>ops streaming stores); the
+// values must be those of the rows one by one (small calls: the loop row by row, ordinary
+// stores), bit for bit. Widths: shorter than a step of the pass, 16k + 3, 16k + 8, a multiple of
+// 16 (every row at the same offset in a line), past an L1 chunk (the softmax row by row), and a
+// fresh odd vocabulary-sized one; N * V just past the threshold (and once just below it); one
+// and two threads; x and the output each a fresh 0 to 15 floats past malloc's alignment; normal
+// inputs with some far below their row's max (the scalar lanes of the exp). The cross-entropy
+// once more with its scratch allocation failing (the call goes row by row, the same values).
+int test_ops_streams(void);  // test/test_opsmath.c
+static void test_streaming_rows(void) {
+    size_t widths[] = {17, 16 * 4 + 3, 16 * 62 + 8, 1024, 4099, 0}, nw = 6, k, i, r;
+    size_t thr = ((size_t)16 << 20) / sizeof(float), cap = thr + 70000 * 3;
+    float *x0 = mnt_fvec(cap + 16), *y0 = mnt_fvec(cap + 17), *want = mnt_fvec(cap + 1);
+    float *loss = mnt_fvec(thr + 1), *loss1 = mnt_fvec(thr + 1), p = nt_poison();
+    int *tgt = (int *)malloc((thr + 1) * sizeof(int)), th;
+    long allocs;
+#ifdef _OPENMP
+    int saved = omp_get_max_threads();
+#endif
+    if (!tgt) {
+        mnt_fail(__FILE__, __LINE__, "out of memory");
+        return;
+    }
+    widths[nw - 1] = 2 * (15000 + mnt_rand_u64() % 20000) + 1;
+    for (k = 0; k <= nw; k++)
+        for (th = 1; th <= 2; th++) {
+            size_t V = widths[k < nw ? k : 0], N = thr / V + 1 + mnt_rand_u64() % 3, n;
+            float *x = x0 + mnt_rand_u64() % 16, *y = y0 + mnt_rand_u64() % 16;
+            char what[96];
+            if (k == nw) N = (thr - 1) / V;  // below the threshold: row by row either way
+            n = N * V;
+            SET_THREADS(th);
+            mnt_fill_normal(x, n, 3.0);
+            for (i = mnt_rand_u64() % 50; i < n; i += 1 + mnt_rand_u64() % 5000) x[i] = -150.0f;
+            for (i = 0; i < N; i++) tgt[i] = i % 7 == 3 ? -1 : (int)(mnt_rand_u64() % V);
+            for (i = 0; i <= n; i++) y[i] = p;
+            snprintf(what, sizeof what, "crossentropy N=%zu V=%zu, %d thread(s)", N, V, th);
+            allocs = mnt_total_allocs();
+            CHECK_OK(mn_crossentropy_forward(loss, y, x, tgt, N, V));
+            CHECK_MSG(mnt_total_allocs() - allocs == (k < nw && test_ops_streams()),
+                      "%s: %ld allocations", what, mnt_total_allocs() - allocs);
+            for (r = 0; r < N; r++)
+                CHECK_OK(mn_crossentropy_forward(loss1 + r, want + r * V, x + r * V, tgt + r, 1,
+                                                 V));
+            want[n] = p;
+            nt_check(what, y, want, n);
+            EXPECT_SAME(what, loss, loss1, N);
+            if (k == 0 || k == nw - 1) {  // the scratch rows not to be had
+                long live = mnt_live_allocs();
+                for (i = 0; i <= n; i++) y[i] = p;
+                mnt_fail_alloc_after(1);
+                CHECK_OK(mn_crossentropy_forward(loss, y, x, tgt, N, V));
+                mnt_fail_alloc_after(0);
+                nt_check(what, y, want, n);
+                EXPECT_SAME(what, loss, loss1, N);
+                CHECK(mnt_live_allocs() == live);
+            }
+            for (i = 0; i <= n; i++) y[i] = p;
+            snprintf(what, sizeof what, "softmax N=%zu L=%zu, %d thread(s)", N, V, th);
+            CHECK_OK(mn_softmax_forward(y, x, N, V, 0.7f, 0));
+            for (r = 0; r < N; r++)
+                CHECK_OK(mn_softmax_forward(want + r * V, x + r * V, 1, V, 0.7f, 0));
+            nt_check(what, y, want, n);
+        }
+#ifdef _OPENMP
+    omp_set_num_threads(saved);
+#endif
+    free(x0), free(y0), free(want), free(loss), free(loss1), free(tgt);
+}
+
 // The layernorm and RMSNorm backwards on a large call (N * C past MN__NT_MIN_BYTES: the
 // one-thread loop asks for rows ahead), with a fresh odd C (rows end in a scalar tail), for each
 // choice of outputs (dinp, dweight and the layernorm's dbias, each given or NULL). One thread (one
@@ -1640,6 +1712,7 @@ void test_ops_expf_range(void);
 void test_ops_exp_edge_inputs(void);
 void test_ops_exp_vector_lanes(void);
 void test_ops_reduce_vector_lanes(void);
+void test_ops_row_pass(void);
 
 const mnt_case test_ops_cases[] = {
     {"matmul", test_matmul},
@@ -1660,6 +1733,7 @@ const mnt_case test_ops_cases[] = {
     {"exp_edge_inputs", test_ops_exp_edge_inputs},
     {"exp_vector_lanes", test_ops_exp_vector_lanes},
     {"reduce_vector_lanes", test_ops_reduce_vector_lanes},
+    {"row_pass", test_ops_row_pass},
     {"embedding", test_embedding},
     {"crossentropy", test_crossentropy},
     {"philox_known_answers", test_philox},
@@ -1668,6 +1742,7 @@ const mnt_case test_ops_cases[] = {
     {"thread_count_invariance_large", test_thread_invariance_large},
     {"thread_busy_core", test_thread_busy_core},
     {"streaming_stores", test_streaming_stores},
+    {"streaming_rows", test_streaming_rows},
     {"layernorm_backward_paths", test_layernorm_backward_paths},
     {"rmsnorm_backward_paths", test_rmsnorm_backward_paths},
     {"bad_arguments", test_bad_arguments},

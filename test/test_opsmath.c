@@ -16,6 +16,16 @@
 void test_ops_expf_range(void);
 void test_ops_exp_edge_inputs(void);
 void test_ops_exp_vector_lanes(void);
+void test_ops_row_pass(void);
+int test_ops_streams(void);
+
+// A NaN with a payload that no computation here makes (marks floats that must stay unwritten).
+static float nt_poison_f(void) {
+    uint32_t u = 0x7fc0dead;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 // The spacing of floats at |w| (subnormal spacing 2^-149 below FLT_MIN); 2^104 past FLT_MAX,
 // where a float result can only be inf.
@@ -303,4 +313,63 @@ void test_ops_reduce_vector_lanes(void) {
     }
     CHECK(bad == 0);
     free(x), free(g), free(dy), free(want);
+}
+
+// Whether this build streams large outputs (vector lanes with streaming stores).
+int test_ops_streams(void) { return MN__NT; }
+
+// mn__nt_row_pass against the passes it joins (mn__exp_store_sum, mn__nt_copy, mn__max_scaled),
+// bit for bit, for rows shorter and longer than its steps, each of its three parts present or
+// absent, fresh offsets of y and of the next row's output (every placement that
+// mn__nt_row_at gives), and the stored row and the exponentials in one buffer as the row
+// loops keep them (the stores must read the old row before the new one overwrites it).
+void test_ops_row_pass(void) {
+    enum { CAP = 5200 };
+    float *x = mnt_fvec(CAP + 16), *xn = mnt_fvec(CAP + 2100), *src = mnt_fvec(CAP);
+    float *y = mnt_fvec(CAP + 17), *buf = mnt_fvec(CAP + 16), *e0 = mnt_fvec(CAP);
+    float *ywant = mnt_fvec(CAP);
+    int trial;
+    for (trial = 0; trial < 400; trial++) {
+        static const size_t sizes[] = {1, 15, 16, 17, 63, 64, 65, 79, 80, 81, 128, 1000, 4099};
+        size_t n = trial % 3 ? 1 + mnt_rand_u64() % CAP : sizes[trial / 3 % 13], i;
+        size_t oy = mnt_rand_u64() % 16, on = mnt_rand_u64() % 16, ox = mnt_rand_u64() % 16;
+        size_t pf = n + mnt_rand_u64() % 2100;
+        int parts = 1 + trial % 7;  // bits: exponentials, stores, max
+        float scale = trial % 2 ? 1.0f : (float)(0.5 + mnt_rand_uniform()), c, mx, mgot = 0.0f;
+        float *yo = y + oy, *xo = x + ox, *s = NULL, *e = e0;
+        double want = 0.0, got;
+        for (i = 0; i < n; i++)
+            xo[i] = trial % 5 == 0 ? lane_arg() : (float)(4 * mnt_rand_normal());
+        for (i = 0; i < pf; i++) xn[i] = (float)(4 * mnt_rand_normal());
+        for (i = 0; i < n; i++) src[i] = (float)mnt_rand_uniform();
+        for (i = 0; i <= n; i++) yo[i] = nt_poison_f();
+        c = (float)mnt_rand_uniform(), mx = (float)mnt_rand_normal();
+        if (parts & 1) want = mn__exp_store_sum(ywant, xo, scale, mx, n, NULL);
+        if (parts & 2) {  // the row before in the shared buffer, at its place for yo
+            s = mn__nt_row_at(buf, yo, n);
+            memcpy(s, src, n * sizeof(float));
+            e = mn__nt_row_at(buf, y + on, n);
+        }
+        got = mn__nt_row_pass(parts & 1 ? e : NULL, parts & 1 ? xo : NULL, scale, mx,
+                              parts & 2 ? yo : NULL, s, c, parts & 4 ? xn : NULL, pf, &mgot, n);
+        mn__nt_fence();
+        CHECK_MSG(memcmp(&got, &want, sizeof got) == 0 || (isnan(got) && isnan(want)),
+                  "row pass n=%zu parts %d: sum %.17g, want %.17g", n, parts, got, want);
+        if (parts & 1)
+            CHECK_MSG(memcmp(e, ywant, n * sizeof(float)) == 0,
+                      "row pass n=%zu parts %d: exponentials differ", n, parts);
+        if (parts & 2) {
+            for (i = 0; i < n; i++) ywant[i] = src[i] * c;
+            CHECK_MSG(memcmp(yo, ywant, n * sizeof(float)) == 0,
+                      "row pass n=%zu parts %d oy %zu on %zu: stores differ", n, parts, oy, on);
+        }
+        CHECK_MSG(memcmp(&yo[n], &(float){nt_poison_f()}, sizeof(float)) == 0,
+                  "row pass n=%zu: the float after the row was written", n);
+        if (parts & 4) {
+            float m = mn__max_scaled(xn, scale, n);
+            CHECK_MSG(memcmp(&mgot, &m, sizeof m) == 0, "row pass n=%zu: max %.9g, want %.9g", n,
+                      mgot, m);
+        }
+    }
+    free(x), free(xn), free(src), free(y), free(buf), free(e0), free(ywant);
 }
