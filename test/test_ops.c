@@ -1473,11 +1473,11 @@ static void test_streaming_rows(void) {
 #ifdef _OPENMP
     int saved = omp_get_max_threads();
 #endif
+    widths[nw - 1] = 2 * (15000 + mnt_rand_u64() % 20000) + 1;
     if (!tgt) {
         mnt_fail(__FILE__, __LINE__, "out of memory");
         return;
     }
-    widths[nw - 1] = 2 * (15000 + mnt_rand_u64() % 20000) + 1;
     for (k = 0; k <= nw; k++)
         for (th = 1; th <= 2; th++) {
             size_t V = widths[k < nw ? k : 0], N = thr / V + 1 + mnt_rand_u64() % 3, n;
