@@ -15556,6 +15556,14 @@ MN__INLINE float *mn__nt_row_at(float *b, const float *y, size_t n) {
 #endif
 }
 
+// GCC unrolls a short loop of fixed count wholly at -O3, at -O2 only where it asks: the step's
+// vectors of mn__nt_row_pass then stay in registers (softmax forward at -O2, 8192 x 768, one Zen 5
+// core: 1.58-1.61 ms without, 1.21-1.25 with, 1.12-1.13 at -O3).
+#if defined(__GNUC__) && !defined(__clang__)
+#define MN__UNROLL _Pragma("GCC unroll 16")
+#else
+#define MN__UNROLL
+#endif
 #define MN__ROW_STEP 64     // floats of a row per step of mn__nt_row_pass (a multiple of MN__LN)
 #define MN__ROW_AHEAD 2048  // floats ahead of its loads that mn__nt_row_pass asks for (8 KiB)
 // One pass over three rows of n floats, for the row loops that stream their output, row r's
@@ -15593,13 +15601,13 @@ MN__PRIVATE double mn__nt_row_pass(float *e, const float *x, float scale, float 
         if (x) {  // one range test for the step's vectors, then their exps side by side
             mn__ovf v[MN__ROW_STEP / MN__OW];
             int k, fast = 1;
-            for (k = 0; k < MN__ROW_STEP / MN__OW; k++) {
+            MN__UNROLL for (k = 0; k < MN__ROW_STEP / MN__OW; k++) {
                 v[k] = scale * mn__ov_load(x + i + (size_t)k * MN__OW) - m;
                 fast &= mn__ov_within(v[k], -86.5f, 88.0f);
             }
-            for (k = 0; k < MN__ROW_STEP / MN__OW; k++)
+            MN__UNROLL for (k = 0; k < MN__ROW_STEP / MN__OW; k++)
                 v[k] = fast ? mn__ov_expf_fast(v[k]) : mn__ov_expf(v[k]);
-            for (k = 0; k < MN__ROW_STEP / MN__OW; k++) {
+            MN__UNROLL for (k = 0; k < MN__ROW_STEP / MN__OW; k++) {
                 mn__ov_store(e + i + (size_t)k * MN__OW, v[k]);
                 va[k % (MN__LN / MN__OW)] += v[k];
             }
