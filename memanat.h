@@ -14268,7 +14268,7 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
     mn__opt_codes(c->q2, map2, vbuf + jc, inv2, len - jc, cd2 + jc, 0);
 }
 
-#if defined(MN__OPT_VBMI) && defined(MN__OPT_QARITH)
+#if defined(MN__OPT_VBMI) && defined(MN__OPT_QARITH) && defined(__AVX512VL__)
 #define MN__OPT_A8V 1
 // mn__opt_codes_a on the moments of one block, the index before its sign rule: x = m or v, scale
 // = 1 / (the block's maximum of |x|), so that |x * scale| is below 2 or is inf or NaN and the
@@ -14309,11 +14309,9 @@ MN__OPT_INLINE void mn__opt_a8_whole(const mn__opt_a8 *c, const mn__opt_qa_v *r1
     uint8_t *cd1 = s->code1 + k0, *cd2 = s->code2 + k0;
     const float *g = grad + k0;
     float *th = param + k0;
-    const __m512 a1 = _mm512_set1_ps(s->absmax1[b]), a2 = _mm512_set1_ps(s->absmax2[b]);
-    const __m512 b1 = _mm512_set1_ps(c->b1), b2 = _mm512_set1_ps(c->b2);
-    const __m512 w1 = _mm512_set1_ps(1.0f - c->b1), w2 = _mm512_set1_ps(1.0f - c->b2);
-    const __m512 ss = _mm512_set1_ps(c->step_size), eps = _mm512_set1_ps(c->eps_c);
-    const __m512 decay = _mm512_set1_ps(c->decay);
+    const float a1 = s->absmax1[b], a2 = s->absmax2[b], b1 = c->b1, b2 = c->b2;
+    const float w1 = 1.0f - c->b1, w2 = 1.0f - c->b2, ss = c->step_size, eps = c->eps_c;
+    const float decay = c->decay;
     const __m128i c254 = _mm_set1_epi8((char)254), c126 = _mm_set1_epi8(126);
     __m512 mx1 = _mm512_setzero_ps(), mx2 = _mm512_setzero_ps(), sc1, sc2;
     int32_t z1 = c->q1->zero;
@@ -14329,31 +14327,38 @@ MN__OPT_INLINE void mn__opt_a8_whole(const mn__opt_a8 *c, const mn__opt_qa_v *r1
         mn__opt_deq64(p2, code2 + j, e2);
         for (q = 0; q < 4; q++) {
             uint64_t jq = j + 16u * (uint64_t)q;
-            __m512 gj = _mm512_loadu_ps(g + jq), mj, vj;
-            __mmask16 fin = (__mmask16)~_mm512_fpclass_ps_mask(gj, 0x99);  // not NaN or inf
-            mj = _mm512_maskz_add_ps(fin, _mm512_mul_ps(_mm512_mul_ps(e1[q], a1), b1),
-                                     _mm512_mul_ps(w1, gj));
-            vj = _mm512_maskz_add_ps(fin, _mm512_mul_ps(_mm512_mul_ps(e2[q], a2), b2),
-                                     _mm512_mul_ps(_mm512_mul_ps(w2, gj), gj));
+            mn__ovf gj = mn__ov_load(g + jq), e1q = (mn__ovf)e1[q], e2q = (mn__ovf)e2[q];
+            __mmask16 fin = (__mmask16)~_mm512_fpclass_ps_mask((__m512)gj, 0x99);  // finite
+            // (the expressions of mn__opt_a8_moments: a compiler that contracts them into fused
+            // multiply-adds contracts both alike)
+            __m512 mj = _mm512_maskz_mov_ps(fin, (__m512)(e1q * a1 * b1 + w1 * gj));
+            __m512 vj = _mm512_maskz_mov_ps(fin, (__m512)(e2q * a2 * b2 + w2 * gj * gj));
             _mm512_storeu_ps(mbuf + jq, mj), _mm512_storeu_ps(vbuf + jq, vj);
             mx1 = _mm512_max_ps(_mm512_abs_ps(mj), mx1), mx2 = _mm512_max_ps(vj, mx2);
         }
     }
-    n1 = _mm512_reduce_max_ps(mx1), n2 = _mm512_reduce_max_ps(mx2);
+    // both maxima at once: lane 0 of mx1's, lane 8 of mx2's; their inverses (0 for 0) alike
+    mx1 = _mm512_max_ps(_mm512_shuffle_f32x4(mx1, mx2, 0x44), _mm512_shuffle_f32x4(mx1, mx2, 0xEE));
+    mx1 = _mm512_max_ps(mx1, _mm512_shuffle_f32x4(mx1, mx1, 0xB1));
+    mx1 = _mm512_max_ps(mx1, _mm512_permute_ps(mx1, 0x4E));
+    mx1 = _mm512_max_ps(mx1, _mm512_permute_ps(mx1, 0xB1));
+    mx2 = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx1, _mm512_setzero_ps(), _CMP_GT_OQ),
+                              _mm512_set1_ps(1.0f), mx1);
+    n1 = _mm512_cvtss_f32(mx1), n2 = _mm_cvtss_f32(_mm512_extractf32x4_ps(mx1, 2));
     s->absmax1[b] = n1, s->absmax2[b] = n2;
-    inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
-    inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
-    sc1 = _mm512_set1_ps(inv1), sc2 = _mm512_set1_ps(inv2);
+    sc1 = _mm512_permutexvar_ps(_mm512_setzero_si512(), mx2);
+    sc2 = _mm512_permutexvar_ps(_mm512_set1_epi32(8), mx2);
+    inv1 = _mm512_cvtss_f32(sc1), inv2 = _mm512_cvtss_f32(sc2);
     for (j = 0; j < len; j += 16) {  // the parameters (mn__opt_a8_param) and the codes
-        __m512 m = _mm512_loadu_ps(mbuf + j), v = _mm512_loadu_ps(vbuf + j);
-        __m512 t = _mm512_loadu_ps(th + j), u;
+        mn__ovf mv = mn__ov_load(mbuf + j), vv = mn__ov_load(vbuf + j), tv = mn__ov_load(th + j);
+        mn__ovf uv = tv + ss * (mv / (MN__OSQRT(vv) + eps));  // mn__opt_a8_param's expression
+        __m512 m = (__m512)mv, v = (__m512)vv, t = (__m512)tv, u;
         __mmask16 fin = (__mmask16)~_mm512_fpclass_ps_mask(_mm512_loadu_ps(g + j), 0x99);
         __mmask16 neg = _mm512_fpclass_ps_mask(m, 0x50), f1, f2;  // m < 0: finite or -inf
         __m512i i1, i2;
         __m128i k1;
-        u = _mm512_add_ps(t, _mm512_mul_ps(ss, _mm512_div_ps(m, _mm512_add_ps(
-                                                                   MN__OSQRT(v), eps))));
-        if (decay_on) u = _mm512_mul_ps(u, decay);
+        if (decay_on) uv = uv * decay;
+        u = (__m512)uv;
         _mm512_storeu_ps(th + j, _mm512_mask_mov_ps(t, fin, u));
         i1 = mn__opt_a8_qa(r1, 1, m, sc1, neg, &f1);
         i2 = mn__opt_a8_qa(r2, 0, v, sc2, 0, &f2);
