@@ -13827,14 +13827,20 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map, const floa
     t->ok = thr != NULL;
     for (t->zero = 0; t->zero < 256 && map[t->zero] < 0.0f; t->zero++) {}
     for (k = 0; k < 2 * MN__OPT_QJ && t->ok; k++) {
-        int neg = k < MN__OPT_QJ;
-        uint32_t j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ, lob = MN__OPT_QNONE;
-        uint32_t a0 = j == 0 ? 0u : (j + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM);
-        uint32_t a1 = j == MN__OPT_QJ - 1u
-                          ? 0x7f800000u
-                          : ((j + 1u + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM)) - 1u;
-        float first = neg ? -mn__opt_float(a1) : mn__opt_float(a0);
-        float last = neg ? -mn__opt_float(a0) : mn__opt_float(a1);
+        // the buckets before that of thr[p] hold none (the word below with lob = MN__OPT_QNONE)
+        uint32_t kb = p < 255 ? mn__opt_qbucket(thr[p]) : 2 * MN__OPT_QJ, j, lob, a0, a1;
+        int neg;
+        float first, last;
+        for (; k < kb; k++) t->ent[k] = (p << 17) + 0x20000u - MN__OPT_QNONE;
+        if (k == 2 * MN__OPT_QJ) break;
+        neg = k < MN__OPT_QJ;
+        j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ, lob = MN__OPT_QNONE;
+        a0 = j == 0 ? 0u : (j + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM);
+        a1 = j == MN__OPT_QJ - 1u
+                 ? 0x7f800000u
+                 : ((j + 1u + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM)) - 1u;
+        first = neg ? -mn__opt_float(a1) : mn__opt_float(a0);
+        last = neg ? -mn__opt_float(a0) : mn__opt_float(a1);
         while (p < 255 && thr[p] <= first) p++;
         if (p < 255 && thr[p] <= last) {
             if (j == 0 || j == MN__OPT_QJ - 1u) t->ok = 0;  // keys differ above the low 16 bits
