@@ -13844,14 +13844,20 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map, const floa
     t->ok = thr != NULL;
     for (t->zero = 0; t->zero < 256 && map[t->zero] < 0.0f; t->zero++) {}
     for (k = 0; k < 2 * MN__OPT_QJ && t->ok; k++) {
-        int neg = k < MN__OPT_QJ;
-        uint32_t j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ, lob = MN__OPT_QNONE;
-        uint32_t a0 = j == 0 ? 0u : (j + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM);
-        uint32_t a1 = j == MN__OPT_QJ - 1u
-                          ? 0x7f800000u
-                          : ((j + 1u + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM)) - 1u;
-        float first = neg ? -mn__opt_float(a1) : mn__opt_float(a0);
-        float last = neg ? -mn__opt_float(a0) : mn__opt_float(a1);
+        // the buckets before that of thr[p] hold none (the word below with lob = MN__OPT_QNONE)
+        uint32_t kb = p < 255 ? mn__opt_qbucket(thr[p]) : 2 * MN__OPT_QJ, j, lob, a0, a1;
+        int neg;
+        float first, last;
+        for (; k < kb; k++) t->ent[k] = (p << 17) + 0x20000u - MN__OPT_QNONE;
+        if (k == 2 * MN__OPT_QJ) break;
+        neg = k < MN__OPT_QJ;
+        j = neg ? MN__OPT_QJ - 1u - k : k - MN__OPT_QJ, lob = MN__OPT_QNONE;
+        a0 = j == 0 ? 0u : (j + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM);
+        a1 = j == MN__OPT_QJ - 1u
+                 ? 0x7f800000u
+                 : ((j + 1u + (MN__OPT_QE0 << MN__OPT_QM)) << (23u - MN__OPT_QM)) - 1u;
+        first = neg ? -mn__opt_float(a1) : mn__opt_float(a0);
+        last = neg ? -mn__opt_float(a0) : mn__opt_float(a1);
         while (p < 255 && thr[p] <= first) p++;
         if (p < 255 && thr[p] <= last) {
             if (j == 0 || j == MN__OPT_QJ - 1u) t->ok = 0;  // keys differ above the low 16 bits
@@ -14285,6 +14291,136 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
     mn__opt_codes(c->q2, map2, vbuf + jc, inv2, len - jc, cd2 + jc, 0);
 }
 
+#if defined(MN__OPT_VBMI) && defined(MN__OPT_QARITH) && defined(__AVX512VL__)
+#define MN__OPT_A8V 1
+// mn__opt_codes_a on the moments of one block, the index before its sign rule: x = m or v, scale
+// = 1 / (the block's maximum of |x|), so that |x * scale| is below 2 or is inf or NaN and the
+// exponent needs no upper clamp (255, 127 and the clamp's 127 share the low 5 bits that index
+// the tables). sgn: m, mirrored (neg: m < 0; see mn__opt_a8_whole); else v, never below 0 (a
+// NaN falls in a window). far: the lanes outside the windows.
+MN__OPT_INLINE __m512i mn__opt_a8_qa(const mn__opt_qa_v *q, int sgn, __m512 x, __m512 scale,
+                                     __mmask16 neg, __mmask16 *far) {
+    __m512 xv = _mm512_mul_ps(x, scale), ax = sgn ? _mm512_abs_ps(xv) : xv, r, sp;
+    __m512i e = _mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(ax), 23),
+                                 _mm512_set1_epi32(MN__OPT_QA_E0));
+    __m512i g = _mm512_permutex2var_epi32(q->seg0, e, q->seg1);
+    sp = _mm512_permutex2var_ps(q->split0, e, q->split1);
+    if (sgn) sp = _mm512_mask_blend_ps(neg, sp, _mm512_permutex2var_ps(q->nsplit0, e, q->nsplit1));
+    g = _mm512_mask_add_epi32(g, _mm512_cmp_ps_mask(ax, sp, _CMP_GE_OQ), g, _mm512_set1_epi32(1));
+    r = _mm512_fmadd_ps(_mm512_permutexvar_ps(g, q->a), ax, _mm512_permutexvar_ps(g, q->c));
+    *far = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_reduce_ps(r, 0)),
+                              _mm512_set1_ps(MN__OPT_QA_WIN), _CMP_GT_OQ);
+    return _mm512_min_epi32(_mm512_cvttps_epi32(r), _mm512_permutexvar_epi32(g, q->hi));
+}
+
+// mn__opt_a8_block on a block of len elements, a multiple of 64, where both maps have the
+// arithmetic form (m's mirrored, v's not: the dynamic maps) and the byte planes: the same
+// operations on every element, so the same bits. r1, r2: the tables of c->q1, c->q2; decay_on:
+// c->decay_on (a constant at each call, so that the loop has no test). Differences that keep the
+// bits: the finite test is a class test; the maxima are reduced by a tree (no NaN enters them, so
+// the order does not matter); the window test of both maps is one branch. m's sign rule: on a
+// lane outside the windows, the index c of |x| is at least 127 (the mirrored map's 0: the checks
+// of mn__opt_qarith_init hold there), so that for m < 0 the mirrored code max(254 - c, 0), one
+// lower where it is 127 or more (zero = 127), is min(254 -sat c, 126) in bytes. neg is m < 0 for
+// the mirror as well, not m * scale < 0: the two differ only where m * scale is -0, whose index
+// 127 the mirror keeps.
+MN__OPT_INLINE void mn__opt_a8_whole(const mn__opt_a8 *c, const mn__opt_qa_v *r1,
+                                     const mn__opt_qa_v *r2, mn_adamw8bit *s, float *param,
+                                     const float *grad, uint64_t b, uint64_t k0, uint64_t len,
+                                     int decay_on, float *mbuf, float *vbuf) {
+    const uint8_t *code1 = s->code1 + k0, *code2 = s->code2 + k0;
+    uint8_t *cd1 = s->code1 + k0, *cd2 = s->code2 + k0;
+    const float *g = grad + k0;
+    float *th = param + k0;
+    const float a1 = s->absmax1[b], a2 = s->absmax2[b], b1 = c->b1, b2 = c->b2;
+    const float w1 = 1.0f - c->b1, w2 = 1.0f - c->b2, ss = c->step_size, eps = c->eps_c;
+    const float decay = c->decay;
+    const __m128i c254 = _mm_set1_epi8((char)254), c126 = _mm_set1_epi8(126);
+    __m512 mx1 = _mm512_setzero_ps(), mx2 = _mm512_setzero_ps(), sc1, sc2;
+    int32_t z1 = c->q1->zero;
+    float n1, n2, inv1, inv2;
+    uint64_t j;
+    for (j = 0; j < len; j += 64) {  // the moments and their maxima (mn__opt_a8_moments)
+        const uint8_t *p1 = c->planes1, *p2 = c->planes2;
+        __m512 e1[4], e2[4];
+        int q;
+        // (the planes stay in memory: loaded once a block they would be copied to the stack)
+        __asm__("" : "+r"(p1), "+r"(p2));
+        mn__opt_deq64(p1, code1 + j, e1);
+        mn__opt_deq64(p2, code2 + j, e2);
+        for (q = 0; q < 4; q++) {
+            uint64_t jq = j + 16u * (uint64_t)q;
+            mn__ovf gj = mn__ov_load(g + jq), e1q = (mn__ovf)e1[q], e2q = (mn__ovf)e2[q];
+            __mmask16 fin = (__mmask16)~_mm512_fpclass_ps_mask((__m512)gj, 0x99);  // finite
+            // (the expressions of mn__opt_a8_moments: a compiler that contracts them into fused
+            // multiply-adds contracts both alike)
+            __m512 mj = _mm512_maskz_mov_ps(fin, (__m512)(e1q * a1 * b1 + w1 * gj));
+            __m512 vj = _mm512_maskz_mov_ps(fin, (__m512)(e2q * a2 * b2 + w2 * gj * gj));
+            _mm512_storeu_ps(mbuf + jq, mj), _mm512_storeu_ps(vbuf + jq, vj);
+            mx1 = _mm512_max_ps(_mm512_abs_ps(mj), mx1), mx2 = _mm512_max_ps(vj, mx2);
+        }
+    }
+    // both maxima at once: lane 0 of mx1's, lane 8 of mx2's; their inverses (0 for 0) alike
+    mx1 = _mm512_max_ps(_mm512_shuffle_f32x4(mx1, mx2, 0x44), _mm512_shuffle_f32x4(mx1, mx2, 0xEE));
+    mx1 = _mm512_max_ps(mx1, _mm512_shuffle_f32x4(mx1, mx1, 0xB1));
+    mx1 = _mm512_max_ps(mx1, _mm512_permute_ps(mx1, 0x4E));
+    mx1 = _mm512_max_ps(mx1, _mm512_permute_ps(mx1, 0xB1));
+    mx2 = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx1, _mm512_setzero_ps(), _CMP_GT_OQ),
+                              _mm512_set1_ps(1.0f), mx1);
+    n1 = _mm512_cvtss_f32(mx1), n2 = _mm_cvtss_f32(_mm512_extractf32x4_ps(mx1, 2));
+    s->absmax1[b] = n1, s->absmax2[b] = n2;
+    sc1 = _mm512_permutexvar_ps(_mm512_setzero_si512(), mx2);
+    sc2 = _mm512_permutexvar_ps(_mm512_set1_epi32(8), mx2);
+    inv1 = _mm512_cvtss_f32(sc1), inv2 = _mm512_cvtss_f32(sc2);
+    for (j = 0; j < len; j += 16) {  // the parameters (mn__opt_a8_param) and the codes
+        mn__ovf mv = mn__ov_load(mbuf + j), vv = mn__ov_load(vbuf + j), tv = mn__ov_load(th + j);
+        mn__ovf uv = tv + ss * (mv / (MN__OSQRT(vv) + eps));  // mn__opt_a8_param's expression
+        __m512 m = (__m512)mv, v = (__m512)vv, t = (__m512)tv, u;
+        __mmask16 fin = (__mmask16)~_mm512_fpclass_ps_mask(_mm512_loadu_ps(g + j), 0x99);
+        __mmask16 neg = _mm512_fpclass_ps_mask(m, 0x50), f1, f2;  // m < 0: finite or -inf
+        __m512i i1, i2;
+        __m128i k1;
+        if (decay_on) uv = uv * decay;
+        u = (__m512)uv;
+        _mm512_storeu_ps(th + j, _mm512_mask_mov_ps(t, fin, u));
+        i1 = mn__opt_a8_qa(r1, 1, m, sc1, neg, &f1);
+        i2 = mn__opt_a8_qa(r2, 0, v, sc2, 0, &f2);
+        if (!_mm512_kortestc(f1 & f2, f1 & f2)) {  // a lane in a window: the table
+            if (!mn__opt_codes_a(r1, 1, (mn__ovf)m, inv1, 1, z1, cd1 + j))
+                mn__opt_codes_v(c->q1, (mn__ovf)m, inv1, 1, z1, cd1 + j);
+            if (!mn__opt_codes_a(r2, 0, (mn__ovf)v, inv2, 0, 0, cd2 + j))
+                mn__opt_codes_v(c->q2, (mn__ovf)v, inv2, 0, 0, cd2 + j);
+            continue;
+        }
+        k1 = _mm512_cvtepi32_epi8(i1);
+        k1 = _mm_mask_subs_epu8(k1, neg, c254, k1);
+        k1 = _mm_mask_min_epu8(k1, neg, k1, c126);
+        _mm_storeu_si128((__m128i *)(void *)(cd1 + j), k1);
+        _mm512_mask_cvtepi32_storeu_epi8(cd2 + j, (__mmask16)0xFFFF, i2);
+    }
+}
+
+// Blocks b0 .. b1 - 1 of the quantized step through mn__opt_a8_whole while they qualify; returns
+// the first block left (a last block whose length is not a multiple of 64).
+MN__PRIVATE uint64_t mn__opt_a8_run(const mn__opt_a8 *c, mn_adamw8bit *s, float *param,
+                                    const float *grad, uint64_t b0, uint64_t b1) {
+    float mbuf[MN__OPT_MAX_BLOCK], vbuf[MN__OPT_MAX_BLOCK];
+    mn__opt_a8 k = *c;  // (a local: the stores to the block scales cannot change it)
+    mn__opt_qa_v r1, r2;
+    uint64_t b, bs = s->params.block_size;
+    mn__opt_qa_load(&c->q1->ar, &r1), mn__opt_qa_load(&c->q2->ar, &r2);
+    for (b = b0; b < b1; b++) {
+        uint64_t k0 = b * bs, len = s->n - k0 < bs ? s->n - k0 : bs;
+        if (len % 64 != 0) break;
+        if (k.decay_on)
+            mn__opt_a8_whole(&k, &r1, &r2, s, param, grad, b, k0, len, 1, mbuf, vbuf);
+        else
+            mn__opt_a8_whole(&k, &r1, &r2, s, param, grad, b, k0, len, 0, mbuf, vbuf);
+    }
+    return b;
+}
+#endif
+
 MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *grad,
                                    uint16_t *param16) {
     const mn_adamw8bit_params *p;
@@ -14293,6 +14429,9 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     mn__opt_a8 c;
 #ifdef MN__OPT_VBMI
     uint8_t planes[2][4 * 256];
+#endif
+#ifdef MN__OPT_A8V
+    int a8v;
 #endif
     double t, c1, c2, t0;
     uint64_t i, per;
@@ -14336,6 +14475,9 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     mn__opt_planes(map1, planes[0]), mn__opt_planes(map2, planes[1]);
     c.planes1 = planes[0], c.planes2 = planes[1];
 #endif
+#ifdef MN__OPT_A8V
+    a8v = c.q1 && c.q2 && c.q1->ar.ok && c.q2->ar.ok && c.q1->ar.mirror && !c.q2->ar.mirror;
+#endif
     // The blocks are independent: threads claim runs of them (about 16384 elements, a few runs
     // per claim) as they come, so that a thread whose core is busy elsewhere takes fewer.
     per = 16384u / p->block_size + 1u;
@@ -14345,7 +14487,11 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
     for (run = 0; run < nb; run++) {
         uint64_t b, b1 = ((uint64_t)run + 1) * per < s->blocks ? ((uint64_t)run + 1) * per
                                                                  : s->blocks;
-        for (b = (uint64_t)run * per; b < b1; b++) {
+        b = (uint64_t)run * per;
+#ifdef MN__OPT_A8V
+        if (a8v) b = mn__opt_a8_run(&c, s, param, grad, b, b1);
+#endif
+        for (; b < b1; b++) {
             uint64_t k0 = b * p->block_size;
             mn__opt_a8_block(&c, s, param, grad, b, k0,
                              s->n - k0 < p->block_size ? s->n - k0 : p->block_size);

@@ -1128,6 +1128,14 @@ static float bits_to_float(uint32_t u) {
     return f;
 }
 
+// Float order as unsigned order (-0 just below +0), and back.
+static uint32_t float_okey(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u >> 31) ? ~u : u | 0x80000000u;
+}
+static float okey_float(uint32_t k) { return bits_to_float((k >> 31) ? k & 0x7fffffffu : ~k); }
+
 // One random fp32: uniform bit patterns, values near the 16-bit ranges, exact ties and neighbours.
 static float random_probe(int bf16) {
     uint64_t r = mnt_rand_u64();
@@ -1633,6 +1641,102 @@ static void test_adamw8bit_bits_vs_plain_loop(void) {
                   (unsigned long long)n, prm.block_size, (int)dt);
         mn_adamw8bit_free(&s);
         free(p), free(g), free(rp), free(h), free(rh), free(c1), free(c2), free(am1), free(am2);
+    }
+}
+
+// The code of g's moment at the first step (state 0: m = (1 - beta1) g, v = (1 - beta2) g g, in
+// the plain loop's order) in a block whose maxima come from g = 1; v for map2, else m.
+static uint8_t first_step_code(const mn_adamw8bit_params *a, const float *map, int v, float g) {
+    float w = v ? 1.0f - a->beta2 : 1.0f - a->beta1, x = v ? w * g * g : w * g;
+    return ref_nearest(map, x * (1.0f / w));
+}
+
+// Gradients for the first step that put moments on both sides of every threshold of both maps
+// (the smallest float g whose code reaches k, found by bisection over the floats in order, and
+// the float below it): the lanes next to the quantizer's windows. Each block of bs opens with
+// g = 1, its maxima. Fills g from element `from` on; returns the end.
+static uint64_t put_threshold_lanes(const mn_adamw8bit_params *a, float *g, uint64_t from,
+                                    uint64_t n, uint32_t bs) {
+    float map[256];
+    uint64_t i = from;
+    int v, k;
+    for (v = 0; v < 2; v++) {
+        mn_dynamic_map(!v, map);
+        for (k = 1; k < 256; k++) {
+            uint32_t lo = float_okey(v ? 0.0f : -1.0f), hi = float_okey(1.0f), j;
+            while (hi - lo > 1) {  // code(lo) < k <= code(hi)
+                uint32_t mid = lo + (hi - lo) / 2;
+                if (first_step_code(a, map, v, okey_float(mid)) >= k) hi = mid;
+                else lo = mid;
+            }
+            for (j = 0; j < 2 && i < n; j++) {
+                if (i % bs == 0) g[i++] = 1.0f;
+                if (i < n) g[i++] = okey_float(j ? lo : hi);
+            }
+        }
+    }
+    return i;
+}
+
+// The quantized step on tensors large enough for the quantizer's arithmetic form (65536 elements
+// and up), where AVX-512 builds take whole blocks of a multiple of 64 elements through their own
+// loop (memanat.h, mn__opt_a8_whole), against the plain loop bit for bit: block sizes 64 to 4096
+// (192: not a power of 2), last blocks of a multiple of 64 or not, decay on and off, 1 and 2
+// threads, 6 steps of fresh gradients at several scales with zeros, tiny and huge values, one
+// block of zeros (scales 0), runs of denormal negatives (m < 0 whose scaled value is -0), NaN and
+// inf, and an overflowing v (an inf scale, then NaN moments).
+static void test_adamw8bit_whole_blocks_bits(void) {
+    static const uint64_t sizes[] = {65893, 70016, 81984, 69999, 66000, 65600};
+    static const uint32_t blocks[] = {256, 256, 2048, 4096, 192, 64};
+    size_t q;
+    for (q = 0; q < 6; q++) {
+        uint64_t n = sizes[q], dims[1], nb, i, k;
+        float *p = mnt_fvec(n), *g = mnt_fvec(n), *rp = mnt_fvec(n);
+        uint8_t *c1 = (uint8_t *)calloc(n, 1), *c2 = (uint8_t *)calloc(n, 1);
+        float *am1, *am2;
+        mn_adamw8bit s;
+        mn_adamw8bit_params prm;
+        int t, ok = 1;
+#ifdef _OPENMP
+        int saved = omp_get_max_threads();
+        omp_set_num_threads(1 + (int)(q % 2));
+#endif
+        dims[0] = n;
+        memset(&prm, 0, sizeof prm);
+        prm.block_size = blocks[q];
+        prm.weight_decay = q % 3 == 1 ? MN_OPTIM_ZERO : 0.1f;
+        prm.lr = 1e-2f;
+        CHECK_OK(mn_adamw8bit_init(&s, dims, 1, &prm, NULL));
+        nb = s.blocks;
+        am1 = (float *)calloc(nb, 4), am2 = (float *)calloc(nb, 4);
+        fill_case(p, n, 1.0);
+        memcpy(rp, p, n * 4);
+        for (t = 1; t <= 6; t++) {
+            fill_case(g, n, t % 3 == 0 ? 1e3 : t % 3 == 1 ? 1.0 : 1e-3);
+            for (i = 0; i < 5; i++)  // runs of denormal negatives
+                for (k = mnt_rand_u64() % (n - 40); k % 40 != 39; k++)
+                    g[k] = -1e-45f * (float)(1 + k % 9);  // (-0 moments at the first step)
+            if (t == 1) {
+                memset(g + blocks[q], 0, blocks[q] * sizeof *g);  // block 1: scales 0
+                k = put_threshold_lanes(&s.params, g, 2 * (uint64_t)blocks[q], n, blocks[q]);
+                CHECK(k < n);
+                for (; k < n && k % blocks[q] != 0; k++) g[k] = 0.0f;  // (|g| <= 1 there)
+            }
+            if (t == 3) g[n / 2] = NAN, g[n / 3] = -INFINITY, g[n / 4] = INFINITY;
+            if (t == 4) g[n / 5] = 1e30f, g[n / 7] = -3e25f;  // v inf: an inf scale
+            CHECK_OK(mn_adamw8bit_step(&s, p, g, NULL));
+            ref_adamw8bit_step(&s.params, (uint64_t)t, rp, g, n, c1, c2, am1, am2);
+            ok &= same_bits(p, rp, n * 4) && same_bits(s.code1, c1, n) &&
+                  same_bits(s.code2, c2, n) && same_bits(s.absmax1, am1, nb * 4) &&
+                  same_bits(s.absmax2, am2, nb * 4);
+        }
+        CHECK_MSG(ok, "adamw8bit n %llu block %u: not the plain loop's bits", (unsigned long long)n,
+                  prm.block_size);
+#ifdef _OPENMP
+        omp_set_num_threads(saved);
+#endif
+        mn_adamw8bit_free(&s);
+        free(p), free(g), free(rp), free(c1), free(c2), free(am1), free(am2);
     }
 }
 
@@ -2232,6 +2336,7 @@ const mnt_case test_optim_cases[] = {
     {"adamw_bits_vs_plain_loop", test_adamw_bits_vs_plain_loop},
     {"sgd_lion_bits_vs_plain_loop", test_sgd_lion_bits_vs_plain_loop},
     {"adamw8bit_bits_vs_plain_loop", test_adamw8bit_bits_vs_plain_loop},
+    {"adamw8bit_whole_blocks_bits", test_adamw8bit_whole_blocks_bits},
     {"quantize_maps_vs_search", test_quantize_maps_vs_search},
     {"adafactor_bits_vs_plain_loop", test_adafactor_bits_vs_plain_loop},
     {"adafactor_wide_bits_vs_plain_loop", test_adafactor_wide_bits_vs_plain_loop},
