@@ -402,17 +402,27 @@ int main(int argc, char **argv) {
     uint64_t dims[2];
     size_t i, n;
     FILE *f;
-#ifdef MN_BENCH_CBLAS
-    // OpenBLAS's workers spin for 2^28 cycles after each call by default, on the cores that the
-    // header's 2-thread rows use next (its 2-thread matmul read 0.8 to 2.5 of OpenBLAS from run
-    // to run, 2.2 to 2.6 with the workers asleep at once, OpenBLAS's own rate unchanged); the
-    // variable is read as the library loads, so the program runs itself again with it set
-    // (2^4 cycles: they sleep at once).
-    if (!getenv("OPENBLAS_THREAD_TIMEOUT") && setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1) == 0) {
-        execv("/proc/self/exe", argv);
-        unsetenv("OPENBLAS_THREAD_TIMEOUT");  // (no exec: on as it is)
-    }
+    // Threads that spin after their work, on the cores that the next rows use; both variables
+    // are read as the libraries load, so the program runs itself again with them set (unless the
+    // user set them; no exec: on as it is).
+    // - libgomp's, by default, as trainer.c avoids: with a child keeping a core busy, the member
+    //   on that core spins between loops, is then owed no time, and starts each loop milliseconds
+    //   late (gelu backward and softmax forward on 2 threads 0.17 to 0.5 of 1 thread; with
+    //   OMP_WAIT_POLICY=passive 0.97 to 1.8, and OpenBLAS's 2-thread matmul 1.4x faster).
+    // - OpenBLAS's workers, for 2^28 cycles after each call (its 2-thread matmul read 0.8 to 2.5
+    //   of the header's from run to run): 2^4 cycles, asleep at once.
+    {
+        int again = 0;
+#ifdef _OPENMP
+        if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT"))
+            again |= setenv("OMP_WAIT_POLICY", "passive", 1) == 0;
 #endif
+#ifdef MN_BENCH_CBLAS
+        if (!getenv("OPENBLAS_THREAD_TIMEOUT"))
+            again |= setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1) == 0;
+#endif
+        if (again) execv("/proc/self/exe", argv);
+    }
     if (argc > 1) reps = atoi(argv[1]);
     if (reps < 1 || reps > 64) reps = 5;
     ncpu = bench_cpu_model(cpu, sizeof cpu);
@@ -433,6 +443,7 @@ int main(int argc, char **argv) {
     }
     printf("memanat %s CPU table on %s (%d CPUs), load %s, medians of %d runs\n", MEMANAT_VERSION,
            cpu, ncpu, a, reps);
+    printf("OMP_WAIT_POLICY=%s\n", getenv("OMP_WAIT_POLICY") ? getenv("OMP_WAIT_POLICY") : "-");
     printf("fp32 FMA peak, 1 thread: %.1f GFLOP/s; copy bandwidth (memcpy 64 MiB, bytes read + "
            "written): %.1f GB/s\n",
            peak, bw);
