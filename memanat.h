@@ -28,7 +28,11 @@
 //                          Nothing else uses it; without it the header needs no BLAS.
 // Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops and
 // the optimizer steps but Lion's (these time themselves and keep one thread while a team is not
-// faster, as on cores that other processes keep busy: mn_team_tune).
+// faster, as on cores that other processes keep busy: mn_team_tune). On a machine whose cores
+// other processes use, run with OMP_WAIT_POLICY=passive: with libgomp's default a team member
+// spins between loops on the shared core, and each loop waited milliseconds for it to start.
+// With GCC at -O2 the implementation asks for -O3's vectorizer (#pragma GCC optimize), so the
+// ops' loops vectorize as at -O3, with the same bits.
 //
 // QUICK START
 //   mn_model model;  mn_setup setup = {0};  mn_estimate_result r;
