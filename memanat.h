@@ -15383,17 +15383,8 @@ MN__PRIVATE float mn__dot(const float *x, const float *y, size_t n) {
     double s = 0.0;
     size_t i = 0;
     int l;
-#if MN__OV  // the same lanes on vectors (as mn__sumsq_centered)
-    mn__ovf va[MN__LN / MN__OW] = {{0}};
-    for (; n - i >= MN__LN; i += MN__LN)
-        for (l = 0; l < MN__LN / MN__OW; l++)
-            va[l] = MN__OFMA(mn__ov_load(x + i + l * MN__OW), mn__ov_load(y + i + l * MN__OW),
-                             va[l]);
-    for (l = 0; l < MN__LN / MN__OW; l++) mn__ov_store(acc + l * MN__OW, va[l]);
-#else
     for (; n - i >= MN__LN; i += MN__LN)
         for (l = 0; l < MN__LN; l++) acc[l] = MN__FMA(x[i + l], y[i + l], acc[l]);
-#endif
     for (; i < n; i++) s += (double)x[i] * y[i];
     for (l = 0; l < MN__LN; l++) s += acc[l];
     return (float)s;
