@@ -16805,24 +16805,29 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
 
 // ---- softmax ------------------------------------------------------------------------------------
 
-// Rows n..n1 of a large softmax forward without the causal mask (L <= MN__NT_CHUNK), the
-// output streamed: each row's exponentials go to an L1 chunk, and the pass that computes them
-// also streams the row before from the chunk, scaled, and finds the max of the row after
-// (mn__nt_row_pass; the same values as the loop row by row).
-MN__PRIVATE void mn__softmax_rows_nt(float *out, const float *inp, size_t N, size_t L,
-                                     float scale, size_t n, size_t n1) {
-    float buf[MN__NT_CHUNK + 16], mnext = 0.0f, inv = 0.0f, *e = NULL;
-    double sum;
+// Rows n..n1 of a softmax over rows of L floats without the mask, whose output is streamed
+// (the large softmax forward, and the cross-entropy forward with probs): each row's
+// exponentials go to buf (L + MN__NT_ALIGN / sizeof(float) floats: an L1 chunk, or a scratch row
+// in L2), and the pass that computes them also streams the row before from there, scaled, and
+// finds the max of the row after (mn__nt_row_pass; the same values as the loop row by row).
+// With losses, the rows' cross-entropy losses as well (logsumexp - x[target], 0 where the
+// target is negative). The caller fences the stores.
+MN__PRIVATE void mn__nt_softmax_rows(float *out, const float *inp, size_t N, size_t L,
+                                     float scale, size_t n, size_t n1, float *buf, float *losses,
+                                     const int *targets) {
+    float mnext = 0.0f, inv = 0.0f, *e = NULL;
     if (n >= n1) return;
     mn__nt_row_pass(NULL, NULL, scale, 0.0f, NULL, NULL, 0.0f, inp + n * L, (N - n) * L,
                     &mnext, L);
-    for (; n < n1; n++) {
+    for (; n < n1; n++) {  // mx found with the row before; this row's output with the next
         const float *x = inp + n * L;
-        float *y = out + n * L, *prev = e;
+        float *y = out + n * L, *prev = e, mx = mnext;
+        double sum;
         e = mn__nt_row_at(buf, y, L);
-        sum = mn__nt_row_pass(e, x, scale, mnext, prev ? y - L : NULL, prev, inv,
+        sum = mn__nt_row_pass(e, x, scale, mx, prev ? y - L : NULL, prev, inv,
                               n + 1 < n1 ? x + L : NULL, (N - n - 1) * L, &mnext, L);
         inv = (float)(1.0 / sum);
+        if (losses) losses[n] = targets[n] < 0 ? 0.0f : (float)(log(sum) - (x[targets[n]] - mx));
     }
     mn__nt_copy(out + (n1 - 1) * L, e, inv, L);
 }
@@ -16833,7 +16838,7 @@ MNIMPL mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size
     // (max subtracted for range safety; llm.c train_gpt2.c attention_forward / softmax_forward).
     // A large call with rows that fit an L1 chunk computes each row there and streams it
     // (>>ops streaming stores): without the mask, in one pass with the max of the row after
-    // and the stores of the row before (mn__softmax_rows_nt: 1.3x measured, one Zen 5 core,
+    // and the stores of the row before (mn__nt_softmax_rows: 1.3x measured, one Zen 5 core,
     // 8192 rows of 768); with it, row by row, asking for a row MN__PF_ROWS ahead as it starts
     // one.
     size_t part, parts;
@@ -16843,14 +16848,13 @@ MNIMPL mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size
     parts = mn__nt_parts((uint64_t)N * L);
     MN__OMP_FOR_WORK(N * L, MN__OMP_MIN_ELEMS, parts)
     for (part = 0; part < parts; part++) {
-        size_t n, n1 = mn__part_start(N, parts, part + 1);
-        if (nt && !causal) {
-            mn__softmax_rows_nt(out, inp, N, L, scale, mn__part_start(N, parts, part), n1);
-            continue;
-        }
-        for (n = mn__part_start(N, parts, part); n < n1; n++) {
+        size_t n = mn__part_start(N, parts, part), n1 = mn__part_start(N, parts, part + 1);
+        float buf[MN__NT_CHUNK + MN__NT_ALIGN / sizeof(float)];
+        if (nt && !causal)
+            mn__nt_softmax_rows(out, inp, N, L, scale, n, n1, buf, NULL, NULL);
+        else for (; n < n1; n++) {
             const float *x = inp + n * L;
-            float *y = out + n * L, buf[MN__NT_CHUNK], *p = nt ? buf : y, mx, inv;
+            float *y = out + n * L, *p = nt ? buf : y, mx, inv;
             size_t len = causal ? n % L + 1 : L, j;
             if (big && n + MN__PF_ROWS < N) mn__prefetch(x + MN__PF_ROWS * L, L);
             mx = mn__max_scaled(x, scale, len);
@@ -17448,25 +17452,18 @@ MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const floa
     MN__OMP_FOR_WORK(N * V, MN__OMP_MIN_ELEMS, parts)
     for (part = 0; part < parts; part++) {
         size_t n = mn__part_start(N, parts, part), n1 = mn__part_start(N, parts, part + 1);
-        float *e0 = nt ? rows + (size_t)mn__omp_me() * stride : NULL, *prev = NULL;
-        float mnext = 0.0f, pinv = 0.0f;
-        if (nt && n < n1)
-            mn__nt_row_pass(NULL, NULL, 1.0f, 0.0f, NULL, NULL, 0.0f, logits + n * V,
-                            (N - n) * V, &mnext, V);
+        if (nt) {
+            mn__nt_softmax_rows(probs, logits, N, V, 1.0f, n, n1,
+                                rows + (size_t)mn__omp_me() * stride, losses, targets);
+            mn__nt_fence();
+            continue;
+        }
         for (; n < n1; n++) {
             const float *x = logits + n * V, *pf = big && n + 1 < N ? x + V : NULL;
-            float mx, inv, *p = probs ? probs + n * V : NULL, *e;
+            float mx, inv, *p = probs ? probs + n * V : NULL;
             double lse, sum;
             size_t j;
-            if (nt) {  // mx found with the row before; the probs of this row with the next
-                e = mn__nt_row_at(e0, p, V);
-                mx = mnext;
-                sum = mn__nt_row_pass(e, x, 1.0f, mx, prev ? p - V : NULL, prev, pinv,
-                                      n + 1 < n1 ? x + V : NULL, (N - n - 1) * V, &mnext, V);
-                lse = log(sum), inv = (float)(1.0 / sum);
-                prev = e, pinv = inv;
-                if (n + 1 == n1) mn__nt_copy(p, e, inv, V);
-            } else if (p) {
+            if (p) {
                 mx = mn__max_scaled(x, 1.0f, V);
                 sum = mn__exp_store_sum(p, x, 1.0f, mx, V, pf);
                 lse = log(sum), inv = (float)(1.0 / sum);
@@ -17476,7 +17473,6 @@ MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const floa
             }
             losses[n] = targets[n] < 0 ? 0.0f : (float)(lse - (x[targets[n]] - mx));
         }
-        if (nt) mn__nt_fence();
     }
     MN_FREE(heap);
     return MN_OK;
