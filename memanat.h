@@ -15684,8 +15684,9 @@ MN__PRIVATE void mn__nt_copy(float *y, const float *src, float c, size_t n) {
     for (; i < n; i++) y[i] = src[i] * c;
 }
 
+#define MN__NT_ROW_PAD 16  // floats past a row in a buffer for mn__nt_row_at (one 64-byte line)
 // Where a row whose output goes to y[0..n) keeps its exponentials in a buffer b of n +
-// MN__NT_ALIGN / sizeof(float) floats shared by the rows one after the other: at the offset of
+// MN__NT_ROW_PAD floats shared by the rows one after the other: at the offset of
 // y in an aligned vector (the streaming stores then read aligned vectors), and always ahead of
 // the part of the row before that mn__nt_row_pass has yet to read.
 MN__INLINE float *mn__nt_row_at(float *b, const float *y, size_t n) {
@@ -16807,8 +16808,7 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
 
 // Rows n..n1 of a softmax over rows of L floats without the mask, whose output is streamed
 // (the large softmax forward, and the cross-entropy forward with probs): each row's
-// exponentials go to buf (L + MN__NT_ALIGN / sizeof(float) floats: an L1 chunk, or a scratch row
-// in L2), and the pass that computes them also streams the row before from there, scaled, and
+// exponentials go to buf (L + MN__NT_ROW_PAD floats: an L1 chunk, or a scratch row in L2), and the pass that computes them also streams the row before from there, scaled, and
 // finds the max of the row after (mn__nt_row_pass; the same values as the loop row by row).
 // With losses, the rows' cross-entropy losses as well (logsumexp - x[target], 0 where the
 // target is negative). The caller fences the stores.
@@ -16849,7 +16849,7 @@ MNIMPL mn_result mn_softmax_forward(float *out, const float *inp, size_t N, size
     MN__OMP_FOR_WORK(N * L, MN__OMP_MIN_ELEMS, parts)
     for (part = 0; part < parts; part++) {
         size_t n = mn__part_start(N, parts, part), n1 = mn__part_start(N, parts, part + 1);
-        float buf[MN__NT_CHUNK + MN__NT_ALIGN / sizeof(float)];
+        float buf[MN__NT_CHUNK + MN__NT_ROW_PAD];
         if (nt && !causal)
             mn__nt_softmax_rows(out, inp, N, L, scale, n, n1, buf, NULL, NULL);
         else for (; n < n1; n++) {
@@ -17413,8 +17413,8 @@ MN__PRIVATE void mn__logsumexp(const float *x, size_t V, float *mx, double *lse)
 }
 
 // Floats of the scratch row of one thread in mn_crossentropy_forward for rows of V logits: V
-// rounded up to whole 64-byte lines, plus one line for mn__nt_row_at.
-MN__INLINE size_t mn__ce_stride(size_t V) { return (V + 15) / 16 * 16 + 16; }
+// rounded up to whole 64-byte lines, plus the line for mn__nt_row_at.
+MN__INLINE size_t mn__ce_stride(size_t V) { return (V + 15) / 16 * 16 + MN__NT_ROW_PAD; }
 
 MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const float *logits,
                                          const int *targets, size_t N, size_t V) {
