@@ -14152,6 +14152,7 @@ typedef struct mn__opt_a8 {
     const uint8_t *planes1, *planes2;  // [4 * 256] each, mn__opt_planes of the maps (or NULL)
     float b1, b2, step_size, eps_c, decay;
     int decay_on;
+    int arith;  // both tables have the arithmetic form, m's mirrored and v's not (dynamic maps)
 } mn__opt_a8;
 
 #ifdef MN__OGATHER
@@ -14254,7 +14255,7 @@ MN__PRIVATE void mn__opt_a8_block(const mn__opt_a8 *c, mn_adamw8bit *s, float *p
         float decay = c->decay;
         int decay_on = c->decay_on;
 #if defined(MN__OPT_QARITH)
-        if (c->q1->ar.ok && c->q2->ar.ok && c->q1->ar.mirror && !c->q2->ar.mirror) {
+        if (c->arith) {
             mn__opt_qa_v r1, r2;  // (the arithmetic form, the table next to a threshold)
             mn__opt_qa_load(&c->q1->ar, &r1), mn__opt_qa_load(&c->q2->ar, &r2);
             for (; j + MN__OW <= len; j += MN__OW) {
@@ -14434,9 +14435,6 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
 #ifdef MN__OPT_VBMI
     uint8_t planes[2][4 * 256];
 #endif
-#ifdef MN__OPT_A8V
-    int a8v;
-#endif
     double t, c1, c2, t0;
     uint64_t i, per;
     int64_t run, nb;
@@ -14474,13 +14472,11 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
         mn__opt_qtab_init(&q2, map2, mn__opt_thresholds(map2, thr) ? thr : NULL, s->n);
     }
     c.q1 = q1.ok ? &q1 : NULL, c.q2 = q2.ok ? &q2 : NULL, c.map1 = map1, c.map2 = map2;
+    c.arith = c.q1 && c.q2 && c.q1->ar.ok && c.q2->ar.ok && c.q1->ar.mirror && !c.q2->ar.mirror;
     c.planes1 = c.planes2 = NULL;
 #ifdef MN__OPT_VBMI
     mn__opt_planes(map1, planes[0]), mn__opt_planes(map2, planes[1]);
     c.planes1 = planes[0], c.planes2 = planes[1];
-#endif
-#ifdef MN__OPT_A8V
-    a8v = c.q1 && c.q2 && c.q1->ar.ok && c.q2->ar.ok && c.q1->ar.mirror && !c.q2->ar.mirror;
 #endif
     // The blocks are independent: threads claim runs of them (about 16384 elements, a few runs
     // per claim) as they come, so that a thread whose core is busy elsewhere takes fewer.
@@ -14493,7 +14489,7 @@ MNIMPL mn_result mn_adamw8bit_step(mn_adamw8bit *s, float *param, const float *g
                                                                  : s->blocks;
         b = (uint64_t)run * per;
 #ifdef MN__OPT_A8V
-        if (a8v) b = mn__opt_a8_run(&c, s, param, grad, b, b1);
+        if (c.arith) b = mn__opt_a8_run(&c, s, param, grad, b, b1);
 #endif
         for (; b < b1; b++) {
             uint64_t k0 = b * p->block_size;
@@ -16484,8 +16480,7 @@ MNIMPL mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *db
 
 // One row of the layernorm forward (mean and rstd NULL: not kept); nt: the row is computed into
 // an L1 chunk and streamed (C <= MN__NT_CHUNK).
-// rms: the RMSNorm's row (mean 0, no bias: x - 0 is x, so y = x r w and the sum of squares is
-// mn__dot(x, x) bit for bit).
+// rms: the RMSNorm's row (mean 0, no bias: x - 0 is x, so y = x r w and v = mean(x^2)).
 MN__PRIVATE void mn__layernorm_row(float *y, float *mean, float *rstd, const float *x,
                                    const float *weight, const float *bias, size_t C, float eps,
                                    int nt, int rms) {
