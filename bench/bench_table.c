@@ -406,11 +406,11 @@ int main(int argc, char **argv) {
     // are read as the libraries load, so the program runs itself again with them set (unless the
     // user set them; no exec: on as it is).
     // - libgomp's, by default, as trainer.c avoids: with a child keeping a core busy, the member
-    //   on that core spins between loops, is then owed no time, and starts each loop milliseconds
-    //   late (gelu backward and softmax forward on 2 threads 0.17 to 0.5 of 1 thread; with
-    //   OMP_WAIT_POLICY=passive 0.97 to 1.8, and OpenBLAS's 2-thread matmul 1.4x faster).
-    // - OpenBLAS's workers, for 2^28 cycles after each call (its 2-thread matmul read 0.8 to 2.5
-    //   of the header's from run to run): 2^4 cycles, asleep at once.
+    //   on that core spins between loops, and each 2-thread loop waited milliseconds for it to
+    //   start (gelu backward and softmax forward on 2 threads 0.17 to 0.5 of 1 thread; with
+    //   OMP_WAIT_POLICY=passive 0.97 to 1.8, and OpenBLAS's 2-thread matmul 1.2 to 1.4x faster).
+    // - OpenBLAS's workers, for 2^28 cycles after each call (the header's 2-thread matmul read
+    //   0.8 to 2.5 of OpenBLAS's from run to run): 2^4 cycles, asleep at once.
     {
         int again = 0;
 #ifdef _OPENMP
