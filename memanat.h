@@ -900,6 +900,7 @@ MNDEF mn_result mn_gpt_model(uint64_t layers, uint64_t dim, uint64_t heads, uint
 //    (MN_ERR_DEVICE_OOM when cudaMalloc is refused) with the CUDA or cuBLAS error text sent to
 //    the context's logger.
 #include <math.h>
+#include <string.h>  // memcpy (mn_hd_q8_nearest_tab on the host)
 #if defined(__CUDACC__)
 #define MN_HD static __host__ __device__ inline
 #else
@@ -1068,6 +1069,29 @@ MN_HD uint32_t mn_hd_q8_nearest(const float *map, float x) {
     for (step = 128; step > 0; step >>= 1) i += step & (0u - (uint32_t)(map[i + step - 1] < x));
     if (i == 0) return 0;
     return i - (uint32_t)(x - map[i - 1] < map[i] - x);
+}
+// The same index from a table of the map's thresholds (mn_q8_table), without the search: the
+// floats are cut into MN_Q8_TAB buckets by sign, exponent and the top 7 mantissa bits, each
+// holding at most one threshold (the float from which the search gives the next index); a
+// bucket's word is its first index shifted up by 17 plus 2^17 minus the low 16 bits of the
+// threshold's order key, so adding those bits of x carries exactly when x reaches it.
+#define MN_Q8_TAB 6400u  // 2 signs x 25 exponents (2^-24 .. 1) x 128
+// The bucket of the float with bits u: the magnitudes in order, the negative half backwards.
+MN_HD uint32_t mn_hd_q8_bucket(uint32_t u) {
+    uint32_t q = (u & 0x7fffffffu) >> 16, j;    // exponent and 7 mantissa bits
+    j = q < (103u << 7) ? 0u : q - (103u << 7);  // from 2^-24 (biased exponent 103)
+    j = j > MN_Q8_TAB / 2 - 1 ? MN_Q8_TAB / 2 - 1 : j;
+    return (u >> 31) ? MN_Q8_TAB / 2 - 1 - j : MN_Q8_TAB / 2 + j;
+}
+MN_HD uint32_t mn_hd_q8_nearest_tab(const uint32_t *tab, float x) {
+    uint32_t u, c;
+#ifdef __CUDA_ARCH__
+    u = __float_as_uint(x);
+#else
+    memcpy(&u, &x, sizeof u);
+#endif
+    c = (tab[mn_hd_q8_bucket(u)] + ((u ^ (0u - (u >> 31))) & 0xffffu)) >> 17;
+    return c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u));  // NaN: 0, as the search
 }
 // The code of m in the signed map at scale inv = 1 / absmax (0 when absmax is 0).
 MN_HD uint32_t mn_hd_q8_code_signed(const float *map, float m, float inv) {
@@ -1281,7 +1305,7 @@ MN_HD float mn_hd_adafactor_clip_div(double sum_u2, uint64_t n, float clip_thres
 }
 MN_HD void mn_hd_adafactor_apply(float *p, float *m, float u, float clip_div, float alpha,
                                  const mn_hd_adafactor_coef *k) {
-    u = u / clip_div * alpha;
+    u = (clip_div == 1.0f ? u : u / clip_div) * alpha;  // (u / 1 is u: no division then)
     if (m) u = *m = *m * k->beta1 + (1.0f - k->beta1) * u;
     if (k->weight_decay != 0.0f) *p = *p + (-k->weight_decay * alpha) * *p;
     *p = *p - u;
@@ -1495,10 +1519,11 @@ MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const struct mn_adamw_params *p
 // 8-bit AdamW over flat buffers, mn_adamw8bit_step's arithmetic (mn_hd_adamw8bit_*): the state of
 // mn_adamw8bit (its layout: quantized, the per-block scales absmax1, absmax2 [blocks] and the
 // codes code1, code2 [n] into the signed and unsigned dynamic maps; else fp32 exp_avg and
-// exp_avg_sq [n]). One thread block per quantization block: dequantize, the moments, the block's
-// new scales (max |m|, max v), the parameter update from the fp32 moments, re-quantize. The two
-// maps (mn_dynamic_map) are uploaded once per context. An element with a non-finite gradient is
-// left unchanged, as on the host.
+// exp_avg_sq [n]). Per quantization block: dequantize, the moments, the block's new scales
+// (max |m|, max v), the parameter update from the fp32 moments, re-quantize; a warp a block for
+// the default block size 256 (16-byte aligned param, grad and param16, 8-byte aligned codes),
+// else a thread block a block. The two maps (mn_dynamic_map) are uploaded once per context. An
+// element with a non-finite gradient is left unchanged, as on the host.
 typedef struct mn_cuda_adamw8bit_args {
     mn_cuda_optim_flat flat;
     uint8_t *code1, *code2;    // [n] quantized m and v, or NULL for a small tensor
@@ -1532,11 +1557,14 @@ MNDEF mn_result mn_cuda_lion_step(mn_cuda *ctx, const struct mn_lion_params *p,
 // Adafactor over one parameter tensor, mn_adafactor_step's arithmetic (mn_hd_adafactor_*). The
 // tensor is [batch, rows, cols] (mn_adafactor's batch, rows, cols; flat.n their product):
 // factored when exp_avg_sq_row is given (R [batch, rows], C [batch, cols]), else V [n] with
-// batch = rows = 1, cols = n. Kernels in order: RMS(param) and alpha_t, the row means (a warp per
-// row), the column means (partial sums per 64-row chunk, then the chunks in order), mean(R) (a
-// warp per batch), the update's RMS, the update; every sum in double, in a fixed order
-// (deterministic). Scratch: 8 bytes x batch x cols x min(512, rows / 64) and a few KiB. (The host
-// step sums a matrix's u² another way, from exact terms: clip_div may differ by an ulp.)
+// batch = rows = 1, cols = n. Kernels in order: RMS(param) and alpha_t; factored, the row means
+// (a warp per row), mean(R) (a block per batch), the column means with the sums of g^2 / R_i
+// beside them (partial sums per 64-row chunk, then the chunks in order), the update's RMS from
+// those (u^2 = g^2 mean(R) / (R_i C_j), as the host step sums it), the update (a thread a pack of
+// 8 where cols is a multiple of 8 and the tensors 16-byte aligned, else a thread block a row, or
+// an element a thread for rows under 128 columns); not factored, V with the update's RMS, then
+// the update. Every sum in double, in a fixed order (deterministic). Scratch: 16 bytes x batch x
+// cols x min(512, rows / 64), 8 x batch x rows, 12 x batch x cols and a few KiB.
 typedef struct mn_cuda_adafactor_args {
     mn_cuda_optim_flat flat;
     float *exp_avg_sq_row;     // [batch, rows] R (zero before the first step), NULL: not factored
@@ -2157,6 +2185,11 @@ MNDEF void mn_adamw8bit_free(mn_adamw8bit *s);
 // ascending: signed = 127 negatives down to -0.993, 0, 128 positives up to 1.0 (smallest
 // magnitude 5.5e-7); unsigned = 0 and 255 positives up to 1.0 (smallest 3.25e-7).
 MNDEF mn_result mn_dynamic_map(int is_signed, float map[256]);  // INVALID_ARG: map NULL
+// The table of mn_hd_q8_nearest_tab for map [256]: MN_OK with tab [MN_Q8_TAB] filled when the map
+// is strictly ascending and finite, with at most one threshold a bucket and none in the first or
+// last bucket of a sign (true of both dynamic maps); MN_ERR_UNSUPPORTED otherwise (use the
+// search, mn_hd_q8_nearest). The two give the same index for every float.
+MNDEF mn_result mn_q8_table(const float *map, uint32_t *tab);
 // Block-wise quantization: absmax[b] = max |x| over block b, codes[i] = index of the map entry
 // nearest to x[i] / absmax[b]. map [256] ascending, x [n], codes [n], absmax [ceil(n/block)].
 MNDEF mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_t n,
@@ -13641,13 +13674,8 @@ typedef struct mn__opt_qtab {
     mn__opt_qarith ar;             // ar.ok: the index without the table where it applies
 } mn__opt_qtab;
 
-// Bucket of x: j orders the magnitudes, the negative half runs backwards.
-static inline uint32_t mn__opt_qbucket(float x) {
-    uint32_t u = mn__opt_bits(x), q = (u & 0x7fffffffu) >> (23u - MN__OPT_QM), j;
-    j = q < (MN__OPT_QE0 << MN__OPT_QM) ? 0u : q - (MN__OPT_QE0 << MN__OPT_QM);
-    j = j > MN__OPT_QJ - 1u ? MN__OPT_QJ - 1u : j;
-    return (u >> 31) ? MN__OPT_QJ - 1u - j : MN__OPT_QJ + j;
-}
+// Bucket of x (mn_hd_q8_bucket): j orders the magnitudes, the negative half runs backwards.
+static inline uint32_t mn__opt_qbucket(float x) { return mn_hd_q8_bucket(mn__opt_bits(x)); }
 
 // Float order as unsigned order (-0 just below +0), and back.
 MN__PRIVATE uint32_t mn__opt_okey(float f) {
@@ -13877,12 +13905,26 @@ MN__PRIVATE void mn__opt_qtab_init(mn__opt_qtab *t, const float *map, const floa
     (void)n;
 }
 
+// (mn_hd_q8_nearest_tab reads these tables: the same buckets)
+typedef char mn__opt_qtab_size[sizeof(((mn__opt_qtab *)0)->ent) == MN_Q8_TAB * 4 &&
+                                       MN__OPT_QM == 7u && MN__OPT_QE0 == 103u ? 1 : -1];
+MNIMPL mn_result mn_q8_table(const float *map, uint32_t *tab) {
+    mn__opt_qtab *t;
+    float thr[255];
+    int ok;
+    if (!map || !tab) return MN_ERR_INVALID_ARG;
+    if (!mn__opt_thresholds(map, thr)) return MN_ERR_UNSUPPORTED;
+    t = (mn__opt_qtab *)MN_MALLOC(sizeof *t);
+    if (!t) return MN_ERR_OUT_OF_MEMORY;
+    mn__opt_qtab_init(t, map, thr, 0);
+    ok = t->ok;
+    if (ok) memcpy(tab, t->ent, sizeof t->ent);
+    MN_FREE(t);
+    return ok ? MN_OK : MN_ERR_UNSUPPORTED;
+}
+
 static inline uint8_t mn__opt_nearest_tab(const mn__opt_qtab *t, float x) {
-    uint32_t u = mn__opt_bits(x), e = t->ent[mn__opt_qbucket(x)];
-    uint32_t lo = (u ^ (0u - (u >> 31))) & 0xffffu;  // the low 16 bits of mn__opt_okey(x)
-    uint32_t c = (e + lo) >> 17;
-    // NaN: 0, as the search's comparisons all fail
-    return (uint8_t)(c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u)));
+    return (uint8_t)mn_hd_q8_nearest_tab(t->ent, x);
 }
 
 #if MN__OV && MN__OW == 16 && defined(__AVX512F__)

@@ -66,7 +66,9 @@ struct mn__cuda_priv {
     size_t host_bytes;
     int foreign_workspace;    // ctx->workspace is the caller's (mn_cuda_workspace_set)
     int foreign_stream;       // ctx->stream is the caller's (mn_cuda_desc.stream)
-    float *q8_maps;           // [512] device: the signed, then the unsigned dynamic map (8-bit)
+    float *q8_maps;           // device: the signed, then the unsigned dynamic map [2][256] (8-bit),
+                              // then their tables (mn_q8_table) [2][MN_Q8_TAB] when q8_tab
+    int q8_tab;
     // driver API for virtual memory (NULL when not available)
     PFN_cuMemAddressReserve_v10020 mem_reserve;
     PFN_cuMemAddressFree_v10020 mem_addr_free;
@@ -629,6 +631,13 @@ __device__ __forceinline__ mn_hd_maxsum mn__warp_maxsum(mn_hd_maxsum s) {
     return s;
 }
 
+// exp for a row's softmax or cross-entropy, by storage type: 16-bit storage takes __expf (the
+// hardware's exp2 after a multiply: a few ulp of fp32, far below a half ulp of fp16 or bf16),
+// fp32 expf, as the host's mn_hd_* arithmetic.
+template <typename T> __device__ __forceinline__ float mn__ce_exp(float x) {
+    return sizeof(T) == 4 ? expf(x) : __expf(x);
+}
+
 static unsigned mn__blocks(uint64_t n, unsigned per_block) {
     uint64_t b = (n + per_block - 1) / per_block;
     return (unsigned)(b > 0x7fffffffull ? 0x7fffffffull : b);
@@ -1151,8 +1160,9 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 }
 
 // ---- kernels: >>ops softmax ---------------------------------------------------------------------
-// One warp per row: the online max/sum over the visible columns, then the probabilities (masked
-// columns exactly 0). Backward: dot = sum out dout, then dinp += scale out (dout - dot). VEC: each
+// One warp per row: the online max/sum over the visible columns (a pack's maximum first, the sum
+// rescaled once a pack), then the probabilities (masked columns exactly 0; 16-bit storage by the
+// fast exp times 1 / sum, mn__ce_exp). Backward: dot = sum out dout, then dinp += scale out (dout - dot). VEC: each
 // lane moves 16-byte packs (L a multiple of the pack, the tensors 16-byte aligned), else single
 // elements; a pack wholly past the visible columns is not read.
 
@@ -1168,17 +1178,25 @@ mn__softmax_forward_kernel(T *out, const T *inp, size_t N, size_t L, float scale
     if (row >= N) return;
     x = inp + row * L;
     len = (size_t)mn_hd_softmax_len(row, L, causal);
-    for (i = lane * K; i < len; i += 32 * K) {
+    for (i = lane * K; i < len; i += 32 * K) {  // the pack's maximum, then its exponentials
         mn__pack<T> p = mn__ldk<T, VEC>(x + i);
-        for (k = 0; k < K && i + k < len; k++) s = mn_hd_maxsum_add(s, scale * mn__ld<T>(&p.v[k]));
+        float pm = -INFINITY;
+        for (k = 0; k < K && i + k < len; k++) pm = fmaxf(pm, scale * mn__ld<T>(&p.v[k]));
+        if (pm > s.max) s.sum *= mn__ce_exp<T>(s.max - pm), s.max = pm;
+        for (k = 0; k < K && i + k < len; k++)
+            s.sum += mn__ce_exp<T>(scale * mn__ld<T>(&p.v[k]) - s.max);
     }
     s = mn__warp_maxsum(s);
+    float inv = 1.0f / s.sum;
     for (i = lane * K; i < L; i += 32 * K) {
         mn__pack<T> p, o;
         if (i < len) p = mn__ldk<T, VEC>(x + i);
-        for (k = 0; k < K; k++)
-            o.v[k] = mn__cvt<T>(i + k < len ? mn_hd_softmax_prob(scale * mn__ld<T>(&p.v[k]), s)
-                                            : 0.0f);
+        for (k = 0; k < K; k++) {
+            float y = 0.0f, v = scale * mn__ld<T>(&p.v[k]);
+            if (i + k < len) y = sizeof(T) == 4 ? mn_hd_softmax_prob(v, s)
+                                                : __expf(v - s.max) * inv;
+            o.v[k] = mn__cvt<T>(y);
+        }
         mn__stk<T, VEC>(out + row * L + i, o);
     }
 }
@@ -1368,8 +1386,13 @@ MNDEF mn_result mn_cuda_gelu_backward(mn_cuda *ctx, void *dinp, const void *dout
 // threads 0..ns-1), and CACHE keeps each thread's packs in shared memory between the two passes
 // (V * size of T bytes: 100 KB for 50257 bf16, two blocks per H100 SM); without it the second
 // pass reads them again. A thread writes only elements it has read itself, so in place is safe.
+// The arithmetic is the kernel's budget, not memory: per chunk of U packs the chunk's maximum
+// first, so that the running sum is rescaled once a chunk (not tested element by element), and
+// the probabilities multiply by 1 / sum; 16-bit storage takes the fast exp (mn__ce_exp), fp32
+// keeps expf and the division of mn_hd_ce_dlogit.
 
 #define MN__CE_UNROLL 4  // packs a thread has in flight
+
 template <typename T, int VEC, int CACHE>
 static __global__ void __launch_bounds__(MN__CE_THREADS, 2)
 mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *targets,
@@ -1405,11 +1428,19 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
 #pragma unroll
         for (u = 0; u < U; u++)
             if (p + (size_t)u * B < np) q[u] = mn__ldk<T, VEC>(xv + (p + (size_t)u * B) * K);
+        float cm = -INFINITY;
+#pragma unroll
+        for (u = 0; u < U; u++)
+            if (p + (size_t)u * B < np)
+#pragma unroll
+                for (k = 0; k < K; k++) cm = fmaxf(cm, mn__ld<T>(&q[u].v[k]));
+        if (cm > s.max) s.sum *= mn__ce_exp<T>(s.max - cm), s.max = cm;
 #pragma unroll
         for (u = 0; u < U; u++)
             if (p + (size_t)u * B < np) {
                 if (CACHE) cache[p + (size_t)u * B] = q[u];
-                for (k = 0; k < K; k++) s = mn_hd_maxsum_add(s, mn__ld<T>(&q[u].v[k]));
+#pragma unroll
+                for (k = 0; k < K; k++) s.sum += mn__ce_exp<T>(mn__ld<T>(&q[u].v[k]) - s.max);
             }
     }
     s = mn__warp_maxsum(s);
@@ -1426,6 +1457,7 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
     __syncthreads();
     if (!dlogits) return;
     s = row_s;
+    float inv = 1.0f / s.sum;
     if (t < ns)
         dlogits[row * V + js] =
             mn__cvt<T>(tgt < 0 ? 0.0f : mn_hd_ce_dlogit(xs, s, (size_t)tgt == js, dloss));
@@ -1444,8 +1476,11 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
                 size_t tk = (size_t)tgt - (head + (p + (size_t)u * B) * K);
                 int kt = tk < (size_t)K ? (int)tk : K;
                 mn__pack<T> o;
+#pragma unroll
                 for (k = 0; k < K; k++) {
-                    float d = mn_hd_ce_dlogit(mn__ld<T>(&q[u].v[k]), s, k == kt, dloss);
+                    float l = mn__ld<T>(&q[u].v[k]), d;
+                    if (sizeof(T) == 4) d = mn_hd_ce_dlogit(l, s, k == kt, dloss);
+                    else d = (__expf(l - s.max) * inv - (k == kt ? 1.0f : 0.0f)) * dloss;
                     o.v[k] = mn__cvt<T>(tgt < 0 ? 0.0f : d);
                 }
                 mn__stk<T, VEC>(dv + (p + (size_t)u * B) * K, o);
@@ -1937,6 +1972,132 @@ mn__adamw8bit_kernel(float *param, P *param16, const G *grad, uint8_t *code1, ui
     }
 }
 
+// The default block size, 256, a warp a block: each lane holds 8 consecutive elements in
+// registers (16-byte loads and stores where the tensors are aligned, single elements in a partial
+// last block), the block's maxima by warp shuffles alone, no shared buffers and no barrier but
+// the one after the maps are loaded, once per thread block: a grid of resident blocks walks the
+// quantization blocks. The arithmetic per element is the kernel's above, in the same order. TAB:
+// the new codes from the maps' threshold tables (mn_hd_q8_nearest_tab, one shared-memory read a
+// code) instead of the binary search (eight dependent reads), the same codes; 50 KiB of shared
+// memory a block for the two tables.
+#define MN__Q8_LANE 8  // elements per lane: 32 x 8 = 256, one quantization block
+template <typename T>
+__device__ __forceinline__ void mn__ld8(const T *p, float *x) {
+    const int K = 16 / sizeof(T);
+    int u, k;
+#pragma unroll
+    for (u = 0; u < MN__Q8_LANE / K; u++) {
+        mn__pack<T> q = mn__ld16<T>(p + u * K);
+#pragma unroll
+        for (k = 0; k < K; k++) x[u * K + k] = mn__ld<T>(&q.v[k]);
+    }
+}
+// 8 codes in one 8-byte access (p 8-byte aligned), unpacked to bytes and packed back.
+__device__ __forceinline__ void mn__ld8_codes(const uint8_t *p, uint8_t *c) {
+    uint2 w = *reinterpret_cast<const uint2 *>(p);
+    int e;
+#pragma unroll
+    for (e = 0; e < 4; e++) c[e] = (uint8_t)(w.x >> (8 * e)), c[4 + e] = (uint8_t)(w.y >> (8 * e));
+}
+__device__ __forceinline__ void mn__st8_codes(uint8_t *p, const uint8_t *c) {
+    uint2 w = make_uint2(0u, 0u);
+    int e;
+#pragma unroll
+    for (e = 0; e < 4; e++) w.x |= (unsigned)c[e] << (8 * e), w.y |= (unsigned)c[4 + e] << (8 * e);
+    *reinterpret_cast<uint2 *>(p) = w;
+}
+template <typename T>
+__device__ __forceinline__ void mn__st8(T *p, const float *x) {
+    const int K = 16 / sizeof(T);
+    int u, k;
+#pragma unroll
+    for (u = 0; u < MN__Q8_LANE / K; u++) {
+        mn__pack<T> q;
+#pragma unroll
+        for (k = 0; k < K; k++) q.v[k] = mn__cvt<T>(x[u * K + k]);
+        mn__st16<T>(p + u * K, q);
+    }
+}
+
+template <typename G, typename P, int TAB>
+static __global__ void __launch_bounds__(MN__Q8_THREADS)
+mn__adamw8bit_warp_kernel(float *param, P *param16, const G *grad, uint8_t *code1,
+                          uint8_t *code2, float *absmax1, float *absmax2, const float *maps,
+                          size_t n, mn_hd_adamw8bit_coef k, const float *grad_norm,
+                          float inv_scale, float max_norm) {
+    extern __shared__ float mn__q8w_smem[];  // the maps [512], then TAB: the tables [2][6400]
+    float *map1 = mn__q8w_smem, *map2 = map1 + 256;
+    uint32_t *tab1 = reinterpret_cast<uint32_t *>(map1 + 512), *tab2 = tab1 + MN_Q8_TAB;
+    const unsigned W = MN__Q8_THREADS / 32;
+    size_t nblocks = (n + 255) / 256, b;
+    unsigned j, lane = threadIdx.x % 32;
+    float scale = inv_scale;
+    if (grad_norm) {
+        float nrm = *grad_norm;
+        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
+        scale = inv_scale * mn_hd_clip_coef(nrm * inv_scale, max_norm);
+    }
+    for (j = threadIdx.x; j < 512 + (TAB ? 2 * MN_Q8_TAB : 0); j += blockDim.x)
+        reinterpret_cast<uint32_t *>(mn__q8w_smem)[j] = reinterpret_cast<const uint32_t *>(maps)[j];
+    __syncthreads();
+    for (b = (size_t)blockIdx.x * W + threadIdx.x / 32; b < nblocks; b += (size_t)gridDim.x * W) {
+        size_t i0 = b * 256 + lane * MN__Q8_LANE;
+        unsigned len = n - b * 256 < 256 ? (unsigned)(n - b * 256) : 256u, e;
+        unsigned have = len > lane * MN__Q8_LANE ? len - lane * MN__Q8_LANE : 0u;
+        float g[MN__Q8_LANE], p[MN__Q8_LANE], m[MN__Q8_LANE], v[MN__Q8_LANE];
+        float a1 = absmax1[b], a2 = absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+        uint8_t c1[MN__Q8_LANE], c2[MN__Q8_LANE];
+        if (have >= MN__Q8_LANE) {
+            mn__ld8<G>(grad + i0, g);
+            mn__ld8<float>(param + i0, p);
+            mn__ld8_codes(code1 + i0, c1), mn__ld8_codes(code2 + i0, c2);
+        } else {
+#pragma unroll
+            for (e = 0; e < MN__Q8_LANE; e++) {
+                int in = e < have;
+                g[e] = in ? mn__ld<G>(grad + i0 + e) : 0.0f;
+                p[e] = in ? param[i0 + e] : 0.0f;
+                c1[e] = in ? code1[i0 + e] : (uint8_t)0, c2[e] = in ? code2[i0 + e] : (uint8_t)0;
+            }
+        }
+#pragma unroll
+        for (e = 0; e < MN__Q8_LANE; e++) {
+            g[e] *= scale;
+            mn_hd_adamw8bit_moments(&m[e], &v[e], g[e], map1[c1[e]] * a1, map2[c2[e]] * a2, &k);
+            if (e < have) n1 = fmaxf(n1, fabsf(m[e])), n2 = fmaxf(n2, v[e]);
+        }
+        n1 = mn__warp_max(n1), n2 = mn__warp_max(n2);
+        if (lane == 0) absmax1[b] = n1, absmax2[b] = n2;
+        inv1 = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+        inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+#pragma unroll
+        for (e = 0; e < MN__Q8_LANE; e++) {
+            if (mn_hd_isfinite(g[e])) mn_hd_adamw8bit_param(&p[e], m[e], v[e], &k);
+            if (TAB) {  // mn_hd_q8_code_signed with the table's index
+                uint32_t c = mn_hd_q8_nearest_tab(tab1, m[e] * inv1);
+                c1[e] = (uint8_t)(c - (uint32_t)(m[e] < 0.0f && map1[c] >= 0.0f));
+                c2[e] = (uint8_t)mn_hd_q8_nearest_tab(tab2, v[e] * inv2);
+            } else {
+                c1[e] = (uint8_t)mn_hd_q8_code_signed(map1, m[e], inv1);
+                c2[e] = (uint8_t)mn_hd_q8_nearest(map2, v[e] * inv2);
+            }
+        }
+        if (have >= MN__Q8_LANE) {
+            mn__st8<float>(param + i0, p);
+            if (param16) mn__st8<P>(param16 + i0, p);
+            mn__st8_codes(code1 + i0, c1), mn__st8_codes(code2 + i0, c2);
+        } else {
+#pragma unroll
+            for (e = 0; e < MN__Q8_LANE; e++) {
+                if (e >= have) continue;
+                param[i0 + e] = p[e];
+                if (param16) param16[i0 + e] = mn__cvt<P>(p[e]);
+                code1[i0 + e] = c1[e], code2[i0 + e] = c2[e];
+            }
+        }
+    }
+}
+
 template <typename G, typename P>
 static mn_result mn__adamw8bit(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a, unsigned block_size,
                                mn_hd_adamw8bit_coef k) {
@@ -1944,6 +2105,32 @@ static mn_result mn__adamw8bit(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a, un
     size_t nblocks = (f->n + block_size - 1) / block_size;
     unsigned grid = (unsigned)(nblocks < 65535u * 16u ? nblocks : 65535u * 16u);
     size_t smem = (512 + 2 * (size_t)block_size) * sizeof(float);
+    if (block_size == 256 && mn__is16(f->param) && mn__is16(f->grad) &&
+        (!f->param16 || mn__is16(f->param16)) && ((uintptr_t)a->code1 & 7u) == 0 &&
+        ((uintptr_t)a->code2 & 7u) == 0) {
+        // resident blocks only, each walking its share of the quantization blocks
+        size_t want = (nblocks + MN__Q8_THREADS / 32 - 1) / (MN__Q8_THREADS / 32), cap;
+        int per_sm = 0, tab = ctx->p->q8_tab;
+        size_t wsm = (512 + (tab ? 2 * (size_t)MN_Q8_TAB : 0)) * 4;
+        void (*kern)(float *, P *, const G *, uint8_t *, uint8_t *, float *, float *,
+                     const float *, size_t, mn_hd_adamw8bit_coef, const float *, float, float) =
+            tab ? mn__adamw8bit_warp_kernel<G, P, 1> : mn__adamw8bit_warp_kernel<G, P, 0>;
+        if (wsm > 48 * 1024) {  // (and as much shared memory as the SM can give, for 4 blocks)
+            MN__CU(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)wsm));
+            MN__CU(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             (int)cudaSharedmemCarveoutMaxShared));
+        }
+        MN__CU(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, MN__Q8_THREADS,
+                                                                  wsm));
+        cap = (size_t)(ctx->sm_count > 0 ? ctx->sm_count : 1) * (size_t)(per_sm > 0 ? per_sm : 1);
+        kern<<<(unsigned)(want < cap ? want : cap), MN__Q8_THREADS, wsm, mn__stream(ctx)>>>(
+            f->param, (P *)f->param16, (const G *)f->grad, a->code1, a->code2, a->absmax1,
+            a->absmax2, ctx->p->q8_maps, (size_t)f->n, k, f->grad_norm,
+            f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
+        MN__LAUNCHED(ctx);
+        return MN_OK;
+    }
     if (smem > 48 * 1024)
         MN__CU(ctx, cudaFuncSetAttribute(mn__adamw8bit_kernel<G, P>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -1991,31 +2178,58 @@ MNDEF mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const mn_adamw8bit_params *
         return mn__optim_step(ctx, &a->flat, op);
     }
     if (a->flat.n == 0) return MN_OK;
-    if (!ctx->p->q8_maps) {  // once per context: mn_dynamic_map's two maps
-        float maps[512];
+    if (!ctx->p->q8_maps) {  // once per context: mn_dynamic_map's two maps and their tables
+        const size_t bytes = (512 + 2 * (size_t)MN_Q8_TAB) * 4;
+        float *maps = (float *)mn__host_alloc(ctx, bytes), *dev = NULL;
+        cudaError_t e;
+        mn_result r1, r2;
+        if (!maps) return MN_ERR_OUT_OF_MEMORY;
         mn_dynamic_map(1, maps), mn_dynamic_map(0, maps + 256);
-        MN__CU(ctx, cudaMalloc((void **)&ctx->p->q8_maps, sizeof maps));
-        MN__CU(ctx, cudaMemcpy(ctx->p->q8_maps, maps, sizeof maps, cudaMemcpyHostToDevice));
+        r1 = mn_q8_table(maps, (uint32_t *)(maps + 512));
+        r2 = mn_q8_table(maps + 256, (uint32_t *)(maps + 512) + MN_Q8_TAB);
+        if ((e = cudaMalloc((void **)&dev, bytes)) == cudaSuccess &&
+            (e = cudaMemcpy(dev, maps, bytes, cudaMemcpyHostToDevice)) != cudaSuccess) {
+            (void)cudaFree(dev);
+            dev = NULL;
+        }
+        mn__host_free(ctx, maps);
+        if (e == cudaSuccess && (r1 == MN_ERR_OUT_OF_MEMORY || r2 == MN_ERR_OUT_OF_MEMORY)) {
+            (void)cudaFree(dev);
+            return MN_ERR_OUT_OF_MEMORY;
+        }
+        MN__CU(ctx, e);
+        ctx->p->q8_maps = dev;
+        ctx->p->q8_tab = r1 == MN_OK && r2 == MN_OK;  // (else the search: the same codes)
     }
     MN__DISPATCH(ctx, a->flat.grad_dtype, mn__adamw8bit_g, ctx, a, q.block_size, k);
 }
 
-// Adafactor: six small kernels in stream order (see the header); each one returns at once when
-// the gradient norm is not finite (found inf), so a skipped step writes nothing. g is the
-// unscaled, clipped gradient, rounded as mn_unscale_grads_to_fp32 + mn_clip_grad_norm round it.
+// Adafactor: small kernels in stream order (see the header); each one returns at once when the
+// gradient norm is not finite (found inf), so a skipped step writes nothing. g is the unscaled,
+// clipped gradient, rounded as mn_unscale_grads_to_fp32 + mn_clip_grad_norm round it.
 #define MN__AF_THREADS 256
 typedef struct mn__af_grad {
     const float *norm;
     float inv_scale, max_norm;
+    float clip;  // the clip coefficient, set on the device by mn__af_begin
 } mn__af_grad;
 
-__device__ __forceinline__ int mn__af_skip(const mn__af_grad *q) {
-    return q->norm && !mn_hd_isfinite(*q->norm);
+// 1 when the step is skipped (found inf); else q->clip is set, once per thread.
+__device__ __forceinline__ int mn__af_begin(mn__af_grad *q) {
+    float nrm;
+    q->clip = 1.0f;
+    if (!q->norm) return 0;
+    nrm = *q->norm;
+    if (!mn_hd_isfinite(nrm)) return 1;
+    q->clip = mn_hd_clip_coef(nrm * q->inv_scale, q->max_norm);
+    return 0;
+}
+__device__ __forceinline__ float mn__af_gx(float x, const mn__af_grad *q) {
+    return x * q->inv_scale * q->clip;
 }
 template <typename G>
 __device__ __forceinline__ float mn__af_g(const G *grad, size_t i, const mn__af_grad *q) {
-    float clip = q->norm ? mn_hd_clip_coef(*q->norm * q->inv_scale, q->max_norm) : 1.0f;
-    return mn__ld<G>(grad + i) * q->inv_scale * clip;
+    return mn__af_gx(mn__ld<G>(grad + i), q);
 }
 
 __device__ __forceinline__ double mn__warp_sum_d(double v) {
@@ -2023,7 +2237,8 @@ __device__ __forceinline__ double mn__warp_sum_d(double v) {
     for (o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-// The block's sum (MN__AF_THREADS threads), valid in thread 0; warps added in order.
+// The block's sum (MN__AF_THREADS threads), valid in thread 0; warps added in order. A caller
+// that sums again in the same kernel first waits at a barrier (ws is reused).
 __device__ __forceinline__ double mn__block_sum_d(double v) {
     __shared__ double ws[MN__AF_THREADS / 32];
     unsigned k;
@@ -2035,91 +2250,144 @@ __device__ __forceinline__ double mn__block_sum_d(double v) {
     return v;
 }
 
-// sum p^2 per block; then alpha_t into scal[0] from RMS(p).
+// sum p^2 per block (VEC: 16-byte loads of 4, param 16-byte aligned; the last n % 4 singly);
+// then alpha_t into scal[0] from RMS(p).
+template <int VEC>
 static __global__ void __launch_bounds__(MN__AF_THREADS)
 mn__af_sumsq_kernel(double *partial, const float *param, size_t n) {
-    size_t i;
-    double s = 0.0;
-    for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        s += (double)param[i] * param[i];
-    s = mn__block_sum_d(s);
+    size_t i, tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t stride = (size_t)gridDim.x * blockDim.x, n4 = VEC ? n / 4 : 0;
+    double s = 0.0, s2 = 0.0;
+#pragma unroll 4
+    for (i = tid; i < n4; i += stride) {
+        float4 v = reinterpret_cast<const float4 *>(param)[i];
+        s += (double)v.x * v.x + (double)v.y * v.y;
+        s2 += (double)v.z * v.z + (double)v.w * v.w;
+    }
+    for (i = n4 * 4 + tid; i < n; i += stride) s += (double)param[i] * param[i];
+    s = mn__block_sum_d(s + s2);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
-static __global__ void mn__af_alpha_kernel(float *scal, const double *partial, unsigned count,
-                                           size_t n, mn_hd_adafactor_coef k) {
+// The partial sums [count] in one block of MN__AF_THREADS threads, a fixed order (valid in thread 0).
+__device__ __forceinline__ double mn__af_total(const double *partial, size_t count) {
     double acc = 0.0;
-    unsigned b;
-    for (b = 0; b < count; b++) acc += partial[b];
-    scal[0] = mn_hd_adafactor_alpha(&k, (float)sqrt(acc / (double)n));
+    size_t c;
+    for (c = threadIdx.x; c < count; c += MN__AF_THREADS) acc += partial[c];
+    return mn__block_sum_d(acc);
+}
+static __global__ void __launch_bounds__(MN__AF_THREADS)
+mn__af_alpha_kernel(float *scal, const double *partial, unsigned count, size_t n,
+                    mn_hd_adafactor_coef k) {
+    double acc = mn__af_total(partial, count);
+    if (threadIdx.x == 0) scal[0] = mn_hd_adafactor_alpha(&k, (float)sqrt(acc / (double)n));
 }
 
-// R: one warp per row r of [batch*rows, cols].
-template <typename G>
+// R: one warp per row r of [batch*rows, cols]; rinv[r] = 1 / R_r (new) for the update's RMS.
+// VEC: 16-byte packs (cols a multiple of the pack, grad 16-byte aligned).
+template <typename G, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
-mn__af_row_kernel(float *row, const G *grad, size_t R, size_t cols, mn_hd_adafactor_coef k,
-                  mn__af_grad q) {
+mn__af_row_kernel(float *row, double *rinv, const G *grad, size_t R, size_t cols,
+                  mn_hd_adafactor_coef k, mn__af_grad q) {
+    const int K = VEC ? (int)(16 / sizeof(G)) : 1;
     size_t r = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, j;
     unsigned lane = threadIdx.x % 32;
     double s = 0.0;
-    if (r >= R || mn__af_skip(&q)) return;
-    for (j = lane; j < cols; j += 32) {
-        float g = mn__af_g<G>(grad, r * cols + j, &q);
-        s += (double)(g * g + k.eps1);
+    int e;
+    if (r >= R || mn__af_begin(&q)) return;
+    for (j = (size_t)lane * K; j < cols; j += 32 * (size_t)K) {
+        mn__pack<G> pk = mn__ldk<G, VEC>(grad + r * cols + j);
+#pragma unroll
+        for (e = 0; e < K; e++) {
+            float g = mn__af_gx(mn__ld<G>(&pk.v[e]), &q);
+            s += (double)(g * g + k.eps1);
+        }
     }
     s = mn__warp_sum_d(s);
-    if (lane == 0) row[r] = mn_hd_adafactor_moment(row[r], s, cols, &k);
+    if (lane == 0) {
+        float x = mn_hd_adafactor_moment(row[r], s, cols, &k);
+        row[r] = x, rinv[r] = 1.0 / (double)x;
+    }
 }
 
 // C: column sums per chunk of rows as the column kernels above (block (32, 8): 32 columns of a
-// chunk; grid z walks the batches), partial [batch, chunks, cols] in double; then one thread per
-// column (b, j) adds its chunks in order.
+// chunk; grid z walks the batches), partial [batch, chunks, cols] in double, and beside them
+// (partial2) the sums of g^2 / R_i that the update's RMS takes.
 template <typename G>
 static __global__ void __launch_bounds__(32 * MN__COL_THREADS_Y)
-mn__af_col_partial_kernel(double *partial, const G *grad, size_t batch, size_t rows, size_t cols,
-                          size_t rows_per_chunk, mn_hd_adafactor_coef k, mn__af_grad q) {
-    __shared__ double sb[MN__COL_THREADS_Y][32];
+mn__af_col_partial_kernel(double *partial, double *partial2, const G *grad, const double *rinv,
+                          size_t batch, size_t rows, size_t cols, size_t rows_per_chunk,
+                          mn_hd_adafactor_coef k, mn__af_grad q) {
+    __shared__ double sb[MN__COL_THREADS_Y][32], sb2[MN__COL_THREADS_Y][32];
     size_t j = (size_t)blockIdx.x * 32 + threadIdx.x, r0 = blockIdx.y * rows_per_chunk, b, i;
     size_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
     unsigned u;
-    if (mn__af_skip(&q)) return;
+    if (mn__af_begin(&q)) return;
     for (b = blockIdx.z; b < batch; b += gridDim.z) {
-        double acc = 0.0;
+        double acc = 0.0, acc2 = 0.0;
         if (j < cols)
             for (i = r0 + threadIdx.y; i < r1; i += MN__COL_THREADS_Y) {
                 float g = mn__af_g<G>(grad, (b * rows + i) * cols + j, &q);
                 acc += (double)(g * g + k.eps1);
+                acc2 += (double)g * g * rinv[b * rows + i];
             }
-        sb[threadIdx.y][threadIdx.x] = acc;
+        sb[threadIdx.y][threadIdx.x] = acc, sb2[threadIdx.y][threadIdx.x] = acc2;
         __syncthreads();
         if (threadIdx.y == 0 && j < cols) {
-            for (acc = 0.0, u = 0; u < MN__COL_THREADS_Y; u++) acc += sb[u][threadIdx.x];
+            for (acc = 0.0, acc2 = 0.0, u = 0; u < MN__COL_THREADS_Y; u++)
+                acc += sb[u][threadIdx.x], acc2 += sb2[u][threadIdx.x];
             partial[(b * gridDim.y + blockIdx.y) * cols + j] = acc;
+            partial2[(b * gridDim.y + blockIdx.y) * cols + j] = acc2;
         }
         __syncthreads();
     }
 }
-static __global__ void __launch_bounds__(MN__AF_THREADS)
-mn__af_col_finish_kernel(float *col, const double *partial, size_t batch, unsigned chunks,
-                         size_t rows, size_t cols, mn_hd_adafactor_coef k, mn__af_grad q) {
-    size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x, b, j;
-    double s = 0.0;
+// ... then per column (b, j) the chunks in order: block (32, MN__AF_FIN_Y), thread y adds the
+// chunks y, y + MN__AF_FIN_Y, ... and row 0 the MN__AF_FIN_Y sums (deterministic). From the new
+// C_j and mean(R) (rmean): term[b, j] = mean(R) sum_i (g^2 / R_i) / C_j, the column's share of
+// sum u^2 (u^2 = g^2 mean(R) / (R_i C_j): the host's sum, mn_adafactor_step), and icol[b, j] =
+// 1 / sqrt(C_j), the factor the update takes per column. Grid (cols / 32, batches).
+#define MN__AF_FIN_Y 16
+static __global__ void __launch_bounds__(32 * MN__AF_FIN_Y)
+mn__af_col_finish_kernel(float *col, double *term, float *icol, const double *partial,
+                         const double *partial2, const float *rmean, size_t batch,
+                         unsigned chunks, size_t rows, size_t cols, mn_hd_adafactor_coef k,
+                         mn__af_grad q) {
+    __shared__ double sh[MN__AF_FIN_Y][33], sh2[MN__AF_FIN_Y][33];
+    size_t j = (size_t)blockIdx.x * 32 + threadIdx.x, b;
     unsigned u;
-    if (c >= batch * cols || mn__af_skip(&q)) return;
-    b = c / cols, j = c % cols;
-    for (u = 0; u < chunks; u++) s += partial[(b * chunks + u) * cols + j];
-    col[c] = mn_hd_adafactor_moment(col[c], s, rows, &k);
+    if (mn__af_begin(&q)) return;
+    for (b = blockIdx.y; b < batch; b += gridDim.y) {
+        double s = 0.0, s2 = 0.0;
+        if (j < cols)
+            for (u = threadIdx.y; u < chunks; u += MN__AF_FIN_Y)
+                s += partial[(b * chunks + u) * cols + j], s2 += partial2[(b * chunks + u) * cols + j];
+        sh[threadIdx.y][threadIdx.x] = s, sh2[threadIdx.y][threadIdx.x] = s2;
+        __syncthreads();
+        if (threadIdx.y == 0 && j < cols) {
+            size_t c = b * cols + j;
+            float x;
+            for (s = 0.0, s2 = 0.0, u = 0; u < MN__AF_FIN_Y; u++)
+                s += sh[u][threadIdx.x], s2 += sh2[u][threadIdx.x];
+            col[c] = x = mn_hd_adafactor_moment(col[c], s, rows, &k);
+            term[c] = (double)rmean[b] * (s2 / (double)x);
+            icol[c] = 1.0f / sqrtf(x);
+        }
+        __syncthreads();
+    }
 }
 
-// mean(R) per batch: one warp per batch.
-static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+// mean(R) per batch: a block per batch, a fixed order.
+static __global__ void __launch_bounds__(MN__AF_THREADS)
 mn__af_rowmean_kernel(float *rmean, const float *row, size_t batch, size_t rows) {
-    size_t b = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i;
-    double s = 0.0;
-    if (b >= batch) return;
-    for (i = threadIdx.x % 32; i < rows; i += 32) s += row[b * rows + i];
-    s = mn__warp_sum_d(s);
-    if (threadIdx.x % 32 == 0) rmean[b] = (float)(s / (double)rows);
+    size_t b, i;
+    for (b = blockIdx.x; b < batch; b += gridDim.x) {
+        double s = 0.0;
+#pragma unroll 4
+        for (i = threadIdx.x; i < rows; i += MN__AF_THREADS) s += row[b * rows + i];
+        s = mn__block_sum_d(s);
+        if (threadIdx.x == 0) rmean[b] = (float)(s / (double)rows);
+        __syncthreads();  // (mn__block_sum_d's shared sums, reused by the next batch)
+    }
 }
 
 // The update before clipping (V updated first when not factored).
@@ -2139,30 +2407,31 @@ __device__ __forceinline__ float mn__af_u(float *v, const float *row, const floa
     }
 }
 
+// Not factored: V and the partial sums of u^2 from the fresh V.
 template <typename G>
 static __global__ void __launch_bounds__(MN__AF_THREADS)
-mn__af_u2_kernel(double *partial, float *v, const float *row, const float *col,
-                 const float *rmean, const G *grad, size_t n, size_t rows, size_t cols,
-                 mn_hd_adafactor_coef k, mn__af_grad q) {
+mn__af_u2_kernel(double *partial, float *v, const G *grad, size_t n, mn_hd_adafactor_coef k,
+                 mn__af_grad q) {
     size_t e;
     double s = 0.0;
-    if (mn__af_skip(&q)) return;
+    if (mn__af_begin(&q)) return;
     for (e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (size_t)gridDim.x * blockDim.x) {
-        float u = mn__af_u<G>(v, row, col, rmean, grad, e, rows, cols, 1, &k, &q);
+        float u = mn__af_u<G>(v, NULL, NULL, NULL, grad, e, 1, n, 1, &k, &q);
         s += (double)u * u;
     }
     s = mn__block_sum_d(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
-static __global__ void mn__af_clip_kernel(float *scal, const double *partial, unsigned count,
-                                          size_t n, float clip_threshold) {
-    double acc = 0.0;
-    unsigned b;
-    for (b = 0; b < count; b++) acc += partial[b];
-    scal[1] = mn_hd_adafactor_clip_div(acc, n, clip_threshold);
+// clip_div from the sum of u^2: the u2 kernel's partials, or the factored update's column terms.
+static __global__ void __launch_bounds__(MN__AF_THREADS)
+mn__af_clip_kernel(float *scal, const double *partial, size_t count, size_t n,
+                   float clip_threshold) {
+    double acc = mn__af_total(partial, count);
+    if (threadIdx.x == 0) scal[1] = mn_hd_adafactor_clip_div(acc, n, clip_threshold);
 }
 
+// The update element by element: not factored, or factored rows of few columns.
 template <typename G, typename P>
 static __global__ void __launch_bounds__(MN__AF_THREADS)
 mn__af_apply_kernel(float *param, P *param16, float *m, float *v, const float *row,
@@ -2170,7 +2439,7 @@ mn__af_apply_kernel(float *param, P *param16, float *m, float *v, const float *r
                     size_t n, size_t rows, size_t cols, mn_hd_adafactor_coef k, mn__af_grad q) {
     size_t e;
     float alpha, clip_div;
-    if (mn__af_skip(&q)) return;
+    if (mn__af_begin(&q)) return;
     alpha = scal[0], clip_div = scal[1];
     for (e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (size_t)gridDim.x * blockDim.x) {
@@ -2183,58 +2452,149 @@ mn__af_apply_kernel(float *param, P *param16, float *m, float *v, const float *r
     }
 }
 
+// The factored update a row at a time (rows of at least MN__AF_ROW_MIN columns): a thread block
+// walks rows, its threads the columns, the row's factor once per row and the column's from icol:
+// u = rf (1 / sqrt(C_j)) g as mn_hd_adafactor_u, without a division per element to find the row.
+#define MN__AF_ROW_MIN 128
+template <typename G, typename P>
+static __global__ void __launch_bounds__(MN__AF_THREADS)
+mn__af_apply_rows_kernel(float *param, P *param16, float *m, const float *row, const float *icol,
+                         const float *rmean, const float *scal, const G *grad, size_t R,
+                         size_t rows, size_t cols, mn_hd_adafactor_coef k, mn__af_grad q) {
+    size_t r, j;
+    float alpha, clip_div;
+    if (mn__af_begin(&q)) return;
+    alpha = scal[0], clip_div = scal[1];
+    for (r = blockIdx.x; r < R; r += gridDim.x) {
+        size_t b = r / rows, e0 = r * cols;
+        const float *ic = icol + b * cols;
+        float rf = 1.0f / sqrtf(row[r] / rmean[b]);
+        for (j = threadIdx.x; j < cols; j += MN__AF_THREADS) {
+            float g = mn__af_g<G>(grad, e0 + j, &q);
+            float u = rf * ic[j] * g, p = param[e0 + j], mm = m ? m[e0 + j] : 0.0f;
+            mn_hd_adafactor_apply(&p, m ? &mm : NULL, u, clip_div, alpha, &k);
+            param[e0 + j] = p;
+            if (m) m[e0 + j] = mm;
+            if (param16) param16[e0 + j] = mn__cvt<P>(p);
+        }
+    }
+}
+
+// The same in packs of 8 (cols a multiple of 8, every tensor 16-byte aligned, fewer than 2^32
+// packs): a thread a pack, its row and batch by 32-bit divisions once per 8 elements.
+template <typename G, typename P>
+static __global__ void __launch_bounds__(MN__AF_THREADS)
+mn__af_apply_vec_kernel(float *param, P *param16, float *m, const float *row, const float *icol,
+                        const float *rmean, const float *scal, const G *grad, unsigned npk,
+                        unsigned ppr, unsigned rows, mn_hd_adafactor_coef k, mn__af_grad q) {
+    unsigned t;
+    float alpha, clip_div;
+    int e;
+    if (mn__af_begin(&q)) return;
+    alpha = scal[0], clip_div = scal[1];
+    for (t = blockIdx.x * blockDim.x + threadIdx.x; t < npk; t += gridDim.x * blockDim.x) {
+        unsigned r = t / ppr, jp = t - r * ppr, b = r / rows;
+        size_t e0 = (size_t)t * 8;  // r cols + 8 jp
+        float g[8], p[8], mm[8], ic[8], rf = 1.0f / sqrtf(row[r] / rmean[b]);
+        mn__ld8<G>(grad + e0, g), mn__ld8<float>(param + e0, p);
+        mn__ld8<float>(icol + ((size_t)b * ppr + jp) * 8, ic);
+        if (m) mn__ld8<float>(m + e0, mm);
+#pragma unroll
+        for (e = 0; e < 8; e++) {
+            float u = rf * ic[e] * mn__af_gx(g[e], &q);
+            mn_hd_adafactor_apply(&p[e], m ? &mm[e] : NULL, u, clip_div, alpha, &k);
+        }
+        mn__st8<float>(param + e0, p);
+        if (param16) mn__st8<P>(param16 + e0, p);
+        if (m) mn__st8<float>(m + e0, mm);
+    }
+}
+
 template <typename G, typename P>
 static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
                                mn_hd_adafactor_coef k, float clip_threshold, mn__af_grad q) {
     cudaStream_t s = mn__stream(ctx);
-    size_t n = (size_t)(a->batch * a->rows * a->cols);
+    size_t n = (size_t)(a->batch * a->rows * a->cols), R = (size_t)(a->batch * a->rows);
+    size_t BC = (size_t)(a->batch * a->cols);
     unsigned grid = mn__ew_grid(ctx, n);
     unsigned chunks = a->exp_avg_sq_row ? mn__row_chunks((size_t)a->rows) : 0;
-    size_t pb = mn__round256(grid * sizeof(double));
-    size_t cb = mn__round256((size_t)(a->batch * chunks * a->cols) * sizeof(double));
-    size_t mb = mn__round256((size_t)a->batch * sizeof(float));
+    unsigned bgrid = (unsigned)(a->batch < 65535 ? a->batch : 65535);
+    // scratch: partial [grid], scal [2], rmean [batch]; factored: the column partials (two
+    // [batch, chunks, cols]), 1 / R [R], term [batch, cols] (double), icol [batch, cols]
+    size_t pb = mn__round256(grid * sizeof(double)), mb = mn__round256(a->batch * sizeof(float));
+    size_t cb = chunks ? mn__round256((size_t)chunks * BC * sizeof(double)) : 0;
+    size_t rb = chunks ? mn__round256(R * sizeof(double)) : 0;
+    size_t tb = chunks ? mn__round256(BC * sizeof(double)) : 0;
+    size_t ib = chunks ? mn__round256(BC * sizeof(float)) : 0;
     char *scr;
-    double *partial, *cpart;
-    float *scal, *rmean;
+    double *partial, *cpart, *cpart2, *rinv, *term;
+    float *scal, *rmean, *icol;
     const G *g = (const G *)a->flat.grad;
+    const int K = (int)(16 / sizeof(G));
     mn_result r;
-    if ((r = mn__scratch(ctx, pb + 256 + mb + cb, (void **)&scr)) != MN_OK) return r;
+    if ((r = mn__scratch(ctx, pb + 256 + mb + 2 * cb + rb + tb + ib, (void **)&scr)) != MN_OK)
+        return r;
     partial = (double *)scr, scal = (float *)(scr + pb), rmean = (float *)(scr + pb + 256);
-    cpart = (double *)(scr + pb + 256 + mb);
-    mn__af_sumsq_kernel<<<grid, MN__AF_THREADS, 0, s>>>(partial, a->flat.param, n);
+    cpart = (double *)(scr + pb + 256 + mb), cpart2 = (double *)((char *)cpart + cb);
+    rinv = (double *)((char *)cpart2 + cb), term = (double *)((char *)rinv + rb);
+    icol = (float *)((char *)term + tb);
+    if (mn__is16(a->flat.param))
+        mn__af_sumsq_kernel<1><<<grid, MN__AF_THREADS, 0, s>>>(partial, a->flat.param, n);
+    else
+        mn__af_sumsq_kernel<0><<<grid, MN__AF_THREADS, 0, s>>>(partial, a->flat.param, n);
     MN__LAUNCHED(ctx);
-    mn__af_alpha_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, k);
+    mn__af_alpha_kernel<<<1, MN__AF_THREADS, 0, s>>>(scal, partial, grid, n, k);
     MN__LAUNCHED(ctx);
-    if (a->exp_avg_sq_row) {
-        mn__af_row_kernel<G><<<mn__blocks(a->batch * a->rows, MN__ROWS_PER_BLOCK),
-                               32 * MN__ROWS_PER_BLOCK, 0, s>>>(a->exp_avg_sq_row, g,
-                                                                a->batch * a->rows, a->cols, k, q);
+    if (!a->exp_avg_sq_row) {  // V, then sum u^2 from the fresh V, then the update
+        mn__af_u2_kernel<G><<<grid, MN__AF_THREADS, 0, s>>>(partial, a->exp_avg_sq, g, n, k, q);
         MN__LAUNCHED(ctx);
-        {
-            size_t rpc = ((size_t)a->rows + chunks - 1) / chunks;
-            dim3 cgrid(mn__blocks(a->cols, 32), chunks,
-                       (unsigned)(a->batch < 65535 ? a->batch : 65535));
-            mn__af_col_partial_kernel<G><<<cgrid, dim3(32, MN__COL_THREADS_Y), 0, s>>>(
-                cpart, g, a->batch, a->rows, a->cols, rpc, k, q);
-            MN__LAUNCHED(ctx);
-            mn__af_col_finish_kernel<<<mn__blocks(a->batch * a->cols, MN__AF_THREADS),
-                                       MN__AF_THREADS, 0, s>>>(a->exp_avg_sq_col, cpart, a->batch,
-                                                               chunks, a->rows, a->cols, k, q);
-            MN__LAUNCHED(ctx);
-        }
-        mn__af_rowmean_kernel<<<mn__blocks(a->batch, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK,
-                                0, s>>>(rmean, a->exp_avg_sq_row, a->batch, a->rows);
+        mn__af_clip_kernel<<<1, MN__AF_THREADS, 0, s>>>(scal, partial, grid, n, clip_threshold);
+        MN__LAUNCHED(ctx);
+        mn__af_apply_kernel<G, P><<<grid, MN__AF_THREADS, 0, s>>>(
+            a->flat.param, (P *)a->flat.param16, a->exp_avg, a->exp_avg_sq, NULL, NULL, NULL,
+            scal, g, n, 1, n, k, q);
+        MN__LAUNCHED(ctx);
+        return MN_OK;
+    }
+    if (a->cols % K == 0 && mn__is16(g))
+        mn__af_row_kernel<G, 1><<<mn__blocks(R, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK, 0,
+                                  s>>>(a->exp_avg_sq_row, rinv, g, R, a->cols, k, q);
+    else
+        mn__af_row_kernel<G, 0><<<mn__blocks(R, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK, 0,
+                                  s>>>(a->exp_avg_sq_row, rinv, g, R, a->cols, k, q);
+    MN__LAUNCHED(ctx);
+    mn__af_rowmean_kernel<<<bgrid, MN__AF_THREADS, 0, s>>>(rmean, a->exp_avg_sq_row, a->batch,
+                                                          a->rows);
+    MN__LAUNCHED(ctx);
+    {
+        size_t rpc = ((size_t)a->rows + chunks - 1) / chunks;
+        dim3 cgrid(mn__blocks(a->cols, 32), chunks, bgrid);
+        mn__af_col_partial_kernel<G><<<cgrid, dim3(32, MN__COL_THREADS_Y), 0, s>>>(
+            cpart, cpart2, g, rinv, a->batch, a->rows, a->cols, rpc, k, q);
         MN__LAUNCHED(ctx);
     }
-    mn__af_u2_kernel<G><<<grid, MN__AF_THREADS, 0, s>>>(partial, a->exp_avg_sq, a->exp_avg_sq_row,
-                                                        a->exp_avg_sq_col, rmean, g, n, a->rows,
-                                                        a->cols, k, q);
+    mn__af_col_finish_kernel<<<dim3(mn__blocks(a->cols, 32), bgrid), dim3(32, MN__AF_FIN_Y), 0,
+                               s>>>(a->exp_avg_sq_col, term, icol, cpart, cpart2, rmean,
+                                    a->batch, chunks, a->rows, a->cols, k, q);
     MN__LAUNCHED(ctx);
-    mn__af_clip_kernel<<<1, 1, 0, s>>>(scal, partial, grid, n, clip_threshold);
+    mn__af_clip_kernel<<<1, MN__AF_THREADS, 0, s>>>(scal, term, BC, n, clip_threshold);
     MN__LAUNCHED(ctx);
-    mn__af_apply_kernel<G, P><<<grid, MN__AF_THREADS, 0, s>>>(
-        a->flat.param, (P *)a->flat.param16, a->exp_avg, a->exp_avg_sq, a->exp_avg_sq_row,
-        a->exp_avg_sq_col, rmean, scal, g, n, a->rows, a->cols, k, q);
+    if (a->cols % 8 == 0 && n / 8 <= 0xffffffffu && mn__is16(a->flat.param) && mn__is16(g) &&
+        (!a->flat.param16 || mn__is16(a->flat.param16)) && (!a->exp_avg || mn__is16(a->exp_avg))) {
+        unsigned npk = (unsigned)(n / 8);
+        mn__af_apply_vec_kernel<G, P><<<mn__ew_grid(ctx, npk), MN__AF_THREADS, 0, s>>>(
+            a->flat.param, (P *)a->flat.param16, a->exp_avg, a->exp_avg_sq_row, icol, rmean, scal,
+            g, npk, (unsigned)(a->cols / 8), (unsigned)a->rows, k, q);
+    } else if (a->cols >= MN__AF_ROW_MIN) {
+        size_t cap = (size_t)(ctx->sm_count > 0 ? ctx->sm_count : 1) * 16u;
+        mn__af_apply_rows_kernel<G, P><<<(unsigned)(R < cap ? R : cap), MN__AF_THREADS, 0, s>>>(
+            a->flat.param, (P *)a->flat.param16, a->exp_avg, a->exp_avg_sq_row, icol, rmean, scal,
+            g, R, a->rows, a->cols, k, q);
+    } else {  // short rows: element by element
+        mn__af_apply_kernel<G, P><<<grid, MN__AF_THREADS, 0, s>>>(
+            a->flat.param, (P *)a->flat.param16, a->exp_avg, NULL, a->exp_avg_sq_row,
+            a->exp_avg_sq_col, rmean, scal, g, n, a->rows, a->cols, k, q);
+    }
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -2283,7 +2643,7 @@ MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const mn_adafactor_params *
                               q.no_scale_parameter, q.warmup_init, a->flat.step);
     gq.norm = a->flat.grad_norm;
     gq.inv_scale = a->flat.inv_scale == 0.0f ? 1.0f : a->flat.inv_scale;
-    gq.max_norm = a->flat.max_norm;
+    gq.max_norm = a->flat.max_norm, gq.clip = 1.0f;
     if (q.beta1 == 0.0f) {  // no first moment: exp_avg unused
         mn_cuda_adafactor_args b = *a;
         b.exp_avg = NULL;

@@ -2,7 +2,7 @@
 //   - memory-bound kernels: GB/s (bytes each must move / time) against the device-to-device
 //     cudaMemcpy bandwidth measured in the same run (2 x bytes per copy: read + write);
 //   - GEMMs: TFLOP/s (2 N C OC per GEMM) with each epilogue, fused and unfused, against a plain
-//     cuBLASLt GEMM of the same shape;
+//     cuBLASLt GEMM of the same shape; the fp32 GEMM in full precision and on TF32 tensor cores;
 //   - the caching allocator: ns per cached malloc+free on the device backend against
 //     cudaMalloc+cudaFree.
 // Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, a
@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static mn_cuda ctx, ctx_unfused;
+static mn_cuda ctx, ctx_unfused, ctx_tf32;  // the last: fp32 GEMMs on TF32 tensor cores
 static double copy_gbs;
 
 #define DIE(...) do { fprintf(stderr, "bench_gpu: " __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } while (0)
@@ -111,6 +111,18 @@ static void f_adamw8bit(void *) {
     a.absmax1 = (float *)av, a.absmax2 = (float *)av + (adam_n + 255) / 256;
     MN(mn_cuda_adamw8bit_step(&ctx, NULL, &a));
 }
+// The same step with the tensors one element past 16-byte alignment: the thread-block-per-block
+// kernel that serves unaligned tensors and other block sizes (a warp a block otherwise).
+static void f_adamw8bit_tb(void *) {
+    mn_cuda_adamw8bit_args a;
+    memset(&a, 0, sizeof a);
+    a.flat = bench_flat(adam_n - 1, 1);
+    a.flat.param += 1, a.flat.grad = (const uint16_t *)ag + 1;
+    a.flat.param16 = (uint16_t *)a16 + 1;
+    a.code1 = (uint8_t *)am, a.code2 = (uint8_t *)am + adam_n;
+    a.absmax1 = (float *)av, a.absmax2 = (float *)av + (adam_n + 255) / 256;
+    MN(mn_cuda_adamw8bit_step(&ctx, NULL, &a));
+}
 
 static void f_sgd(void *) {
     mn_cuda_sgd_args a;
@@ -126,8 +138,9 @@ static void f_lion(void *) {
     MN(mn_cuda_lion_step(&ctx, NULL, &a));
 }
 
-// Adafactor, factored [161458, 768] (about 124M): reads p once for RMS(p), g four times (rows,
-// columns, the update's RMS, the update), p read+write and the 16-bit copy: 22 bytes per element.
+// Adafactor, factored [161458, 768] (about 124M): reads p once for RMS(p), g three times (rows,
+// columns with the update's RMS, the update), p read+write and the 16-bit copy: 20 bytes per
+// element.
 static void *af_row, *af_col;
 enum { AF_ROWS = 161458 };
 static void f_adafactor(void *) {
@@ -188,6 +201,26 @@ static void gemms(void) {
                        g.c->gemm_fused == f0
                    ? "(epilogue refused: fallback ran) " : "");
     }
+}
+
+// fp32 GEMM at the same shape, full fp32 (ctx) and TF32 (ctx_tf32): inputs in big_a (x, then
+// the weight), the output in big_b.
+static void f_gemm_fp32(void *p) {
+    float *xa = (float *)big_a, *wa = xa + (size_t)BT * C;
+    MN(mn_cuda_matmul_forward((mn_cuda *)p, big_b, NULL, xa, wa, NULL, BT, C, C4, MN_FP32));
+}
+static void gemm_fp32(void) {
+    double fl = 2.0 * BT * C * C4;
+    float full, tf;
+    MN(mn_cuda_mem_set(&ctx, big_a, 0x3c, ((size_t)BT * C + (size_t)C4 * C) * 4));  // 0.0115
+    full = time_ms(f_gemm_fp32, &ctx), tf = time_ms(f_gemm_fp32, &ctx_tf32);
+    printf("\n| GEMM %dx%dx%d fp32 inputs                      |      time |     TFLOP/s | vs full fp32 |\n",
+           BT, C, C4);
+    printf("|---|---|---|---|\n");
+    printf("| %-50s | %6.3f ms | %7.1f | %5.1f %% |\n", "fp32, full precision", full,
+           fl / (full * 1e-3) / 1e12, 100.0);
+    printf("| %-50s | %6.3f ms | %7.1f | %5.1f %% |\n", "fp32 on TF32 tensor cores (desc.tf32)", tf,
+           fl / (tf * 1e-3) / 1e12, 100.0 * full / tf);
 }
 
 // Attention at GPT-2 small training size: B = 8, T = 1024, 12 heads of 64, causal, bf16. FLOPs
@@ -281,6 +314,8 @@ int main(void) {
     d.no_fused_epilogues = 1;
     d.stream = ctx.stream;  // timed by events on ctx's stream: the unfused rows run there too
     MN(mn_cuda_init(&ctx_unfused, &d));
+    d.no_fused_epilogues = 0, d.tf32 = 1;
+    MN(mn_cuda_init(&ctx_tf32, &d));
     printf("bench_gpu on %s (sm %d, %d SMs, %.1f GiB), cuBLASLt workspace %llu MiB\n\n", ctx.name,
            ctx.sm, ctx.sm_count, ctx.total_bytes / 1073741824.0,
            (unsigned long long)(ctx.workspace_bytes >> 20));
@@ -322,19 +357,23 @@ int main(void) {
                time_ms(f_adamw, NULL));
         row_bw("AdamW 8-bit 124M (fp32 master, 8-bit m, v; bf16 g, copy)",
                adam_n * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit, NULL));
+        row_bw("AdamW 8-bit, unaligned (a thread block a block)",
+               (adam_n - 1) * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit_tb, NULL));
         row_bw("SGD momentum 124M (fp32 master, b; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
                time_ms(f_sgd, NULL));
         row_bw("Lion 124M (fp32 master, m; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
                time_ms(f_lion, NULL));
         af_row = dalloc(AF_ROWS * 4), af_col = dalloc(C * 4);
-        row_bw("Adafactor 161458x768 (factored; bf16 g x4, copy)", (double)AF_ROWS * C * 22.0,
+        row_bw("Adafactor 161458x768 (factored; bf16 g x3, copy)", (double)AF_ROWS * C * 20.0,
                time_ms(f_adafactor, NULL));
     }
     gemms();
+    gemm_fp32();
     attention();
     allocator();
     printf("\nGEMM epilogue counters: fused %llu, fallback %llu (fused context)\n",
            (unsigned long long)ctx.gemm_fused, (unsigned long long)ctx.gemm_unfused);
+    mn_cuda_free(&ctx_tf32);
     mn_cuda_free(&ctx_unfused);
     mn_cuda_free(&ctx);
     return 0;

@@ -114,8 +114,9 @@ static void release(void *d) { (void)mn_cuda_mem_release(&ctx, d); }
 
 // Every element written (finite) and within tol (1 + |want|); prints the errors with -v.
 static int verbose;
-static void compare(const char *what, mn_dtype dt, double tol, const void *d, const float *want,
-                    size_t n) {
+// compare_some: at most `allowed` elements past tol, none past cap (absolute).
+static void compare_some(const char *what, mn_dtype dt, double tol, size_t allowed, double cap,
+                         const void *d, const float *want, size_t n) {
     float *got = down(dt, d, n);
     double max_abs = 0, max_rel = 0;
     size_t i, bad = 0, unwritten = 0, worst = 0;
@@ -129,14 +130,18 @@ static void compare(const char *what, mn_dtype dt, double tol, const void *d, co
         if (want[i] != 0 && e / fabs(want[i]) > max_rel) max_rel = e / fabs(want[i]);
         if (e > tol * (1.0 + fabs(want[i]))) bad++;
     }
-    if (bad || unwritten)
+    if (bad > allowed || unwritten || max_abs > cap)
         FAIL("%s (%s, n=%zu): %zu off, %zu not written (NaN/inf); worst [%zu] got %.7g want %.7g; "
              "max abs %.3g max rel %.3g tol %.1e", what, mn_dtype_name(dt), n, bad, unwritten,
              worst, got[worst], want[worst], max_abs, max_rel, tol);
     else if (verbose)
-        printf("  %-34s %-4s n=%-9zu max abs %.3g  max rel %.3g  (tol %.1e)\n", what,
-               mn_dtype_name(dt), n, max_abs, max_rel, tol);
+        printf("  %-34s %-4s n=%-9zu max abs %.3g  max rel %.3g  (tol %.1e)%s\n", what,
+               mn_dtype_name(dt), n, max_abs, max_rel, tol, bad ? " (some past tol: allowed)" : "");
     free(got);
+}
+static void compare(const char *what, mn_dtype dt, double tol, const void *d, const float *want,
+                    size_t n) {
+    compare_some(what, dt, tol, 0, INFINITY, d, want, n);
 }
 
 // ---- kernels ------------------------------------------------------------------------------------
@@ -573,14 +578,20 @@ static mn_cuda_optim_flat opt_case_flat(const opt_case *c, uint64_t step) {
 }
 
 // The device's parameters against the reference's (tol), and the 16-bit copy against them.
-static void opt_case_check(opt_case *c, const char *what, double tol) {
+// (allowed elements may be past tol, up to cap.)
+static void opt_case_check_some(opt_case *c, const char *what, double tol, size_t allowed,
+                                double cap) {
     char name[96];
     size_t i;
     snprintf(name, sizeof name, "%s param", what);
-    compare(name, MN_FP32, tol, c->dp, c->p, c->n);
+    compare_some(name, MN_FP32, tol, allowed, cap, c->dp, c->p, c->n);
     for (i = 0; i < c->n; i++) c->p[i] = stf(c->dt16, c->p[i]);
     snprintf(name, sizeof name, "%s param16", what);
-    compare(name, c->dt16, c->dt16 == MN_FP16 ? 4e-3 : 1.6e-2, c->d16, c->p, c->n);
+    compare_some(name, c->dt16, c->dt16 == MN_FP16 ? 4e-3 : 1.6e-2, allowed, cap, c->d16, c->p,
+                 c->n);
+}
+static void opt_case_check(opt_case *c, const char *what, double tol) {
+    opt_case_check_some(c, what, tol, 0, INFINITY);
 }
 
 // Found inf: a gradient with an inf makes the norm inf, and step (run with *f pointing at it)
@@ -749,8 +760,12 @@ static void test_adamw8bit(void) {
                     compare("adamw8bit exp_avg_sq", MN_FP32, 1e-5, call.a.exp_avg_sq,
                             st.exp_avg_sq, n);
                 }
-                // a code one entry off moves m by up to a map step: the parameters within 1e-4
-                opt_case_check(&c, "adamw8bit", 1e-4);
+                // a code one entry off moves m by up to a map step: the parameters within 1e-4,
+                // except those whose codes were one entry off in an earlier step (as many as
+                // compare_codes allows): a v code off next to 0 changes sqrt(v) by a large
+                // factor, so such an element may move by up to a step of lr (1e-2) or so; never
+                // by more than 20 lr
+                opt_case_check_some(&c, "adamw8bit", 1e-4, 1 + n / 1000, 0.2);
                 if (s == 1) opt_case_inf(&c, "adamw8bit", &call.a.flat, adamw8bit_run, &call);
                 mn_adamw8bit_free(&st);
                 release(dstate);
@@ -870,22 +885,23 @@ static mn_result adafactor_run(void *u) {
     return mn_cuda_adafactor_step(&ctx, c->p, &c->a);
 }
 
-// Adafactor against mn_adafactor_step, 3 steps: factored [3,5,37] and [768,3072], not factored
-// [1003] and [2^20]; relative step, fixed lr with beta1 and weight decay, no_scale_parameter with
+// Adafactor against mn_adafactor_step, 3 steps: factored [3,5,37] (the update element by element),
+// [768,3072] and [2,33,136] (in packs of 8), [70,1001] (a row at a time), not factored [1003]
+// and [2^20]; relative step, fixed lr with beta1 and weight decay, no_scale_parameter with
 // warmup_init. Found inf also leaves the row statistics alone.
 static void test_adafactor(void) {
-    static const uint64_t shapes[][3] = {{3, 5, 37}, {1, 768, 3072}, {1, 1, 1003},
-                                         {1, 1, 1 << 20}};
+    static const uint64_t shapes[][3] = {{3, 5, 37}, {1, 768, 3072}, {2, 33, 136}, {1, 70, 1001},
+                                         {1, 1, 1003}, {1, 1, 1 << 20}};
     size_t s;
     int d, clip, mode, t;
-    for (s = 0; s < 4; s++)
+    for (s = 0; s < 6; s++)
         for (mode = 0; mode < 3; mode++)
             for (d = 0; d < 3; d++)
                 for (clip = 0; clip < 2; clip++) {
                     uint64_t B = shapes[s][0], R = shapes[s][1], Cc = shapes[s][2], n = B * R * Cc;
                     uint64_t dims[3];
                     uint32_t ndim;
-                    int factored = s < 2;
+                    int factored = s < 4;
                     opt_case c;
                     mn_adafactor st;
                     mn_adafactor_params prm;
@@ -901,7 +917,7 @@ static void test_adafactor(void) {
                         dv = dev_poisoned(MN_FP32, n);
                         OK(mn_cuda_mem_set(&ctx, dv, 0, n * 4));
                     }
-                    if (s == 0) dims[0] = B, dims[1] = R, dims[2] = Cc, ndim = 3;
+                    if (B > 1) dims[0] = B, dims[1] = R, dims[2] = Cc, ndim = 3;
                     else if (factored) dims[0] = R, dims[1] = Cc, ndim = 2;
                     else dims[0] = n, ndim = 1;
                     memset(&prm, 0, sizeof prm);
@@ -950,7 +966,11 @@ static void test_adafactor(void) {
 
 // ---- GEMM and epilogues -------------------------------------------------------------------------
 
-static void test_matmul_ctx(mn_cuda *c, const char *tag) {
+// tf32: fp32 only, on TF32 tensor cores: operands rounded to 10 mantissa bits (up to 2^-11 each,
+// so a product to about 2^-10), summed over the depth of each product (C for out, OC for dinp, N
+// for dweight) with random signs: 6 x 2^-10 sqrt(depth) times the operands' scales (x and dout
+// 1, weight 0.05). On an H200 the largest errors were 0.28 to 0.57 of 4 x 2^-10 sqrt(depth).
+static void test_matmul_ctx(mn_cuda *c, const char *tag, int tf32) {
     // dgelu/dbias column kernel: 16-byte packs for OC 3072, 40, 1000 (a partial last block of
     // packs, 60-row chunks), single elements for OC 11 and 50257
     static const size_t shapes[][3] = {{1, 37, 11}, {64, 768, 3072}, {129, 77, 40},
@@ -958,12 +978,17 @@ static void test_matmul_ctx(mn_cuda *c, const char *tag) {
     size_t s;
     int d, mode;  // mode 0 plain, 1 bias, 2 bias + gelu, 3 gelu without bias
     char what[96];
-    for (d = 0; d < 3; d++)
+    for (d = 0; d < (tf32 ? 1 : 3); d++)
         for (s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             for (mode = 0; mode < 4; mode++) {
                 mn_dtype dt = dts[d];
                 size_t N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2], i;
-                double tol = dt_tol[d] * (d == 0 ? 1.0 : 2.0);
+                double tol = dt_tol[d] * (d == 0 ? 1.0 : 2.0), tol_f = tol, tol_dx = tol;
+                double tol_dw = tol * sqrt((double)N);
+                if (tf32)
+                    tol_f = 6.0 / 1024 * sqrt((double)C) * 0.05,
+                    tol_dx = 6.0 / 1024 * sqrt((double)OC) * 0.05,
+                    tol_dw = 6.0 / 1024 * sqrt((double)N);
                 int has_bias = mode == 1 || mode == 2, gelu = mode >= 2;
                 float *x = hrand(dt, N * C, 1), *w = hrand(dt, OC * C, 0.05f);
                 float *b = hrand(dt, OC, 1), *out = hvec(N * OC), *pre = hvec(N * OC);
@@ -982,12 +1007,12 @@ static void test_matmul_ctx(mn_cuda *c, const char *tag) {
                 mn_matmul_forward(out, gelu ? pre : NULL, x, w, has_bias ? b : NULL, N, C, OC);
                 snprintf(what, sizeof what, "%s matmul fwd mode %d %zux%zux%zu", tag, mode, N, C, OC);
                 if (gelu) {
-                    compare(what, dt, tol, dpre, pre, N * OC);
+                    compare(what, dt, tol_f, dpre, pre, N * OC);
                     // out = gelu(stored pre-activation)
                     for (i = 0; i < N * OC; i++) out[i] = (float)0, pre[i] = stf(dt, pre[i]);
                     mn_gelu_forward(out, pre, N * OC);
                 }
-                compare(what, dt, tol, dout, out, N * OC);
+                compare(what, dt, tol_f, dout, out, N * OC);
                 // backward (gelu: from the stored pre-activation, dout rewritten to dpre)
                 ddy = dev(dt, dy, N * OC), ddx = dev(dt, dx, N * C), ddw = dev(dt, dw, OC * C);
                 ddb = dev(dt, db, OC);
@@ -1000,9 +1025,9 @@ static void test_matmul_ctx(mn_cuda *c, const char *tag) {
                 OK(mn_cuda_matmul_backward(c, ddx, ddw, has_bias ? ddb : NULL, ddy, dxin, dwt,
                                            gelu ? dpre : NULL, N, C, OC, dt));
                 snprintf(what, sizeof what, "%s matmul bwd mode %d %zux%zux%zu", tag, mode, N, C, OC);
-                compare(what, dt, tol, ddx, dx, N * C);
-                compare(what, dt, tol * sqrt((double)N), ddw, dw, OC * C);
-                if (has_bias) compare(what, dt, tol * sqrt((double)N), ddb, db, OC);
+                compare(what, dt, tol_dx, ddx, dx, N * C);
+                compare(what, dt, tol_dw, ddw, dw, OC * C);
+                if (has_bias) compare(what, dt, tol_dw, ddb, db, OC);
                 if (gelu) compare(what, dt, tol, ddy, dy, N * OC);  // dpre over dout
                 release(dxin), release(dwt), release(dbias), release(dout), release(dpre);
                 release(ddy), release(ddx), release(ddw), release(ddb);
@@ -1012,13 +1037,33 @@ static void test_matmul_ctx(mn_cuda *c, const char *tag) {
 }
 
 static void test_matmul(void) {
-    test_matmul_ctx(&ctx, "fused");
-    test_matmul_ctx(&ctx_unfused, "unfused");
+    test_matmul_ctx(&ctx, "fused", 0);
+    test_matmul_ctx(&ctx_unfused, "unfused", 0);
     if (verbose)
         printf("  GEMMs: %llu fused epilogues, %llu fallbacks (fused context); %llu fallbacks "
                "(unfused context)\n", (unsigned long long)ctx.gemm_fused,
                (unsigned long long)ctx.gemm_unfused, (unsigned long long)ctx_unfused.gemm_unfused);
     CHECK(ctx_unfused.gemm_fused == 0);
+}
+
+// fp32 GEMMs with mn_cuda_desc.tf32 (TF32 tensor cores), fused and unfused epilogues.
+static void test_matmul_tf32(void) {
+    mn_cuda c;
+    mn_cuda_desc desc;
+    int unfused;
+    for (unfused = 0; unfused < 2; unfused++) {
+        memset(&desc, 0, sizeof desc);
+        desc.logger.log_fn = log_stderr;
+        desc.tf32 = 1, desc.no_fused_epilogues = unfused, desc.stream = ctx.stream;
+        if (mn_cuda_init(&c, &desc) != MN_OK) {
+            FAIL("mn_cuda_init (tf32)");
+            return;
+        }
+        test_matmul_ctx(&c, unfused ? "tf32 unfused" : "tf32 fused", 1);
+        CHECK(unfused ? c.gemm_fused == 0 : c.gemm_fused > 0);
+        OK(mn_cuda_sync(&c));
+        mn_cuda_free(&c);
+    }
 }
 
 // ---- the caching allocator on the device --------------------------------------------------------
@@ -1164,6 +1209,7 @@ static const tcase cases[] = {
     {"sgd_lion", test_sgd_lion},
     {"adafactor", test_adafactor},
     {"matmul", test_matmul},
+    {"matmul_tf32", test_matmul_tf32},
     {"cache", test_cache},
     {"cache_streams", test_cache_streams},
     {"cache_oom", test_cache_oom},

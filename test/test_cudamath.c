@@ -9,6 +9,7 @@
 // The row reductions are checked in the order the device uses them: 32 lane-strided partial
 // states merged by the warp's xor tree (softmax, layernorm) or 512 thread states merged in order
 // (the cross-entropy block).
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -631,6 +632,56 @@ static void test_q8_codes(void) {
     }
 }
 
+// The table lookup (mn_q8_table, mn_hd_q8_nearest_tab) against the search, for both dynamic maps:
+// every entry, the floats next to each entry and to each midpoint, zeros, infinities, NaN,
+// subnormals, uniform values in [-1.5, 1.5] and random bit patterns. A map the table cannot
+// serve (not ascending, two entries in one bucket) is refused; NULL is an invalid argument.
+static void test_q8_table(void) {
+    static uint32_t tab[MN_Q8_TAB];
+    float maps[2][256], bad[256], xs[16];
+    int m, k, j, bad_n = 0, total = 0;
+    mn_dynamic_map(1, maps[0]), mn_dynamic_map(0, maps[1]);
+    for (m = 0; m < 2; m++) {
+        const float *map = maps[m];
+        CHECK(mn_q8_table(map, tab) == MN_OK);
+        for (k = 0; k < 400000; k++) {
+            int nx = 1;
+            if (k < 256 * 4) {  // entry k/4 and its neighbours, the midpoint above and its neighbours
+                int e = k / 4;
+                float mid = e < 255 ? map[e] + (map[e + 1] - map[e]) / 2.0f : 2.0f;
+                switch (k % 4) {
+                case 0: xs[0] = map[e], xs[1] = nextafterf(map[e], -INFINITY);
+                    xs[2] = nextafterf(map[e], INFINITY), nx = 3; break;
+                case 1: xs[0] = mid, xs[1] = nextafterf(mid, -INFINITY);
+                    xs[2] = nextafterf(mid, INFINITY), nx = 3; break;
+                case 2: xs[0] = 0.0f, xs[1] = -0.0f, xs[2] = INFINITY, xs[3] = -INFINITY;
+                    xs[4] = NAN, xs[5] = 1e-40f, xs[6] = -1e-40f, xs[7] = FLT_MAX;
+                    xs[8] = -FLT_MAX, xs[9] = 1.0f, xs[10] = -1.0f, nx = 11; break;
+                default: xs[0] = (float)(3.0 * mnt_rand_uniform() - 1.5); break;
+                }
+            } else if (k % 2) {
+                xs[0] = (float)(3.0 * mnt_rand_uniform() - 1.5);
+            } else {
+                uint32_t u = (uint32_t)mnt_rand_u64();
+                memcpy(&xs[0], &u, sizeof u);
+            }
+            for (j = 0; j < nx; j++) {
+                uint32_t got = mn_hd_q8_nearest_tab(tab, xs[j]), want = mn_hd_q8_nearest(map, xs[j]);
+                total++;
+                if (got != want && bad_n++ < 5)
+                    CHECK_MSG(0, "map %d, x %.9g: table %u, search %u", m, (double)xs[j], got, want);
+            }
+        }
+    }
+    CHECK_MSG(bad_n == 0, "%d of %d lookups differ", bad_n, total);
+    memcpy(bad, maps[1], sizeof bad);
+    bad[10] = bad[12];  // not ascending
+    CHECK(mn_q8_table(bad, tab) == MN_ERR_UNSUPPORTED);
+    for (k = 0; k < 256; k++) bad[k] = 1.0f + (float)k * 1e-6f;  // many thresholds a bucket
+    CHECK(mn_q8_table(bad, tab) == MN_ERR_UNSUPPORTED);
+    CHECK(mn_q8_table(NULL, tab) == MN_ERR_INVALID_ARG && mn_q8_table(maps[0], NULL) == MN_ERR_INVALID_ARG);
+}
+
 // The fused found-inf / unscale / clip of the AdamW kernel against the host sequence
 // mn_unscale_grads_to_fp32 -> mn_clip_grad_norm -> mn_adamw_step on loss-scaled gradients.
 static void test_adamw_scaled(void) {
@@ -885,6 +936,7 @@ const mnt_case test_cudamath_cases[] = {
     {"adamw_scaled", test_adamw_scaled},
     {"adamw8bit", test_adamw8bit},
     {"q8_codes", test_q8_codes},
+    {"q8_table", test_q8_table},
     {"sgd", test_sgd},
     {"lion", test_lion},
     {"adafactor", test_adafactor},
