@@ -6,7 +6,8 @@
 #      order of their sums only);
 #   2. fp16 with loss scaling and an overflow planted at step 5 (the skipped step logged), bf16,
 #      and a run stopped, saved and resumed against the uninterrupted one (losses bit-identical);
-#   3. predicted vs measured peak per memory category on 8 configurations (target: within 2 %);
+#   3. predicted vs measured peak per memory category on 10 configurations (target: within 2 %),
+#      the reserved peak beside them;
 #   4. GPT-2 small (12 layers, 768 wide, T 1024, V 50257) in bf16: tokens/s (the mean of the last
 #      10 of 20 steps) and the trainer's MFU line: tokens/s x (6 N + 6 L C T) over the dense bf16
 #      peak of the header's GPU table entry for the device (PaLM, Chowdhery et al. 2022, appendix
@@ -60,7 +61,7 @@ if train gpu_full --device cuda --steps 20 && \
     fi
 fi
 
-say "== 3. predicted vs measured peaks per category, 8 configurations (3 steps each)"
+say "== 3. predicted vs measured peaks per category, 10 configurations (3 steps each)"
 configs=(
     "--size tiny"
     "--size tiny --precision fp16 --checkpointing full --optim sgd"
@@ -70,8 +71,14 @@ configs=(
     "--size small --precision fp16 --checkpointing selective --batch 4 --accum 3"
     "--size tiny --checkpointing full --optim lion --vocab 1000"
     "--size small --precision bf16 --checkpointing full --optim sgd-momentum --head untied"
+    "--size small --precision bf16 --optim adamw-8bit"
+    "--size tiny --checkpointing selective --optim adafactor --accum 2"
 )
-printf '%-90s %9s %s\n' "configuration" "worst" "category"
+# The target (2 %) is on the allocated peaks: every category's and the total's. The reserved peak
+# is printed beside them: it also depends on the addresses cudaMalloc hands out (the cache takes
+# the lowest-addressed of equal free blocks, as PyTorch's), which the simulated device the
+# estimator replays on can only assume (ascending).
+printf '%-90s %9s %-15s %s\n' "configuration" "worst" "category" "peak reserved"
 i=0
 for c in "${configs[@]}"; do
     i=$((i + 1))
@@ -83,9 +90,10 @@ for c in "${configs[@]}"; do
             m = $3; gsub(/,/, "", m); p = $5; gsub(/[},]/, "", p)
             if (p == "null") next
             e = m > 0 ? (p - m) / m * 100 : (p > 0 ? 100 : 0); a = e < 0 ? -e : e
+            if (name == "peak_reserved") { res = e; next }
             if (a >= worst) { worst = a; wn = name }
         }
-        END { printf "%-90s %8.3f%% %s\n", cfg, worst, wn; exit !(worst <= 2.0) }' \
+        END { printf "%-90s %8.3f%% %-15s %+.3f%%\n", cfg, worst, wn, res; exit !(worst <= 2.0) }' \
         "$out/grid$i.json" || { say "grid$i: a category is off by more than 2 %"; status=1; }
 done
 
