@@ -4,7 +4,7 @@
 //   - GEMMs: TFLOP/s (2 N C OC per GEMM) with each epilogue, fused and unfused, against a plain
 //     cuBLASLt GEMM of the same shape; the fp32 GEMM in full precision and on TF32 tensor cores;
 //   - the caching allocator: ns per cached malloc+free on the device backend against
-//     cudaMalloc+cudaFree.
+//     cudaMalloc+cudaFree, and the order in which cudaMalloc hands out addresses.
 // Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, a
 // 12-head 1024-token causal softmax and attention, AdamW, SGD, Lion, Adafactor over 124M
 // parameters. Build: make gpu-bench (nvcc),
@@ -302,6 +302,35 @@ static void allocator(void) {
     mn_cache_free(&c);
 }
 
+// The order of the addresses cudaMalloc hands out. The cache serves the lowest-addressed of equal
+// free blocks (as PyTorch's), so the order decides which segment a request splits; the replay of
+// the estimator's simulated device takes it to be ascending. Six allocations of a size in a row,
+// then two of them freed and one more asked for: where it lands.
+static void address_order(void) {
+    static const size_t sizes[] = {(size_t)2 << 20, (size_t)20 << 20};
+    size_t s;
+    printf("\n| cudaMalloc, 6 in a row       | steps up / down | after freeing the 3rd and 4th, the next |\n"
+           "|---|---|---|\n");
+    for (s = 0; s < 2; s++) {
+        char *p[6], *q;
+        int i, up = 0, down = 0;
+        const char *where;
+        for (i = 0; i < 6; i++) CU(cudaMalloc((void **)&p[i], sizes[s]));
+        for (i = 1; i < 6; i++) up += p[i] > p[i - 1], down += p[i] < p[i - 1];
+        CU(cudaFree(p[2]));
+        CU(cudaFree(p[3]));
+        CU(cudaMalloc((void **)&q, sizes[s]));
+        where = q == p[2] ? "the 3rd's address" : q == p[3] ? "the 4th's address"
+                : q > p[5] && q > p[0] ? "above all six" : q < p[5] && q < p[0] ? "below all six"
+                                                                             : "elsewhere";
+        printf("| %4zu MiB                       | %d / %d | %s |\n", sizes[s] >> 20, up, down,
+               where);
+        p[2] = q;
+        for (i = 0; i < 6; i++)
+            if (i != 3) CU(cudaFree(p[i]));
+    }
+}
+
 int main(void) {
     char reason[256];
     int count;
@@ -371,6 +400,7 @@ int main(void) {
     gemm_fp32();
     attention();
     allocator();
+    address_order();
     printf("\nGEMM epilogue counters: fused %llu, fallback %llu (fused context)\n",
            (unsigned long long)ctx.gemm_fused, (unsigned long long)ctx.gemm_unfused);
     mn_cuda_free(&ctx_tf32);
