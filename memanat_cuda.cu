@@ -1162,9 +1162,9 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 // ---- kernels: >>ops softmax ---------------------------------------------------------------------
 // One warp per row: the online max/sum over the visible columns (a pack's maximum first, the sum
 // rescaled once a pack), then the probabilities (masked columns exactly 0; 16-bit storage by the
-// fast exp times 1 / sum, mn__ce_exp). Backward: dot = sum out dout, then dinp += scale out (dout - dot). VEC: each
-// lane moves 16-byte packs (L a multiple of the pack, the tensors 16-byte aligned), else single
-// elements; a pack wholly past the visible columns is not read.
+// fast exp times 1 / sum, mn__ce_exp). Backward: dot = sum out dout, then dinp += scale out
+// (dout - dot). VEC: each lane moves 16-byte packs (L a multiple of the pack, the tensors 16-byte
+// aligned), else single elements; a pack wholly past the visible columns is not read.
 
 template <typename T, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
@@ -1192,9 +1192,11 @@ mn__softmax_forward_kernel(T *out, const T *inp, size_t N, size_t L, float scale
         mn__pack<T> p, o;
         if (i < len) p = mn__ldk<T, VEC>(x + i);
         for (k = 0; k < K; k++) {
-            float y = 0.0f, v = scale * mn__ld<T>(&p.v[k]);
-            if (i + k < len) y = sizeof(T) == 4 ? mn_hd_softmax_prob(v, s)
-                                                : __expf(v - s.max) * inv;
+            float y = 0.0f;
+            if (i + k < len) {
+                float v = scale * mn__ld<T>(&p.v[k]);
+                y = sizeof(T) == 4 ? mn_hd_softmax_prob(v, s) : __expf(v - s.max) * inv;
+            }
             o.v[k] = mn__cvt<T>(y);
         }
         mn__stk<T, VEC>(out + row * L + i, o);
@@ -1392,7 +1394,6 @@ MNDEF mn_result mn_cuda_gelu_backward(mn_cuda *ctx, void *dinp, const void *dout
 // keeps expf and the division of mn_hd_ce_dlogit.
 
 #define MN__CE_UNROLL 4  // packs a thread has in flight
-
 template <typename T, int VEC, int CACHE>
 static __global__ void __launch_bounds__(MN__CE_THREADS, 2)
 mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *targets,
@@ -2268,7 +2269,8 @@ mn__af_sumsq_kernel(double *partial, const float *param, size_t n) {
     s = mn__block_sum_d(s + s2);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
-// The partial sums [count] in one block of MN__AF_THREADS threads, a fixed order (valid in thread 0).
+// The partial sums [count] in one block of MN__AF_THREADS threads, in a fixed order (valid in
+// thread 0).
 __device__ __forceinline__ double mn__af_total(const double *partial, size_t count) {
     double acc = 0.0;
     size_t c;
@@ -2360,7 +2362,8 @@ mn__af_col_finish_kernel(float *col, double *term, float *icol, const double *pa
         double s = 0.0, s2 = 0.0;
         if (j < cols)
             for (u = threadIdx.y; u < chunks; u += MN__AF_FIN_Y)
-                s += partial[(b * chunks + u) * cols + j], s2 += partial2[(b * chunks + u) * cols + j];
+                s += partial[(b * chunks + u) * cols + j],
+                s2 += partial2[(b * chunks + u) * cols + j];
         sh[threadIdx.y][threadIdx.x] = s, sh2[threadIdx.y][threadIdx.x] = s2;
         __syncthreads();
         if (threadIdx.y == 0 && j < cols) {
