@@ -985,16 +985,16 @@ static void test_matmul_ctx(mn_cuda *c, const char *tag, int tf32) {
                 size_t N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2], i;
                 double tol = dt_tol[d] * (d == 0 ? 1.0 : 2.0), tol_f = tol, tol_dx = tol;
                 double tol_dw = tol * sqrt((double)N);
-                if (tf32)
-                    tol_f = 6.0 / 1024 * sqrt((double)C) * 0.05,
-                    tol_dx = 6.0 / 1024 * sqrt((double)OC) * 0.05,
-                    tol_dw = 6.0 / 1024 * sqrt((double)N);
                 int has_bias = mode == 1 || mode == 2, gelu = mode >= 2;
                 float *x = hrand(dt, N * C, 1), *w = hrand(dt, OC * C, 0.05f);
                 float *b = hrand(dt, OC, 1), *out = hvec(N * OC), *pre = hvec(N * OC);
                 float *dy = hrand(dt, N * OC, 1), *dx = hrand(dt, N * C, 1);
                 float *dw = hrand(dt, OC * C, 1), *db = hrand(dt, OC, 1);
                 void *dxin, *dwt, *dbias, *dout, *dpre, *ddy, *ddx, *ddw, *ddb;
+                if (tf32)
+                    tol_f = 6.0 / 1024 * sqrt((double)C) * 0.05,
+                    tol_dx = 6.0 / 1024 * sqrt((double)OC) * 0.05,
+                    tol_dw = 6.0 / 1024 * sqrt((double)N);
                 if (N * OC > 4000000 && d > 0) {  // the large-vocabulary shape once, in fp32
                     free(x), free(w), free(b), free(out), free(pre), free(dy), free(dx), free(dw);
                     free(db);
