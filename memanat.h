@@ -1293,9 +1293,14 @@ MN_HD float mn_hd_adafactor_moment(float x, double sum, uint64_t count,
                                    const mn_hd_adafactor_coef *k) {
     return x * k->b2t + k->w2t * (float)(sum / (double)count);
 }
+// u's factors: rsqrt(R_i / mean(R)) of a row, rsqrt(C_j) of a column (a kernel that walks rows
+// or columns takes each once; the product below is the same bits).
+MN_HD float mn_hd_adafactor_row_factor(float row, float row_mean) {
+    return 1.0f / sqrtf(row / row_mean);
+}
+MN_HD float mn_hd_adafactor_col_factor(float col) { return 1.0f / sqrtf(col); }
 MN_HD float mn_hd_adafactor_u(float g, float row, float row_mean, float col) {
-    float rf = 1.0f / sqrtf(row / row_mean);
-    return rf * (1.0f / sqrtf(col)) * g;
+    return mn_hd_adafactor_row_factor(row, row_mean) * mn_hd_adafactor_col_factor(col) * g;
 }
 MN_HD float mn_hd_adafactor_u_vec(float g, float v) { return (1.0f / sqrtf(v)) * g; }
 // clip_div = max(1, RMS(u) / d) from the sum of u^2 (double) over n elements.

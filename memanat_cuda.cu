@@ -1752,6 +1752,20 @@ MNDEF mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *g
 // mn_adamw_params defaults as mn_adamw_init resolves them (0 = default, MN_OPTIM_ZERO = 0).
 static float mn__z(float v, float def) { return v == 0.0f ? def : v == MN_OPTIM_ZERO ? 0.0f : v; }
 
+// Found inf and clipping, once per thread at a step kernel's start: 1 when the global norm (given)
+// is not finite, so that the step is skipped; else *clip = the clip coefficient of the unscaled
+// norm (mn_hd_clip_coef), 1 without a norm.
+__device__ __forceinline__ int mn__step_clip(const float *grad_norm, float inv_scale,
+                                             float max_norm, float *clip) {
+    float nrm;
+    *clip = 1.0f;
+    if (!grad_norm) return 0;
+    nrm = *grad_norm;
+    if (!mn_hd_isfinite(nrm)) return 1;
+    *clip = mn_hd_clip_coef(nrm * inv_scale, max_norm);
+    return 0;
+}
+
 // AdamW, SGD and Lion: one kernel over a per-element functor. Found inf (a non-finite norm skips
 // the whole step), unscale, clip and the update in one pass; the 16-bit copy is written from the
 // new master weight.
@@ -1788,12 +1802,8 @@ static __global__ void __launch_bounds__(MN__EW_THREADS)
 mn__optim_kernel(float *param, P *param16, const G *grad, size_t n, OP op, const float *grad_norm,
                  float inv_scale, float max_norm) {
     size_t i;
-    float clip = 1.0f;
-    if (grad_norm) {
-        float nrm = *grad_norm;
-        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
-        clip = mn_hd_clip_coef(nrm * inv_scale, max_norm);
-    }
+    float clip;
+    if (mn__step_clip(grad_norm, inv_scale, max_norm, &clip)) return;  // found inf: skipped
     for (i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         float p = param[i];
@@ -1932,12 +1942,9 @@ mn__adamw8bit_kernel(float *param, P *param16, const G *grad, uint8_t *code1, ui
     float *map1 = mn__q8_smem, *map2 = map1 + 256, *mbuf = map2 + 256, *vbuf = mbuf + block_size;
     size_t nblocks = (n + block_size - 1) / block_size, b;
     unsigned j, w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float scale = inv_scale;
-    if (grad_norm) {
-        float nrm = *grad_norm;
-        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
-        scale = inv_scale * mn_hd_clip_coef(nrm * inv_scale, max_norm);
-    }
+    float clip, scale;
+    if (mn__step_clip(grad_norm, inv_scale, max_norm, &clip)) return;  // found inf: skipped
+    scale = inv_scale * clip;
     for (j = threadIdx.x; j < 512; j += blockDim.x) map1[j] = maps[j];
     __syncthreads();
     for (b = blockIdx.x; b < nblocks; b += gridDim.x) {
@@ -2032,12 +2039,9 @@ mn__adamw8bit_warp_kernel(float *param, P *param16, const G *grad, uint8_t *code
     const unsigned W = MN__Q8_THREADS / 32;
     size_t nblocks = (n + 255) / 256, b;
     unsigned j, lane = threadIdx.x % 32;
-    float scale = inv_scale;
-    if (grad_norm) {
-        float nrm = *grad_norm;
-        if (!mn_hd_isfinite(nrm)) return;  // found inf: the step is skipped
-        scale = inv_scale * mn_hd_clip_coef(nrm * inv_scale, max_norm);
-    }
+    float clip, scale;
+    if (mn__step_clip(grad_norm, inv_scale, max_norm, &clip)) return;  // found inf: skipped
+    scale = inv_scale * clip;
     for (j = threadIdx.x; j < 512 + (TAB ? 2 * MN_Q8_TAB : 0); j += blockDim.x)
         reinterpret_cast<uint32_t *>(mn__q8w_smem)[j] = reinterpret_cast<const uint32_t *>(maps)[j];
     __syncthreads();
@@ -2182,22 +2186,18 @@ MNDEF mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const mn_adamw8bit_params *
     if (!ctx->p->q8_maps) {  // once per context: mn_dynamic_map's two maps and their tables
         const size_t bytes = (512 + 2 * (size_t)MN_Q8_TAB) * 4;
         float *maps = (float *)mn__host_alloc(ctx, bytes), *dev = NULL;
-        cudaError_t e;
+        uint32_t *tabs = (uint32_t *)(maps + 512);
+        cudaError_t e = cudaSuccess;
         mn_result r1, r2;
         if (!maps) return MN_ERR_OUT_OF_MEMORY;
         mn_dynamic_map(1, maps), mn_dynamic_map(0, maps + 256);
-        r1 = mn_q8_table(maps, (uint32_t *)(maps + 512));
-        r2 = mn_q8_table(maps + 256, (uint32_t *)(maps + 512) + MN_Q8_TAB);
-        if ((e = cudaMalloc((void **)&dev, bytes)) == cudaSuccess &&
-            (e = cudaMemcpy(dev, maps, bytes, cudaMemcpyHostToDevice)) != cudaSuccess) {
+        r1 = mn_q8_table(maps, tabs), r2 = mn_q8_table(maps + 256, tabs + MN_Q8_TAB);
+        if (r1 != MN_ERR_OUT_OF_MEMORY && r2 != MN_ERR_OUT_OF_MEMORY &&
+            (e = cudaMalloc((void **)&dev, bytes)) == cudaSuccess &&
+            (e = cudaMemcpy(dev, maps, bytes, cudaMemcpyHostToDevice)) != cudaSuccess)
             (void)cudaFree(dev);
-            dev = NULL;
-        }
         mn__host_free(ctx, maps);
-        if (e == cudaSuccess && (r1 == MN_ERR_OUT_OF_MEMORY || r2 == MN_ERR_OUT_OF_MEMORY)) {
-            (void)cudaFree(dev);
-            return MN_ERR_OUT_OF_MEMORY;
-        }
+        if (r1 == MN_ERR_OUT_OF_MEMORY || r2 == MN_ERR_OUT_OF_MEMORY) return MN_ERR_OUT_OF_MEMORY;
         MN__CU(ctx, e);
         ctx->p->q8_maps = dev;
         ctx->p->q8_tab = r1 == MN_OK && r2 == MN_OK;  // (else the search: the same codes)
@@ -2217,13 +2217,7 @@ typedef struct mn__af_grad {
 
 // 1 when the step is skipped (found inf); else q->clip is set, once per thread.
 __device__ __forceinline__ int mn__af_begin(mn__af_grad *q) {
-    float nrm;
-    q->clip = 1.0f;
-    if (!q->norm) return 0;
-    nrm = *q->norm;
-    if (!mn_hd_isfinite(nrm)) return 1;
-    q->clip = mn_hd_clip_coef(nrm * q->inv_scale, q->max_norm);
-    return 0;
+    return mn__step_clip(q->norm, q->inv_scale, q->max_norm, &q->clip);
 }
 __device__ __forceinline__ float mn__af_gx(float x, const mn__af_grad *q) {
     return x * q->inv_scale * q->clip;
@@ -2373,7 +2367,7 @@ mn__af_col_finish_kernel(float *col, double *term, float *icol, const double *pa
                 s += sh[u][threadIdx.x], s2 += sh2[u][threadIdx.x];
             col[c] = x = mn_hd_adafactor_moment(col[c], s, rows, &k);
             term[c] = (double)rmean[b] * (s2 / (double)x);
-            icol[c] = 1.0f / sqrtf(x);
+            icol[c] = mn_hd_adafactor_col_factor(x);
         }
         __syncthreads();
     }
@@ -2457,7 +2451,7 @@ mn__af_apply_kernel(float *param, P *param16, float *m, float *v, const float *r
 
 // The factored update a row at a time (rows of at least MN__AF_ROW_MIN columns): a thread block
 // walks rows, its threads the columns, the row's factor once per row and the column's from icol:
-// u = rf (1 / sqrt(C_j)) g as mn_hd_adafactor_u, without a division per element to find the row.
+// u = rf cf g as mn_hd_adafactor_u, without a division per element to find the row.
 #define MN__AF_ROW_MIN 128
 template <typename G, typename P>
 static __global__ void __launch_bounds__(MN__AF_THREADS)
@@ -2471,7 +2465,7 @@ mn__af_apply_rows_kernel(float *param, P *param16, float *m, const float *row, c
     for (r = blockIdx.x; r < R; r += gridDim.x) {
         size_t b = r / rows, e0 = r * cols;
         const float *ic = icol + b * cols;
-        float rf = 1.0f / sqrtf(row[r] / rmean[b]);
+        float rf = mn_hd_adafactor_row_factor(row[r], rmean[b]);
         for (j = threadIdx.x; j < cols; j += MN__AF_THREADS) {
             float g = mn__af_g<G>(grad, e0 + j, &q);
             float u = rf * ic[j] * g, p = param[e0 + j], mm = m ? m[e0 + j] : 0.0f;
@@ -2498,7 +2492,7 @@ mn__af_apply_vec_kernel(float *param, P *param16, float *m, const float *row, co
     for (t = blockIdx.x * blockDim.x + threadIdx.x; t < npk; t += gridDim.x * blockDim.x) {
         unsigned r = t / ppr, jp = t - r * ppr, b = r / rows;
         size_t e0 = (size_t)t * 8;  // r cols + 8 jp
-        float g[8], p[8], mm[8], ic[8], rf = 1.0f / sqrtf(row[r] / rmean[b]);
+        float g[8], p[8], mm[8], ic[8], rf = mn_hd_adafactor_row_factor(row[r], rmean[b]);
         mn__ld8<G>(grad + e0, g), mn__ld8<float>(param + e0, p);
         mn__ld8<float>(icol + ((size_t)b * ppr + jp) * 8, ic);
         if (m) mn__ld8<float>(m + e0, mm);
