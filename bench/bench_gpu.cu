@@ -102,23 +102,16 @@ static void f_adamw(void *) {
     MN(mn_cuda_adamw_step(&ctx, NULL, &a));
 }
 
-// 8-bit AdamW: codes in am (m then v, a byte each), block scales in av.
-static void f_adamw8bit(void *) {
+// 8-bit AdamW: codes in am (m then v, a byte each), block scales in av. *skip = 1: the tensors
+// one element past 16-byte alignment, which the thread-block-per-block kernel serves (it also
+// serves other block sizes; a warp a block otherwise).
+static void f_adamw8bit(void *skip) {
+    size_t s = *(const size_t *)skip;
     mn_cuda_adamw8bit_args a;
     memset(&a, 0, sizeof a);
-    a.flat = bench_flat(adam_n, 1);
-    a.code1 = (uint8_t *)am, a.code2 = (uint8_t *)am + adam_n;
-    a.absmax1 = (float *)av, a.absmax2 = (float *)av + (adam_n + 255) / 256;
-    MN(mn_cuda_adamw8bit_step(&ctx, NULL, &a));
-}
-// The same step with the tensors one element past 16-byte alignment: the thread-block-per-block
-// kernel that serves unaligned tensors and other block sizes (a warp a block otherwise).
-static void f_adamw8bit_tb(void *) {
-    mn_cuda_adamw8bit_args a;
-    memset(&a, 0, sizeof a);
-    a.flat = bench_flat(adam_n - 1, 1);
-    a.flat.param += 1, a.flat.grad = (const uint16_t *)ag + 1;
-    a.flat.param16 = (uint16_t *)a16 + 1;
+    a.flat = bench_flat(adam_n - s, 1);
+    a.flat.param += s, a.flat.grad = (const uint16_t *)ag + s;
+    a.flat.param16 = (uint16_t *)a16 + s;
     a.code1 = (uint8_t *)am, a.code2 = (uint8_t *)am + adam_n;
     a.absmax1 = (float *)av, a.absmax2 = (float *)av + (adam_n + 255) / 256;
     MN(mn_cuda_adamw8bit_step(&ctx, NULL, &a));
@@ -384,10 +377,11 @@ int main(void) {
         row_bw("global norm 124M bf16", adam_n * 2.0, time_ms(f_norm, NULL));
         row_bw("AdamW 124M (fp32 master, m, v; bf16 g, copy)", adam_n * (4 * 2 + 2 + 4 * 4 + 2.0),
                time_ms(f_adamw, NULL));
+        static const size_t aligned = 0, unaligned = 1;
         row_bw("AdamW 8-bit 124M (fp32 master, 8-bit m, v; bf16 g, copy)",
-               adam_n * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit, NULL));
+               adam_n * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit, (void *)&aligned));
         row_bw("AdamW 8-bit, unaligned (a thread block a block)",
-               (adam_n - 1) * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit_tb, NULL));
+               (adam_n - 1) * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit, (void *)&unaligned));
         row_bw("SGD momentum 124M (fp32 master, b; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
                time_ms(f_sgd, NULL));
         row_bw("Lion 124M (fp32 master, m; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
