@@ -620,6 +620,12 @@ __device__ __forceinline__ float mn__warp_sum(float v) {
     return v;
 }
 
+__device__ __forceinline__ float mn__warp_max(float v) {
+    int o;
+    for (o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 __device__ __forceinline__ mn_hd_maxsum mn__warp_maxsum(mn_hd_maxsum s) {
     int o;
     for (o = 16; o > 0; o >>= 1) {
@@ -636,6 +642,20 @@ __device__ __forceinline__ mn_hd_maxsum mn__warp_maxsum(mn_hd_maxsum s) {
 // fp32 expf, as the host's mn_hd_* arithmetic.
 template <typename T> __device__ __forceinline__ float mn__ce_exp(float x) {
     return sizeof(T) == 4 ? expf(x) : __expf(x);
+}
+// exp(x a - m) for a row whose maximum m (of x a) is known, in the hot loops: fp32 storage expf of
+// the difference, as the host; 16-bit storage 2^(x a log2 e - m log2 e) in one FMA and the
+// hardware's exp2 (what __expf computes, less a subtraction and a multiply), with al = a log2 e
+// and ml = m log2 e taken once a row.
+#define MN__L2E 1.4426950408889634f
+__device__ __forceinline__ float mn__ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+template <typename T>
+__device__ __forceinline__ float mn__row_exp(float x, float a, float m, float al, float ml) {
+    return sizeof(T) == 4 ? expf(a * x - m) : mn__ex2(fmaf(x, al, -ml));
 }
 
 static unsigned mn__blocks(uint64_t n, unsigned per_block) {
@@ -1165,6 +1185,105 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 // fast exp times 1 / sum, mn__ce_exp). Backward: dot = sum out dout, then dinp += scale out
 // (dout - dot). VEC: each lane moves 16-byte packs (L a multiple of the pack, the tensors 16-byte
 // aligned), else single elements; a pack wholly past the visible columns is not read.
+// Row in registers (L a multiple of the pack K = 16 / sizeof(T), L <= 32 K NP, the tensors
+// 16-byte aligned): lane l holds packs j = 0..NP-1 at column (32 j + l) K, every load is issued
+// before any arithmetic and the row is read once; a pack wholly past the visible columns is
+// neither read nor (backward) written. The forward takes the row's maximum, then keeps the
+// exponentials in registers for the sum and the products (two passes over registers, not the
+// online rescaling: the same probabilities up to fp32 rounding). Else the streaming kernels:
+// the visible row is read twice, the second time from L1/L2.
+#define MN__SM_NP_MAX 8  // packs a lane: rows of up to 2048 fp16/bf16 or 1024 fp32 columns
+
+template <typename T, int NP>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__softmax_forward_reg_kernel(T *out, const T *inp, size_t N, size_t L, float scale,
+                               int causal) {
+    enum { K = 16 / sizeof(T) };
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, len;
+    unsigned lane = threadIdx.x % 32;
+    mn__pack<T> p[NP];
+    float mx = -INFINITY, sum = 0.0f, inv;
+    int j, k;
+    if (row >= N) return;
+    len = (size_t)mn_hd_softmax_len(row, L, causal);
+#pragma unroll
+    for (j = 0; j < NP; j++) {  // i < len <= L and L % K == 0: the whole pack is in the row
+        size_t i = ((size_t)j * 32 + lane) * K;
+        if (i < len) p[j] = mn__ld16(inp + row * L + i);
+    }
+#pragma unroll
+    for (j = 0; j < NP; j++) {
+        size_t i = ((size_t)j * 32 + lane) * K;
+#pragma unroll
+        for (k = 0; k < K; k++)
+            if (i + k < len) mx = fmaxf(mx, scale * mn__ld<T>(&p[j].v[k]));
+    }
+    mx = mn__warp_max(mx);
+    const float al = scale * MN__L2E, ml = mx * MN__L2E;
+#pragma unroll
+    for (j = 0; j < NP; j++) {
+        size_t i = ((size_t)j * 32 + lane) * K;
+#pragma unroll
+        for (k = 0; k < K; k++)
+            if (i + k < len) sum += mn__row_exp<T>(mn__ld<T>(&p[j].v[k]), scale, mx, al, ml);
+    }
+    sum = mn__warp_sum(sum);
+    inv = 1.0f / sum;
+#pragma unroll
+    for (j = 0; j < NP; j++) {
+        size_t i = ((size_t)j * 32 + lane) * K;
+        mn__pack<T> o;
+        if (i >= L) continue;
+#pragma unroll
+        for (k = 0; k < K; k++) {  // fp32 divides, as mn_hd_softmax_prob
+            float e = mn__row_exp<T>(mn__ld<T>(&p[j].v[k]), scale, mx, al, ml);
+            o.v[k] = mn__cvt<T>(i + k >= len ? 0.0f : sizeof(T) == 4 ? e / sum : e * inv);
+        }
+        mn__st16(out + row * L + i, o);
+    }
+}
+
+template <typename T, int NP>
+static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
+mn__softmax_backward_reg_kernel(T *dinp, const T *dout, const T *out, size_t N, size_t L,
+                                float scale, int causal) {
+    enum { K = 16 / sizeof(T) };
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, len;
+    unsigned lane = threadIdx.x % 32;
+    mn__pack<T> p[NP], q[NP], d[NP];
+    float dot = 0.0f;
+    int j, k;
+    if (row >= N) return;
+    len = (size_t)mn_hd_softmax_len(row, L, causal);
+#pragma unroll
+    for (j = 0; j < NP; j++) {  // y, dy and dx of the visible packs, all loads issued at once
+        size_t i = ((size_t)j * 32 + lane) * K;
+        if (i < len) {
+            p[j] = mn__ld16(out + row * L + i), q[j] = mn__ld16(dout + row * L + i);
+            d[j] = mn__ld16(dinp + row * L + i);
+        }
+    }
+#pragma unroll
+    for (j = 0; j < NP; j++) {
+        size_t i = ((size_t)j * 32 + lane) * K;
+#pragma unroll
+        for (k = 0; k < K; k++)
+            if (i + k < len) dot += mn__ld<T>(&p[j].v[k]) * mn__ld<T>(&q[j].v[k]);
+    }
+    dot = mn__warp_sum(dot);
+#pragma unroll
+    for (j = 0; j < NP; j++) {  // a pack across len keeps its masked entries
+        size_t i = ((size_t)j * 32 + lane) * K;
+        if (i >= len) continue;
+#pragma unroll
+        for (k = 0; k < K; k++)
+            if (i + k < len)
+                d[j].v[k] = mn__cvt<T>(mn__ld<T>(&d[j].v[k]) +
+                                       mn_hd_softmax_dinp(mn__ld<T>(&p[j].v[k]),
+                                                          mn__ld<T>(&q[j].v[k]), dot, scale));
+        mn__st16(dinp + row * L + i, d[j]);
+    }
+}
 
 template <typename T, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
@@ -1233,16 +1352,35 @@ mn__softmax_backward_kernel(T *dinp, const T *dout, const T *out, size_t N, size
     }
 }
 
+// Packs a lane of the register row: the smallest NP in 1, 2, 4, 8 with L <= 32 K NP; 0 when the
+// row is longer (the streaming kernels take it).
+static int mn__softmax_np(size_t L, size_t K) {
+    int np = 1;
+    if (L > 32 * K * MN__SM_NP_MAX) return 0;
+    while (L > 32 * K * (size_t)np) np *= 2;
+    return np;
+}
+
 template <typename T>
 static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, size_t N, size_t L,
                                      float scale, int causal) {
-    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
-    if (L % (16 / sizeof(T)) == 0 && mn__is16(out) && mn__is16(inp))
-        mn__softmax_forward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
-            (T *)out, (const T *)inp, N, L, scale, causal);
-    else
-        mn__softmax_forward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
-            (T *)out, (const T *)inp, N, L, scale, causal);
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK), block = 32 * MN__ROWS_PER_BLOCK;
+    int vec = L % (16 / sizeof(T)) == 0 && mn__is16(out) && mn__is16(inp);
+    cudaStream_t s = mn__stream(ctx);
+    T *y = (T *)out;
+    const T *x = (const T *)inp;
+#define MN__SM_FWD(NP) \
+    mn__softmax_forward_reg_kernel<T, NP><<<grid, block, 0, s>>>(y, x, N, L, scale, causal)
+    switch (vec ? mn__softmax_np(L, 16 / sizeof(T)) : 0) {
+    case 1: MN__SM_FWD(1); break;
+    case 2: MN__SM_FWD(2); break;
+    case 4: MN__SM_FWD(4); break;
+    case 8: MN__SM_FWD(8); break;
+    default:
+        if (vec) mn__softmax_forward_kernel<T, 1><<<grid, block, 0, s>>>(y, x, N, L, scale, causal);
+        else mn__softmax_forward_kernel<T, 0><<<grid, block, 0, s>>>(y, x, N, L, scale, causal);
+    }
+#undef MN__SM_FWD
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -1250,13 +1388,25 @@ static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, s
 template <typename T>
 static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout, const void *out,
                                       size_t N, size_t L, float scale, int causal) {
-    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK);
-    if (L % (16 / sizeof(T)) == 0 && mn__is16(dinp) && mn__is16(dout) && mn__is16(out))
-        mn__softmax_backward_kernel<T, 1><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
-            (T *)dinp, (const T *)dout, (const T *)out, N, L, scale, causal);
-    else
-        mn__softmax_backward_kernel<T, 0><<<grid, 32 * MN__ROWS_PER_BLOCK, 0, mn__stream(ctx)>>>(
-            (T *)dinp, (const T *)dout, (const T *)out, N, L, scale, causal);
+    unsigned grid = mn__blocks(N, MN__ROWS_PER_BLOCK), block = 32 * MN__ROWS_PER_BLOCK;
+    int vec = L % (16 / sizeof(T)) == 0 && mn__is16(dinp) && mn__is16(dout) && mn__is16(out);
+    cudaStream_t s = mn__stream(ctx);
+    T *dx = (T *)dinp;
+    const T *dy = (const T *)dout, *y = (const T *)out;
+#define MN__SM_BWD(NP) \
+    mn__softmax_backward_reg_kernel<T, NP><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale, causal)
+    switch (vec ? mn__softmax_np(L, 16 / sizeof(T)) : 0) {
+    case 1: MN__SM_BWD(1); break;
+    case 2: MN__SM_BWD(2); break;
+    case 4: MN__SM_BWD(4); break;
+    case 8: MN__SM_BWD(8); break;
+    default:
+        if (vec)
+            mn__softmax_backward_kernel<T, 1><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale, causal);
+        else
+            mn__softmax_backward_kernel<T, 0><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale, causal);
+    }
+#undef MN__SM_BWD
     MN__LAUNCHED(ctx);
     return MN_OK;
 }
@@ -1333,6 +1483,17 @@ struct mn__add_op {
 struct mn__gelu_op {
     __device__ float operator()(float x, float, float) const { return mn_hd_gelu(x); }
 };
+// For 16-bit storage: 0.5 x (1 + tanh u) = x / (1 + exp(-2 u)), the same function written with
+// the fast exp and reciprocal (a few fp32 ulp of relative error, far below a half ulp of fp16 or
+// bf16, and no cancellation in 1 + tanh u for negative x); tanhf's dozens of instructions made
+// the forward arithmetic-bound. Limits: exp overflows to inf for x << 0 and x / inf is -0 (tanhf
+// gives -1 there and 0.5 x 0 is -0 too); x = -inf gives NaN as the reference does.
+struct mn__gelu_fast_op {
+    __device__ float operator()(float x, float, float) const {
+        float u = MN_HD_GELU_K * (x + MN_HD_GELU_C * x * x * x);
+        return __fdividef(x, 1.0f + __expf(-2.0f * u));
+    }
+};
 struct mn__gelu_grad_op {  // (dinp, dout, inp)
     __device__ float operator()(float dx, float dy, float x) const {
         return dx + dy * mn_hd_gelu_grad(x);
@@ -1355,6 +1516,7 @@ MNDEF mn_result mn_cuda_residual_forward(mn_cuda *ctx, void *out, const void *in
 
 template <typename T>
 static mn_result mn__gelu_forward(mn_cuda *ctx, void *out, const void *inp, size_t n) {
+    if (sizeof(T) == 2) return mn__map<T>(ctx, out, inp, NULL, NULL, n, mn__gelu_fast_op());
     return mn__map<T>(ctx, out, inp, NULL, NULL, n, mn__gelu_op());
 }
 
@@ -1390,7 +1552,7 @@ MNDEF mn_result mn_cuda_gelu_backward(mn_cuda *ctx, void *dinp, const void *dout
 // pass reads them again. A thread writes only elements it has read itself, so in place is safe.
 // The arithmetic is the kernel's budget, not memory: per chunk of U packs the chunk's maximum
 // first, so that the running sum is rescaled once a chunk (not tested element by element), and
-// the probabilities multiply by 1 / sum; 16-bit storage takes the fast exp (mn__ce_exp), fp32
+// the probabilities multiply by dloss / sum; 16-bit storage takes the fast exp (mn__row_exp), fp32
 // keeps expf and the division of mn_hd_ce_dlogit.
 
 #define MN__CE_UNROLL 4  // packs a thread has in flight
@@ -1436,12 +1598,14 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
 #pragma unroll
                 for (k = 0; k < K; k++) cm = fmaxf(cm, mn__ld<T>(&q[u].v[k]));
         if (cm > s.max) s.sum *= mn__ce_exp<T>(s.max - cm), s.max = cm;
+        const float ml = s.max * MN__L2E;
 #pragma unroll
         for (u = 0; u < U; u++)
             if (p + (size_t)u * B < np) {
                 if (CACHE) cache[p + (size_t)u * B] = q[u];
 #pragma unroll
-                for (k = 0; k < K; k++) s.sum += mn__ce_exp<T>(mn__ld<T>(&q[u].v[k]) - s.max);
+                for (k = 0; k < K; k++)
+                    s.sum += mn__row_exp<T>(mn__ld<T>(&q[u].v[k]), 1.0f, s.max, MN__L2E, ml);
             }
     }
     s = mn__warp_maxsum(s);
@@ -1458,7 +1622,8 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
     __syncthreads();
     if (!dlogits) return;
     s = row_s;
-    float inv = 1.0f / s.sum;
+    // 16-bit: dlogit = exp(l - max) (dloss / sum) - [target] dloss, one FMA after the exp
+    const float ml = s.max * MN__L2E, sd = dloss / s.sum;
     if (t < ns)
         dlogits[row * V + js] =
             mn__cvt<T>(tgt < 0 ? 0.0f : mn_hd_ce_dlogit(xs, s, (size_t)tgt == js, dloss));
@@ -1481,7 +1646,7 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
                 for (k = 0; k < K; k++) {
                     float l = mn__ld<T>(&q[u].v[k]), d;
                     if (sizeof(T) == 4) d = mn_hd_ce_dlogit(l, s, k == kt, dloss);
-                    else d = (__expf(l - s.max) * inv - (k == kt ? 1.0f : 0.0f)) * dloss;
+                    else d = fmaf(mn__ex2(fmaf(l, MN__L2E, -ml)), sd, k == kt ? -dloss : 0.0f);
                     o.v[k] = mn__cvt<T>(tgt < 0 ? 0.0f : d);
                 }
                 mn__stk<T, VEC>(dv + (p + (size_t)u * B) * K, o);
@@ -1925,12 +2090,6 @@ struct mn__adamw8bit32_op {
     }
 };
 
-__device__ __forceinline__ float mn__warp_max(float v) {
-    int o;
-    for (o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 template <typename G, typename P>
 static __global__ void __launch_bounds__(MN__Q8_THREADS)
 mn__adamw8bit_kernel(float *param, P *param16, const G *grad, uint8_t *code1, uint8_t *code2,
@@ -2305,50 +2464,83 @@ mn__af_row_kernel(float *row, double *rinv, const G *grad, size_t R, size_t cols
     }
 }
 
-// C: column sums per chunk of rows as the column kernels above (block (32, 8): 32 columns of a
-// chunk; grid z walks the batches), partial [batch, chunks, cols] in double, and beside them
-// (partial2) the sums of g^2 / R_i that the update's RMS takes.
-template <typename G>
+// C: column sums per chunk of rows as the column kernels above (block (32, 8): 32 V columns of a
+// chunk, V = 8 with 16-byte loads when cols % 8 == 0 and grad is 16-byte aligned, else 1; grid z
+// walks the batches), partial [batch, chunks, cols] in double, and beside them (partial2) the
+// sums of g^2 / R_i that the update's RMS takes. The blocks of the first column group also sum
+// the chunk's fresh R_i into rpart [batch, chunks]: the finish takes mean(R) from them, in chunk
+// order, so that no kernel walks a whole column of R alone.
+template <typename G, int V>
 static __global__ void __launch_bounds__(32 * MN__COL_THREADS_Y)
-mn__af_col_partial_kernel(double *partial, double *partial2, const G *grad, const double *rinv,
-                          size_t batch, size_t rows, size_t cols, size_t rows_per_chunk,
-                          mn_hd_adafactor_coef k, mn__af_grad q) {
-    __shared__ double sb[MN__COL_THREADS_Y][32], sb2[MN__COL_THREADS_Y][32];
-    size_t j = (size_t)blockIdx.x * 32 + threadIdx.x, r0 = blockIdx.y * rows_per_chunk, b, i;
-    size_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    unsigned u;
+mn__af_col_partial_kernel(double *partial, double *partial2, double *rpart, const G *grad,
+                          const double *rinv, const float *row, size_t batch, size_t rows,
+                          size_t cols, size_t rows_per_chunk, mn_hd_adafactor_coef k,
+                          mn__af_grad q) {
+    __shared__ double sb[MN__COL_THREADS_Y][32 * V], sb2[MN__COL_THREADS_Y][32 * V];
+    __shared__ double rs[MN__COL_THREADS_Y];
+    size_t j0 = ((size_t)blockIdx.x * 32 + threadIdx.x) * V, r0 = blockIdx.y * rows_per_chunk;
+    size_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows, b, i;
+    unsigned u, t = threadIdx.y * 32 + threadIdx.x;
+    int e;
     if (mn__af_begin(&q)) return;
     for (b = blockIdx.z; b < batch; b += gridDim.z) {
-        double acc = 0.0, acc2 = 0.0;
-        if (j < cols)
+        double acc[V], acc2[V];
+#pragma unroll
+        for (e = 0; e < V; e++) acc[e] = 0.0, acc2[e] = 0.0;
+        if (j0 < cols)  // V = 8: cols % 8 == 0, so the whole pack is in the row
+#pragma unroll 2
             for (i = r0 + threadIdx.y; i < r1; i += MN__COL_THREADS_Y) {
-                float g = mn__af_g<G>(grad, (b * rows + i) * cols + j, &q);
-                acc += (double)(g * g + k.eps1);
-                acc2 += (double)g * g * rinv[b * rows + i];
+                float g[V];
+                double ri = rinv[b * rows + i];
+                if (V == 8) mn__ld8<G>(grad + (b * rows + i) * cols + j0, g);
+                else g[0] = mn__ld<G>(grad + (b * rows + i) * cols + j0);
+#pragma unroll
+                for (e = 0; e < V; e++) {
+                    float x = mn__af_gx(g[e], &q);
+                    acc[e] += (double)(x * x + k.eps1);
+                    acc2[e] += (double)x * x * ri;
+                }
             }
-        sb[threadIdx.y][threadIdx.x] = acc, sb2[threadIdx.y][threadIdx.x] = acc2;
+#pragma unroll
+        for (e = 0; e < V; e++)
+            sb[threadIdx.y][threadIdx.x * V + e] = acc[e], sb2[threadIdx.y][threadIdx.x * V + e] = acc2[e];
+        if (blockIdx.x == 0) {  // sum R_i over the chunk: the block's threads in order
+            double s = 0.0;
+            for (i = r0 + t; i < r1; i += 32 * MN__COL_THREADS_Y) s += row[b * rows + i];
+            s = mn__warp_sum_d(s);
+            if (threadIdx.x == 0) rs[threadIdx.y] = s;
+        }
         __syncthreads();
-        if (threadIdx.y == 0 && j < cols) {
-            for (acc = 0.0, acc2 = 0.0, u = 0; u < MN__COL_THREADS_Y; u++)
-                acc += sb[u][threadIdx.x], acc2 += sb2[u][threadIdx.x];
-            partial[(b * gridDim.y + blockIdx.y) * cols + j] = acc;
-            partial2[(b * gridDim.y + blockIdx.y) * cols + j] = acc2;
+        if (threadIdx.y == 0 && j0 < cols)
+#pragma unroll
+            for (e = 0; e < V; e++) {
+                double s = 0.0, s2 = 0.0;
+                for (u = 0; u < MN__COL_THREADS_Y; u++)
+                    s += sb[u][threadIdx.x * V + e], s2 += sb2[u][threadIdx.x * V + e];
+                partial[(b * gridDim.y + blockIdx.y) * cols + j0 + e] = s;
+                partial2[(b * gridDim.y + blockIdx.y) * cols + j0 + e] = s2;
+            }
+        if (blockIdx.x == 0 && t == 0) {
+            double s = 0.0;
+            for (u = 0; u < MN__COL_THREADS_Y; u++) s += rs[u];
+            rpart[b * gridDim.y + blockIdx.y] = s;
         }
         __syncthreads();
     }
 }
 // ... then per column (b, j) the chunks in order: block (32, MN__AF_FIN_Y), thread y adds the
-// chunks y, y + MN__AF_FIN_Y, ... and row 0 the MN__AF_FIN_Y sums (deterministic). From the new
-// C_j and mean(R) (rmean): term[b, j] = mean(R) sum_i (g^2 / R_i) / C_j, the column's share of
+// chunks y, y + MN__AF_FIN_Y, ... and row 0 the MN__AF_FIN_Y sums (deterministic); mean(R) from
+// rpart the same way (every block alike; the first column group's writes rmean[b] for the
+// update). From the new C_j and mean(R): term[b, j] = mean(R) sum_i (g^2 / R_i) / C_j, the column's share of
 // sum u^2 (u^2 = g^2 mean(R) / (R_i C_j): the host's sum, mn_adafactor_step), and icol[b, j] =
 // 1 / sqrt(C_j), the factor the update takes per column. Grid (cols / 32, batches).
 #define MN__AF_FIN_Y 16
 static __global__ void __launch_bounds__(32 * MN__AF_FIN_Y)
-mn__af_col_finish_kernel(float *col, double *term, float *icol, const double *partial,
-                         const double *partial2, const float *rmean, size_t batch,
-                         unsigned chunks, size_t rows, size_t cols, mn_hd_adafactor_coef k,
-                         mn__af_grad q) {
-    __shared__ double sh[MN__AF_FIN_Y][33], sh2[MN__AF_FIN_Y][33];
+mn__af_col_finish_kernel(float *col, double *term, float *icol, float *rmean,
+                         const double *partial, const double *partial2, const double *rpart,
+                         size_t batch, unsigned chunks, size_t rows, size_t cols,
+                         mn_hd_adafactor_coef k, mn__af_grad q) {
+    __shared__ double sh[MN__AF_FIN_Y][33], sh2[MN__AF_FIN_Y][33], shr[MN__AF_FIN_Y];
     size_t j = (size_t)blockIdx.x * 32 + threadIdx.x, b;
     unsigned u;
     if (mn__af_begin(&q)) return;
@@ -2359,31 +2551,26 @@ mn__af_col_finish_kernel(float *col, double *term, float *icol, const double *pa
                 s += partial[(b * chunks + u) * cols + j],
                 s2 += partial2[(b * chunks + u) * cols + j];
         sh[threadIdx.y][threadIdx.x] = s, sh2[threadIdx.y][threadIdx.x] = s2;
-        __syncthreads();
-        if (threadIdx.y == 0 && j < cols) {
-            size_t c = b * cols + j;
-            float x;
-            for (s = 0.0, s2 = 0.0, u = 0; u < MN__AF_FIN_Y; u++)
-                s += sh[u][threadIdx.x], s2 += sh2[u][threadIdx.x];
-            col[c] = x = mn_hd_adafactor_moment(col[c], s, rows, &k);
-            term[c] = (double)rmean[b] * (s2 / (double)x);
-            icol[c] = mn_hd_adafactor_col_factor(x);
+        if (threadIdx.x == 0) {
+            for (s = 0.0, u = threadIdx.y; u < chunks; u += MN__AF_FIN_Y) s += rpart[b * chunks + u];
+            shr[threadIdx.y] = s;
         }
         __syncthreads();
-    }
-}
-
-// mean(R) per batch: a block per batch, a fixed order.
-static __global__ void __launch_bounds__(MN__AF_THREADS)
-mn__af_rowmean_kernel(float *rmean, const float *row, size_t batch, size_t rows) {
-    size_t b, i;
-    for (b = blockIdx.x; b < batch; b += gridDim.x) {
-        double s = 0.0;
-#pragma unroll 4
-        for (i = threadIdx.x; i < rows; i += MN__AF_THREADS) s += row[b * rows + i];
-        s = mn__block_sum_d(s);
-        if (threadIdx.x == 0) rmean[b] = (float)(s / (double)rows);
-        __syncthreads();  // (mn__block_sum_d's shared sums, reused by the next batch)
+        if (threadIdx.y == 0) {
+            float rm, x;
+            for (s = 0.0, u = 0; u < MN__AF_FIN_Y; u++) s += shr[u];
+            rm = (float)(s / (double)rows);  // mean(R), as every block of the batch finds it
+            if (blockIdx.x == 0 && threadIdx.x == 0) rmean[b] = rm;
+            if (j < cols) {
+                size_t c = b * cols + j;
+                for (s = 0.0, s2 = 0.0, u = 0; u < MN__AF_FIN_Y; u++)
+                    s += sh[u][threadIdx.x], s2 += sh2[u][threadIdx.x];
+                col[c] = x = mn_hd_adafactor_moment(col[c], s, rows, &k);
+                term[c] = (double)rm * (s2 / (double)x);
+                icol[c] = mn_hd_adafactor_col_factor(x);
+            }
+        }
+        __syncthreads();
     }
 }
 
@@ -2517,24 +2704,26 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
     unsigned chunks = a->exp_avg_sq_row ? mn__row_chunks((size_t)a->rows) : 0;
     unsigned bgrid = (unsigned)(a->batch < 65535 ? a->batch : 65535);
     // scratch: partial [grid], scal [2], rmean [batch]; factored: the column partials (two
-    // [batch, chunks, cols]), 1 / R [R], term [batch, cols] (double), icol [batch, cols]
+    // [batch, chunks, cols]), 1 / R [R], term [batch, cols] (double), icol [batch, cols], the
+    // row partials [batch, chunks] (double)
     size_t pb = mn__round256(grid * sizeof(double)), mb = mn__round256(a->batch * sizeof(float));
     size_t cb = chunks ? mn__round256((size_t)chunks * BC * sizeof(double)) : 0;
     size_t rb = chunks ? mn__round256(R * sizeof(double)) : 0;
     size_t tb = chunks ? mn__round256(BC * sizeof(double)) : 0;
     size_t ib = chunks ? mn__round256(BC * sizeof(float)) : 0;
+    size_t qb = chunks ? mn__round256((size_t)chunks * a->batch * sizeof(double)) : 0;
     char *scr;
-    double *partial, *cpart, *cpart2, *rinv, *term;
+    double *partial, *cpart, *cpart2, *rinv, *term, *rpart;
     float *scal, *rmean, *icol;
     const G *g = (const G *)a->flat.grad;
     const int K = (int)(16 / sizeof(G));
     mn_result r;
-    if ((r = mn__scratch(ctx, pb + 256 + mb + 2 * cb + rb + tb + ib, (void **)&scr)) != MN_OK)
+    if ((r = mn__scratch(ctx, pb + 256 + mb + 2 * cb + rb + tb + ib + qb, (void **)&scr)) != MN_OK)
         return r;
     partial = (double *)scr, scal = (float *)(scr + pb), rmean = (float *)(scr + pb + 256);
     cpart = (double *)(scr + pb + 256 + mb), cpart2 = (double *)((char *)cpart + cb);
     rinv = (double *)((char *)cpart2 + cb), term = (double *)((char *)rinv + rb);
-    icol = (float *)((char *)term + tb);
+    icol = (float *)((char *)term + tb), rpart = (double *)((char *)icol + ib);
     if (mn__is16(a->flat.param))
         mn__af_sumsq_kernel<1><<<grid, MN__AF_THREADS, 0, s>>>(partial, a->flat.param, n);
     else
@@ -2560,18 +2749,23 @@ static mn_result mn__adafactor(mn_cuda *ctx, const mn_cuda_adafactor_args *a,
         mn__af_row_kernel<G, 0><<<mn__blocks(R, MN__ROWS_PER_BLOCK), 32 * MN__ROWS_PER_BLOCK, 0,
                                   s>>>(a->exp_avg_sq_row, rinv, g, R, a->cols, k, q);
     MN__LAUNCHED(ctx);
-    mn__af_rowmean_kernel<<<bgrid, MN__AF_THREADS, 0, s>>>(rmean, a->exp_avg_sq_row, a->batch,
-                                                          a->rows);
-    MN__LAUNCHED(ctx);
     {
         size_t rpc = ((size_t)a->rows + chunks - 1) / chunks;
-        dim3 cgrid(mn__blocks(a->cols, 32), chunks, bgrid);
-        mn__af_col_partial_kernel<G><<<cgrid, dim3(32, MN__COL_THREADS_Y), 0, s>>>(
-            cpart, cpart2, g, rinv, a->batch, a->rows, a->cols, rpc, k, q);
+        dim3 blk(32, MN__COL_THREADS_Y);
+        if (a->cols % 8 == 0 && mn__is16(g))
+            mn__af_col_partial_kernel<G, 8><<<dim3(mn__blocks(a->cols, 256), chunks, bgrid), blk, 0,
+                                              s>>>(cpart, cpart2, rpart, g, rinv,
+                                                   a->exp_avg_sq_row, a->batch, a->rows, a->cols,
+                                                   rpc, k, q);
+        else
+            mn__af_col_partial_kernel<G, 1><<<dim3(mn__blocks(a->cols, 32), chunks, bgrid), blk, 0,
+                                              s>>>(cpart, cpart2, rpart, g, rinv,
+                                                   a->exp_avg_sq_row, a->batch, a->rows, a->cols,
+                                                   rpc, k, q);
         MN__LAUNCHED(ctx);
     }
     mn__af_col_finish_kernel<<<dim3(mn__blocks(a->cols, 32), bgrid), dim3(32, MN__AF_FIN_Y), 0,
-                               s>>>(a->exp_avg_sq_col, term, icol, cpart, cpart2, rmean,
+                               s>>>(a->exp_avg_sq_col, term, icol, rmean, cpart, cpart2, rpart,
                                     a->batch, chunks, a->rows, a->cols, k, q);
     MN__LAUNCHED(ctx);
     mn__af_clip_kernel<<<1, MN__AF_THREADS, 0, s>>>(scal, term, BC, n, clip_threshold);

@@ -5,10 +5,11 @@
 //     cuBLASLt GEMM of the same shape; the fp32 GEMM in full precision and on TF32 tensor cores;
 //   - the caching allocator: ns per cached malloc+free on the device backend against
 //     cudaMalloc+cudaFree, and the order in which cudaMalloc hands out addresses.
-// Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, a
-// 12-head 1024-token causal softmax and attention, AdamW, SGD, Lion, Adafactor over 124M
+// Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, the
+// B = 8 x 12-head 1024-token causal softmax and attention, AdamW, SGD, Lion, Adafactor over 124M
 // parameters. Build: make gpu-bench (nvcc),
-// run: build/bench_gpu (bench/gpu.sh does both). Times: median of 20 runs after 3 warm-ups.
+// run: build/bench_gpu (bench/gpu.sh does both). Times: median of 20 runs after 3 warm-ups, each run
+// 10 launches in a row (time_ms).
 #define MEMANAT_CUDA
 #include "../memanat.h"
 
@@ -26,6 +27,24 @@ static double copy_gbs;
 #define MN(call) do { mn_result r_ = (call); if (r_ != MN_OK) \
     DIE("%s: %s", #call, mn_result_str(r_)); } while (0)
 
+// n bf16 values uniform in [lo, hi) (a fixed LCG; truncated to bf16) copied to dst.
+static void fill_bf16(void *dst, size_t n, float lo, float hi) {
+    uint16_t *h = (uint16_t *)malloc(n * 2);
+    uint64_t s = 0x9e3779b97f4a7c15ull;
+    size_t i;
+    if (!h) DIE("out of host memory for %zu values", n);
+    for (i = 0; i < n; i++) {
+        float f;
+        uint32_t u;
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        f = lo + (hi - lo) * (float)(s >> 40) / 16777216.0f;
+        memcpy(&u, &f, 4);
+        h[i] = (uint16_t)(u >> 16);
+    }
+    CU(cudaMemcpy(dst, h, n * 2, cudaMemcpyHostToDevice));
+    free(h);
+}
+
 static void *dalloc(size_t bytes) {
     void *p = NULL;
     MN(mn_cuda_mem_alloc(&ctx, bytes, &p));
@@ -38,33 +57,54 @@ static int cmp_f(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-// Median milliseconds of fn over 20 timed runs on ctx's stream.
+// Median milliseconds a launch of fn over 20 timed runs on ctx's stream, each run `reps` launches
+// in a row between two events (as a training step queues its kernels), after 3 warm-up runs.
+// cold: each run one launch, the L2 cache flushed before it (a memset of twice its size, outside
+// the events), so that no input is served from the previous run's L2 lines.
 typedef void (*bench_fn)(void *);
-static float time_ms(bench_fn fn, void *arg) {
+static void *flush_buf;
+static size_t flush_bytes;
+static float time_runs(bench_fn fn, void *arg, int reps, int cold) {
     cudaEvent_t a, b;
     float t[20];
-    int i;
+    int i, j;
     cudaStream_t s = (cudaStream_t)ctx.stream;
     CU(cudaEventCreate(&a));
     CU(cudaEventCreate(&b));
-    for (i = 0; i < 3; i++) fn(arg);
+    for (i = 0; i < 3; i++)
+        for (j = 0; j < reps; j++) fn(arg);
     for (i = 0; i < 20; i++) {
+        if (cold) CU(cudaMemsetAsync(flush_buf, i & 1, flush_bytes, s));
         CU(cudaEventRecord(a, s));
-        fn(arg);
+        for (j = 0; j < reps; j++) fn(arg);
         CU(cudaEventRecord(b, s));
         CU(cudaEventSynchronize(b));
         CU(cudaEventElapsedTime(&t[i], a, b));
+        t[i] /= (float)reps;
     }
     CU(cudaEventDestroy(a));
     CU(cudaEventDestroy(b));
     qsort(t, 20, sizeof t[0], cmp_f);
     return t[10];
 }
+#define REPS 10
+static float time_ms(bench_fn fn, void *arg) { return time_runs(fn, arg, REPS, 0); }
 
-static void row_bw(const char *name, double bytes, float ms) {
-    double gbs = bytes / (ms * 1e-3) / 1e9;
-    printf("| %-44s | %9.3f ms | %8.1f GB/s | %5.1f %% of copy |\n", name, ms, gbs,
-           100.0 * gbs / copy_gbs);
+// A memory-bound row: the time of a launch alone with a cold L2, its GB/s and share of copy (the
+// figure the targets take), and beside it the share of copy of REPS launches in a row on the same
+// buffers, where an input that fits in L2 (50 MB on an H100) comes back from it.
+static int once;  // `bench_gpu once`: each memory-bound kernel launched once, untimed (for ncu)
+static void row_bw(const char *name, double bytes, bench_fn fn, void *arg) {
+    float ms, ms1;
+    if (once) {
+        fn(arg);
+        CU(cudaStreamSynchronize((cudaStream_t)ctx.stream));
+        return;
+    }
+    ms = time_runs(fn, arg, 1, 1), ms1 = time_ms(fn, arg);
+    double gbs = bytes / (ms * 1e-3) / 1e9, gbs1 = bytes / (ms1 * 1e-3) / 1e9;
+    printf("| %-56s | %8.4f ms | %7.1f GB/s | %5.1f %% | %5.1f %% |\n", name, ms, gbs,
+           100.0 * gbs / copy_gbs, 100.0 * gbs1 / copy_gbs);
 }
 
 // ---- the benchmarks ------------------------------------------------------------------------------
@@ -81,8 +121,8 @@ static void f_resln_fwd(void *) { MN(mn_cuda_residual_layernorm_forward(&ctx, dr
 static void f_ln_bwd(void *) { MN(mn_cuda_layernorm_backward(&ctx, dres, w, bias, y, x, w, (const float *)mean, (const float *)rstd, BT, C, MN_BF16)); }
 static void f_gelu_fwd(void *) { MN(mn_cuda_gelu_forward(&ctx, big_b, big_a, (size_t)BT * C4, MN_BF16)); }
 static void f_gelu_bwd(void *) { MN(mn_cuda_gelu_backward(&ctx, big_b, pre, big_a, (size_t)BT * C4, MN_BF16)); }
-static void f_sm_fwd(void *) { MN(mn_cuda_softmax_forward(&ctx, big_b, big_a, (size_t)NH * T, T, 0.125f, 1, MN_BF16)); }
-static void f_sm_bwd(void *) { MN(mn_cuda_softmax_backward(&ctx, big_b, pre, big_a, (size_t)NH * T, T, 0.125f, 1, MN_BF16)); }
+static void f_sm_fwd(void *) { MN(mn_cuda_softmax_forward(&ctx, big_b, big_a, (size_t)BT * NH, T, 0.125f, 1, MN_BF16)); }
+static void f_sm_bwd(void *) { MN(mn_cuda_softmax_backward(&ctx, big_b, pre, big_a, (size_t)BT * NH, T, 0.125f, 1, MN_BF16)); }
 static void f_ce(void *) { MN(mn_cuda_crossentropy_forward_backward(&ctx, (float *)losses, logits, logits, (const int *)targets, 1.0f / BT, BT, V, MN_BF16)); }
 static void f_norm(void *) { MN(mn_cuda_global_norm(&ctx, (float *)anorm, ag, adam_n, MN_BF16)); }
 // The flat-buffer arguments every optimizer row shares: 124M fp32 master weights with a bf16
@@ -300,11 +340,14 @@ static void allocator(void) {
 // the estimator's simulated device takes it to be ascending. Six allocations of a size in a row,
 // then two of them freed and one more asked for: where it lands.
 static void address_order(void) {
-    static const size_t sizes[] = {(size_t)2 << 20, (size_t)20 << 20};
+    static const size_t sizes[] = {(size_t)1 << 20,  (size_t)2 << 20,   (size_t)4 << 20,
+                                   (size_t)6 << 20,  (size_t)8 << 20,   (size_t)10 << 20,
+                                   (size_t)12 << 20, (size_t)20 << 20,  (size_t)32 << 20,
+                                   (size_t)64 << 20, (size_t)256 << 20, (size_t)1024 << 20};
     size_t s;
     printf("\n| cudaMalloc, 6 in a row       | steps up / down | after freeing the 3rd and 4th, the next |\n"
            "|---|---|---|\n");
-    for (s = 0; s < 2; s++) {
+    for (s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
         char *p[6], *q;
         int i, up = 0, down = 0;
         const char *where;
@@ -324,11 +367,30 @@ static void address_order(void) {
     }
 }
 
-int main(void) {
+// A mixed sequence, as a training run's segments come: each address in MiB from the first's.
+static void address_mix(void) {
+    static const int mib[] = {20, 2, 2, 40, 20, 2, 100, 2, 20, 8};
+    enum { NM = sizeof mib / sizeof mib[0] };
+    char *p[NM];
+    int i;
+    printf("\ncudaMalloc of");
+    for (i = 0; i < NM; i++) {
+        CU(cudaMalloc((void **)&p[i], (size_t)mib[i] << 20));
+        printf(" %d", mib[i]);
+    }
+    printf(" MiB in turn: MiB from the first:");
+    for (i = 0; i < NM; i++) printf(" %+.0f", (double)(p[i] - p[0]) / 1048576.0);
+    printf("\n");
+    for (i = 0; i < NM; i++) CU(cudaFree(p[i]));
+}
+
+int main(int argc, char **argv) {
     char reason[256];
     int count;
     mn_cuda_desc d;
     size_t eb = 2;  // bf16
+    once = argc > 1 && strcmp(argv[1], "once") == 0;
+    if (argc > 1 && !once) DIE("usage: bench_gpu [once]");
     if (mn_cuda_device_count(&count, reason, sizeof reason) != MN_OK)
         DIE("no CUDA device (%s)", reason);
     memset(&d, 0, sizeof d);
@@ -352,49 +414,63 @@ int main(void) {
     a16 = dalloc(adam_n * 2), anorm = dalloc(4);
     MN(mn_cuda_mem_set(&ctx, w, 0x3c, (size_t)C4 * C * eb));  // small nonzero bf16 values
     MN(mn_cuda_mem_set(&ctx, x, 0x3c, (size_t)BT * C * eb));
+    // GELU's and the softmax's inputs vary (tanhf's time depends on its argument)
+    fill_bf16(big_a, copy_bytes / 2, -4.0f, 4.0f), fill_bf16(pre, copy_bytes / 2, -1.0f, 1.0f);
     MN(mn_cuda_sync(&ctx));
 
+    {
+        int l2 = 0;
+        CU(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, ctx.desc.device));
+        flush_bytes = 2 * (size_t)(l2 > 0 ? l2 : 64 << 20);
+        flush_buf = dalloc(flush_bytes);
+    }
     copy_gbs = 2.0 * copy_bytes / (time_ms(f_copy, NULL) * 1e-3) / 1e9;
-    printf("| kernel (bf16 storage, GPT-2 small sizes)     |      time |    bandwidth | vs copy        |\n");
-    printf("|---|---|---|---|\n");
-    printf("| cudaMemcpy device-to-device, %4zu MB          |           | %8.1f GB/s | 100.0 %% of copy |\n",
+    printf("| kernel (bf16 storage, GPT-2 small sizes)                 | time, cold  | bandwidth    | of copy | %d in a row |\n",
+           REPS);
+    printf("|---|---|---|---|---|\n");
+    printf("| cudaMemcpy device-to-device, %4zu MB                     |             | %7.1f GB/s | 100.0 %% |       |\n",
            copy_bytes >> 20, copy_gbs);
     {
         double nc = (double)BT * C * eb;
-        row_bw("layernorm forward 8192x768", 2 * nc + BT * 8.0, time_ms(f_ln_fwd, NULL));
-        row_bw("residual + layernorm forward 8192x768", 4 * nc + BT * 8.0, time_ms(f_resln_fwd, NULL));
-        row_bw("layernorm backward 8192x768 (dx, dw, db)", 4 * nc + BT * 8.0, time_ms(f_ln_bwd, NULL));
-        row_bw("GELU forward 8192x3072", 2.0 * BT * C4 * eb, time_ms(f_gelu_fwd, NULL));
-        row_bw("GELU backward 8192x3072", 4.0 * BT * C4 * eb, time_ms(f_gelu_bwd, NULL));
+        row_bw("layernorm forward 8192x768", 2 * nc + BT * 8.0, f_ln_fwd, NULL);
+        row_bw("residual + layernorm forward 8192x768", 4 * nc + BT * 8.0, f_resln_fwd, NULL);
+        row_bw("layernorm backward 8192x768 (dx, dw, db)", 4 * nc + BT * 8.0, f_ln_bwd, NULL);
+        row_bw("GELU forward 8192x3072", 2.0 * BT * C4 * eb, f_gelu_fwd, NULL);
+        row_bw("GELU backward 8192x3072", 4.0 * BT * C4 * eb, f_gelu_bwd, NULL);
         // causal: a row reads its visible columns (T (T + 1) / 2 per head in all) and the forward
         // writes every column (masked ones 0); the backward reads out, dout, dinp and writes dinp
         // over the visible columns only
-        double vis = (double)NH * T * (T + 1) / 2.0;
-        row_bw("softmax forward causal 12x1024x1024", (vis + (double)NH * T * T) * eb,
-               time_ms(f_sm_fwd, NULL));
-        row_bw("softmax backward causal 12x1024x1024", 4.0 * vis * eb, time_ms(f_sm_bwd, NULL));
-        row_bw("cross-entropy fused 8192x50257 (in place)", 2.0 * BT * V * eb, time_ms(f_ce, NULL));
-        row_bw("global norm 124M bf16", adam_n * 2.0, time_ms(f_norm, NULL));
+        double vis = (double)(BT / T) * NH * T * (T + 1) / 2.0;
+        row_bw("softmax forward causal 8x12x1024x1024", (vis + (double)BT * NH * T) * eb,
+               f_sm_fwd, NULL);
+        row_bw("softmax backward causal 8x12x1024x1024", 4.0 * vis * eb, f_sm_bwd, NULL);
+        row_bw("cross-entropy fused 8192x50257 (in place)", 2.0 * BT * V * eb, f_ce, NULL);
+        row_bw("global norm 124M bf16", adam_n * 2.0, f_norm, NULL);
         row_bw("AdamW 124M (fp32 master, m, v; bf16 g, copy)", adam_n * (4 * 2 + 2 + 4 * 4 + 2.0),
-               time_ms(f_adamw, NULL));
+               f_adamw, NULL);
         static const size_t aligned = 0, unaligned = 1;
         row_bw("AdamW 8-bit 124M (fp32 master, 8-bit m, v; bf16 g, copy)",
-               adam_n * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit, (void *)&aligned));
+               adam_n * (4 * 2 + 2 + 2 * 2 + 2.0), f_adamw8bit, (void *)&aligned);
         row_bw("AdamW 8-bit, unaligned (a thread block a block)",
-               (adam_n - 1) * (4 * 2 + 2 + 2 * 2 + 2.0), time_ms(f_adamw8bit, (void *)&unaligned));
+               (adam_n - 1) * (4 * 2 + 2 + 2 * 2 + 2.0), f_adamw8bit, (void *)&unaligned);
         row_bw("SGD momentum 124M (fp32 master, b; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
-               time_ms(f_sgd, NULL));
+               f_sgd, NULL);
         row_bw("Lion 124M (fp32 master, m; bf16 g, copy)", adam_n * (4 * 4 + 2 + 2.0),
-               time_ms(f_lion, NULL));
+               f_lion, NULL);
         af_row = dalloc(AF_ROWS * 4), af_col = dalloc(C * 4);
         row_bw("Adafactor 161458x768 (factored; bf16 g x3, copy)", (double)AF_ROWS * C * 20.0,
-               time_ms(f_adafactor, NULL));
+               f_adafactor, NULL);
+    }
+    if (once) {
+        mn_cuda_free(&ctx_tf32), mn_cuda_free(&ctx_unfused), mn_cuda_free(&ctx);
+        return 0;
     }
     gemms();
     gemm_fp32();
     attention();
     allocator();
     address_order();
+    address_mix();
     printf("\nGEMM epilogue counters: fused %llu, fallback %llu (fused context)\n",
            (unsigned long long)ctx.gemm_fused, (unsigned long long)ctx.gemm_unfused);
     mn_cuda_free(&ctx_tf32);
