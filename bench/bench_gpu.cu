@@ -59,8 +59,10 @@ static int cmp_f(const void *a, const void *b) {
 
 // Median milliseconds a launch of fn over 20 timed runs on ctx's stream, each run `reps` launches
 // in a row between two events (as a training step queues its kernels), after 3 warm-up runs.
-// cold: each run one launch, the L2 cache flushed before it (a memset of twice its size, outside
-// the events), so that no input is served from the previous run's L2 lines.
+// cold: each run one launch, the L2 cache flushed before it by a memset of twice its size outside
+// the events (nvbench's and Triton's do_bench's flush), so that no input is served from the
+// previous run's L2 lines; the memset's lines are dirty, and their write-back during the kernel
+// is in its time (a cost a kernel that moves less than the L2 feels; ncu invalidates instead).
 typedef void (*bench_fn)(void *);
 static void *flush_buf;
 static size_t flush_bytes;

@@ -6,7 +6,8 @@
 # kernels with shared memory), the slowest part, last. GPU_LOGS=DIR also copies every log there.
 # Needs only the CUDA toolkit (nvcc, cuBLASLt, compute-sanitizer), a C compiler and make.
 # Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit). On an H100:
-# about 8 minutes, 6 of them under the sanitizers (matmul's racecheck alone about 3).
+# 7.6 minutes with GPU_RACECHECK_MATMUL=0, most of them under the sanitizers; matmul's racecheck adds
+# about 3.
 # Exit status: 0 when every test passed under every tool; the table is printed either way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
