@@ -1023,6 +1023,39 @@ static void test_snapshot_json_and_svg(void) {
     tc_close(&e);
 }
 
+// Every allocated block is found by its address whether it is among the last ones handed out
+// (the nursery in front of the address map) or in the map, and a released one by neither: random
+// allocations and releases around 40 live blocks (the nursery holds 16), each release followed by
+// a second one that must fail, record_stream (a lookup) on a live block, the cache checked as it
+// goes.
+static void test_address_lookup(void) {
+    enum { N = 200 };
+    tc_env e;
+    void *live[N];
+    int n = 0, step;
+    if (tc_open(&e, 0, NULL, 16) != MN_OK) {
+        CHECK(0);
+        return;
+    }
+    for (step = 0; step < 4000; step++) {
+        uint64_t r = mnt_rand_u64() % 100;
+        if (n == N || (n > 0 && r < (uint64_t)(n > 40 ? 60 : 35))) {
+            int k = (int)(mnt_rand_u64() % (uint64_t)n);
+            if (r % 7 == 0) CHECK_OK(mn_cache_record_stream(&e.cache, live[k], 0));
+            CHECK_OK(mn_cache_release(&e.cache, live[k]));
+            CHECK_ERR(mn_cache_release(&e.cache, live[k]), MN_ERR_INVALID_ARG);
+            live[k] = live[--n];
+        } else {
+            live[n++] = tc_alloc(&e, 512 + mnt_rand_u64() % (4 * MIB), 0);
+        }
+        if (step % 250 == 0) tc_consistent(&e);
+    }
+    while (n > 0) CHECK_OK(mn_cache_release(&e.cache, live[--n]));
+    tc_consistent(&e);
+    CHECK_EQ_U64(tc_stats(&e).allocation[MN_STAT_ALL].current, 0);
+    tc_close(&e);
+}
+
 static void test_many_blocks_and_plain_device(void) {
     enum { N = 3000 };
     tc_env e;
@@ -1928,6 +1961,7 @@ const mnt_case test_cache_cases[] = {
     {"slab_failure_injection", test_slab_failure_injection},
     {"threads", test_threads},
     {"snapshot_json_and_svg", test_snapshot_json_and_svg},
+    {"address_lookup", test_address_lookup},
     {"many_blocks_and_plain_device", test_many_blocks_and_plain_device},
     {"bad_arguments", test_bad_arguments},
     {"replay_cli", test_replay_cli},
