@@ -10174,6 +10174,7 @@ struct mn__c_segment {
 
 typedef struct mn__c_bin {
     mn__c_block *root, *first;  // treap by (stream, size, addr); its smallest node
+    uint64_t first_addr;        // first->addr, 0 when empty (read without reading the block)
 } mn__c_bin;
 
 typedef struct mn__c_sbin {  // one stream of a pool
@@ -10202,19 +10203,6 @@ typedef struct mn__c_slot {  // 8 bytes: a probe reads no block unless the tags 
     uint32_t id1;            // the block's id + 1, 0 = empty
 } mn__c_slot;
 
-// The nursery: the last MN__C_NURSERY blocks handed out, by address, in a ring in front of the
-// address map. A block goes into the map only when the ring comes round to it still allocated, so
-// a block released soon after it was handed out never touches the map, whose slots (one per
-// allocated block, spread by the hash) are a cache miss each once there are many blocks; the line
-// of the entry the next allocation will move into the map is asked for when the call starts.
-#define MN__C_NURSERY 16
-#define MN__C_NURSERY_SLOT (1ull << 63)  // a slot number with this bit names a nursery entry
-typedef struct mn__c_nentry {
-    uint64_t addr;
-    uint32_t id1;  // the block's id + 1, 0 = empty
-    uint32_t unused;
-} mn__c_nentry;
-
 typedef struct mn__c_cache {
     mn_device dev;
     mn_cache_config cfg;
@@ -10230,8 +10218,6 @@ typedef struct mn__c_cache {
     mn__c_pool small, large;
     mn__c_slot *map;                // allocated and pending blocks by address, linear probing
     uint64_t map_cap, map_count;    // map_cap: a power of two, at most 2^32
-    mn__c_nentry nursery[MN__C_NURSERY];  // allocated blocks not in the map yet
-    uint32_t nursery_next, nursery_count;  // the entry the next block takes; entries in use
     mn__c_segment *segs;            // every segment
     mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
     mn__c_block *spare;             // unused block structs
@@ -10573,19 +10559,25 @@ MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
     }
 }
 
-// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none.
-MN__C_STEP mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
+// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none. The
+// block found is most often its bin's first, whose address goes into the address map when it is
+// handed out: that slot's line is asked for together with the block's, not after it (with many
+// blocks both are cache misses).
+MN__C_STEP mn__c_block *mn__c_pool_lower_bound(const mn__c_cache *c, mn__c_pool *p, mn_stream s,
+                                               uint64_t size) {
     mn__c_sbin *e;
     mn__c_block *b;
     uint32_t i;
     if (!p->bins || !(e = mn__c_sbin_find(p, s))) return NULL;
     i = mn__c_bin_of(size);
     if (mn__c_bit_get(e, i)) {
+        mn__c_map_prefetch(c, p->bins[i].first_addr);
         b = mn__c_bin_lower(&p->bins[i], s, size);
         if (b && b->stream == s) return b;
     }
     i = mn__c_bit_next(e, i + 1);  // every block of a later bin is larger
     if (i >= MN__C_BINS) return NULL;
+    mn__c_map_prefetch(c, p->bins[i].first_addr);
     return mn__c_bin_lower(&p->bins[i], s, 0);
 }
 
@@ -10658,7 +10650,7 @@ MN__C_STEP void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
         } else {
             mn__c_tr_insert(&bin->root, b, 0);
         }
-        if (!f || mn__c_node_lt(b, f, 0)) bin->first = b;
+        if (!f || mn__c_node_lt(b, f, 0)) bin->first = b, bin->first_addr = b->addr;
         mn__c_bit_set(mn__c_sbin_find(p, b->stream), b->bin);  // made with the segment
     } else {
         mn__c_tr_insert(&p->unmapped, b, 1);
@@ -10674,7 +10666,7 @@ MN__C_STEP void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
         int keep = n && n->stream == b->stream;  // the bin still holds blocks of b's stream
         if (!keep && bin->first != b)
             keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
-        if (bin->first == b) bin->first = n;
+        if (bin->first == b) bin->first = n, bin->first_addr = n ? n->addr : 0;
         mn__c_tr_erase(&bin->root, b);
         if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream), b->bin);
     } else {
@@ -10810,42 +10802,19 @@ MN__C_STEP mn_result mn__c_map_reserve(mn__c_cache *c) {
     return (c->map_count + 1) * 2 <= c->map_cap ? MN_OK : mn__c_map_grow(c);
 }
 
-MN__PRIVATE void mn__c_map_insert(mn__c_cache *c, uint64_t addr, uint32_t id1) {
-    uint32_t tag = (uint32_t)(mn__c_hash64(addr) >> 32);
+MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
+    uint32_t tag = (uint32_t)(mn__c_hash64(b->addr) >> 32);
     uint64_t h = mn__c_home(tag, c->map_cap);
     while (c->map[h].id1) h = (h + 1) & (c->map_cap - 1);
     c->map[h].tag = tag;
-    c->map[h].id1 = id1;
+    c->map[h].id1 = b->id + 1;
     c->map_count++;
 }
 
-// Asks for the map line that the next mn__c_map_put will write (that of the nursery entry it
-// moves out), at the start of an allocation: the miss overlaps the search for a block.
-MN__PRIVATE void mn__c_map_put_prefetch(const mn__c_cache *c) {
-    const mn__c_nentry *e = &c->nursery[c->nursery_next];
-    if (e->id1) mn__c_map_prefetch(c, e->addr);
-}
-
-// Records allocated block b: into the nursery, whose oldest entry, when still allocated, moves into
-// the map (mn__c_map_reserve made room for it).
-MN__PRIVATE void mn__c_map_put(mn__c_cache *c, mn__c_block *b) {
-    mn__c_nentry *e = &c->nursery[c->nursery_next];
-    if (e->id1) mn__c_map_insert(c, e->addr, e->id1);
-    else c->nursery_count++;
-    e->addr = b->addr, e->id1 = b->id + 1;
-    c->nursery_next = (c->nursery_next + 1) % MN__C_NURSERY;
-}
-
-// The block at addr and its slot, NULL if none: the nursery's entries first, then the map, where
-// the blocks whose tags agree are read to compare.
+// The block at addr and its slot, NULL if none; the blocks whose tags agree are read to compare.
 MN__PRIVATE mn__c_block *mn__c_map_find(const mn__c_cache *c, uint64_t addr, uint64_t *slot) {
-    uint32_t tag, k;
+    uint32_t tag;
     uint64_t h;
-    for (k = 0; k < MN__C_NURSERY; k++)
-        if (c->nursery[k].addr == addr && c->nursery[k].id1) {
-            *slot = MN__C_NURSERY_SLOT | k;
-            return mn__c_block_at(c, c->nursery[k].id1 - 1);
-        }
     if (!c->map_cap) return NULL;
     tag = (uint32_t)(mn__c_hash64(addr) >> 32);
     h = mn__c_home(tag, c->map_cap);
@@ -10862,15 +10831,9 @@ MN__PRIVATE mn__c_block *mn__c_map_find(const mn__c_cache *c, uint64_t addr, uin
     return NULL;
 }
 
-// Removes slot i (from mn__c_map_find): a nursery entry is emptied; in the map, later entries of
-// the probe run shift back (no tombstones).
+// Removes slot i, shifting later entries of the probe run back (no tombstones).
 MN__PRIVATE void mn__c_map_del(mn__c_cache *c, uint64_t i) {
     uint64_t mask = c->map_cap - 1, j = i;
-    if (i & MN__C_NURSERY_SLOT) {
-        c->nursery[i & (MN__C_NURSERY - 1)].id1 = 0;
-        c->nursery_count--;
-        return;
-    }
     c->map[i].id1 = 0;
     c->map_count--;
     for (;;) {
@@ -11308,7 +11271,7 @@ MN__C_STEP mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_s
                                              uint64_t size) {
     mn__c_block *b;
     if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) p->get_free_calls++;
-    b = mn__c_pool_lower_bound(p, s, size);
+    b = mn__c_pool_lower_bound(c, p, s, size);
     if (!b || b->stream != s) return NULL;
     if (c->cfg.expandable_segments && b->seg->expandable) {  // (the segment is not read else)
         // rank by the size the block can grow to (its unmapped successor included)
@@ -11476,7 +11439,7 @@ MN__PRIVATE int mn__c_release_available(mn__c_cache *c, mn__c_pool *p, mn_stream
     mn__c_block *b;
     if (c->pol.max_split == UINT64_MAX) return 0;
     key = size < c->pol.max_split ? c->pol.max_split : size;
-    b = mn__c_pool_lower_bound(p, s, key);
+    b = mn__c_pool_lower_bound(c, p, s, key);
     if (!b || b->stream != s || b->seg->expandable) {
         b = mn__c_pool_before(p, s, key, 0);
         while (b && released < key && b->size >= c->pol.max_split && b->stream == s) {
@@ -11649,7 +11612,6 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
     }
     // host memory first, so that nothing below fails half-way
     if ((r = mn__c_map_reserve(c)) != MN_OK) goto done;
-    mn__c_map_put_prefetch(c);
     if ((r = mn__c_spare_reserve(c, MN__C_SPARE_BLOCKS)) != MN_OK) goto done;
     if (c->ev_head) mn__c_process_events(c);
     size = mn__c_round_size(&c->pol, orig);
@@ -12019,7 +11981,8 @@ MN__PRIVATE mn_result mn__c_bins_check(mn__c_cache *c, mn__c_pool *p, uint64_t *
         if (!p->set[i]) continue;  // never used (fields not set)
         mn__c_tree_check(bin->root, &n, 0, &prev, &bad);
         if (bad || (bin->root && bin->root->up) || (!bin->root) != (!bin->first) ||
-            (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))))
+            (bin->first && (bin->first->l || mn__c_tr_prev(bin->first))) ||
+            bin->first_addr != (bin->first ? bin->first->addr : 0))
             MN__C_FAIL("cache check: bin %u out of order", i);
         for (b = bin->first; b; b = mn__c_tr_next((mn__c_block *)(uintptr_t)b)) {
             mn__c_sbin *e = mn__c_sbin_find(p, b->stream);
@@ -12150,8 +12113,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
             MN__C_FAIL("cache check: pool counts %llu whole free segments, %llu are",
                        (unsigned long long)p->whole, (unsigned long long)whole[k]);
     }
-    if (allocated != c->map_count + c->nursery_count)
-        MN__C_FAIL("cache check: address map size");
+    if (allocated != c->map_count) MN__C_FAIL("cache check: address map size");
     for (t = 1; t < MN_STAT_TYPE_COUNT; t++) {
         MN_CACHE_STATS(MN__C_SUM)
     }

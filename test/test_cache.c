@@ -1023,11 +1023,10 @@ static void test_snapshot_json_and_svg(void) {
     tc_close(&e);
 }
 
-// Every allocated block is found by its address whether it is among the last ones handed out
-// (the nursery in front of the address map) or in the map, and a released one by neither: random
-// allocations and releases around 40 live blocks (the nursery holds 16), each release followed by
-// a second one that must fail, record_stream (a lookup) on a live block, the cache checked as it
-// goes.
+// Every allocated block is found by its address and a released one is not: random allocations
+// and releases around 40 live blocks (the address map grows and its probe runs shift back), each
+// release followed by a second one that must fail, record_stream (a lookup) on a live block, the
+// cache checked as it goes.
 static void test_address_lookup(void) {
     enum { N = 200 };
     tc_env e;
