@@ -916,6 +916,20 @@ MN_HD float mn_hd_gelu(float x) {
     float u = MN_HD_GELU_K * (x + MN_HD_GELU_C * x * x * x);
     return 0.5f * x * (1.0f + tanhf(u));
 }
+// GELU as the kernels for 16-bit storage compute it: 0.5 x (1 + tanh u) = x / (1 + exp(-2u)),
+// the same function (1 + tanh u = 2 / (1 + exp(-2u))) without tanhf's dozens of instructions
+// and without the cancellation of 1 + tanh u for x << 0. On the device the fast exp and divide
+// (a few fp32 ulp), on the host expf and a division. Limits: exp(-2u) overflows to inf for
+// x << 0 and x / inf is -0 (0.5 x (1 + tanhf u) is -0 there too); x = -inf gives NaN, as
+// mn_hd_gelu does.
+MN_HD float mn_hd_gelu_fast(float x) {
+    float u = MN_HD_GELU_K * (x + MN_HD_GELU_C * x * x * x);
+#ifdef __CUDA_ARCH__
+    return __fdividef(x, 1.0f + __expf(-2.0f * u));
+#else
+    return x / (1.0f + expf(-2.0f * u));
+#endif
+}
 MN_HD float mn_hd_gelu_grad(float x) {
     float u = MN_HD_GELU_K * (x + MN_HD_GELU_C * x * x * x), t = tanhf(u);
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * MN_HD_GELU_K *
@@ -958,6 +972,20 @@ MN_HD mn_hd_maxsum mn_hd_maxsum_merge(mn_hd_maxsum a, mn_hd_maxsum b) {
 // t = n % L and sees keys 0..t), the probability of one (already scaled) input, the backward.
 MN_HD uint64_t mn_hd_softmax_len(uint64_t n, uint64_t L, int causal) {
     return causal ? n % L + 1 : L;
+}
+// exp(a x - m) as the row loops of the softmax and cross-entropy kernels compute it for 16-bit
+// storage: 2^(x a log2 e - m log2 e), one FMA with al = a log2 e and ml = m log2 e taken once a
+// row, then the device's hardware exp2 (exp2f on the host). Relative error about
+// (|a x| + |m|) 2^-24 from the rounding of the argument, far below a half ulp of fp16 or bf16.
+#define MN_HD_LOG2E 1.4426950408889634f
+MN_HD float mn_hd_exp_fma(float x, float al, float ml) {
+#ifdef __CUDA_ARCH__
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, al, -ml)));
+    return y;
+#else
+    return exp2f(fmaf(x, al, -ml));
+#endif
 }
 MN_HD float mn_hd_softmax_prob(float scaled_x, mn_hd_maxsum s) {
     return expf(scaled_x - s.max) / s.sum;

@@ -644,18 +644,11 @@ template <typename T> __device__ __forceinline__ float mn__ce_exp(float x) {
     return sizeof(T) == 4 ? expf(x) : __expf(x);
 }
 // exp(x a - m) for a row whose maximum m (of x a) is known, in the hot loops: fp32 storage expf of
-// the difference, as the host; 16-bit storage 2^(x a log2 e - m log2 e) in one FMA and the
-// hardware's exp2 (what __expf computes, less a subtraction and a multiply), with al = a log2 e
-// and ml = m log2 e taken once a row.
-#define MN__L2E 1.4426950408889634f
-__device__ __forceinline__ float mn__ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
+// the difference, as the host; 16-bit storage mn_hd_exp_fma with al = a log2 e and ml = m log2 e
+// taken once a row.
 template <typename T>
 __device__ __forceinline__ float mn__row_exp(float x, float a, float m, float al, float ml) {
-    return sizeof(T) == 4 ? expf(a * x - m) : mn__ex2(fmaf(x, al, -ml));
+    return sizeof(T) == 4 ? expf(a * x - m) : mn_hd_exp_fma(x, al, ml);
 }
 
 static unsigned mn__blocks(uint64_t n, unsigned per_block) {
@@ -1219,7 +1212,7 @@ mn__softmax_forward_reg_kernel(T *out, const T *inp, size_t N, size_t L, float s
             if (i + k < len) mx = fmaxf(mx, scale * mn__ld<T>(&p[j].v[k]));
     }
     mx = mn__warp_max(mx);
-    const float al = scale * MN__L2E, ml = mx * MN__L2E;
+    const float al = scale * MN_HD_LOG2E, ml = mx * MN_HD_LOG2E;
 #pragma unroll
     for (j = 0; j < NP; j++) {
         size_t i = ((size_t)j * 32 + lane) * K;
@@ -1483,16 +1476,8 @@ struct mn__add_op {
 struct mn__gelu_op {
     __device__ float operator()(float x, float, float) const { return mn_hd_gelu(x); }
 };
-// For 16-bit storage: 0.5 x (1 + tanh u) = x / (1 + exp(-2 u)), the same function written with
-// the fast exp and reciprocal (a few fp32 ulp of relative error, far below a half ulp of fp16 or
-// bf16, and no cancellation in 1 + tanh u for negative x); tanhf's dozens of instructions made
-// the forward arithmetic-bound. Limits: exp overflows to inf for x << 0 and x / inf is -0 (tanhf
-// gives -1 there and 0.5 x 0 is -0 too); x = -inf gives NaN as the reference does.
-struct mn__gelu_fast_op {
-    __device__ float operator()(float x, float, float) const {
-        float u = MN_HD_GELU_K * (x + MN_HD_GELU_C * x * x * x);
-        return __fdividef(x, 1.0f + __expf(-2.0f * u));
-    }
+struct mn__gelu_fast_op {  // 16-bit storage: mn_hd_gelu_fast
+    __device__ float operator()(float x, float, float) const { return mn_hd_gelu_fast(x); }
 };
 struct mn__gelu_grad_op {  // (dinp, dout, inp)
     __device__ float operator()(float dx, float dy, float x) const {
@@ -1598,14 +1583,14 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
 #pragma unroll
                 for (k = 0; k < K; k++) cm = fmaxf(cm, mn__ld<T>(&q[u].v[k]));
         if (cm > s.max) s.sum *= mn__ce_exp<T>(s.max - cm), s.max = cm;
-        const float ml = s.max * MN__L2E;
+        const float ml = s.max * MN_HD_LOG2E;
 #pragma unroll
         for (u = 0; u < U; u++)
             if (p + (size_t)u * B < np) {
                 if (CACHE) cache[p + (size_t)u * B] = q[u];
 #pragma unroll
                 for (k = 0; k < K; k++)
-                    s.sum += mn__row_exp<T>(mn__ld<T>(&q[u].v[k]), 1.0f, s.max, MN__L2E, ml);
+                    s.sum += mn__row_exp<T>(mn__ld<T>(&q[u].v[k]), 1.0f, s.max, MN_HD_LOG2E, ml);
             }
     }
     s = mn__warp_maxsum(s);
@@ -1623,7 +1608,7 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
     if (!dlogits) return;
     s = row_s;
     // 16-bit: dlogit = exp(l - max) (dloss / sum) - [target] dloss, one FMA after the exp
-    const float ml = s.max * MN__L2E, sd = dloss / s.sum;
+    const float ml = s.max * MN_HD_LOG2E, sd = dloss / s.sum;
     if (t < ns)
         dlogits[row * V + js] =
             mn__cvt<T>(tgt < 0 ? 0.0f : mn_hd_ce_dlogit(xs, s, (size_t)tgt == js, dloss));
@@ -1646,7 +1631,7 @@ mn__crossentropy_kernel(float *losses, T *dlogits, const T *logits, const int *t
                 for (k = 0; k < K; k++) {
                     float l = mn__ld<T>(&q[u].v[k]), d;
                     if (sizeof(T) == 4) d = mn_hd_ce_dlogit(l, s, k == kt, dloss);
-                    else d = fmaf(mn__ex2(fmaf(l, MN__L2E, -ml)), sd, k == kt ? -dloss : 0.0f);
+                    else d = fmaf(mn_hd_exp_fma(l, MN_HD_LOG2E, ml), sd, k == kt ? -dloss : 0.0f);
                     o.v[k] = mn__cvt<T>(tgt < 0 ? 0.0f : d);
                 }
                 mn__stk<T, VEC>(dv + (p + (size_t)u * B) * K, o);

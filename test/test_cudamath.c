@@ -62,6 +62,75 @@ static void test_gelu(void) {
     }
 }
 
+// The 16-bit kernels' GELU, x / (1 + exp(-2u)): against the same function in double to a few fp32
+// ulp (relative, or 1e-37 absolute where it underflows) on fresh normal, wide uniform and edge
+// values, and through fp16/bf16 storage against the reference op within the storage tolerance.
+static void test_gelu_fast(void) {
+    enum { N = 200000 };
+    static const float edge[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 1e-3f, -1e-3f, 3.0f, -3.0f, -5.5f,
+                                 -9.9f, -10.0f, -12.0f, -20.0f, -88.0f, -6e4f, 6e4f, 40.0f};
+    float *x = mnt_fvec(N), *ref = mnt_fvec(N), *got = mnt_fvec(N);
+    double worst = 0.0;
+    size_t i;
+    int d;
+    for (i = 0; i < N; i++)
+        x[i] = i < sizeof edge / sizeof edge[0] ? edge[i]
+               : i % 2 ? (float)(3.0 * mnt_rand_normal())
+                       : (float)(60.0 * mnt_rand_uniform() - 30.0);
+    for (i = 0; i < N; i++) {
+        double xd = x[i], u = 0.7978845608028654 * (xd + 0.044715 * xd * xd * xd);
+        // 0.5 x (1 + tanh u) in double would cancel to 0 below x = -9 (tanh rounds to -1)
+        double want = xd / (1.0 + exp(-2.0 * u)), g = mn_hd_gelu_fast(x[i]);
+        // fp32's own conditioning: u carries a few ulp of its largest term, and exp(-2u) turns
+        // that into a relative error of about |2u| of them (1.5e-5 near x = -9.5, where the
+        // result is 1e-35): 4 |u| + 4 units of 2^-23
+        double lim = (4.0 * fabs(u) + 4.0) * ldexp(1.0, -23) * fabs(want) + 1e-37;
+        double err = fabs(g - want);
+        if (err > lim) {
+            CHECK(err <= lim);
+            break;
+        }
+        if (xd >= 0.0 && err / (fabs(want) + 1e-300) > worst) worst = err / (fabs(want) + 1e-300);
+    }
+    CHECK(worst < 4.8e-7);  // 4 ulp for x >= 0, where exp(-2u) <= 1
+    CHECK(isnan(mn_hd_gelu_fast(-INFINITY)) && isnan(mn_hd_gelu(-INFINITY)));
+    CHECK(mn_hd_gelu_fast(INFINITY) == INFINITY && isnan(mn_hd_gelu_fast(NAN)));
+    CHECK(mn_hd_gelu_fast(-200.0f) == 0.0f && mn_hd_gelu(-200.0f) == 0.0f);
+    for (d = 1; d < 3; d++) {  // the storage the fast form serves
+        for (i = 0; i < N; i++) x[i] = st(dtypes[d], x[i]);
+        mn_gelu_forward(ref, x, N);
+        for (i = 0; i < N; i++) got[i] = st(dtypes[d], mn_hd_gelu_fast(x[i]));
+        CHECK_DT("gelu forward, 16-bit kernels' form", d, got, ref, N);
+    }
+    free(x), free(ref), free(got);
+}
+
+// exp(a x - m) as the 16-bit kernels' row loops take it (one FMA, then exp2): relative error
+// within (|a x| + |m| + 1) 2^-22 of exp in double on fresh rows (the row's maximum as m, as the
+// kernels have it), and exactly 0 for a masked -inf.
+static void test_exp_fma(void) {
+    int r;
+    for (r = 0; r < 2000; r++) {
+        float a = (float)(0.05 + 2.0 * mnt_rand_uniform()), x[64], m = -INFINITY;
+        float al, ml;
+        int j;
+        for (j = 0; j < 64; j++) {
+            x[j] = (float)((r % 3 ? 4.0 : 40.0) * mnt_rand_normal());
+            if (a * x[j] > m) m = a * x[j];
+        }
+        al = a * MN_HD_LOG2E, ml = m * MN_HD_LOG2E;
+        for (j = 0; j < 64; j++) {
+            double want = exp((double)a * x[j] - m), got = mn_hd_exp_fma(x[j], al, ml);
+            double lim = (fabs((double)a * x[j]) + fabs(m) + 1.0) * ldexp(1.0, -22) * want + 1e-38;
+            if (fabs(got - want) > lim) {
+                CHECK(fabs(got - want) <= lim);
+                return;
+            }
+        }
+        CHECK(mn_hd_exp_fma(-INFINITY, al, ml) == 0.0f);
+    }
+}
+
 // The warp's view of a row: lane l sums elements l, l+32, ...; the xor tree adds lane pairs.
 static float warp_sum_rows(const float *v, size_t n) {
     float lane[32];
@@ -926,6 +995,8 @@ static void test_adafactor(void) {
 
 const mnt_case test_cudamath_cases[] = {
     {"gelu", test_gelu},
+    {"gelu_fast", test_gelu_fast},
+    {"exp_fma", test_exp_fma},
     {"layernorm", test_layernorm},
     {"softmax", test_softmax},
     {"crossentropy", test_crossentropy},
