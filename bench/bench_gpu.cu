@@ -369,6 +369,26 @@ static void address_order(void) {
     }
 }
 
+// Where blocks go after a large one: a k MiB cudaMalloc, then 12 of 2 MiB, each printed in MiB
+// from the large block (a range the large one opened shows as +k, +k+2, ...).
+static void address_fill(void) {
+    static const int ks[] = {20, 40, 100};
+    size_t s;
+    for (s = 0; s < sizeof ks / sizeof ks[0]; s++) {
+        char *big, *q[12];
+        int i;
+        CU(cudaMalloc((void **)&big, (size_t)ks[s] << 20));
+        printf("cudaMalloc of %d MiB, then 2 MiB blocks at MiB from it:", ks[s]);
+        for (i = 0; i < 12; i++) {
+            CU(cudaMalloc((void **)&q[i], (size_t)2 << 20));
+            printf(" %+.0f", (double)(q[i] - big) / 1048576.0);
+        }
+        printf("\n");
+        for (i = 0; i < 12; i++) CU(cudaFree(q[i]));
+        CU(cudaFree(big));
+    }
+}
+
 // A mixed sequence, as a training run's segments come: each address in MiB from the first's.
 static void address_mix(void) {
     static const int mib[] = {20, 2, 2, 40, 20, 2, 100, 2, 20, 8};
@@ -473,6 +493,7 @@ int main(int argc, char **argv) {
     allocator();
     address_order();
     address_mix();
+    address_fill();
     printf("\nGEMM epilogue counters: fused %llu, fallback %llu (fused context)\n",
            (unsigned long long)ctx.gemm_fused, (unsigned long long)ctx.gemm_unfused);
     mn_cuda_free(&ctx_tf32);
