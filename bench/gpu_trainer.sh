@@ -6,6 +6,7 @@
 #      order of their sums only);
 #   2. fp16 with loss scaling and an overflow planted at step 5 (the skipped step logged), bf16,
 #      and a run stopped, saved and resumed against the uninterrupted one (losses bit-identical);
+#      the --memory-svg timeline and --snapshot JSON of a GPU run written and well-formed;
 #   3. predicted vs measured peak per memory category on 10 configurations (target: within 2 %),
 #      the reserved peak beside them;
 #   4. GPT-2 small (12 layers, 768 wide, T 1024, V 50257) in bf16: tokens/s (the mean of the last
@@ -58,6 +59,19 @@ if train gpu_full --device cuda --steps 20 && \
         echo "resume: steps 11-20 bit-identical to the uninterrupted run"
     else
         say "resume: the resumed losses differ from the uninterrupted run's"; status=1
+    fi
+fi
+
+say "== 2c. --memory-svg and --snapshot of a GPU step (tiny, bf16, 3 steps)"
+if train gpu_snap --device cuda --steps 3 --precision bf16 --memory-svg "$out/gpu_step.svg" \
+         --snapshot "$out/gpu_snapshot.json"; then
+    if grep -q '^<svg ' "$out/gpu_step.svg" && grep -q '"segments":\[' "$out/gpu_snapshot.json" &&
+       grep -q '"device_traces"' "$out/gpu_snapshot.json"; then
+        echo "snapshot: $(grep -o '"total_size":[0-9]*' "$out/gpu_snapshot.json" | wc -l) segments," \
+             "$(grep -o '"action":' "$out/gpu_snapshot.json" | wc -l) trace entries;" \
+             "timeline $out/gpu_step.svg"
+    else
+        say "the SVG or the snapshot of the GPU step is not what it should be"; status=1
     fi
 fi
 
