@@ -59,12 +59,13 @@ static int cmp_f(const void *a, const void *b) {
 
 // Median milliseconds a launch of fn over 20 timed runs on ctx's stream, each run `reps` launches
 // in a row between two events (as a training step queues its kernels), after 3 warm-up runs.
-// cold: each run one launch, the L2 cache flushed before it by a memset of twice its size outside
-// the events (nvbench's and Triton's do_bench's flush), so that no input is served from the
-// previous run's L2 lines; the memset's lines are dirty, and their write-back during the kernel
-// is in its time (a cost a kernel that moves less than the L2 feels; ncu invalidates instead).
+// cold: each run one launch, the L2 cache flushed before it outside the events, so that no input
+// is served from the previous run's L2 lines. cold 1: a memset of twice the L2 (nvbench's and
+// Triton's do_bench's flush); its lines are dirty, and their write-back during the kernel is in
+// its time (a cost a kernel that moves less than the L2 feels). cold 2: a read of the same bytes
+// (the global norm of them), which leaves clean lines, as ncu's invalidation does.
 typedef void (*bench_fn)(void *);
-static void *flush_buf;
+static void *flush_buf, *flush_norm;
 static size_t flush_bytes;
 static float time_runs(bench_fn fn, void *arg, int reps, int cold) {
     cudaEvent_t a, b;
@@ -76,7 +77,9 @@ static float time_runs(bench_fn fn, void *arg, int reps, int cold) {
     for (i = 0; i < 3; i++)
         for (j = 0; j < reps; j++) fn(arg);
     for (i = 0; i < 20; i++) {
-        if (cold) CU(cudaMemsetAsync(flush_buf, i & 1, flush_bytes, s));
+        if (cold == 1) CU(cudaMemsetAsync(flush_buf, i & 1, flush_bytes, s));
+        if (cold == 2)
+            MN(mn_cuda_global_norm(&ctx, (float *)flush_norm, flush_buf, flush_bytes / 4, MN_FP32));
         CU(cudaEventRecord(a, s));
         for (j = 0; j < reps; j++) fn(arg);
         CU(cudaEventRecord(b, s));
@@ -92,21 +95,23 @@ static float time_runs(bench_fn fn, void *arg, int reps, int cold) {
 #define REPS 10
 static float time_ms(bench_fn fn, void *arg) { return time_runs(fn, arg, REPS, 0); }
 
-// A memory-bound row: the time of a launch alone with a cold L2, its GB/s and share of copy (the
-// figure the targets take), and beside it the share of copy of REPS launches in a row on the same
-// buffers, where an input that fits in L2 (50 MB on an H100) comes back from it.
+// A memory-bound row: the time of a launch alone with a cold L2 (memset flush), its GB/s and share
+// of copy (the figure the targets take); beside it the share of copy alone after a clean flush,
+// and of REPS launches in a row on the same buffers, where an input that fits in L2 (50 MB on an
+// H100) comes back from it.
 static int once;  // `bench_gpu once`: each memory-bound kernel launched once, untimed (for ncu)
 static void row_bw(const char *name, double bytes, bench_fn fn, void *arg) {
-    float ms, ms1;
+    float ms, ms1, ms2;
     if (once) {
         fn(arg);
         CU(cudaStreamSynchronize((cudaStream_t)ctx.stream));
         return;
     }
-    ms = time_runs(fn, arg, 1, 1), ms1 = time_ms(fn, arg);
+    ms = time_runs(fn, arg, 1, 1), ms2 = time_runs(fn, arg, 1, 2), ms1 = time_ms(fn, arg);
     double gbs = bytes / (ms * 1e-3) / 1e9, gbs1 = bytes / (ms1 * 1e-3) / 1e9;
-    printf("| %-56s | %8.4f ms | %7.1f GB/s | %5.1f %% | %5.1f %% |\n", name, ms, gbs,
-           100.0 * gbs / copy_gbs, 100.0 * gbs1 / copy_gbs);
+    double gbs2 = bytes / (ms2 * 1e-3) / 1e9;
+    printf("| %-56s | %8.4f ms | %7.1f GB/s | %5.1f %% | %5.1f %% | %5.1f %% |\n", name, ms, gbs,
+           100.0 * gbs / copy_gbs, 100.0 * gbs2 / copy_gbs, 100.0 * gbs1 / copy_gbs);
 }
 
 // ---- the benchmarks ------------------------------------------------------------------------------
@@ -444,13 +449,13 @@ int main(int argc, char **argv) {
         int l2 = 0;
         CU(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, ctx.desc.device));
         flush_bytes = 2 * (size_t)(l2 > 0 ? l2 : 64 << 20);
-        flush_buf = dalloc(flush_bytes);
+        flush_buf = dalloc(flush_bytes), flush_norm = dalloc(4);
     }
     copy_gbs = 2.0 * copy_bytes / (time_ms(f_copy, NULL) * 1e-3) / 1e9;
-    printf("| kernel (bf16 storage, GPT-2 small sizes)                 | time, cold  | bandwidth    | of copy | %d in a row |\n",
+    printf("| kernel (bf16 storage, GPT-2 small sizes)                 | time, cold  | bandwidth    | of copy | clean L2 | %d in a row |\n",
            REPS);
-    printf("|---|---|---|---|---|\n");
-    printf("| cudaMemcpy device-to-device, %4zu MB                     |             | %7.1f GB/s | 100.0 %% |       |\n",
+    printf("|---|---|---|---|---|---|\n");
+    printf("| cudaMemcpy device-to-device, %4zu MB                     |             | %7.1f GB/s | 100.0 %% |          |       |\n",
            copy_bytes >> 20, copy_gbs);
     {
         double nc = (double)BT * C * eb;
