@@ -1181,10 +1181,10 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 // Row in registers (L a multiple of the pack K = 16 / sizeof(T), L <= 32 K NP, the tensors
 // 16-byte aligned): lane l holds packs j = 0..NP-1 at column (32 j + l) K, every load is issued
 // before any arithmetic and the row is read once; a pack wholly past the visible columns is
-// neither read nor (backward) written. The forward takes the row's maximum, then keeps the
-// exponentials in registers for the sum and the products (two passes over registers, not the
-// online rescaling: the same probabilities up to fp32 rounding). Else the streaming kernels:
-// the visible row is read twice, the second time from L1/L2.
+// neither read nor (backward) written. The forward takes the row's maximum, then sums the
+// exponentials and computes each again for its product (passes over registers, not the online
+// rescaling: the same probabilities up to fp32 rounding). Else the streaming kernels: the
+// visible row is read twice, the second time from L1/L2.
 #define MN__SM_NP_MAX 8  // packs a lane: rows of up to 2048 fp16/bf16 or 1024 fp32 columns
 
 template <typename T, int NP>
@@ -1395,9 +1395,11 @@ static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout
     case 8: MN__SM_BWD(8); break;
     default:
         if (vec)
-            mn__softmax_backward_kernel<T, 1><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale, causal);
+            mn__softmax_backward_kernel<T, 1><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
+                                                                      causal);
         else
-            mn__softmax_backward_kernel<T, 0><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale, causal);
+            mn__softmax_backward_kernel<T, 0><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
+                                                                      causal);
     }
 #undef MN__SM_BWD
     MN__LAUNCHED(ctx);
@@ -2488,7 +2490,8 @@ mn__af_col_partial_kernel(double *partial, double *partial2, double *rpart, cons
             }
 #pragma unroll
         for (e = 0; e < V; e++)
-            sb[threadIdx.y][threadIdx.x * V + e] = acc[e], sb2[threadIdx.y][threadIdx.x * V + e] = acc2[e];
+            sb[threadIdx.y][threadIdx.x * V + e] = acc[e],
+            sb2[threadIdx.y][threadIdx.x * V + e] = acc2[e];
         if (blockIdx.x == 0) {  // sum R_i over the chunk: the block's threads in order
             double s = 0.0;
             for (i = r0 + t; i < r1; i += 32 * MN__COL_THREADS_Y) s += row[b * rows + i];
@@ -2516,9 +2519,10 @@ mn__af_col_partial_kernel(double *partial, double *partial2, double *rpart, cons
 // ... then per column (b, j) the chunks in order: block (32, MN__AF_FIN_Y), thread y adds the
 // chunks y, y + MN__AF_FIN_Y, ... and row 0 the MN__AF_FIN_Y sums (deterministic); mean(R) from
 // rpart the same way (every block alike; the first column group's writes rmean[b] for the
-// update). From the new C_j and mean(R): term[b, j] = mean(R) sum_i (g^2 / R_i) / C_j, the column's share of
-// sum u^2 (u^2 = g^2 mean(R) / (R_i C_j): the host's sum, mn_adafactor_step), and icol[b, j] =
-// 1 / sqrt(C_j), the factor the update takes per column. Grid (cols / 32, batches).
+// update). From the new C_j and mean(R): term[b, j] = mean(R) sum_i (g^2 / R_i) / C_j, the
+// column's share of sum u^2 (u^2 = g^2 mean(R) / (R_i C_j): the host's sum, mn_adafactor_step),
+// and icol[b, j] = 1 / sqrt(C_j), the factor the update takes per column. Grid (cols / 32,
+// batches).
 #define MN__AF_FIN_Y 16
 static __global__ void __launch_bounds__(32 * MN__AF_FIN_Y)
 mn__af_col_finish_kernel(float *col, double *term, float *icol, float *rmean,
@@ -2537,7 +2541,8 @@ mn__af_col_finish_kernel(float *col, double *term, float *icol, float *rmean,
                 s2 += partial2[(b * chunks + u) * cols + j];
         sh[threadIdx.y][threadIdx.x] = s, sh2[threadIdx.y][threadIdx.x] = s2;
         if (threadIdx.x == 0) {
-            for (s = 0.0, u = threadIdx.y; u < chunks; u += MN__AF_FIN_Y) s += rpart[b * chunks + u];
+            for (s = 0.0, u = threadIdx.y; u < chunks; u += MN__AF_FIN_Y)
+                s += rpart[b * chunks + u];
             shr[threadIdx.y] = s;
         }
         __syncthreads();
