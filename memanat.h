@@ -7476,13 +7476,16 @@ MN__PRIVATE void mn__replay_memo_turn(mn__sim *S) {
 }
 
 MN__PRIVATE void mn__c_solo(mn_cache *cache);
+MN__PRIVATE void mn__c_direct(mn_cache *cache);
+MN__PRIVATE void *mn__c_last_block(mn_cache *cache);
+MN__PRIVATE mn_result mn__c_release_direct(mn_cache *cache, void *block);
 
 // mn_cache_replay's loop (an allocation of a live id first releases the old block, a free of an
 // id with no live block is skipped, *failed counts the allocations refused after the whole
 // out-of-memory ladder) on the simulation's events; with stop set it stops at the first one
-// refused (*stopped 1). The ids index an array: the estimator's tensor ids are below a few times
-// the event count; other ids, or no host memory for the array, replay whole through
-// mn_cache_replay.
+// refused (*stopped 1). The ids index an array of the blocks handed out (the cache keeps no
+// address map then: mn__c_direct): the estimator's tensor ids are below a few times the event
+// count; other ids, or no host memory for the array, replay whole through mn_cache_replay.
 MN__PRIVATE mn_result mn__replay_events(mn__sim *S, mn_cache *c, int stop, int *stopped,
                                         uint64_t *failed) {
     const mn__ev *ev = S->ev;
@@ -7509,10 +7512,11 @@ MN__PRIVATE mn_result mn__replay_events(mn__sim *S, mn_cache *c, int stop, int *
         return r;
     }
     memset(blk, 0, ((size_t)top + 1) * sizeof *blk);
+    mn__c_direct(c);
     for (i = 0; i < S->nev && r == MN_OK; i++) {
         const mn__ev *e = &ev[i];
         void *p = NULL;
-        if (blk[e->id]) r = mn_cache_release(c, blk[e->id]), blk[e->id] = NULL;
+        if (blk[e->id]) r = mn__c_release_direct(c, blk[e->id]), blk[e->id] = NULL;
         if (!e->alloc || r != MN_OK) continue;
         r = mn_cache_alloc(c, e->size, 0, (mn_category)e->category, NULL, &p);  // (no labels:
                                                                                  // no snapshot)
@@ -7522,7 +7526,7 @@ MN__PRIVATE mn_result mn__replay_events(mn__sim *S, mn_cache *c, int stop, int *
             *stopped = 1;
             break;
         }
-        if (r == MN_OK) blk[e->id] = p;
+        if (r == MN_OK && p) blk[e->id] = mn__c_last_block(c);
     }
     if (pool) mn__pool_free(pool, blk);
     else mn__free(NULL, blk);
@@ -7688,16 +7692,22 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     }
     if (!c.s.no_replay && !S->over) {  // (over: the step alone's peak does not fit)
         // The replay on an unlimited device gives the peaks; when its reserved peak exceeds the
-        // device and its allocated peak does not, PyTorch frees cached blocks and retries before
-        // it gives up: a replay at the real size (lim: without an out-of-memory) gives the
-        // reserved peak. When only whether the step fits is asked (S->decide), the replay at the
-        // real size runs first: while the device grants every allocation it is the unlimited
-        // one, step for step (with no allocator config, the allocator reads the device's size
-        // only from a refused allocation), so when none is refused it is the answer alone; an
-        // out-of-memory there means the step does not fit either way, and the replay stops.
+        // device, PyTorch frees cached blocks and retries before it gives up, so the replay at
+        // the real size decides: without an out-of-memory (lim) the step fits, and its peaks are
+        // what the device shows (max_memory_allocated and max_memory_reserved there; the blocks
+        // it hands out can differ from the unlimited replay's after a retry, and so can the
+        // allocated peak). It is run where the step's own peak, a lower bound of every replay's
+        // allocated peak, fits the device. When only whether the step fits is asked (S->decide),
+        // the replay at the real size runs first: while the device grants every allocation it is
+        // the unlimited one, step for step (with no allocator config, the allocator reads the
+        // device's size only from a refused allocation), so when none is refused it is the answer
+        // alone; when some are and every allocation is granted after the retries, the unlimited
+        // replay's reserved peak exceeded the device (the first refusal is where it does), so it
+        // is the answer too; an out-of-memory means the step does not fit either way, and the
+        // replay stops.
         mn_cache_statistics st, st2;
         uint64_t limit = c.s.capacity - c.s.context, failed = 0;
-        int lim = 0, stopped = 0;
+        int stopped = 0;
         // (not where the unlimited replay could fail, refusing a tensor of 1 EiB or running out
         // of simulated addresses: see mn__fit_given)
         int plain = !(S->decide && limit && !c.s.alloc_conf && S->peak < (1ull << 59) &&
@@ -7708,35 +7718,24 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
             else if (r != MN_OK) return r;
         }
         if (!plain) {
-            if (failed == 0) {
-                st = st2;
-            } else if (stopped || st2.num_ooms) {
-                S->unsettled = 1;
-            } else {  // refused, then granted after freeing the cache: the unlimited replay's
-                r = mn__replay(S, 0, 0, &st, NULL, NULL);  // reserved peak exceeded the limit
-                if (r != MN_OK) return r;
-                lim = st.reserved_bytes[MN_STAT_ALL].peak > limit &&
-                      st.allocated_bytes[MN_STAT_ALL].peak <= limit;
-            }
+            if (stopped || st2.num_ooms) S->unsettled = 1;
+            else st = st2;
         } else {
             r = mn__replay(S, 0, 0, &st, NULL, NULL);
             if (r != MN_OK) return r;
-            if (st.reserved_bytes[MN_STAT_ALL].peak > limit &&
-                st.allocated_bytes[MN_STAT_ALL].peak <= limit) {
+            if (st.reserved_bytes[MN_STAT_ALL].peak > limit && S->peak <= limit) {
                 r = mn__replay(S, limit, 0, &st2, NULL, NULL);
                 if (r != MN_OK) return r;
-                lim = st2.num_ooms == 0;
+                if (st2.num_ooms == 0) st = st2;
             }
         }
         if (!S->unsettled) {  // (else the result keeps the step alone's peaks)
             out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
-            if (lim) st = st2;
             out->peak_reserved = st.reserved_bytes[MN_STAT_ALL].peak;
         }
         if (!S->unsettled && c.s.framework == MN_FW_MEMANAT) {
             // The trainer reports its cache's block sizes (rounded, unsplit remainders included):
             // the replay's statistics are the prediction, category by category.
-            out->peak_allocated = st.allocated_bytes[MN_STAT_ALL].peak;
             for (k = 0; k < MN_CAT_COUNT; k++)
                 out->at_peak[k] = st.cat_at_peak[k],
                 out->cat_peak[k] = st.cat_allocated_bytes[k].peak;
@@ -10242,6 +10241,9 @@ typedef struct mn__c_cache {
     pthread_mutex_t mu;
 #endif
     int solo;                       // one caller only (an estimate's own replay): no lock
+    int direct;                     // the caller holds the blocks (an estimate's own replay):
+                                    // no address map; `last` is the block last handed out
+    struct mn__c_block *last;
     int twin;                       // active stats not kept, equal to allocation (stats_sync)
     mn__c_pool small, large;
     mn__c_slot *map;                // allocated and pending blocks by address, linear probing
@@ -10290,6 +10292,13 @@ MN__PRIVATE void mn__c_unlock(mn__c_cache *c) {
 // takes no lock: a pair of uncontended mutex calls is a tenth of a cached allocation's time.
 MN__PRIVATE void mn__c_solo(mn_cache *cache) {
     cache->p->solo = 1;
+}
+
+// A cache whose caller keeps each block it was handed (cache->p->last after mn_cache_alloc) and
+// releases it by mn__c_release_direct: nothing looks a pointer up, so no address map is kept.
+// Set before the first allocation.
+MN__PRIVATE void mn__c_direct(mn_cache *cache) {
+    cache->p->direct = 1;
 }
 
 // Tree order, BlockComparatorSize: stream, then size, then address. The unmapped tree uses
@@ -11565,7 +11574,8 @@ MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64
         b->label_state = MN__C_LABEL_CLEARED;
     }
     mn__c_trace(c, MN_TRACE_ALLOC, b->addr, orig, b->size, b->stream, b->cat);
-    mn__c_map_put(c, b);
+    if (!c->direct) mn__c_map_put(c, b);
+    c->last = b;
     MN__C_STAT2(c, allocation, small, inc, 1);
     MN__C_STAT2(c, allocated_bytes, small, inc, b->size);
     if (!c->twin) {
@@ -11639,7 +11649,7 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
         return MN_ERR_DEVICE_OOM;
     }
     // host memory first, so that nothing below fails half-way
-    if ((r = mn__c_map_reserve(c)) != MN_OK) goto done;
+    if (!c->direct && (r = mn__c_map_reserve(c)) != MN_OK) goto done;
     if ((r = mn__c_spare_reserve(c, MN__C_SPARE_BLOCKS)) != MN_OK) goto done;
     if (c->ev_head) mn__c_process_events(c);
     size = mn__c_round_size(&c->pol, orig);
@@ -11691,23 +11701,12 @@ MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot)
     return b;
 }
 
-MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
-    mn__c_cache *c;
-    mn__c_block *b;
+// The release of allocated block b (its map entry at slot, where the cache keeps a map), under
+// the lock.
+MN__C_STEP mn_result mn__c_release_in(mn__c_cache *c, mn__c_block *b, uint64_t slot) {
     mn__c_use *u;
-    uint64_t slot = 0;
     uint32_t n = 0;
     int small;
-    if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
-    if (!ptr) return MN_OK;
-    c = cache->p;
-    mn__c_lock(c);
-    b = mn__c_lookup(c, ptr, &slot);
-    if (!b) {
-        mn__c_unlock(c);
-        mn__log(&c->logger, MN_LOG_ERROR, "cache: release of %p, which is not allocated", ptr);
-        return MN_ERR_INVALID_ARG;
-    }
     c->clock++;
     mn__c_prefetch(b->prev), mn__c_prefetch(b->next);  // the merge tests read their first lines
     if (b->uses && c->dev.event_record_fn) {  // insert_events: one event per use stream
@@ -11717,7 +11716,6 @@ MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
                 mn__c_use *v;
                 for (v = b->uses; v != u; v = v->next)
                     if (c->dev.event_free_fn) c->dev.event_free_fn(c->dev.user_data, v->event);
-                mn__c_unlock(c);
                 return r;
             }
             u->block = b;
@@ -11726,7 +11724,7 @@ MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
     }
     small = b->small;
     if (n && c->twin) mn__c_stats_sync(c), c->twin = 0;  // active differs while events wait
-    mn__c_map_del(c, slot);
+    if (!c->direct) mn__c_map_del(c, slot);
     b->allocated = 0;
     MN__C_STAT2(c, allocation, small, dec, 1);
     MN__C_STAT2(c, allocated_bytes, small, dec, b->size);
@@ -11750,8 +11748,40 @@ MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
         }
         mn__c_free_block(c, b);
     }
-    mn__c_unlock(c);
     return MN_OK;
+}
+
+MNIMPL mn_result mn_cache_release(mn_cache *cache, void *ptr) {
+    mn__c_cache *c;
+    mn__c_block *b;
+    uint64_t slot = 0;
+    mn_result r;
+    if (!cache || !cache->p) return MN_ERR_INVALID_ARG;
+    if (!ptr) return MN_OK;
+    c = cache->p;
+    mn__c_lock(c);
+    b = c->direct ? NULL : mn__c_lookup(c, ptr, &slot);
+    if (!b) {
+        mn__c_unlock(c);
+        mn__log(&c->logger, MN_LOG_ERROR, "cache: release of %p, which is not allocated%s", ptr,
+                c->direct ? " (this cache is released by block)" : "");
+        return MN_ERR_INVALID_ARG;
+    }
+    r = mn__c_release_in(c, b, slot);
+    mn__c_unlock(c);
+    return r;
+}
+
+// The block a direct cache (mn__c_direct) handed out last, and its release.
+MN__PRIVATE void *mn__c_last_block(mn_cache *cache) {
+    return cache->p->last;
+}
+MN__PRIVATE mn_result mn__c_release_direct(mn_cache *cache, void *block) {
+    mn_result r;
+    mn__c_lock(cache->p);
+    r = mn__c_release_in(cache->p, (mn__c_block *)block, 0);
+    mn__c_unlock(cache->p);
+    return r;
 }
 
 MNIMPL mn_result mn_cache_record_stream(mn_cache *cache, void *ptr, mn_stream stream) {
@@ -12091,8 +12121,8 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
             at += b->size, sum += b->size;
             if (s->expandable && b->mapped) want.reserved_bytes[t].current += b->size;
             if (b->allocated) {
-                if (b->in_tree || mn__c_lookup(c, mn__c_ptr(c, b->addr), NULL) != b ||
-                    b->event_count)
+                if (b->in_tree || b->event_count ||
+                    (!c->direct && mn__c_lookup(c, mn__c_ptr(c, b->addr), NULL) != b))
                     MN__C_FAIL("cache check: allocated block %llx not in the map",
                                (unsigned long long)b->addr);
                 allocated++;
@@ -12141,7 +12171,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
             MN__C_FAIL("cache check: pool counts %llu whole free segments, %llu are",
                        (unsigned long long)p->whole, (unsigned long long)whole[k]);
     }
-    if (allocated != c->map_count) MN__C_FAIL("cache check: address map size");
+    if (!c->direct && allocated != c->map_count) MN__C_FAIL("cache check: address map size");
     for (t = 1; t < MN_STAT_TYPE_COUNT; t++) {
         MN_CACHE_STATS(MN__C_SUM)
     }

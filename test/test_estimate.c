@@ -1058,6 +1058,8 @@ void test_fit_decide_replay(void);
 void test_fit_shortcuts_whole(void);
 void test_fit_entry_below(void);
 void test_fit_entry_cut(void);
+void test_estimate_retry(void);
+void test_cache_direct(void);
 
 const mnt_case test_estimate_cases[] = {
     {"explain", test_explain},
@@ -1080,6 +1082,8 @@ const mnt_case test_estimate_cases[] = {
     {"fit_shortcuts_whole", test_fit_shortcuts_whole},
     {"fit_entry_below", test_fit_entry_below},
     {"fit_entry_cut", test_fit_entry_cut},
+    {"estimate_retry", test_estimate_retry},
+    {"cache_direct", test_cache_direct},
     {"bad_input", test_bad_input},
     {"setup_bounds", test_setup_bounds},
     {"random_setups", test_random_setups},

@@ -29,6 +29,8 @@ void test_fit_decide_replay(void);
 void test_fit_shortcuts_whole(void);
 void test_fit_entry_below(void);
 void test_fit_entry_cut(void);
+void test_estimate_retry(void);
+void test_cache_direct(void);
 
 // A decoder, encoder or encoder-decoder of a few narrow blocks, or a small preset.
 static mn_model random_model(void) {
@@ -118,8 +120,8 @@ static mn_result estimate_unique_ids(const mn_model *m, const mn_setup *s,
 
 // The decide path against the whole estimate on random setups, the device placed so that its
 // three outcomes happen: settled with nothing refused (the same replay as the unlimited one),
-// settled after a refused allocation that freeing the cache granted (the unlimited replay
-// decides again), stopped at an out-of-memory (the step does not fit).
+// settled after a refused allocation that freeing the cache granted (that replay is the answer),
+// stopped at an out-of-memory (the step does not fit).
 void test_fit_decide_replay(void) {
     int it, plain = 0, retried = 0, stopped = 0, skipped = 0;
     for (it = 0; it < 400 && (it < 60 || !plain || !retried || !stopped || !skipped); it++) {
@@ -163,6 +165,140 @@ void test_fit_decide_replay(void) {
                retried, stopped, skipped);
     CHECK_MSG(plain && retried && stopped && skipped, "outcomes not all seen: %d plain, %d "
               "retried, %d stopped, %d skipped", plain, retried, stopped, skipped);
+}
+
+// The allocator's peaks over the trace on a simulated device of capacity bytes (0: unlimited);
+// *failed: the allocations refused after the out-of-memory ladder.
+static void replay_trace(const mn_trace_event *ev, uint64_t n, uint64_t capacity,
+                         mn_cache_statistics *st, uint64_t *failed) {
+    mn_sim_cache sc;
+    mn_simdev_desc dd;
+    mn_replay_counts k;
+    memset(&dd, 0, sizeof dd), memset(&k, 0, sizeof k);
+    dd.capacity = capacity;
+    memset(st, 0, sizeof *st);
+    CHECK_OK(mn_sim_cache_init(&sc, &dd, NULL));
+    CHECK_OK(mn_cache_replay(&sc.cache, ev, n, 0, &k));
+    CHECK_OK(mn_cache_stats(&sc.cache, st));
+    mn_sim_cache_free(&sc);
+    *failed = k.failed;
+}
+
+// mn_estimate on a device smaller than the unlimited replay's reserved peak, against the
+// allocator run on the estimate's own trace (mn_estimate_trace through mn_cache_replay) on a
+// simulated device of the real size: where every allocation is granted there (the refused device
+// calls granted after the cache was freed), the step fits with that replay's peaks, as PyTorch
+// shows them on that device; where one is refused, it does not fit. Below the unlimited reserved
+// peak the estimate holds the unlimited replay's peaks.
+void test_estimate_retry(void) {
+    int it, plain = 0, granted = 0, refused = 0, moved = 0;
+    for (it = 0; it < 600 && (it < 60 || !granted || !refused); it++) {
+        mn_model m = random_model();
+        mn_setup s = random_setup();
+        mn_estimate_result e;
+        mn_cache_statistics unl, lim;
+        mn_trace_event *ev = NULL;
+        uint64_t n = 0, limit, fu = 0, fl = 0;
+        if (!place_capacity(&m, &s) || mn_estimate(&m, &s, &e) != MN_OK) continue;
+        CHECK_OK(mn_estimate_trace(&m, &s, NULL, &ev, &n));
+        limit = s.capacity - s.context;
+        replay_trace(ev, n, 0, &unl, &fu);
+        replay_trace(ev, n, limit, &lim, &fl);
+        mn_trace_free(NULL, ev);
+        CHECK_EQ_U64(fu, 0);
+        if (unl.reserved_bytes[MN_STAT_ALL].peak <= limit) {
+            plain++;
+            CHECK_MSG(e.fits, "case %d: the unlimited replay fits, the estimate does not", it);
+            CHECK_EQ_U64(e.peak_allocated, unl.allocated_bytes[MN_STAT_ALL].peak);
+            CHECK_EQ_U64(e.peak_reserved, unl.reserved_bytes[MN_STAT_ALL].peak);
+        } else if (fl == 0) {
+            granted++;
+            moved += lim.allocated_bytes[MN_STAT_ALL].peak != unl.allocated_bytes[MN_STAT_ALL].peak;
+            CHECK_MSG(e.fits, "case %d: granted at the device's size, but the estimate does not "
+                      "fit", it);
+            CHECK_EQ_U64(e.peak_allocated, lim.allocated_bytes[MN_STAT_ALL].peak);
+            CHECK_EQ_U64(e.peak_reserved, lim.reserved_bytes[MN_STAT_ALL].peak);
+            CHECK(e.peak_reserved <= limit);
+        } else {
+            refused++;
+            CHECK_MSG(!e.fits, "case %d: refused at the device's size, but the estimate fits", it);
+        }
+    }
+    if (mnt_verbose())
+        printf("       %d setups: %d plain, %d granted after a retry (%d with another allocated "
+               "peak), %d refused\n", it, plain, granted, moved, refused);
+    CHECK_MSG(plain && granted && refused, "outcomes not all seen: %d plain, %d granted, %d "
+              "refused", plain, granted, refused);
+}
+
+static void keep_message(void *user_data, mn_log_level level, const char *msg) {
+    (void)level;
+    snprintf((char *)user_data, 256, "%s", msg);
+}
+
+// A direct cache (mn__c_direct: no address map, blocks released by handle, as the estimate's
+// replay runs it) against the same cache released by pointer: random allocations and releases of
+// mixed sizes on a device small enough for the out-of-memory ladder (cached blocks freed, the
+// allocation retried, refused): the same pointers and refusals at every step, the same statistics,
+// both consistent (mn_cache_check). A direct cache refuses a release by pointer.
+void test_cache_direct(void) {
+    enum { SLOTS = 64 };
+    int round;
+    for (round = 0; round < 6; round++) {
+        mn_sim_cache a, b;
+        mn_simdev_desc dd;
+        mn_cache_desc cd;
+        mn_cache_statistics sa, sb;
+        void *pa[SLOTS], *hb[SLOTS];
+        char msg[256] = "";
+        int it, refused = 0;
+        memset(&dd, 0, sizeof dd), memset(&cd, 0, sizeof cd);
+        dd.capacity = (64ull << 20) + (mnt_rand_u64() % 64) * (1ull << 20);
+        cd.logger.log_fn = keep_message, cd.logger.user_data = msg;
+        CHECK_OK(mn_sim_cache_init(&a, &dd, &cd));
+        CHECK_OK(mn_sim_cache_init(&b, &dd, &cd));
+        mn__c_direct(&b.cache);
+        memset(pa, 0, sizeof pa), memset(hb, 0, sizeof hb);
+        for (it = 0; it < 3000; it++) {
+            int k = (int)(mnt_rand_u64() % SLOTS);
+            if (pa[k]) {
+                CHECK_OK(mn_cache_release(&a.cache, pa[k]));
+                CHECK_OK(mn__c_release_direct(&b.cache, hb[k]));
+                pa[k] = hb[k] = NULL;
+            } else {
+                uint64_t r = mnt_rand_u64() % 100, size;
+                mn_category cat = (mn_category)(mnt_rand_u64() % MN_CAT_COUNT);
+                void *q = NULL;
+                mn_result ra, rb;
+                size = r < 60 ? 1 + mnt_rand_u64() % (1 << 20)
+                              : r < 95 ? (1 << 20) + mnt_rand_u64() % (12 << 20)
+                                       : (12 << 20) + mnt_rand_u64() % (40 << 20);
+                ra = mn_cache_alloc(&a.cache, size, 0, cat, NULL, &pa[k]);
+                rb = mn_cache_alloc(&b.cache, size, 0, cat, NULL, &q);
+                CHECK_EQ_INT(ra, rb);
+                CHECK(pa[k] == q);
+                refused += ra == MN_ERR_DEVICE_OOM;
+                if (rb == MN_OK) hb[k] = mn__c_last_block(&b.cache);
+            }
+            if (it % 500 == 0) {
+                CHECK_OK(mn_cache_check(&a.cache));
+                CHECK_OK(mn_cache_check(&b.cache));
+            }
+        }
+        CHECK_OK(mn_cache_check(&a.cache));
+        CHECK_OK(mn_cache_check(&b.cache));
+        CHECK_OK(mn_cache_stats(&a.cache, &sa));
+        CHECK_OK(mn_cache_stats(&b.cache, &sb));
+        CHECK(memcmp(&sa, &sb, sizeof sa) == 0);
+        CHECK(refused > 0);
+        for (it = 0; it < SLOTS && !hb[it]; it++) {}
+        if (it < SLOTS) {
+            CHECK_ERR(mn_cache_release(&b.cache, pa[it]), MN_ERR_INVALID_ARG);
+            CHECK_MSG(strstr(msg, "released by block") != NULL, "message: %s", msg);
+        }
+        mn_sim_cache_free(&a);
+        mn_sim_cache_free(&b);
+    }
 }
 
 // mn_fit against the same fit with every estimate whole: the same answers, field by field.
