@@ -7693,7 +7693,7 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     if (!c.s.no_replay && !S->over) {  // (over: the step alone's peak does not fit)
         // The replay on an unlimited device gives the peaks; when its reserved peak exceeds the
         // device, PyTorch frees cached blocks and retries before it gives up, so the replay at
-        // the real size decides: without an out-of-memory (lim) the step fits, and its peaks are
+        // the real size decides: without an out-of-memory there the step fits, and its peaks are
         // what the device shows (max_memory_allocated and max_memory_reserved there; the blocks
         // it hands out can differ from the unlimited replay's after a retry, and so can the
         // allocated peak). It is run where the step's own peak, a lower bound of every replay's
@@ -11574,8 +11574,8 @@ MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64
         b->label_state = MN__C_LABEL_CLEARED;
     }
     mn__c_trace(c, MN_TRACE_ALLOC, b->addr, orig, b->size, b->stream, b->cat);
-    if (!c->direct) mn__c_map_put(c, b);
-    c->last = b;
+    if (c->direct) c->last = b;
+    else mn__c_map_put(c, b);
     MN__C_STAT2(c, allocation, small, inc, 1);
     MN__C_STAT2(c, allocated_bytes, small, inc, b->size);
     if (!c->twin) {
