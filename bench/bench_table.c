@@ -2,8 +2,10 @@
 //
 //   make bench && ./build/bench_table [reps]          (reps: timed runs per cell, default 5)
 //
-// At start: the core's fp32 FMA peak (independent FMA chains on the widest vector) and the copy
-// bandwidth (memcpy of 64 MiB, out of cache). Rows (medians of reps, memanat and peer alternated):
+// At start: the core's fp32 FMA peak (independent FMA chains on the widest vector), the copy
+// bandwidth (memcpy of 64 MiB, out of cache) and the latency of a load that misses every cache
+// (what each block an allocation follows costs once its structures outgrow them). Rows (medians
+// of reps, memanat and peer alternated):
 //   matmul       GFLOP/s through mn_matmul_forward / mn_matmul_backward; peer cblas_sgemm when the
 //                build has OpenBLAS (MN_BENCH_CBLAS), else the FMA peak (times the threads).
 //   memory ops   GB/s of the bytes the op must move at least (each array read or written once);
@@ -98,6 +100,36 @@ CONTRACT static double fma_peak(void) {
         if (2.0 * 12 * VW * (double)iters / t0 > best) best = 2.0 * 12 * VW * (double)iters / t0;
     }
     return best;
+}
+
+// ns per load of a chain of dependent loads, each at a random cache line of a 256 MiB buffer
+// (one cycle through every line in a random order, Sattolo's shuffle): the time a structure
+// far larger than the caches pays for each pointer it follows (TLB misses included).
+static double load_latency_ns(void) {
+    const size_t lines = (size_t)4 << 20, loads = (size_t)1 << 20;  // 256 MiB of 64-byte lines
+    size_t *buf = (size_t *)malloc(lines * 64), i, j, p = 0;
+    uint32_t *perm = (uint32_t *)malloc(lines * sizeof *perm);
+    uint64_t s = 0x2545F4914F6CDD1Dull;
+    double t[64], t0;
+    int r;
+    if (!buf || !perm) return 0.0;
+    for (i = 0; i < lines; i++) perm[i] = (uint32_t)i;
+    for (i = lines - 1; i > 0; i--) {  // Sattolo: a single cycle
+        uint32_t x;
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        j = (size_t)(s % i);
+        x = perm[i], perm[i] = perm[j], perm[j] = x;
+    }
+    for (i = 0; i < lines; i++) buf[(size_t)perm[i] * 8] = (size_t)perm[(i + 1) % lines] * 8;
+    free(perm);
+    for (r = 0; r < reps; r++) {
+        t0 = bench_wall_ns();
+        for (i = 0; i < loads; i++) p = buf[p];
+        t[r] = (bench_wall_ns() - t0) / (double)loads;
+    }
+    if (p == 1) printf(" ");  // (p is used: the loads stay)
+    free(buf);
+    return bench_median(t, reps);
 }
 
 static char *cpy_src, *cpy_dst;
@@ -447,6 +479,8 @@ int main(int argc, char **argv) {
     printf("fp32 FMA peak, 1 thread: %.1f GFLOP/s; copy bandwidth (memcpy 64 MiB, bytes read + "
            "written): %.1f GB/s\n",
            peak, bw);
+    printf("load latency (dependent loads at random lines of 256 MiB): %.0f ns\n",
+           load_latency_ns());
 #ifdef MN_BENCH_CBLAS
     printf("matmul peer: OpenBLAS cblas_sgemm\n\n");
 #else
