@@ -10156,23 +10156,23 @@ typedef struct mn__c_block {
     uint32_t bin;                   // its size-class bin while in the pool (mn__c_bin_of)
     uint32_t id;                    // slab << MN__C_SLAB_LOG | index in the slab (fixed)
     uint8_t cat;
-    uint8_t label_state;            // MN__C_LABEL_*: how label reads (its line is read only then)
+    uint8_t label_state;            // MN__C_LABEL_*: how its label reads (mn__c_label)
     struct mn__c_block *tmp;        // scratch list, and the spare list
-    char label[MN_CACHE_LABEL_MAX];
 } mn__c_block;
 
 // A block's label as its bytes read (the snapshot copies all MN_CACHE_LABEL_MAX): zeros for a new
 // struct, then each allocation's label written over it with its terminating zero, or only a zero
-// first byte for no label. Held without touching the label's cache line until a label is given.
+// first byte for no label. Held without touching the label's bytes (mn__c_label: apart from the
+// structs) until a label is given.
 #define MN__C_LABEL_ZERO 0     // all bytes zero (label not written since the struct was made)
 #define MN__C_LABEL_SET 1      // label as written
 #define MN__C_LABEL_CLEARED 2  // label as written, but a zero first byte
 
 // Block structs are carved from slabs, each one host allocation: its header, then blocks at a
-// stride of whole cache lines. A cache with many blocks keeps them dense (few pages for the
-// searches and merges to walk, away from the program's other allocations); a freed struct goes
-// to the spare list and the slabs go back to the host with the cache. A block's 32-bit id names
-// its slab and place, which is what the address map keeps.
+// stride of whole cache lines (two on 64-bit hosts), then their labels. A cache with many blocks
+// keeps them dense (few pages for the searches and merges to walk, away from the program's other
+// allocations); a freed struct goes to the spare list and the slabs go back to the host with the
+// cache. A block's 32-bit id names its slab and place, which is what the address map keeps.
 typedef struct mn__c_slab {
     void *host;                     // the allocation the slab was aligned in
 } mn__c_slab;
@@ -10723,7 +10723,7 @@ MN__PRIVATE mn__c_pool *mn__c_pool_of(mn__c_cache *c, const mn__c_block *b) {
 
 #define MN__C_SPARE_BLOCKS 4
 #define MN__C_BLOCK_STRIDE ((sizeof(mn__c_block) + 63u) / 64u * 64u)  // whole cache lines
-#define MN__C_SLAB_LOG 14u     // a slab holds up to 2^14 blocks (3 MiB): 64 in the first, then
+#define MN__C_SLAB_LOG 14u     // a slab holds up to 2^14 blocks (2.4 MiB): 64 in the first, then
 #define MN__C_SLAB_MIN 64u     // twice as many in each next one
 #define MN__C_SLAB_LIMIT (1u << (32u - MN__C_SLAB_LOG))  // slabs a 32-bit id can name
 
@@ -10733,12 +10733,25 @@ MN__PRIVATE mn__c_block *mn__c_block_at(const mn__c_cache *c, uint32_t id) {
                                               MN__C_BLOCK_STRIDE);
 }
 
+// Blocks in slab s (slab numbers below 2^18).
+MN__PRIVATE uint32_t mn__c_slab_blocks(uint32_t s) {
+    return s < MN__C_SLAB_LOG - 6u ? MN__C_SLAB_MIN << s : 1u << MN__C_SLAB_LOG;
+}
+
+// The MN_CACHE_LABEL_MAX bytes of block b's label, after its slab's structs: a block without a
+// label never touches them, and the structs take two cache lines, not three.
+MN__PRIVATE char *mn__c_label(const mn__c_cache *c, const mn__c_block *b) {
+    uint32_t s = b->id >> MN__C_SLAB_LOG;
+    unsigned char *base = (unsigned char *)c->slabs[s] + 64;
+    return (char *)(base + (size_t)mn__c_slab_blocks(s) * MN__C_BLOCK_STRIDE +
+                    (size_t)(b->id & ((1u << MN__C_SLAB_LOG) - 1u)) * MN_CACHE_LABEL_MAX);
+}
+
 // Adds slabs until n structs are spare (host allocations: the slab, and the table of slabs when
 // it grows; a failure changes nothing). Callers go through mn__c_spare_reserve.
 MN__PRIVATE mn_result mn__c_spare_grow(mn__c_cache *c, uint32_t n) {
     while (c->spare_count < n) {
-        uint32_t k = c->slab_count < MN__C_SLAB_LOG - 6u ? MN__C_SLAB_MIN << c->slab_count
-                                                          : 1u << MN__C_SLAB_LOG, i;
+        uint32_t k = mn__c_slab_blocks(c->slab_count), i;
         void *host;
         mn__c_slab *sl;
         unsigned char *base;
@@ -10753,8 +10766,9 @@ MN__PRIVATE mn_result mn__c_spare_grow(mn__c_cache *c, uint32_t n) {
             c->slabs = t;
             c->slab_cap = cap;
         }
-        // 64 + 63 + 2^14 strides of a few lines: far below SIZE_MAX
-        host = mn__alloc(&c->alloc, 64 + 63 + (size_t)k * MN__C_BLOCK_STRIDE);
+        // 64 + 63 + 2^14 strides of a few lines and labels: far below SIZE_MAX
+        host = mn__alloc(&c->alloc,
+                         64 + 63 + (size_t)k * (MN__C_BLOCK_STRIDE + MN_CACHE_LABEL_MAX));
         if (!host) return MN_ERR_OUT_OF_MEMORY;
         base = (unsigned char *)(((uintptr_t)host + 63) & ~(uintptr_t)63);
         sl = (mn__c_slab *)(void *)base;
@@ -10783,7 +10797,7 @@ MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     b = c->spare;
     c->spare = b->tmp;
     c->spare_count--;
-    b->l = b->r = b->up = NULL;  // field by field: the label's line is left alone (label_state)
+    b->l = b->r = b->up = NULL;  // field by field
     b->addr = b->size = 0;
     b->stream = 0;
     c->rng ^= c->rng << 13, c->rng ^= c->rng >> 17, c->rng ^= c->rng << 5;
@@ -11567,10 +11581,11 @@ MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64
     b->requested = orig;
     b->cat = (uint8_t)cat;
     if (label) {
+        char *lb = mn__c_label(c, b);
         size_t n = 0;
-        if (b->label_state == MN__C_LABEL_ZERO) memset(b->label, 0, sizeof b->label);
-        while (n < MN_CACHE_LABEL_MAX - 1 && label[n]) b->label[n] = label[n], n++;
-        b->label[n] = 0;
+        if (b->label_state == MN__C_LABEL_ZERO) memset(lb, 0, MN_CACHE_LABEL_MAX);
+        while (n < MN_CACHE_LABEL_MAX - 1 && label[n]) lb[n] = label[n], n++;
+        lb[n] = 0;
         b->label_state = MN__C_LABEL_SET;
     } else if (b->label_state == MN__C_LABEL_SET) {
         b->label_state = MN__C_LABEL_CLEARED;
@@ -12254,7 +12269,8 @@ MNIMPL mn_result mn_cache_snapshot_take(mn_cache *cache, mn_cache_snapshot *out)
                      : b->event_count ? MN_BLOCK_ACTIVE_PENDING_FREE : MN_BLOCK_INACTIVE;
             x->requested = x->state == MN_BLOCK_INACTIVE ? 0 : b->requested;
             x->category = (mn_category)b->cat;
-            if (b->label_state != MN__C_LABEL_ZERO) memcpy(x->label, b->label, sizeof x->label);
+            if (b->label_state != MN__C_LABEL_ZERO)
+                memcpy(x->label, mn__c_label(c, b), sizeof x->label);
             if (b->label_state == MN__C_LABEL_CLEARED) x->label[0] = 0;
             g->total_size += b->size;
             g->block_count++;
