@@ -2561,7 +2561,7 @@ MNDEF void mn_philox4x32(const uint32_t ctr[4], uint64_t key, uint32_t out[4]);
 // nearly no loop whose length comes from the caller. Built into a program at -O2, the ops that
 // leave their loops to the vectorizer ran up to 5 times as long as at -O3 (layernorm forward,
 // GELU backward, cross-entropy, embedding, Lion, the casts). -O2 also inlines less: the small
-// steps of the allocator and of the step simulation stayed calls, and a fit took 9 to 12 % longer
+// steps of the allocator and of the step simulation stayed calls, and a fit took 8 to 12 % longer
 // (Llama-3-70B 9.25 against 8.27 ms, GPT-2 XL 10.8 against 10.0). The implementation asks for
 // -O3; the results are the same bits (the vector loops do each element's operations in the
 // scalar order, and no float sum is reordered without -ffast-math). Clang vectorizes at -O2 by
