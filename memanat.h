@@ -14449,8 +14449,8 @@ MN__OPT_INLINE __m512i mn__opt_a8_qa(const mn__opt_qa_v *q, int sgn, __m512 x, _
 // c->decay_on (a constant at each call, so that the loop has no test). Differences that keep the
 // bits: the finite test is a class test; the maxima are reduced by a tree (no NaN enters them, so
 // the order does not matter); the window test of both maps is one compare of the smaller
-// distance and one branch (4 vector instructions for both maps where there were 6: the step ran
-// 4.5 % faster on Zen 5). m's sign rule: on a lane outside the windows, the index c of |x| is at
+// distance where both are ordered and one branch (5 vector instructions for both maps where
+// there were 6 and a mask instruction). m's sign rule: on a lane outside the windows, the index c of |x| is at
 // least 127 (the mirrored map's 0: the checks of mn__opt_qarith_init hold there), so that for
 // m < 0 the mirrored code max(254 - c, 0), one lower where it is 127 or more (zero = 127), is
 // min(254 -sat c, 126) in bytes. neg is m < 0 for the mirror as well, not m * scale < 0: the two
@@ -14518,9 +14518,11 @@ MN__OPT_INLINE void mn__opt_a8_whole(const mn__opt_a8 *c, const mn__opt_qa_v *r1
         i1 = mn__opt_a8_qa(r1, 1, m, sc1, neg, &f1);
         i2 = mn__opt_a8_qa(r2, 0, v, sc2, 0, &f2);
         // a lane in a window of either map: the table (the smaller distance of each lane, sign
-        // cleared, one instruction; a NaN there is no lane outside)
-        if (_mm512_cmp_ps_mask(_mm512_range_ps(f1, f2, 0x0A), _mm512_set1_ps(MN__OPT_QA_WIN),
-                               _CMP_GT_OQ) != 0xFFFF) {
+        // cleared, one instruction; it is the other distance where one is NaN, so a lane
+        // counts as outside only where both are ordered)
+        if (_mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(f1, f2, _CMP_ORD_Q),
+                                    _mm512_range_ps(f1, f2, 0x0A),
+                                    _mm512_set1_ps(MN__OPT_QA_WIN), _CMP_GT_OQ) != 0xFFFF) {
             if (!mn__opt_codes_a(r1, 1, (mn__ovf)m, inv1, 1, z1, cd1 + j))
                 mn__opt_codes_v(c->q1, (mn__ovf)m, inv1, 1, z1, cd1 + j);
             if (!mn__opt_codes_a(r2, 0, (mn__ovf)v, inv2, 0, 0, cd2 + j))
