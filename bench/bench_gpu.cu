@@ -2,17 +2,21 @@
 //   - memory-bound kernels: GB/s (bytes each must move / time) against the device-to-device
 //     cudaMemcpy bandwidth measured in the same run (2 x bytes per copy: read + write);
 //   - GEMMs: TFLOP/s (2 N C OC per GEMM) with each epilogue, fused and unfused, against a plain
-//     cuBLASLt GEMM of the same shape; the fp32 GEMM in full precision and on TF32 tensor cores;
+//     cuBLASLt GEMM of the same shape; every algorithm cuBLASLt's heuristic offers for the plain
+//     GEMMs and each epilogue, timed; the fp32 GEMM in full precision and on TF32 tensor cores;
 //   - the caching allocator: ns per cached malloc+free on the device backend against
 //     cudaMalloc+cudaFree, and the order in which cudaMalloc hands out addresses.
 // Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, the
 // B = 8 x 12-head 1024-token causal softmax and attention, AdamW, SGD, Lion, Adafactor over 124M
 // parameters. Build: make gpu-bench (nvcc),
-// run: build/bench_gpu (bench/gpu.sh does both). Times: median of 20 runs after 3 warm-ups, each run
-// 10 launches in a row (time_ms).
+// run: build/bench_gpu (bench/gpu.sh does both); build/bench_gpu WORD... runs the rows and sections
+// (GEMM, attention, allocator, address) whose names hold a WORD; `once` first: each memory-bound
+// kernel launched once, untimed (for ncu). Times: median of 20 runs after 3 warm-ups, each run 10
+// launches in a row (time_ms).
 #define MEMANAT_CUDA
 #include "../memanat.h"
 
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,8 +104,17 @@ static float time_ms(bench_fn fn, void *arg) { return time_runs(fn, arg, REPS, 0
 // and of REPS launches in a row on the same buffers, where an input that fits in L2 (50 MB on an
 // H100) comes back from it.
 static int once;  // `bench_gpu once`: each memory-bound kernel launched once, untimed (for ncu)
+static char **only;  // `bench_gpu [once] WORD...`: the rows and sections whose names hold a WORD
+static int nonly;
+static int wanted(const char *name) {
+    int i;
+    for (i = 0; i < nonly; i++)
+        if (strstr(name, only[i])) return 1;
+    return nonly == 0;
+}
 static void row_bw(const char *name, double bytes, bench_fn fn, void *arg) {
     float ms, ms1, ms2;
+    if (!wanted(name)) return;
     if (once) {
         fn(arg);
         CU(cudaStreamSynchronize((cudaStream_t)ctx.stream));
@@ -306,6 +319,104 @@ static void attention(void) {
     }
 }
 
+// cuBLASLt's candidates for a GEMM: every algorithm its heuristic offers (up to 32, in its
+// order) timed at the shape, so that an epilogue's gap to the plain GEMM can be read as the
+// heuristic's choice or as the best cuBLASLt has. The library runs the first.
+typedef struct lt_gemm {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, ld;
+    const void *A, *B;
+    void *D;
+    float beta;
+    cublasLtMatmulAlgo_t algo;
+} lt_gemm;
+#define LT(call) do { cublasStatus_t s_ = (call); if (s_ != CUBLAS_STATUS_SUCCESS) \
+    DIE("%s: status %d", #call, (int)s_); } while (0)
+static void f_lt(void *p) {
+    lt_gemm *g = (lt_gemm *)p;
+    float one = 1.0f;
+    LT(cublasLtMatmul((cublasLtHandle_t)ctx.lt, g->op, &one, g->A, g->la, g->B, g->lb, &g->beta,
+                      g->D, g->ld, g->D, g->ld, &g->algo, ctx.workspace, ctx.workspace_bytes,
+                      (cudaStream_t)ctx.stream));
+}
+// forward: D (OC x N) = W^T-op . x (+ bias, GELU with aux); backward: dW (C x OC) += x . dout^T
+// (BGRADB: the column sums of dout into a [OC] buffer).
+static double gemm_candidates(const char *name, int backward, cublasLtEpilogue_t epi,
+                              double plain_best) {
+    lt_gemm g;
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulHeuristicResult_t res[32];
+    cublasOperation_t tn = CUBLAS_OP_N, tt = CUBLAS_OP_T;
+    uint64_t ws = ctx.workspace_bytes;
+    int nres = 0, i, best = -1;
+    float t_first = 0, t_best = 0;
+    double fl = 2.0 * BT * C * C4;
+    memset(&g, 0, sizeof g);
+    LT(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, backward ? &tn : &tt,
+                                      sizeof tn));
+    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSB, backward ? &tt : &tn,
+                                      sizeof tn));
+    LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
+        void *b = backward ? dres : bias;  // BGRADB writes [OC]: dres has room
+        LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof b));
+    }
+    if (epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
+        int64_t ld = C4;
+        LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &pre,
+                                          sizeof pre));
+        LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld,
+                                          sizeof ld));
+    }
+    if (backward) {  // m = C, n = OC, k = N
+        LT(cublasLtMatrixLayoutCreate(&g.la, CUDA_R_16BF, C, BT, C));
+        LT(cublasLtMatrixLayoutCreate(&g.lb, CUDA_R_16BF, C4, BT, C4));
+        LT(cublasLtMatrixLayoutCreate(&g.ld, CUDA_R_16BF, C, C4, C));
+        g.A = x, g.B = big_a, g.D = w, g.beta = 1.0f;
+    } else {  // m = OC, n = N, k = C
+        LT(cublasLtMatrixLayoutCreate(&g.la, CUDA_R_16BF, C, C4, C));
+        LT(cublasLtMatrixLayoutCreate(&g.lb, CUDA_R_16BF, C, BT, C));
+        LT(cublasLtMatrixLayoutCreate(&g.ld, CUDA_R_16BF, C4, BT, C4));
+        g.A = w, g.B = x, g.D = big_b, g.beta = 0.0f;
+    }
+    LT(cublasLtMatmulPreferenceCreate(&pref));
+    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                            sizeof ws));
+    if (cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t)ctx.lt, g.op, g.la, g.lb, g.ld, g.ld,
+                                       pref, 32, res, &nres) != CUBLAS_STATUS_SUCCESS)
+        nres = 0;
+    for (i = 0; i < nres; i++) {
+        float ms;
+        if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+        g.algo = res[i].algo;
+        ms = time_ms(f_lt, &g);
+        if (i == 0) t_first = ms;
+        if (best < 0 || ms < t_best) best = i, t_best = ms;
+    }
+    if (best < 0)
+        printf("| %-36s | none |\n", name);
+    else
+        printf("| %-36s | %2d | %6.3f ms | %6.3f ms (#%d) | %7.1f | %5.1f %% |\n", name, nres,
+               t_first, t_best, best + 1, fl / (t_best * 1e-3) / 1e12,
+               plain_best > 0 ? 100.0 * fl / (t_best * 1e-3) / 1e12 / plain_best : 100.0);
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(g.ld), cublasLtMatrixLayoutDestroy(g.lb);
+    cublasLtMatrixLayoutDestroy(g.la), cublasLtMatmulDescDestroy(g.op);
+    return best < 0 ? 0 : fl / (t_best * 1e-3) / 1e12;
+}
+static void gemm_sweep(void) {
+    double pf, pb;
+    printf("\n| cuBLASLt's candidates, %dx%dx%d bf16 | algos | the first | the fastest | TFLOP/s | vs fastest plain |\n",
+           BT, C, C4);
+    printf("|---|---|---|---|---|---|\n");
+    pf = gemm_candidates("fwd plain", 0, CUBLASLT_EPILOGUE_DEFAULT, 0);
+    gemm_candidates("fwd BIAS", 0, CUBLASLT_EPILOGUE_BIAS, pf);
+    gemm_candidates("fwd GELU_AUX_BIAS", 0, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, pf);
+    pb = gemm_candidates("bwd dweight plain (beta 1)", 1, CUBLASLT_EPILOGUE_DEFAULT, 0);
+    gemm_candidates("bwd dweight BGRADB (beta 1)", 1, CUBLASLT_EPILOGUE_BGRADB, pb);
+}
+
 static void allocator(void) {
     mn_cache c;
     mn_cache_desc cd;
@@ -417,7 +528,8 @@ int main(int argc, char **argv) {
     mn_cuda_desc d;
     size_t eb = 2;  // bf16
     once = argc > 1 && strcmp(argv[1], "once") == 0;
-    if (argc > 1 && !once) DIE("usage: bench_gpu [once]");
+    only = argv + 1 + once, nonly = argc - 1 - once;
+    if (nonly > 0 && argv[1 + once][0] == '-') DIE("usage: bench_gpu [once] [WORD...]");
     if (mn_cuda_device_count(&count, reason, sizeof reason) != MN_OK)
         DIE("no CUDA device (%s)", reason);
     memset(&d, 0, sizeof d);
@@ -492,13 +604,10 @@ int main(int argc, char **argv) {
         mn_cuda_free(&ctx_tf32), mn_cuda_free(&ctx_unfused), mn_cuda_free(&ctx);
         return 0;
     }
-    gemms();
-    gemm_fp32();
-    attention();
-    allocator();
-    address_order();
-    address_mix();
-    address_fill();
+    if (wanted("GEMM")) gemms(), gemm_sweep(), gemm_fp32();
+    if (wanted("attention")) attention();
+    if (wanted("allocator")) allocator();
+    if (wanted("address")) address_order(), address_mix(), address_fill();
     printf("\nGEMM epilogue counters: fused %llu, fallback %llu (fused context)\n",
            (unsigned long long)ctx.gemm_fused, (unsigned long long)ctx.gemm_unfused);
     mn_cuda_free(&ctx_tf32);

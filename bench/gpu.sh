@@ -5,9 +5,9 @@
 # tokens/s and MFU), then the GPU tests under compute-sanitizer (memcheck, and racecheck on the
 # kernels with shared memory), the slowest part, last. GPU_LOGS=DIR also copies every log there.
 # Needs only the CUDA toolkit (nvcc, cuBLASLt, compute-sanitizer), a C compiler and make.
-# Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit). On an H100:
-# 7.6 minutes with GPU_RACECHECK_MATMUL=0, most of them under the sanitizers; matmul's racecheck adds
-# about 3.
+# Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit). With
+# GPU_RACECHECK_MATMUL=0: 7.6 minutes on an H100, 8.2 on an H200, most of them under the
+# sanitizers; matmul's racecheck adds about 3.
 # Exit status: 0 when every test passed under every tool; the table is printed either way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
