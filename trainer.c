@@ -101,8 +101,8 @@ typedef struct tr_config {
     const char *json;     // the run's summary as JSON, NULL = none
     int device;           // TR_DEVICE_CPU, TR_DEVICE_CUDA
     int help;             // --help was given
-    // Set by --device cuda's setup for the prediction: the GPU table entry of the device's SM
-    // (NULL: the CPU), the device's total bytes and the CUDA context measured by cudaMemGetInfo.
+    // Set by --device cuda's setup for the prediction: the device's GPU table entry (NULL: the
+    // CPU), the device's total bytes and the CUDA context measured by cudaMemGetInfo.
     const char *gpu;
     uint64_t gpu_total, gpu_context;
 } tr_config;
@@ -1455,19 +1455,31 @@ static void tr_gpu_log(void *user_data, mn_log_level level, const char *msg) {
     if (level == MN_LOG_ERROR) snprintf(m->error, sizeof m->error, "%s", msg);
 }
 
+// The GPU table entry of a device with this SM and total memory: of the entries with its SM,
+// the one whose capacity is nearest (the first of equals), so that an H200 is named h200 and not
+// h100-80gb; entries of one SM share the rules the prediction takes from the table (the
+// workspace). A device of an SM the table lacks: h100-80gb from sm 90 on, else a100-80gb.
+static const char *tr_gpu_entry(int sm, uint64_t total) {
+    const mn_gpu *best = NULL;
+    uint64_t dbest = 0;
+    uint32_t i;
+    for (i = 0; i < mn_gpu_count(); i++) {
+        const mn_gpu *g = mn_gpu_get(i);
+        uint64_t d = g->capacity > total ? g->capacity - total : total - g->capacity;
+        if (g->sm == (uint32_t)sm && (!best || d < dbest)) best = g, dbest = d;
+    }
+    return best ? best->name : sm >= 90 ? "h100-80gb" : "a100-80gb";
+}
+
 // What the estimator needs of the device behind ctx: its memory (cudaMemGetInfo: total, and the
-// CUDA context's bytes as total - free, so other processes on the GPU count too) and the GPU
-// table entry for the prediction, the first with the device's SM (the rule that sizes the
-// workspace).
+// CUDA context's bytes as total - free, so other processes on the GPU count too) and its GPU
+// table entry for the prediction (tr_gpu_entry).
 static mn_result tr_gpu_describe(mn_cuda *ctx, tr_config *cfg) {
     mn_device dev = mn_cuda_device(ctx);
     uint64_t free_b = 0, total_b = 0;
-    uint32_t i;
     if (dev.mem_info_fn) TR_TRY(dev.mem_info_fn(dev.user_data, &free_b, &total_b));
     cfg->gpu_total = total_b, cfg->gpu_context = total_b > free_b ? total_b - free_b : 0;
-    for (i = 0, cfg->gpu = NULL; i < mn_gpu_count() && !cfg->gpu; i++)
-        if (mn_gpu_get(i)->sm == (uint32_t)ctx->sm) cfg->gpu = mn_gpu_get(i)->name;
-    if (!cfg->gpu) cfg->gpu = ctx->sm >= 90 ? "h100-80gb" : "a100-80gb";
+    cfg->gpu = tr_gpu_entry(ctx->sm, total_b);
     return MN_OK;
 }
 
@@ -1497,7 +1509,7 @@ static mn_result tr_gpu_probe(tr_config *cfg, char *err, size_t cap) {
 // The context, the CUDA context's bytes (cudaMemGetInfo once the context exists and holds no
 // workspace: total - free, so other processes on the GPU count too), the cache over the device
 // (--capacity as PyTorch's per-process memory fraction), and the GPU table entry for the
-// prediction: the first with the device's SM, the same rule that sizes the workspace.
+// prediction (tr_gpu_entry).
 static mn_result tr_gpu_init(tr_model *m, mn_cache_desc *cd) {
     mn_cuda_desc d;
     mn_device dev;

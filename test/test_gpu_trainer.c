@@ -51,6 +51,7 @@ mn_result mn_cuda_init(mn_cuda *ctx, const mn_cuda_desc *desc) {
     if (!(ctx->p = (struct mn__cuda_priv *)calloc(1, sizeof *ctx->p))) return MN_ERR_OUT_OF_MEMORY;
     memset(&dd, 0, sizeof dd);
     dd.base = TG_BASE, dd.events_complete = 1;
+    dd.capacity = 81559ull << 20;  // an H100 80GB's total (the table entry h100-80gb)
     if (mn_simdev_init(&ctx->p->dev, &dd) != MN_OK) {
         free(ctx->p);
         ctx->p = NULL;
@@ -520,7 +521,42 @@ static void test_gpu_history(void) {
     CHECK_EQ_INT(mnt_live_allocs(), live);
 }
 
+// The GPU table entry of a device: its SM's entry with the nearest capacity. Each entry's own
+// capacity, moved by less than half the gap to the next other capacity of its SM, finds an entry
+// of that SM and capacity; the totals cudaMemGetInfo gave on an H200 (143156 MiB) and an H100
+// 80GB (81559 MiB) find h200 and h100-80gb; an SM the table lacks falls back by generation.
+static void test_gpu_entry(void) {
+    uint32_t i, j, n = mn_gpu_count();
+    int draw;
+    CHECK(strcmp(tr_gpu_entry(90, 143156ull << 20), "h200") == 0);
+    CHECK(strcmp(tr_gpu_entry(90, 81559ull << 20), "h100-80gb") == 0);
+    CHECK(strcmp(tr_gpu_entry(100, 192ull << 30), "h100-80gb") == 0);
+    CHECK(strcmp(tr_gpu_entry(61, 8ull << 30), "a100-80gb") == 0);
+    for (draw = 0; draw < 200; draw++) {
+        const mn_gpu *e = mn_gpu_get((uint32_t)(mnt_rand_u64() % n)), *r = NULL;
+        uint64_t gap = 1ull << 30, total, move;
+        const char *name;
+        if (e->sm == 0) continue;  // the host entry
+        for (j = 0; j < n; j++) {
+            const mn_gpu *o = mn_gpu_get(j);
+            uint64_t d = o->capacity > e->capacity ? o->capacity - e->capacity
+                                                   : e->capacity - o->capacity;
+            if (o->sm == e->sm && d > 0 && d < gap) gap = d;
+        }
+        move = mnt_rand_u64() % (gap / 2);
+        total = mnt_rand_u64() % 2 ? e->capacity + move : e->capacity - move;
+        name = tr_gpu_entry((int)e->sm, total);
+        for (i = 0; i < n; i++)
+            if (strcmp(mn_gpu_get(i)->name, name) == 0) r = mn_gpu_get(i);
+        CHECK(r != NULL);
+        if (!r) continue;
+        CHECK_EQ_INT(r->sm, e->sm);
+        CHECK(r->capacity == e->capacity);
+    }
+}
+
 const mnt_case test_gpu_trainer_cases[] = {
+    {"gpu_entry", test_gpu_entry},
     {"history", test_gpu_history},
     {"checkpoint", test_gpu_checkpoint},
     {"prediction_exact", test_gpu_prediction_exact},
