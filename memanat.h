@@ -1344,6 +1344,30 @@ MN_HD void mn_hd_adafactor_apply(float *p, float *m, float u, float clip_div, fl
     *p = *p - u;
 }
 
+// The device scratch memanat_cuda.cu's attention takes (mn_cuda_attention_forward / _backward):
+// per-head buffers of B*NH*T*hsp elements of esz bytes (forward q, k, v, y; backward q, k, v, dy,
+// dq, dk, dv), and B*NH*T*T ones for the probabilities where the caller keeps no att (forward)
+// and for dP, dS and, without att, the recomputed probabilities (backward), each rounded up to
+// 256 bytes. trainer.c --device cuda holds the backward's as a block of its cache, and the
+// estimator's memanat framework on a GPU predicts that block. UINT64_MAX where the count
+// overflows 64 bits.
+MN_HD uint64_t mn_hd_attention_scratch(uint64_t B, uint64_t T, uint64_t C, uint64_t NH,
+                                       uint64_t esz, int backward, int att_kept) {
+    const uint64_t M = ~(uint64_t)0;
+    uint64_t hsp, bh, hb, sb, nh = backward ? 7 : 4, ns = backward ? (att_kept ? 2 : 3)
+                                                                   : (att_kept ? 0 : 1);
+    if (!B || !T || !C || !NH || !esz) return 0;
+    hsp = mn_hd_head_ld(C / NH);
+    if (B > M / NH || B * NH > M / T) return M;
+    bh = B * NH * T;  // rows of all heads
+    if (bh > M / hsp || bh * hsp > M / esz || bh > M / T || bh * T > M / esz) return M;
+    hb = bh * hsp * esz, sb = bh * T * esz;
+    if (hb > M - 255 || sb > M - 255) return M;
+    hb = (hb + 255) / 256 * 256, sb = (sb + 255) / 256 * 256;
+    if (hb > M / nh || (ns && sb > M / ns) || nh * hb > M - ns * sb) return M;
+    return nh * hb + ns * sb;
+}
+
 #ifdef MEMANAT_CUDA
 // This block precedes >>cache and >>optim (its place in the file), so it names their types by
 // struct tag: struct mn_device is mn_device, struct mn_adamw_params is mn_adamw_params (likewise
@@ -1406,6 +1430,12 @@ MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t byte
 // allocator's statistics include it. The context's own workspace is freed (after a wait) and the
 // heuristics cache emptied; ptr NULL with bytes 0: GEMMs run without a workspace.
 MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes);
+// The kernels' scratch from the caller: ptr [bytes] device memory (256-byte aligned) kept alive
+// while the context uses it, e.g. a block of its caching allocator sized by
+// mn_hd_attention_scratch, so that the allocator's statistics include it. A kernel that needs
+// more takes the context's own scratch (cudaMalloc, grown, never shrunk) as without one; ptr NULL
+// with bytes 0: the context's own alone.
+MNDEF mn_result mn_cuda_scratch_set(mn_cuda *ctx, void *ptr, uint64_t bytes);
 
 // (mn_cuda_device, the caching allocator's device over this context, is declared after mn_device
 // in >>cache.)
@@ -4193,7 +4223,8 @@ MNIMPL const char *mn_framework_describe(mn_framework f) {
                "probabilities kept (selective: none, recomputed); fp32 views of 16-bit tensors "
                "and the gradients of the backward as short-lived temporaries. With --gpu naming a "
                "GPU: trainer --device cuda (no fp32 views, 16-bit gradients with 16-bit storage, "
-               "logits kept and overwritten by dlogits, the cuBLASLt workspace from the cache)";
+               "logits kept and overwritten by dlogits, the cuBLASLt workspace and attention's "
+               "scratch from the cache)";
     case MN_FW_COUNT: break;
     }
     return "unknown framework";
@@ -6390,8 +6421,9 @@ MN__PRIVATE void mn__generate(mn__sim *S) {
 // are in the storage type too; the LM head keeps its logits (an activation) and the fused
 // cross-entropy overwrites them with dlogits in the forward, so no probabilities are stored; the
 // model holds a small buffer of per-tensor gradient norms (MN_CAT_OTHER) and takes the cuBLASLt
-// workspace from its cache (MN_CAT_WORKSPACE, the GPU table's cublas_workspace) after its
-// parameters. The kernels' own scratch (attention's per-head buffers) lives outside the cache.
+// workspace (the GPU table's cublas_workspace) and then the kernels' scratch, sized for
+// attention's backward (mn_hd_attention_scratch), from its cache (MN_CAT_WORKSPACE) after its
+// parameters.
 
 #define MN__GP_ENUM(name, rows, cols, init) MN__GP_##name,
 enum { MN_GPT_PARAMS(MN__GP_ENUM) MN__GP_COUNT };
@@ -6720,6 +6752,10 @@ MN__PRIVATE void mn__gpt_run(mn__sim *S) {
     S->phase = MN_PHASE_LOAD;
     mn__gpt_model_init(&G);
     if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
+    if (G.gpu)  // tr_gpu_init_rest: the kernels' scratch, sized for attention's backward
+        mn__tensor_new(S, mn_hd_attention_scratch(G.B, G.T, G.C, G.NH, G.half ? 2 : 4, 1,
+                                                  G.ckpt != MN_CKPT_SELECTIVE),
+                       1, MN_CAT_WORKSPACE);
     nmb = c->s.accum < 2 ? 1 : 2;
     for (mb = 0; mb < nmb + 2 && !S->err; mb++) {
         if (mb == nmb) {

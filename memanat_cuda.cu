@@ -62,6 +62,8 @@ struct mn__cuda_priv {
     uint32_t gemm_next;
     void *scratch;            // device scratch (partial sums, BGRADB output, embedding buckets)
     size_t scratch_bytes;
+    void *user_scratch;       // the caller's scratch (mn_cuda_scratch_set), taken first
+    size_t user_scratch_bytes;
     void *host;               // host scratch (embedding bucketing)
     size_t host_bytes;
     int foreign_workspace;    // ctx->workspace is the caller's (mn_cuda_workspace_set)
@@ -129,9 +131,14 @@ static void mn__host_free(const mn_cuda *ctx, void *p) {
     else free(p);
 }
 
-// Device scratch of at least bytes (grown, never shrunk; the old buffer is freed after a wait).
+// Device scratch of at least bytes: the caller's where it is large enough, else the context's own
+// (grown, never shrunk; the old buffer is freed after a wait).
 static mn_result mn__scratch(mn_cuda *ctx, size_t bytes, void **out) {
     struct mn__cuda_priv *p = ctx->p;
+    if (bytes <= p->user_scratch_bytes) {
+        *out = p->user_scratch;
+        return MN_OK;
+    }
     if (bytes > p->scratch_bytes) {
         size_t want = bytes < (1u << 20) ? (size_t)(1u << 20) : bytes;
         MN__CU(ctx, cudaStreamSynchronize(mn__stream(ctx)));
@@ -372,6 +379,18 @@ MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes) {
     p->foreign_workspace = ptr != NULL;
     memset(p->gemm, 0, sizeof p->gemm);  // algorithms were chosen for the old workspace size
     p->gemm_next = 0;
+    return MN_OK;
+}
+
+MNDEF mn_result mn_cuda_scratch_set(mn_cuda *ctx, void *ptr, uint64_t bytes) {
+    if (!ctx || !ctx->p || (bytes && !ptr) || (ptr && !bytes) || ((uintptr_t)ptr & 255u) != 0 ||
+        bytes > SIZE_MAX) {
+        mn__cu_log(ctx, MN_LOG_ERROR, "mn_cuda_scratch_set: want 256-byte aligned ptr with "
+                   "bytes > 0, or NULL with 0 (got %p, %llu)", ptr, (unsigned long long)bytes);
+        return MN_ERR_INVALID_ARG;
+    }
+    MN__CU(ctx, cudaStreamSynchronize(mn__stream(ctx)));  // no kernel still uses the old one
+    ctx->p->user_scratch = ptr, ctx->p->user_scratch_bytes = (size_t)bytes;
     return MN_OK;
 }
 
@@ -3322,7 +3341,10 @@ static mn_result mn__attention_forward(mn_cuda *ctx, void *out, void *att, const
     T *q, *k, *v, *y, *S;
     mn_result r;
     float scale = 1.0f / sqrtf((float)hs);
-    if ((r = mn__scratch(ctx, 4 * hb + (att ? 0 : sb), (void **)&scr)) != MN_OK) return r;
+    // 4 hb + (att ? 0 : sb)
+    r = mn__scratch(ctx, (size_t)mn_hd_attention_scratch(B, T_, C, NH, sizeof(T), 0, att != NULL),
+                    (void **)&scr);
+    if (r != MN_OK) return r;
     q = (T *)scr, k = (T *)(scr + hb), v = (T *)(scr + 2 * hb), y = (T *)(scr + 3 * hb);
     S = att ? (T *)att : (T *)(scr + 4 * hb);
     if ((r = mn__att_heads<T>(ctx, qkv, q, k, v, B, T_, C, NH, hsp, 3, 0)) != MN_OK) return r;
@@ -3344,7 +3366,10 @@ static mn_result mn__attention_backward(mn_cuda *ctx, void *dqkv, const void *do
     T *q, *k, *v, *dy, *dq, *dk, *dv, *dP, *dS, *P;
     mn_result r;
     float scale = 1.0f / sqrtf((float)hs);
-    if ((r = mn__scratch(ctx, 7 * hb + (att ? 2 : 3) * sb, (void **)&scr)) != MN_OK) return r;
+    // 7 hb + (att ? 2 : 3) sb
+    r = mn__scratch(ctx, (size_t)mn_hd_attention_scratch(B, T_, C, NH, sizeof(T), 1, att != NULL),
+                    (void **)&scr);
+    if (r != MN_OK) return r;
     q = (T *)scr, k = (T *)(scr + hb), v = (T *)(scr + 2 * hb), dy = (T *)(scr + 3 * hb);
     dq = (T *)(scr + 4 * hb), dk = (T *)(scr + 5 * hb), dv = (T *)(scr + 6 * hb);
     dP = (T *)(scr + 7 * hb), dS = (T *)(scr + 7 * hb + sb);

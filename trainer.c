@@ -596,6 +596,8 @@ typedef struct tr_model {
     float *norms;             // [tensors] per-tensor gradient norms, MN_CAT_OTHER (device)
     void *workspace;          // the cuBLASLt workspace, MN_CAT_WORKSPACE (device)
     uint64_t workspace_bytes; // its size, as the context resolved it (the GPU table's)
+    void *scratch;            // the kernels' scratch, MN_CAT_WORKSPACE (device): attention's
+    uint64_t scratch_bytes;   // backward (mn_hd_attention_scratch), the largest they ask for
     float *losses_host, *norms_host;  // [N], [tensors] read back from the device
     uint64_t opt_bytes[TR_NUM_PARAMS];  // each tensor's optimizer state (opt_block) bytes
     uint64_t opt_steps;       // updates the optimizer took (skipped steps not counted)
@@ -1553,8 +1555,11 @@ static mn_result tr_gpu_init_params(tr_model *m, int i, uint64_t n, uint64_t *rn
 }
 
 // After the tokens and targets: their host buffers and the host's copies of the losses and
-// norms; then on the device one gradient norm per tensor (MN_CAT_OTHER) and the cuBLASLt
-// workspace the context resolved (MN_CAT_WORKSPACE), handed back to the context.
+// norms; then on the device one gradient norm per tensor (MN_CAT_OTHER), the cuBLASLt workspace
+// the context resolved and the kernels' scratch (both MN_CAT_WORKSPACE), handed to the context.
+// The scratch is sized for attention's backward, which asks for the most (its per-head buffers
+// and the B x NH x T x T products; 468 MiB for GPT-2 small at B 8, T 1024 in bf16); a kernel that
+// needs more takes the context's own buffer, outside the cache (tr_gpu_report shows it).
 static mn_result tr_gpu_init_rest(tr_model *m) {
     size_t N = m->cfg.B * m->cfg.T;
     int i, tensors = 0;
@@ -1566,10 +1571,16 @@ static mn_result tr_gpu_init_rest(tr_model *m) {
         return MN_ERR_OUT_OF_MEMORY;
     TR_TRY(tr_alloc(m, (uint64_t)tensors, sizeof(float), MN_CAT_OTHER, "grad_norms", 0,
                     &m->norms));
-    if (!m->workspace_bytes) return MN_OK;
-    TR_TRY(tr_alloc(m, m->workspace_bytes, 1, MN_CAT_WORKSPACE, "cublaslt_workspace", 0,
-                    &m->workspace));
-    return mn_cuda_workspace_set(&m->cuda, m->workspace, m->workspace_bytes);
+    if (m->workspace_bytes) {
+        TR_TRY(tr_alloc(m, m->workspace_bytes, 1, MN_CAT_WORKSPACE, "cublaslt_workspace", 0,
+                        &m->workspace));
+        TR_TRY(mn_cuda_workspace_set(&m->cuda, m->workspace, m->workspace_bytes));
+    }
+    m->scratch_bytes = mn_hd_attention_scratch(m->cfg.B, m->cfg.T, m->cfg.C, m->cfg.NH,
+                                               m->half ? 2 : 4, 1,
+                                               m->cfg.checkpointing != TR_CKPT_SELECTIVE);
+    TR_TRY(tr_alloc(m, m->scratch_bytes, 1, MN_CAT_WORKSPACE, "kernel_scratch", 0, &m->scratch));
+    return mn_cuda_scratch_set(&m->cuda, m->scratch, m->scratch_bytes);
 }
 
 // A backward temporary of n elements in the storage type, zeroed (the launchers add into it).
@@ -1897,8 +1908,9 @@ static mn_result tr_gpu_update(tr_model *m, float lr, float *norm, int *skipped)
 }
 
 // After training: the device's memory as cudaMemGetInfo sees it, against the context and the
-// cache's reservation; what remains is outside the cache (the kernels' scratch: attention's
-// per-head buffers, partial sums), and the prediction's device total (context + peak reserved).
+// cache's reservation; what remains is outside the cache (the context's own scratch, taken only
+// by a kernel that needs more than the cache's block, and its small buffers such as 8-bit AdamW's
+// maps), and the prediction's device total (context + peak reserved).
 static mn_result tr_gpu_report(tr_model *m, const struct mn_cache_stats *st,
                                const mn_estimate_result *pred, double tokens_per_s, FILE *out) {
     mn_device dev = mn_cuda_device(&m->cuda);
@@ -1919,7 +1931,7 @@ static mn_result tr_gpu_report(tr_model *m, const struct mn_cache_stats *st,
     TR_TRY(dev.mem_info_fn(dev.user_data, &free_b, &total_b));
     used = total_b - free_b, cached = st->reserved_bytes[MN_STAT_ALL].current;
     fprintf(out, "device memory (cudaMemGetInfo): %.2f MiB used = context %.2f + reserved by the "
-            "cache %.2f + outside the cache %.2f (kernels' scratch)\n", (double)used / TR_MIB,
+            "cache %.2f + outside the cache %.2f\n", (double)used / TR_MIB,
             (double)m->cfg.gpu_context / TR_MIB, (double)cached / TR_MIB,
             ((double)used - (double)m->cfg.gpu_context - (double)cached) / TR_MIB);
     if (pred)
@@ -2589,10 +2601,11 @@ static mn_result tr_run_model(tr_model *m, FILE *out, tr_result *res) {
 #ifdef MEMANAT_CUDA
         if (m->gpu)
             fprintf(out, "device: %s (sm %d, %d SMs, %.0f MiB; GPU table entry %s); CUDA "
-                    "context %.2f MiB (cudaMemGetInfo); cuBLASLt workspace %.2f MiB from the "
-                    "cache\n", m->cuda.name, m->cuda.sm, m->cuda.sm_count,
-                    (double)c->gpu_total / TR_MIB, c->gpu, (double)c->gpu_context / TR_MIB,
-                    (double)m->workspace_bytes / TR_MIB);
+                    "context %.2f MiB (cudaMemGetInfo); cuBLASLt workspace %.2f MiB and "
+                    "kernels' scratch %.2f MiB from the cache\n", m->cuda.name, m->cuda.sm,
+                    m->cuda.sm_count, (double)c->gpu_total / TR_MIB, c->gpu,
+                    (double)c->gpu_context / TR_MIB, (double)m->workspace_bytes / TR_MIB,
+                    (double)m->scratch_bytes / TR_MIB);
 #endif
         if (m->text)
             fprintf(out, "data: %s, %llu bytes, random windows (uniform guess: ln V = %.4f)\n",

@@ -65,9 +65,9 @@ limit 300 bash bench/gpu_trainer.sh || { say "GPU trainer checks FAILED (build/g
 if [ -n "$SAN" ]; then
     # each case alone (a case's name selects only it); the device OOM that cache_oom induces on
     # purpose is an API error memcheck would count, so that case runs with API errors unreported
-    for t in cache cache_streams shared_stream gelu residual workspace layernorm softmax attention \
-             crossentropy global_norm embedding adamw adamw8bit sgd_lion adafactor matmul \
-             matmul_tf32; do
+    for t in cache cache_streams shared_stream gelu residual workspace scratch layernorm softmax \
+             attention crossentropy global_norm embedding adamw adamw8bit sgd_lion adafactor \
+             matmul matmul_tf32; do
         run "memcheck_$t" 120 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda "$t"
     done
     run memcheck_cache_oom 120 "$SAN" --tool memcheck --report-api-errors no --error-exitcode 3 \

@@ -12,7 +12,8 @@
 #   4. GPT-2 small (12 layers, 768 wide, T 1024, V 50257) in bf16: tokens/s (the mean of the last
 #      10 of 20 steps) and the trainer's MFU line: tokens/s x (6 N + 6 L C T) over the dense bf16
 #      peak of the header's GPU table entry for the device (PaLM, Chowdhery et al. 2022, appendix
-#      B: 6N per token for the weights plus the attention's 6 L C T).
+#      B: 6N per token for the weights plus the attention's 6 L C T), and the device's memory:
+#      at most 8 MiB outside the context and the cache (the kernels' scratch is in the cache).
 # Exit status: 1 when a check fails. Logs and JSON in build/gpu_trainer/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -118,5 +119,10 @@ if train gpt2 --device cuda --size gpt2 --seq 1024 --batch 8 --steps 20 --precis
         awk '{ s += $1; n++ } END { printf "mean of the last 10 steps: %.0f tokens/s (llm.c " \
              "train_gpt2.cu with cuDNN: ~145000 on an H100)\n", s / n }'
     grep -E '^peak allocated|^peak reserved|^device memory' "$out/gpt2.log"
+    # the kernels' scratch (468 MiB here, attention's backward) is a block of the cache: what
+    # cudaMemGetInfo shows beyond the context and the cache is the driver's few MiB
+    awk '/^device memory/ { o = $(NF); if (o + 0 > 8) { print "outside the cache: " o \
+        " MiB (want at most 8: the kernels asked for more scratch than the cache holds)"; exit 1 } }' \
+        "$out/gpt2.log" || status=1
 fi
 exit $status

@@ -389,6 +389,62 @@ static void test_attention(void) {
                 }
 }
 
+// The kernels' scratch from the caller (mn_cuda_scratch_set): attention forward and backward
+// (B 2, T 1024, C 256, 4 heads, bf16, att kept: 39 MiB of scratch) on a fresh context whose
+// scratch is a block of a cache give the same bits as the shared context with its own, and the
+// device's free memory does not drop by the scratch (the context took none of its own); then a
+// misaligned or empty block is refused.
+static void test_scratch(void) {
+    const size_t B = 2, T = 1024, C = 256, NH = 4, nq = B * T * 3 * C, no = B * T * C;
+    const size_t na = B * NH * T * T;
+    uint64_t need = mn_hd_attention_scratch(B, T, C, NH, 2, 1, 1), free0 = 0, free1 = 0, total = 0;
+    float *qkv = hrand(MN_BF16, nq, 1), *dy = hrand(MN_BF16, no, 1);
+    void *dqkv_in = dev(MN_BF16, qkv, nq), *ddy = dev(MN_BF16, dy, no);
+    void *o1 = dev_poisoned(MN_BF16, no), *o2 = dev_poisoned(MN_BF16, no);
+    void *a1 = dev_poisoned(MN_BF16, na), *a2 = dev_poisoned(MN_BF16, na);
+    void *g1 = dev_poisoned(MN_BF16, nq), *g2 = dev_poisoned(MN_BF16, nq), *scr = NULL;
+    float *want_o, *want_g;
+    mn_cuda c2;
+    mn_cuda_desc desc;
+    mn_cache cache;
+    mn_cache_desc cd;
+    mn_device dv;
+    CHECK(need == mn_hd_attention_scratch(B, T, C, NH, 2, 1, 1) && need > (32u << 20));
+    memset(&desc, 0, sizeof desc), memset(&cd, 0, sizeof cd);
+    desc.logger.log_fn = log_stderr;
+    OK(mn_cuda_init(&c2, &desc));
+    cd.device = dv = mn_cuda_device(&c2);
+    OK(mn_cache_init(&cache, &cd));
+    OK(mn_cache_alloc(&cache, need, 0, MN_CAT_WORKSPACE, "kernel_scratch", &scr));
+    OK(mn_cuda_scratch_set(&c2, scr, need));
+    OK(mn_cuda_mem_set(&ctx, g1, 0, nq * 2));
+    OK(mn_cuda_mem_set(&ctx, g2, 0, nq * 2));
+    OK(mn_cuda_sync(&ctx));
+    OK(dv.mem_info_fn(dv.user_data, &free0, &total));
+    OK(mn_cuda_attention_forward(&c2, o2, a2, dqkv_in, B, T, C, NH, 1, MN_BF16));
+    OK(mn_cuda_attention_backward(&c2, g2, ddy, dqkv_in, a2, B, T, C, NH, 1, MN_BF16));
+    OK(mn_cuda_sync(&c2));
+    OK(dv.mem_info_fn(dv.user_data, &free1, &total));
+    if (free1 + need / 2 <= free0)
+        FAIL("free memory dropped by %llu bytes (scratch %llu)",
+             (unsigned long long)(free0 - free1), (unsigned long long)need);
+    OK(mn_cuda_attention_forward(&ctx, o1, a1, dqkv_in, B, T, C, NH, 1, MN_BF16));
+    OK(mn_cuda_attention_backward(&ctx, g1, ddy, dqkv_in, a1, B, T, C, NH, 1, MN_BF16));
+    OK(mn_cuda_sync(&ctx));
+    want_o = down(MN_BF16, o1, no), want_g = down(MN_BF16, g1, nq);
+    compare("attention fwd, scratch from a cache", MN_BF16, 0.0, o2, want_o, no);
+    compare("attention bwd, scratch from a cache", MN_BF16, 0.0, g2, want_g, nq);
+    CHECK(mn_cuda_scratch_set(&c2, (char *)scr + 16, 1024) == MN_ERR_INVALID_ARG);
+    CHECK(mn_cuda_scratch_set(&c2, scr, 0) == MN_ERR_INVALID_ARG);
+    OK(mn_cuda_scratch_set(&c2, NULL, 0));
+    OK(mn_cache_release(&cache, scr));
+    mn_cache_free(&cache);
+    mn_cuda_free(&c2);
+    release(dqkv_in), release(ddy), release(o1), release(o2), release(a1), release(a2);
+    release(g1), release(g2);
+    free(qkv), free(dy), free(want_o), free(want_g);
+}
+
 // Shapes: 50257 starts consecutive rows at every 16-byte offset (scalar head, packs, tail), 3 is
 // under one pack, 120001 does not fit the shared-memory row cache (second read). Modes: out of
 // place (and loss only), in place, in place one element past a 16-byte boundary (scalar path).
@@ -1209,6 +1265,7 @@ static const tcase cases[] = {
     {"gelu", test_gelu},
     {"residual", test_residual},
     {"workspace", test_workspace},
+    {"scratch", test_scratch},
     {"layernorm", test_layernorm},
     {"softmax", test_softmax},
     {"attention", test_attention},
