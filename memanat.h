@@ -6752,10 +6752,12 @@ MN__PRIVATE void mn__gpt_run(mn__sim *S) {
     S->phase = MN_PHASE_LOAD;
     mn__gpt_model_init(&G);
     if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
-    if (G.gpu)  // tr_gpu_init_rest: the kernels' scratch, sized for attention's backward
-        mn__tensor_new(S, mn_hd_attention_scratch(G.B, G.T, G.C, G.NH, G.half ? 2 : 4, 1,
-                                                  G.ckpt != MN_CKPT_SELECTIVE),
-                       1, MN_CAT_WORKSPACE);
+    if (G.gpu) {  // tr_gpu_init_rest: the kernels' scratch, sized for attention's backward
+        uint64_t scratch = mn_hd_attention_scratch(G.B, G.T, G.C, G.NH, G.half ? 2 : 4, 1,
+                                                   G.ckpt != MN_CKPT_SELECTIVE);
+        if (scratch == ~(uint64_t)0) S->err = MN_ERR_OVERFLOW;
+        mn__tensor_new(S, scratch, 1, MN_CAT_WORKSPACE);
+    }
     nmb = c->s.accum < 2 ? 1 : 2;
     for (mb = 0; mb < nmb + 2 && !S->err; mb++) {
         if (mb == nmb) {
