@@ -5,9 +5,12 @@
 # tokens/s and MFU), then the GPU tests under compute-sanitizer (memcheck, and racecheck on the
 # kernels with shared memory), the slowest part, last. GPU_LOGS=DIR also copies every log there.
 # Needs only the CUDA toolkit (nvcc, cuBLASLt, compute-sanitizer), a C compiler and make.
-# Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit). With
-# GPU_RACECHECK_MATMUL=0: 7.6 minutes on an H100, 8.2 on an H200, most of them under the
-# sanitizers; matmul's racecheck adds about 3.
+# Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit). The test cases
+# and the sanitizers' runs go GPU_JOBS processes at a time (default 4). With the runs one at a time
+# and GPU_RACECHECK_MATMUL=0 it took 7.6 minutes on an H100 and 8.2 on an H200, there the build
+# about 1, the tests 2.5, the table and the trainer 0.5, the sanitizers 4 (by the logs' times;
+# memcheck of matmul 43 s, racecheck of 8-bit AdamW and Adafactor 37 s each); matmul's racecheck
+# adds about 3.
 # Exit status: 0 when every test passed under every tool; the table is printed either way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,23 +40,50 @@ say "kernels: $(grep -c 'Compiling entry' build/ptxas.log) builds, \
 $(grep -Ec '[1-9][0-9]* bytes spill (stores|loads)' build/ptxas.log || true) with spills (build/ptxas.log)"
 
 status=0
-run() {  # run NAME SECONDS CMD...: one result line per run
-    local name=$1 secs=$2 rc=0
+# Runs go GPU_JOBS at a time (default 4; each its own process and CUDA context on the one GPU:
+# the cases' host references and the sanitizers' instrumentation are what takes the time), each
+# with its log build/gpu_NAME.log and exit status build/gpu_NAME.rc; report prints them in order.
+JOBS=${GPU_JOBS:-4}
+start() {  # start NAME SECONDS CMD...: in the background once fewer than JOBS run
+    local name=$1 secs=$2
     shift 2
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n 2>/dev/null || sleep 1; done
+    rm -f "build/gpu_$name.rc"
+    { rc=0; limit "$secs" "$@" > "build/gpu_$name.log" 2>&1 || rc=$?
+      echo "$rc" > "build/gpu_$name.rc"; } &
+}
+report() {  # report NAME: one result line per run, after wait
+    local name=$1 rc
+    rc=$(cat "build/gpu_$name.rc" 2>/dev/null || echo "none")
     say "== $name"
-    limit "$secs" "$@" > "build/gpu_$name.log" 2>&1 || rc=$?
     grep -E '^\[FAIL\]|^SKIP|passed, .* failed|ERROR SUMMARY|RACECHECK SUMMARY' \
-        "build/gpu_$name.log" | tail -n 20 || true
-    if [ "$rc" = 124 ]; then say "$name: timed out after ${secs}s (log: build/gpu_$name.log)"; fi
+        "build/gpu_$name.log" 2>/dev/null | tail -n 20 || true
+    if [ "$rc" = 124 ]; then say "$name: timed out (log: build/gpu_$name.log)"; fi
     if [ "$rc" != 0 ]; then say "$name: FAILED (exit $rc, log: build/gpu_$name.log)"; status=1;
     else say "$name: ok"; fi
 }
+run() { start "$@"; wait; report "$1"; }  # run NAME SECONDS CMD...: alone
 
 # a run that selects no test: one SKIP line without a device, else the device's name
 first=$(./build/test_cuda no-such-test 2>&1 | head -n 1 || true)
 case "$first" in SKIP*) die "no CUDA device answers on this machine: $first" ;; esac
 say "$first"
-run tests 240 env MN_TEST_VERBOSE=1 ./build/test_cuda
+cases=$(./build/test_cuda --list)
+# scratch reads the device's free memory before and after its kernels: alone, after the others
+together=$(echo "$cases" | grep -vx scratch)
+say "== tests ($(echo "$cases" | wc -l) cases, $JOBS at a time)"
+for t in $together; do start "test_$t" 240 env MN_TEST_VERBOSE=1 ./build/test_cuda "$t"; done
+wait
+start test_scratch 240 env MN_TEST_VERBOSE=1 ./build/test_cuda scratch
+wait
+: > build/gpu_tests.log
+for t in $cases; do
+    cat "build/gpu_test_$t.log" >> build/gpu_tests.log
+    grep -E '^\[FAIL\]' "build/gpu_test_$t.log" || true
+    [ "$(cat "build/gpu_test_$t.rc" 2>/dev/null)" = 0 ] || { say "test $t: FAILED (build/gpu_test_$t.log)"; status=1; }
+done
+say "tests: $(grep -c '^\[ OK \]' build/gpu_tests.log) passed, $(grep -c '^\[FAIL\] cuda/' \
+build/gpu_tests.log) failed (build/gpu_tests.log)"
 cp build/gpu_tests.log build/gpu_tests_errors.log  # max abs/rel errors per kernel and dtype
 say "== benchmark"
 limit 180 ./build/bench_gpu || { say "benchmark FAILED"; status=1; }
@@ -63,18 +93,23 @@ limit 300 bash bench/gpu_trainer.sh || { say "GPU trainer checks FAILED (build/g
 
 # the sanitizers last: the slowest part, and the table above is out already
 if [ -n "$SAN" ]; then
-    # each case alone (a case's name selects only it); the device OOM that cache_oom induces on
-    # purpose is an API error memcheck would count, so that case runs with API errors unreported
-    for t in cache cache_streams shared_stream gelu residual workspace scratch layernorm softmax \
-             attention crossentropy global_norm embedding adamw adamw8bit sgd_lion adafactor \
-             matmul matmul_tf32; do
-        run "memcheck_$t" 120 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda "$t"
+    # each case in a process of its own (a case's name selects only it), JOBS at a time, scratch
+    # alone; the device OOM that cache_oom induces on purpose is an API error memcheck would
+    # count, so that case runs with API errors unreported
+    for t in $together; do
+        api=explicit
+        [ "$t" = cache_oom ] && api=no
+        start "memcheck_$t" 240 "$SAN" --tool memcheck --report-api-errors "$api" \
+            --error-exitcode 3 ./build/test_cuda "$t"
     done
-    run memcheck_cache_oom 120 "$SAN" --tool memcheck --report-api-errors no --error-exitcode 3 \
-        ./build/test_cuda cache_oom
-    for t in layernorm softmax crossentropy global_norm adamw adamw8bit adafactor; do
-        run "racecheck_$t" 120 "$SAN" --tool racecheck --error-exitcode 3 ./build/test_cuda "$t"
+    racy="layernorm softmax crossentropy global_norm adamw adamw8bit adafactor"
+    for t in $racy; do
+        start "racecheck_$t" 240 "$SAN" --tool racecheck --error-exitcode 3 ./build/test_cuda "$t"
     done
+    wait
+    run memcheck_scratch 240 "$SAN" --tool memcheck --error-exitcode 3 ./build/test_cuda scratch
+    for t in $together; do report "memcheck_$t"; done
+    for t in $racy; do report "racecheck_$t"; done
     # matmul (the dGELU/dbias column kernel): cuBLAS's own sm90 GEMM kernels (nvjet_*) draw
     # hazard reports that are theirs, not ours, and the run takes about 3 minutes on an H100; it
     # fails on a hazard in a memanat kernel (mn__*) or a failed test. GPU_RACECHECK_MATMUL=0

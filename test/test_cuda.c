@@ -8,7 +8,7 @@
 //
 // Without a device it prints one line, "SKIP cuda: no CUDA device (<reason>)", and exits 0.
 // Usage: build/test_cuda [name]   (a case's name runs that case alone, another string every case
-// whose name contains it; MN_TEST_SEED=N repeats a run)
+// whose name contains it; MN_TEST_SEED=N repeats a run); build/test_cuda --list names the cases.
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdlib.h>
@@ -1290,6 +1290,10 @@ int main(int argc, char **argv) {
     size_t i;
     const char *seed = getenv("MN_TEST_SEED");
     mn_cuda_desc desc;
+    if (argc > 1 && !strcmp(argv[1], "--list")) {  // the cases' names, a line each (no device)
+        for (i = 0; i < sizeof cases / sizeof cases[0]; i++) printf("%s\n", cases[i].name);
+        return 0;
+    }
     if (mn_cuda_device_count(&count, reason, sizeof reason) != MN_OK) {
         printf("SKIP cuda: no CUDA device (%s)\n", reason);
         return 0;
