@@ -407,8 +407,8 @@ static double gemm_candidates(const char *name, int backward, cublasLtEpilogue_t
 }
 static void gemm_sweep(void) {
     double pf, pb;
-    printf("\n| cuBLASLt's candidates, %dx%dx%d bf16 | algos | the first | the fastest | TFLOP/s | vs fastest plain |\n",
-           BT, C, C4);
+    printf("\n| cuBLASLt's candidates, %dx%dx%d bf16 | algos | the first | the fastest | TFLOP/s "
+           "| vs fastest plain |\n", BT, C, C4);
     printf("|---|---|---|---|---|---|\n");
     pf = gemm_candidates("fwd plain", 0, CUBLASLT_EPILOGUE_DEFAULT, 0);
     gemm_candidates("fwd BIAS", 0, CUBLASLT_EPILOGUE_BIAS, pf);

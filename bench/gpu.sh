@@ -80,7 +80,9 @@ wait
 for t in $cases; do
     cat "build/gpu_test_$t.log" >> build/gpu_tests.log
     grep -E '^\[FAIL\]' "build/gpu_test_$t.log" || true
-    [ "$(cat "build/gpu_test_$t.rc" 2>/dev/null)" = 0 ] || { say "test $t: FAILED (build/gpu_test_$t.log)"; status=1; }
+    if [ "$(cat "build/gpu_test_$t.rc" 2>/dev/null)" != 0 ]; then
+        say "test $t: FAILED (build/gpu_test_$t.log)"; status=1
+    fi
 done
 say "tests: $(grep -c '^\[ OK \]' build/gpu_tests.log) passed, $(grep -c '^\[FAIL\] cuda/' \
 build/gpu_tests.log) failed (build/gpu_tests.log)"

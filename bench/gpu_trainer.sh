@@ -122,7 +122,7 @@ if train gpt2 --device cuda --size gpt2 --seq 1024 --batch 8 --steps 20 --precis
     # the kernels' scratch (468 MiB here, attention's backward) is a block of the cache: what
     # cudaMemGetInfo shows beyond the context and the cache is the driver's few MiB
     awk '/^device memory/ { o = $(NF); if (o + 0 > 8) { print "outside the cache: " o \
-        " MiB (want at most 8: the kernels asked for more scratch than the cache holds)"; exit 1 } }' \
-        "$out/gpt2.log" || status=1
+        " MiB (want at most 8: a kernel asked for more scratch than the block in the cache)"
+        exit 1 } }' "$out/gpt2.log" || status=1
 fi
 exit $status
