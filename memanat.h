@@ -1348,25 +1348,11 @@ MN_HD void mn_hd_adafactor_apply(float *p, float *m, float u, float clip_div, fl
 // per-head buffers of B*NH*T*hsp elements of esz bytes (forward q, k, v, y; backward q, k, v, dy,
 // dq, dk, dv), and B*NH*T*T ones for the probabilities where the caller keeps no att (forward)
 // and for dP, dS and, without att, the recomputed probabilities (backward), each rounded up to
-// 256 bytes. trainer.c --device cuda holds the backward's as a block of its cache, and the
-// estimator's memanat framework on a GPU predicts that block. UINT64_MAX where the count
-// overflows 64 bits.
-MN_HD uint64_t mn_hd_attention_scratch(uint64_t B, uint64_t T, uint64_t C, uint64_t NH,
-                                       uint64_t esz, int backward, int att_kept) {
-    const uint64_t M = ~(uint64_t)0;
-    uint64_t hsp, bh, hb, sb, nh = backward ? 7 : 4, ns = backward ? (att_kept ? 2 : 3)
-                                                                   : (att_kept ? 0 : 1);
-    if (!B || !T || !C || !NH || !esz) return 0;
-    hsp = mn_hd_head_ld(C / NH);
-    if (B > M / NH || B * NH > M / T) return M;
-    bh = B * NH * T;  // rows of all heads
-    if (bh > M / hsp || bh * hsp > M / esz || bh > M / T || bh * T > M / esz) return M;
-    hb = bh * hsp * esz, sb = bh * T * esz;
-    if (hb > M - 255 || sb > M - 255) return M;
-    hb = (hb + 255) / 256 * 256, sb = (sb + 255) / 256 * 256;
-    if (hb > M / nh || (ns && sb > M / ns) || nh * hb > M - ns * sb) return M;
-    return nh * hb + ns * sb;
-}
+// 256 bytes, in *out. trainer.c --device cuda holds the backward's as a block of its cache, and
+// the estimator's memanat framework on a GPU predicts that block. MN_ERR_OVERFLOW where the count
+// passes 64 bits.
+MNDEF mn_result mn_attention_scratch(uint64_t B, uint64_t T, uint64_t C, uint64_t NH,
+                                     uint64_t esz, int backward, int att_kept, uint64_t *out);
 
 #ifdef MEMANAT_CUDA
 // This block precedes >>cache and >>optim (its place in the file), so it names their types by
@@ -1432,7 +1418,7 @@ MNDEF mn_result mn_cuda_mem_set(mn_cuda *ctx, void *ptr, int byte, uint64_t byte
 MNDEF mn_result mn_cuda_workspace_set(mn_cuda *ctx, void *ptr, uint64_t bytes);
 // The kernels' scratch from the caller: ptr [bytes] device memory (256-byte aligned) kept alive
 // while the context uses it, e.g. a block of its caching allocator sized by
-// mn_hd_attention_scratch, so that the allocator's statistics include it. A kernel that needs
+// mn_attention_scratch, so that the allocator's statistics include it. A kernel that needs
 // more takes the context's own scratch (cudaMalloc, grown, never shrunk) as without one; ptr NULL
 // with bytes 0: the context's own alone.
 MNDEF mn_result mn_cuda_scratch_set(mn_cuda *ctx, void *ptr, uint64_t bytes);
@@ -2668,6 +2654,28 @@ MNIMPL mn_result mn_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
     if (b > UINT64_MAX - a) return MN_ERR_OVERFLOW;
     *out = a + b;
     return MN_OK;
+}
+
+MNIMPL mn_result mn_attention_scratch(uint64_t B, uint64_t T, uint64_t C, uint64_t NH,
+                                      uint64_t esz, int backward, int att_kept, uint64_t *out) {
+    uint64_t nh = backward ? 7 : 4, ns = backward ? (att_kept ? 2 : 3) : (att_kept ? 0 : 1);
+    uint64_t hsp, rows, hb, sb = 0;
+    mn_result r;
+    if (!out) return MN_ERR_INVALID_ARG;
+    *out = 0;
+    if (!B || !T || !C || !NH || !esz) return MN_OK;
+    // hsp = mn_hd_head_ld(C / NH): the head's row, a multiple of 8 elements
+    if ((r = mn_add_u64(C / NH, 7, &hsp)) != MN_OK || (r = mn_mul_u64(B, NH, &rows)) != MN_OK ||
+        (r = mn_mul_u64(rows, T, &rows)) != MN_OK ||
+        (r = mn_mul_u64(rows, hsp / 8 * 8, &hb)) != MN_OK ||
+        (r = mn_mul_u64(hb, esz, &hb)) != MN_OK || (r = mn_add_u64(hb, 255, &hb)) != MN_OK ||
+        (r = mn_mul_u64(hb / 256 * 256, nh, &hb)) != MN_OK)
+        return r;
+    if (ns && ((r = mn_mul_u64(rows, T, &sb)) != MN_OK || (r = mn_mul_u64(sb, esz, &sb)) != MN_OK ||
+               (r = mn_add_u64(sb, 255, &sb)) != MN_OK ||
+               (r = mn_mul_u64(sb / 256 * 256, ns, &sb)) != MN_OK))
+        return r;  // (no T x T buffer: its size cannot overflow the count)
+    return mn_add_u64(hb, sb, out);
 }
 
 // Host allocation through the caller's allocator, or MN_MALLOC/MN_FREE when it is all-zero.
@@ -6422,7 +6430,7 @@ MN__PRIVATE void mn__generate(mn__sim *S) {
 // cross-entropy overwrites them with dlogits in the forward, so no probabilities are stored; the
 // model holds a small buffer of per-tensor gradient norms (MN_CAT_OTHER) and takes the cuBLASLt
 // workspace (the GPU table's cublas_workspace) and then the kernels' scratch, sized for
-// attention's backward (mn_hd_attention_scratch), from its cache (MN_CAT_WORKSPACE) after its
+// attention's backward (mn_attention_scratch), from its cache (MN_CAT_WORKSPACE) after its
 // parameters.
 
 #define MN__GP_ENUM(name, rows, cols, init) MN__GP_##name,
@@ -6753,9 +6761,10 @@ MN__PRIVATE void mn__gpt_run(mn__sim *S) {
     mn__gpt_model_init(&G);
     if (c->cublas_workspace) mn__tensor_new(S, c->cublas_workspace, 1, MN_CAT_WORKSPACE);
     if (G.gpu) {  // tr_gpu_init_rest: the kernels' scratch, sized for attention's backward
-        uint64_t scratch = mn_hd_attention_scratch(G.B, G.T, G.C, G.NH, G.half ? 2 : 4, 1,
-                                                   G.ckpt != MN_CKPT_SELECTIVE);
-        if (scratch == ~(uint64_t)0) S->err = MN_ERR_OVERFLOW;
+        uint64_t scratch = 0;
+        mn_result r = mn_attention_scratch(G.B, G.T, G.C, G.NH, G.half ? 2 : 4, 1,
+                                           G.ckpt != MN_CKPT_SELECTIVE, &scratch);
+        if (r != MN_OK) S->err = r;
         mn__tensor_new(S, scratch, 1, MN_CAT_WORKSPACE);
     }
     nmb = c->s.accum < 2 ? 1 : 2;

@@ -3341,10 +3341,11 @@ static mn_result mn__attention_forward(mn_cuda *ctx, void *out, void *att, const
     T *q, *k, *v, *y, *S;
     mn_result r;
     float scale = 1.0f / sqrtf((float)hs);
-    // 4 hb + (att ? 0 : sb)
-    r = mn__scratch(ctx, (size_t)mn_hd_attention_scratch(B, T_, C, NH, sizeof(T), 0, att != NULL),
-                    (void **)&scr);
-    if (r != MN_OK) return r;
+    uint64_t need;  // 4 hb + (att ? 0 : sb)
+    if (mn_attention_scratch(B, T_, C, NH, sizeof(T), 0, att != NULL, &need) != MN_OK ||
+        need > SIZE_MAX)
+        return mn__bad(ctx, "attention's scratch overflows");
+    if ((r = mn__scratch(ctx, (size_t)need, (void **)&scr)) != MN_OK) return r;
     q = (T *)scr, k = (T *)(scr + hb), v = (T *)(scr + 2 * hb), y = (T *)(scr + 3 * hb);
     S = att ? (T *)att : (T *)(scr + 4 * hb);
     if ((r = mn__att_heads<T>(ctx, qkv, q, k, v, B, T_, C, NH, hsp, 3, 0)) != MN_OK) return r;
@@ -3366,10 +3367,11 @@ static mn_result mn__attention_backward(mn_cuda *ctx, void *dqkv, const void *do
     T *q, *k, *v, *dy, *dq, *dk, *dv, *dP, *dS, *P;
     mn_result r;
     float scale = 1.0f / sqrtf((float)hs);
-    // 7 hb + (att ? 2 : 3) sb
-    r = mn__scratch(ctx, (size_t)mn_hd_attention_scratch(B, T_, C, NH, sizeof(T), 1, att != NULL),
-                    (void **)&scr);
-    if (r != MN_OK) return r;
+    uint64_t need;  // 7 hb + (att ? 2 : 3) sb
+    if (mn_attention_scratch(B, T_, C, NH, sizeof(T), 1, att != NULL, &need) != MN_OK ||
+        need > SIZE_MAX)
+        return mn__bad(ctx, "attention's scratch overflows");
+    if ((r = mn__scratch(ctx, (size_t)need, (void **)&scr)) != MN_OK) return r;
     q = (T *)scr, k = (T *)(scr + hb), v = (T *)(scr + 2 * hb), dy = (T *)(scr + 3 * hb);
     dq = (T *)(scr + 4 * hb), dk = (T *)(scr + 5 * hb), dv = (T *)(scr + 6 * hb);
     dP = (T *)(scr + 7 * hb), dS = (T *)(scr + 7 * hb + sb);

@@ -597,7 +597,7 @@ typedef struct tr_model {
     void *workspace;          // the cuBLASLt workspace, MN_CAT_WORKSPACE (device)
     uint64_t workspace_bytes; // its size, as the context resolved it (the GPU table's)
     void *scratch;            // the kernels' scratch, MN_CAT_WORKSPACE (device): attention's
-    uint64_t scratch_bytes;   // backward (mn_hd_attention_scratch), the largest they ask for
+    uint64_t scratch_bytes;   // backward (mn_attention_scratch), the largest they ask for
     float *losses_host, *norms_host;  // [N], [tensors] read back from the device
     uint64_t opt_bytes[TR_NUM_PARAMS];  // each tensor's optimizer state (opt_block) bytes
     uint64_t opt_steps;       // updates the optimizer took (skipped steps not counted)
@@ -1576,9 +1576,8 @@ static mn_result tr_gpu_init_rest(tr_model *m) {
                         &m->workspace));
         TR_TRY(mn_cuda_workspace_set(&m->cuda, m->workspace, m->workspace_bytes));
     }
-    m->scratch_bytes = mn_hd_attention_scratch(m->cfg.B, m->cfg.T, m->cfg.C, m->cfg.NH,
-                                               m->half ? 2 : 4, 1,
-                                               m->cfg.checkpointing != TR_CKPT_SELECTIVE);
+    TR_TRY(mn_attention_scratch(m->cfg.B, m->cfg.T, m->cfg.C, m->cfg.NH, m->half ? 2 : 4, 1,
+                                m->cfg.checkpointing != TR_CKPT_SELECTIVE, &m->scratch_bytes));
     TR_TRY(tr_alloc(m, m->scratch_bytes, 1, MN_CAT_WORKSPACE, "kernel_scratch", 0, &m->scratch));
     return mn_cuda_scratch_set(&m->cuda, m->scratch, m->scratch_bytes);
 }

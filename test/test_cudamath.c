@@ -565,29 +565,37 @@ static void test_head_index(void) {
     }
 }
 
-// mn_hd_attention_scratch against the count in 128-bit integers (UINT64_MAX past 64 bits) on
-// random shapes, small ones and ones that overflow; GPT-2 small's backward at B 8, T 1024 in
-// bf16 with the probabilities kept: 7 x 12 MiB + 2 x 192 MiB.
+// mn_attention_scratch against the count in 128-bit integers (MN_ERR_OVERFLOW past 64 bits) on
+// random shapes, small ones and ones that overflow, and one whose unused T x T buffer would
+// overflow; GPT-2 small's backward at B 8, T 1024 in bf16 with the probabilities kept: 7 x 12 MiB
+// + 2 x 192 MiB.
 static void test_attention_scratch(void) {
     __extension__ typedef unsigned __int128 u128;
+    uint64_t got = 1;
     int draw;
-    CHECK(mn_hd_attention_scratch(8, 1024, 768, 12, 2, 1, 1) == 468ull << 20);
-    CHECK(mn_hd_attention_scratch(0, 1024, 768, 12, 2, 1, 1) == 0);
+    CHECK_OK(mn_attention_scratch(8, 1024, 768, 12, 2, 1, 1, &got));
+    CHECK(got == 468ull << 20);
+    CHECK_OK(mn_attention_scratch(0, 1024, 768, 12, 2, 1, 1, &got));
+    CHECK(got == 0);
+    CHECK(mn_attention_scratch(8, 1024, 768, 12, 2, 1, 1, NULL) == MN_ERR_INVALID_ARG);
     for (draw = 0; draw < 20000; draw++) {
         int big = draw % 2, backward = (int)(mnt_rand_u64() % 2), kept = (int)(mnt_rand_u64() % 2);
         uint64_t B = 1 + mnt_rand_u64() % (big ? 1ull << 40 : 64);
         uint64_t T = 1 + mnt_rand_u64() % (big ? 1ull << 32 : 4096);
         uint64_t NH = 1 + mnt_rand_u64() % 64, hs = 1 + mnt_rand_u64() % 256, C = NH * hs;
-        uint64_t esz = mnt_rand_u64() % 2 ? 2 : 4, got = mn_hd_attention_scratch(B, T, C, NH, esz,
-                                                                               backward, kept);
+        uint64_t esz = mnt_rand_u64() % 2 ? 2 : 4;
+        mn_result r;
+        if (draw == 0)  // no T x T buffer, whose count alone would pass 64 bits: 4 hb fits
+            B = 122332530, T = 5383432, NH = 39, C = 1365, hs = 35, esz = 4, backward = 0, kept = 1;
+        r = mn_attention_scratch(B, T, C, NH, esz, backward, kept, &got);
         u128 hsp = (hs + 7) / 8 * 8, rows = (u128)B * NH * T, hb, sb, want;
         hb = (rows * hsp * esz + 255) / 256 * 256, sb = (rows * T * esz + 255) / 256 * 256;
         want = backward ? 7 * hb + (kept ? 2 : 3) * sb : 4 * hb + (kept ? 0 : 1) * sb;
-        if (want > (u128)UINT64_MAX) want = UINT64_MAX;
-        CHECK_MSG(got == (uint64_t)want, "B %llu T %llu C %llu NH %llu esz %llu %s %s: %llu",
+        CHECK_MSG(want > (u128)UINT64_MAX ? r == MN_ERR_OVERFLOW : r == MN_OK && got == want,
+                  "B %llu T %llu C %llu NH %llu esz %llu %s %s: result %d, %llu",
                   (unsigned long long)B, (unsigned long long)T, (unsigned long long)C,
                   (unsigned long long)NH, (unsigned long long)esz, backward ? "bwd" : "fwd",
-                  kept ? "kept" : "not kept", (unsigned long long)got);
+                  kept ? "kept" : "not kept", (int)r, (unsigned long long)got);
         if (mnt_failed()) break;
     }
 }

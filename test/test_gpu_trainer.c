@@ -97,7 +97,7 @@ mn_device mn_cuda_device(mn_cuda *ctx) {
 }
 
 // The caller's scratch; attention's launchers below check that it holds what memanat_cuda.cu's
-// would ask for (mn_hd_attention_scratch), so that no kernel takes memory outside the cache.
+// would ask for (mn_attention_scratch), so that no kernel takes memory outside the cache.
 mn_result mn_cuda_scratch_set(mn_cuda *ctx, void *ptr, uint64_t bytes) {
     if (!ctx || !ctx->p || !tg_dev(ptr) || (!ptr) != (!bytes)) return MN_ERR_INVALID_ARG;
     ctx->p->scratch = bytes;
@@ -167,14 +167,20 @@ mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweight, vo
            TG_DEV4(inp, weight, mean, rstd));
 }
 
-static uint64_t tg_esz(mn_dtype dtype) { return dtype == MN_FP16 || dtype == MN_BF16 ? 2 : 4; }
+// Whether the caller's scratch holds what memanat_cuda.cu's attention asks for.
+static int tg_scratch_holds(mn_cuda *ctx, size_t B, size_t T, size_t C, size_t NH,
+                            mn_dtype dtype, int backward, const void *att) {
+    uint64_t need;
+    return mn_attention_scratch(B, T, C, NH, dtype == MN_FP16 || dtype == MN_BF16 ? 2 : 4,
+                                backward, att != NULL, &need) == MN_OK &&
+           need <= ctx->p->scratch;
+}
 
 mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, const void *qkv, size_t B,
                                     size_t T, size_t C, size_t NH, int causal, mn_dtype dtype) {
     (void)causal;
     TG_RET(out && qkv && TG_DEV2(out, att) && tg_dev(qkv) &&
-           mn_hd_attention_scratch(B, T, C, NH, tg_esz(dtype), 0, att != NULL) <=
-               ctx->p->scratch);
+           tg_scratch_holds(ctx, B, T, C, NH, dtype, 0, att));
 }
 
 mn_result mn_cuda_attention_backward(mn_cuda *ctx, void *dqkv, const void *dout, const void *qkv,
@@ -182,8 +188,7 @@ mn_result mn_cuda_attention_backward(mn_cuda *ctx, void *dqkv, const void *dout,
                                      int causal, mn_dtype dtype) {
     (void)causal;
     TG_RET(dqkv && dout && qkv && TG_DEV4(dqkv, dout, qkv, att) &&
-           mn_hd_attention_scratch(B, T, C, NH, tg_esz(dtype), 1, att != NULL) <=
-               ctx->p->scratch);
+           tg_scratch_holds(ctx, B, T, C, NH, dtype, 1, att));
 }
 
 mn_result mn_cuda_residual_forward(mn_cuda *ctx, void *out, const void *inp1, const void *inp2,
