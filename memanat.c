@@ -315,8 +315,8 @@ static int set_option(cli *c, const opt *o, const char *v) {
     case OPT_U32: {
         uint64_t hi = o->kind == OPT_U32 ? UINT32_MAX : 1000000000000000000ull;
         if (!parse_count(v, o->min, hi, &n))
-            return fail("%s \"%s\": want a whole number, at least %llu", o->flag, v,
-                        (unsigned long long)o->min);
+            return fail("%s \"%s\": want a whole number from %llu to %llu", o->flag, v,
+                        (unsigned long long)o->min, (unsigned long long)hi);
         if (o->kind == OPT_U32) *(uint32_t *)(void *)field = (uint32_t)n;
         else *(uint64_t *)(void *)field = n;
         return 0;

@@ -422,8 +422,9 @@ static int set_option(api_call *c, const api_opt *o, const mn_json_value *v) {
     case OPT_U32: {
         uint64_t hi = o->kind == OPT_U32 ? UINT32_MAX : 1000000000000000000ull;
         if (!read_count(v, o->min, hi, &n))
-            return failf(c, MN_ERR_INVALID_ARG, "%s=%s: want a whole number, at least %llu",
-                         o->name, value_text(v, t, sizeof t), (unsigned long long)o->min);
+            return failf(c, MN_ERR_INVALID_ARG, "%s=%s: want a whole number from %llu to %llu",
+                         o->name, value_text(v, t, sizeof t), (unsigned long long)o->min,
+                         (unsigned long long)hi);
         if (o->kind == OPT_U32) *(uint32_t *)(void *)field = (uint32_t)n;
         else *(uint64_t *)(void *)field = n;
         return MN_OK;

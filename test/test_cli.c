@@ -204,6 +204,13 @@ static void test_bad_input(void) {
         CHECK_MSG(r.out[0] == 0, "`memanat %s` printed on stdout: %.80s", bad[i], r.out);
     }
     remove("test/data/bad_config.json");
+    // a count past its range names the range, not only its low end
+    CHECK(run("estimate --model gpt2 --seq 18446744073709551616", &r));
+    CHECK_EQ_INT(r.status, 2);
+    CHECK_MSG(strstr(r.err, "from 1 to 1000000000000000000") != NULL, "got: %s", r.err);
+    CHECK(run("estimate --model gpt2 --lora-rank 4294967296", &r));
+    CHECK_EQ_INT(r.status, 2);
+    CHECK_MSG(strstr(r.err, "from 1 to 4294967295") != NULL, "got: %s", r.err);
 }
 
 // 10^15 parameters: a real answer (4 PB of fp32 weights) that does not fit, not a wrapped number.
