@@ -14,9 +14,9 @@
 //                -O3 -ffast-math as llm.c builds it) on the same parameters, gradients and state.
 //   2 threads    the op with 2 threads, idle and while a child process keeps a core busy; peer:
 //                the same op with 1 thread under the same condition (ratio > 1: 2 threads win).
-//   allocator    ns per mn_cache_alloc + mn_cache_release of mixed sizes with `live` blocks held;
-//                peer: glibc malloc + free of the sizes / 1024 (under its mmap threshold; not the
-//                same job, the scale to beat).
+//   allocator    ns per mn_cache_alloc + mn_cache_release of mixed sizes with `live` blocks held,
+//                and at 10^6 of each of its two size classes alone; peer: glibc malloc + free of
+//                the sizes / 1024 (under its mmap threshold; not the same job, the scale to beat).
 //   estimate/fit ms per call; peer: the 10 ms target.
 // Ratio: memanat speed / peer speed (for times: peer time / memanat time); higher is better.
 #define _POSIX_C_SOURCE 200809L
@@ -341,19 +341,28 @@ static uint64_t rnd(void) {
     rng_s ^= rng_s << 13, rng_s ^= rng_s >> 7, rng_s ^= rng_s << 17;
     return rng_s;
 }
-static uint64_t mixed_size(void) {  // mostly small, as tensors are (as bench_cache)
-    uint64_t r = rnd() % 100;
+// Mostly small, as tensors are (as bench_cache). part 0: all; 1: only the small ones (under 64
+// KiB: the 70 % the caller draws from the small pool's bins of one size each); 2: only the others
+// (1 to 50 MiB, the large pool's bins).
+static uint64_t class_size(int part) {
+    uint64_t r = part == 0 ? rnd() % 100 : part == 1 ? 0 : 70 + rnd() % 30;
     if (r < 70) return 512 + rnd() % (64 << 10);
     if (r < 95) return (1 << 20) + rnd() % (8 << 20);
     return (10 << 20) + rnd() % (40 << 20);
 }
+static uint64_t mixed_size(void) { return class_size(0); }
 
+// Rows: the mixed workload with 10^3 to 10^6 live blocks, then at 10^6 its two parts alone (the
+// small sizes, and the 1 to 50 MiB ones: the second costs more than a load that misses every
+// cache, the first far less).
 static void alloc_rows(void) {
-    static const uint64_t lives[] = {1000, 10000, 100000, 1000000};
+    static const uint64_t lives[] = {1000, 10000, 100000, 1000000, 1000000, 1000000};
+    static const char *parts[] = {"mixed", "mixed", "mixed", "mixed", "<64K", "1-50M"};
     size_t li;
     for (li = 0; li < sizeof lives / sizeof lives[0]; li++) {
         mn_sim_cache sc;
         mn_simdev_desc dd;
+        int part = li < 4 ? 0 : (int)li - 3;
         uint64_t n = lives[li], i, iters = 20000;
         void **live = (void **)malloc(n * sizeof *live), **h = (void **)malloc(n * sizeof *h);
         double tm[64], th[64], t0;
@@ -375,14 +384,14 @@ static void alloc_rows(void) {
             t0 = bench_wall_ns();
             for (i = 0; i < iters; i++) {
                 void *p = NULL;
-                mn_cache_alloc(&sc.cache, mixed_size(), 0, MN_CAT_ACTIVATIONS, NULL, &p);
+                mn_cache_alloc(&sc.cache, class_size(part), 0, MN_CAT_ACTIVATIONS, NULL, &p);
                 mn_cache_release(&sc.cache, p);
             }
             tm[r] = (bench_wall_ns() - t0) / (double)iters;
             rng_s = save;
             t0 = bench_wall_ns();
             for (i = 0; i < iters; i++) {
-                void *p = malloc((size_t)(mixed_size() >> 10) + 16);
+                void *p = malloc((size_t)(class_size(part) >> 10) + 16);
                 *(volatile char *)p = 1;
                 free(p);
             }
@@ -391,7 +400,7 @@ static void alloc_rows(void) {
         for (i = 0; i < n; i++) mn_cache_release(&sc.cache, live[i]), free(h[i]);
         mn_sim_cache_free(&sc);
         free(live), free(h);
-        snprintf(s, sizeof s, "%llu live, mixed", (unsigned long long)n);
+        snprintf(s, sizeof s, "%llu live, %s", (unsigned long long)n, parts[li]);
         t0 = bench_median(tm, reps);
         snprintf(a, sizeof a, "%.0f ns/pair", t0);
         snprintf(b, sizeof b, "glibc %.0f ns/pair", bench_median(th, reps));
@@ -399,17 +408,21 @@ static void alloc_rows(void) {
     }
 }
 
+// estimate and fit of Llama-3-70B on an H100 at bf16 and seq 8192, and fit of the setup the CLI
+// takes when given only the model and GPU (fp32, batch 1, seq 512: it does not fit, so the fit
+// searches a plan, and confirms each step of it with the allocator replay).
 static void est_rows(void) {
     mn_model m;
-    mn_setup s;
+    mn_setup s, d;
     mn_estimate_result r;
-    mn_fit_result f;
-    double te[64], tf[64], t0;
+    mn_fit_result f, fd;
+    double te[64], tf[64], td[64], t0;
     char a[64];
     int i;
     memset(&s, 0, sizeof s);
     if (mn_preset_find("llama-3-70b", &m) != MN_OK) return;
-    s.gpu = "h100-80gb", s.precision = MN_PREC_BF16, s.batch = 1, s.seq = 8192;
+    s.gpu = "h100-80gb", d = s;
+    s.precision = MN_PREC_BF16, s.batch = 1, s.seq = 8192;
     for (i = 0; i < reps; i++) {
         t0 = bench_wall_ns();
         mn_estimate(&m, &s, &r);
@@ -417,13 +430,19 @@ static void est_rows(void) {
         t0 = bench_wall_ns();
         mn_fit(&m, &s, &f);
         tf[i] = (bench_wall_ns() - t0) / 1e6;
+        t0 = bench_wall_ns();
+        mn_fit(&m, &d, &fd);
+        td[i] = (bench_wall_ns() - t0) / 1e6;
     }
     t0 = bench_median(te, reps);
     snprintf(a, sizeof a, "%.2f ms", t0);
     row("estimate", "llama-3-70b 8192", "bf16", "1", a, "target 10 ms", 10.0 / t0);
     t0 = bench_median(tf, reps);
     snprintf(a, sizeof a, "%.2f ms (%llu runs)", t0, (unsigned long long)f.estimates_run);
-    row("fit", "llama-3-70b", "bf16", "1", a, "target 10 ms", 10.0 / t0);
+    row("fit", "llama-3-70b 8192", "bf16", "1", a, "target 10 ms", 10.0 / t0);
+    t0 = bench_median(td, reps);
+    snprintf(a, sizeof a, "%.2f ms (%llu runs)", t0, (unsigned long long)fd.estimates_run);
+    row("fit, plan", "llama-3-70b 512", "fp32", "1", a, "target 10 ms", 10.0 / t0);
 }
 
 int main(int argc, char **argv) {
