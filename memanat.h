@@ -10276,6 +10276,8 @@ typedef struct mn__c_pool {
     int small;
 } mn__c_pool;
 
+#define MN__C_RECENT 8u  // blocks handed out last, kept out of the address map until older
+#define MN__C_SLOT_RECENT (1ull << 63)  // a lookup's slot: recent entry (slot - this), not map
 typedef struct mn__c_slot {  // 8 bytes: a probe reads no block unless the tags agree
     uint32_t tag;            // the address's hash, top 32 bits (mn__c_hash64)
     uint32_t id1;            // the block's id + 1, 0 = empty
@@ -10297,8 +10299,13 @@ typedef struct mn__c_cache {
     struct mn__c_block *last;
     int twin;                       // active stats not kept, equal to allocation (stats_sync)
     mn__c_pool small, large;
-    mn__c_slot *map;                // allocated and pending blocks by address, linear probing
+    mn__c_slot *map;                // allocated blocks by address (but the recent entries),
+                                    // linear probing
     uint64_t map_cap, map_count;    // map_cap: a power of two, at most 2^32
+    // allocated blocks handed out last, not in the map (mn__c_recent_put): oldest first
+    uint64_t recent_addr[MN__C_RECENT];
+    struct mn__c_block *recent[MN__C_RECENT];
+    uint32_t recent_count;
     mn__c_segment *segs;            // every segment
     mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
     mn__c_block *spare;             // unused block structs
@@ -10647,25 +10654,19 @@ MN__PRIVATE void mn__c_sbin_sweep(mn__c_cache *c) {
     }
 }
 
-// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none. The
-// block found is most often its bin's first, whose address goes into the address map when it is
-// handed out: that slot's line is asked for together with the block's, not after it (with many
-// blocks both are cache misses).
-MN__C_STEP mn__c_block *mn__c_pool_lower_bound(const mn__c_cache *c, mn__c_pool *p, mn_stream s,
-                                               uint64_t size) {
+// lower_bound((s, size, 0)) among the free blocks of stream s: the best fit, NULL if none.
+MN__C_STEP mn__c_block *mn__c_pool_lower_bound(mn__c_pool *p, mn_stream s, uint64_t size) {
     mn__c_sbin *e;
     mn__c_block *b;
     uint32_t i;
     if (!p->bins || !(e = mn__c_sbin_find(p, s))) return NULL;
     i = mn__c_bin_of(size);
     if (mn__c_bit_get(e, i)) {
-        mn__c_map_prefetch(c, p->bins[i].first_addr);
         b = mn__c_bin_lower(&p->bins[i], s, size);
         if (b && b->stream == s) return b;
     }
     i = mn__c_bit_next(e, i + 1);  // every block of a later bin is larger
     if (i >= MN__C_BINS) return NULL;
-    mn__c_map_prefetch(c, p->bins[i].first_addr);
     return mn__c_bin_lower(&p->bins[i], s, 0);
 }
 
@@ -10931,6 +10932,29 @@ MN__PRIVATE mn__c_block *mn__c_map_find(const mn__c_cache *c, uint64_t addr, uin
         h = (h + 1) & (c->map_cap - 1);
     }
     return NULL;
+}
+
+// The recent entries: the MN__C_RECENT blocks handed out last that are still allocated, oldest
+// first, kept out of the address map. A block released soon after it was handed out, as
+// temporaries are, is found there and never reaches the map, where among many blocks its slot
+// would be a cache miss on the way in and out. A block handed out when all are taken pushes the
+// oldest into the map (which has room: mn__c_map_reserve). An index only: no decision reads it.
+MN__PRIVATE void mn__c_recent_put(mn__c_cache *c, mn__c_block *b) {
+    uint32_t n = c->recent_count;
+    if (n == MN__C_RECENT) {
+        mn__c_map_put(c, c->recent[0]);
+        memmove(c->recent, c->recent + 1, (n - 1) * sizeof c->recent[0]);
+        memmove(c->recent_addr, c->recent_addr + 1, (n - 1) * sizeof c->recent_addr[0]);
+        n--;
+    }
+    c->recent[n] = b, c->recent_addr[n] = b->addr;
+    c->recent_count = n + 1;
+}
+
+MN__PRIVATE void mn__c_recent_del(mn__c_cache *c, uint32_t k) {
+    uint32_t n = --c->recent_count;
+    memmove(c->recent + k, c->recent + k + 1, (n - k) * sizeof c->recent[0]);
+    memmove(c->recent_addr + k, c->recent_addr + k + 1, (n - k) * sizeof c->recent_addr[0]);
 }
 
 // Removes slot i, shifting later entries of the probe run back (no tombstones).
@@ -11373,7 +11397,7 @@ MN__C_STEP mn__c_block *mn__c_get_free_block(mn__c_cache *c, mn__c_pool *p, mn_s
                                              uint64_t size) {
     mn__c_block *b;
     if (c->set_fraction && c->cfg.garbage_collection_threshold > 0.0) p->get_free_calls++;
-    b = mn__c_pool_lower_bound(c, p, s, size);
+    b = mn__c_pool_lower_bound(p, s, size);
     if (!b || b->stream != s) return NULL;
     if (c->cfg.expandable_segments && b->seg->expandable) {  // (the segment is not read else)
         // rank by the size the block can grow to (its unmapped successor included)
@@ -11541,7 +11565,7 @@ MN__PRIVATE int mn__c_release_available(mn__c_cache *c, mn__c_pool *p, mn_stream
     mn__c_block *b;
     if (c->pol.max_split == UINT64_MAX) return 0;
     key = size < c->pol.max_split ? c->pol.max_split : size;
-    b = mn__c_pool_lower_bound(c, p, s, key);
+    b = mn__c_pool_lower_bound(p, s, key);
     if (!b || b->stream != s || b->seg->expandable) {
         b = mn__c_pool_before(p, s, key, 0);
         while (b && released < key && b->size >= c->pol.max_split && b->stream == s) {
@@ -11641,7 +11665,7 @@ MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64
     }
     mn__c_trace(c, MN_TRACE_ALLOC, b->addr, orig, b->size, b->stream, b->cat);
     if (c->direct) c->last = b;
-    else mn__c_map_put(c, b);
+    else mn__c_recent_put(c, b);
     MN__C_STAT2(c, allocation, small, inc, 1);
     MN__C_STAT2(c, allocated_bytes, small, inc, b->size);
     if (!c->twin) {
@@ -11716,6 +11740,7 @@ MNIMPL mn_result mn_cache_alloc(mn_cache *cache, uint64_t orig, mn_stream stream
     }
     // host memory first, so that nothing below fails half-way
     if (!c->direct && (r = mn__c_map_reserve(c)) != MN_OK) goto done;
+    if (c->recent_count == MN__C_RECENT) mn__c_map_prefetch(c, c->recent_addr[0]);  // its slot
     if ((r = mn__c_spare_reserve(c, MN__C_SPARE_BLOCKS)) != MN_OK) goto done;
     if (c->ev_head) mn__c_process_events(c);
     size = mn__c_round_size(&c->pol, orig);
@@ -11761,14 +11786,21 @@ done:
 }
 
 MN__PRIVATE mn__c_block *mn__c_lookup(mn__c_cache *c, void *ptr, uint64_t *slot) {
-    uint64_t i;
-    mn__c_block *b = mn__c_map_find(c, mn__c_addr(c, ptr), &i);
+    uint64_t i, addr = mn__c_addr(c, ptr);
+    uint32_t k = c->recent_count;
+    mn__c_block *b;
+    while (k-- > 0)  // the newest first
+        if (c->recent_addr[k] == addr) {
+            if (slot) *slot = MN__C_SLOT_RECENT + k;
+            return c->recent[k];
+        }
+    b = mn__c_map_find(c, addr, &i);
     if (b && slot) *slot = i;
     return b;
 }
 
-// The release of allocated block b (its map entry at slot, where the cache keeps a map), under
-// the lock.
+// The release of allocated block b (where the cache keeps a map: slot is its map slot, or
+// MN__C_SLOT_RECENT + its recent entry), under the lock.
 MN__C_STEP mn_result mn__c_release_in(mn__c_cache *c, mn__c_block *b, uint64_t slot) {
     mn__c_use *u;
     uint32_t n = 0;
@@ -11790,7 +11822,10 @@ MN__C_STEP mn_result mn__c_release_in(mn__c_cache *c, mn__c_block *b, uint64_t s
     }
     small = b->small;
     if (n && c->twin) mn__c_stats_sync(c), c->twin = 0;  // active differs while events wait
-    if (!c->direct) mn__c_map_del(c, slot);
+    if (!c->direct && slot >= MN__C_SLOT_RECENT)
+        mn__c_recent_del(c, (uint32_t)(slot - MN__C_SLOT_RECENT));
+    else if (!c->direct)
+        mn__c_map_del(c, slot);
     b->allocated = 0;
     MN__C_STAT2(c, allocation, small, dec, 1);
     MN__C_STAT2(c, allocated_bytes, small, dec, b->size);
@@ -12237,7 +12272,8 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
             MN__C_FAIL("cache check: pool counts %llu whole free segments, %llu are",
                        (unsigned long long)p->whole, (unsigned long long)whole[k]);
     }
-    if (!c->direct && allocated != c->map_count) MN__C_FAIL("cache check: address map size");
+    if (!c->direct && allocated != c->map_count + c->recent_count)
+        MN__C_FAIL("cache check: address map size");
     for (t = 1; t < MN_STAT_TYPE_COUNT; t++) {
         MN_CACHE_STATS(MN__C_SUM)
     }
