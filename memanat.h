@@ -9533,9 +9533,10 @@ MNIMPL mn_result mn_hf_config_read(const char *path, const mn_hf_desc *desc, mn_
 // Invariant (PyTorch test_cuda.py, _check_memory_stat_consistency): the blocks of a segment tile
 // it exactly (prev/next in address order, no gap, no overlap); every free mapped block is in its
 // pool's bins in (stream, size, address) order, every unmapped block of an expandable segment in
-// the pool's unmapped tree, every allocated block in the address map; and the statistics equal
-// the sums over the blocks. Sources of the rules: c10/cuda/CUDACachingAllocator.cpp and
-// c10/cuda/CUDAAllocatorConfig.cpp (reference/allocator.md has the facts).
+// the pool's unmapped tree, every allocated block in the address map or the recent entries; and
+// the statistics equal the sums over the blocks. Sources of the rules:
+// c10/cuda/CUDACachingAllocator.cpp and c10/cuda/CUDAAllocatorConfig.cpp (reference/allocator.md
+// has the facts).
 
 // PyTorch CUDACachingAllocator.cpp constants.
 #define MN__C_MIN_BLOCK 512ull              // kMinBlockSize
@@ -10302,7 +10303,8 @@ typedef struct mn__c_cache {
     mn__c_slot *map;                // allocated blocks by address (but the recent entries),
                                     // linear probing
     uint64_t map_cap, map_count;    // map_cap: a power of two, at most 2^32
-    // allocated blocks handed out last, not in the map (mn__c_recent_put): oldest first
+    // allocated blocks handed out last, not in the map (mn__c_recent_put): oldest first, their
+    // addresses beside them so that a lookup compares without reading the blocks
     uint64_t recent_addr[MN__C_RECENT];
     struct mn__c_block *recent[MN__C_RECENT];
     uint32_t recent_count;

@@ -356,14 +356,15 @@ static uint64_t mixed_size(void) { return class_size(0); }
 // small sizes, and the 1 to 50 MiB ones: the second costs more than a load that misses every
 // cache, the first far less).
 static void alloc_rows(void) {
-    static const uint64_t lives[] = {1000, 10000, 100000, 1000000, 1000000, 1000000};
-    static const char *parts[] = {"mixed", "mixed", "mixed", "mixed", "<64K", "1-50M"};
+    static const struct { uint64_t live; int part; const char *name; } rows[] = {
+        {1000, 0, "mixed"}, {10000, 0, "mixed"}, {100000, 0, "mixed"}, {1000000, 0, "mixed"},
+        {1000000, 1, "<64K"}, {1000000, 2, "1-50M"}};
     size_t li;
-    for (li = 0; li < sizeof lives / sizeof lives[0]; li++) {
+    for (li = 0; li < sizeof rows / sizeof rows[0]; li++) {
         mn_sim_cache sc;
         mn_simdev_desc dd;
-        int part = li < 4 ? 0 : (int)li - 3;
-        uint64_t n = lives[li], i, iters = 20000;
+        int part = rows[li].part;
+        uint64_t n = rows[li].live, i, iters = 20000;
         void **live = (void **)malloc(n * sizeof *live), **h = (void **)malloc(n * sizeof *h);
         double tm[64], th[64], t0;
         char a[64], b[64], s[32];
@@ -400,7 +401,7 @@ static void alloc_rows(void) {
         for (i = 0; i < n; i++) mn_cache_release(&sc.cache, live[i]), free(h[i]);
         mn_sim_cache_free(&sc);
         free(live), free(h);
-        snprintf(s, sizeof s, "%llu live, %s", (unsigned long long)n, parts[li]);
+        snprintf(s, sizeof s, "%llu live, %s", (unsigned long long)n, rows[li].name);
         t0 = bench_median(tm, reps);
         snprintf(a, sizeof a, "%.0f ns/pair", t0);
         snprintf(b, sizeof b, "glibc %.0f ns/pair", bench_median(th, reps));

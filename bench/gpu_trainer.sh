@@ -116,18 +116,21 @@ for c in "${configs[@]}"; do
     # the estimator's simulated device. The replay's peak equal to the measured one: the
     # prediction's allocations differ from the run's; equal to the predicted one: the device's
     # addresses made the difference (among equal free blocks the cache takes the lowest address).
-    rm=$(grep -o '"peak_reserved": {"measured": [0-9]*' "$out/grid$i.json" | grep -o '[0-9]*$')
-    rp=$(grep -o '"peak_reserved": {[^}]*"predicted": [0-9]*' "$out/grid$i.json" |
-         grep -o '[0-9]*$')
-    if [ -n "$rm" ] && [ -n "$rp" ] && [ "$rm" != "$rp" ] && [ -x ./memanat ]; then
-        rr="(its history is cut)"
+    measured=$(grep -o '"peak_reserved": {"measured": [0-9]*' "$out/grid$i.json" |
+               grep -o '[0-9]*$')
+    predicted=$(grep -o '"peak_reserved": {[^}]*"predicted": [0-9]*' "$out/grid$i.json" |
+                grep -o '[0-9]*$')
+    if [ -n "$measured" ] && [ -n "$predicted" ] && [ "$measured" != "$predicted" ] &&
+       [ -x ./memanat ]; then
+        replayed="(its history is cut)"
         if grep -q '(0 older ones dropped)' "$out/grid$i.log"; then
-            rr=$(./memanat replay "$out/grid$i.snapshot.json" 2>&1 |
-                 grep -o '^peak reserved: *[0-9]*' | grep -o '[0-9]*$' || true)
-            rr=$((${rr:-0} >> 20))" MiB"
+            replayed=$(./memanat replay "$out/grid$i.snapshot.json" 2>&1 |
+                       grep -o '^peak reserved: *[0-9]*' | grep -o '[0-9]*$' || true)
+            replayed=$((${replayed:-0} >> 20))" MiB"
         fi
-        echo "grid$i reserved: measured $((rm >> 20)) MiB, predicted $((rp >> 20)) MiB, the" \
-             "run's allocations replayed on the simulated device $rr" \
+        echo "grid$i reserved: measured $((measured >> 20)) MiB, predicted" \
+             "$((predicted >> 20)) MiB, the run's allocations replayed on the simulated device" \
+             "$replayed" \
              "(snapshot $out/grid$i.snapshot.json)"
     fi
 done

@@ -1023,14 +1023,12 @@ static void test_snapshot_json_and_svg(void) {
     tc_close(&e);
 }
 
-// Every allocated block is found by its address and a released one is not: random allocations
-// and releases around 40 live blocks (the address map grows and its probe runs shift back), each
-// release followed by a second one that must fail, record_stream (a lookup) on a live block, the
-// cache checked as it goes.
-// Releases find their blocks whichever index holds them (the blocks handed out last stay out of
-// the address map until 8 newer ones are handed out): a random live block, the newest, or one of
-// the last few handed out, each released once (a second release and an address inside a block are
-// refused), the cache checked after every step of the first 1000.
+// Every allocated block is found by its address and a released one is not, whichever index holds
+// it (the 8 blocks handed out last stay out of the address map): random allocations and releases
+// around 40 live blocks (the map grows and its probe runs shift back), each release of a random
+// live block, the newest or one of the last few handed out, followed by a second one that must
+// fail, an address inside a block refused, record_stream (a lookup) on a live block, the cache
+// checked after every step of the first 1000 and as it goes.
 static void test_address_lookup(void) {
     enum { N = 200 };
     tc_env e;
