@@ -973,6 +973,18 @@ MN_HD mn_hd_maxsum mn_hd_maxsum_merge(mn_hd_maxsum a, mn_hd_maxsum b) {
 MN_HD uint64_t mn_hd_softmax_len(uint64_t n, uint64_t L, int causal) {
     return causal ? n % L + 1 : L;
 }
+// Causal rows in pairs: row t of an L x L matrix sees t + 1 columns and row L - 1 - t sees L - t,
+// L + 1 together, so a warp that takes both moves the same bytes whatever t. Work item w of
+// mn_hd_softmax_pairs(N, L): pair w % H of matrix w / H (H = (L + 1) / 2), then the rows of a last,
+// partial matrix (N % L of them) one an item. *ra and *rb get the rows (rb == ra: one row).
+MN_HD uint64_t mn_hd_softmax_pairs(uint64_t N, uint64_t L) {
+    return N / L * ((L + 1) / 2) + N % L;
+}
+MN_HD void mn_hd_softmax_pair(uint64_t w, uint64_t N, uint64_t L, uint64_t *ra, uint64_t *rb) {
+    uint64_t H = (L + 1) / 2, full = N / L * H;
+    if (w < full) *ra = w / H * L + w % H, *rb = w / H * L + L - 1 - w % H;
+    else *ra = *rb = N / L * L + (w - full);
+}
 // exp(a x - m) as the row loops of the softmax and cross-entropy kernels compute it for 16-bit
 // storage: 2^(x a log2 e - m log2 e), one FMA with al = a log2 e and ml = m log2 e taken once a
 // row, then the device's hardware exp2 (exp2f on the host). Relative error about

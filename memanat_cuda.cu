@@ -31,6 +31,7 @@
 #define MN__GEMM_CACHE 128         // heuristics cache entries per context
 #define MN__VM_GRANULE (2ull << 20)  // expandable segments map 2 MiB granules
 #define MN__ROWS_PER_BLOCK 8       // warp-per-row kernels: 8 warps of 32 threads
+#define MN__SM_PAIR_WARPS 4       // causal softmax row pairs: 4 warps a block
 #define MN__EW_THREADS 256         // element-wise kernels
 #define MN__CE_THREADS 512         // cross-entropy: one block per row
 
@@ -613,6 +614,11 @@ template <typename T> __device__ __forceinline__ float mn__round(float x) {
 template <typename T> struct __align__(16) mn__pack {
     T v[16 / sizeof(T)];
 };
+// Asks L2 for the line holding p (no register waits for it): a grid-stride loop names the data of
+// its next step so that the step's loads find it in L2.
+__device__ __forceinline__ void mn__prefetch_l2(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 template <typename T> __device__ __forceinline__ mn__pack<T> mn__ld16(const T *p) {
     mn__pack<T> r;
     *reinterpret_cast<uint4 *>(&r) = *reinterpret_cast<const uint4 *>(p);
@@ -1008,6 +1014,14 @@ mn__layernorm_backward_reg_kernel(T *dinp, float *pw, float *pb, const T *dout, 
             size_t i = ((size_t)j * 32 + lane) * K;
             if (i < C) dy[j] = mn__ld16(dout + row * C + i), x[j] = mn__ld16(inp + row * C + i);
         }
+        if (row + warps < N)  // the warp's next row
+#pragma unroll
+            for (j = 0; j < NP; j++) {
+                size_t i = ((size_t)j * 32 + lane) * K, o = (row + warps) * C + i;
+                if (i >= C) continue;
+                mn__prefetch_l2(dout + o), mn__prefetch_l2(inp + o);
+                if (dinp) mn__prefetch_l2(dinp + o);
+            }
 #pragma unroll
         for (j = 0; j < NP; j++) {
             size_t i = ((size_t)j * 32 + lane) * K;
@@ -1202,8 +1216,9 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 // before any arithmetic and the row is read once; a pack wholly past the visible columns is
 // neither read nor (backward) written. The forward takes the row's maximum, then sums the
 // exponentials and computes each again for its product (passes over registers, not the online
-// rescaling: the same probabilities up to fp32 rounding). Else the streaming kernels: the
-// visible row is read twice, the second time from L1/L2.
+// rescaling: the same probabilities up to fp32 rounding). Causal rows go to the pair kernels below
+// (the same layout, two rows a warp). Else the streaming kernels: the visible row is read twice,
+// the second time from L1/L2.
 #define MN__SM_NP_MAX 8  // packs a lane: rows of up to 2048 fp16/bf16 or 1024 fp32 columns
 
 template <typename T, int NP>
@@ -1297,6 +1312,150 @@ mn__softmax_backward_reg_kernel(T *dinp, const T *dout, const T *out, size_t N, 
     }
 }
 
+// Causal rows in pairs (mn_hd_softmax_pair) on the register path's layout: rows t and T - 1 - t of
+// a T x T matrix see T + 1 columns together, at most NP + 1 packs a lane where one row needs NP.
+// A warp takes such a pair: twice the bytes in flight of a lone causal row (on average) for one
+// more pack of registers, and every warp the same work. Slot s < ja holds pack s of the short row
+// a, slot s >= ja pack s - ja of the long row b. A lane adds each pack's terms, then the pack's
+// sum to its row's: fp32 rounding apart from the one-row kernels. The rows of a last, partial
+// matrix go one a warp.
+struct mn__sm_pair {
+    size_t ra, rb;  // the rows (mn_hd_softmax_pair)
+    int la, lb;     // their visible lengths; lb 0: row a alone
+    int ja, jb;     // packs a lane of each row that any lane of the warp reads
+};
+__device__ __forceinline__ int mn__sm_pair_rows(mn__sm_pair *q, size_t w, size_t N, size_t L,
+                                                int P) {
+    uint64_t ra, rb;
+    if (w >= mn_hd_softmax_pairs(N, L)) return 0;
+    mn_hd_softmax_pair(w, N, L, &ra, &rb);
+    q->ra = ra, q->rb = rb, q->la = (int)mn_hd_softmax_len(ra, L, 1);
+    q->lb = rb != ra ? (int)mn_hd_softmax_len(rb, L, 1) : 0;
+    q->ja = (q->la + P - 1) / P, q->jb = (q->lb + P - 1) / P;
+    return 1;
+}
+// Slot s of a lane: in row b (inb), at column i of its row, rem = visible columns from i on (the
+// pack's element k is visible when k < rem). 32-bit: rows of the register path are short.
+#define MN__SM_SLOT(s) const int inb = (s) >= q.ja; \
+    const int i = ((inb ? (s) - q.ja : (s)) * 32 + (int)lane) * K, rem = (inb ? q.lb : q.la) - i
+
+template <typename T, int NP>
+static __global__ void __launch_bounds__(32 * MN__SM_PAIR_WARPS)
+mn__softmax_forward_pair_kernel(T *out, const T *inp, size_t N, size_t L, float scale) {
+    enum { K = 16 / sizeof(T), S = NP + 1 };
+    size_t w = (size_t)blockIdx.x * MN__SM_PAIR_WARPS + threadIdx.x / 32;
+    unsigned lane = threadIdx.x % 32;
+    mn__sm_pair q;
+    mn__pack<T> p[S];
+    float mxa = -INFINITY, mxb = -INFINITY, sa = 0.0f, sb = 0.0f;
+    int s, j, k;
+    if (!mn__sm_pair_rows(&q, w, N, L, 32 * K)) return;
+    const T *xa = inp + q.ra * L, *xb = inp + q.rb * L;
+    T *ya = out + q.ra * L, *yb = out + q.rb * L;
+#pragma unroll
+    for (s = 0; s < S; s++) {  // all loads first
+        MN__SM_SLOT(s);
+        if (rem > 0) p[s] = mn__ld16((inb ? xb : xa) + i);
+    }
+#pragma unroll
+    for (s = 0; s < S; s++) {
+        MN__SM_SLOT(s);
+        float t = -INFINITY;
+        (void)i;
+#pragma unroll
+        for (k = 0; k < K; k++)
+            if (k < rem) t = fmaxf(t, scale * mn__ld<T>(&p[s].v[k]));
+        if (inb) mxb = fmaxf(mxb, t);
+        else mxa = fmaxf(mxa, t);
+    }
+    mxa = mn__warp_max(mxa), mxb = mn__warp_max(mxb);
+    const float al = scale * MN_HD_LOG2E, mla = mxa * MN_HD_LOG2E, mlb = mxb * MN_HD_LOG2E;
+#pragma unroll
+    for (s = 0; s < S; s++) {
+        MN__SM_SLOT(s);
+        const float mx = inb ? mxb : mxa, ml = inb ? mlb : mla;
+        float t = 0.0f;
+        (void)i;
+#pragma unroll
+        for (k = 0; k < K; k++)
+            if (k < rem) t += mn__row_exp<T>(mn__ld<T>(&p[s].v[k]), scale, mx, al, ml);
+        if (inb) sb += t;
+        else sa += t;
+    }
+    sa = mn__warp_sum(sa), sb = mn__warp_sum(sb);
+#pragma unroll
+    for (s = 0; s < S; s++) {  // the packs some lane reads: their masked columns 0
+        MN__SM_SLOT(s);
+        const float mx = inb ? mxb : mxa, ml = inb ? mlb : mla, sum = inb ? sb : sa;
+        const float inv = 1.0f / sum;
+        mn__pack<T> o;
+        if ((inb && (s) - q.ja >= q.jb) || i >= (int)L) continue;
+#pragma unroll
+        for (k = 0; k < K; k++) {  // fp32 divides, as mn_hd_softmax_prob
+            float e = mn__row_exp<T>(mn__ld<T>(&p[s].v[k]), scale, mx, al, ml);
+            o.v[k] = mn__cvt<T>(k >= rem ? 0.0f : sizeof(T) == 4 ? e / sum : e * inv);
+        }
+        mn__st16((inb ? yb : ya) + i, o);
+    }
+    mn__pack<T> z;
+#pragma unroll
+    for (k = 0; k < K; k++) z.v[k] = mn__cvt<T>(0.0f);
+#pragma unroll
+    for (j = 0; j < NP; j++) {  // the packs no lane reads: zeros
+        int i = (j * 32 + (int)lane) * K;
+        if (i >= (int)L) continue;
+        if (j >= q.ja) mn__st16(ya + i, z);
+        if (q.lb && j >= q.jb) mn__st16(yb + i, z);
+    }
+}
+
+template <typename T, int NP>
+static __global__ void __launch_bounds__(32 * MN__SM_PAIR_WARPS)
+mn__softmax_backward_pair_kernel(T *dinp, const T *dout, const T *out, size_t N, size_t L,
+                                 float scale) {
+    enum { K = 16 / sizeof(T), S = NP + 1 };
+    size_t w = (size_t)blockIdx.x * MN__SM_PAIR_WARPS + threadIdx.x / 32;
+    unsigned lane = threadIdx.x % 32;
+    mn__sm_pair q;
+    mn__pack<T> p[S], g[S], d[S];
+    float da = 0.0f, db = 0.0f;
+    int s, k;
+    if (!mn__sm_pair_rows(&q, w, N, L, 32 * K)) return;
+    const size_t oa = q.ra * L, ob = q.rb * L;
+#pragma unroll
+    for (s = 0; s < S; s++) {  // y, dy and dx of the visible packs, all loads issued at once
+        MN__SM_SLOT(s);
+        const size_t o = (inb ? ob : oa) + i;
+        if (rem > 0) p[s] = mn__ld16(out + o), g[s] = mn__ld16(dout + o), d[s] = mn__ld16(dinp + o);
+    }
+#pragma unroll
+    for (s = 0; s < S; s++) {
+        MN__SM_SLOT(s);
+        float t = 0.0f;
+        (void)i;
+#pragma unroll
+        for (k = 0; k < K; k++)
+            if (k < rem) t += mn__ld<T>(&p[s].v[k]) * mn__ld<T>(&g[s].v[k]);
+        if (inb) db += t;
+        else da += t;
+    }
+    da = mn__warp_sum(da), db = mn__warp_sum(db);
+#pragma unroll
+    for (s = 0; s < S; s++) {  // a pack across the visible end keeps its masked entries
+        MN__SM_SLOT(s);
+        const float dot = inb ? db : da;
+        if (rem <= 0) continue;
+#pragma unroll
+        for (k = 0; k < K; k++)
+            if (k < rem)
+                d[s].v[k] = mn__cvt<T>(mn__ld<T>(&d[s].v[k]) +
+                                       mn_hd_softmax_dinp(mn__ld<T>(&p[s].v[k]),
+                                                          mn__ld<T>(&g[s].v[k]), dot, scale));
+        mn__st16(dinp + (inb ? ob : oa) + i, d[s]);
+    }
+}
+#undef MN__SM_SLOT
+
 template <typename T, int VEC>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__softmax_forward_kernel(T *out, const T *inp, size_t N, size_t L, float scale, int causal) {
@@ -1381,8 +1540,11 @@ static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, s
     cudaStream_t s = mn__stream(ctx);
     T *y = (T *)out;
     const T *x = (const T *)inp;
+    unsigned pgrid = mn__blocks(mn_hd_softmax_pairs(N, L), MN__SM_PAIR_WARPS);
 #define MN__SM_FWD(NP) \
-    mn__softmax_forward_reg_kernel<T, NP><<<grid, block, 0, s>>>(y, x, N, L, scale, causal)
+    if (causal) mn__softmax_forward_pair_kernel<T, NP><<<pgrid, 32 * MN__SM_PAIR_WARPS, 0, s>>>( \
+        y, x, N, L, scale); \
+    else mn__softmax_forward_reg_kernel<T, NP><<<grid, block, 0, s>>>(y, x, N, L, scale, causal)
     switch (vec ? mn__softmax_np(L, 16 / sizeof(T)) : 0) {
     case 1: MN__SM_FWD(1); break;
     case 2: MN__SM_FWD(2); break;
@@ -1405,8 +1567,12 @@ static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout
     cudaStream_t s = mn__stream(ctx);
     T *dx = (T *)dinp;
     const T *dy = (const T *)dout, *y = (const T *)out;
+    unsigned pgrid = mn__blocks(mn_hd_softmax_pairs(N, L), MN__SM_PAIR_WARPS);
 #define MN__SM_BWD(NP) \
-    mn__softmax_backward_reg_kernel<T, NP><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale, causal)
+    if (causal) mn__softmax_backward_pair_kernel<T, NP><<<pgrid, 32 * MN__SM_PAIR_WARPS, 0, s>>>( \
+        dx, dy, y, N, L, scale); \
+    else mn__softmax_backward_reg_kernel<T, NP><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale, \
+                                                                      causal)
     switch (vec ? mn__softmax_np(L, 16 / sizeof(T)) : 0) {
     case 1: MN__SM_BWD(1); break;
     case 2: MN__SM_BWD(2); break;

@@ -273,6 +273,73 @@ static void test_softmax(void) {
             }
 }
 
+// The causal softmax's row pairs as the pair kernels of memanat_cuda.cu walk them, lane by lane:
+// every row in one work item, rows t and L - 1 - t of a whole matrix together; the two rows'
+// packs within the NP + 1 slots a lane has (NP: the register path's packs for L); every visible
+// column read once, every column of both rows written once (a slot's pack or a zero pack).
+static void test_softmax_pairs(void) {
+    static const size_t Ks[2] = {4, 8};
+    int trial;
+    for (trial = 0; trial < 300; trial++) {
+        size_t K = Ks[trial % 2], P = 32 * K, NP = 1, L, N, w, r, items, lane, s, j, c;
+        unsigned char *seen, *rd, *wr;
+        L = K * (1 + (size_t)(mnt_rand_u64() % 256));  // up to 32 K 8 columns, as the path
+        while (L > P * NP) NP *= 2;
+        N = trial < 8 ? (size_t)trial + 1 : 1 + (size_t)(mnt_rand_u64() % (3 * L + 5));
+        items = (size_t)mn_hd_softmax_pairs(N, L);
+        seen = (unsigned char *)calloc(N, 1);
+        rd = (unsigned char *)calloc(N * L, 1), wr = (unsigned char *)calloc(N * L, 1);
+        if (!seen || !rd || !wr) {
+            CHECK_MSG(0, "out of host memory");
+            free(seen), free(rd), free(wr);
+            return;
+        }
+        for (w = 0; w < items; w++) {
+            uint64_t ra, rb;
+            size_t la, lb, ja, jb;
+            mn_hd_softmax_pair(w, N, L, &ra, &rb);
+            if (!(ra < N && rb < N && ra <= rb)) {
+                CHECK_MSG(0, "item %zu of N %zu L %zu: rows %llu, %llu", w, N, L,
+                     (unsigned long long)ra, (unsigned long long)rb);
+                break;
+            }
+            if (rb != ra) CHECK(ra / L == rb / L && ra % L + rb % L == L - 1 && rb / L < N / L);
+            seen[ra]++;
+            if (rb != ra) seen[rb]++;
+            la = (size_t)mn_hd_softmax_len(ra, L, 1);
+            lb = rb != ra ? (size_t)mn_hd_softmax_len(rb, L, 1) : 0;
+            ja = (la + P - 1) / P, jb = (lb + P - 1) / P;
+            CHECK(ja + jb <= NP + 1);
+            for (lane = 0; lane < 32; lane++) {
+                for (s = 0; s <= NP; s++) {  // the slots: reads, then the pack's store
+                    int inb = s >= ja;
+                    size_t jj = inb ? s - ja : s, i = (jj * 32 + lane) * K, row = inb ? rb : ra;
+                    size_t len = inb ? lb : la;
+                    for (c = i; c < i + K && c < len; c++) rd[row * L + c]++;
+                    if ((inb && jj >= jb) || i >= L) continue;
+                    for (c = i; c < i + K; c++) wr[row * L + c]++;
+                }
+                for (j = 0; j < NP; j++) {  // the zero packs
+                    size_t i = (j * 32 + lane) * K;
+                    if (i >= L) continue;
+                    if (j >= ja)
+                        for (c = i; c < i + K; c++) wr[ra * L + c]++;
+                    if (lb && j >= jb)
+                        for (c = i; c < i + K; c++) wr[rb * L + c]++;
+                }
+            }
+        }
+        for (r = 0; r < N; r++) {
+            CHECK(seen[r] == 1);
+            for (c = 0; c < L; c++) {
+                CHECK(rd[r * L + c] == (c < (size_t)mn_hd_softmax_len(r, L, 1)));
+                CHECK(wr[r * L + c] == 1);
+            }
+        }
+        free(seen), free(rd), free(wr);
+    }
+}
+
 static void test_crossentropy(void) {
     static const size_t shapes[][2] = {{3, 50257}, {5, 37}, {1, 1}};
     size_t s, n, j;
@@ -1035,6 +1102,7 @@ const mnt_case test_cudamath_cases[] = {
     {"exp_fma", test_exp_fma},
     {"layernorm", test_layernorm},
     {"softmax", test_softmax},
+    {"softmax_pairs", test_softmax_pairs},
     {"crossentropy", test_crossentropy},
     {"head_index", test_head_index},
     {"attention", test_attention},
