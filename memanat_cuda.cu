@@ -1213,37 +1213,35 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 // aligned), else single elements; a pack wholly past the visible columns is not read.
 // Row in registers (L a multiple of the pack K = 16 / sizeof(T), L <= 32 K NP, the tensors
 // 16-byte aligned): lane l holds packs j = 0..NP-1 at column (32 j + l) K, every load is issued
-// before any arithmetic and the row is read once; a pack wholly past the visible columns is
-// neither read nor (backward) written. The forward takes the row's maximum, then sums the
-// exponentials and computes each again for its product (passes over registers, not the online
-// rescaling: the same probabilities up to fp32 rounding). Causal rows go to the pair kernels below
-// (the same layout, two rows a warp). Else the streaming kernels: the visible row is read twice,
-// the second time from L1/L2.
+// before any arithmetic and the row is read once. The forward takes the row's maximum, then sums
+// the exponentials and computes each again for its product (passes over registers, not the online
+// rescaling: the same probabilities up to fp32 rounding). The one-row kernels take rows without
+// a mask; causal rows go to the pair kernels below (the same layout, two rows a warp, a pack
+// wholly past the visible columns neither read nor, backward, written). Else the streaming
+// kernels: the visible row is read twice, the second time from L1/L2.
 #define MN__SM_NP_MAX 8  // packs a lane: rows of up to 2048 fp16/bf16 or 1024 fp32 columns
 
 template <typename T, int NP>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
-mn__softmax_forward_reg_kernel(T *out, const T *inp, size_t N, size_t L, float scale,
-                               int causal) {
+mn__softmax_forward_reg_kernel(T *out, const T *inp, size_t N, size_t L, float scale) {
     enum { K = 16 / sizeof(T) };
-    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, len;
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32;
     unsigned lane = threadIdx.x % 32;
     mn__pack<T> p[NP];
     float mx = -INFINITY, sum = 0.0f, inv;
     int j, k;
     if (row >= N) return;
-    len = (size_t)mn_hd_softmax_len(row, L, causal);
 #pragma unroll
-    for (j = 0; j < NP; j++) {  // i < len <= L and L % K == 0: the whole pack is in the row
+    for (j = 0; j < NP; j++) {  // i < L and L % K == 0: the whole pack is in the row
         size_t i = ((size_t)j * 32 + lane) * K;
-        if (i < len) p[j] = mn__ld16(inp + row * L + i);
+        if (i < L) p[j] = mn__ld16(inp + row * L + i);
     }
 #pragma unroll
     for (j = 0; j < NP; j++) {
         size_t i = ((size_t)j * 32 + lane) * K;
 #pragma unroll
         for (k = 0; k < K; k++)
-            if (i + k < len) mx = fmaxf(mx, scale * mn__ld<T>(&p[j].v[k]));
+            if (i < L) mx = fmaxf(mx, scale * mn__ld<T>(&p[j].v[k]));
     }
     mx = mn__warp_max(mx);
     const float al = scale * MN_HD_LOG2E, ml = mx * MN_HD_LOG2E;
@@ -1252,7 +1250,7 @@ mn__softmax_forward_reg_kernel(T *out, const T *inp, size_t N, size_t L, float s
         size_t i = ((size_t)j * 32 + lane) * K;
 #pragma unroll
         for (k = 0; k < K; k++)
-            if (i + k < len) sum += mn__row_exp<T>(mn__ld<T>(&p[j].v[k]), scale, mx, al, ml);
+            if (i < L) sum += mn__row_exp<T>(mn__ld<T>(&p[j].v[k]), scale, mx, al, ml);
     }
     sum = mn__warp_sum(sum);
     inv = 1.0f / sum;
@@ -1264,7 +1262,7 @@ mn__softmax_forward_reg_kernel(T *out, const T *inp, size_t N, size_t L, float s
 #pragma unroll
         for (k = 0; k < K; k++) {  // fp32 divides, as mn_hd_softmax_prob
             float e = mn__row_exp<T>(mn__ld<T>(&p[j].v[k]), scale, mx, al, ml);
-            o.v[k] = mn__cvt<T>(i + k >= len ? 0.0f : sizeof(T) == 4 ? e / sum : e * inv);
+            o.v[k] = mn__cvt<T>(sizeof(T) == 4 ? e / sum : e * inv);
         }
         mn__st16(out + row * L + i, o);
     }
@@ -1273,19 +1271,18 @@ mn__softmax_forward_reg_kernel(T *out, const T *inp, size_t N, size_t L, float s
 template <typename T, int NP>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__softmax_backward_reg_kernel(T *dinp, const T *dout, const T *out, size_t N, size_t L,
-                                float scale, int causal) {
+                                float scale) {
     enum { K = 16 / sizeof(T) };
-    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, len;
+    size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32;
     unsigned lane = threadIdx.x % 32;
     mn__pack<T> p[NP], q[NP], d[NP];
     float dot = 0.0f;
     int j, k;
     if (row >= N) return;
-    len = (size_t)mn_hd_softmax_len(row, L, causal);
 #pragma unroll
-    for (j = 0; j < NP; j++) {  // y, dy and dx of the visible packs, all loads issued at once
+    for (j = 0; j < NP; j++) {  // y, dy and dx of the row's packs, all loads issued at once
         size_t i = ((size_t)j * 32 + lane) * K;
-        if (i < len) {
+        if (i < L) {
             p[j] = mn__ld16(out + row * L + i), q[j] = mn__ld16(dout + row * L + i);
             d[j] = mn__ld16(dinp + row * L + i);
         }
@@ -1295,19 +1292,18 @@ mn__softmax_backward_reg_kernel(T *dinp, const T *dout, const T *out, size_t N, 
         size_t i = ((size_t)j * 32 + lane) * K;
 #pragma unroll
         for (k = 0; k < K; k++)
-            if (i + k < len) dot += mn__ld<T>(&p[j].v[k]) * mn__ld<T>(&q[j].v[k]);
+            if (i < L) dot += mn__ld<T>(&p[j].v[k]) * mn__ld<T>(&q[j].v[k]);
     }
     dot = mn__warp_sum(dot);
 #pragma unroll
-    for (j = 0; j < NP; j++) {  // a pack across len keeps its masked entries
+    for (j = 0; j < NP; j++) {
         size_t i = ((size_t)j * 32 + lane) * K;
-        if (i >= len) continue;
+        if (i >= L) continue;
 #pragma unroll
         for (k = 0; k < K; k++)
-            if (i + k < len)
-                d[j].v[k] = mn__cvt<T>(mn__ld<T>(&d[j].v[k]) +
-                                       mn_hd_softmax_dinp(mn__ld<T>(&p[j].v[k]),
-                                                          mn__ld<T>(&q[j].v[k]), dot, scale));
+            d[j].v[k] = mn__cvt<T>(mn__ld<T>(&d[j].v[k]) +
+                                   mn_hd_softmax_dinp(mn__ld<T>(&p[j].v[k]),
+                                                      mn__ld<T>(&q[j].v[k]), dot, scale));
         mn__st16(dinp + row * L + i, d[j]);
     }
 }
@@ -1544,7 +1540,7 @@ static mn_result mn__softmax_forward(mn_cuda *ctx, void *out, const void *inp, s
 #define MN__SM_FWD(NP) \
     if (causal) mn__softmax_forward_pair_kernel<T, NP><<<pgrid, 32 * MN__SM_PAIR_WARPS, 0, s>>>( \
         y, x, N, L, scale); \
-    else mn__softmax_forward_reg_kernel<T, NP><<<grid, block, 0, s>>>(y, x, N, L, scale, causal)
+    else mn__softmax_forward_reg_kernel<T, NP><<<grid, block, 0, s>>>(y, x, N, L, scale)
     switch (vec ? mn__softmax_np(L, 16 / sizeof(T)) : 0) {
     case 1: MN__SM_FWD(1); break;
     case 2: MN__SM_FWD(2); break;
@@ -1571,8 +1567,7 @@ static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout
 #define MN__SM_BWD(NP) \
     if (causal) mn__softmax_backward_pair_kernel<T, NP><<<pgrid, 32 * MN__SM_PAIR_WARPS, 0, s>>>( \
         dx, dy, y, N, L, scale); \
-    else mn__softmax_backward_reg_kernel<T, NP><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale, \
-                                                                      causal)
+    else mn__softmax_backward_reg_kernel<T, NP><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale)
     switch (vec ? mn__softmax_np(L, 16 / sizeof(T)) : 0) {
     case 1: MN__SM_BWD(1); break;
     case 2: MN__SM_BWD(2); break;
