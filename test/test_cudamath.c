@@ -300,7 +300,7 @@ static void test_softmax_pairs(void) {
             mn_hd_softmax_pair(w, N, L, &ra, &rb);
             if (!(ra < N && rb < N && ra <= rb)) {
                 CHECK_MSG(0, "item %zu of N %zu L %zu: rows %llu, %llu", w, N, L,
-                     (unsigned long long)ra, (unsigned long long)rb);
+                          (unsigned long long)ra, (unsigned long long)rb);
                 break;
             }
             if (rb != ra) CHECK(ra / L == rb / L && ra % L + rb % L == L - 1 && rb / L < N / L);
