@@ -1,6 +1,8 @@
 // bench_table: one table of memanat's CPU speed beside a peer measured in the same run.
 //
-//   make bench && ./build/bench_table [reps]          (reps: timed runs per cell, default 5)
+//   make bench && ./build/bench_table [reps [parts]]  (reps: timed runs per cell, default 5;
+//                                                     parts: a comma list of matmul, memory,
+//                                                     threads, alloc, fit; default all)
 //
 // At start: the core's fp32 FMA peak (independent FMA chains on the widest vector), the copy
 // bandwidth (memcpy of 64 MiB, out of cache) and the latency of a load that misses every cache
@@ -40,6 +42,20 @@
 #include "bench.h"
 
 static int reps = 5;
+static const char *parts = "all";  // the rows asked for (main)
+
+// Whether the rows of part `name` were asked for.
+static int want(const char *name) {
+    const char *q = parts;
+    size_t n = strlen(name);
+    while (*q) {
+        size_t len = strcspn(q, ",");
+        if ((len == 3 && strncmp(q, "all", 3) == 0) || (len == n && strncmp(q, name, n) == 0))
+            return 1;
+        q += len + (q[len] == ',');
+    }
+    return 0;
+}
 
 // OpenMP's threads for every row, OpenBLAS's as well during its own rows (blas_rows); the rows
 // after them leave OpenBLAS on 1 thread. (Its workers spin after a call unless told not to, see
@@ -477,6 +493,22 @@ int main(int argc, char **argv) {
     }
     if (argc > 1) reps = atoi(argv[1]);
     if (reps < 1 || reps > 64) reps = 5;
+    if (argc > 2) parts = argv[2];
+    {
+        static const char *known[] = {"all", "matmul", "memory", "threads", "alloc", "fit"};
+        const char *q = parts;
+        while (*q) {
+            size_t len = strcspn(q, ","), j, ok = 0;
+            for (j = 0; j < sizeof known / sizeof known[0]; j++)
+                ok |= strlen(known[j]) == len && strncmp(q, known[j], len) == 0;
+            if (!ok) {
+                fprintf(stderr, "bench_table: unknown part '%.*s' (matmul, memory, threads, "
+                                "alloc, fit, all)\n", (int)len, q);
+                return 2;
+            }
+            q += len + (q[len] == ',');
+        }
+    }
     ncpu = bench_cpu_model(cpu, sizeof cpu);
     cpy_src = (char *)malloc(cpy_cap), cpy_dst = (char *)malloc(cpy_cap);
     if (!cpy_src || !cpy_dst) return 1;
@@ -521,7 +553,7 @@ int main(int argc, char **argv) {
     if (!k.tok || !k.h16) return 1;
     for (i = 0; i < n; i++) k.tok[i] = (int)(rnd() % 50257);
     blas_rows = 1;
-    for (th = 1; th <= 2; th++) {
+    for (th = 1; th <= 2 && want("matmul"); th++) {
         char ts[8];
         snprintf(ts, sizeof ts, "%d", th);
         snprintf(shape, sizeof shape, "%zux%zux%zu", k.N, k.C, k.OC);
@@ -551,36 +583,37 @@ int main(int argc, char **argv) {
         nanosleep(&ts, NULL);
     }
 
-    k.N = 8 * 1024, k.C = 768;
-    snprintf(shape, sizeof shape, "%zux%zu", k.N, k.C);
-    mem_row("layernorm fwd", shape, &k, w_ln, 8.0 * (double)n, 0);
-    mem_row("layernorm bwd", shape, &k, w_ln_bwd, 16.0 * (double)n, 0);
-    mem_row("rmsnorm fwd", shape, &k, w_rms, 8.0 * (double)n, 0);
-    mem_row("rmsnorm bwd", shape, &k, w_rms_bwd, 16.0 * (double)n, 0);
-    mem_row("softmax fwd", shape, &k, w_sm, 8.0 * (double)n, 0);
-    mem_row("softmax bwd", shape, &k, w_sm_bwd, 16.0 * (double)n, 0);
-    mem_row("gelu fwd", shape, &k, w_gelu, 8.0 * (double)n, 0);
-    mem_row("gelu bwd", shape, &k, w_gelu_bwd, 16.0 * (double)n, 0);
-    k.N = 256, k.V = 50257;
-    snprintf(shape, sizeof shape, "%zux%zu", k.N, k.V);
-    mem_row("crossentropy fwd", shape, &k, w_ce, 8.0 * (double)(k.N * k.V), 0);
-    mem_row("crossentropy bwd", shape, &k, w_ce_bwd, 12.0 * (double)(k.N * k.V), 0);
-    k.N = 8 * 1024, k.C = 768, k.B = 8, k.T = 1024;
-    snprintf(shape, sizeof shape, "%zux%zux%zu", k.B, k.T, k.C);
-    mem_row("embedding fwd", shape, &k, w_emb, 12.0 * (double)n, 0);
-    dims[0] = 8 * 1024, dims[1] = 768;
-    snprintf(shape, sizeof shape, "%zu params", n);
+    dims[0] = 8 * 1024, dims[1] = 768;  // the optimizers' parameters (memory, threads)
     if (mn_adamw_init(&k.aw, dims, 2, NULL, NULL) != MN_OK) return 1;
-    mem_row("adamw", shape, &k, w_adamw, 28.0 * (double)n, (double)n);
-    time_pair(w_adamw, &k, 1, w_llmc_adamw, &k, 1, &tm, &tp);
-    snprintf(a, sizeof a, "%.2f ns/el", tm / (double)n);
-    snprintf(b, sizeof b, "llm.c -Ofast %.2f ns/el", tp / (double)n);
-    row("adamw vs llm.c", shape, "fp32", "1", a, b, tp / tm);
-    {
-        mn_sgd_params sp;
-        memset(&sp, 0, sizeof sp);
-        sp.momentum = 0.9f;
-        if (mn_sgd_init(&k.sg, dims, 2, &sp, NULL) != MN_OK) return 1;
+    if (want("memory")) {
+        k.N = 8 * 1024, k.C = 768;
+        snprintf(shape, sizeof shape, "%zux%zu", k.N, k.C);
+        mem_row("layernorm fwd", shape, &k, w_ln, 8.0 * (double)n, 0);
+        mem_row("layernorm bwd", shape, &k, w_ln_bwd, 16.0 * (double)n, 0);
+        mem_row("rmsnorm fwd", shape, &k, w_rms, 8.0 * (double)n, 0);
+        mem_row("rmsnorm bwd", shape, &k, w_rms_bwd, 16.0 * (double)n, 0);
+        mem_row("softmax fwd", shape, &k, w_sm, 8.0 * (double)n, 0);
+        mem_row("softmax bwd", shape, &k, w_sm_bwd, 16.0 * (double)n, 0);
+        mem_row("gelu fwd", shape, &k, w_gelu, 8.0 * (double)n, 0);
+        mem_row("gelu bwd", shape, &k, w_gelu_bwd, 16.0 * (double)n, 0);
+        k.N = 256, k.V = 50257;
+        snprintf(shape, sizeof shape, "%zux%zu", k.N, k.V);
+        mem_row("crossentropy fwd", shape, &k, w_ce, 8.0 * (double)(k.N * k.V), 0);
+        mem_row("crossentropy bwd", shape, &k, w_ce_bwd, 12.0 * (double)(k.N * k.V), 0);
+        k.N = 8 * 1024, k.C = 768, k.B = 8, k.T = 1024;
+        snprintf(shape, sizeof shape, "%zux%zux%zu", k.B, k.T, k.C);
+        mem_row("embedding fwd", shape, &k, w_emb, 12.0 * (double)n, 0);
+        snprintf(shape, sizeof shape, "%zu params", n);
+        mem_row("adamw", shape, &k, w_adamw, 28.0 * (double)n, (double)n);
+        time_pair(w_adamw, &k, 1, w_llmc_adamw, &k, 1, &tm, &tp);
+        snprintf(a, sizeof a, "%.2f ns/el", tm / (double)n);
+        snprintf(b, sizeof b, "llm.c -Ofast %.2f ns/el", tp / (double)n);
+        row("adamw vs llm.c", shape, "fp32", "1", a, b, tp / tm);
+        {
+            mn_sgd_params sp;
+            memset(&sp, 0, sizeof sp);
+            sp.momentum = 0.9f;
+            if (mn_sgd_init(&k.sg, dims, 2, &sp, NULL) != MN_OK) return 1;
     }
     mem_row("sgd momentum", shape, &k, w_sgd, 20.0 * (double)n, (double)n);
     if (mn_lion_init(&k.li, dims, 2, NULL, NULL) != MN_OK) return 1;
@@ -592,23 +625,26 @@ int main(int argc, char **argv) {
     snprintf(shape, sizeof shape, "%zu", n);
     mem_row("cast fp32->bf16", shape, &k, w_tobf16, 6.0 * (double)n, 0);
     mem_row("cast bf16->fp32", shape, &k, w_frombf16, 6.0 * (double)n, 0);
+    }
 
     // threads: trainer-sized and training-sized ops, 2 threads against 1
-    k.N = 256, k.C = 64, k.OC = 256;
-    thr_rows("matmul fwd", "256x64x256", &k, w_mm_fwd);
-    k.N = 1024, k.C = 768, k.OC = 3072;
-    thr_rows("matmul fwd", "1024x768x3072", &k, w_mm_fwd);
-    k.N = 256, k.C = 64;
-    thr_rows("layernorm fwd", "256x64", &k, w_ln);
-    k.N = 8 * 1024, k.C = 768;
-    thr_rows("layernorm fwd", "8192x768", &k, w_ln);
-    thr_rows("layernorm bwd", "8192x768", &k, w_ln_bwd);
-    thr_rows("softmax fwd", "8192x768", &k, w_sm);
-    thr_rows("gelu bwd", "8192x768", &k, w_gelu_bwd);
-    thr_rows("adamw", "6291456 params", &k, w_adamw);
+    if (want("threads")) {
+        k.N = 256, k.C = 64, k.OC = 256;
+        thr_rows("matmul fwd", "256x64x256", &k, w_mm_fwd);
+        k.N = 1024, k.C = 768, k.OC = 3072;
+        thr_rows("matmul fwd", "1024x768x3072", &k, w_mm_fwd);
+        k.N = 256, k.C = 64;
+        thr_rows("layernorm fwd", "256x64", &k, w_ln);
+        k.N = 8 * 1024, k.C = 768;
+        thr_rows("layernorm fwd", "8192x768", &k, w_ln);
+        thr_rows("layernorm bwd", "8192x768", &k, w_ln_bwd);
+        thr_rows("softmax fwd", "8192x768", &k, w_sm);
+        thr_rows("gelu bwd", "8192x768", &k, w_gelu_bwd);
+        thr_rows("adamw", "6291456 params", &k, w_adamw);
+    }
 
-    alloc_rows();
-    est_rows();
+    if (want("alloc")) alloc_rows();
+    if (want("fit")) est_rows();
     set_threads(1);
     return 0;
 }

@@ -875,6 +875,62 @@ static void test_slab_failure_injection(void) {
     free(p);
 }
 
+// The tables of 2 MiB or more (full slabs of 16384 block structs, the address map from 2^18
+// slots) sit on 2 MiB boundaries inside larger host allocations (mn__c_table_alloc): 140000 live
+// blocks, each with its own label, so that full slabs, their labels and a 2 MiB map are written
+// and read back (under AddressSanitizer: every byte inside what the host handed out). Labels,
+// sizes and addresses come back through the snapshot; every block is found by its pointer, half
+// of them released in random order, the rest allocated again, then all released.
+static void test_huge_tables(void) {
+    enum { N = 140000 };
+    tc_env e;
+    void **p = (void **)malloc(N * sizeof *p);
+    uint32_t *len = (uint32_t *)malloc(N * sizeof *len);
+    mn_cache_snapshot snap;
+    uint64_t i, seen = 0;
+    char lb[MN_CACHE_LABEL_MAX];
+    if (!p || !len || tc_open(&e, 0, "", 0) != MN_OK) {
+        free(p), free(len);
+        CHECK(0);
+        return;
+    }
+    for (i = 0; i < N; i++) {
+        len[i] = 1 + (uint32_t)(mnt_rand_u64() % 8);  // 512 B units: small pool, 2 MiB segments
+        snprintf(lb, sizeof lb, "b%llu", (unsigned long long)i);
+        CHECK_OK(mn_cache_alloc(&e.cache, 512u * len[i], 0, MN_CAT_ACTIVATIONS, lb, &p[i]));
+    }
+    CHECK_OK(mn_cache_snapshot_take(&e.cache, &snap));
+    for (i = 0; i < snap.block_count; i++) {
+        const mn_block_info *b = &snap.blocks[i];
+        unsigned long long k;
+        if (b->state != MN_BLOCK_ACTIVE_ALLOCATED) continue;
+        seen++;
+        if (sscanf(b->label, "b%llu", &k) != 1 || k >= N) {
+            CHECK(0);
+            break;
+        }
+        CHECK_EQ_U64(b->addr, tc_u(p[k]));
+        CHECK_EQ_U64(b->size, 512u * len[k]);
+    }
+    CHECK_EQ_U64(seen, N);
+    mn_cache_snapshot_free(&snap);
+    for (i = N - 1; i > 0; i--) {  // release half in random order
+        uint64_t k = mnt_rand_u64() % (i + 1);
+        void *t = p[k];
+        uint32_t u = len[k];
+        p[k] = p[i], p[i] = t, len[k] = len[i], len[i] = u;
+    }
+    for (i = 0; i < N / 2; i++) CHECK_OK(mn_cache_release(&e.cache, p[i]));
+    for (i = 0; i < N / 2; i++) p[i] = tc_alloc(&e, 512u * len[i], 0);
+    tc_consistent(&e);
+    CHECK_EQ_U64(tc_stats(&e).allocation[MN_STAT_ALL].current, N);
+    for (i = 0; i < N; i++) CHECK_OK(mn_cache_release(&e.cache, p[i]));
+    CHECK_OK(mn_cache_empty(&e.cache));
+    CHECK_EQ_U64(tc_stats(&e).segment[MN_STAT_ALL].current, 0);
+    tc_close(&e);
+    free(p), free(len);
+}
+
 // ---- threads -----------------------------------------------------------------------------------
 
 typedef struct tc_thread {
@@ -1966,6 +2022,7 @@ const mnt_case test_cache_cases[] = {
     {"device_failure_injection", test_device_failure_injection},
     {"host_failure_injection", test_host_failure_injection},
     {"slab_failure_injection", test_slab_failure_injection},
+    {"huge_tables", test_huge_tables},
     {"threads", test_threads},
     {"snapshot_json_and_svg", test_snapshot_json_and_svg},
     {"address_lookup", test_address_lookup},
