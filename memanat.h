@@ -10264,17 +10264,23 @@ struct mn__c_segment {
 
 // Free mapped blocks sit in size-class bins, in PyTorch's order (BlockComparatorSize: stream,
 // size, address) all the same: the bin of a size grows with the size (one bin per 512 B below
-// 8 MiB, which covers every size of the small pool, then 128 bins per power of two), each bin
+// 8 MiB, which covers every size of the small pool, then 1024 bins per power of two), each bin
 // is a treap keyed (stream, size, address) whose first node is kept, and each stream of a pool
 // has a bitmap of the bins holding its blocks (a bit per bin, a bit per word of those). The
 // best fit, lower_bound((stream, size, 0)), is then the first node of the request's bin when
 // that node is large enough, else a search of that one bin, else the first node of the stream's
 // next bin (a bit scan): O(1) for the sizes that repeat in a training loop, O(log n) at worst,
-// and the same block std::set::lower_bound finds.
+// and the same block std::set::lower_bound finds. Above 8 MiB a bin spans 1/1024 of its power of
+// two (8 KiB at 8 MiB): with 128 a bin, bench_table's free blocks of 10 to 50 MiB at 10^6 live
+// blocks were some 40 a bin, and a search walked several treap nodes that missed every cache
+// (the 1 to 50 MiB pairs 1.62 to 1.70 of glibc's speed, 1.70 to 2.02 with 1024; three alternated
+// runs). The bins cost 25 bytes each (1.5 MB a pool, allocated with its first segment, untouched
+// but for their `set` bytes until used) and the bitmaps 7.3 kB a stream.
 #define MN__C_BIN_EXACT_LOG 14u  // bins of one size: units of 512 B below 2^14 (8 MiB)
 #define MN__C_BIN_EXACT (1u << MN__C_BIN_EXACT_LOG)
-#define MN__C_BIN_SUB 7u         // 2^7 bins per power of two above
-#define MN__C_BINS (MN__C_BIN_EXACT + (55u - MN__C_BIN_EXACT_LOG) * 128u)  // units below 2^55
+#define MN__C_BIN_SUB 10u        // 2^10 bins per power of two above
+#define MN__C_BINS \
+    (MN__C_BIN_EXACT + (55u - MN__C_BIN_EXACT_LOG) * (1u << MN__C_BIN_SUB))  // units below 2^55
 #define MN__C_BIN_WORDS ((MN__C_BINS + 63u) / 64u)      // the bitmap, one bit per bin
 #define MN__C_BIN_WORDS1 ((MN__C_BIN_WORDS + 63u) / 64u)  // one bit per non-zero word
 
@@ -10633,7 +10639,7 @@ MN__PRIVATE mn_result mn__c_sbin_reserve(mn__c_cache *c, mn__c_pool *p, mn_strea
     mn__c_sbin *e;
     if (!p->bins) {
         p->bins = (mn__c_bin *)mn__alloc_array(&c->alloc, MN__C_BINS, sizeof *p->bins + 1);
-        if (!p->bins) return MN_ERR_OUT_OF_MEMORY;  // (not zeroed: 500 kB, most never used)
+        if (!p->bins) return MN_ERR_OUT_OF_MEMORY;  // (not zeroed: 1.5 MB, most never used)
         p->set = (uint8_t *)(p->bins + MN__C_BINS);
         memset(p->set, 0, MN__C_BINS);
     }
