@@ -11049,6 +11049,7 @@ MN__PRIVATE void mn__c_recent_put(mn__c_cache *c, mn__c_block *b) {
 
 MN__PRIVATE void mn__c_recent_del(mn__c_cache *c, uint32_t k) {
     uint32_t n = --c->recent_count;
+    if (k == n) return;  // the newest, the common case (a temporary released at once): no calls
     memmove(c->recent + k, c->recent + k + 1, (n - k) * sizeof c->recent[0]);
     memmove(c->recent_addr + k, c->recent_addr + k + 1, (n - k) * sizeof c->recent_addr[0]);
 }
