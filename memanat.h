@@ -10307,7 +10307,7 @@ typedef struct mn__c_pool {
     uint64_t get_free_calls;
     uint64_t whole;          // free mapped blocks that are a whole fixed segment (releasable)
     int small;
-    int expandable;          // the cache's expandable_segments (mn__c_whole_in)
+    int expandable;          // the cache's expandable_segments (mn__c_whole)
 } mn__c_pool;
 
 #define MN__C_RECENT 8u  // blocks handed out last, kept out of the address map until older
@@ -10750,14 +10750,10 @@ MN__PRIVATE mn__c_block *mn__c_pool_collect(mn__c_pool *p) {
 
 // A free block that is its whole fixed-size segment: release_cached_blocks can give it back.
 // A block's neighbours only change while it is out of its pool, so the count stays exact.
-MN__PRIVATE int mn__c_whole(const mn__c_block *b) {
-    return b->mapped && !b->prev && !b->next && !b->seg->expandable;
-}
-
-// The same in pool p, whose segments are expandable only where its cache's configuration says
-// so (set once, at init): without expandable segments the segment's line is not read, a load
-// that misses every cache where the blocks outgrow them (mn_cache_check counts by the above).
-MN__C_STEP int mn__c_whole_in(const mn__c_pool *p, const mn__c_block *b) {
+// Segments are expandable only where the cache's configuration says so (p->expandable, set once
+// at init): without them the segment's line is not read, a load that misses every cache where the
+// blocks outgrow them.
+MN__C_STEP int mn__c_whole(const mn__c_pool *p, const mn__c_block *b) {
     return b->mapped && !b->prev && !b->next && (!p->expandable || !b->seg->expandable);
 }
 
@@ -10765,7 +10761,7 @@ MN__C_STEP void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(!b->in_tree);
     b->l = b->r = NULL;
     b->in_tree = 1;
-    p->whole += (uint64_t)mn__c_whole_in(p, b);
+    p->whole += (uint64_t)mn__c_whole(p, b);
     if (b->mapped) {
         uint32_t i = b->bin = mn__c_bin_of(b->size);
         mn__c_bin *bin = &p->bins[i];
@@ -10791,7 +10787,7 @@ MN__C_STEP void mn__c_pool_insert(mn__c_pool *p, mn__c_block *b) {
 
 MN__C_STEP void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
     MN_ASSERT(b->in_tree);
-    p->whole -= (uint64_t)mn__c_whole_in(p, b);
+    p->whole -= (uint64_t)mn__c_whole(p, b);
     if (b->mapped && p->bins[b->bin].first == b) {
         // The bin's first node, taken most: it has no left child and is its parent's left one,
         // so its successor is its right subtree's first node or else its parent, and the splice
@@ -10813,11 +10809,9 @@ MN__C_STEP void mn__c_pool_erase(mn__c_pool *p, mn__c_block *b) {
         b->up = NULL;
     } else if (b->mapped) {
         mn__c_bin *bin = &p->bins[b->bin];
-        mn__c_block *n = mn__c_tr_next(b), *v;
+        mn__c_block *n = mn__c_tr_next(b), *v;  // (b is not the bin's first: it has a prev)
         int keep = n && n->stream == b->stream;  // the bin still holds blocks of b's stream
-        if (!keep && bin->first != b)
-            keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
-        if (bin->first == b) bin->first = n;
+        if (!keep) keep = (v = mn__c_tr_prev(b)) != NULL && v->stream == b->stream;
         mn__c_tr_erase(&bin->root, b);
         if (!keep) mn__c_bit_clear(mn__c_sbin_find(p, b->stream), b->bin);
     } else {
@@ -12337,7 +12331,7 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
                                             (unsigned long long)b->addr);
                 if (b->mapped) in_tree[pool]++;
                 else unm[pool]++;
-                whole[pool] += (uint64_t)mn__c_whole(b);
+                whole[pool] += (uint64_t)mn__c_whole(mn__c_pool_of(c, b), b);
                 if (split && !s->expandable) {
                     want.inactive_split[t].current++;
                     want.inactive_split_bytes[t].current += b->size;

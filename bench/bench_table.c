@@ -43,18 +43,21 @@
 
 static int reps = 5;
 static const char *parts = "all";  // the rows asked for (main)
+#define PARTS "all,matmul,memory,threads,alloc,fit"
+
+// Whether the comma list holds the n bytes at name as one of its items.
+static int list_has(const char *list, const char *name, size_t n) {
+    while (*list) {
+        size_t len = strcspn(list, ",");
+        if (len == n && strncmp(list, name, n) == 0) return 1;
+        list += len + (list[len] == ',');
+    }
+    return 0;
+}
 
 // Whether the rows of part `name` were asked for.
 static int want(const char *name) {
-    const char *q = parts;
-    size_t n = strlen(name);
-    while (*q) {
-        size_t len = strcspn(q, ",");
-        if ((len == 3 && strncmp(q, "all", 3) == 0) || (len == n && strncmp(q, name, n) == 0))
-            return 1;
-        q += len + (q[len] == ',');
-    }
-    return 0;
+    return list_has(parts, "all", 3) || list_has(parts, name, strlen(name));
 }
 
 // OpenMP's threads for every row, OpenBLAS's as well during its own rows (blas_rows); the rows
@@ -495,15 +498,11 @@ int main(int argc, char **argv) {
     if (reps < 1 || reps > 64) reps = 5;
     if (argc > 2) parts = argv[2];
     {
-        static const char *known[] = {"all", "matmul", "memory", "threads", "alloc", "fit"};
         const char *q = parts;
         while (*q) {
-            size_t len = strcspn(q, ","), j, ok = 0;
-            for (j = 0; j < sizeof known / sizeof known[0]; j++)
-                ok |= strlen(known[j]) == len && strncmp(q, known[j], len) == 0;
-            if (!ok) {
-                fprintf(stderr, "bench_table: unknown part '%.*s' (matmul, memory, threads, "
-                                "alloc, fit, all)\n", (int)len, q);
+            size_t len = strcspn(q, ",");
+            if (!list_has(PARTS, q, len)) {
+                fprintf(stderr, "bench_table: unknown part '%.*s' (%s)\n", (int)len, q, PARTS);
                 return 2;
             }
             q += len + (q[len] == ',');
@@ -578,7 +577,7 @@ int main(int argc, char **argv) {
         row("matmul bwd (dx+dw)", shape, "fp32", ts, a, b, tp / tm);
     }
     set_threads(1), blas_rows = 0;
-    {  // (time for OpenBLAS's workers to go idle where they still spin: no exec in main)
+    if (want("matmul")) {  // (time for OpenBLAS's workers to go idle where they still spin)
         struct timespec ts = {0, 500000000};
         nanosleep(&ts, NULL);
     }

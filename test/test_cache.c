@@ -880,7 +880,7 @@ static void test_slab_failure_injection(void) {
 // blocks, each with its own label, so that full slabs, their labels and a 2 MiB map are written
 // and read back (under AddressSanitizer: every byte inside what the host handed out). Labels,
 // sizes and addresses come back through the snapshot; every block is found by its pointer, half
-// of them released in random order, the rest allocated again, then all released.
+// of them released in random order and allocated again, then all released.
 static void test_huge_tables(void) {
     enum { N = 140000 };
     tc_env e;
