@@ -1378,11 +1378,19 @@ struct mn_sgd_params;
 struct mn_lion_params;
 struct mn_adafactor_params;
 #define MN_CUDA_MAX_STREAMS 8  // streams a context hands out (mn_stream 0 is ctx->stream)
+#define MN_CUDA_TUNE_CANDIDATES 8  // cuBLASLt candidates mn_cuda_desc.gemm_tune times a shape
 
 typedef struct mn_cuda_desc {
     int device;                // CUDA device index, 0 = device 0
     int tf32;                  // 1 = fp32 GEMMs on TF32 tensor cores, 0 = full fp32
     int no_fused_epilogues;    // 1 = GEMMs never use cuBLASLt epilogues (the unfused kernels run)
+    int gemm_tune;             // 1 = the first GEMM of each shape that overwrites its output
+                               // (beta 0: forward GEMMs, attention's scores) times up to
+                               // MN_CUDA_TUNE_CANDIDATES of cuBLASLt's candidates on the call's
+                               // own buffers (no memory of its own; one stream sync a shape) and
+                               // keeps the fastest; accumulating GEMMs keep the heuristic's first.
+                               // Which candidate wins can differ between runs, and with it the
+                               // last bits; 0 = the heuristic's first, bit-reproducible
     uint64_t workspace;        // cuBLASLt workspace bytes, 0 = the GPU table's cublas_workspace
                                // for the device's SM (32 MiB on sm 90+, 4 MiB otherwise)
     mn_allocator allocator;    // host memory for the private state, all-zero = malloc/free
@@ -1403,6 +1411,7 @@ typedef struct mn_cuda {       // fields are read-only for callers
     void *lt;                  // cublasLtHandle_t
     void *workspace;           // [workspace_bytes] device memory
     uint64_t gemm_fused, gemm_unfused;  // GEMMs served with a fused epilogue / by the fallback
+    uint64_t gemm_tuned;       // GEMM shapes whose candidates were timed (desc.gemm_tune)
     struct mn__cuda_priv *p;   // streams, event pool, GEMM heuristics cache, scratch, driver API
 } mn_cuda;
 

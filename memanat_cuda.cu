@@ -72,6 +72,7 @@ struct mn__cuda_priv {
     float *q8_maps;           // device: the signed, then the unsigned dynamic map [2][256] (8-bit),
                               // then their tables (mn_q8_table) [2][MN_Q8_TAB] when q8_tab
     int q8_tab;
+    cudaEvent_t tune_ev[2];   // desc.gemm_tune's timing events, made at the first tuned shape
     // driver API for virtual memory (NULL when not available)
     PFN_cuMemAddressReserve_v10020 mem_reserve;
     PFN_cuMemAddressFree_v10020 mem_addr_free;
@@ -239,6 +240,8 @@ static void mn__release(mn_cuda *ctx) {
     for (i = 1; i < p->nstreams; i++) (void)cudaStreamDestroy(p->streams[i]);
     if (p->scratch) (void)cudaFree(p->scratch);
     if (p->q8_maps) (void)cudaFree(p->q8_maps);
+    for (i = 0; i < 2; i++)
+        if (p->tune_ev[i]) (void)cudaEventDestroy(p->tune_ev[i]);
     mn__host_free(ctx, p->host);
     if (ctx->workspace && !p->foreign_workspace) (void)cudaFree(ctx->workspace);
     if (ctx->lt) (void)cublasLtDestroy((cublasLtHandle_t)ctx->lt);
@@ -3046,6 +3049,46 @@ static uint32_t mn__align(const void *p) {
     return al;
 }
 
+// mn_cuda_desc.gemm_tune: each of cuBLASLt's n candidates for one shape runs once (a candidate
+// that fails to launch is passed over), then MN__TUNE_RUNS times between two events, on the
+// call's stream and buffers. Only for beta 0: the runs write the call's outputs (D, and the
+// epilogue's aux or dbias) and read none of them, and the real call that follows writes them
+// again. *best: the index of the fastest, 0 when none ran or the stream is being captured into a
+// graph (no synchronisation is allowed there).
+#define MN__TUNE_RUNS 5
+static mn_result mn__gemm_tune(mn_cuda *ctx, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
+                               cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld,
+                               const mn__gemm_args *g,
+                               const cublasLtMatmulHeuristicResult_t *cand, int n, int *best) {
+    struct mn__cuda_priv *p = ctx->p;
+    cublasLtHandle_t lt = (cublasLtHandle_t)ctx->lt;
+    cudaStream_t s = mn__stream(ctx);
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    const float alpha = 1.0f, beta = 0.0f;
+    float t = 0.0f, tbest = 0.0f;
+    int c, i, ok, timed = 0;
+    *best = 0;
+    MN__CU(ctx, cudaStreamIsCapturing(s, &cs));
+    if (cs != cudaStreamCaptureStatusNone) return MN_OK;
+    for (i = 0; i < 2; i++)
+        if (!p->tune_ev[i]) MN__CU(ctx, cudaEventCreate(&p->tune_ev[i]));
+    for (c = 0; c < n; c++) {
+        for (i = -1, ok = 1; i < MN__TUNE_RUNS && ok; i++) {  // run -1: the warm-up
+            if (i == 0) MN__CU(ctx, cudaEventRecord(p->tune_ev[0], s));
+            ok = cublasLtMatmul(lt, op, &alpha, g->A, la, g->B, lb, &beta, g->D, ld, g->D, ld,
+                                &cand[c].algo, ctx->workspace, ctx->workspace_bytes, s) ==
+                 CUBLAS_STATUS_SUCCESS;
+        }
+        if (!ok) continue;
+        MN__CU(ctx, cudaEventRecord(p->tune_ev[1], s));
+        MN__CU(ctx, cudaEventSynchronize(p->tune_ev[1]));
+        MN__CU(ctx, cudaEventElapsedTime(&t, p->tune_ev[0], p->tune_ev[1]));
+        if (timed++ == 0 || t < tbest) *best = c, tbest = t;
+    }
+    if (timed) ctx->gemm_tuned++;
+    return MN_OK;
+}
+
 // Runs one GEMM. MN_ERR_UNSUPPORTED (nothing logged, nothing launched) when cuBLASLt has no
 // algorithm for this epilogue and shape: the caller falls back to the plain GEMM and a kernel.
 static mn_result mn__gemm(mn_cuda *ctx, const mn__gemm_args *g, mn_dtype dt) {
@@ -3054,7 +3097,7 @@ static mn_result mn__gemm(mn_cuda *ctx, const mn__gemm_args *g, mn_dtype dt) {
     cublasLtMatmulDesc_t op = NULL;
     cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
     cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t res;
+    cublasLtMatmulHeuristicResult_t res[MN_CUDA_TUNE_CANDIDATES];
     cudaDataType_t ty = mn__cuda_type(dt);
     cublasComputeType_t ct = (dt == MN_FP32 || dt == MN_DTYPE_DEFAULT) && ctx->desc.tf32
                                  ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
@@ -3064,7 +3107,7 @@ static mn_result mn__gemm(mn_cuda *ctx, const mn__gemm_args *g, mn_dtype dt) {
     float alpha = 1.0f, beta = g->beta;
     uint64_t ws = ctx->workspace_bytes;
     uint32_t i, al[5];
-    int nres = 0;
+    int nres = 0, best = 0, tune = ctx->desc.gemm_tune && beta == 0.0f;
     mn_result r = MN_OK;
     memset(&key, 0, sizeof key);
     key.ta = g->ta, key.tb = g->tb, key.dtype = (int32_t)ty, key.epilogue = (int32_t)g->epi;
@@ -3125,20 +3168,22 @@ static mn_result mn__gemm(mn_cuda *ctx, const mn__gemm_args *g, mn_dtype dt) {
                                                      &al[2], sizeof al[2]));
         MN__LTG(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                      &al[2], sizeof al[2]));
-        memset(&res, 0, sizeof res);
+        memset(res, 0, sizeof res);
         {
-            cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1,
-                                                               &res, &nres);
+            cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
+                lt, op, la, lb, ld, ld, pref, tune ? MN_CUDA_TUNE_CANDIDATES : 1, res, &nres);
             if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
                 r = mn__lt_fail(ctx, "cublasLtMatmulAlgoGetHeuristic", st, __LINE__);
                 goto undo;
             }
             if (st != CUBLAS_STATUS_SUCCESS) nres = 0;
         }
+        if (nres > 1 && (r = mn__gemm_tune(ctx, op, la, lb, ld, g, res, nres, &best)) != MN_OK)
+            goto undo;
         e = &p->gemm[p->gemm_next];
         p->gemm_next = (p->gemm_next + 1) % MN__GEMM_CACHE;
         e->key = key, e->used = 1, e->ok = nres > 0;
-        if (nres > 0) e->algo = res.algo;
+        if (nres > 0) e->algo = res[best].algo;
         if (!e->ok) {
             r = MN_ERR_UNSUPPORTED;
             goto undo;

@@ -100,6 +100,7 @@ typedef struct tr_config {
     long stop_after;      // stop after this step of the --steps schedule, 0 = run to the end
     const char *json;     // the run's summary as JSON, NULL = none
     int device;           // TR_DEVICE_CPU, TR_DEVICE_CUDA
+    int gemm_tune;        // --gemm-tune on: mn_cuda_desc.gemm_tune (--device cuda)
     int help;             // --help was given
     // Set by --device cuda's setup for the prediction: the device's GPU table entry (NULL: the
     // CPU), the device's total bytes and the CUDA context measured by cudaMemGetInfo.
@@ -206,7 +207,7 @@ static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, 
     X(INJECT_OVERFLOW, "--inject-overflow") X(CAPACITY, "--capacity") X(SAVE, "--save") \
     X(SAVE_EVERY, "--save-every") X(RESUME, "--resume") X(STOP_AFTER, "--stop-after") \
     X(FAIL_ALLOC_AT, "--fail-alloc-at") X(JSON, "--json") X(BUDGET, "--budget") \
-    X(DEVICE, "--device")
+    X(DEVICE, "--device") X(GEMM_TUNE, "--gemm-tune")
 // Of those, the ones that set a size_t field of tr_config: X(id, lo, hi, field).
 #define TR_COUNT_FLAGS(X) \
     X(LAYERS, 1, TR_MAX_LAYERS, L) X(DIM, 1, TR_MAX_DIM, C) X(HEADS, 1, TR_MAX_DIM, NH) \
@@ -359,6 +360,14 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                     return MN_ERR_INVALID_ARG;
                 }
                 break;
+            case TR_F_GEMM_TUNE:
+                if (strcmp(a, "on") == 0) cfg->gemm_tune = 1;
+                else if (strcmp(a, "off") == 0) cfg->gemm_tune = 0;
+                else {
+                    snprintf(err, cap, "--gemm-tune takes on or off, got \"%s\"", a);
+                    return MN_ERR_INVALID_ARG;
+                }
+                break;
             case TR_F_STOP_AFTER:
                 TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap));
                 cfg->stop_after = (long)v;
@@ -386,6 +395,10 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
     if (cfg->inject_overflow > cfg->steps) {
         snprintf(err, cap, "--inject-overflow %ld is after the last step (--steps %ld)",
                  cfg->inject_overflow, cfg->steps);
+        return MN_ERR_INVALID_ARG;
+    }
+    if (cfg->gemm_tune && cfg->device != TR_DEVICE_CUDA) {
+        snprintf(err, cap, "--gemm-tune on needs --device cuda (it times cuBLASLt's GEMMs)");
         return MN_ERR_INVALID_ARG;
     }
     return cfg->device == TR_DEVICE_CUDA ? tr_check_cuda_flags(cfg, err, cap) : MN_OK;
@@ -1518,6 +1531,7 @@ static mn_result tr_gpu_init(tr_model *m, mn_cache_desc *cd) {
     uint64_t total_b;
     memset(&d, 0, sizeof d);
     d.logger.log_fn = tr_gpu_log, d.logger.user_data = m;  // tf32 0: full fp32 GEMMs
+    d.gemm_tune = m->cfg.gemm_tune;
     m->gpu = 1;
     TR_TRY(mn_cuda_init(&m->cuda, &d));
     m->cuda_ready = 1;
@@ -1925,6 +1939,9 @@ static mn_result tr_gpu_report(tr_model *m, const struct mn_cache_stats *st,
         fprintf(out, ", MFU %.1f%% of %s's dense bf16 peak %.0f TFLOP/s (GPU table)\n",
                 100.0 * tokens_per_s * flops / (g.bf16_tflops * 1e12), g.name, g.bf16_tflops);
     else fprintf(out, "; MFU unknown (no bf16 peak in the GPU table for %s)\n", c->gpu);
+    if (c->gemm_tune)
+        fprintf(out, "--gemm-tune on: %llu GEMM shapes ran the fastest of cuBLASLt's candidates "
+                "(timed at their first use)\n", (unsigned long long)m->cuda.gemm_tuned);
     TR_TRY(mn_cuda_sync(&m->cuda));
     if (!dev.mem_info_fn) return MN_OK;
     TR_TRY(dev.mem_info_fn(dev.user_data, &free_b, &total_b));
@@ -2536,12 +2553,14 @@ static mn_result tr_json_body(void *ctx, FILE *f) {
             "\"heads\": %zu, \"seq\": %zu, \"vocab\": %zu, \"head\": \"%s\", \"batch\": %zu, "
             "\"accum\": %zu, \"steps\": %ld, \"lr\": %.9g, \"clip\": %.9g, \"seed\": %llu, "
             "\"checkpointing\": \"%s\", \"precision\": \"%s\", \"optim\": \"%s\", "
-            "\"capacity\": %llu, \"device\": \"%s\", \"gpu\": \"%s\", \"data\": ",
+            "\"capacity\": %llu, \"device\": \"%s\", \"gpu\": \"%s\", \"gemm_tune\": %s, "
+            "\"data\": ",
             MEMANAT_VERSION, c->L, c->C, c->NH, c->T, c->V, c->tied ? "tied" : "untied", c->B,
             c->K, c->steps, (double)c->lr, (double)c->clip, (unsigned long long)c->seed,
             tr_ckpt_names[c->checkpointing], mn_precision_name(c->precision),
             mn_optim_name(c->optim), (unsigned long long)c->capacity,
-            c->device == TR_DEVICE_CUDA ? "cuda" : "cpu", c->gpu ? c->gpu : "cpu");
+            c->device == TR_DEVICE_CUDA ? "cuda" : "cpu", c->gpu ? c->gpu : "cpu",
+            c->gemm_tune ? "true" : "false");
     if (c->data) mn_json_fputs_escaped(f, c->data);
     else fputs("null", f);
     fprintf(f, "},\n  \"parameters\": %llu,\n  \"entropy\": ", (unsigned long long)m->num_params);
@@ -2748,7 +2767,7 @@ int main(int argc, char **argv) {
                "               [--budget SIZE] [--capacity SIZE] [--data FILE]\n"
                "               [--save FILE] [--save-every N] [--resume FILE] [--stop-after S]\n"
                "               [--json FILE] [--memory-svg FILE] [--snapshot FILE]\n"
-               "               [--fail-alloc-at N] [--device cpu|cuda]\n"
+               "               [--fail-alloc-at N] [--device cpu|cuda] [--gemm-tune on|off]\n"
                "Trains a tiny GPT on a generated Markov source (or the bytes of FILE);\n"
                "every tensor lives in memanat's caching allocator. Before training it\n"
                "prints the estimator's prediction for this configuration, after it the\n"
@@ -2785,7 +2804,12 @@ int main(int argc, char **argv) {
                "  testing the failure path).\n"
                "--device cuda: train on the GPU (a build with nvcc): the same model, log and\n"
                "  prediction; gradients in the storage type. With --budget the plan counts\n"
-               "  the CUDA context (cudaMemGetInfo) in the budget.\n");
+               "  the CUDA context (cudaMemGetInfo) in the budget.\n"
+               "--gemm-tune on (--device cuda): each GEMM shape that overwrites its output\n"
+               "  (the forward's, attention's) times cuBLASLt's candidates at its first use\n"
+               "  and keeps the fastest: no memory of its own, a slower first step, and the\n"
+               "  last bits can differ between runs. off (the default): the heuristic's\n"
+               "  first, bit-reproducible.\n");
         return 0;
     }
     r = tr_run(&cfg, stdout, &res);

@@ -3,7 +3,8 @@
 //     cudaMemcpy bandwidth measured in the same run (2 x bytes per copy: read + write);
 //   - GEMMs: TFLOP/s (2 N C OC per GEMM) with each epilogue, fused and unfused, against a plain
 //     cuBLASLt GEMM of the same shape; every algorithm cuBLASLt's heuristic offers for the plain
-//     GEMMs and each epilogue, timed; the fp32 GEMM in full precision and on TF32 tensor cores;
+//     GEMMs and each epilogue, timed; the forward rows again on a context with desc.gemm_tune
+//     (the fastest candidate kept); the fp32 GEMM in full precision and on TF32 tensor cores;
 //   - the caching allocator: ns per cached malloc+free on the device backend against
 //     cudaMalloc+cudaFree, and the order in which cudaMalloc hands out addresses.
 // Training sizes of GPT-2 small in bf16: B*T = 8192 rows, C = 768, 4C = 3072, V = 50257, the
@@ -23,6 +24,7 @@
 #include <string.h>
 
 static mn_cuda ctx, ctx_unfused, ctx_tf32;  // the last: fp32 GEMMs on TF32 tensor cores
+static mn_cuda ctx_tuned;  // desc.gemm_tune: a shape's first GEMM keeps the fastest candidate
 static double copy_gbs;
 
 #define DIE(...) do { fprintf(stderr, "bench_gpu: " __VA_ARGS__); fprintf(stderr, "\n"); exit(1); } while (0)
@@ -222,13 +224,16 @@ static void f_gemm(void *p) {
 static void gemms(void) {
     static const struct {
         const char *name;
-        int fused, bias, gelu, backward;
+        int fused, bias, gelu, backward;  // fused 2: the tuned context (desc.gemm_tune)
     } rows[] = {
         {"GEMM fwd plain (no epilogue)", 1, 0, 0, 0},
         {"GEMM fwd + bias, fused (BIAS)", 1, 1, 0, 0},
         {"GEMM fwd + bias, unfused (GEMM + kernel)", 0, 1, 0, 0},
         {"GEMM fwd + bias + GELU, fused (GELU_AUX_BIAS)", 1, 1, 1, 0},
         {"GEMM fwd + bias + GELU, unfused", 0, 1, 1, 0},
+        {"GEMM fwd plain, tuned (desc.gemm_tune)", 2, 0, 0, 0},
+        {"GEMM fwd + bias, fused, tuned", 2, 1, 0, 0},
+        {"GEMM fwd + bias + GELU, fused, tuned", 2, 1, 1, 0},
         {"GEMM bwd dinp+dweight (2 GEMMs)", 1, 0, 0, 1},
         {"GEMM bwd + dbias, fused (BGRADB)", 1, 1, 0, 1},
         {"GEMM bwd + dbias, unfused (column kernel)", 0, 1, 0, 1},
@@ -240,8 +245,8 @@ static void gemms(void) {
            BT, C, C4);
     printf("|---|---|---|---|\n");
     for (i = 0; i < sizeof rows / sizeof rows[0]; i++) {
-        gemm_arg g = {rows[i].fused ? &ctx : &ctx_unfused, rows[i].bias, rows[i].gelu,
-                      rows[i].backward};
+        gemm_arg g = {rows[i].fused == 2 ? &ctx_tuned : rows[i].fused ? &ctx : &ctx_unfused,
+                      rows[i].bias, rows[i].gelu, rows[i].backward};
         uint64_t f0 = g.c->gemm_fused;
         float ms = time_ms(f_gemm, &g);
         double fl = rows[i].backward ? 2 * flops_f : flops_f, tf = fl / (ms * 1e-3) / 1e12;
@@ -539,6 +544,8 @@ int main(int argc, char **argv) {
     MN(mn_cuda_init(&ctx_unfused, &d));
     d.no_fused_epilogues = 0, d.tf32 = 1;
     MN(mn_cuda_init(&ctx_tf32, &d));
+    d.tf32 = 0, d.gemm_tune = 1;
+    MN(mn_cuda_init(&ctx_tuned, &d));
     printf("bench_gpu on %s (sm %d, %d SMs, %.1f GiB), cuBLASLt workspace %llu MiB\n\n", ctx.name,
            ctx.sm, ctx.sm_count, ctx.total_bytes / 1073741824.0,
            (unsigned long long)(ctx.workspace_bytes >> 20));
@@ -601,7 +608,8 @@ int main(int argc, char **argv) {
                f_adafactor, NULL);
     }
     if (once) {
-        mn_cuda_free(&ctx_tf32), mn_cuda_free(&ctx_unfused), mn_cuda_free(&ctx);
+        mn_cuda_free(&ctx_tuned), mn_cuda_free(&ctx_tf32), mn_cuda_free(&ctx_unfused);
+        mn_cuda_free(&ctx);
         return 0;
     }
     if (wanted("GEMM")) gemms(), gemm_sweep(), gemm_fp32();
@@ -610,6 +618,7 @@ int main(int argc, char **argv) {
     if (wanted("address")) address_order(), address_mix(), address_fill();
     printf("\nGEMM epilogue counters: fused %llu, fallback %llu (fused context)\n",
            (unsigned long long)ctx.gemm_fused, (unsigned long long)ctx.gemm_unfused);
+    mn_cuda_free(&ctx_tuned);
     mn_cuda_free(&ctx_tf32);
     mn_cuda_free(&ctx_unfused);
     mn_cuda_free(&ctx);

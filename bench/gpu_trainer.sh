@@ -12,7 +12,8 @@
 #      replayed on the estimator's simulated device, which tells a prediction of other
 #      allocations from the device's addresses;
 #   4. GPT-2 small (12 layers, 768 wide, T 1024, V 50257) in bf16: tokens/s (the mean of the last
-#      10 of 20 steps) and the trainer's MFU line: tokens/s x (6 N + 6 L C T) over the dense bf16
+#      10 of 20 steps; again with --gemm-tune on, its ratio to the first and the same peaks)
+#      and the trainer's MFU line: tokens/s x (6 N + 6 L C T) over the dense bf16
 #      peak of the header's GPU table entry for the device (PaLM, Chowdhery et al. 2022, appendix
 #      B: 6N per token for the weights plus the attention's 6 L C T), and the device's memory:
 #      at most 8 MiB outside the context and the cache (the kernels' scratch is in the cache).
@@ -135,17 +136,34 @@ for c in "${configs[@]}"; do
     fi
 done
 
-say "== 4. GPT-2 small, bf16, B 8 x T 1024, 20 steps"
-if train gpt2 --device cuda --size gpt2 --seq 1024 --batch 8 --steps 20 --precision bf16; then
+say "== 4. GPT-2 small, bf16, B 8 x T 1024, 20 steps; again with --gemm-tune on"
+gpt2="--device cuda --size gpt2 --seq 1024 --batch 8 --steps 20 --precision bf16"
+mean10() {  # the mean tokens/s of the last 10 steps of a run's --json (its step lines only)
+    grep '"step": ' "$1" | grep -o '"tokens_per_second": [0-9.]*' | awk '{print $2}' |
+        tail -n 10 | awk '{ s += $1; n++ } END { if (n) printf "%.0f", s / n }'
+}
+# shellcheck disable=SC2086
+if train gpt2 $gpt2; then
     grep -E '^speed' "$out/gpt2.log"
-    grep -o '"tokens_per_second": [0-9.]*' "$out/gpt2.json" | awk '{print $2}' | tail -n 10 |
-        awk '{ s += $1; n++ } END { printf "mean of the last 10 steps: %.0f tokens/s (llm.c " \
-             "train_gpt2.cu with cuDNN: ~145000 on an H100)\n", s / n }'
+    echo "mean of the last 10 steps: $(mean10 "$out/gpt2.json") tokens/s (llm.c train_gpt2.cu" \
+         "with cuDNN: ~145000 on an H100)"
     grep -E '^peak allocated|^peak reserved|^device memory' "$out/gpt2.log"
     # the kernels' scratch (468 MiB here, attention's backward) is a block of the cache: what
     # cudaMemGetInfo shows beyond the context and the cache is the driver's few MiB
     awk '/^device memory/ { o = $(NF); if (o + 0 > 8) { print "outside the cache: " o \
         " MiB (want at most 8: a kernel asked for more scratch than the block in the cache)"
         exit 1 } }' "$out/gpt2.log" || status=1
+    # shellcheck disable=SC2086
+    if train gpt2_tuned $gpt2 --gemm-tune on; then
+        grep -E '^speed|^--gemm-tune' "$out/gpt2_tuned.log"
+        a=$(mean10 "$out/gpt2.json") b=$(mean10 "$out/gpt2_tuned.json")
+        echo "--gemm-tune on: mean of the last 10 steps $b tokens/s," \
+             "$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.3f", b / a }') of the run above"
+        # tuning takes no memory: the same peaks as the run above
+        for k in 'peak allocated' 'peak reserved'; do
+            [ "$(grep "^$k" "$out/gpt2.log")" = "$(grep "^$k" "$out/gpt2_tuned.log")" ] || {
+                say "--gemm-tune on changed the $k line"; status=1; }
+        done
+    fi
 fi
 exit $status

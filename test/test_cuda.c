@@ -352,7 +352,7 @@ static void test_softmax(void) {
 // probabilities, dp and ds are stored in the dtype between the kernels, so the 16-bit tolerance
 // is twice the kernels' (test_cudamath's host emulation of the same sequence stays within half
 // of it); fp32 keeps 1e-4 (TF32 off).
-static void test_attention(void) {
+static void test_attention_ctx(mn_cuda *c, const char *tag) {
     static const size_t shapes[][4] = {{1, 1, 8, 2}, {2, 7, 60, 4}, {1, 33, 48, 3},
                                        {1, 257, 120, 5}, {4, 64, 768, 12}};
     static const double tol_att[3] = {1e-4, 8e-3, 3.2e-2};
@@ -373,21 +373,21 @@ static void test_attention(void) {
                     void *dout = dev_poisoned(dt, no), *datt = keep ? dev_poisoned(dt, na) : NULL;
                     mn_attention_forward(out, att, qkv, B, T, C, NH, causal);
                     mn_attention_backward(dq, dy, qkv, keep ? att : NULL, B, T, C, NH, causal);
-                    OK(mn_cuda_attention_forward(&ctx, dout, datt, dqkv_in, B, T, C, NH, causal,
-                                                 dt));
-                    snprintf(what, sizeof what, "attention fwd %zux%zux%zux%zu%s%s", B, T, C, NH,
-                             causal ? " causal" : "", keep ? " att" : "");
+                    OK(mn_cuda_attention_forward(c, dout, datt, dqkv_in, B, T, C, NH, causal, dt));
+                    snprintf(what, sizeof what, "%sattention fwd %zux%zux%zux%zu%s%s", tag, B, T,
+                             C, NH, causal ? " causal" : "", keep ? " att" : "");
                     compare(what, dt, tol_att[d], dout, out, no);
                     if (keep) compare("attention att", dt, tol_att[d], datt, att, na);
-                    OK(mn_cuda_attention_backward(&ctx, ddq, ddy, dqkv_in, datt, B, T, C, NH,
-                                                  causal, dt));
-                    snprintf(what, sizeof what, "attention bwd %zux%zux%zux%zu%s%s", B, T, C, NH,
-                             causal ? " causal" : "", keep ? " att" : "");
+                    OK(mn_cuda_attention_backward(c, ddq, ddy, dqkv_in, datt, B, T, C, NH, causal,
+                                                  dt));
+                    snprintf(what, sizeof what, "%sattention bwd %zux%zux%zux%zu%s%s", tag, B, T,
+                             C, NH, causal ? " causal" : "", keep ? " att" : "");
                     compare(what, dt, tol_att[d], ddq, dq, nq);
                     release(dqkv_in), release(ddy), release(ddq), release(dout), release(datt);
                     free(qkv), free(dy), free(dq), free(out), free(att);
                 }
 }
+static void test_attention(void) { test_attention_ctx(&ctx, ""); }
 
 // The kernels' scratch from the caller (mn_cuda_scratch_set): attention forward and backward
 // (B 2, T 1024, C 256, 4 heads, bf16, att kept: 39 MiB of scratch) on a fresh context whose
@@ -1116,6 +1116,52 @@ static void test_matmul(void) {
     CHECK(ctx_unfused.gemm_fused == 0);
 }
 
+// mn_cuda_desc.gemm_tune: the GEMMs and the attention against the CPU on a context that times
+// cuBLASLt's candidates on the calls' own buffers. Only the beta-0 GEMMs may be tuned: a backward
+// one (dinp and dweight accumulate) would be added to several times over. Then a fresh shape's
+// first call (tuned) and its second (the kept choice) give the same bits, the second timing
+// nothing.
+static void test_matmul_tune(void) {
+    mn_cuda c;
+    mn_cuda_desc desc;
+    const size_t N = 96, C = 320, OC = 1216;  // a shape no other case here uses
+    float *x = hrand(MN_BF16, N * C, 1), *w = hrand(MN_BF16, OC * C, 0.05f);
+    float *b = hrand(MN_BF16, OC, 1), *o1, *o2, *p1, *p2;
+    void *dx, *dw, *db, *dout, *dpre;
+    uint64_t before;
+    memset(&desc, 0, sizeof desc);
+    desc.logger.log_fn = log_stderr;
+    desc.gemm_tune = 1, desc.stream = ctx.stream;
+    if (mn_cuda_init(&c, &desc) != MN_OK) {
+        FAIL("mn_cuda_init (gemm_tune)");
+        free(x), free(w), free(b);
+        return;
+    }
+    test_matmul_ctx(&c, "tuned", 0);
+    CHECK(c.gemm_tuned > 0);
+    test_attention_ctx(&c, "tuned ");
+    dx = dev(MN_BF16, x, N * C), dw = dev(MN_BF16, w, OC * C), db = dev(MN_BF16, b, OC);
+    dout = dev_poisoned(MN_BF16, N * OC), dpre = dev_poisoned(MN_BF16, N * OC);
+    before = c.gemm_tuned;
+    OK(mn_cuda_matmul_forward(&c, dout, dpre, dx, dw, db, N, C, OC, MN_BF16));
+    CHECK(c.gemm_tuned <= before + 1);  // one GEMM: its candidates timed once (if several)
+    o1 = down(MN_BF16, dout, N * OC), p1 = down(MN_BF16, dpre, N * OC);
+    OK(mn_cuda_mem_set(&ctx, dout, 0xFF, N * OC * 2));
+    OK(mn_cuda_mem_set(&ctx, dpre, 0xFF, N * OC * 2));
+    before = c.gemm_tuned;
+    OK(mn_cuda_matmul_forward(&c, dout, dpre, dx, dw, db, N, C, OC, MN_BF16));
+    CHECK(c.gemm_tuned == before);
+    o2 = down(MN_BF16, dout, N * OC), p2 = down(MN_BF16, dpre, N * OC);
+    CHECK(!memcmp(o1, o2, N * OC * sizeof *o1) && !memcmp(p1, p2, N * OC * sizeof *p1));
+    if (verbose)
+        printf("  tuned: %llu GEMM shapes timed their candidates\n",
+               (unsigned long long)c.gemm_tuned);
+    release(dx), release(dw), release(db), release(dout), release(dpre);
+    free(x), free(w), free(b), free(o1), free(o2), free(p1), free(p2);
+    OK(mn_cuda_sync(&c));
+    mn_cuda_free(&c);
+}
+
 // fp32 GEMMs with mn_cuda_desc.tf32 (TF32 tensor cores), fused and unfused epilogues.
 static void test_matmul_tf32(void) {
     mn_cuda c;
@@ -1281,6 +1327,7 @@ static const tcase cases[] = {
     {"adafactor", test_adafactor},
     {"matmul", test_matmul},
     {"matmul_tf32", test_matmul_tf32},
+    {"matmul_tune", test_matmul_tune},
     {"cache", test_cache},
     {"cache_streams", test_cache_streams},
     {"cache_oom", test_cache_oom},

@@ -331,7 +331,9 @@ static void test_gpu_prediction_exact(void) {
             cfg.optim = MN_OPTIM_ADAMW_8BIT, cfg.C = 64, cfg.NH = 4;
         }
         if (draw == 4) cfg.optim = MN_OPTIM_ADAFACTOR, cfg.precision = MN_PREC_BF16;
+        cfg.gemm_tune = draw & 1;  // --gemm-tune on reaches the context and takes no memory
         CHECK_OK(tr_model_init(&m, &cfg));
+        CHECK_EQ_INT(m.cuda.desc.gemm_tune, cfg.gemm_tune);
         for (s = 0; s < cfg.steps && !mnt_failed(); s++) CHECK_OK(tr_step(&m, &st));
         CHECK_OK(mn_cache_stats(&m.cache, &stats));
         CHECK_OK(tr_optim_bytes(&m, &held, &want));
@@ -368,12 +370,16 @@ static void test_gpu_prediction_exact(void) {
     CHECK_EQ_INT(mnt_live_allocs(), live);
 }
 
-// The GPU path's flags: --device takes cpu or cuda; what it does not have yet is refused with one
-// line; a machine whose cudaGetDeviceCount fails is refused by tr_check_device.
+// The GPU path's flags: --device takes cpu or cuda, --gemm-tune on or off and on only with cuda;
+// what it does not have yet is refused with one line; a machine whose cudaGetDeviceCount fails is
+// refused by tr_check_device.
 static void test_gpu_flags(void) {
     static const char *bad[][4] = {
         {"--device", "tpu", NULL, NULL},
         {"--device", "cuda", "--budget", "-1G"},
+        {"--gemm-tune", "on", NULL, NULL},
+        {"--device", "cpu", "--gemm-tune", "on"},
+        {"--device", "cuda", "--gemm-tune", "1"},
     };
     tr_config cfg;
     char err[256], *argv[6];
@@ -386,9 +392,16 @@ static void test_gpu_flags(void) {
         CHECK_ERR(tr_parse_args(argc, argv, &cfg, err, sizeof err), MN_ERR_INVALID_ARG);
         CHECK(err[0] != '\0' && strchr(err, '\n') == NULL);
     }
+    argv[1] = (char *)"--gemm-tune", argv[2] = (char *)"off";
+    CHECK_OK(tr_parse_args(3, argv, &cfg, err, sizeof err));
+    CHECK_EQ_INT(cfg.gemm_tune, 0);
+    argv[3] = (char *)"--device", argv[4] = (char *)"cuda", argv[2] = (char *)"on";
+    CHECK_OK(tr_parse_args(5, argv, &cfg, err, sizeof err));
+    CHECK_EQ_INT(cfg.gemm_tune, 1);
     argv[1] = (char *)"--device", argv[2] = (char *)"cuda";
     CHECK_OK(tr_parse_args(3, argv, &cfg, err, sizeof err));
     CHECK_EQ_INT(cfg.device, TR_DEVICE_CUDA);
+    CHECK_EQ_INT(cfg.gemm_tune, 0);
     tg_devices = 0;
     err[0] = '\0';
     CHECK_ERR(tr_check_device(&cfg, err, sizeof err), MN_ERR_INVALID_ARG);
