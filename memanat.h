@@ -1385,7 +1385,7 @@ typedef struct mn_cuda_desc {
     int tf32;                  // 1 = fp32 GEMMs on TF32 tensor cores, 0 = full fp32
     int no_fused_epilogues;    // 1 = GEMMs never use cuBLASLt epilogues (the unfused kernels run)
     int gemm_tune;             // 1 = the first GEMM of each shape that overwrites its output
-                               // (beta 0: forward GEMMs, attention's scores) times up to
+                               // (beta 0: the forward's and attention's GEMMs) times up to
                                // MN_CUDA_TUNE_CANDIDATES of cuBLASLt's candidates on the call's
                                // own buffers (no memory of its own; one stream sync a shape) and
                                // keeps the fastest; accumulating GEMMs keep the heuristic's first.
