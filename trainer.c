@@ -170,6 +170,17 @@ static mn_result tr_parse_count(const char *flag, const char *s, uint64_t lo, ui
     return MN_OK;
 }
 
+// A flag of two words: *field = 1 for `one`, 0 for `zero`.
+static mn_result tr_parse_pair(const char *flag, const char *s, const char *one, const char *zero,
+                               int *field, char *err, size_t cap) {
+    if (strcmp(s, one) == 0 || strcmp(s, zero) == 0) {
+        *field = strcmp(s, one) == 0;
+        return MN_OK;
+    }
+    snprintf(err, cap, "%s takes %s or %s, got \"%s\"", flag, one, zero, s);
+    return MN_ERR_INVALID_ARG;
+}
+
 // A byte count: a number with an optional K, M, G or T suffix (powers of 1024, "B" or "iB"
 // after it allowed), e.g. 512M, 1.5GiB.
 static mn_result tr_parse_bytes(const char *flag, const char *s, uint64_t *out, char *err,
@@ -293,12 +304,7 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                 }
                 break;
             case TR_F_HEAD:
-                if (strcmp(a, "tied") == 0) cfg->tied = 1;
-                else if (strcmp(a, "untied") == 0) cfg->tied = 0;
-                else {
-                    snprintf(err, cap, "--head takes tied or untied, got \"%s\"", a);
-                    return MN_ERR_INVALID_ARG;
-                }
+                TR_TRY(tr_parse_pair(f, a, "tied", "untied", &cfg->tied, err, cap));
                 break;
             case TR_F_STEPS:
                 TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap)); cfg->steps = (long)v;
@@ -361,12 +367,7 @@ static mn_result tr_parse_args(int argc, char **argv, tr_config *cfg, char *err,
                 }
                 break;
             case TR_F_GEMM_TUNE:
-                if (strcmp(a, "on") == 0) cfg->gemm_tune = 1;
-                else if (strcmp(a, "off") == 0) cfg->gemm_tune = 0;
-                else {
-                    snprintf(err, cap, "--gemm-tune takes on or off, got \"%s\"", a);
-                    return MN_ERR_INVALID_ARG;
-                }
+                TR_TRY(tr_parse_pair(f, a, "on", "off", &cfg->gemm_tune, err, cap));
                 break;
             case TR_F_STOP_AFTER:
                 TR_TRY(tr_parse_size(f, a, 1, 100000000, &v, err, cap));

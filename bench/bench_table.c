@@ -613,17 +613,17 @@ int main(int argc, char **argv) {
             memset(&sp, 0, sizeof sp);
             sp.momentum = 0.9f;
             if (mn_sgd_init(&k.sg, dims, 2, &sp, NULL) != MN_OK) return 1;
-    }
-    mem_row("sgd momentum", shape, &k, w_sgd, 20.0 * (double)n, (double)n);
-    if (mn_lion_init(&k.li, dims, 2, NULL, NULL) != MN_OK) return 1;
-    mem_row("lion", shape, &k, w_lion, 20.0 * (double)n, (double)n);
-    if (mn_adamw8bit_init(&k.a8, dims, 2, NULL, NULL) != MN_OK) return 1;
-    mem_row("adamw 8-bit", shape, &k, w_a8, 16.0 * (double)n, (double)n);
-    if (mn_adafactor_init(&k.af, dims, 2, NULL, NULL) != MN_OK) return 1;
-    mem_row("adafactor", shape, &k, w_af, 12.0 * (double)n, (double)n);
-    snprintf(shape, sizeof shape, "%zu", n);
-    mem_row("cast fp32->bf16", shape, &k, w_tobf16, 6.0 * (double)n, 0);
-    mem_row("cast bf16->fp32", shape, &k, w_frombf16, 6.0 * (double)n, 0);
+        }
+        mem_row("sgd momentum", shape, &k, w_sgd, 20.0 * (double)n, (double)n);
+        if (mn_lion_init(&k.li, dims, 2, NULL, NULL) != MN_OK) return 1;
+        mem_row("lion", shape, &k, w_lion, 20.0 * (double)n, (double)n);
+        if (mn_adamw8bit_init(&k.a8, dims, 2, NULL, NULL) != MN_OK) return 1;
+        mem_row("adamw 8-bit", shape, &k, w_a8, 16.0 * (double)n, (double)n);
+        if (mn_adafactor_init(&k.af, dims, 2, NULL, NULL) != MN_OK) return 1;
+        mem_row("adafactor", shape, &k, w_af, 12.0 * (double)n, (double)n);
+        snprintf(shape, sizeof shape, "%zu", n);
+        mem_row("cast fp32->bf16", shape, &k, w_tobf16, 6.0 * (double)n, 0);
+        mem_row("cast bf16->fp32", shape, &k, w_frombf16, 6.0 * (double)n, 0);
     }
 
     // threads: trainer-sized and training-sized ops, 2 threads against 1
