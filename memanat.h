@@ -1116,12 +1116,13 @@ MN_HD uint32_t mn_hd_q8_nearest(const float *map, float x) {
 // bucket's word is its first index shifted up by 17 plus 2^17 minus the low 16 bits of the
 // threshold's order key, so adding those bits of x carries exactly when x reaches it.
 #define MN_Q8_TAB 6400u  // 2 signs x 25 exponents (2^-24 .. 1) x 128
-// The bucket of the float with bits u: the magnitudes in order, the negative half backwards.
+// The bucket of the float with bits u: the magnitudes in order, the negative half backwards
+// (MN_Q8_TAB / 2 - 1 - j is MN_Q8_TAB / 2 + ~j: the sign's mask flips j, no branch).
 MN_HD uint32_t mn_hd_q8_bucket(uint32_t u) {
-    uint32_t q = (u & 0x7fffffffu) >> 16, j;    // exponent and 7 mantissa bits
-    j = q < (103u << 7) ? 0u : q - (103u << 7);  // from 2^-24 (biased exponent 103)
-    j = j > MN_Q8_TAB / 2 - 1 ? MN_Q8_TAB / 2 - 1 : j;
-    return (u >> 31) ? MN_Q8_TAB / 2 - 1 - j : MN_Q8_TAB / 2 + j;
+    uint32_t q = (u & 0x7fffffffu) >> 16;  // exponent and 7 mantissa bits
+    q = q < (103u << 7) ? 0u : q - (103u << 7);  // from 2^-24 (biased exponent 103)
+    q = q < MN_Q8_TAB / 2 - 1 ? q : MN_Q8_TAB / 2 - 1;
+    return MN_Q8_TAB / 2 + (q ^ (0u - (u >> 31)));
 }
 MN_HD uint32_t mn_hd_q8_nearest_tab(const uint32_t *tab, float x) {
     uint32_t u, c;
@@ -1132,6 +1133,21 @@ MN_HD uint32_t mn_hd_q8_nearest_tab(const uint32_t *tab, float x) {
 #endif
     c = (tab[mn_hd_q8_bucket(u)] + ((u ^ (0u - (u >> 31))) & 0xffffu)) >> 17;
     return c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u));  // NaN: 0, as the search
+}
+// The same for x not negative (v / absmax in the unsigned map; NaN too) from the table's upper
+// half alone, half = tab + MN_Q8_TAB / 2: the bucket is j, the low bits are x's own.
+MN_HD uint32_t mn_hd_q8_nearest_tab_pos(const uint32_t *half, float x) {
+    uint32_t u, q, c;
+#ifdef __CUDA_ARCH__
+    u = __float_as_uint(x);
+#else
+    memcpy(&u, &x, sizeof u);
+#endif
+    q = (u & 0x7fffffffu) >> 16;
+    q = q < (103u << 7) ? 0u : q - (103u << 7);
+    q = q < MN_Q8_TAB / 2 - 1 ? q : MN_Q8_TAB / 2 - 1;
+    c = (half[q] + (u & 0xffffu)) >> 17;
+    return c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u));
 }
 // The code of m in the signed map at scale inv = 1 / absmax (0 when absmax is 0).
 MN_HD uint32_t mn_hd_q8_code_signed(const float *map, float m, float inv) {
@@ -1591,9 +1607,10 @@ MNDEF mn_result mn_cuda_adamw_step(mn_cuda *ctx, const struct mn_adamw_params *p
 // codes code1, code2 [n] into the signed and unsigned dynamic maps; else fp32 exp_avg and
 // exp_avg_sq [n]). Per quantization block: dequantize, the moments, the block's new scales
 // (max |m|, max v), the parameter update from the fp32 moments, re-quantize; a warp a block for
-// the default block size 256 (16-byte aligned param, grad and param16, 8-byte aligned codes),
-// else a thread block a block. The two maps (mn_dynamic_map) are uploaded once per context. An
-// element with a non-finite gradient is left unchanged, as on the host.
+// the default block size 256 (16-byte aligned param, grad and param16, 8-byte aligned codes; its
+// update's square root and divide are the hardware's approximations, within 2 ulp), else a
+// thread block a block. The two maps (mn_dynamic_map) are uploaded once per context. An element
+// with a non-finite gradient is left unchanged, as on the host.
 typedef struct mn_cuda_adamw8bit_args {
     mn_cuda_optim_flat flat;
     uint8_t *code1, *code2;    // [n] quantized m and v, or NULL for a small tensor

@@ -1220,8 +1220,9 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 // the exponentials and computes each again for its product (passes over registers, not the online
 // rescaling: the same probabilities up to fp32 rounding). The one-row kernels take rows without
 // a mask; causal rows go to the pair kernels below (the same layout, two rows a warp, a pack
-// wholly past the visible columns neither read nor, backward, written). Else the streaming
-// kernels: the visible row is read twice, the second time from L1/L2.
+// wholly past the visible columns neither read nor, backward, written), except the backward's
+// long 16-bit rows (mn__softmax_backward says why). Else the streaming kernels: the visible row
+// is read twice, the second time from L1/L2.
 #define MN__SM_NP_MAX 8  // packs a lane: rows of up to 2048 fp16/bf16 or 1024 fp32 columns
 
 template <typename T, int NP>
@@ -1567,11 +1568,16 @@ static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout
     T *dx = (T *)dinp;
     const T *dy = (const T *)dout, *y = (const T *)out;
     unsigned pgrid = mn__blocks(mn_hd_softmax_pairs(N, L), MN__SM_PAIR_WARPS);
+    // causal rows in 16-bit storage from 1024 columns on: the streaming kernel, whose registers
+    // let an SM hold four times the warps (an H200, bf16: 0.116 against the pairs' 0.140 ms at
+    // 96 x 1024 x 1024, 0.139 against 0.185 at 24 x 2048 x 2048; the pairs were faster at 128
+    // and 256 columns and in fp32, by 2 to 18 %)
+    int stream = causal && sizeof(T) == 2 && L >= 1024;
 #define MN__SM_BWD(NP) \
     if (causal) mn__softmax_backward_pair_kernel<T, NP><<<pgrid, 32 * MN__SM_PAIR_WARPS, 0, s>>>( \
         dx, dy, y, N, L, scale); \
     else mn__softmax_backward_reg_kernel<T, NP><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale)
-    switch (vec ? mn__softmax_np(L, 16 / sizeof(T)) : 0) {
+    switch (vec && !stream ? mn__softmax_np(L, 16 / sizeof(T)) : 0) {
     case 1: MN__SM_BWD(1); break;
     case 2: MN__SM_BWD(2); break;
     case 4: MN__SM_BWD(4); break;
@@ -2310,13 +2316,17 @@ mn__adamw8bit_kernel(float *param, P *param16, const G *grad, uint8_t *code1, ui
 }
 
 // The default block size, 256, a warp a block: each lane holds 8 consecutive elements in
-// registers (16-byte loads and stores where the tensors are aligned, single elements in a partial
-// last block), the block's maxima by warp shuffles alone, no shared buffers and no barrier but
-// the one after the maps are loaded, once per thread block: a grid of resident blocks walks the
-// quantization blocks. The arithmetic per element is the kernel's above, in the same order. TAB:
-// the new codes from the maps' threshold tables (mn_hd_q8_nearest_tab, one shared-memory read a
-// code) instead of the binary search (eight dependent reads), the same codes; 50 KiB of shared
-// memory a block for the two tables.
+// registers (16-byte loads and stores), the block's maxima by warp shuffles alone, no shared
+// buffers and no barrier but the one after the maps are loaded, once per thread block: a grid of
+// resident blocks walks the whole quantization blocks (a partial last block goes to the kernel
+// above). The arithmetic per element is the kernel's above, in the same order, but for the
+// update's square root and divide: the hardware's approximations (sqrt.approx, div.approx: within
+// 2 ulp where the host rounds once; an H200 measured 5 % of the kernel's time in the exact ones,
+// and on 2^20 elements a largest relative difference from the host's parameters of 1.8e-7
+// against 1.5e-7). TAB: the new codes from the maps' threshold tables (mn_hd_q8_nearest_tab, one
+// shared-memory read a code) instead of the binary search (eight dependent reads), the same
+// codes; the unsigned map's codes from its table's upper half (mn_hd_q8_nearest_tab_pos, v is
+// never negative): 38 KiB of tables a block, five blocks of 8 warps an H100 or H200 SM.
 #define MN__Q8_LANE 8  // elements per lane: 32 x 8 = 256, one quantization block
 template <typename T>
 __device__ __forceinline__ void mn__ld8(const T *p, float *x) {
@@ -2356,49 +2366,51 @@ __device__ __forceinline__ void mn__st8(T *p, const float *x) {
     }
 }
 
+// mn_hd_adamw8bit_param with sqrt.approx and div.approx (v = +0 gives 0, v = inf a zero step).
+__device__ __forceinline__ void mn__adamw8bit_param_fast(float *p, float m, float v,
+                                                        const mn_hd_adamw8bit_coef *k) {
+    float r;
+    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    *p = *p + k->step_size * __fdividef(m, r + k->eps_c);
+    if (k->decay_on) *p = *p * k->decay;
+}
+
+#define MN__Q8W_WORDS(TAB) (512u + ((TAB) ? MN_Q8_TAB + MN_Q8_TAB / 2 : 0u))  // shared words
 template <typename G, typename P, int TAB>
 static __global__ void __launch_bounds__(MN__Q8_THREADS)
 mn__adamw8bit_warp_kernel(float *param, P *param16, const G *grad, uint8_t *code1,
                           uint8_t *code2, float *absmax1, float *absmax2, const float *maps,
-                          size_t n, mn_hd_adamw8bit_coef k, const float *grad_norm,
+                          size_t nblocks, mn_hd_adamw8bit_coef k, const float *grad_norm,
                           float inv_scale, float max_norm) {
-    extern __shared__ float mn__q8w_smem[];  // the maps [512], then TAB: the tables [2][6400]
+    // the maps [512]; TAB: the signed map's table [MN_Q8_TAB], the upper half of the unsigned's
+    extern __shared__ float mn__q8w_smem[];
     float *map1 = mn__q8w_smem, *map2 = map1 + 256;
-    uint32_t *tab1 = reinterpret_cast<uint32_t *>(map1 + 512), *tab2 = tab1 + MN_Q8_TAB;
+    uint32_t *tab1 = reinterpret_cast<uint32_t *>(map1 + 512), *half2 = tab1 + MN_Q8_TAB;
+    const uint32_t *src = reinterpret_cast<const uint32_t *>(maps);
     const unsigned W = MN__Q8_THREADS / 32;
-    size_t nblocks = (n + 255) / 256, b;
+    size_t b;
     unsigned j, lane = threadIdx.x % 32;
     float clip, scale;
     if (mn__step_clip(grad_norm, inv_scale, max_norm, &clip)) return;  // found inf: skipped
     scale = inv_scale * clip;
-    for (j = threadIdx.x; j < 512 + (TAB ? 2 * MN_Q8_TAB : 0); j += blockDim.x)
-        reinterpret_cast<uint32_t *>(mn__q8w_smem)[j] = reinterpret_cast<const uint32_t *>(maps)[j];
+    for (j = threadIdx.x; j < MN__Q8W_WORDS(TAB); j += blockDim.x)  // maps[] skips tab2's lower half
+        reinterpret_cast<uint32_t *>(mn__q8w_smem)[j] =
+            src[j < 512 + MN_Q8_TAB ? j : j + MN_Q8_TAB / 2];
     __syncthreads();
     for (b = (size_t)blockIdx.x * W + threadIdx.x / 32; b < nblocks; b += (size_t)gridDim.x * W) {
         size_t i0 = b * 256 + lane * MN__Q8_LANE;
-        unsigned len = n - b * 256 < 256 ? (unsigned)(n - b * 256) : 256u, e;
-        unsigned have = len > lane * MN__Q8_LANE ? len - lane * MN__Q8_LANE : 0u;
+        unsigned e;
         float g[MN__Q8_LANE], p[MN__Q8_LANE], m[MN__Q8_LANE], v[MN__Q8_LANE];
         float a1 = absmax1[b], a2 = absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
         uint8_t c1[MN__Q8_LANE], c2[MN__Q8_LANE];
-        if (have >= MN__Q8_LANE) {
-            mn__ld8<G>(grad + i0, g);
-            mn__ld8<float>(param + i0, p);
-            mn__ld8_codes(code1 + i0, c1), mn__ld8_codes(code2 + i0, c2);
-        } else {
-#pragma unroll
-            for (e = 0; e < MN__Q8_LANE; e++) {
-                int in = e < have;
-                g[e] = in ? mn__ld<G>(grad + i0 + e) : 0.0f;
-                p[e] = in ? param[i0 + e] : 0.0f;
-                c1[e] = in ? code1[i0 + e] : (uint8_t)0, c2[e] = in ? code2[i0 + e] : (uint8_t)0;
-            }
-        }
+        mn__ld8<G>(grad + i0, g);
+        mn__ld8<float>(param + i0, p);
+        mn__ld8_codes(code1 + i0, c1), mn__ld8_codes(code2 + i0, c2);
 #pragma unroll
         for (e = 0; e < MN__Q8_LANE; e++) {
             g[e] *= scale;
             mn_hd_adamw8bit_moments(&m[e], &v[e], g[e], map1[c1[e]] * a1, map2[c2[e]] * a2, &k);
-            if (e < have) n1 = fmaxf(n1, fabsf(m[e])), n2 = fmaxf(n2, v[e]);
+            n1 = fmaxf(n1, fabsf(m[e])), n2 = fmaxf(n2, v[e]);
         }
         n1 = mn__warp_max(n1), n2 = mn__warp_max(n2);
         if (lane == 0) absmax1[b] = n1, absmax2[b] = n2;
@@ -2406,29 +2418,19 @@ mn__adamw8bit_warp_kernel(float *param, P *param16, const G *grad, uint8_t *code
         inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
 #pragma unroll
         for (e = 0; e < MN__Q8_LANE; e++) {
-            if (mn_hd_isfinite(g[e])) mn_hd_adamw8bit_param(&p[e], m[e], v[e], &k);
-            if (TAB) {  // mn_hd_q8_code_signed with the table's index
+            if (mn_hd_isfinite(g[e])) mn__adamw8bit_param_fast(&p[e], m[e], v[e], &k);
+            if (TAB) {  // mn_hd_q8_code_signed with the table's index, without a branch
                 uint32_t c = mn_hd_q8_nearest_tab(tab1, m[e] * inv1);
-                c1[e] = (uint8_t)(c - (uint32_t)(m[e] < 0.0f && map1[c] >= 0.0f));
-                c2[e] = (uint8_t)mn_hd_q8_nearest_tab(tab2, v[e] * inv2);
+                c1[e] = (uint8_t)(c - (uint32_t)((m[e] < 0.0f) & (map1[c] >= 0.0f)));
+                c2[e] = (uint8_t)mn_hd_q8_nearest_tab_pos(half2, v[e] * inv2);
             } else {
                 c1[e] = (uint8_t)mn_hd_q8_code_signed(map1, m[e], inv1);
                 c2[e] = (uint8_t)mn_hd_q8_nearest(map2, v[e] * inv2);
             }
         }
-        if (have >= MN__Q8_LANE) {
-            mn__st8<float>(param + i0, p);
-            if (param16) mn__st8<P>(param16 + i0, p);
-            mn__st8_codes(code1 + i0, c1), mn__st8_codes(code2 + i0, c2);
-        } else {
-#pragma unroll
-            for (e = 0; e < MN__Q8_LANE; e++) {
-                if (e >= have) continue;
-                param[i0 + e] = p[e];
-                if (param16) param16[i0 + e] = mn__cvt<P>(p[e]);
-                code1[i0 + e] = c1[e], code2[i0 + e] = c2[e];
-            }
-        }
+        mn__st8<float>(param + i0, p);
+        if (param16) mn__st8<P>(param16 + i0, p);
+        mn__st8_codes(code1 + i0, c1), mn__st8_codes(code2 + i0, c2);
     }
 }
 
@@ -2442,27 +2444,38 @@ static mn_result mn__adamw8bit(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a, un
     if (block_size == 256 && mn__is16(f->param) && mn__is16(f->grad) &&
         (!f->param16 || mn__is16(f->param16)) && ((uintptr_t)a->code1 & 7u) == 0 &&
         ((uintptr_t)a->code2 & 7u) == 0) {
-        // resident blocks only, each walking its share of the quantization blocks
-        size_t want = (nblocks + MN__Q8_THREADS / 32 - 1) / (MN__Q8_THREADS / 32), cap;
+        // resident blocks only, each walking its share of the whole quantization blocks; a
+        // partial last block on one thread block of the kernel below
+        size_t full = (size_t)f->n / 256, rem = (size_t)f->n - full * 256, o = full * 256;
+        size_t want = (full + MN__Q8_THREADS / 32 - 1) / (MN__Q8_THREADS / 32), cap;
         int per_sm = 0, tab = ctx->p->q8_tab;
-        size_t wsm = (512 + (tab ? 2 * (size_t)MN_Q8_TAB : 0)) * 4;
+        size_t wsm = (size_t)MN__Q8W_WORDS(tab) * 4;
         void (*kern)(float *, P *, const G *, uint8_t *, uint8_t *, float *, float *,
                      const float *, size_t, mn_hd_adamw8bit_coef, const float *, float, float) =
             tab ? mn__adamw8bit_warp_kernel<G, P, 1> : mn__adamw8bit_warp_kernel<G, P, 0>;
-        if (wsm > 48 * 1024) {  // (and as much shared memory as the SM can give, for 4 blocks)
+        if (full > 0) {
             MN__CU(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)wsm));
             MN__CU(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                              (int)cudaSharedmemCarveoutMaxShared));
+            MN__CU(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern,
+                                                                      MN__Q8_THREADS, wsm));
+            cap = (size_t)(ctx->sm_count > 0 ? ctx->sm_count : 1) *
+                  (size_t)(per_sm > 0 ? per_sm : 1);
+            kern<<<(unsigned)(want < cap ? want : cap), MN__Q8_THREADS, wsm, mn__stream(ctx)>>>(
+                f->param, (P *)f->param16, (const G *)f->grad, a->code1, a->code2, a->absmax1,
+                a->absmax2, ctx->p->q8_maps, full, k, f->grad_norm,
+                f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
+            MN__LAUNCHED(ctx);
         }
-        MN__CU(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, MN__Q8_THREADS,
-                                                                  wsm));
-        cap = (size_t)(ctx->sm_count > 0 ? ctx->sm_count : 1) * (size_t)(per_sm > 0 ? per_sm : 1);
-        kern<<<(unsigned)(want < cap ? want : cap), MN__Q8_THREADS, wsm, mn__stream(ctx)>>>(
-            f->param, (P *)f->param16, (const G *)f->grad, a->code1, a->code2, a->absmax1,
-            a->absmax2, ctx->p->q8_maps, (size_t)f->n, k, f->grad_norm,
-            f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
-        MN__LAUNCHED(ctx);
+        if (rem > 0) {
+            mn__adamw8bit_kernel<G, P><<<1, MN__Q8_THREADS, smem, mn__stream(ctx)>>>(
+                f->param + o, f->param16 ? (P *)f->param16 + o : NULL, (const G *)f->grad + o,
+                a->code1 + o, a->code2 + o, a->absmax1 + full, a->absmax2 + full,
+                ctx->p->q8_maps, rem, 256, k, f->grad_norm,
+                f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
+            MN__LAUNCHED(ctx);
+        }
         return MN_OK;
     }
     if (smem > 48 * 1024)

@@ -12,8 +12,9 @@
 // parameters. Build: make gpu-bench (nvcc),
 // run: build/bench_gpu (bench/gpu.sh does both); build/bench_gpu WORD... runs the rows and sections
 // (GEMM, attention, allocator, address) whose names hold a WORD; `once` first: each memory-bound
-// kernel launched once, untimed (for ncu). Times: median of 20 runs after 3 warm-ups, each run 10
-// launches in a row (time_ms).
+// kernel launched once, untimed (for ncu); `--batch B` (before the words): B sequences of 1024
+// instead of 8 (64 is llm.c's batch for this model on one GPU). Times: median of 20 runs after 3
+// warm-ups, each run 10 launches in a row (time_ms).
 #define MEMANAT_CUDA
 #include "../memanat.h"
 
@@ -33,23 +34,23 @@ static double copy_gbs;
 #define MN(call) do { mn_result r_ = (call); if (r_ != MN_OK) \
     DIE("%s: %s", #call, mn_result_str(r_)); } while (0)
 
-// n bf16 values uniform in [lo, hi) (a fixed LCG; truncated to bf16) copied to dst.
-static void fill_bf16(void *dst, size_t n, float lo, float hi) {
-    uint16_t *h = (uint16_t *)malloc(n * 2);
+// n values uniform in [lo, hi) (a fixed LCG), fp32 or truncated to bf16, copied to dst.
+static void fill_vals(void *dst, size_t n, float lo, float hi, int bf16) {
+    uint32_t *h = (uint32_t *)malloc(n * 4);
     uint64_t s = 0x9e3779b97f4a7c15ull;
     size_t i;
     if (!h) DIE("out of host memory for %zu values", n);
     for (i = 0; i < n; i++) {
         float f;
-        uint32_t u;
         s = s * 6364136223846793005ull + 1442695040888963407ull;
         f = lo + (hi - lo) * (float)(s >> 40) / 16777216.0f;
-        memcpy(&u, &f, 4);
-        h[i] = (uint16_t)(u >> 16);
+        memcpy(&h[i], &f, 4);
+        if (bf16) ((uint16_t *)h)[i] = (uint16_t)(h[i] >> 16);  // (half word i: in word i / 2)
     }
-    CU(cudaMemcpy(dst, h, n * 2, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(dst, h, n * (bf16 ? 2 : 4), cudaMemcpyHostToDevice));
     free(h);
 }
+static void fill_bf16(void *dst, size_t n, float lo, float hi) { fill_vals(dst, n, lo, hi, 1); }
 
 static void *dalloc(size_t bytes) {
     void *p = NULL;
@@ -114,8 +115,16 @@ static int wanted(const char *name) {
         if (strstr(name, only[i])) return 1;
     return nonly == 0;
 }
+// The last column: the kernel's cold time against a cudaMemcpy of the same bytes (half read,
+// half written) timed the same way, cold after the memset flush: what a kernel of that size can
+// expect when launch, ramp-up and the flush's write-back weigh as much as the transfer. Past the
+// copy buffers' size (200 MB a side) the copy's rate is flat: the copy of the buffers' size,
+// scaled to the bytes.
+static void *big_a, *big_b;
+static size_t copy_bytes, copy_n;
+static void f_copy_n(void *) { CU(cudaMemcpyAsync(big_b, big_a, copy_n, cudaMemcpyDeviceToDevice, (cudaStream_t)ctx.stream)); }
 static void row_bw(const char *name, double bytes, bench_fn fn, void *arg) {
-    float ms, ms1, ms2;
+    float ms, ms1, ms2, msc;
     if (!wanted(name)) return;
     if (once) {
         fn(arg);
@@ -123,17 +132,20 @@ static void row_bw(const char *name, double bytes, bench_fn fn, void *arg) {
         return;
     }
     ms = time_runs(fn, arg, 1, 1), ms2 = time_runs(fn, arg, 1, 2), ms1 = time_ms(fn, arg);
+    copy_n = bytes / 2 < (double)copy_bytes ? (size_t)(bytes / 2) / 256 * 256 : copy_bytes;
+    msc = time_runs(f_copy_n, NULL, 1, 1) * (float)(bytes / 2 / (double)copy_n);
     double gbs = bytes / (ms * 1e-3) / 1e9, gbs1 = bytes / (ms1 * 1e-3) / 1e9;
     double gbs2 = bytes / (ms2 * 1e-3) / 1e9;
-    printf("| %-56s | %8.4f ms | %7.1f GB/s | %5.1f %% | %5.1f %% | %5.1f %% |\n", name, ms, gbs,
-           100.0 * gbs / copy_gbs, 100.0 * gbs2 / copy_gbs, 100.0 * gbs1 / copy_gbs);
+    printf("| %-56s | %8.4f ms | %7.1f GB/s | %5.1f %% | %5.1f %% | %5.1f %% | %5.1f %% |\n", name,
+           ms, gbs, 100.0 * gbs / copy_gbs, 100.0 * gbs2 / copy_gbs, 100.0 * gbs1 / copy_gbs,
+           100.0 * msc / ms);
 }
 
 // ---- the benchmarks ------------------------------------------------------------------------------
-enum { BT = 8192, C = 768, C4 = 3072, V = 50257, NH = 12, T = 1024 };
-static void *x, *y, *w, *bias, *mean, *rstd, *big_a, *big_b, *logits, *targets, *losses;
+enum { C = 768, C4 = 3072, V = 50257, NH = 12, T = 1024 };
+static int BT = 8 * T;  // --batch B: B T rows
+static void *x, *y, *w, *bias, *mean, *rstd, *logits, *targets, *losses;
 static void *pre, *dres;
-static size_t copy_bytes;
 static size_t adam_n = 124000000ull;
 static void *ap, *ag, *am, *av, *a16, *anorm;
 
@@ -270,7 +282,7 @@ static void f_gemm_fp32(void *p) {
 static void gemm_fp32(void) {
     double fl = 2.0 * BT * C * C4;
     float full, tf;
-    MN(mn_cuda_mem_set(&ctx, big_a, 0x3c, ((size_t)BT * C + (size_t)C4 * C) * 4));  // 0.0115
+    fill_vals(big_a, (size_t)BT * C + (size_t)C4 * C, -1.0f, 1.0f, 0);
     full = time_ms(f_gemm_fp32, &ctx), tf = time_ms(f_gemm_fp32, &ctx_tf32);
     printf("\n| GEMM %dx%dx%d fp32 inputs                      |      time |     TFLOP/s | vs full fp32 |\n",
            BT, C, C4);
@@ -312,7 +324,7 @@ static void attention(void) {
     size_t i;
     qkv = dalloc((size_t)BT * 3 * C * 2), qkv_d = dalloc((size_t)BT * 3 * C * 2);
     att_o = dalloc((size_t)BT * C * 2), att_p = dalloc((size_t)(BT / T) * NH * T * T * 2);
-    MN(mn_cuda_mem_set(&ctx, qkv, 0x3c, (size_t)BT * 3 * C * 2));
+    fill_bf16(qkv, (size_t)BT * 3 * C, -1.0f, 1.0f);
     printf("\n| attention B=%d T=%d C=%d NH=%d causal bf16        |      time | TFLOP/s (full T x T) |\n",
            BT / T, T, C, NH);
     printf("|---|---|---|\n");
@@ -532,9 +544,18 @@ int main(int argc, char **argv) {
     int count;
     mn_cuda_desc d;
     size_t eb = 2;  // bf16
-    once = argc > 1 && strcmp(argv[1], "once") == 0;
-    only = argv + 1 + once, nonly = argc - 1 - once;
-    if (nonly > 0 && argv[1 + once][0] == '-') DIE("usage: bench_gpu [once] [WORD...]");
+    char nm[128];
+    int a = 1;
+    once = argc > a && strcmp(argv[a], "once") == 0;
+    a += once;
+    if (argc > a + 1 && strcmp(argv[a], "--batch") == 0) {
+        char *end;
+        long b = strtol(argv[a + 1], &end, 10);
+        if (*end || b < 1 || b > 256) DIE("--batch takes 1 to 256 sequences of %d, not %s", T, argv[a + 1]);
+        BT = (int)b * T, a += 2;
+    }
+    only = argv + a, nonly = argc - a;
+    if (nonly > 0 && argv[a][0] == '-') DIE("usage: bench_gpu [once] [--batch B] [WORD...]");
     if (mn_cuda_device_count(&count, reason, sizeof reason) != MN_OK)
         DIE("no CUDA device (%s)", reason);
     memset(&d, 0, sizeof d);
@@ -558,8 +579,12 @@ int main(int argc, char **argv) {
     logits = dalloc((size_t)BT * V * eb), targets = dalloc(BT * 4), losses = dalloc(BT * 4);
     ap = dalloc(adam_n * 4), ag = dalloc(adam_n * 2), am = dalloc(adam_n * 4), av = dalloc(adam_n * 4);
     a16 = dalloc(adam_n * 2), anorm = dalloc(4);
-    MN(mn_cuda_mem_set(&ctx, w, 0x3c, (size_t)C4 * C * eb));  // small nonzero bf16 values
-    MN(mn_cuda_mem_set(&ctx, x, 0x3c, (size_t)BT * C * eb));
+    // the optimizers step on random weights and gradients, their state from the warm-up steps on:
+    // on zeros every v is 0, and the exact square root of 0 takes its slow path (8-bit AdamW
+    // measured 0.87 ms on zeros, 0.75 on this)
+    fill_vals(ap, adam_n, -0.1f, 0.1f, 0), fill_bf16(ag, adam_n, -1e-2f, 1e-2f);
+    // random inputs: a GEMM on constant or zero data runs faster than on real values
+    fill_bf16(w, (size_t)C4 * C, -0.05f, 0.05f), fill_bf16(x, (size_t)BT * C, -1.0f, 1.0f);
     // GELU's and the softmax's inputs vary (tanhf's time depends on its argument)
     fill_bf16(big_a, copy_bytes / 2, -4.0f, 4.0f), fill_bf16(pre, copy_bytes / 2, -1.0f, 1.0f);
     MN(mn_cuda_sync(&ctx));
@@ -571,26 +596,31 @@ int main(int argc, char **argv) {
         flush_buf = dalloc(flush_bytes), flush_norm = dalloc(4);
     }
     copy_gbs = 2.0 * copy_bytes / (time_ms(f_copy, NULL) * 1e-3) / 1e9;
-    printf("| kernel (bf16 storage, GPT-2 small sizes)                 | time, cold  | bandwidth    | of copy | clean L2 | %d in a row |\n",
-           REPS);
-    printf("|---|---|---|---|---|---|\n");
-    printf("| cudaMemcpy device-to-device, %4zu MB                     |             | %7.1f GB/s | 100.0 %% |          |       |\n",
+    printf("| kernel (bf16 storage, GPT-2 small sizes, B %4d)         | time, cold  | bandwidth    | of copy | clean L2 | %d in a row | same-size copy |\n",
+           BT / T, REPS);
+    printf("|---|---|---|---|---|---|---|\n");
+    printf("| cudaMemcpy device-to-device, %4zu MB                     |             | %7.1f GB/s | 100.0 %% |          |       |       |\n",
            copy_bytes >> 20, copy_gbs);
     {
         double nc = (double)BT * C * eb;
-        row_bw("layernorm forward 8192x768", 2 * nc + BT * 8.0, f_ln_fwd, NULL);
-        row_bw("residual + layernorm forward 8192x768", 4 * nc + BT * 8.0, f_resln_fwd, NULL);
-        row_bw("layernorm backward 8192x768 (dx, dw, db)", 4 * nc + BT * 8.0, f_ln_bwd, NULL);
-        row_bw("GELU forward 8192x3072", 2.0 * BT * C4 * eb, f_gelu_fwd, NULL);
-        row_bw("GELU backward 8192x3072", 4.0 * BT * C4 * eb, f_gelu_bwd, NULL);
+#define ROW(fmt, ...) (snprintf(nm, sizeof nm, fmt, __VA_ARGS__), nm)
+        row_bw(ROW("layernorm forward %dx%d", BT, C), 2 * nc + BT * 8.0, f_ln_fwd, NULL);
+        row_bw(ROW("residual + layernorm forward %dx%d", BT, C), 4 * nc + BT * 8.0, f_resln_fwd,
+               NULL);
+        row_bw(ROW("layernorm backward %dx%d (dx, dw, db)", BT, C), 4 * nc + BT * 8.0, f_ln_bwd,
+               NULL);
+        row_bw(ROW("GELU forward %dx%d", BT, C4), 2.0 * BT * C4 * eb, f_gelu_fwd, NULL);
+        row_bw(ROW("GELU backward %dx%d", BT, C4), 4.0 * BT * C4 * eb, f_gelu_bwd, NULL);
         // causal: a row reads its visible columns (T (T + 1) / 2 per head in all) and the forward
         // writes every column (masked ones 0); the backward reads out, dout, dinp and writes dinp
         // over the visible columns only
         double vis = (double)(BT / T) * NH * T * (T + 1) / 2.0;
-        row_bw("softmax forward causal 8x12x1024x1024", (vis + (double)BT * NH * T) * eb,
-               f_sm_fwd, NULL);
-        row_bw("softmax backward causal 8x12x1024x1024", 4.0 * vis * eb, f_sm_bwd, NULL);
-        row_bw("cross-entropy fused 8192x50257 (in place)", 2.0 * BT * V * eb, f_ce, NULL);
+        row_bw(ROW("softmax forward causal %dx%dx%dx%d", BT / T, NH, T, T),
+               (vis + (double)BT * NH * T) * eb, f_sm_fwd, NULL);
+        row_bw(ROW("softmax backward causal %dx%dx%dx%d", BT / T, NH, T, T), 4.0 * vis * eb,
+               f_sm_bwd, NULL);
+        row_bw(ROW("cross-entropy fused %dx%d (in place)", BT, V), 2.0 * BT * V * eb, f_ce, NULL);
+#undef ROW
         row_bw("global norm 124M bf16", adam_n * 2.0, f_norm, NULL);
         row_bw("AdamW 124M (fp32 master, m, v; bf16 g, copy)", adam_n * (4 * 2 + 2 + 4 * 4 + 2.0),
                f_adamw, NULL);

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # bench/gpu.sh - everything the CUDA backend needs a GPU for, in one call: build, the GPU tests,
-# the benchmark table (build/bench_gpu), the GPU trainer (bench/gpu_trainer.sh: its fp32 curve
-# against the CPU's, fp16 and bf16, a resumed run, the predicted-vs-measured grid, GPT-2 small's
-# tokens/s and MFU), then the GPU tests under compute-sanitizer (memcheck, and racecheck on the
-# kernels with shared memory), the slowest part, last. GPU_LOGS=DIR also copies every log there.
+# the benchmark table (build/bench_gpu, then its row kernels again at batch 64), the GPU trainer
+# (bench/gpu_trainer.sh: its fp32 curve against the CPU's, fp16 and bf16, a resumed run, the
+# predicted-vs-measured grid, GPT-2 small's tokens/s and MFU), then the GPU tests under
+# compute-sanitizer (memcheck, and racecheck on the kernels with shared memory), the slowest part,
+# last. GPU_LOGS=DIR also copies every log there.
 # Needs only the CUDA toolkit (nvcc, cuBLASLt, compute-sanitizer), a C compiler and make.
 # Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit). The test cases
 # and the sanitizers' runs go GPU_JOBS processes at a time (default 4). With GPU_JOBS=8 and
@@ -88,6 +89,9 @@ build/gpu_tests.log) failed (build/gpu_tests.log)"
 cp build/gpu_tests.log build/gpu_tests_errors.log  # max abs/rel errors per kernel and dtype
 say "== benchmark"
 limit 180 ./build/bench_gpu || { say "benchmark FAILED"; status=1; }
+say "== the row kernels at llm.c's batch for this model (B 64: 65536 rows)"
+limit 120 ./build/bench_gpu --batch 64 layernorm GELU softmax cross ||
+    { say "benchmark (B 64) FAILED"; status=1; }
 say "== trainer --device cuda"
 limit 300 bash bench/gpu_trainer.sh || { say "GPU trainer checks FAILED (build/gpu_trainer/)";
                                          status=1; }

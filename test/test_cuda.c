@@ -772,7 +772,7 @@ static void compare_codes(const char *what, const void *d, const uint8_t *want, 
 // 1 + n / 1000 of them one entry off, where the device's fused multiply-adds round m or v apart
 // from the host's; the count is printed with MN_TEST_VERBOSE). The
 // last size has more 256-element blocks (11719) than any device holds warps of the warp kernel at
-// once, so each warp walks several blocks, loading the next while it works on one.
+// once, so each warp walks several blocks.
 static void test_adamw8bit(void) {
     static const uint64_t sizes[] = {1003, 5000, 1 << 20, 3000017};
     static const uint32_t blocks[] = {256, 256, 2048, 256};

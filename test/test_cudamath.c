@@ -806,7 +806,8 @@ static void test_q8_codes(void) {
 
 // The table lookup (mn_q8_table, mn_hd_q8_nearest_tab) against the search, for both dynamic maps:
 // every entry, the floats next to each entry and to each midpoint, zeros, infinities, NaN,
-// subnormals, uniform values in [-1.5, 1.5] and random bit patterns. A map the table cannot
+// subnormals, uniform values in [-1.5, 1.5] and random bit patterns; for the unsigned map also
+// the lookup in the table's upper half (mn_hd_q8_nearest_tab_pos) of each value's magnitude. A map the table cannot
 // serve (not ascending, two entries in one bucket) is refused; NULL is an invalid argument.
 static void test_q8_table(void) {
     static uint32_t tab[MN_Q8_TAB];
@@ -839,9 +840,17 @@ static void test_q8_table(void) {
             }
             for (j = 0; j < nx; j++) {
                 uint32_t got = mn_hd_q8_nearest_tab(tab, xs[j]), want = mn_hd_q8_nearest(map, xs[j]);
+                float a = xs[j] == 0.0f ? xs[j] : fabsf(xs[j]);  // -0 and NaN as they are
                 total++;
                 if (got != want && bad_n++ < 5)
                     CHECK_MSG(0, "map %d, x %.9g: table %u, search %u", m, (double)xs[j], got, want);
+                if (m == 0) continue;
+                // the unsigned map's upper half alone, for values not below 0
+                got = mn_hd_q8_nearest_tab_pos(tab + MN_Q8_TAB / 2, a);
+                want = mn_hd_q8_nearest(map, a);
+                total++;
+                if (got != want && bad_n++ < 5)
+                    CHECK_MSG(0, "map 1, x %.9g: upper half %u, search %u", (double)a, got, want);
             }
         }
     }
