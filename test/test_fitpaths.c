@@ -240,16 +240,35 @@ static void keep_message(void *user_data, mn_log_level level, const char *msg) {
 // replay runs it) against the same cache released by pointer: random allocations and releases of
 // mixed sizes on a device small enough for the out-of-memory ladder (cached blocks freed, the
 // allocation retried, refused): the same pointers and refusals at every step, the same statistics,
-// both consistent (mn_cache_check). A direct cache refuses a release by pointer.
+// both consistent (mn_cache_check). A direct cache refuses a release by pointer. A third, direct
+// and lean (mn__c_lean, as the replay runs it), hands out the same pointers and keeps the
+// statistics the estimate reads equal to the full cache's (allocated and reserved bytes, segments,
+// the categories' allocated bytes and their values at the peak, OOMs), the others 0.
+static void check_lean_stats(const mn_cache_statistics *full, const mn_cache_statistics *lean) {
+    mn_cache_statistics want;
+    memset(&want, 0, sizeof want);
+    memcpy(want.allocated_bytes, full->allocated_bytes, sizeof want.allocated_bytes);
+    memcpy(want.reserved_bytes, full->reserved_bytes, sizeof want.reserved_bytes);
+    memcpy(want.segment, full->segment, sizeof want.segment);
+    want.oversize_segments = full->oversize_segments;
+    want.num_alloc_retries = full->num_alloc_retries, want.num_ooms = full->num_ooms;
+    want.num_sync_all_streams = full->num_sync_all_streams;
+    want.num_device_alloc = full->num_device_alloc, want.num_device_free = full->num_device_free;
+    want.max_split_size = full->max_split_size;
+    memcpy(want.cat_allocated_bytes, full->cat_allocated_bytes, sizeof want.cat_allocated_bytes);
+    memcpy(want.cat_at_peak, full->cat_at_peak, sizeof want.cat_at_peak);
+    CHECK(memcmp(&want, lean, sizeof want) == 0);
+}
+
 void test_cache_direct(void) {
     enum { SLOTS = 64 };
     int round;
     for (round = 0; round < 6; round++) {
-        mn_sim_cache a, b;
+        mn_sim_cache a, b, l;
         mn_simdev_desc dd;
         mn_cache_desc cd;
-        mn_cache_statistics sa, sb;
-        void *pa[SLOTS], *hb[SLOTS];
+        mn_cache_statistics sa, sb, sl;
+        void *pa[SLOTS], *hb[SLOTS], *hl[SLOTS];
         char msg[256] = "";
         int it, refused = 0;
         memset(&dd, 0, sizeof dd), memset(&cd, 0, sizeof cd);
@@ -257,39 +276,52 @@ void test_cache_direct(void) {
         cd.logger.log_fn = keep_message, cd.logger.user_data = msg;
         CHECK_OK(mn_sim_cache_init(&a, &dd, &cd));
         CHECK_OK(mn_sim_cache_init(&b, &dd, &cd));
+        CHECK_OK(mn_sim_cache_init(&l, &dd, &cd));
         mn__c_direct(&b.cache);
-        memset(pa, 0, sizeof pa), memset(hb, 0, sizeof hb);
+        mn__c_direct(&l.cache), mn__c_lean(&l.cache);
+        memset(pa, 0, sizeof pa), memset(hb, 0, sizeof hb), memset(hl, 0, sizeof hl);
         for (it = 0; it < 3000; it++) {
             int k = (int)(mnt_rand_u64() % SLOTS);
             if (pa[k]) {
                 CHECK_OK(mn_cache_release(&a.cache, pa[k]));
                 CHECK_OK(mn__c_release_direct(&b.cache, hb[k]));
-                pa[k] = hb[k] = NULL;
+                CHECK_OK(mn__c_release_direct(&l.cache, hl[k]));
+                pa[k] = hb[k] = hl[k] = NULL;
             } else {
                 uint64_t r = mnt_rand_u64() % 100, size;
                 mn_category cat = (mn_category)(mnt_rand_u64() % MN_CAT_COUNT);
-                void *q = NULL;
-                mn_result ra, rb;
+                void *q = NULL, *ql = NULL;
+                mn_result ra, rb, rl;
                 size = r < 60 ? 1 + mnt_rand_u64() % (1 << 20)
                               : r < 95 ? (1 << 20) + mnt_rand_u64() % (12 << 20)
                                        : (12 << 20) + mnt_rand_u64() % (40 << 20);
                 ra = mn_cache_alloc(&a.cache, size, 0, cat, NULL, &pa[k]);
                 rb = mn_cache_alloc(&b.cache, size, 0, cat, NULL, &q);
+                rl = mn_cache_alloc(&l.cache, size, 0, cat, NULL, &ql);
                 CHECK_EQ_INT(ra, rb);
-                CHECK(pa[k] == q);
+                CHECK_EQ_INT(ra, rl);
+                CHECK(pa[k] == q && pa[k] == ql);
                 refused += ra == MN_ERR_DEVICE_OOM;
                 if (rb == MN_OK) hb[k] = mn__c_last_block(&b.cache);
+                if (rl == MN_OK) hl[k] = mn__c_last_block(&l.cache);
             }
             if (it % 500 == 0) {
                 CHECK_OK(mn_cache_check(&a.cache));
                 CHECK_OK(mn_cache_check(&b.cache));
+                CHECK_OK(mn_cache_check(&l.cache));
+                CHECK_OK(mn_cache_stats(&a.cache, &sa));
+                CHECK_OK(mn_cache_stats(&l.cache, &sl));
+                check_lean_stats(&sa, &sl);
             }
         }
         CHECK_OK(mn_cache_check(&a.cache));
         CHECK_OK(mn_cache_check(&b.cache));
+        CHECK_OK(mn_cache_check(&l.cache));
         CHECK_OK(mn_cache_stats(&a.cache, &sa));
         CHECK_OK(mn_cache_stats(&b.cache, &sb));
+        CHECK_OK(mn_cache_stats(&l.cache, &sl));
         CHECK(memcmp(&sa, &sb, sizeof sa) == 0);
+        check_lean_stats(&sa, &sl);
         CHECK(refused > 0);
         for (it = 0; it < SLOTS && !hb[it]; it++) {}
         if (it < SLOTS) {
@@ -298,6 +330,7 @@ void test_cache_direct(void) {
         }
         mn_sim_cache_free(&a);
         mn_sim_cache_free(&b);
+        mn_sim_cache_free(&l);
     }
 }
 
