@@ -2326,7 +2326,7 @@ mn__adamw8bit_kernel(float *param, P *param16, const G *grad, uint8_t *code1, ui
 // against 1.5e-7). TAB: the new codes from the maps' threshold tables (mn_hd_q8_nearest_tab, one
 // shared-memory read a code) instead of the binary search (eight dependent reads), the same
 // codes; the unsigned map's codes from its table's upper half (mn_hd_q8_nearest_tab_pos, v is
-// never negative): 38 KiB of tables a block, five blocks of 8 warps an H100 or H200 SM.
+// never negative): 37.5 KiB of tables a block, five blocks of 8 warps an H100 or H200 SM.
 #define MN__Q8_LANE 8  // elements per lane: 32 x 8 = 256, one quantization block
 template <typename T>
 __device__ __forceinline__ void mn__ld8(const T *p, float *x) {
