@@ -8,9 +8,9 @@
 # Needs only the CUDA toolkit (nvcc, cuBLASLt, compute-sanitizer), a C compiler and make.
 # Run from anywhere: bash bench/gpu.sh   (NVCC=/path/to/nvcc to choose a toolkit). The test cases
 # and the sanitizers' runs go GPU_JOBS processes at a time (default 4). With GPU_JOBS=8 and
-# GPU_RACECHECK_MATMUL=0 it took 233 s on an H200 (one at a time: 8.2 minutes, of which the build
-# about 1, the tests 2.5, the table and the trainer 0.5, the sanitizers 4); matmul's racecheck
-# alone takes about 3 minutes more.
+# GPU_RACECHECK_MATMUL=0 it took 268 s on an H200 (one at a time, before the B 64 rows: 8.2
+# minutes, of which the build about 1, the tests 2.5, the table and the trainer 0.5, the
+# sanitizers 4); matmul's racecheck alone takes about 3 minutes more.
 # Exit status: 0 when every test passed under every tool; the table is printed either way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
