@@ -2366,7 +2366,9 @@ __device__ __forceinline__ void mn__st8(T *p, const float *x) {
     }
 }
 
-// mn_hd_adamw8bit_param with sqrt.approx and div.approx (v = +0 gives 0, v = inf a zero step).
+// mn_hd_adamw8bit_param with sqrt.approx and div.approx (v = +0 gives 0, v = inf a zero step),
+// within 2 ulp while the divisor sqrt(v) + eps_c is a normal float (below 2^65 always; above
+// 2^-126 unless eps times sqrt(1 - beta2^t) is under it).
 __device__ __forceinline__ void mn__adamw8bit_param_fast(float *p, float m, float v,
                                                         const mn_hd_adamw8bit_coef *k) {
     float r;
