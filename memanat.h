@@ -900,7 +900,7 @@ MNDEF mn_result mn_gpt_model(uint64_t layers, uint64_t dim, uint64_t heads, uint
 //    (MN_ERR_DEVICE_OOM when cudaMalloc is refused) with the CUDA or cuBLAS error text sent to
 //    the context's logger.
 #include <math.h>
-#include <string.h>  // memcpy (mn_hd_q8_nearest_tab on the host)
+#include <string.h>  // memcpy (mn_hd_bits on the host)
 #if defined(__CUDACC__)
 #define MN_HD static __host__ __device__ inline
 #else
@@ -1116,38 +1116,40 @@ MN_HD uint32_t mn_hd_q8_nearest(const float *map, float x) {
 // bucket's word is its first index shifted up by 17 plus 2^17 minus the low 16 bits of the
 // threshold's order key, so adding those bits of x carries exactly when x reaches it.
 #define MN_Q8_TAB 6400u  // 2 signs x 25 exponents (2^-24 .. 1) x 128
-// The bucket of the float with bits u: the magnitudes in order, the negative half backwards
-// (MN_Q8_TAB / 2 - 1 - j is MN_Q8_TAB / 2 + ~j: the sign's mask flips j, no branch).
-MN_HD uint32_t mn_hd_q8_bucket(uint32_t u) {
-    uint32_t q = (u & 0x7fffffffu) >> 16;  // exponent and 7 mantissa bits
-    q = q < (103u << 7) ? 0u : q - (103u << 7);  // from 2^-24 (biased exponent 103)
-    q = q < MN_Q8_TAB / 2 - 1 ? q : MN_Q8_TAB / 2 - 1;
-    return MN_Q8_TAB / 2 + (q ^ (0u - (u >> 31)));
-}
-MN_HD uint32_t mn_hd_q8_nearest_tab(const uint32_t *tab, float x) {
-    uint32_t u, c;
+// The bits of x (the host's twin: mn__opt_bits); x's magnitude's place among the buckets of one
+// sign (exponent and 7 mantissa bits from 2^-24, biased exponent 103, clamped to the table); a
+// table lookup's code c, 0 for a NaN (as the search).
+MN_HD uint32_t mn_hd_bits(float x) {
+    uint32_t u;
 #ifdef __CUDA_ARCH__
     u = __float_as_uint(x);
 #else
     memcpy(&u, &x, sizeof u);
 #endif
-    c = (tab[mn_hd_q8_bucket(u)] + ((u ^ (0u - (u >> 31))) & 0xffffu)) >> 17;
-    return c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u));  // NaN: 0, as the search
+    return u;
+}
+MN_HD uint32_t mn_hd_q8_mag(uint32_t u) {
+    uint32_t q = (u & 0x7fffffffu) >> 16;
+    q = q < (103u << 7) ? 0u : q - (103u << 7);
+    return q < MN_Q8_TAB / 2 - 1 ? q : MN_Q8_TAB / 2 - 1;
+}
+MN_HD uint32_t mn_hd_q8_nan0(uint32_t u, uint32_t c) {
+    return c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u));
+}
+// The bucket of the float with bits u: the magnitudes in order, the negative half backwards
+// (MN_Q8_TAB / 2 - 1 - j is MN_Q8_TAB / 2 + ~j: the sign's mask flips j, no branch).
+MN_HD uint32_t mn_hd_q8_bucket(uint32_t u) {
+    return MN_Q8_TAB / 2 + (mn_hd_q8_mag(u) ^ (0u - (u >> 31)));
+}
+MN_HD uint32_t mn_hd_q8_nearest_tab(const uint32_t *tab, float x) {
+    uint32_t u = mn_hd_bits(x);
+    return mn_hd_q8_nan0(u, (tab[mn_hd_q8_bucket(u)] + ((u ^ (0u - (u >> 31))) & 0xffffu)) >> 17);
 }
 // The same for x not negative (v / absmax in the unsigned map; NaN too) from the table's upper
 // half alone, half = tab + MN_Q8_TAB / 2: the bucket is j, the low bits are x's own.
 MN_HD uint32_t mn_hd_q8_nearest_tab_pos(const uint32_t *half, float x) {
-    uint32_t u, q, c;
-#ifdef __CUDA_ARCH__
-    u = __float_as_uint(x);
-#else
-    memcpy(&u, &x, sizeof u);
-#endif
-    q = (u & 0x7fffffffu) >> 16;
-    q = q < (103u << 7) ? 0u : q - (103u << 7);
-    q = q < MN_Q8_TAB / 2 - 1 ? q : MN_Q8_TAB / 2 - 1;
-    c = (half[q] + (u & 0xffffu)) >> 17;
-    return c & (0u - (uint32_t)((u & 0x7fffffffu) <= 0x7f800000u));
+    uint32_t u = mn_hd_bits(x);
+    return mn_hd_q8_nan0(u, (half[mn_hd_q8_mag(u)] + (u & 0xffffu)) >> 17);
 }
 // The code of m in the signed map at scale inv = 1 / absmax (0 when absmax is 0).
 MN_HD uint32_t mn_hd_q8_code_signed(const float *map, float m, float inv) {
@@ -11770,10 +11772,9 @@ MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64
         rem->size -= size;
         mn__c_fix_head(b);
         mn__c_pool_insert(p, rem);
-        if (c->lean) {
-        } else if (already_split && !exp) {
+        if (!exp && !c->lean && already_split) {
             MN__C_STAT2(c, inactive_split_bytes, small, dec, size);
-        } else if (!exp) {
+        } else if (!exp && !c->lean) {
             MN__C_STAT2(c, inactive_split_bytes, small, inc, rem->size);
             MN__C_STAT2(c, inactive_split, small, inc, 1);
         }
