@@ -2440,22 +2440,21 @@ template <typename G, typename P>
 static mn_result mn__adamw8bit(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a, unsigned block_size,
                                mn_hd_adamw8bit_coef k) {
     const mn_cuda_optim_flat *f = &a->flat;
-    size_t nblocks = (f->n + block_size - 1) / block_size;
-    unsigned grid = (unsigned)(nblocks < 65535u * 16u ? nblocks : 65535u * 16u);
-    size_t smem = (512 + 2 * (size_t)block_size) * sizeof(float);
+    size_t o = 0, ob = 0, nblocks, smem = (512 + 2 * (size_t)block_size) * sizeof(float);
     if (block_size == 256 && mn__is16(f->param) && mn__is16(f->grad) &&
         (!f->param16 || mn__is16(f->param16)) && ((uintptr_t)a->code1 & 7u) == 0 &&
         ((uintptr_t)a->code2 & 7u) == 0) {
         // resident blocks only, each walking its share of the whole quantization blocks; a
-        // partial last block on one thread block of the kernel below
-        size_t full = (size_t)f->n / 256, rem = (size_t)f->n - full * 256, o = full * 256;
-        size_t want = (full + MN__Q8_THREADS / 32 - 1) / (MN__Q8_THREADS / 32), cap;
+        // partial last block on one thread block of the kernel below (from element o, block ob)
+        size_t want, cap;
         int per_sm = 0, tab = ctx->p->q8_tab;
         size_t wsm = (size_t)MN__Q8W_WORDS(tab) * 4;
         void (*kern)(float *, P *, const G *, uint8_t *, uint8_t *, float *, float *,
                      const float *, size_t, mn_hd_adamw8bit_coef, const float *, float, float) =
             tab ? mn__adamw8bit_warp_kernel<G, P, 1> : mn__adamw8bit_warp_kernel<G, P, 0>;
-        if (full > 0) {
+        ob = (size_t)f->n / 256, o = ob * 256;
+        want = (ob + MN__Q8_THREADS / 32 - 1) / (MN__Q8_THREADS / 32);
+        if (ob > 0) {
             MN__CU(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)wsm));
             MN__CU(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -2466,26 +2465,21 @@ static mn_result mn__adamw8bit(mn_cuda *ctx, const mn_cuda_adamw8bit_args *a, un
                   (size_t)(per_sm > 0 ? per_sm : 1);
             kern<<<(unsigned)(want < cap ? want : cap), MN__Q8_THREADS, wsm, mn__stream(ctx)>>>(
                 f->param, (P *)f->param16, (const G *)f->grad, a->code1, a->code2, a->absmax1,
-                a->absmax2, ctx->p->q8_maps, full, k, f->grad_norm,
+                a->absmax2, ctx->p->q8_maps, ob, k, f->grad_norm,
                 f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
             MN__LAUNCHED(ctx);
         }
-        if (rem > 0) {
-            mn__adamw8bit_kernel<G, P><<<1, MN__Q8_THREADS, smem, mn__stream(ctx)>>>(
-                f->param + o, f->param16 ? (P *)f->param16 + o : NULL, (const G *)f->grad + o,
-                a->code1 + o, a->code2 + o, a->absmax1 + full, a->absmax2 + full,
-                ctx->p->q8_maps, rem, 256, k, f->grad_norm,
-                f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
-            MN__LAUNCHED(ctx);
-        }
-        return MN_OK;
+        if (o == f->n) return MN_OK;
     }
+    nblocks = ((size_t)f->n - o + block_size - 1) / block_size;
     if (smem > 48 * 1024)
         MN__CU(ctx, cudaFuncSetAttribute(mn__adamw8bit_kernel<G, P>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    mn__adamw8bit_kernel<G, P><<<grid, MN__Q8_THREADS, smem, mn__stream(ctx)>>>(
-        f->param, (P *)f->param16, (const G *)f->grad, a->code1, a->code2, a->absmax1, a->absmax2,
-        ctx->p->q8_maps, (size_t)f->n, block_size, k, f->grad_norm,
+    mn__adamw8bit_kernel<G, P><<<(unsigned)(nblocks < 65535u * 16u ? nblocks : 65535u * 16u),
+                                 MN__Q8_THREADS, smem, mn__stream(ctx)>>>(
+        f->param + o, f->param16 ? (P *)f->param16 + o : NULL, (const G *)f->grad + o,
+        a->code1 + o, a->code2 + o, a->absmax1 + ob, a->absmax2 + ob, ctx->p->q8_maps,
+        (size_t)f->n - o, block_size, k, f->grad_norm,
         f->inv_scale == 0.0f ? 1.0f : f->inv_scale, f->max_norm);
     MN__LAUNCHED(ctx);
     return MN_OK;
