@@ -8809,6 +8809,31 @@ MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estima
     return err;
 }
 
+// The prune of mn__fit_in judged by the step alone, with no allocator replay (the allocated peak
+// is a lower bound of the reserved one): drops each step of steps[0..*n), the slowest technique
+// first, whose removal leaves the allocated peak fitting; *s gets the setup left, unchanged when
+// none is dropped. Every step it keeps is needed: without it even the allocated peak does not
+// fit. The estimates it runs stay in the fit's memo for the replayed prune.
+MN__PRIVATE void mn__prune_alone(mn__fit *F, const mn_setup *base, int bf16, uint8_t *steps,
+                                 uint32_t *n, mn_setup *s, mn_result *err) {
+    uint32_t i, k, tests = *n;  // (each step is tested once)
+    for (k = MN__T_COUNT; k-- > 0;) {
+        for (i = *n; i-- > 0;) {
+            mn__fit_memo *e;
+            mn_setup t;
+            if (steps[i] != k) continue;
+            t = mn__plan_setup(base, steps, *n, i, bf16);
+            // (the last test: where its removal fits, its setup is the one the caller replays,
+            // so the run that gives its step alone replays it too)
+            e = mn__fit_entry(F, &t, --tests == 0, 1, 0, 1);
+            if ((*err = e->quick_err) != MN_OK) return;
+            if (!e->quick.fits) continue;
+            memmove(&steps[i], &steps[i + 1], (*n - i - 1) * sizeof steps[0]);
+            --*n, *s = t;
+        }
+    }
+}
+
 MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     mn_fit_result *out = F->out;
     mn_estimate_result cur, next;
@@ -8817,7 +8842,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     uint64_t cap_seq;
     uint8_t steps[32];
     uint32_t n = 0, i, k;
-    int bf16, progress = 1, given = 0;
+    int bf16, progress = 1, given = 0, replayed = 1, slack = 0;
     out->plan_slowdown = 1.0;
     // The setup as given. Its step alone comes first: when its allocated peak does not fit, its
     // replay (the costliest part of an estimate) cannot fit either and changes no decision below,
@@ -8857,6 +8882,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     if (!cur.fits) {
         mn_estimate_result q, qn;
         if ((err = mn__quick_estimate(F, &s, &q, 0)) != MN_OK) return err;
+        slack = q.fits;  // (the allocated peak fits already: each step is added for the slack)
         while (!cur.fits && progress && n < sizeof steps) {
             progress = 0;
             for (k = 0; k < MN__T_COUNT && !progress; k++) {
@@ -8871,13 +8897,29 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
                 steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
                 mn__fits(F, &s, &cur, &err, 0);
                 if (err != MN_OK) return err;
+                slack |= q.fits && !cur.fits;
             }
         }
         // no plan fits: the last setup tried is the answer, whole
         if (!cur.fits && n > 0 && (mn__fits(F, &s, &cur, &err, 1), err != MN_OK)) return err;
     }
-    // Prune: drop each step, the slowest first, whose removal still fits.
-    for (k = MN__T_COUNT; cur.fits && k-- > 0;) {
+    // Prune: drop each step, the slowest first, whose removal still fits. The replays cost the
+    // most, so where the greedy pass stopped at the first step whose allocated peak fits, the
+    // prune is judged by the step alone and the plan it leaves replayed once; where that replay
+    // does not fit, or the pass went on for the allocator's slack (the steps it added then would
+    // go first: their removal fits by the step alone), each removal is replayed.
+    if (cur.fits && n > 0 && !slack) {
+        uint8_t kept[sizeof steps];
+        uint32_t m = n;
+        memcpy(kept, steps, n);
+        t = s;
+        mn__prune_alone(F, &base, bf16, kept, &m, &t, &err);
+        if (err == MN_OK && m < n && mn__fits(F, &t, &next, &err, 0))
+            memcpy(steps, kept, m), n = m, s = t, cur = next, replayed = 0;
+        if (err != MN_OK) return err;
+        if (m == n) replayed = 0;  // (no removal fits even by the step alone)
+    }
+    for (k = MN__T_COUNT; replayed && cur.fits && k-- > 0;) {
         for (i = n; i-- > 0;) {
             if (steps[i] != k) continue;
             t = mn__plan_setup(&base, steps, n, i, bf16);

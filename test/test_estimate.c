@@ -1058,6 +1058,7 @@ void test_fit_decide_replay(void);
 void test_fit_shortcuts_whole(void);
 void test_fit_entry_below(void);
 void test_fit_entry_cut(void);
+void test_fit_plan_reference(void);
 void test_estimate_retry(void);
 void test_cache_direct(void);
 
@@ -1082,6 +1083,7 @@ const mnt_case test_estimate_cases[] = {
     {"fit_shortcuts_whole", test_fit_shortcuts_whole},
     {"fit_entry_below", test_fit_entry_below},
     {"fit_entry_cut", test_fit_entry_cut},
+    {"fit_plan_reference", test_fit_plan_reference},
     {"estimate_retry", test_estimate_retry},
     {"cache_direct", test_cache_direct},
     {"bad_input", test_bad_input},
