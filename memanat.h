@@ -8809,27 +8809,38 @@ MN__PRIVATE mn_result mn__fit_given(mn__fit *F, const mn_setup *setup, mn_estima
     return err;
 }
 
-// The prune of mn__fit_in judged by the step alone, with no allocator replay (the allocated peak
-// is a lower bound of the reserved one): drops each step of steps[0..*n), the slowest technique
-// first, whose removal leaves the allocated peak fitting; *s gets the setup left, unchanged when
-// none is dropped. Every step it keeps is needed: without it even the allocated peak does not
-// fit. The estimates it runs stay in the fit's memo for the replayed prune.
+// The prune of mn__fit_in judged by the step alone where it can be: drops each step of
+// steps[0..*n), the slowest technique first, whose removal still fits. The steps from `slack` on
+// were added for the allocator's slack (the allocated peak fit before them), so their removal is
+// replayed; the others' is judged by the allocated peak alone (a lower bound of the reserved
+// one). *s gets the setup left, unchanged when none is dropped. Every step it keeps is needed:
+// without it the replay does not fit, or even the allocated peak does not. The estimates it runs
+// stay in the fit's memo for the replayed prune.
 MN__PRIVATE void mn__prune_alone(mn__fit *F, const mn_setup *base, int bf16, uint8_t *steps,
-                                 uint32_t *n, mn_setup *s, mn_result *err) {
+                                 uint32_t *n, uint32_t slack, mn_setup *s, mn_result *err) {
     uint32_t i, k, tests = *n;  // (each step is tested once)
     for (k = MN__T_COUNT; k-- > 0;) {
         for (i = *n; i-- > 0;) {
+            mn_estimate_result r;
             mn__fit_memo *e;
             mn_setup t;
+            int fits;
             if (steps[i] != k) continue;
             t = mn__plan_setup(base, steps, *n, i, bf16);
-            // (the last test: where its removal fits, its setup is the one the caller replays,
-            // so the run that gives its step alone replays it too)
-            e = mn__fit_entry(F, &t, --tests == 0, 1, 0, 1);
-            if ((*err = e->quick_err) != MN_OK) return;
-            if (!e->quick.fits) continue;
+            if (i >= slack) {
+                fits = mn__fits(F, &t, &r, err, 0);
+            } else {
+                // (the last test: where its removal fits, its setup is the one the caller
+                // replays, so the run that gives its step alone replays it too)
+                e = mn__fit_entry(F, &t, tests == 1, 1, 0, 1);
+                *err = e->quick_err, fits = e->quick.fits;
+            }
+            tests--;
+            if (*err != MN_OK) return;
+            if (!fits) continue;
             memmove(&steps[i], &steps[i + 1], (*n - i - 1) * sizeof steps[0]);
             --*n, *s = t;
+            if (i < slack) slack--;
         }
     }
 }
@@ -8842,7 +8853,8 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     uint64_t cap_seq;
     uint8_t steps[32];
     uint32_t n = 0, i, k;
-    int bf16, progress = 1, given = 0, replayed = 1, slack = 0;
+    int bf16, progress = 1, given = 0, replayed = 1;
+    uint32_t slack = 32;  // the steps from this one on were added for the allocator's slack
     out->plan_slowdown = 1.0;
     // The setup as given. Its step alone comes first: when its allocated peak does not fit, its
     // replay (the costliest part of an estimate) cannot fit either and changes no decision below,
@@ -8882,7 +8894,7 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     if (!cur.fits) {
         mn_estimate_result q, qn;
         if ((err = mn__quick_estimate(F, &s, &q, 0)) != MN_OK) return err;
-        slack = q.fits;  // (the allocated peak fits already: each step is added for the slack)
+        if (q.fits) slack = 0;  // (the allocated peak fits already)
         while (!cur.fits && progress && n < sizeof steps) {
             progress = 0;
             for (k = 0; k < MN__T_COUNT && !progress; k++) {
@@ -8897,27 +8909,26 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
                 steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
                 mn__fits(F, &s, &cur, &err, 0);
                 if (err != MN_OK) return err;
-                slack |= q.fits && !cur.fits;
+                if (q.fits && !cur.fits && slack > n) slack = n;
             }
         }
         // no plan fits: the last setup tried is the answer, whole
         if (!cur.fits && n > 0 && (mn__fits(F, &s, &cur, &err, 1), err != MN_OK)) return err;
     }
     // Prune: drop each step, the slowest first, whose removal still fits. The replays cost the
-    // most, so where the greedy pass stopped at the first step whose allocated peak fits, the
-    // prune is judged by the step alone and the plan it leaves replayed once; where that replay
-    // does not fit, or the pass went on for the allocator's slack (the steps it added then would
-    // go first: their removal fits by the step alone), each removal is replayed.
-    if (cur.fits && n > 0 && !slack) {
+    // most, so only the removal of a step added for the allocator's slack is replayed, the
+    // others are judged by the step alone, and the plan left is replayed once; where that replay
+    // does not fit, each removal is replayed.
+    if (cur.fits && n > 0) {
         uint8_t kept[sizeof steps];
         uint32_t m = n;
         memcpy(kept, steps, n);
         t = s;
-        mn__prune_alone(F, &base, bf16, kept, &m, &t, &err);
+        mn__prune_alone(F, &base, bf16, kept, &m, slack, &t, &err);
         if (err == MN_OK && m < n && mn__fits(F, &t, &next, &err, 0))
             memcpy(steps, kept, m), n = m, s = t, cur = next, replayed = 0;
         if (err != MN_OK) return err;
-        if (m == n) replayed = 0;  // (no removal fits even by the step alone)
+        if (m == n) replayed = 0;  // (no removal fits)
     }
     for (k = MN__T_COUNT; replayed && cur.fits && k-- > 0;) {
         for (i = n; i-- > 0;) {
