@@ -1116,9 +1116,9 @@ MN_HD uint32_t mn_hd_q8_nearest(const float *map, float x) {
 // bucket's word is its first index shifted up by 17 plus 2^17 minus the low 16 bits of the
 // threshold's order key, so adding those bits of x carries exactly when x reaches it.
 #define MN_Q8_TAB 6400u  // 2 signs x 25 exponents (2^-24 .. 1) x 128
-// The bits of x (the host's twin: mn__opt_bits); x's magnitude's place among the buckets of one
-// sign (exponent and 7 mantissa bits from 2^-24, biased exponent 103, clamped to the table); a
-// table lookup's code c, 0 for a NaN (as the search).
+// The bits of x (also the host optimizers'); x's magnitude's place among the buckets of one sign
+// (exponent and 7 mantissa bits from 2^-24, biased exponent 103, clamped to the table); a table
+// lookup's code c, 0 for a NaN (as the search).
 MN_HD uint32_t mn_hd_bits(float x) {
     uint32_t u;
 #ifdef __CUDA_ARCH__
@@ -13318,19 +13318,13 @@ MNIMPL mn_result mn_optim_state_bytes(const mn_optim_desc *d, const uint64_t *di
 // (fp16: |x| >= 65520 -> inf). Results below 2^-14 become fp16 subnormals (unit 2^-24).
 // NaNs keep sign and top payload bits and get the quiet bit, as x86 F16C and ARM FCVT do.
 
-MN__PRIVATE uint32_t mn__opt_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
 MN__PRIVATE float mn__opt_float(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-MN__PRIVATE int mn__opt_finite(float f) { return (mn__opt_bits(f) & 0x7f800000u) != 0x7f800000u; }
+MN__PRIVATE int mn__opt_finite(float f) { return (mn_hd_bits(f) & 0x7f800000u) != 0x7f800000u; }
 
 // m >> s rounded to nearest, ties to even; m < 2^24, so s >= 25 always gives 0.
 MN__PRIVATE uint32_t mn__opt_shr_rne(uint32_t m, uint32_t s) {
@@ -13343,7 +13337,7 @@ MN__PRIVATE uint32_t mn__opt_shr_rne(uint32_t m, uint32_t s) {
 }
 
 MNIMPL uint16_t mn_fp32_to_fp16(float f) {
-    uint32_t x = mn__opt_bits(f);
+    uint32_t x = mn_hd_bits(f);
     uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
     int32_t he = (int32_t)e - 127 + 15;  // binary16 biased exponent
     if (e == 0xffu) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u | (m >> 13) : 0u));
@@ -13365,7 +13359,7 @@ MNIMPL float mn_fp16_to_fp32(uint16_t h) {
 }
 
 MNIMPL uint16_t mn_fp32_to_bf16(float f) {
-    uint32_t x = mn__opt_bits(f);
+    uint32_t x = mn_hd_bits(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
@@ -13383,9 +13377,9 @@ MNIMPL float mn_bf16_to_fp32(uint16_t b) {
 // sum a + 0.5 rounds a to a multiple of 2^-24 (the ulp of 0.5) in the hardware's round-to-nearest-
 // even, and its low bits are that multiple, the subnormal's bits; from 2^16 on inf, NaN quieted.
 MN__PRIVATE uint16_t mn__fp32_to_fp16_flat(float f) {
-    uint32_t x = mn__opt_bits(f), a = x & 0x7fffffffu, r;
+    uint32_t x = mn_hd_bits(f), a = x & 0x7fffffffu, r;
     uint32_t nrm = ((a - 0x38000000u) + 0xfffu + ((a >> 13) & 1u)) >> 13;
-    uint32_t sub = mn__opt_bits(mn__opt_float(a) + 0.5f) - 0x3f000000u;
+    uint32_t sub = mn_hd_bits(mn__opt_float(a) + 0.5f) - 0x3f000000u;
     r = a < 0x38800000u ? sub : nrm;
     r = a >= 0x47800000u ? 0x7c00u : r;
     r = a > 0x7f800000u ? 0x7e00u | ((a >> 13) & 0x3ffu) : r;
@@ -13397,7 +13391,7 @@ MN__PRIVATE uint16_t mn__fp32_to_fp16_flat(float f) {
 MN__PRIVATE float mn__fp16_to_fp32_flat(uint16_t h) {
     uint32_t em = h & 0x7fffu, m = h & 0x3ffu, r;
     uint32_t nrm = (em << 13) + 0x38000000u;
-    uint32_t sub = mn__opt_bits(mn__opt_float(0x3f000000u + em) - 0.5f);
+    uint32_t sub = mn_hd_bits(mn__opt_float(0x3f000000u + em) - 0.5f);
     uint32_t nan = 0x7f800000u | (m << 13) | ((0u - (uint32_t)(m != 0)) & 0x400000u);
     r = em >= 0x400u ? nrm : sub;
     r = em >= 0x7c00u ? nan : r;
@@ -13405,7 +13399,7 @@ MN__PRIVATE float mn__fp16_to_fp32_flat(uint16_t h) {
 }
 
 MN__PRIVATE uint16_t mn__fp32_to_bf16_flat(float f) {
-    uint32_t x = mn__opt_bits(f);
+    uint32_t x = mn_hd_bits(f);
     uint32_t rne = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16, nan = (x >> 16) | 0x40u;
     return (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? nan : rne);
 }
@@ -14039,11 +14033,11 @@ typedef struct mn__opt_qtab {
 } mn__opt_qtab;
 
 // Bucket of x (mn_hd_q8_bucket): j orders the magnitudes, the negative half runs backwards.
-static inline uint32_t mn__opt_qbucket(float x) { return mn_hd_q8_bucket(mn__opt_bits(x)); }
+static inline uint32_t mn__opt_qbucket(float x) { return mn_hd_q8_bucket(mn_hd_bits(x)); }
 
 // Float order as unsigned order (-0 just below +0), and back.
 MN__PRIVATE uint32_t mn__opt_okey(float f) {
-    uint32_t u = mn__opt_bits(f);
+    uint32_t u = mn_hd_bits(f);
     return (u >> 31) ? ~u : u | 0x80000000u;
 }
 MN__PRIVATE float mn__opt_ofloat(uint32_t k) {
@@ -14098,7 +14092,7 @@ MN__PRIVATE int mn__opt_thresholds(const float *map, float thr[255]) {
 
 // Segment of |x| = y >= 0 in the tables of q (neg: x < 0).
 static inline int32_t mn__opt_qa_seg(const mn__opt_qarith *q, float y, int neg) {
-    uint32_t e = mn__opt_bits(y) >> 23;
+    uint32_t e = mn_hd_bits(y) >> 23;
     e = e < MN__OPT_QA_E0 ? MN__OPT_QA_E0 : e > MN__OPT_QA_E0 + 31 ? MN__OPT_QA_E0 + 31 : e;
     return q->seg[e & 31u] + (int32_t)(y >= (neg ? q->nsplit : q->split)[e & 31u]);
 }
@@ -14319,7 +14313,7 @@ static inline __m512 mn__opt_lut256(const float *map, __m512i ix) {
 MN__PRIVATE void mn__opt_planes(const float *map, uint8_t planes[4 * 256]) {
     int i, k;
     for (i = 0; i < 256; i++)
-        for (k = 0; k < 4; k++) planes[256 * k + i] = (uint8_t)(mn__opt_bits(map[i]) >> (8 * k));
+        for (k = 0; k < 4; k++) planes[256 * k + i] = (uint8_t)(mn_hd_bits(map[i]) >> (8 * k));
 }
 // Byte 16 L + 4 q + i of the permuted codes is code 16 q + 4 L + i: out[q] takes bytes
 // 16 L + 4 q .. 16 L + 4 q + 3 of each lane L.

@@ -36,18 +36,22 @@ static double copy_gbs;
 
 // n values uniform in [lo, hi) (a fixed LCG), fp32 or truncated to bf16, copied to dst.
 static void fill_vals(void *dst, size_t n, float lo, float hi, int bf16) {
-    uint32_t *h = (uint32_t *)malloc(n * 4);
+    size_t es = bf16 ? 2 : 4, i;
+    unsigned char *h = (unsigned char *)malloc(n * es);
     uint64_t s = 0x9e3779b97f4a7c15ull;
-    size_t i;
     if (!h) DIE("out of host memory for %zu values", n);
     for (i = 0; i < n; i++) {
         float f;
+        uint32_t u;
+        uint16_t b;
         s = s * 6364136223846793005ull + 1442695040888963407ull;
         f = lo + (hi - lo) * (float)(s >> 40) / 16777216.0f;
-        memcpy(&h[i], &f, 4);
-        if (bf16) ((uint16_t *)h)[i] = (uint16_t)(h[i] >> 16);  // (half word i: in word i / 2)
+        memcpy(&u, &f, 4);
+        b = (uint16_t)(u >> 16);
+        if (bf16) memcpy(h + 2 * i, &b, 2);
+        else memcpy(h + 4 * i, &u, 4);
     }
-    CU(cudaMemcpy(dst, h, n * (bf16 ? 2 : 4), cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(dst, h, n * es, cudaMemcpyHostToDevice));
     free(h);
 }
 static void fill_bf16(void *dst, size_t n, float lo, float hi) { fill_vals(dst, n, lo, hi, 1); }

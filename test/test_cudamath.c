@@ -807,8 +807,9 @@ static void test_q8_codes(void) {
 // The table lookup (mn_q8_table, mn_hd_q8_nearest_tab) against the search, for both dynamic maps:
 // every entry, the floats next to each entry and to each midpoint, zeros, infinities, NaN,
 // subnormals, uniform values in [-1.5, 1.5] and random bit patterns; for the unsigned map also
-// the lookup in the table's upper half (mn_hd_q8_nearest_tab_pos) of each value's magnitude. A map the table cannot
-// serve (not ascending, two entries in one bucket) is refused; NULL is an invalid argument.
+// the lookup in the table's upper half (mn_hd_q8_nearest_tab_pos) of each value's magnitude. A
+// map the table cannot serve (not ascending, two entries in one bucket) is refused; NULL is an
+// invalid argument.
 static void test_q8_table(void) {
     static uint32_t tab[MN_Q8_TAB];
     float maps[2][256], bad[256], xs[16];

@@ -464,8 +464,8 @@ void test_fit_plan_reference(void) {
         if (it % 8 == 7) {  // (no plan fits)
             s.capacity = s.context + (64 << 10);
         } else if (it % 8 > 3) {  // (room to spare once the plan is made)
-            s.capacity = s.context +
-                         (uint64_t)((double)given.peak_allocated * (0.3 + 0.6 * mnt_rand_uniform()));
+            double f = 0.3 + 0.6 * mnt_rand_uniform();
+            s.capacity = s.context + (uint64_t)((double)given.peak_allocated * f);
         }
         if (mn_estimate(&m, &s, &given) != MN_OK || given.fits) continue;
         if (mn_fit(&m, &s, &f) != MN_OK) continue;
