@@ -4717,6 +4717,7 @@ typedef struct mn__sim {
     // gives), the replay then skipped when the step alone does not fit; set once written
     mn_estimate_result *alone;
     int alone_set, alone_replay;  // alone_replay: the replay ran after it
+    uint64_t alone_above;    // 0, or the replay only when the step alone's device_used exceeds it
     uint64_t alone_below;    // 0, or the replay only when the step alone's peak allocated is
                              // below it
     // mn_fit: where the step does not fit, only that is asked, of the step alone too (cut): the
@@ -7787,7 +7788,8 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
         q->model = c.m, q->gpu = gpu;
         q->setup.logger.log_fn = NULL, q->setup.logger.user_data = NULL;
         S->alone_set = 1;
-        if (!q->fits || (S->alone_below && q->peak_allocated >= S->alone_below) || !S->events)
+        if (!q->fits || (S->alone_below && q->peak_allocated >= S->alone_below) ||
+            (S->alone_above && q->device_used <= S->alone_above) || !S->events)
             return MN_OK;  // (out is not read)
         S->alone_replay = 1;
     }
@@ -8479,6 +8481,7 @@ typedef struct mn__fit {
     int whole;                        // 1: every estimate whole, no replay stopped (the tests
                                       // compare the fit's answers with and without)
     uint64_t most_events;             // the most allocation events a run of this fit has made
+    uint64_t defer_at;                // 0, or the runs' alone_above (mn__fit_in's deferred pass)
 } mn__fit;
 
 // Before a run that keeps its allocation events: where the buffer could not hold the most events
@@ -8509,7 +8512,7 @@ MN__PRIVATE mn_result mn__fit_run(mn__fit *F, const mn_setup *s, mn_estimate_res
     F->S.decide = decide && !F->whole;
     F->S.cut = cut && !F->whole;
     F->S.unique_ids = F->whole;
-    F->S.alone = alone, F->S.alone_below = below;
+    F->S.alone = alone, F->S.alone_below = below, F->S.alone_above = F->defer_at;
     x = mn__estimate_in(F->m, s, r, &F->S, 0, NULL);
     if (F->S.seq > F->most_events) F->most_events = F->S.seq;
     return x;
@@ -8847,14 +8850,14 @@ MN__PRIVATE void mn__prune_alone(mn__fit *F, const mn_setup *base, int bf16, uin
 
 MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     mn_fit_result *out = F->out;
-    mn_estimate_result cur, next;
+    mn_estimate_result cur, next, cur0;
     mn_setup base, s, t;
     mn_result err = MN_OK;
     uint64_t cap_seq;
     uint8_t steps[32];
     uint32_t n = 0, i, k;
-    int bf16, progress = 1, given = 0, replayed = 1;
-    uint32_t slack = 32;  // the steps from this one on were added for the allocator's slack
+    int bf16, progress, given = 0, given0, replayed, defer, deferred;
+    uint32_t slack;  // the steps from this one on were added for the allocator's slack
     out->plan_slowdown = 1.0;
     // The setup as given. Its step alone comes first: when its allocated peak does not fit, its
     // replay (the costliest part of an estimate) cannot fit either and changes no decision below,
@@ -8889,46 +8892,68 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
     if (err != MN_OK) return err;
 
     // Greedy: add the cheapest technique that lowers the memory need until the setup fits
-    // (compared on the step alone, confirmed with the allocator replay).
-    s = base;
-    if (!cur.fits) {
-        mn_estimate_result q, qn;
-        if ((err = mn__quick_estimate(F, &s, &q, 0)) != MN_OK) return err;
-        if (q.fits) slack = 0;  // (the allocated peak fits already)
-        while (!cur.fits && progress && n < sizeof steps) {
-            progress = 0;
-            for (k = 0; k < MN__T_COUNT && !progress; k++) {
-                mn__fit_memo *e;
-                t = s;
-                if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
-                // (one run: its step alone, and the replay mn__fits asks below when it helps)
-                e = mn__fit_entry(F, &t, 1, 1, q.peak_allocated, 0);
-                if ((err = e->quick_err) != MN_OK) return err;
-                qn = e->quick;
-                if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
-                steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
-                mn__fits(F, &s, &cur, &err, 0);
-                if (err != MN_OK) return err;
-                if (q.fits && !cur.fits && slack > n) slack = n;
+    // (compared on the step alone, confirmed with the allocator replay). The first pass defers
+    // that replay where the step alone leaves an eighth of the device free (the allocator's
+    // slack is a few percent of it) and the plan has two steps or more (one step's removal is
+    // the setup as given, which does not fit): the pass stops there, the prune judges the
+    // removals as below, and the plan left is replayed (this setup itself where the prune drops
+    // nothing). Where that replay does not fit, the search runs again, every step confirmed
+    // (the estimates it has run are kept in the memo); where it fits, the greedy pass's own
+    // replay, of a setup the plan does not keep, is saved.
+    cur0 = cur, given0 = given;
+    for (defer = 1;; defer = 0) {
+        s = base, n = 0, slack = 32, progress = 1, replayed = 1, deferred = 0;
+        cur = cur0, given = given0;
+        if (!cur.fits) {
+            mn_estimate_result q, qn;
+            uint64_t room = defer ? cur.capacity - cur.capacity / 8 : 0;
+            if ((err = mn__quick_estimate(F, &s, &q, 0)) != MN_OK) return err;
+            if (q.fits) slack = 0;  // (the allocated peak fits already)
+            while (!cur.fits && progress && n < sizeof steps) {
+                progress = 0;
+                for (k = 0; k < MN__T_COUNT && !progress; k++) {
+                    mn__fit_memo *e;
+                    t = s;
+                    if (!mn__tech_apply((mn__tech)k, &t, bf16)) continue;
+                    // (one run: its step alone, and the replay mn__fits asks below when it
+                    // helps and is not deferred)
+                    F->defer_at = n ? room : 0;
+                    e = mn__fit_entry(F, &t, 1, 1, q.peak_allocated, 0);
+                    F->defer_at = 0;
+                    if ((err = e->quick_err) != MN_OK) return err;
+                    qn = e->quick;
+                    if (qn.peak_allocated >= q.peak_allocated) continue;  // no help here
+                    steps[n++] = (uint8_t)k, s = t, q = qn, progress = 1, given = 0;
+                    if (n > 1 && q.fits && q.device_used <= room) {
+                        cur = q, deferred = 1;  // (the step alone: replayed after the prune)
+                        break;
+                    }
+                    mn__fits(F, &s, &cur, &err, 0);
+                    if (err != MN_OK) return err;
+                    if (q.fits && !cur.fits && slack > n) slack = n;
+                }
             }
+            // no plan fits: the last setup tried is the answer, whole
+            if (!cur.fits && n > 0 && (mn__fits(F, &s, &cur, &err, 1), err != MN_OK)) return err;
         }
-        // no plan fits: the last setup tried is the answer, whole
-        if (!cur.fits && n > 0 && (mn__fits(F, &s, &cur, &err, 1), err != MN_OK)) return err;
-    }
-    // Prune: drop each step, the slowest first, whose removal still fits. The replays cost the
-    // most, so only the removal of a step added for the allocator's slack is replayed, the
-    // others are judged by the step alone, and the plan left is replayed once; where that replay
-    // does not fit, each removal is replayed.
-    if (cur.fits && n > 0) {
-        uint8_t kept[sizeof steps];
-        uint32_t m = n;
-        memcpy(kept, steps, n);
-        t = s;
-        mn__prune_alone(F, &base, bf16, kept, &m, slack, &t, &err);
-        if (err == MN_OK && m < n && mn__fits(F, &t, &next, &err, 0))
-            memcpy(steps, kept, m), n = m, s = t, cur = next, replayed = 0;
-        if (err != MN_OK) return err;
-        if (m == n) replayed = 0;  // (no removal fits)
+        // Prune: drop each step, the slowest first, whose removal still fits. The replays cost
+        // the most, so only the removal of a step added for the allocator's slack is replayed,
+        // the others are judged by the step alone, and the plan left is replayed once; where
+        // that replay does not fit, each removal is replayed.
+        if (cur.fits && n > 0) {
+            uint8_t kept[sizeof steps];
+            uint32_t m = n;
+            memcpy(kept, steps, n);
+            t = s;
+            mn__prune_alone(F, &base, bf16, kept, &m, slack, &t, &err);
+            if (err == MN_OK && m < n && mn__fits(F, &t, &next, &err, 0))
+                memcpy(steps, kept, m), n = m, s = t, cur = next, replayed = 0, deferred = 0;
+            if (err != MN_OK) return err;
+            if (m == n) replayed = 0;  // (no removal fits)
+        }
+        if (deferred && replayed) continue;  // (the plan left does not fit replayed)
+        if (deferred && (mn__fits(F, &s, &cur, &err, 0), err != MN_OK)) return err;
+        if (!deferred || cur.fits) break;
     }
     for (k = MN__T_COUNT; replayed && cur.fits && k-- > 0;) {
         for (i = n; i-- > 0;) {
