@@ -10351,8 +10351,9 @@ typedef struct mn__c_block {
 // Block structs are carved from slabs, each one host allocation: its header, then blocks at a
 // stride of whole cache lines (two on 64-bit hosts), then their labels. A cache with many blocks
 // keeps them dense (few pages for the searches and merges to walk, away from the program's other
-// allocations); a freed struct goes to the spare list and the slabs go back to the host with the
-// cache. A block's 32-bit id names its slab and place, which is what the address map keeps. A
+// allocations); a new slab's structs are handed out in address order, each page first touched
+// when a struct on it is, a freed struct goes to the spare list, and the slabs go back to the
+// host with the cache. A block's 32-bit id names its slab and place, which is what the address map keeps. A
 // slab starts on a 128-byte boundary, a full one (16384 structs, 2.4 MiB with the labels) on a
 // 2 MiB one advised for huge pages (mn__c_table_alloc), and its structs one line further. (The
 // bench table's mixed pairs at 10^6 live blocks, run back to back, were a fifth faster with the
@@ -10453,7 +10454,8 @@ typedef struct mn__c_cache {
     mn__c_segment *segs;            // every segment
     mn__c_segment *spare_seg;       // taken before a device allocation, so none is lost
     mn__c_block *spare;             // unused block structs
-    uint32_t spare_count;
+    uint32_t spare_count;           // on that list, and the last slab's never handed out:
+    uint32_t fresh_id, fresh_left;  // ids fresh_id .. + fresh_left (pages not touched yet)
     mn__c_slab **slabs;             // by id >> MN__C_SLAB_LOG
     uint32_t slab_count, slab_cap;
     mn__c_use *spare_uses;
@@ -11028,13 +11030,18 @@ MN__PRIVATE mn_result mn__c_spare_grow(mn__c_cache *c, uint32_t n) {
         if (!base) return MN_ERR_OUT_OF_MEMORY;
         sl = (mn__c_slab *)(void *)base;
         sl->host = host;
-        for (i = k; i-- > 0;) {  // handed out in address order
-            mn__c_block *b = (mn__c_block *)(void *)(base + 64 + (size_t)i * MN__C_BLOCK_STRIDE);
-            b->id = c->slab_count << MN__C_SLAB_LOG | i;
+        for (i = c->fresh_left; i-- > 0;) {  // (the last slab's rest: to the list, lowest first)
+            mn__c_block *b = mn__c_block_at(c, c->fresh_id + i);
+            b->id = c->fresh_id + i;
             b->tmp = c->spare;
             c->spare = b;
         }
-        c->slabs[c->slab_count++] = sl;
+        // The new slab's structs are handed out in address order as they are first needed
+        // (mn__c_block_new), so that pages no block reaches are never touched: a fit's replays
+        // made slabs up to 8192 structs (1 MiB) for a few thousand blocks, and each fresh page
+        // costs a fault of a microsecond or two.
+        c->slabs[c->slab_count] = sl;
+        c->fresh_id = c->slab_count++ << MN__C_SLAB_LOG, c->fresh_left = k;
         c->spare_count += k;  // at most 2^32 - 1 blocks in all slabs
     }
     return MN_OK;
@@ -11048,9 +11055,14 @@ MN__C_STEP mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
 // A zeroed block struct from the spares (or a new slab), NULL when the host is out of memory.
 MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     mn__c_block *b;
-    if (!c->spare && mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
-    b = c->spare;
-    c->spare = b->tmp;
+    if (!c->spare_count && mn__c_spare_grow(c, 1) != MN_OK) return NULL;
+    if (c->spare) {
+        b = c->spare;
+        c->spare = b->tmp;
+    } else {  // (a struct the last slab has not handed out yet)
+        b = mn__c_block_at(c, c->fresh_id);
+        b->id = c->fresh_id++, c->fresh_left--;
+    }
     c->spare_count--;
     b->l = b->r = b->up = NULL;  // field by field
     b->addr = b->size = 0;
