@@ -8964,9 +8964,10 @@ MN__PRIVATE mn_result mn__fit_in(mn__fit *F, const mn_setup *setup) {
             if (err != MN_OK) return err;
             if (m == n) replayed = 0;  // (no removal fits)
         }
-        if (deferred && replayed) continue;  // (the plan left does not fit replayed)
-        if (deferred && (mn__fits(F, &s, &cur, &err, 0), err != MN_OK)) return err;
-        if (!deferred || cur.fits) break;
+        if (!deferred) break;   // (confirmed step by step, or the plan left fit replayed)
+        if (replayed) continue;  // (the plan left does not fit replayed)
+        if (mn__fits(F, &s, &cur, &err, 0)) break;  // (the prune dropped nothing: the pass's own)
+        if (err != MN_OK) return err;
     }
     for (k = MN__T_COUNT; replayed && cur.fits && k-- > 0;) {
         for (i = n; i-- > 0;) {
@@ -10366,11 +10367,12 @@ typedef struct mn__c_block {
 // keeps them dense (few pages for the searches and merges to walk, away from the program's other
 // allocations); a new slab's structs are handed out in address order, each page first touched
 // when a struct on it is, a freed struct goes to the spare list, and the slabs go back to the
-// host with the cache. A block's 32-bit id names its slab and place, which is what the address map keeps. A
-// slab starts on a 128-byte boundary, a full one (16384 structs, 2.4 MiB with the labels) on a
-// 2 MiB one advised for huge pages (mn__c_table_alloc), and its structs one line further. (The
-// bench table's mixed pairs at 10^6 live blocks, run back to back, were a fifth faster with the
-// structs there than with them on the 2 MiB boundary; why that line matters was not found.)
+// host with the cache. A block's 32-bit id names its slab and place, which is what the address
+// map keeps. A slab starts on a 128-byte boundary, a full one (16384 structs, 2.4 MiB with the
+// labels) on a 2 MiB one advised for huge pages (mn__c_table_alloc), and its structs one line
+// further. (The bench table's mixed pairs at 10^6 live blocks, run back to back, were a fifth
+// faster with the structs there than with them on the 2 MiB boundary; why that line matters was
+// not found.)
 typedef struct mn__c_slab {
     void *host;                     // the allocation the slab was aligned in
 } mn__c_slab;
