@@ -1224,6 +1224,7 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
 // long 16-bit rows (mn__softmax_backward says why). Else the streaming kernels: the visible row
 // is read twice, the second time from L1/L2.
 #define MN__SM_NP_MAX 8  // packs a lane: rows of up to 2048 fp16/bf16 or 1024 fp32 columns
+#define MN__SM_BWD_U 2     // the streaming backward's packs in flight a lane in its dot's pass
 
 template <typename T, int NP>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
@@ -1493,26 +1494,40 @@ mn__softmax_forward_kernel(T *out, const T *inp, size_t N, size_t L, float scale
     }
 }
 
-template <typename T, int VEC>
+// The dot's pass issues the loads of U packs a lane before their arithmetic (the same sums in the
+// same order as one pack at a time); the second pass, which holds three tensors' packs, takes one.
+// An H200, bf16, causal 1024 x 1024, cold: U 2 against 1 (48 against 30 registers) 0.116 against
+// 0.118-0.128 ms at 96 matrices, 0.221 against 0.248-0.256 at 192, 0.856 against 1.058 at 768
+// (74.7 to 92.3 % of a copy's rate); U 2 in both passes (58 registers) 0.121 / 0.233 / 0.905 ms,
+// U 4 in the dot's pass 0.177 / 0.344 / 1.352.
+template <typename T, int VEC, int U>
 static __global__ void __launch_bounds__(32 * MN__ROWS_PER_BLOCK)
 mn__softmax_backward_kernel(T *dinp, const T *dout, const T *out, size_t N, size_t L, float scale,
                             int causal) {
     const int K = VEC ? (int)(16 / sizeof(T)) : 1;
+    const size_t S = 32 * (size_t)K;  // a warp's stride
     size_t row = (size_t)blockIdx.x * MN__ROWS_PER_BLOCK + threadIdx.x / 32, i, len;
     unsigned lane = threadIdx.x % 32;
     const T *y, *dy;
     T *dx;
     float dot = 0.0f;
-    int k;
+    int k, u;
     if (row >= N) return;
     y = out + row * L, dy = dout + row * L, dx = dinp + row * L;
     len = (size_t)mn_hd_softmax_len(row, L, causal);
-    for (i = lane * K; i < len; i += 32 * K) {
-        mn__pack<T> p = mn__ldk<T, VEC>(y + i), q = mn__ldk<T, VEC>(dy + i);
-        for (k = 0; k < K && i + k < len; k++) dot += mn__ld<T>(&p.v[k]) * mn__ld<T>(&q.v[k]);
+    for (i = lane * K; i < len; i += U * S) {
+        mn__pack<T> p[U], q[U];
+#pragma unroll
+        for (u = 0; u < U; u++)
+            if (i + u * S < len)
+                p[u] = mn__ldk<T, VEC>(y + i + u * S), q[u] = mn__ldk<T, VEC>(dy + i + u * S);
+#pragma unroll
+        for (u = 0; u < U; u++)
+            for (k = 0; k < K && i + u * S + k < len; k++)
+                dot += mn__ld<T>(&p[u].v[k]) * mn__ld<T>(&q[u].v[k]);
     }
     dot = mn__warp_sum(dot);
-    for (i = lane * K; i < len; i += 32 * K) {  // a pack across len keeps its masked entries
+    for (i = lane * K; i < len; i += S) {  // a pack across len keeps its masked entries
         mn__pack<T> p = mn__ldk<T, VEC>(y + i), q = mn__ldk<T, VEC>(dy + i);
         mn__pack<T> d = mn__ldk<T, VEC>(dx + i);
         for (k = 0; k < K && i + k < len; k++)
@@ -1569,9 +1584,10 @@ static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout
     const T *dy = (const T *)dout, *y = (const T *)out;
     unsigned pgrid = mn__blocks(mn_hd_softmax_pairs(N, L), MN__SM_PAIR_WARPS);
     // causal rows in 16-bit storage from 1024 columns on: the streaming kernel, whose registers
-    // let an SM hold four times the warps (an H200, bf16: 0.116 against the pairs' 0.140 ms at
-    // 96 x 1024 x 1024, 0.139 against 0.185 at 24 x 2048 x 2048; the pairs were faster at 128
-    // and 256 columns and in fp32, by 2 to 18 %)
+    // let an SM hold more warps (an H200, bf16, with one pack in flight: 0.116 against the pairs'
+    // 0.140 ms at 96 x 1024 x 1024, 0.139 against 0.185 at 24 x 2048 x 2048; the pairs were
+    // faster at 128 and 256 columns and in fp32, by 2 to 18 %; with two, 0.856 ms at 768 x 1024 x
+    // 1024 against the pairs' 1.007 in another run)
     int stream = causal && sizeof(T) == 2 && L >= 1024;
 #define MN__SM_BWD(NP) \
     if (causal) mn__softmax_backward_pair_kernel<T, NP><<<pgrid, 32 * MN__SM_PAIR_WARPS, 0, s>>>( \
@@ -1584,11 +1600,11 @@ static mn_result mn__softmax_backward(mn_cuda *ctx, void *dinp, const void *dout
     case 8: MN__SM_BWD(8); break;
     default:
         if (vec)
-            mn__softmax_backward_kernel<T, 1><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
-                                                                      causal);
+            mn__softmax_backward_kernel<T, 1, MN__SM_BWD_U><<<grid, block, 0, s>>>(
+                dx, dy, y, N, L, scale, causal);
         else
-            mn__softmax_backward_kernel<T, 0><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
-                                                                      causal);
+            mn__softmax_backward_kernel<T, 0, 1><<<grid, block, 0, s>>>(dx, dy, y, N, L, scale,
+                                                                         causal);
     }
 #undef MN__SM_BWD
     MN__LAUNCHED(ctx);
@@ -2326,7 +2342,11 @@ mn__adamw8bit_kernel(float *param, P *param16, const G *grad, uint8_t *code1, ui
 // against 1.5e-7). TAB: the new codes from the maps' threshold tables (mn_hd_q8_nearest_tab, one
 // shared-memory read a code) instead of the binary search (eight dependent reads), the same
 // codes; the unsigned map's codes from its table's upper half (mn_hd_q8_nearest_tab_pos, v is
-// never negative): 37.5 KiB of tables a block, five blocks of 8 warps an H100 or H200 SM.
+// never negative): 37.5 KiB of tables a block. A warp loads its next block's inputs (as they
+// come: 16-byte packs, code words) before this block's arithmetic, for 64 registers: four blocks
+// of 8 warps an SM, each with two blocks' loads in flight, where the kernel without it had five
+// with one (48 registers). An H200, 124M elements, cold: 0.657-0.665 against 0.685-0.696 ms
+// (70.3-71.0 to 73.5-74.0 % of a copy's rate), the same bytes out; capped at 3 blocks, 0.662-0.669.
 #define MN__Q8_LANE 8  // elements per lane: 32 x 8 = 256, one quantization block
 template <typename T>
 __device__ __forceinline__ void mn__ld8(const T *p, float *x) {
@@ -2339,13 +2359,7 @@ __device__ __forceinline__ void mn__ld8(const T *p, float *x) {
         for (k = 0; k < K; k++) x[u * K + k] = mn__ld<T>(&q.v[k]);
     }
 }
-// 8 codes in one 8-byte access (p 8-byte aligned), unpacked to bytes and packed back.
-__device__ __forceinline__ void mn__ld8_codes(const uint8_t *p, uint8_t *c) {
-    uint2 w = *reinterpret_cast<const uint2 *>(p);
-    int e;
-#pragma unroll
-    for (e = 0; e < 4; e++) c[e] = (uint8_t)(w.x >> (8 * e)), c[4 + e] = (uint8_t)(w.y >> (8 * e));
-}
+// 8 codes packed back into one 8-byte store (p 8-byte aligned).
 __device__ __forceinline__ void mn__st8_codes(uint8_t *p, const uint8_t *c) {
     uint2 w = make_uint2(0u, 0u);
     int e;
@@ -2378,8 +2392,30 @@ __device__ __forceinline__ void mn__adamw8bit_param_fast(float *p, float m, floa
 }
 
 #define MN__Q8W_WORDS(TAB) (512u + ((TAB) ? MN_Q8_TAB + MN_Q8_TAB / 2 : 0u))  // shared words
+// One quantization block's inputs as a lane loads them: 16-byte packs, 8 codes a word each.
+template <typename G>
+struct mn__q8_in {
+    mn__pack<G> g[MN__Q8_LANE * sizeof(G) / 16];
+    mn__pack<float> p[2];
+    uint2 c1, c2;
+    float a1, a2;
+};
+template <typename G>
+__device__ __forceinline__ void mn__q8_load(mn__q8_in<G> *in, const float *param, const G *grad,
+                                            const uint8_t *code1, const uint8_t *code2,
+                                            const float *absmax1, const float *absmax2, size_t b,
+                                            size_t i0) {
+    const int KG = 16 / sizeof(G);
+    int u;
+    in->a1 = absmax1[b], in->a2 = absmax2[b];
+#pragma unroll
+    for (u = 0; u < MN__Q8_LANE / KG; u++) in->g[u] = mn__ld16<G>(grad + i0 + u * KG);
+    in->p[0] = mn__ld16<float>(param + i0), in->p[1] = mn__ld16<float>(param + i0 + 4);
+    in->c1 = *reinterpret_cast<const uint2 *>(code1 + i0);
+    in->c2 = *reinterpret_cast<const uint2 *>(code2 + i0);
+}
 template <typename G, typename P, int TAB>
-static __global__ void __launch_bounds__(MN__Q8_THREADS)
+static __global__ void __launch_bounds__(MN__Q8_THREADS, 4)
 mn__adamw8bit_warp_kernel(float *param, P *param16, const G *grad, uint8_t *code1,
                           uint8_t *code2, float *absmax1, float *absmax2, const float *maps,
                           size_t nblocks, mn_hd_adamw8bit_coef k, const float *grad_norm,
@@ -2390,24 +2426,38 @@ mn__adamw8bit_warp_kernel(float *param, P *param16, const G *grad, uint8_t *code
     uint32_t *tab1 = reinterpret_cast<uint32_t *>(map1 + 512), *half2 = tab1 + MN_Q8_TAB;
     const uint32_t *src = reinterpret_cast<const uint32_t *>(maps);
     const unsigned W = MN__Q8_THREADS / 32;
-    size_t b;
+    const size_t stride = (size_t)gridDim.x * W;
+    size_t b = (size_t)blockIdx.x * W + threadIdx.x / 32;
     unsigned j, lane = threadIdx.x % 32;
     float clip, scale;
+    mn__q8_in<G> in, next;
     if (mn__step_clip(grad_norm, inv_scale, max_norm, &clip)) return;  // found inf: skipped
     scale = inv_scale * clip;
+    if (b < nblocks)
+        mn__q8_load(&next, param, grad, code1, code2, absmax1, absmax2, b,
+                    b * 256 + lane * MN__Q8_LANE);
     for (j = threadIdx.x; j < MN__Q8W_WORDS(TAB); j += blockDim.x)  // maps[] skips tab2's lower half
         reinterpret_cast<uint32_t *>(mn__q8w_smem)[j] =
             src[j < 512 + MN_Q8_TAB ? j : j + MN_Q8_TAB / 2];
     __syncthreads();
-    for (b = (size_t)blockIdx.x * W + threadIdx.x / 32; b < nblocks; b += (size_t)gridDim.x * W) {
+    for (; b < nblocks; b += stride) {
+        const int KG = 16 / sizeof(G);
         size_t i0 = b * 256 + lane * MN__Q8_LANE;
         unsigned e;
         float g[MN__Q8_LANE], p[MN__Q8_LANE], m[MN__Q8_LANE], v[MN__Q8_LANE];
-        float a1 = absmax1[b], a2 = absmax2[b], n1 = 0.0f, n2 = 0.0f, inv1, inv2;
+        float n1 = 0.0f, n2 = 0.0f, inv1, inv2, a1, a2;
         uint8_t c1[MN__Q8_LANE], c2[MN__Q8_LANE];
-        mn__ld8<G>(grad + i0, g);
-        mn__ld8<float>(param + i0, p);
-        mn__ld8_codes(code1 + i0, c1), mn__ld8_codes(code2 + i0, c2);
+        in = next;  // this block's inputs, loaded during the last block's arithmetic
+        if (b + stride < nblocks)
+            mn__q8_load(&next, param, grad, code1, code2, absmax1, absmax2, b + stride,
+                        i0 + stride * 256);
+        a1 = in.a1, a2 = in.a2;
+#pragma unroll
+        for (e = 0; e < MN__Q8_LANE; e++) {
+            g[e] = mn__ld<G>(&in.g[e / KG].v[e % KG]), p[e] = in.p[e / 4].v[e % 4];
+            c1[e] = (uint8_t)((e < 4 ? in.c1.x : in.c1.y) >> (8 * (e % 4)));
+            c2[e] = (uint8_t)((e < 4 ? in.c2.x : in.c2.y) >> (8 * (e % 4)));
+        }
 #pragma unroll
         for (e = 0; e < MN__Q8_LANE; e++) {
             g[e] *= scale;
