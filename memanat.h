@@ -11070,7 +11070,7 @@ MN__C_STEP mn_result mn__c_spare_reserve(mn__c_cache *c, uint32_t n) {
 // A zeroed block struct from the spares (or a new slab), NULL when the host is out of memory.
 MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     mn__c_block *b;
-    if (!c->spare_count && mn__c_spare_grow(c, 1) != MN_OK) return NULL;
+    if (mn__c_spare_reserve(c, 1) != MN_OK) return NULL;
     if (c->spare) {
         b = c->spare;
         c->spare = b->tmp;
