@@ -1,7 +1,8 @@
 # memanat: `make` builds the CLI, `make test` runs every test that needs no GPU.
 # Other targets: sanitize (ASan+UBSan tests), cxx (header as C++), clang (warnings-as-errors
-# under clang, also with MEMANAT_STATIC and the trainer, with and without its GPU path, the
-# header as C++ under clang++, and the ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every
+# under clang, the tests with the ops' requests ahead on whatever the CPU (MEMANAT_PREFETCH=1),
+# also with MEMANAT_STATIC and the trainer, with and without its GPU path, the header as C++
+# under clang++, and the ops with MEMANAT_NO_SIMD), fuzz (bounded fuzzing of every
 # parser), bench (benchmark programs; bench_matmul beside OpenBLAS when it links), cblas-test (the
 # ops tests with MEMANAT_CBLAS, against OpenBLAS), native (the ops and optimizer tests built for
 # this CPU, so that its AVX2/AVX-512 paths run), cuda-probe.
@@ -196,7 +197,7 @@ cxx: test/cxx_check.cpp $(HDRS) | build
 	./build/cxx_check
 
 clang: $(TESTSRC) $(HDRS) memanat.c trainer.c bind/memanat_api.c | build
-	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/test_clang $(TESTSRC) $(LDLIBS)
+	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_PREFETCH=1 -o build/test_clang $(TESTSRC) $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/memanat_clang memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -DMEMANAT_STATIC -o build/memanat_static memanat.c $(LDLIBS)
 	$(CLANG) $(CSTD) $(OPT) $(WARN) -o build/trainer_clang trainer.c $(LDLIBS)

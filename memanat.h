@@ -26,6 +26,9 @@
 //                          cblas.h on the include path and link the library (e.g. -lopenblas). Results
 //                          then follow that library (its threads, its order of summation).
 //                          Nothing else uses it; without it the header needs no BLAS.
+//   MEMANAT_PREFETCH=0|1   whether the large memory-bound ops ask for their input ahead of the
+//                          loads (mn__pf_ahead); default: by the CPU, read once (off on AMD
+//                          family 19h, where those requests cost; on elsewhere)
 // Link with -lm -lpthread. OpenMP (-fopenmp), when enabled, parallelizes the reference ops and
 // the optimizer steps but Lion's (these time themselves and keep one thread while a team is not
 // faster, as on cores that other processes keep busy: mn_team_tune). On a machine whose cores
@@ -13636,6 +13639,9 @@ MN__PRIVATE void mn__tune_end(mn_team_tune *t, int ran, double t0) {
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(MEMANAT_NO_SIMD) && \
     (defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__))
 #include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>  // __get_cpuid (mn__pf_ahead)
+#endif
 #define MN__OV 1
 #if defined(__AVX512F__)
 #define MN__OW 16
@@ -13708,6 +13714,42 @@ static inline mn__ovf mn__ov_divc(mn__ovf x, double rc) {
 #endif
 #else
 #define MN__OV 0
+#endif
+
+// Whether the norms (forward and backward), the GELU and the Adafactor step make their requests
+// ahead (mn__prefetch, MN__OPT_AF_PF) in a large call. They were measured to pay on a Zen 5 core
+// (the figures at each op) and to cost on a Zen 4 core, where the hardware prefetcher alone does
+// better (one Zen 4 core, one thread, 8192 x 768 fp32, medians of 21 to 31 cold runs, alternated:
+// layernorm forward 2.9-3.0 ms with them, 2.2 without; its backward 6.6-6.9 with, 3.9-4.1 without,
+// and 5.6 asking one line per 16 floats as the row goes instead of the row at once; GELU backward
+// 6.1 with, 4.6 without; GELU forward 3.0 either way; an Adafactor step on [8192, 768] 8.4 with,
+// 6.2 without, medians of 6 runs' medians). So they are made but on AMD family 19h (Zen 3 and Zen
+// 4; Zen 3 not measured), a fact of the CPU read once with cpuid (microseconds under a hypervisor)
+// and kept; MEMANAT_PREFETCH decides at build time instead. The causal softmax's requests and those
+// of mn__nt_row_pass stay on everywhere: on the Zen 4 core the causal softmax forward took 3.2 ms
+// with them, 4.2 without, and the cross-entropy forward lost without them too. A hint only: every
+// op's bits are the same.
+#if defined(MEMANAT_PREFETCH)
+MN__PRIVATE int mn__pf_ahead(void) { return MEMANAT_PREFETCH != 0; }
+#elif MN__OV && (defined(__x86_64__) || defined(__i386__))
+MN__PRIVATE int mn__pf_ahead(void) {
+    static int known;  // 0: not read yet, 1: make them, 2: not
+    int k = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (!k) {
+        unsigned a, b, c, d, fam;
+        k = 1;
+        if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u &&  // "Auth" of AuthenticAMD
+            __get_cpuid(1, &a, &b, &c, &d)) {
+            fam = (a >> 8) & 0xfu;  // the base family, plus the extended one past 0xf
+            if (fam == 0xfu) fam += (a >> 20) & 0xffu;
+            if (fam == 0x19u) k = 2;
+        }
+        __atomic_store_n(&known, k, __ATOMIC_RELAXED);
+    }
+    return k == 1;
+}
+#else
+MN__PRIVATE int mn__pf_ahead(void) { return 1; }
 #endif
 
 MN__PRIVATE mn_result mn__opt_alloc(const mn_allocator *a, uint64_t bytes, void **out) {
@@ -15153,16 +15195,17 @@ MN__OPT_INLINE void mn__opt_af_rowsq(const float *g, const float *th, uint64_t c
 // demand reads go to memory: it prefetches the rows of g and θ (th, this row's) from
 // MN__OPT_AF_PF elements past the next row's start, where the hardware's prefetcher alone leaves
 // the loads of the next rows to stall (on a Zen 5 core at [8192, 768]: the step 0.9 of the time
-// without; 512 elements ahead gained less, 2048 and 4096 the same, the next row itself lost).
+// without; 512 elements ahead gained less, 2048 and 4096 the same, the next row itself lost),
+// where mn__pf_ahead says so (pf).
 #define MN__OPT_AF_PF 1024u
 MN__OPT_INLINE void mn__opt_af_rowinv(const float *g, const float *th, uint64_t cols, double inv,
-                                      double *as, int set) {
+                                      double *as, int set, int pf) {
     uint64_t j = 0;
 #if defined(MN__OPT_LV)
     mn__opt_dv c, w;
     mn__opt_fv f;
     for (; j + MN__OPT_DW <= cols; j += MN__OPT_DW) {
-        if (j % 16 == 0) {  // a cache line of each (addresses past the tensor: never dereferenced)
+        if (pf && j % 16 == 0) {  // a line of each (addresses past the tensor: never dereferenced)
             uintptr_t off = (uintptr_t)(cols + MN__OPT_AF_PF + j) * sizeof(float);
             __builtin_prefetch((const void *)((uintptr_t)g + off));
             __builtin_prefetch((const void *)((uintptr_t)th + off));
@@ -15173,7 +15216,7 @@ MN__OPT_INLINE void mn__opt_af_rowinv(const float *g, const float *th, uint64_t 
         MN__OPT_STORE(as + j, w);
     }
 #else
-    (void)th;
+    (void)th, (void)pf;
 #endif
     for (; j < cols; j++) {
         double t = (double)g[j] * g[j] * inv;
@@ -15283,6 +15326,7 @@ typedef struct mn__opt_af_mom {
     float b2t, w2t, eps1;
     double *cs, *as, *part;
     int team;
+    int pf;  // the rows' requests ahead (mn__pf_ahead)
 } mn__opt_af_mom;
 
 // The factored second moment of batch b, the lanes of θ² (ps) and the sum behind RMS(u).
@@ -15314,7 +15358,7 @@ MN__PRIVATE double mn__opt_af_moment(mn_adafactor *s, const mn__opt_af_mom *m,
             row[i] = row[i] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)cols);
             if (as)
                 mn__opt_af_rowinv(gb + i * cols, pb + i * cols, cols, 1.0 / (double)row[i], as,
-                                  i == 0);
+                                  i == 0, m->pf);
         }
         nk = 0;
     }
@@ -15334,7 +15378,7 @@ MN__PRIVATE double mn__opt_af_moment(mn_adafactor *s, const mn__opt_af_mom *m,
             row[ik] = row[ik] * b2t + w2t * (float)(mn__opt_lanes_total(rs) / (double)cols);
             if (pa)
                 mn__opt_af_rowinv(gb + ik * cols, pb + ik * cols, cols, 1.0 / (double)row[ik], pa,
-                                  ik == i0);
+                                  ik == i0, m->pf);
         }
         MN__OMP_ORDERED {
             uint64_t jk;
@@ -15469,7 +15513,7 @@ MNIMPL mn_result mn_adafactor_step(mn_adafactor *s, float *param, const float *g
             team = 1;
         }
     }
-    m.team = team;
+    m.team = team, m.pf = mn__pf_ahead();
     // pass 0: the second moment and the sums of θ² (before the step) and u², piece by piece
     if (s->factored) {
         for (b = 0; b < s->batch; b++) {
@@ -16960,15 +17004,15 @@ MN__PRIVATE mn_result mn__norm_forward(float *out, float *mean, float *rstd, con
                                        const float *weight, const float *bias, size_t N, size_t C,
                                        float eps, int rms) {
     size_t part, parts;
-    int big, nt;
+    int big, nt, pf;
     if (!out || !inp || !weight || C == 0 || !mn__ops_fits(N, C, 1)) return MN_ERR_INVALID_ARG;
-    big = mn__nt_big(N, C), nt = big && mn__nt_want(out);
+    big = mn__nt_big(N, C), nt = big && mn__nt_want(out), pf = big && mn__pf_ahead();
     parts = mn__nt_parts((uint64_t)N * C);
     MN__OMP_FOR_WORK(N * C, MN__OMP_MIN_ELEMS, parts)
     for (part = 0; part < parts; part++) {
         size_t n, n1 = mn__part_start(N, parts, part + 1);
         for (n = mn__part_start(N, parts, part); n < n1; n++) {
-            if (big && n + MN__PF_ROWS < N) mn__prefetch(inp + (n + MN__PF_ROWS) * C, C);
+            if (pf && n + MN__PF_ROWS < N) mn__prefetch(inp + (n + MN__PF_ROWS) * C, C);
             mn__layernorm_row(out + n * C, mean ? mean + n : NULL, rstd ? rstd + n : NULL,
                               inp + n * C, weight, bias, C, eps, nt, rms);
         }
@@ -17098,10 +17142,10 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
     // (8192 x 768, one Zen 5 core: 0.67-0.71 of memcpy's bytes per second before,
     // 0.89-1.03 after; the prefetch alone gave 0.77, the fused pass alone no gain.)
     if (team <= 2) {
-        int big = mn__nt_big(N, C);
+        int pf = mn__nt_big(N, C) && mn__pf_ahead();
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
-            if (big && n + 1 < N) mn__prefetch_bwd_row(x + C, dy + C, dinp, (n + 1) * C, C);
+            if (pf && n + 1 < N) mn__prefetch_bwd_row(x + C, dy + C, dinp, (n + 1) * C, C);
 #if MN__OV
             if (dinp) {
                 mn__layernorm_bwd_row(dinp + n * C, dweight, dbias, dy, x, weight, mean[n],
@@ -17226,10 +17270,10 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
     team = mn__omp_team((uint64_t)N * C, MN__OMP_MIN_ELEMS);
 #endif
     if (team <= 2) {  // one thread, one pass (the threshold of mn_layernorm_backward)
-        int big = mn__nt_big(N, C);
+        int pf = mn__nt_big(N, C) && mn__pf_ahead();
         for (n = 0; n < N; n++) {
             const float *x = inp + n * C, *dy = dout + n * C;
-            if (big && n + 1 < N) mn__prefetch_bwd_row(x + C, dy + C, dinp, (n + 1) * C, C);
+            if (pf && n + 1 < N) mn__prefetch_bwd_row(x + C, dy + C, dinp, (n + 1) * C, C);
 #if MN__OV
             if (dinp) {
                 mn__rmsnorm_bwd_row(dinp + n * C, dweight, dy, x, weight, rstd[n], C);
@@ -17667,16 +17711,16 @@ MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // A large call streams its output and asks for its input ahead (>>ops streaming stores; 1.1x
     // measured); parts of blocks claimed by the threads.
     size_t part, parts, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
-    int big = mn__nt_big(n, 1), nt;
+    int big = mn__nt_big(n, 1), nt, pf;
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
-    nt = big && mn__nt_want(out);
+    nt = big && mn__nt_want(out), pf = big && mn__pf_ahead();
     parts = mn__nt_parts(n);
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, parts)
     for (part = 0; part < parts; part++) {  // (one span a part: one scalar head up to a line)
         size_t i = mn__part_start(nb, parts, part) * MN__GELU_BLOCK;
         size_t i1 = mn__part_start(nb, parts, part + 1) * MN__GELU_BLOCK;
         if (i1 > n) i1 = n;
-        if (i < i1) mn__gelu_span(out + i, inp + i, i1 - i, nt, big ? n - i : 0);
+        if (i < i1) mn__gelu_span(out + i, inp + i, i1 - i, nt, pf ? n - i : 0);
         if (nt) mn__nt_fence();
     }
     return MN_OK;
@@ -17688,7 +17732,7 @@ MNIMPL mn_result mn_gelu_backward(float *dinp, const float *dout, const float *i
     // call asks for the three arrays MN__PF_CHUNKS chunks ahead (the hardware prefetcher keeps
     // up with one stream, not with three: 1.4x measured).
     size_t b, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
-    int big = mn__nt_big(n, 1);
+    int pf = mn__nt_big(n, 1) && mn__pf_ahead();
     if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nb)
     for (b = 0; b < nb; b++) {
@@ -17697,7 +17741,7 @@ MNIMPL mn_result mn_gelu_backward(float *dinp, const float *dout, const float *i
         float g[MN__STAGE];
         for (i = i0; i < end; i += len) {
             len = end - i < MN__STAGE ? end - i : MN__STAGE;
-            if (big && n - i > (MN__PF_CHUNKS + 1) * MN__STAGE) {
+            if (pf && n - i > (MN__PF_CHUNKS + 1) * MN__STAGE) {
                 size_t k = i + MN__PF_CHUNKS * MN__STAGE;
                 mn__prefetch(inp + k, MN__STAGE), mn__prefetch(dout + k, MN__STAGE);
                 mn__prefetch(dinp + k, MN__STAGE);
