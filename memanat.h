@@ -4868,12 +4868,9 @@ MN__PRIVATE void mn__id_free(mn__sim *S, uint32_t id) {
     S->free_ids[S->nfree++] = id;
 }
 
-MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
-    mn__tensor *t;
-    if (id == MN__NONE || S->counting || S->err) return;
-    t = &S->tensors[id];
-    MN_ASSERT(t->live && t->refs > 0);
-    if (--t->refs) return;
+// The free of mn__drop, once no reference is left.
+MN__PRIVATE void mn__drop_last(mn__sim *S, uint32_t id) {
+    mn__tensor *t = &S->tensors[id];
     t->live = 0;
     ++S->seq;
     if (S->history) S->hist[id].died = S->seq;
@@ -4882,6 +4879,16 @@ MN__PRIVATE void mn__drop(mn__sim *S, uint32_t id) {
     S->total_r -= (t->bytes + 511) / 512 * 512;
     mn__event(S, id, 0);
     if (!t->tape) mn__id_free(S, id);
+}
+
+// Drops a reference; the last one frees the tensor. (Most drops leave references: the test and
+// the decrement are inlined, the free is a call.)
+static inline void mn__drop(mn__sim *S, uint32_t id) {
+    mn__tensor *t;
+    if (id == MN__NONE || S->counting || S->err) return;
+    t = &S->tensors[id];
+    MN_ASSERT(t->live && t->refs > 0);
+    if (!--t->refs) mn__drop_last(S, id);
 }
 
 // An op on the tape names id (pin) or has left the tape (unpin).
@@ -6167,42 +6174,43 @@ MN__PRIVATE void mn__param_grad(mn__sim *S, uint32_t pi, int cast16) {
 
 MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo);
 
-// Backward of one recorded op (see the section comment).
-MN__PRIVATE void mn__backward_op(mn__sim *S, mn__op op) {
+// Backward of one recorded op (see the section comment); op points to the caller's copy, not
+// into the tape, which a recompute may grow (and move).
+MN__PRIVATE void mn__backward_op(mn__sim *S, const mn__op *op) {
     S->why = "backward: activation gradients and temporaries";
     mn__cfg *c = S->c;
     int i;
-    if (op.recomp_block != MN__NONE) {  // re-run a checkpointed block, recording, then its backward
+    if (op->recomp_block != MN__NONE) {  // re-run a checkpointed block, recording, then its backward
         uint64_t mark = S->nops;
         uint32_t y2, cur = S->cursor;
-        y2 = mn__block(S, op.in[0], op.recomp_block, op.nin > 1 ? op.in[1] : MN__NONE);
+        y2 = mn__block(S, op->in[0], op->recomp_block, op->nin > 1 ? op->in[1] : MN__NONE);
         if (c->amp) mn__amp_clear(S);
         S->cursor = cur;
         if (S->err || y2 == MN__NONE) return;
-        S->tensors[y2].grad = S->tensors[op.out].grad;
-        S->tensors[op.out].grad = MN__NONE;
+        S->tensors[y2].grad = S->tensors[op->out].grad;
+        S->tensors[op->out].grad = MN__NONE;
         mn__drop(S, y2);
         mn__backward(S, mark);
-        for (i = 0; i < op.nsaved; i++) mn__drop(S, op.saved[i]);
+        for (i = 0; i < op->nsaved; i++) mn__drop(S, op->saved[i]);
         return;
     }
-    for (i = 0; i < op.nin; i++) {
-        mn__tensor *t = &S->tensors[op.in[i]];
+    for (i = 0; i < op->nin; i++) {
+        mn__tensor *t = &S->tensors[op->in[i]];
         if (!t->requires_grad) continue;
         if (t->grad == MN__NONE) {
             uint32_t g = mn__tensor_new(S, t->bytes / t->elem_size, t->elem_size, MN_CAT_TEMPORARY);
-            S->tensors[op.in[i]].grad = g;
+            S->tensors[op->in[i]].grad = g;
         } else {
             mn__transient(S, t->bytes, MN_CAT_TEMPORARY);
         }
     }
-    for (i = 0; i < op.nparam; i++) mn__param_grad(S, op.param[i], op.cast16);
-    mn__transient(S, op.bwd_temp, MN_CAT_TEMPORARY);
-    if (S->tensors[op.out].grad != MN__NONE) {
-        mn__drop(S, S->tensors[op.out].grad);
-        S->tensors[op.out].grad = MN__NONE;
+    for (i = 0; i < op->nparam; i++) mn__param_grad(S, op->param[i], op->cast16);
+    mn__transient(S, op->bwd_temp, MN_CAT_TEMPORARY);
+    if (S->tensors[op->out].grad != MN__NONE) {
+        mn__drop(S, S->tensors[op->out].grad);
+        S->tensors[op->out].grad = MN__NONE;
     }
-    for (i = 0; i < op.nsaved; i++) mn__drop(S, op.saved[i]);
+    for (i = 0; i < op->nsaved; i++) mn__drop(S, op->saved[i]);
 }
 
 MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo) {
@@ -6211,7 +6219,7 @@ MN__PRIVATE void mn__backward(mn__sim *S, uint64_t lo) {
         mn__op op = S->ops[i];  // by value: a recompute may grow the tape
         uint32_t k;
         S->nops = i + 1;
-        mn__backward_op(S, op);
+        mn__backward_op(S, &op);
         if (S->err) break;
         mn__unpin(S, op.out);  // the op leaves the tape
         for (k = 0; k < op.nin; k++) mn__unpin(S, op.in[k]);
