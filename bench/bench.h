@@ -50,22 +50,31 @@ static inline double bench_median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// "model name" of /proc/cpuinfo and the number of logical CPUs.
+// "model name" of /proc/cpuinfo with the first CPU's family and model, and the number of
+// logical CPUs.
 static inline int bench_cpu_model(char *buf, size_t cap) {
-    char line[256];
+    char line[256], name[128] = "unknown CPU";
     FILE *f = fopen("/proc/cpuinfo", "r");
-    int ncpu = 0;
-    snprintf(buf, cap, "unknown CPU");
+    int ncpu = 0, family = -1, model = -1;
+    snprintf(buf, cap, "%s", name);
     if (!f) return 0;
     while (fgets(line, sizeof line, f)) {
         char *colon = strchr(line, ':');
-        if (strncmp(line, "model name", 10) == 0 && colon && ncpu == 1) {
-            snprintf(buf, cap, "%s", colon + 2);
-            buf[strcspn(buf, "\n")] = 0;
-        }
         if (strncmp(line, "processor", 9) == 0) ncpu++;
+        if (!colon || ncpu != 1) continue;
+        if (strncmp(line, "model name", 10) == 0) {
+            snprintf(name, sizeof name, "%s", colon + 2);
+            name[strcspn(name, "\n")] = 0;
+        } else if (strncmp(line, "cpu family", 10) == 0) {
+            family = atoi(colon + 1);
+        } else if (strncmp(line, "model", 5) == 0 && (line[5] == '\t' || line[5] == ' ')) {
+            model = atoi(colon + 1);
+        }
     }
     fclose(f);
+    // the name alone ("AMD EPYC" under a hypervisor) does not tell the core's generation
+    if (family >= 0 && model >= 0) snprintf(buf, cap, "%s, family %d model %d", name, family, model);
+    else snprintf(buf, cap, "%s", name);
     return ncpu;
 }
 
