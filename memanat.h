@@ -17035,7 +17035,8 @@ MNIMPL mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, cons
     // mu = mean(x), var = mean((x - mu)^2) (biased), r = 1/sqrt(var + eps);
     // y = (x - mu) r w + b (llm.c train_gpt2.c layernorm_forward; two-pass variance).
     // A large call with rows that fit an L1 chunk streams its output and asks for a row
-    // MN__PF_ROWS ahead as it starts one (>>ops streaming stores); the threads claim parts of rows.
+    // MN__PF_ROWS ahead as it starts one where mn__pf_ahead says so (>>ops streaming stores); the
+    // threads claim parts of rows.
     return mn__norm_forward(out, mean, rstd, inp, weight, bias, N, C, eps, 0);
 }
 
@@ -17144,7 +17145,8 @@ MNIMPL mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias
     // (and lost 3x to one thread on a loaded one); a team starts from three threads.
     // With vector lanes, one pass over the row gives dx, dweight and dbias after the pass for
     // the means (mn__layernorm_bwd_row). A large call asks for the next row of dout, inp and
-    // dinp as it starts one (mn__prefetch): three rows, as many bytes ahead as the forward's
+    // dinp as it starts one (mn__prefetch, where mn__pf_ahead says so: not on Zen 4, where it
+    // cost): three rows, as many bytes ahead as the forward's
     // MN__PF_ROWS and more. Two rows ahead was slower, asking for dinp's lines for writing no
     // faster, and streaming dinp slower (the pass reads its lines before it writes them).
     // (8192 x 768, one Zen 5 core: 0.67-0.71 of memcpy's bytes per second before,
@@ -17269,7 +17271,7 @@ MNIMPL mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *d
     // one contiguous column range per thread for dweight (the same order per column, so the same
     // bits). On one thread, as mn_layernorm_backward: with vector lanes dx and dweight in one
     // pass after the mean (mn__rmsnorm_bwd_row), and a large call asks for the next row of dout,
-    // inp and dinp as it starts one.
+    // inp and dinp as it starts one (where mn__pf_ahead says so).
     size_t n, part;
     int team = 1;
     if (!dout || !inp || !rstd || C == 0 || (dinp && !weight) || !mn__ops_fits(N, C, 1))
@@ -17717,7 +17719,8 @@ MN__PRIVATE void mn__gelu_grad_chunk(float *g, const float *x, size_t n) {
 MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Hendrycks & Gimpel 2016
     // A large call streams its output and asks for its input ahead (>>ops streaming stores; 1.1x
-    // measured); parts of blocks claimed by the threads.
+    // measured on a Zen 5 core; the requests where mn__pf_ahead says so); parts of blocks claimed
+    // by the threads.
     size_t part, parts, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
     int big = mn__nt_big(n, 1), nt, pf;
     if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
@@ -17737,8 +17740,9 @@ MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
 MNIMPL mn_result mn_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dx += dy (0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
     // (dinp is read, so its lines are in cache when they are written: ordinary stores). A large
-    // call asks for the three arrays MN__PF_CHUNKS chunks ahead (the hardware prefetcher keeps
-    // up with one stream, not with three: 1.4x measured).
+    // call asks for the three arrays MN__PF_CHUNKS chunks ahead where mn__pf_ahead says so (a Zen 5
+    // core's hardware prefetcher keeps up with one stream, not with three: 1.4x measured there;
+    // a Zen 4 core's was faster alone).
     size_t b, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
     int pf = mn__nt_big(n, 1) && mn__pf_ahead();
     if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
