@@ -106,8 +106,10 @@ static int opt_model(cli *c, const char *flag, const char *v) {
                     c->model_src);
     c->have_model = 1, c->model_src = flag;
     if (!strcmp(flag, "--model")) {
+        const char *near = mn_preset_closest(v);
         if (mn_preset_find(v, &c->model) != MN_OK)
-            return fail("unknown model \"%s\" (see `memanat models`)", v);
+            return fail("unknown model \"%s\"%s%s%s (see `memanat models`)", v,
+                        near ? "; did you mean " : "", near ? near : "", near ? "?" : "");
         return 0;
     }
     if (!strcmp(flag, "--params")) {

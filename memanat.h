@@ -806,6 +806,14 @@ MNDEF mn_result mn_preset_find(const char *name, mn_model *out);
 MNDEF uint32_t mn_gpu_count(void);
 MNDEF const mn_gpu *mn_gpu_get(uint32_t i);
 MNDEF mn_result mn_gpu_find(const char *name, mn_gpu *out);
+// Lookups ignore case and every character but letters and digits ("RTX 4090" is rtx4090), take
+// a hub id's organization off ("meta-llama/Meta-Llama-3-8B-Instruct" is llama-3-8b: "Meta-",
+// "-hf", "-Instruct" and "-chat" are dropped where nothing matches with them) and nvidia-smi's
+// words ("NVIDIA A100-SXM4-40GB" is a100-40gb). For a name that is not found: the table name
+// closest to it (two edits at most, the same first letter or digit) for a "did you mean"; NULL
+// when the name is found or none is close.
+MNDEF const char *mn_preset_closest(const char *name);
+MNDEF const char *mn_gpu_closest(const char *name);
 
 // Names used by the CLI and the JSON output, and their inverse (MN_ERR_NOT_FOUND).
 MNDEF const char *mn_precision_name(mn_precision p);
@@ -4492,21 +4500,6 @@ MNIMPL const mn_model *mn_preset_get(uint32_t i) {
     return i < mn_preset_count() ? &mn__presets[i] : NULL;
 }
 
-MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
-    uint32_t i;
-    const char *slash;
-    if (!name || !out) return MN_ERR_INVALID_ARG;
-    slash = strrchr(name, '/');  // accept hub ids such as "meta-llama/llama-2-7b"
-    if (slash) name = slash + 1;
-    for (i = 0; i < mn_preset_count(); i++) {
-        if (mn__streq_nocase(name, mn__presets[i].name)) {
-            *out = mn__presets[i];
-            return MN_OK;
-        }
-    }
-    return MN_ERR_NOT_FOUND;
-}
-
 // Capacity as nvidia-smi reports the total; context = CUDA context + kernels of a torch 2.x
 // process with lazy module loading (ml-engineering measured 0.47 GiB on an A100; older torch
 // with eager loading takes 0.9-1.8 GiB, e.g. the HF V100 runs' 1343 MiB: pass --context).
@@ -4539,16 +4532,159 @@ MNIMPL uint32_t mn_gpu_count(void) { return (uint32_t)(sizeof mn__gpus / sizeof 
 
 MNIMPL const mn_gpu *mn_gpu_get(uint32_t i) { return i < mn_gpu_count() ? &mn__gpus[i] : NULL; }
 
-MNIMPL mn_result mn_gpu_find(const char *name, mn_gpu *out) {
-    static const mn__name alias[] = {{"v100", 0}, {"a100", 10}, {"h100", 11}, {"3090", 7},
-                                     {"4090", 8}, {"h200-141gb", 12}, {NULL, 0}};
-    uint32_t i;
-    int v;
+// ---- names as people write them ----------------------------------------------------------------
+// A name is looked up by its key: its letters and digits in lower case, so that "RTX 4090",
+// "rtx-4090" and "RTX4090" are one name, and "Llama-3.1-8B" is "llama-3.1-8b" (no two presets,
+// and no two GPUs, share a key: test_names). Failing that, with the words a source adds around a
+// name taken off both sides: a hub repository's "Meta-" and "-hf", and "-Instruct" and "-chat"
+// (fine-tunes of the same shapes); nvidia-smi's "NVIDIA", "Tesla" and "GeForce", and the form
+// factor ("SXM4", "PCIe", "HBM3"), so that "NVIDIA A100-SXM4-40GB" is a100-40gb. A name that
+// matches nothing gets the closest key within two edits that starts with the same character, for
+// the error message (a B200 is no H200).
+#define MN__KEY_MAX 64
+
+// s's key in key[MN__KEY_MAX]; 0 when it is longer (it then matches no table name).
+MN__PRIVATE int mn__name_key(const char *s, char *key) {
+    size_t n = 0;
+    for (; *s; s++) {
+        int c = mn__tolower((unsigned char)*s);
+        if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9'))) continue;
+        if (n + 1 >= MN__KEY_MAX) return 0;
+        key[n++] = (char)c;
+    }
+    key[n] = 0;
+    return 1;
+}
+
+// Takes the words of pre off the front of key and those of suf off its end while one is there
+// and something is left, then those of mid (longest first) wherever they are. Lists end at NULL.
+MN__PRIVATE void mn__key_strip(char *key, const char *const *pre, const char *const *mid,
+                               const char *const *suf) {
+    size_t n = strlen(key), w;
+    const char *const *t;
+    char *at;
+    int again = 1;
+    while (again) {
+        again = 0;
+        for (t = pre; *t; t++)
+            if ((w = strlen(*t)) < n && !memcmp(key, *t, w))
+                memmove(key, key + w, n - w + 1), n -= w, again = 1;
+        for (t = suf; *t; t++)
+            if ((w = strlen(*t)) < n && !memcmp(key + n - w, *t, w)) key[n -= w] = 0, again = 1;
+    }
+    for (t = mid; *t; t++)
+        for (w = strlen(*t); w < n && (at = strstr(key, *t)) != NULL; n -= w)
+            memmove(at, at + w, strlen(at + w) + 1);
+}
+
+// Edits (insert, delete, replace) from key a to key b, 3 for three or more.
+MN__PRIVATE int mn__key_distance(const char *a, const char *b) {
+    int row[MN__KEY_MAX], i, j, na = (int)strlen(a), nb = (int)strlen(b);
+    if (na - nb >= 3 || nb - na >= 3) return 3;
+    for (j = 0; j <= nb; j++) row[j] = j;
+    for (i = 1; i <= na; i++) {
+        int diag = row[0], least = i;
+        row[0] = i;
+        for (j = 1; j <= nb; j++) {
+            int v = diag + (a[i - 1] != b[j - 1]);
+            if (row[j] + 1 < v) v = row[j] + 1;
+            if (row[j - 1] + 1 < v) v = row[j - 1] + 1;
+            diag = row[j], row[j] = v;
+            if (v < least) least = v;
+        }
+        if (least >= 3) return 3;  // (no entry of a later row is below its row's least)
+    }
+    return row[nb] < 3 ? row[nb] : 3;
+}
+
+static const char *const mn__model_pre[] = {"meta", NULL};
+static const char *const mn__model_suf[] = {"hf", "instruct", "chat", NULL};
+static const char *const mn__gpu_pre[] = {"nvidia", "tesla", "geforce", NULL};
+static const char *const mn__gpu_mid[] = {"hbm3e", "hbm3", "sxm2", "sxm4", "sxm5", "pcie", "sxm",
+                                          NULL};
+static const char *const mn__no_words[] = {NULL};
+
+// Other spellings of table names: a short name (the larger card where two share it), and hub
+// repository names that no key reaches.
+static const struct { const char *alias, *name; } mn__aliases[] = {
+    {"v100", "v100-16gb"}, {"a100", "a100-80gb"}, {"h100", "h100-80gb"}, {"3090", "rtx3090"},
+    {"4090", "rtx4090"}, {"h200-141gb", "h200"}, {"mistral-7b-v0.1", "mistral-7b"},
+};
+
+// Spelling k of entry i of the presets (gpu 0) or the GPUs (1): its name, then its label (GPUs),
+// then the aliases of its name; NULL past the last.
+MN__PRIVATE const char *mn__spelling(int gpu, uint32_t i, uint32_t k) {
+    const char *name = gpu ? mn__gpus[i].name : mn__presets[i].name;
+    size_t j;
+    if (k == 0) return name;
+    if (gpu && --k == 0) return mn__gpus[i].label;
+    for (j = 0; j < sizeof mn__aliases / sizeof mn__aliases[0]; j++)
+        if (!strcmp(mn__aliases[j].name, name) && --k == 0) return mn__aliases[j].alias;
+    return NULL;
+}
+
+// s's key (mn__name_key), with the words of a GPU's (gpu 1) or a model's source taken off where
+// strip; 0 when s is too long.
+MN__PRIVATE int mn__table_key(const char *s, int gpu, int strip, char *key) {
+    if (!mn__name_key(s, key)) return 0;
+    if (strip)
+        mn__key_strip(key, gpu ? mn__gpu_pre : mn__model_pre, gpu ? mn__gpu_mid : mn__no_words,
+                      gpu ? mn__no_words : mn__model_suf);
+    return 1;
+}
+
+// The table entry that name is (UINT32_MAX: none); where none, *closest gets the entry whose
+// spelling is the fewest edits away, within two, by key (UINT32_MAX: none).
+MN__PRIVATE uint32_t mn__name_find(int gpu, const char *name, uint32_t *closest) {
+    uint32_t i, k, count = gpu ? mn_gpu_count() : mn_preset_count();
+    int strip, more, d, best = 3;
+    char q[MN__KEY_MAX], t[MN__KEY_MAX];
+    const char *sp, *slash;
+    *closest = UINT32_MAX;
+    if (!gpu && (slash = strrchr(name, '/')) != NULL) name = slash + 1;  // a hub id: org/name
+    for (i = 0; i < count; i++)
+        for (k = 0; (sp = mn__spelling(gpu, i, k)) != NULL; k++)
+            if (mn__streq_nocase(name, sp)) return i;
+    for (strip = 0; strip < 2; strip++) {
+        if (!mn__table_key(name, gpu, strip, q)) return UINT32_MAX;
+        for (k = 0, more = 1; more; k++)  // names first: of two as close, the name is suggested
+            for (more = 0, i = 0; i < count; i++) {
+                if ((sp = mn__spelling(gpu, i, k)) == NULL) continue;
+                more = 1;
+                if (!mn__table_key(sp, gpu, strip, t)) continue;
+                if (!strcmp(q, t)) return i;
+                if (q[0] == t[0] && (d = mn__key_distance(q, t)) < best) best = d, *closest = i;
+            }
+    }
+    return UINT32_MAX;
+}
+
+MNIMPL mn_result mn_preset_find(const char *name, mn_model *out) {
+    uint32_t i, near;
     if (!name || !out) return MN_ERR_INVALID_ARG;
-    for (i = 0; i < mn_gpu_count(); i++)
-        if (mn__streq_nocase(name, mn__gpus[i].name)) { *out = mn__gpus[i]; return MN_OK; }
-    if (mn__parse_name(alias, name, &v) == MN_OK) { *out = mn__gpus[v]; return MN_OK; }
-    return MN_ERR_NOT_FOUND;
+    if ((i = mn__name_find(0, name, &near)) == UINT32_MAX) return MN_ERR_NOT_FOUND;
+    *out = mn__presets[i];
+    return MN_OK;
+}
+
+MNIMPL mn_result mn_gpu_find(const char *name, mn_gpu *out) {
+    uint32_t i, near;
+    if (!name || !out) return MN_ERR_INVALID_ARG;
+    if ((i = mn__name_find(1, name, &near)) == UINT32_MAX) return MN_ERR_NOT_FOUND;
+    *out = mn__gpus[i];
+    return MN_OK;
+}
+
+MNIMPL const char *mn_preset_closest(const char *name) {
+    uint32_t near;
+    if (!name || mn__name_find(0, name, &near) != UINT32_MAX || near == UINT32_MAX) return NULL;
+    return mn__presets[near].name;
+}
+
+MNIMPL const char *mn_gpu_closest(const char *name) {
+    uint32_t near;
+    if (!name || mn__name_find(1, name, &near) != UINT32_MAX || near == UINT32_MAX) return NULL;
+    return mn__gpus[near].name;
 }
 
 // The GPT of trainer.c (>>estimate/gpt): GPT-2's layout without dropout, the fused tanh GELU.
@@ -7202,7 +7338,9 @@ MN__PRIVATE mn_result mn__resolve(const mn_model *model, const mn_setup *setup, 
     // the trainer runs on the CPU: host memory, no context, no cuBLAS workspace
     if (!s->gpu) s->gpu = s->framework == MN_FW_MEMANAT ? "cpu" : "a100-80gb";
     if (mn_gpu_find(s->gpu, gpu) != MN_OK) {
-        mn__log(lg, MN_LOG_ERROR, "unknown GPU \"%s\" (see `memanat models`)", s->gpu);
+        const char *near = mn_gpu_closest(s->gpu);
+        mn__log(lg, MN_LOG_ERROR, "unknown GPU \"%s\"%s%s%s (see `memanat models`)", s->gpu,
+                near ? "; did you mean " : "", near ? near : "", near ? "?" : "");
         return MN_ERR_NOT_FOUND;
     }
     s->gpu = gpu->name;

@@ -211,6 +211,22 @@ static void test_bad_input(void) {
     CHECK(run("estimate --model gpt2 --lora-rank 4294967296", &r));
     CHECK_EQ_INT(r.status, 2);
     CHECK_MSG(strstr(r.err, "from 1 to 4294967295") != NULL, "got: %s", r.err);
+    // a name one edit from a table name is answered with that name; names as the hub and
+    // nvidia-smi write them are found
+    CHECK(run("estimate --model llama-4-8b", &r));
+    CHECK_EQ_INT(r.status, 2);
+    CHECK_MSG(strstr(r.err, "unknown model \"llama-4-8b\"; did you mean llama-3-8b?") != NULL,
+              "got: %s", r.err);
+    CHECK(run("estimate --model gpt2 --gpu a100-40", &r));
+    CHECK_EQ_INT(r.status, 2);
+    CHECK_MSG(strstr(r.err, "unknown GPU \"a100-40\"; did you mean a100-40gb?") != NULL,
+              "got: %s", r.err);
+    CHECK_EQ_INT(count_lines(r.err), 1);
+    CHECK(run("estimate --model meta-llama/Meta-Llama-3-8B-Instruct "
+              "--gpu 'NVIDIA A100-SXM4-40GB' --json", &r));
+    CHECK_EQ_INT(r.status, 1);  // (it does not fit)
+    CHECK_MSG(strstr(r.out, "\"model\": \"llama-3-8b\"") != NULL, "got: %.600s", r.out);
+    CHECK_MSG(strstr(r.out, "\"capacity\": 42949672960") != NULL, "got: %.400s", r.out);
 }
 
 // 10^15 parameters: a real answer (4 PB of fp32 weights) that does not fit, not a wrapped number.

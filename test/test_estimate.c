@@ -1,5 +1,6 @@
 // Tests of the estimator through the public API: exact parameter counts, the seeds' worked
 // numbers, properties (monotonic, checkpointing, accumulation, ZeRO, fit), bad input, failures.
+#include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
 #include "harness.h"
@@ -827,6 +828,127 @@ static void test_gpu_table(void) {
     }
 }
 
+// Names as people write them. A table name respelled (random case, separators added and taken
+// out, a hub organization, the words hub repositories and nvidia-smi add) finds its own entry, so
+// no two entries share a key; one letter changed finds nothing, or an entry; then the "did you
+// mean" names an entry within one edit of it (edit distance by a full matrix here).
+static void name_key(const char *s, char *k, size_t cap) {
+    size_t n = 0;
+    for (; *s && n + 1 < cap; s++)
+        if (isalnum((unsigned char)*s)) k[n++] = (char)tolower((unsigned char)*s);
+    k[n] = 0;
+}
+static int edits(const char *a, const char *b) {
+    int d[64][64], i, j, na = (int)strlen(a), nb = (int)strlen(b);
+    if (na > 63 || nb > 63) return 99;
+    for (i = 0; i <= na; i++)
+        for (j = 0; j <= nb; j++) {
+            int v = i == 0 ? j : j == 0 ? i : d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
+            if (i && d[i - 1][j] + 1 < v) v = d[i - 1][j] + 1;
+            if (j && d[i][j - 1] + 1 < v) v = d[i][j - 1] + 1;
+            d[i][j] = v;
+        }
+    return d[na][nb];
+}
+// name with random case, separators dropped and added between characters
+static void respell(const char *name, char *out, size_t cap) {
+    static const char seps[] = " -_.";
+    size_t n = 0;
+    for (; *name && n + 3 < cap; name++) {
+        int c = (unsigned char)*name;
+        if (!isalnum(c)) {
+            if (mnt_rand_u64() % 2) out[n++] = seps[mnt_rand_u64() % 4];
+            continue;
+        }
+        out[n++] = (char)(mnt_rand_u64() % 2 ? toupper(c) : c);
+        if (mnt_rand_u64() % 5 == 0) out[n++] = seps[mnt_rand_u64() % 4];
+    }
+    out[n] = 0;
+}
+static void test_names(void) {
+    static const char *model_wrap[][2] = {{"", ""}, {"org/", ""}, {"meta-llama/Meta-", "-hf"},
+                                          {"Meta-", "-Instruct"}, {"x/", "-chat-hf"}};
+    static const char *gpu_wrap[][2] = {{"", ""}, {"NVIDIA ", ""}, {"Tesla ", " PCIe"},
+                                        {"NVIDIA GeForce ", "-SXM4"}, {"nvidia ", " HBM3"}};
+    static const struct { int gpu; const char *as, *name; } seen[] = {
+        {1, "NVIDIA A100-SXM4-40GB", "a100-40gb"}, {1, "Tesla V100-SXM2-32GB", "v100-32gb"},
+        {1, "NVIDIA H100 80GB HBM3", "h100-80gb"}, {1, "NVIDIA GeForce RTX 4090", "rtx4090"},
+        {0, "mistralai/Mistral-7B-v0.1", "mistral-7b"},
+        {0, "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-0.5b"},
+    };
+    char sp[160], v[192], k[64], kq[64];
+    uint32_t i, rep;
+    mn_model m;
+    mn_gpu g;
+    for (i = 0; i < mn_preset_count(); i++) {
+        const char *name = mn_preset_get(i)->name;
+        name_key(name, k, sizeof k);  // the bare key
+        CHECK_OK(mn_preset_find(k, &m));
+        CHECK_MSG(!strcmp(m.name, name), "%s: key %s found %s", name, k, m.name);
+        for (rep = 0; rep < 20; rep++) {
+            size_t w = mnt_rand_u64() % 5;
+            respell(name, sp, sizeof sp);
+            snprintf(v, sizeof v, "%s%s%s", model_wrap[w][0], sp, model_wrap[w][1]);
+            CHECK_OK(mn_preset_find(v, &m));
+            CHECK_MSG(!strcmp(m.name, name), "%s: \"%s\" found %s", name, v, m.name);
+            CHECK(mn_preset_closest(v) == NULL);
+        }
+        for (rep = 0; rep < 10; rep++) {  // one letter or digit past the first changed
+            const char *near;
+            size_t at = 1 + mnt_rand_u64() % (strlen(k) - 1);
+            char c = (char)("abcdefghijklmnopqrstuvwxyz0123456789"[mnt_rand_u64() % 36]);
+            if (c == k[at]) continue;
+            memcpy(kq, k, sizeof kq), kq[at] = c;
+            near = mn_preset_closest(kq);
+            if (mn_preset_find(kq, &m) == MN_OK) {
+                CHECK(near == NULL);
+                continue;
+            }
+            CHECK_MSG(near != NULL, "%s: no suggestion for %s", name, kq);
+            if (near) {
+                name_key(near, v, sizeof v);
+                CHECK_MSG(edits(kq, v) <= 1, "%s: %s suggested %s", name, kq, near);
+            }
+        }
+    }
+    for (i = 0; i < mn_gpu_count(); i++) {
+        const mn_gpu *p = mn_gpu_get(i);
+        const char *spell[2];
+        int s;
+        spell[0] = p->name, spell[1] = p->label;
+        for (s = 0; s < 2; s++)
+            for (rep = 0; rep < 20; rep++) {
+                size_t w = mnt_rand_u64() % 5;
+                respell(spell[s], sp, sizeof sp);
+                snprintf(v, sizeof v, "%s%s%s", gpu_wrap[w][0], sp, gpu_wrap[w][1]);
+                CHECK_OK(mn_gpu_find(v, &g));
+                CHECK_MSG(!strcmp(g.name, p->name), "%s: \"%s\" found %s", p->name, v, g.name);
+            }
+    }
+    for (i = 0; i < sizeof seen / sizeof seen[0]; i++) {  // as nvidia-smi and the hub write them
+        if (seen[i].gpu) {
+            CHECK_OK(mn_gpu_find(seen[i].as, &g));
+            CHECK_STR(g.name, seen[i].name);
+        } else {
+            CHECK_OK(mn_preset_find(seen[i].as, &m));
+            CHECK_STR(m.name, seen[i].name);
+        }
+    }
+    // not found, and not close: no suggestion; a different first letter is not close
+    CHECK_ERR(mn_gpu_find("b200", &g), MN_ERR_NOT_FOUND);
+    CHECK(mn_gpu_closest("b200") == NULL);
+    CHECK(mn_gpu_closest("h100") == NULL);  // found
+    CHECK_STR(mn_gpu_closest("a100-40"), "a100-40gb");
+    CHECK_ERR(mn_preset_find("qwen3-7b", &m), MN_ERR_NOT_FOUND);
+    CHECK_ERR(mn_preset_find("", &m), MN_ERR_NOT_FOUND);
+    CHECK(mn_preset_closest("") == NULL && mn_preset_closest("zzzzzzzz") == NULL);
+    CHECK(mn_preset_closest(NULL) == NULL && mn_gpu_closest(NULL) == NULL);
+    // past 63 letters and digits: a key no name has
+    memset(v, 'a', 100), v[100] = 0;
+    CHECK_ERR(mn_preset_find(v, &m), MN_ERR_NOT_FOUND);
+    CHECK(mn_preset_closest(v) == NULL);
+}
+
 // What each block keeps for backward, against arithmetic done by hand from the ops' saved
 // tensors (derivatives.yaml, autocast, the HF modelling code):
 // BERT-large fp32, eager attention, per layer: 16 fp32 [b,s,h] tensors (input, q, k, v, context,
@@ -1094,6 +1216,7 @@ const mnt_case test_estimate_cases[] = {
     {"alloc_failures", test_alloc_failures},
     {"presets_and_gpus", test_presets_and_gpus},
     {"gpu_table", test_gpu_table},
+    {"names", test_names},
     {"no_silent_answers", test_no_silent_answers},
 };
 const size_t test_estimate_count = sizeof test_estimate_cases / sizeof test_estimate_cases[0];
