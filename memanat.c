@@ -296,6 +296,8 @@ static const opt *find_option(unsigned command, const char *flag) {
     return NULL;
 }
 
+static const char *estimate_usage;
+
 // Stores one value. 0, or the exit status after printing why the value is refused.
 static int set_option(cli *c, const opt *o, const char *v) {
     char *field = (char *)c + o->field;
@@ -305,8 +307,20 @@ static int set_option(cli *c, const opt *o, const char *v) {
     case OPT_TEXT: *(const char **)(void *)field = v; return 0;
     case OPT_FN: return o->fn(c, o->flag, v);
     case OPT_CHOICE:
-        if (!o->choice(v, field))
+        if (!o->choice(v, field)) {
+            // the values as estimate's usage lists them after the flag (a|b|c, or a list a,b,c)
+            size_t len = strlen(o->flag);
+            const char *at = estimate_usage;
+            int n = 0;
+            while ((at = strstr(at, o->flag)) != NULL && at[len] != ' ') at += len;
+            if (at) at += len + 1;
+            while (at && at[n] && at[n] != ' ' && at[n] != '\n') n++;
+            if (at && memchr(at, '|', (size_t)n))
+                return fail("%s \"%s\": want one of %.*s", o->flag, v, n, at);
+            if (at && memchr(at, ',', (size_t)n))
+                return fail("%s \"%s\": want all, or a comma list of %.*s", o->flag, v, n, at);
             return fail("%s \"%s\" is not one of the accepted values (see --help)", o->flag, v);
+        }
         return 0;
     case OPT_SIZE:
         if (mn_size_parse(v, &n) != MN_OK || n == 0)

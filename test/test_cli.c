@@ -229,6 +229,69 @@ static void test_bad_input(void) {
     CHECK_MSG(strstr(r.out, "\"capacity\": 42949672960") != NULL, "got: %.400s", r.out);
 }
 
+// A value a choice flag does not take is answered with the values it takes, as the usage lists
+// them: exactly the library's names of that setting (so the usage cannot fall behind it).
+#define NAME_OF(fn, type) \
+    static const char *name_##fn(int v) { return mn_##fn##_name((type)v); }
+NAME_OF(precision, mn_precision)
+NAME_OF(optim, mn_optim)
+NAME_OF(ckpt, mn_ckpt)
+NAME_OF(attn, mn_attn)
+NAME_OF(framework, mn_framework)
+NAME_OF(offload, mn_offload)
+NAME_OF(quant, mn_quant)
+NAME_OF(optim_impl, mn_optim_impl)
+NAME_OF(loop, mn_loop)
+#undef NAME_OF
+static void test_choice_values(void) {
+    static const struct { const char *flag; const char *(*name)(int); int count; } flags[] = {
+        {"--precision", name_precision, MN_PREC_COUNT},
+        {"--optim", name_optim, MN_OPTIM_COUNT},
+        {"--checkpointing", name_ckpt, MN_CKPT_COUNT},
+        {"--attention", name_attn, MN_ATTN_COUNT},
+        {"--framework", name_framework, MN_FW_COUNT},
+        {"--offload", name_offload, MN_OFFLOAD_COUNT},
+        {"--quant", name_quant, MN_QUANT_COUNT},
+        {"--optim-impl", name_optim_impl, MN_OPTIM_IMPL_COUNT},
+        {"--loop", name_loop, MN_LOOP_COUNT},
+    };
+    size_t i;
+    run_out r;
+    char cmd[128], want[256];
+    if (!have_cli()) SKIP("./memanat not built (make test builds it)");
+    for (i = 0; i < sizeof flags / sizeof flags[0]; i++) {
+        const char *list;
+        int v, listed = 0;
+        snprintf(cmd, sizeof cmd, "estimate --model gpt2 %s bogus", flags[i].flag);
+        CHECK(run(cmd, &r));
+        CHECK_EQ_INT(r.status, 2);
+        CHECK_EQ_INT(count_lines(r.err), 1);
+        snprintf(want, sizeof want, "%s \"bogus\": want one of ", flags[i].flag);
+        list = strstr(r.err, want);
+        CHECK_MSG(list != NULL, "%s: got %s", flags[i].flag, r.err);
+        if (!list) continue;
+        list += strlen(want);
+        for (v = 1; v < flags[i].count; v++) {  // each name once, between | or the ends
+            const char *n = flags[i].name(v), *at = list;
+            size_t len = strlen(n);
+            int found = 0;
+            while ((at = strstr(at, n)) != NULL) {
+                found |= (at == list || at[-1] == '|') && (at[len] == '|' || at[len] == '\n');
+                at += len;
+            }
+            CHECK_MSG(found, "%s: %s not in %s", flags[i].flag, n, list);
+            listed++;
+        }
+        for (v = 1; list[0] && list[0] != '\n'; list++) v += list[0] == '|';
+        CHECK_MSG(v == listed, "%s: %d values listed, the library names %d", flags[i].flag, v,
+                  listed);
+    }
+    CHECK(run("estimate --model gpt2 --lora-targets q,x", &r));
+    CHECK_EQ_INT(r.status, 2);
+    CHECK_MSG(strstr(r.err, "want all, or a comma list of q,k,v,o,gate,up,down") != NULL,
+              "got %s", r.err);
+}
+
 // 10^15 parameters: a real answer (4 PB of fp32 weights) that does not fit, not a wrapped number.
 static void test_huge_model(void) {
     run_out r;
@@ -455,6 +518,7 @@ const mnt_case test_cli_cases[] = {
     {"dev_tsv", test_dev_tsv},
     {"torch2_tsv", test_torch2_tsv},
     {"bad_input", test_bad_input},
+    {"choice_values", test_choice_values},
     {"huge_model", test_huge_model},
     {"fit_slow_note", test_fit_slow_note},
     {"fit", test_fit_cli},
