@@ -947,6 +947,17 @@ static void test_names(void) {
     memset(v, 'a', 100), v[100] = 0;
     CHECK_ERR(mn_preset_find(v, &m), MN_ERR_NOT_FOUND);
     CHECK(mn_preset_closest(v) == NULL);
+    for (rep = 0; rep < 300; rep++) {  // any bytes: found, or not found (the sanitizers watch)
+        size_t n = mnt_rand_u64() % (sizeof v - 1), j;
+        const char *near;
+        for (j = 0; j < n; j++) v[j] = (char)(1 + mnt_rand_u64() % 255);
+        v[n] = 0;
+        near = mn_preset_closest(v);  // a suggestion only for a name not found, and found itself
+        CHECK(!near || (mn_preset_find(v, &m) == MN_ERR_NOT_FOUND &&
+                        mn_preset_find(near, &m) == MN_OK));
+        near = mn_gpu_closest(v);
+        CHECK(!near || (mn_gpu_find(v, &g) == MN_ERR_NOT_FOUND && mn_gpu_find(near, &g) == MN_OK));
+    }
 }
 
 // What each block keeps for backward, against arithmetic done by hand from the ops' saved
