@@ -4604,8 +4604,8 @@ static const char *const mn__gpu_mid[] = {"hbm3e", "hbm3", "sxm2", "sxm4", "sxm5
                                           NULL};
 static const char *const mn__no_words[] = {NULL};
 
-// Other spellings of table names: a short name (the larger card where two share it), and hub
-// repository names that no key reaches.
+// Other spellings of table names: a family's short name (the card it has always meant: a100 the
+// 80 GB one, v100 the 16 GB one), and hub repository names that no key reaches.
 static const struct { const char *alias, *name; } mn__aliases[] = {
     {"v100", "v100-16gb"}, {"a100", "a100-80gb"}, {"h100", "h100-80gb"}, {"3090", "rtx3090"},
     {"4090", "rtx4090"}, {"h200-141gb", "h200"}, {"mistral-7b-v0.1", "mistral-7b"},
