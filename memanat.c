@@ -106,11 +106,11 @@ static int opt_model(cli *c, const char *flag, const char *v) {
                     c->model_src);
     c->have_model = 1, c->model_src = flag;
     if (!strcmp(flag, "--model")) {
-        const char *near = mn_preset_closest(v);
-        if (mn_preset_find(v, &c->model) != MN_OK)
-            return fail("unknown model \"%s\"%s%s%s (see `memanat models`)", v,
-                        near ? "; did you mean " : "", near ? near : "", near ? "?" : "");
-        return 0;
+        const char *near;
+        if (mn_preset_find(v, &c->model) == MN_OK) return 0;
+        near = mn_preset_closest(v);  // (only for a name not found: it looks the name up again)
+        return fail("unknown model \"%s\"%s%s%s (see `memanat models`)", v,
+                    near ? "; did you mean " : "", near ? near : "", near ? "?" : "");
     }
     if (!strcmp(flag, "--params")) {
         memset(&c->model, 0, sizeof c->model);

@@ -298,12 +298,11 @@ static int set_model(api_call *c, const char *name, const mn_json_value *v) {
         return failf(c, MN_ERR_INVALID_ARG, "%s: want a string, got %s", name,
                      mn_json_type_name(v->type));
     if (!strcmp(name, "model")) {
-        const char *near = mn_preset_closest(v->str);
-        if (mn_preset_find(v->str, &c->model) != MN_OK)
-            return failf(c, MN_ERR_NOT_FOUND, "unknown model \"%s\"%s%s%s (see models())",
-                         v->str, near ? "; did you mean " : "", near ? near : "",
-                         near ? "?" : "");
-        return MN_OK;
+        const char *near;
+        if (mn_preset_find(v->str, &c->model) == MN_OK) return MN_OK;
+        near = mn_preset_closest(v->str);  // (only for a name not found: it looks it up again)
+        return failf(c, MN_ERR_NOT_FOUND, "unknown model \"%s\"%s%s%s (see models())", v->str,
+                     near ? "; did you mean " : "", near ? near : "", near ? "?" : "");
     }
     memset(&d, 0, sizeof d);
     d.logger.log_fn = capture_log, d.logger.user_data = c;
