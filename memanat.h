@@ -17007,24 +17007,32 @@ MN__PRIVATE void mn__gemm_acc(float *c, size_t ldc, const float *a, size_t a_rs,
 // function: 0.5 (1 + tanh u) = sigmoid(2u)), so no tanh is needed and no 1 + tanh cancels for
 // negative x. One exp of a non-positive argument serves both signs: with e = exp(-2|u|) in (0, 1]
 // and d = 1 / (1 + e), sigmoid(2u) = d for u >= 0 and e d for u < 0 (nothing overflows, and the
-// loop has one exp and one division per element).
+// loop has one exp and one division per element). The argument is formed as
+// -2|u| = |x| (-2 sqrt(2/pi) - 2 sqrt(2/pi) 0.044715 x^2), one multiply-add and two multiplies;
+// u has the sign of x (its second factor is positive), so x chooses between d and e d.
+#define MN__GELU_C0 (-1.5957691216057308f)   // -2 sqrt(2/pi)
+#define MN__GELU_C1 (-0.07135481627260025f)  // -2 sqrt(2/pi) 0.044715
+MN__INLINE float mn__gelu_arg(float x) {  // -2 |u|
+    return fabsf(x) * MN__FMA(x * x, MN__GELU_C1, MN__GELU_C0);
+}
 MN__INLINE float mn__gelu(float x) {
-    float u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
-    float e = mn__expf(-2.0f * fabsf(u)), d = 1.0f / (1.0f + e);
-    return x * (u >= 0.0f ? d : e * d);
+    float e = mn__expf(mn__gelu_arg(x)), d = 1.0f / (1.0f + e);
+    return x * (x >= 0.0f ? d : e * d);
 }
 
 // d/dx of the above (llm.c gelu_backward): 0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi)
 // (1 + 3 a x^2), with s = sigmoid(2u): 0.5 (1 + tanh u) = s and sech^2(u) = 4 s (1 - s).
 // With e and d as above, {s, 1 - s} = {d, e d} (1 - s = sigmoid(-2u), no cancelling
-// subtraction), so s (1 - s) = e d^2 for either sign of u. The second term's polynomial takes x
-// clamped to [-20, 20]: past |x| ~ 12 its factor e d^2 is exactly 0 (exp of below -104), and the
-// clamp keeps x^2 from overflowing to inf there (0 * inf would make the derivative NaN).
+// subtraction), so s (1 - s) = e d^2 for either sign of u, and the second term is
+// e d^2 x (2 sqrt(2/pi) + 6 sqrt(2/pi) a x^2). Its polynomial takes x clamped to [-20, 20]: past
+// |x| ~ 12 its factor e d^2 is exactly 0 (exp of below -104), and the clamp keeps x^2 from
+// overflowing to inf there (0 * inf would make the derivative NaN).
+#define MN__GELU_D0 1.5957691216057308f     // 2 sqrt(2/pi)
+#define MN__GELU_D1 0.21406444881780076f    // 6 sqrt(2/pi) 0.044715
 MN__INLINE float mn__gelu_grad(float x) {
-    float u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
-    float e = mn__expf(-2.0f * fabsf(u)), d = 1.0f / (1.0f + e), ed = e * d;
-    float s = u >= 0.0f ? d : ed, xc = x > -20.0f ? (x < 20.0f ? x : 20.0f) : -20.0f;
-    return s + 2.0f * xc * (ed * d) * MN__GELU_S * (1.0f + 3.0f * MN__GELU_A * xc * xc);
+    float e = mn__expf(mn__gelu_arg(x)), d = 1.0f / (1.0f + e), ed = e * d;
+    float s = x >= 0.0f ? d : ed, xc = x > -20.0f ? (x < 20.0f ? x : 20.0f) : -20.0f;
+    return s + (ed * d) * (xc * MN__FMA(xc * xc, MN__GELU_D1, MN__GELU_D0));
 }
 
 // Argument checks of the ops: an array that is needed must not be NULL, a width that divides
@@ -17807,22 +17815,22 @@ MN__INLINE void mn__ov_put(float *p, mn__ovf v, int nt) {
     else mn__ov_store(p, v);
 }
 // The first two stages over x[0..n) (n a multiple of MN__OW, at most MN__STAGE):
-// u = sqrt(2/pi) (x + 0.044715 x^3), then e = exp(-2|u|), as the scalar form computes them.
-MN__INLINE void mn__gelu_stage_ue(float *u, float *e, const float *x, size_t n) {
+// a = -2|u| (mn__gelu_arg), then e = exp(a), as the scalar form computes them.
+MN__INLINE void mn__gelu_stage_e(float *e, const float *x, size_t n) {
     size_t j;
     for (j = 0; j < n; j += MN__OW) {
         mn__ovf v = mn__ov_load(x + j);
-        mn__ov_store(u + j, MN__GELU_S * (v + MN__GELU_A * v * v * v));
+        mn__ov_store(e + j, mn__ov_abs(v) * MN__OFMA(v * v, mn__ov_set1(MN__GELU_C1),
+                                                      mn__ov_set1(MN__GELU_C0)));
     }
-    for (j = 0; j < n; j += MN__OW)
-        mn__ov_store(e + j, mn__ov_expf(-2.0f * mn__ov_abs(mn__ov_load(u + j))));
+    for (j = 0; j < n; j += MN__OW) mn__ov_store(e + j, mn__ov_expf(mn__ov_load(e + j)));
 }
 #endif
 
 MN__PRIVATE void mn__gelu_span(float *out, const float *inp, size_t n, int nt, size_t pf) {
     size_t i = 0;
 #if MN__OV
-    float u[MN__STAGE], e[MN__STAGE];
+    float e[MN__STAGE];
     int j;
     if (nt)
         for (j = (int)mn__nt_head(out, n); i < (size_t)j; i++) out[i] = mn__gelu(inp[i]);
@@ -17830,17 +17838,18 @@ MN__PRIVATE void mn__gelu_span(float *out, const float *inp, size_t n, int nt, s
         const float *x = inp + i;
         if (pf > i + (MN__PF_CHUNKS + 1) * MN__STAGE)
             mn__prefetch(x + MN__PF_CHUNKS * MN__STAGE, MN__STAGE);
-        mn__gelu_stage_ue(u, e, x, MN__STAGE);
+        mn__gelu_stage_e(e, x, MN__STAGE);
         for (j = 0; j < MN__STAGE; j += MN__OW) {
-            mn__ovf uv = mn__ov_load(u + j), ev = mn__ov_load(e + j), d = 1.0f / (1.0f + ev);
-            mn__ov_put(out + i + j, mn__ov_load(x + j) * mn__ov_sel(uv >= 0.0f, d, ev * d), nt);
+            mn__ovf xv = mn__ov_load(x + j), ev = mn__ov_load(e + j), d = 1.0f / (1.0f + ev);
+            mn__ov_put(out + i + j, xv * mn__ov_sel(xv >= 0.0f, d, ev * d), nt);
         }
     }
     for (; n - i >= MN__OW; i += MN__OW) {
-        mn__ovf x = mn__ov_load(inp + i), u, e, d;
-        u = MN__GELU_S * (x + MN__GELU_A * x * x * x);
-        e = mn__ov_expf(-2.0f * mn__ov_abs(u)), d = 1.0f / (1.0f + e);
-        mn__ov_store(out + i, x * mn__ov_sel(u >= 0.0f, d, e * d));
+        mn__ovf x = mn__ov_load(inp + i), e, d;
+        e = mn__ov_expf(mn__ov_abs(x) * MN__OFMA(x * x, mn__ov_set1(MN__GELU_C1),
+                                                  mn__ov_set1(MN__GELU_C0)));
+        d = 1.0f / (1.0f + e);
+        mn__ov_store(out + i, x * mn__ov_sel(x >= 0.0f, d, e * d));
     }
 #endif
     (void)nt, (void)pf;
@@ -17852,16 +17861,16 @@ MN__PRIVATE void mn__gelu_span(float *out, const float *inp, size_t n, int nt, s
 MN__PRIVATE void mn__gelu_grad_chunk(float *g, const float *x, size_t n) {
     size_t i = 0;
 #if MN__OV
-    float u[MN__STAGE], e[MN__STAGE];
+    float e[MN__STAGE];
     size_t nv = n - n % MN__OW;
-    mn__gelu_stage_ue(u, e, x, nv);
+    mn__gelu_stage_e(e, x, nv);
     for (i = 0; i < nv; i += MN__OW) {
-        mn__ovf v = mn__ov_load(x + i), uv = mn__ov_load(u + i), ev = mn__ov_load(e + i);
-        mn__ovf d = 1.0f / (1.0f + ev), ed = ev * d, s = mn__ov_sel(uv >= 0.0f, d, ed);
+        mn__ovf v = mn__ov_load(x + i), ev = mn__ov_load(e + i);
+        mn__ovf d = 1.0f / (1.0f + ev), ed = ev * d, s = mn__ov_sel(v >= 0.0f, d, ed);
         mn__ovf xc = mn__ov_sel(v > -20.0f, mn__ov_sel(v < 20.0f, v, mn__ov_set1(20.0f)),
                                 mn__ov_set1(-20.0f));
-        mn__ov_store(g + i, s + 2.0f * xc * (ed * d) * MN__GELU_S *
-                                    (1.0f + 3.0f * MN__GELU_A * xc * xc));
+        mn__ov_store(g + i, s + (ed * d) * (xc * MN__OFMA(xc * xc, mn__ov_set1(MN__GELU_D1),
+                                                          mn__ov_set1(MN__GELU_D0))));
     }
 #endif
     for (; i < n; i++) g[i] = mn__gelu_grad(x[i]);
