@@ -4811,6 +4811,7 @@ typedef struct mn__sim {
     mn__op *ops;             // the autograd tape: nops, cops
     mn__param *params;       // np, cp
     mn__ev *ev;              // allocation events: nev, cev
+    uint64_t nalloc;         // the allocations among them
     uint32_t *block_start;   // first parameter of each block (stack: of each layer)
     uint64_t nt, ct, nops, cops, np, cp, nev, cev, nfree, cfree, ch;
     int history;             // keep each tensor's history (hist)
@@ -4916,6 +4917,7 @@ MN__PRIVATE void mn__event(mn__sim *S, uint32_t id, int alloc) {
     if (S->nev >= S->cev && !mn__grow(S, (void **)&S->ev, &S->cev, S->nev + 1, sizeof *S->ev))
         return;
     e = &S->ev[S->nev++];
+    S->nalloc += alloc != 0;
     e->size = S->tensors[id].bytes;
     e->id = id;
     e->alloc = (uint8_t)alloc;
@@ -7937,7 +7939,7 @@ MN__PRIVATE mn_result mn__estimate_in(const mn_model *model, const mn_setup *set
     out->temporary = S->at_peak[MN_CAT_TEMPORARY];
     out->workspace = S->at_peak[MN_CAT_WORKSPACE];
     out->kv_cache = S->at_peak[MN_CAT_KV_CACHE];
-    out->alloc_events = S->nev / 2;
+    out->alloc_events = S->nalloc;
     out->peak_reserved = S->peak;
     out->context = c.s.context, out->capacity = c.s.capacity;
     if (S->alone && !c.s.no_replay) {  // (no replay: no events either, alloc_events 0)

@@ -772,6 +772,129 @@ static void test_alloc_failures(void) {
     WALK_ALLOC_FAILURES(estimate_once, &c, 399);
 }
 
+// mn_estimate_replay: the simulated step replayed through a cache the caller set up. It must be
+// the trace of mn_estimate_trace replayed by mn_cache_replay with the blocks left live (the same
+// statistics and the same blocks, each labelled with the name of its phase), and, through a
+// cache of the estimate's own settings, give the estimate's peaks.
+static mn_result replay_into(const char *conf, const mn_model *m, const mn_setup *s,
+                             const mn_trace_event *ev, uint64_t n, struct mn_cache_stats *st,
+                             mn_cache_snapshot *snap) {
+    mn_sim_cache sc;
+    mn_cache_desc cd;
+    mn_replay_counts counts;
+    mn_result r;
+    memset(&cd, 0, sizeof cd);
+    cd.config = conf;
+    if ((r = mn_sim_cache_init(&sc, NULL, &cd)) != MN_OK) return r;
+    if (ev) {
+        r = mn_cache_replay(&sc.cache, ev, n, 0, &counts);
+        if (r == MN_OK) CHECK_EQ_U64(counts.failed + counts.unmatched_frees, 0);
+    } else {
+        r = mn_estimate_replay(m, s, NULL, &sc.cache);
+    }
+    if (r == MN_OK) r = mn_cache_check(&sc.cache);
+    if (r == MN_OK) r = mn_cache_stats(&sc.cache, st);
+    if (r == MN_OK) r = mn_cache_snapshot_take(&sc.cache, snap);
+    mn_sim_cache_free(&sc);
+    return r;
+}
+
+static void test_estimate_replay(void) {
+    static const char *names[] = {"gpt2", "bert-base-uncased", "qwen2-0.5b", "t5-small"};
+    static const char *confs[] = {"", "expandable_segments:True", "max_split_size_mb:64",
+                                  "roundup_power2_divisions:4"};
+    int round;
+    for (round = 0; round < 6; round++) {
+        mn_model m = preset(names[mnt_rand_u64() % 4]);
+        mn_setup s = setup0();
+        mn_estimate_result res;
+        mn_trace_event *ev = NULL;
+        uint64_t n = 0, i, labelled = 0, nallocs = 0;
+        struct mn_cache_stats a, b;
+        mn_cache_snapshot sa, sb;
+        const char *conf = confs[round < 2 ? 0 : mnt_rand_u64() % 4];
+        mn_stat_item *ia = (mn_stat_item *)malloc(sizeof *ia * MN_CACHE_STATS_ITEMS);
+        mn_stat_item *ib = (mn_stat_item *)malloc(sizeof *ib * MN_CACHE_STATS_ITEMS);
+        uint32_t na, nb, k;
+        CHECK(ia && ib);
+        if (!ia || !ib) {
+            free(ia), free(ib);
+            return;
+        }
+        s.batch = 1 + mnt_rand_u64() % 4, s.seq = 64u << (mnt_rand_u64() % 3);
+        s.precision = (mn_precision)(mnt_rand_u64() % (MN_PREC_BF16 + 1));
+        s.checkpointing = (mn_ckpt)(mnt_rand_u64() % MN_CKPT_COUNT);
+        s.alloc_conf = *conf ? conf : NULL;
+        memset(&sa, 0, sizeof sa), memset(&sb, 0, sizeof sb);
+        CHECK_OK(mn_estimate(&m, &s, &res));
+        CHECK_OK(mn_estimate_trace(&m, &s, NULL, &ev, &n));
+        CHECK_OK(replay_into(conf, &m, &s, NULL, 0, &a, &sa));
+        CHECK_OK(replay_into(conf, &m, &s, ev, n, &b, &sb));
+        for (i = 0; i < n; i++) nallocs += ev[i].alloc;  // the estimate counts the allocations
+        CHECK_EQ_U64(res.alloc_events, nallocs);
+        mn_trace_free(NULL, ev);
+        // the estimate's peaks (its replay: the same trace through a cache of its settings)
+        CHECK_EQ_U64(a.allocated_bytes[0].peak, res.peak_allocated);
+        CHECK_EQ_U64(a.reserved_bytes[0].peak, res.peak_reserved);
+        // every statistic, and block for block the same cache as the trace's replay
+        na = mn_cache_stats_items(&a, ia, MN_CACHE_STATS_ITEMS);
+        nb = mn_cache_stats_items(&b, ib, MN_CACHE_STATS_ITEMS);
+        CHECK_EQ_INT(na, nb);
+        for (k = 0; k < na && k < nb; k++)
+            CHECK_MSG(ia[k].value == ib[k].value, "%s: %s %lld, the trace's replay %lld",
+                      m.name, ia[k].key, (long long)ia[k].value, (long long)ib[k].value);
+        CHECK_EQ_U64(sa.block_count, sb.block_count);
+        CHECK(sa.block_count > 0);  // the weights at least stay live
+        for (i = 0; i < sa.block_count && i < sb.block_count; i++) {
+            const mn_block_info *x = &sa.blocks[i], *y = &sb.blocks[i];
+            int ph, known = x->label[0] == 0;
+            CHECK(x->addr == y->addr && x->size == y->size && x->requested == y->requested);
+            CHECK(x->state == y->state && x->category == y->category);
+            CHECK_STR(x->label, y->label);
+            for (ph = 1; ph < MN_PHASE_COUNT; ph++)
+                known |= strcmp(x->label, mn_phase_name((mn_phase)ph)) == 0;
+            CHECK_MSG(known, "block label \"%s\" is no phase", x->label);
+            labelled += x->state == MN_BLOCK_ACTIVE_ALLOCATED && x->label[0];
+        }
+        CHECK(labelled > 0);
+        mn_cache_snapshot_free(&sa), mn_cache_snapshot_free(&sb);
+        free(ia), free(ib);
+    }
+}
+
+// mn_estimate_replay's arguments, and its host allocation failures (the cache's own included).
+static mn_result replay_once(void *ctx) {
+    estimate_ctx *c = (estimate_ctx *)ctx;
+    mn_sim_cache sc;
+    mn_result r = mn_sim_cache_init(&sc, NULL, NULL);
+    if (r != MN_OK) return r;
+    r = mn_estimate_replay(&c->m, &c->s, NULL, &sc.cache);
+    if (r == MN_OK) CHECK_OK(mn_cache_check(&sc.cache));
+    mn_sim_cache_free(&sc);
+    return r;
+}
+
+static void test_estimate_replay_errors(void) {
+    estimate_ctx c;
+    mn_sim_cache sc;
+    mn_setup bad;
+    c.m = preset("gpt2"), c.s = setup0();
+    c.m.layers = 2, c.s.seq = 64;
+    CHECK_OK(mn_sim_cache_init(&sc, NULL, NULL));
+    CHECK_ERR(mn_estimate_replay(&c.m, NULL, NULL, &sc.cache), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_estimate_replay(&c.m, &c.s, NULL, NULL), MN_ERR_INVALID_ARG);
+    CHECK_ERR(mn_estimate_replay(NULL, &c.s, NULL, &sc.cache), MN_ERR_INVALID_ARG);
+    bad = c.s, bad.precision = MN_PREC_COUNT;  // a bad setup: refused, nothing replayed
+    CHECK_ERR(mn_estimate_replay(&c.m, &bad, NULL, &sc.cache), MN_ERR_INVALID_ARG);
+    {
+        struct mn_cache_stats st;
+        CHECK_OK(mn_cache_stats(&sc.cache, &st));
+        CHECK_EQ_U64(st.allocation[0].allocated + st.reserved_bytes[0].peak, 0);
+    }
+    mn_sim_cache_free(&sc);
+    WALK_ALLOC_FAILURES(replay_once, &c, 999);
+}
+
 static void test_presets_and_gpus(void) {
     uint32_t i;
     mn_gpu g;
@@ -1201,6 +1324,8 @@ const mnt_case test_estimate_cases[] = {
     {"lora_dropout_by_hand", test_lora_dropout_by_hand},
     {"parts_by_hand", test_parts_by_hand},
     {"param_counts", test_param_counts},
+    {"estimate_replay", test_estimate_replay},
+    {"estimate_replay_errors", test_estimate_replay_errors},
     {"preset_fields", test_preset_fields},
     {"bytes_per_param", test_bytes_per_param},
     {"seed_optimizer_figures", test_seed_optimizer_figures},
