@@ -4249,7 +4249,7 @@ MN__PRIVATE mn_result mn__parse_name(const mn__name *t, const char *s, int *out)
     MNIMPL const char *mn_##fn##_name(type v) { return mn__name_of(table, (int)v, dflt); }        \
     MNIMPL mn_result mn_##fn##_parse(const char *s, type *out) {                                 \
         int v = 0;                                                                              \
-        mn_result r = mn__parse_name(table, s, &v);                                             \
+        mn_result r = out ? mn__parse_name(table, s, &v) : MN_ERR_INVALID_ARG;                  \
         if (r == MN_OK) *out = (type)v;                                                         \
         return r;                                                                               \
     }
@@ -4319,7 +4319,7 @@ MNIMPL mn_result mn_lora_targets_parse(const char *s, uint32_t *out) {
         if (mn__parse_name(t, word, &v) != MN_OK) return MN_ERR_NOT_FOUND;
         bits |= (uint32_t)v;
         s += n;
-        if (*s == ',') s++;
+        if (*s == ',' && !*++s) return MN_ERR_NOT_FOUND;  // "q," names nothing after its comma
     }
     *out = bits;
     return MN_OK;
@@ -9876,7 +9876,7 @@ MNIMPL void mn_simdev_free(mn_simdev *dev) {
 }
 
 MNIMPL void mn_simdev_fail_alloc_at(mn_simdev *dev, uint64_t n) {
-    dev->fail_at = n ? dev->alloc_calls + dev->map_calls + n : 0;
+    if (dev) dev->fail_at = n ? dev->alloc_calls + dev->map_calls + n : 0;
 }
 
 // Counts one device allocation and says whether it must fail (injection or capacity).
@@ -10012,9 +10012,10 @@ MN__PRIVATE mn_result mn__c_simdev_unmap(void *ud, void *addr, uint64_t size) {
     return mn__c_simdev_release(ud, addr, size);
 }
 
-MNIMPL mn_device mn_simdev_device(mn_simdev *dev) {
+MNIMPL mn_device mn_simdev_device(mn_simdev *dev) {  // NULL: no functions (mn_cache_init refuses it)
     mn_device d;
     memset(&d, 0, sizeof d);
+    if (!dev) return d;
     d.alloc_fn = mn__c_simdev_alloc;
     d.free_fn = mn__c_simdev_free_fn;
     d.mem_info_fn = mn__c_simdev_mem_info;
@@ -10032,24 +10033,24 @@ MNIMPL mn_device mn_simdev_device(mn_simdev *dev) {
 }
 
 MNIMPL void mn_simdev_complete_event(mn_simdev *dev, mn_event e) {
-    mn_simdev_event *ev = mn__c_simdev_find_event(dev, e);
+    mn_simdev_event *ev = dev ? mn__c_simdev_find_event(dev, e) : NULL;
     if (ev) ev->done = 1;
 }
 
 MNIMPL void mn_simdev_sync_stream(mn_simdev *dev, mn_stream stream) {
     uint32_t i;
-    for (i = 0; i < dev->event_count; i++)
+    for (i = 0; dev && i < dev->event_count; i++)
         if (dev->events[i].stream == stream) dev->events[i].done = 1;
 }
 
 MNIMPL void mn_simdev_sync(mn_simdev *dev) {
     uint32_t i;
-    for (i = 0; i < dev->event_count; i++) dev->events[i].done = 1;
+    for (i = 0; dev && i < dev->event_count; i++) dev->events[i].done = 1;
 }
 
 MNIMPL uint32_t mn_simdev_pending_events(const mn_simdev *dev) {
     uint32_t i, n = 0;
-    for (i = 0; i < dev->event_count; i++) n += !dev->events[i].done;
+    for (i = 0; dev && i < dev->event_count; i++) n += !dev->events[i].done;
     return n;
 }
 
@@ -10110,9 +10111,10 @@ MN__PRIVATE mn_result mn__c_hostdev_mem_info(void *ud, uint64_t *free_out, uint6
     return MN_OK;
 }
 
-MNIMPL mn_device mn_hostdev_device(mn_hostdev *dev) {
+MNIMPL mn_device mn_hostdev_device(mn_hostdev *dev) {  // NULL: no functions, as mn_simdev_device
     mn_device d;
     memset(&d, 0, sizeof d);
+    if (!dev) return d;
     d.alloc_fn = mn__c_hostdev_alloc;
     d.free_fn = mn__c_hostdev_release;
     d.mem_info_fn = mn__c_hostdev_mem_info;
@@ -13231,7 +13233,8 @@ MNIMPL void mn_sim_cache_free(mn_sim_cache *sc) {
 }
 
 MNIMPL mn_result mn_cache_write_file(void *file, const char *data, size_t len) {
-    if (!file) return MN_ERR_INVALID_ARG;
+    if (!file || (!data && len)) return MN_ERR_INVALID_ARG;
+    if (!len) return MN_OK;
     return fwrite(data, 1, len, (FILE *)file) == len ? MN_OK : MN_ERR_IO;
 }
 
