@@ -37,6 +37,12 @@
 // With GCC at -O2 the implementation asks for -O3 (#pragma GCC optimize), so the ops' loops
 // vectorize as at -O3, with the same bits, and the allocator and estimator inline as at -O3.
 //
+// CONVENTIONS
+//   A function that can fail returns mn_result: MN_OK (0) or a negative error. A NULL where a
+//   pointer is required is MN_ERR_INVALID_ARG, or nothing done by a function that returns nothing.
+//   A NULL descriptor or parameter struct (desc, p, d) selects every default, a NULL allocator
+//   MN_MALLOC/MN_FREE, a NULL logger silence; each declaration names its other optional pointers.
+//
 // QUICK START
 //   mn_model model;  mn_setup setup = {0};  mn_estimate_result r;
 //   mn_preset_find("llama-3-8b", &model);        // or a shape in mn_model, or mn_hf_config_read()
@@ -2075,7 +2081,8 @@ MNDEF mn_result mn_cache_category_summary_write(const struct mn_cache_stats *s,
 // allocator_settings); blocks and trace entries carry their category and label as a frame.
 MNDEF mn_result mn_cache_snapshot_write_json(const mn_cache_snapshot *s, mn_cache_write_fn fn,
                                              void *user_data);
-// SVG picture: allocated bytes over time stacked by category, reserved bytes as a line.
+// SVG picture: allocated bytes over time stacked by category, reserved bytes as a line; title
+// NULL: "memory timeline". A snapshot with an array missing for its count: MN_ERR_INVALID_ARG.
 MNDEF mn_result mn_cache_timeline_svg(const mn_cache_snapshot *s, const char *title,
                                       mn_cache_write_fn fn, void *user_data);
 // PyTorch's format_size(): "512 bytes", "1.50 KiB", "20.00 MiB", "1.25 GiB".
@@ -2479,9 +2486,10 @@ MNDEF mn_result mn_matmul_backward_typed(float *dinp, float *dweight, float *dbi
 MNDEF mn_result mn_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                                      const float *weight, const float *bias, size_t N, size_t C,
                                      float eps);
-// dinp[N,C] +=, dweight[C] +=, dbias[C] += (or NULL); dout[N,C], inp[N,C], weight[C],
-// mean[N] and rstd[N] from the forward. dweight and dbias take each row's terms in row order
-// (llm.c's order); up to two threads read every row once for all three gradients.
+// dinp[N,C] +=, dweight[C] +=, dbias[C] += (each may be NULL: not computed); dout[N,C],
+// inp[N,C], weight[C], mean[N] and rstd[N] from the forward. dweight and dbias take each row's
+// terms in row order (llm.c's order); up to two threads read every row once for all three
+// gradients.
 MNDEF mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                                       const float *inp, const float *weight, const float *mean,
                                       const float *rstd, size_t N, size_t C);
@@ -2490,7 +2498,8 @@ MNDEF mn_result mn_layernorm_backward(float *dinp, float *dweight, float *dbias,
 // out[N,C], rstd[N] (saved for backward, may be NULL), inp[N,C], weight[C].
 MNDEF mn_result mn_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
                                    size_t N, size_t C, float eps);
-// dinp[N,C] +=, dweight[C] +=; dout[N,C], inp[N,C], weight[C], rstd[N] from the forward.
+// dinp[N,C] +=, dweight[C] += (either may be NULL: not computed); dout[N,C], inp[N,C], weight[C],
+// rstd[N] from the forward.
 MNDEF mn_result mn_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
                                     const float *inp, const float *weight, const float *rstd,
                                     size_t N, size_t C);
@@ -2578,7 +2587,8 @@ MNDEF mn_result mn_dropout_backward(float *dinp, const float *dout, const uint8_
                                     float p, uint64_t seed, uint64_t offset);
 // The keep mask alone: mask[n] = 1 where element offset + i is kept.
 MNDEF mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed, uint64_t offset);
-// Philox-4x32-10 block: four 32-bit words for a 128-bit counter and a 64-bit key.
+// Philox-4x32-10 block: four 32-bit words for a 128-bit counter and a 64-bit key (a NULL array:
+// nothing done).
 MNDEF void mn_philox4x32(const uint32_t ctr[4], uint64_t key, uint32_t out[4]);
 
 #ifdef __cplusplus
@@ -10012,7 +10022,8 @@ MN__PRIVATE mn_result mn__c_simdev_unmap(void *ud, void *addr, uint64_t size) {
     return mn__c_simdev_release(ud, addr, size);
 }
 
-MNIMPL mn_device mn_simdev_device(mn_simdev *dev) {  // NULL: no functions (mn_cache_init refuses it)
+// NULL: a device of no functions, which mn_cache_init refuses.
+MNIMPL mn_device mn_simdev_device(mn_simdev *dev) {
     mn_device d;
     memset(&d, 0, sizeof d);
     if (!dev) return d;
@@ -10111,7 +10122,7 @@ MN__PRIVATE mn_result mn__c_hostdev_mem_info(void *ud, uint64_t *free_out, uint6
     return MN_OK;
 }
 
-MNIMPL mn_device mn_hostdev_device(mn_hostdev *dev) {  // NULL: no functions, as mn_simdev_device
+MNIMPL mn_device mn_hostdev_device(mn_hostdev *dev) {  // NULL: as mn_simdev_device
     mn_device d;
     memset(&d, 0, sizeof d);
     if (!dev) return d;
@@ -13016,12 +13027,18 @@ MN__PRIVATE void mn__c_json_frames(mn__c_out *o, mn_category cat, const char *la
     mn__c_printf(o, "}],\"category\":\"%s\"", mn_category_name(cat));
 }
 
+// A snapshot whose arrays are there for their counts (a caller may fill one by hand).
+MN__PRIVATE int mn__c_snap_ok(const mn_cache_snapshot *s) {
+    return s && (s->segments || !s->segment_count) && (s->blocks || !s->block_count) &&
+           (s->trace || !s->trace_count);
+}
+
 MNIMPL mn_result mn_cache_snapshot_write_json(const mn_cache_snapshot *s, mn_cache_write_fn fn,
                                               void *user_data) {
     mn__c_out o;
     uint64_t i, j;
     int k;
-    if (!s || !fn) return MN_ERR_INVALID_ARG;
+    if (!mn__c_snap_ok(s) || !fn) return MN_ERR_INVALID_ARG;
     o.fn = fn, o.ud = user_data, o.r = MN_OK;
     mn__c_printf(&o, "{\"segments\":[");
     for (i = 0; i < s->segment_count && o.r == MN_OK; i++) {
@@ -13098,7 +13115,7 @@ MNIMPL mn_result mn_cache_timeline_svg(const mn_cache_snapshot *s, const char *t
     char lab[48];
     mn__c_out o;
     int k, seen;
-    if (!s || !fn) return MN_ERR_INVALID_ARG;
+    if (!mn__c_snap_ok(s) || !fn) return MN_ERR_INVALID_ARG;
     o.fn = fn, o.ud = user_data, o.r = MN_OK;
     ncols = s->trace_count + 1 < MN__C_SVG_COLS ? s->trace_count + 1 : MN__C_SVG_COLS;
     colcat =
@@ -18190,9 +18207,10 @@ MNIMPL void mn_philox4x32(const uint32_t ctr[4], uint64_t key, uint32_t out[4]) 
     // Philox-4x32-10, Salmon, Moraes, Dror & Shaw 2011, "Parallel random numbers: as easy as
     // 1, 2, 3" (Random123 philox4x32round): multipliers 0xD2511F53, 0xCD9E8D57, Weyl key
     // increments 0x9E3779B9, 0xBB67AE85.
-    uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3];
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    uint32_t c0, c1, c2, c3, k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
     int r;
+    if (!ctr || !out) return;
+    c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3];
     for (r = 0; r < 10; r++) {
         uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
         uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;

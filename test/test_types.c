@@ -1,6 +1,7 @@
 // Tests of the >>types section: checked arithmetic, sizes, names.
 #include <ctype.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include "harness.h"
 #include "../memanat.h"
@@ -157,6 +158,7 @@ static void test_lora_targets_parse(void) {
 // NULL where a public function needs a pointer: an mn_result, never a crash (the library's
 // functions with no result to return ignore it).
 static void test_null_arguments(void) {
+    mnt_buf buf = {NULL, 0, 0};
     uint64_t u = 0;
     mn_model m;
     mn_setup s;
@@ -185,6 +187,22 @@ static void test_null_arguments(void) {
         memset(&cd, 0, sizeof cd);
         cd.device = d;
         CHECK_ERR(mn_cache_init(&c, &cd), MN_ERR_INVALID_ARG);
+    }
+    {  // a snapshot whose array is missing for its count, and Philox without its arrays
+        mn_cache_snapshot snap;
+        uint32_t ctr[4] = {1, 2, 3, 4}, out[4] = {7, 7, 7, 7};
+        memset(&snap, 0, sizeof snap);
+        CHECK_OK(mn_cache_snapshot_write_json(&snap, mnt_buf_write, &buf));
+        snap.segment_count = 1;
+        CHECK_ERR(mn_cache_snapshot_write_json(&snap, mnt_buf_write, &buf), MN_ERR_INVALID_ARG);
+        snap.segment_count = 0, snap.trace_count = 2;
+        CHECK_ERR(mn_cache_timeline_svg(&snap, NULL, mnt_buf_write, &buf), MN_ERR_INVALID_ARG);
+        snap.trace_count = 0, snap.block_count = 3;
+        CHECK_ERR(mn_cache_timeline_svg(&snap, NULL, mnt_buf_write, &buf), MN_ERR_INVALID_ARG);
+        mn_philox4x32(NULL, 1, out);
+        CHECK(out[0] == 7 && out[3] == 7);
+        mn_philox4x32(ctr, 1, NULL);
+        free(buf.p);
     }
     CHECK_EQ_U64(mn_simdev_pending_events(NULL), 0);
     mn_simdev_fail_alloc_at(NULL, 1);
