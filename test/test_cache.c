@@ -1383,33 +1383,43 @@ static void test_replay_cli(void) {
 
 // ---- shared pieces: mn_sim_cache, mn_cache_replay, mn_cache_write_file, stats items ------------
 
-// A random trace over a few live ids: fresh ids of any value (0 and UINT64_MAX included), frees
-// of ids never allocated, allocations of ids still live, several streams and categories.
-static mn_trace_event *tc_random_trace(size_t n) {
+// A random trace over nids ids: fresh ids of any value (0 and UINT64_MAX included), frees of
+// ids never allocated, allocations of ids still live, several streams and categories; an event
+// allocates with probability alloc_pct percent.
+static mn_trace_event *tc_random_trace_ids(size_t n, size_t nids, unsigned alloc_pct) {
     mn_trace_event *ev = (mn_trace_event *)calloc(n, sizeof *ev);
-    uint64_t ids[16];
+    uint64_t *ids = (uint64_t *)malloc(nids * sizeof *ids);
     size_t i;
-    if (!ev) return NULL;
-    for (i = 0; i < 16; i++) ids[i] = mnt_rand_u64();
+    if (!ev || !ids) {
+        free(ev), free(ids);
+        return NULL;
+    }
+    for (i = 0; i < nids; i++) ids[i] = mnt_rand_u64();
     ids[0] = 0, ids[1] = UINT64_MAX;
     for (i = 0; i < n; i++) {
-        ev[i].id = mnt_rand_u64() % 50 == 0 ? mnt_rand_u64() : ids[mnt_rand_u64() % 16];
-        ev[i].alloc = (uint8_t)(mnt_rand_u64() % 2);
+        ev[i].id = mnt_rand_u64() % 50 == 0 ? mnt_rand_u64() : ids[mnt_rand_u64() % nids];
+        ev[i].alloc = (uint8_t)(mnt_rand_u64() % 100 < alloc_pct);
         ev[i].size = ev[i].alloc ? tc_rand_size() : 0;
         ev[i].stream = (uint32_t)(mnt_rand_u64() % 3);
         ev[i].category = (uint8_t)(mnt_rand_u64() % MN_CAT_COUNT);
         ev[i].phase = (uint8_t)(mnt_rand_u64() % MN_PHASE_COUNT);
     }
+    free(ids);
     return ev;
 }
 
-// The replay's rules written out the slow way: a list of live (id, block) pairs.
-static void tc_replay_reference(mn_cache *c, const mn_trace_event *ev, size_t n,
-                                mn_replay_counts *cnt) {
-    uint64_t live_id[64];
-    void *live[64];
-    size_t nlive = 0, i, k;
+static mn_trace_event *tc_random_trace(size_t n) { return tc_random_trace_ids(n, 16, 50); }
+
+// The replay's rules written out the slow way: a list of live (id, block) pairs. Returns the
+// most blocks live at once.
+static size_t tc_replay_reference(mn_cache *c, const mn_trace_event *ev, size_t n,
+                                  mn_replay_counts *cnt) {
+    uint64_t *live_id = (uint64_t *)malloc((n + 1) * sizeof *live_id);
+    void **live = (void **)malloc((n + 1) * sizeof *live);
+    size_t nlive = 0, most = 0, i, k;
     memset(cnt, 0, sizeof *cnt);
+    CHECK(live_id && live);
+    if (!live_id || !live) n = 0;
     for (i = 0; i < n; i++) {
         void *p = NULL;
         mn_result r;
@@ -1430,8 +1440,11 @@ static void tc_replay_reference(mn_cache *c, const mn_trace_event *ev, size_t n,
             continue;
         }
         CHECK_OK(r);
-        if (p && nlive < 64) live_id[nlive] = ev[i].id, live[nlive++] = p;
+        if (p) live_id[nlive] = ev[i].id, live[nlive++] = p;
+        most = nlive > most ? nlive : most;
     }
+    free(live_id), free(live);
+    return most;
 }
 
 static void test_replay_matches_reference(void) {
@@ -1478,6 +1491,51 @@ static void test_replay_matches_reference(void) {
         tc_close(&b);
         free(ev);
     }
+}
+
+typedef struct tc_idx { uint64_t id; size_t at; } tc_idx;
+static int tc_idx_cmp(const void *x, const void *y) {
+    const tc_idx *a = (const tc_idx *)x, *b = (const tc_idx *)y;
+    if (a->id != b->id) return a->id < b->id ? -1 : 1;
+    return a->at < b->at ? -1 : a->at > b->at;
+}
+
+// Thousands of blocks live at once under ids of any value: the replay's hash table grows (and
+// removes with its probe runs) many times; the same cache as the slow list's, and as the same
+// trace with its ids renamed 0, 1, 2, ... (the plain array the replay takes for dense ids).
+static void test_replay_many_live_ids(void) {
+    size_t n = 20000, most, i, j;
+    mn_trace_event *ev = tc_random_trace_ids(n, 6000, 70), *dense;
+    tc_idx *ix;
+    tc_env a, b, d;
+    mn_replay_counts got, want, got_d;
+    struct mn_cache_stats sa, sb, sd;
+    CHECK(ev != NULL);
+    if (!ev) return;
+    dense = (mn_trace_event *)malloc(n * sizeof *dense);
+    ix = (tc_idx *)malloc(n * sizeof *ix);
+    CHECK(dense && ix);
+    if (!dense || !ix) {
+        free(ev), free(dense), free(ix);
+        return;
+    }
+    for (i = 0; i < n; i++) dense[i] = ev[i], ix[i].id = ev[i].id, ix[i].at = i;
+    qsort(ix, n, sizeof *ix, tc_idx_cmp);
+    for (i = 0; i < n; i = j)  // an id is named by the event where it first appears
+        for (j = i; j < n && ix[j].id == ix[i].id; j++) dense[ix[j].at].id = ix[i].at;
+    CHECK_OK(tc_open(&a, 0, NULL, 0));
+    CHECK_OK(tc_open(&b, 0, NULL, 0));
+    CHECK_OK(tc_open(&d, 0, NULL, 0));
+    CHECK_OK(mn_cache_replay(&a.cache, ev, n, 0, &got));
+    most = tc_replay_reference(&b.cache, ev, n, &want);
+    CHECK_OK(mn_cache_replay(&d.cache, dense, n, 0, &got_d));
+    CHECK_MSG(most > 2048, "only %zu blocks live at once", most);
+    CHECK(memcmp(&got, &want, sizeof got) == 0 && memcmp(&got, &got_d, sizeof got) == 0);
+    sa = tc_stats(&a), sb = tc_stats(&b), sd = tc_stats(&d);
+    CHECK(memcmp(&sa, &sb, sizeof sa) == 0 && memcmp(&sa, &sd, sizeof sa) == 0);
+    CHECK_OK(mn_cache_check(&a.cache));
+    tc_close(&a), tc_close(&b), tc_close(&d);
+    free(ev), free(dense), free(ix);
 }
 
 static mn_result tc_replay_once(void *ctx) {
@@ -2030,6 +2088,7 @@ const mnt_case test_cache_cases[] = {
     {"bad_arguments", test_bad_arguments},
     {"replay_cli", test_replay_cli},
     {"replay_matches_reference", test_replay_matches_reference},
+    {"replay_many_live_ids", test_replay_many_live_ids},
     {"replay_edges", test_replay_edges},
     {"sim_cache", test_sim_cache},
     {"write_file", test_write_file},
