@@ -1,6 +1,7 @@
 // Tests of the estimator through the public API: exact parameter counts, the seeds' worked
 // numbers, properties (monotonic, checkpointing, accumulation, ZeRO, fit), bad input, failures.
 #include <ctype.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "harness.h"
@@ -895,6 +896,106 @@ static void test_estimate_replay_errors(void) {
     WALK_ALLOC_FAILURES(replay_once, &c, 999);
 }
 
+// Each model field out of its range: MN_ERR_INVALID_ARG and one error that names the field;
+// the same field at the end of its range is taken.
+typedef struct bad_field {
+    const char *what;  // in the message
+    int field;
+    uint64_t bad, good;
+} bad_field;
+
+enum { BF_LAYERS, BF_HIDDEN, BF_HEADS, BF_KV, BF_HEAD_DIM, BF_FFN, BF_VOCAB, BF_ENC, BF_POS,
+       BF_TYPES, BF_LABELS };
+
+static void set_field(mn_model *m, int f, uint64_t v) {
+    switch (f) {
+    case BF_LAYERS: m->layers = v; break;
+    case BF_HIDDEN: m->hidden = v, m->heads = 16, m->kv_heads = 0, m->head_dim = 0; break;
+    case BF_HEADS: m->heads = v, m->kv_heads = 0, m->head_dim = 0; break;
+    case BF_KV: m->kv_heads = v; break;
+    case BF_HEAD_DIM: m->head_dim = v; break;
+    case BF_FFN: m->ffn = v; break;
+    case BF_VOCAB: m->vocab = v; break;
+    case BF_ENC: m->arch = MN_ARCH_ENCODER_DECODER, m->encoder_layers = v; break;
+    case BF_POS: m->max_positions = v; break;
+    case BF_TYPES: m->type_vocab = v; break;
+    default: m->head = MN_HEAD_CLASSIFICATION, m->num_labels = v; break;
+    }
+}
+
+static mn_result estimate_logged(const mn_model *m, mnt_log *lg) {
+    mn_setup s = setup0();
+    mn_estimate_result r;
+    memset(lg, 0, sizeof *lg);
+    s.logger.log_fn = mnt_log_capture, s.logger.user_data = lg;
+    s.seq = 16, s.no_replay = 1;
+    return mn_estimate(m, &s, &r);
+}
+
+static void test_bad_model_fields(void) {
+    static const bad_field t[] = {
+        {"layers", BF_LAYERS, 0, 1},           {"layers", BF_LAYERS, 10001, 3},
+        {"hidden size", BF_HIDDEN, 0, 64},     {"hidden size", BF_HIDDEN, (1ull << 20) + 1, 1 << 20},
+        {"attention heads", BF_HEADS, 0, 12},  {"attention heads", BF_HEADS, 769, 768},
+        {"key/value heads", BF_KV, 5, 4},      {"key/value heads", BF_KV, 24, 12},
+        {"not a multiple", BF_HEADS, 7, 8},    {"head dimension", BF_HEAD_DIM, 65537, 65536},
+        {"MLP width", BF_FFN, (1ull << 24) + 1, 1ull << 24},
+        {"vocabulary", BF_VOCAB, (1ull << 26) + 1, 1ull << 26},
+        {"encoder layers", BF_ENC, 10001, 2},  {"positions", BF_POS, (1ull << 24) + 1, 1ull << 24},
+        {"token types", BF_TYPES, (1ull << 20) + 1, 1ull << 20},
+        {"labels", BF_LABELS, (1ull << 24) + 1, 1ull << 24},
+    };
+    static const float drop[] = {1.0f, -0.25f, 2.0f};
+    mn_layer stack[2];
+    mn_model m;
+    mnt_log lg;
+    size_t i;
+    for (i = 0; i < sizeof t / sizeof t[0]; i++) {
+        m = preset("gpt2"), m.layers = 2;
+        set_field(&m, t[i].field, t[i].bad);
+        CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+        CHECK_MSG(lg.errors == 1 && strstr(lg.last, t[i].what), "%s %llu: \"%s\"", t[i].what,
+                  (unsigned long long)t[i].bad, lg.last);
+        m = preset("gpt2"), m.layers = 2;
+        set_field(&m, t[i].field, t[i].good);
+        CHECK_MSG(estimate_logged(&m, &lg) == MN_OK, "%s %llu refused: \"%s\"", t[i].what,
+                  (unsigned long long)t[i].good, lg.last);
+    }
+    for (i = 0; i < sizeof drop / sizeof drop[0]; i++) {
+        m = preset("gpt2"), m.layers = 2, m.dropout = drop[i];
+        CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+        CHECK(strstr(lg.last, "dropout") != NULL);
+        m = preset("gpt2"), m.layers = 2, m.attn_dropout = drop[i] > 1.0f ? (float)NAN : drop[i];
+        CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+    }
+    m = preset("gpt2"), m.arch = MN_ARCH_COUNT;
+    CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+    CHECK(strstr(lg.last, "architecture") != NULL);
+    m = preset("gpt2"), m.norm = MN_NORM_COUNT;
+    CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+    CHECK(strstr(lg.last, "enum") != NULL);
+    // a custom stack: no layers, a layer sharing a later one's weights, widths
+    memset(&m, 0, sizeof m), memset(stack, 0, sizeof stack);
+    m.arch = MN_ARCH_STACK, m.stack = stack;
+    stack[0].kind = MN_LAYER_LINEAR, stack[0].in = 64, stack[0].out = 64;
+    stack[1] = stack[0];
+    CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);  // stack_len 0
+    CHECK(strstr(lg.last, "at least one layer") != NULL);
+    m.stack_len = 2;
+    CHECK_OK(estimate_logged(&m, &lg));
+    stack[1].shared_with = 1;  // the first layer's weights: taken
+    CHECK_OK(estimate_logged(&m, &lg));
+    stack[0].shared_with = 2;
+    CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+    CHECK(strstr(lg.last, "later layer") != NULL);
+    stack[0].shared_with = 0, stack[1].out = (1ull << 24) + 1;
+    CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+    CHECK(strstr(lg.last, "width") != NULL);
+    stack[1].out = 64, stack[1].in = 0;
+    CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+    CHECK(strstr(lg.last, "no input width") != NULL);
+}
+
 static void test_presets_and_gpus(void) {
     uint32_t i;
     mn_gpu g;
@@ -1325,6 +1426,7 @@ const mnt_case test_estimate_cases[] = {
     {"parts_by_hand", test_parts_by_hand},
     {"param_counts", test_param_counts},
     {"estimate_replay", test_estimate_replay},
+    {"bad_model_fields", test_bad_model_fields},
     {"estimate_replay_errors", test_estimate_replay_errors},
     {"preset_fields", test_preset_fields},
     {"bytes_per_param", test_bytes_per_param},
