@@ -180,7 +180,9 @@ static void test_config_parse(void) {
         "roundup_power2_divisions:[3:4]", "roundup_power2_divisions:[64:3]",
         "roundup_power2_divisions:[64:4", "max_split_size_mb", "max_split_size_mb:", ":3",
         "max_split_size_mb:100 200", "backend:magic", "max_non_split_rounding_mb:10",
-        "pinned_num_register_threads:3",
+        "pinned_num_register_threads:3", "pinned_num_register_threads:256",
+        "large_segment_size_mb:3", "large_segment_size_mb:0", "roundup_power2_divisions:[64]",
+        "roundup_power2_divisions:[64:4:8]",
     };
     mn_cache_config cfg;
     mnt_log lc;
@@ -214,6 +216,28 @@ static void test_config_parse(void) {
     CHECK_ERR(mn_cache_config_parse("max_split_size_mb:2", &cfg, &lg), MN_ERR_CONFIG);
     CHECK(strstr(lc.last, "max_split_size_mb") != NULL);
     CHECK_ERR(mn_cache_config_parse("backend:cudaMallocAsync", &cfg, &lg), MN_ERR_UNSUPPORTED);
+    CHECK_OK(mn_cache_config_parse("large_segment_size_mb:64", &cfg, &lg));
+    CHECK_EQ_U64(cfg.large_segment_size, 64 * MIB);
+    {  // a setting string of more tokens than the lexer keeps: refused, and said so
+        char many[2400];
+        size_t k;
+        for (k = 0; k + 22 < sizeof many; k += 22) memcpy(many + k, "max_split_size_mb:128,", 22);
+        many[k] = 0;
+        CHECK_ERR(mn_cache_config_parse(many, &cfg, &lg), MN_ERR_CONFIG);
+        CHECK(strstr(lc.last, "tokens") != NULL);
+    }
+    {  // parsed settings given directly are checked as well
+        mn_sim_cache sc;
+        mn_cache_desc cd;
+        memset(&cd, 0, sizeof cd);
+        CHECK_OK(mn_cache_config_parse("", &cfg, &lg));
+        cfg.garbage_collection_threshold = 1.5;
+        cd.settings = &cfg, cd.logger = lg;
+        CHECK_ERR(mn_sim_cache_init(&sc, NULL, &cd), MN_ERR_CONFIG);
+        CHECK(strstr(lc.last, "out of range") != NULL);
+        cfg.garbage_collection_threshold = 0.0, cfg.max_split_size = MIB;
+        CHECK_ERR(mn_sim_cache_init(&sc, NULL, &cd), MN_ERR_CONFIG);
+    }
     for (i = 0; i < 3000; i++) {  // fuzz: random bytes from the grammar's alphabet never crash
         static const char alpha[] = "max_split_size_mb:,[]>0123456789 .roundup_power2_divisionsTF";
         char s[40];
