@@ -202,7 +202,8 @@ MNDEF mn_result mn_mul_u64(uint64_t a, uint64_t b, uint64_t *out);
 MNDEF mn_result mn_add_u64(uint64_t a, uint64_t b, uint64_t *out);
 
 // Sizes for humans and for command lines. mn_size_parse accepts "123", "4B", "1.5GB" (10^9),
-// "16GiB" (2^30), "512MiB", "2KB", "2KiB" (case-insensitive units, no sign).
+// "16GiB" (2^30), "512MiB", "2KB", "2KiB" (case-insensitive units, no sign), exactly, rounded
+// to the nearest byte (a half up); MN_ERR_OVERFLOW above 2^64 - 1.
 MNDEF mn_result mn_size_parse(const char *s, uint64_t *out);
 MNDEF void mn_size_format(uint64_t bytes, char *buf, size_t cap);  // "1.25 GiB", "512 B"
 
@@ -2178,6 +2179,7 @@ MNDEF mn_result mn_optim_state_bytes(const mn_optim_desc *d, const uint64_t *dim
 MNDEF mn_result mn_sgd_state_bytes(const uint64_t *dims, uint32_t ndim, int momentum,
                                    uint64_t *out);
 MNDEF mn_result mn_adamw_state_bytes(const uint64_t *dims, uint32_t ndim, uint64_t *out);
+// (block_size 0 = 256, up to 4096 as mn_adamw8bit_init takes)
 MNDEF mn_result mn_adamw8bit_state_bytes(const uint64_t *dims, uint32_t ndim, uint32_t block_size,
                                          uint64_t min_8bit_size, uint64_t *out);
 MNDEF mn_result mn_adafactor_state_bytes(const uint64_t *dims, uint32_t ndim, int beta1,
@@ -2729,6 +2731,10 @@ MNIMPL mn_result mn_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
     return MN_OK;
 }
 
+// n elements of up to 4 bytes have a byte count that fits size_t: the element count of a host
+// array an op may be given (more would wrap its offsets; the ops refuse it).
+MN__PRIVATE int mn__floats_fit(uint64_t n) { return n <= (uint64_t)((size_t)-1 / sizeof(float)); }
+
 MNIMPL mn_result mn_attention_scratch(uint64_t B, uint64_t T, uint64_t C, uint64_t NH,
                                       uint64_t esz, int backward, int att_kept, uint64_t *out) {
     uint64_t nh = backward ? 7 : 4, ns = backward ? (att_kept ? 2 : 3) : (att_kept ? 0 : 1);
@@ -2787,14 +2793,17 @@ MN__PRIVATE int mn__streq_nocase(const char *a, const char *b) {
 }
 
 MNIMPL mn_result mn_size_parse(const char *s, uint64_t *out) {
-    // digits[.digits] followed by an optional unit; the product must be a whole number of bytes
-    static const struct { const char *unit; double mult; } units[] = {
-        {"", 1.0}, {"b", 1.0}, {"kb", 1e3}, {"mb", 1e6}, {"gb", 1e9}, {"tb", 1e12},
-        {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0}, {"tib", 1099511627776.0},
-        {"k", 1024.0}, {"m", 1048576.0}, {"g", 1073741824.0}};
-    const char *p = s;
-    uint64_t ip = 0;
-    double frac = 0.0, scale = 0.1, v;
+    // digits[.digits] followed by an optional unit, rounded to the nearest byte (a half up), in
+    // integers: the fraction 0.d1..dk times the unit's bytes M is (d1..dk * M) / 10^k, and the
+    // long multiplication of the digits by M from the last one leaves floor of that as its carry
+    // and d1's place as its last digit, which says whether the rest is a half or more (the
+    // carry stays below M, so nothing overflows for any number of digits)
+    static const struct { const char *unit; uint64_t mult; } units[] = {
+        {"", 1}, {"b", 1}, {"kb", 1000}, {"mb", 1000000}, {"gb", 1000000000},
+        {"tb", 1000000000000ull}, {"kib", 1ull << 10}, {"mib", 1ull << 20}, {"gib", 1ull << 30},
+        {"tib", 1ull << 40}, {"k", 1ull << 10}, {"m", 1ull << 20}, {"g", 1ull << 30}};
+    const char *p = s, *f0 = NULL, *f1 = NULL;
+    uint64_t ip = 0, whole, carry, last = 0;
     int digits = 0;
     size_t i;
     if (!s || !out) return MN_ERR_INVALID_ARG;
@@ -2805,17 +2814,21 @@ MNIMPL mn_result mn_size_parse(const char *s, uint64_t *out) {
         p++, digits++;
     }
     if (*p == '.') {
-        p++;
-        while (*p >= '0' && *p <= '9') frac += (*p++ - '0') * scale, scale *= 0.1, digits++;
+        f0 = ++p;
+        while (*p >= '0' && *p <= '9') p++, digits++;
+        f1 = p;
     }
     if (digits == 0) return MN_ERR_PARSE;
     while (*p == ' ') p++;
     for (i = 0; i < sizeof units / sizeof units[0]; i++) {
+        const char *q;
         if (!mn__streq_nocase(p, units[i].unit)) continue;
-        if (frac == 0.0) return mn_mul_u64(ip, (uint64_t)units[i].mult, out);
-        v = ((double)ip + frac) * units[i].mult + 0.5;
-        if (v >= 18446744073709551615.0) return MN_ERR_OVERFLOW;
-        *out = (uint64_t)v;
+        if (mn_mul_u64(ip, units[i].mult, &whole) != MN_OK) return MN_ERR_OVERFLOW;
+        for (carry = 0, q = f1; f0 && q > f0;) {
+            uint64_t t = (uint64_t)(*--q - '0') * units[i].mult + carry;
+            last = t % 10, carry = t / 10;
+        }
+        if (mn_add_u64(whole, carry + (last >= 5), out) != MN_OK) return MN_ERR_OVERFLOW;
         return MN_OK;
     }
     return MN_ERR_PARSE;
@@ -7032,6 +7045,9 @@ MN__PRIVATE mn_result mn__resolve_model(const mn_model *in, const mn_logger *lg,
         uint32_t i;
         if (!m->stack || m->stack_len == 0)
             MN__INVALID(lg, "model: a custom stack needs at least one layer");
+        if (m->stack_len > (1u << 20))
+            MN__INVALID(lg, "model: a custom stack of %u layers (want up to 1048576)",
+                        m->stack_len);
         for (i = 0; i < m->stack_len; i++) {
             const mn_layer *l = &m->stack[i];
             if (l->shared_with > i)
@@ -13480,12 +13496,14 @@ MNIMPL mn_result mn_lion_state_bytes(const uint64_t *dims, uint32_t ndim, uint64
     return mn_mul_u64(n, 4, out);
 }
 
+#define MN__OPT_MAX_BLOCK 4096u  // the 8-bit step's largest block (its buffers are on the stack)
+
 MNIMPL mn_result mn_adamw8bit_state_bytes(const uint64_t *dims, uint32_t ndim, uint32_t block_size,
                                           uint64_t min_8bit_size, uint64_t *out) {
     uint64_t n, blocks, codes, scales;
     mn_result r = mn__numel(dims, ndim, &n);
     if (r != MN_OK) return r;
-    if (!out) return MN_ERR_INVALID_ARG;
+    if (!out || block_size > MN__OPT_MAX_BLOCK) return MN_ERR_INVALID_ARG;  // as init
     if (block_size == 0) block_size = 256;
     if (min_8bit_size == 0) min_8bit_size = 4096;
     if (n < min_8bit_size) return mn_mul_u64(n, 8, out);
@@ -13659,7 +13677,7 @@ MN__PRIVATE uint64_t mn__cast_head(const float *x, uint64_t n) {
 
 MNIMPL mn_result mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i, h;
-    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
+    if ((n && (!src || !dst)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     for (i = 0, h = mn__cast_head(src, n); i < h; i++) dst[i] = mn__fp32_to_fp16_flat(src[i]);
     for (; i < n; i++) dst[i] = mn__fp32_to_fp16_flat(src[i]);
     return MN_OK;
@@ -13667,7 +13685,7 @@ MNIMPL mn_result mn_fp32_to_fp16_array(const float *src, uint16_t *dst, uint64_t
 
 MNIMPL mn_result mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i, h;
-    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
+    if ((n && (!src || !dst)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     for (i = 0, h = mn__cast_head(dst, n); i < h; i++) dst[i] = mn__fp16_to_fp32_flat(src[i]);
     for (; i < n; i++) dst[i] = mn__fp16_to_fp32_flat(src[i]);
     return MN_OK;
@@ -13675,7 +13693,7 @@ MNIMPL mn_result mn_fp16_to_fp32_array(const uint16_t *src, float *dst, uint64_t
 
 MNIMPL mn_result mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t n) {
     uint64_t i, h;
-    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
+    if ((n && (!src || !dst)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     for (i = 0, h = mn__cast_head(src, n); i < h; i++) dst[i] = mn__fp32_to_bf16_flat(src[i]);
     for (; i < n; i++) dst[i] = mn__fp32_to_bf16_flat(src[i]);
     return MN_OK;
@@ -13683,7 +13701,7 @@ MNIMPL mn_result mn_fp32_to_bf16_array(const float *src, uint16_t *dst, uint64_t
 
 MNIMPL mn_result mn_bf16_to_fp32_array(const uint16_t *src, float *dst, uint64_t n) {
     uint64_t i, h;
-    if (n && (!src || !dst)) return MN_ERR_INVALID_ARG;
+    if ((n && (!src || !dst)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     for (i = 0, h = mn__cast_head(dst, n); i < h; i++) dst[i] = mn__bf16_to_fp32_flat(src[i]);
     for (; i < n; i++) dst[i] = mn__bf16_to_fp32_flat(src[i]);
     return MN_OK;
@@ -14741,7 +14759,8 @@ MNIMPL mn_result mn_quantize_blockwise(const float *map, const float *x, uint64_
     uint64_t b, i, i0, end;
     mn__opt_qtab t;
     float thr[255];
-    if (!map || !x || !codes || !absmax || block_size == 0) return MN_ERR_INVALID_ARG;
+    if (!map || !x || !codes || !absmax || block_size == 0 || !mn__floats_fit(n))
+        return MN_ERR_INVALID_ARG;
     t.ok = 0;
     if (n >= MN__OPT_QTAB_MIN)  // any map: ok only where it applies
         mn__opt_qtab_init(&t, map, mn__opt_thresholds(map, thr) ? thr : NULL, n);
@@ -14763,12 +14782,11 @@ MNIMPL mn_result mn_dequantize_blockwise(const float *map, const uint8_t *codes,
                                          const float *absmax, uint64_t n, uint32_t block_size,
                                          float *x) {
     uint64_t i;
-    if (!map || !codes || !absmax || !x || block_size == 0) return MN_ERR_INVALID_ARG;
+    if (!map || !codes || !absmax || !x || block_size == 0 || !mn__floats_fit(n))
+        return MN_ERR_INVALID_ARG;
     for (i = 0; i < n; i++) x[i] = map[codes[i]] * absmax[i / block_size];
     return MN_OK;
 }
-
-#define MN__OPT_MAX_BLOCK 4096u
 
 MNIMPL mn_result mn_adamw8bit_init(mn_adamw8bit *s, const uint64_t *dims, uint32_t ndim,
                                    const mn_adamw8bit_params *p, const mn_allocator *alloc) {
@@ -15846,7 +15864,7 @@ MNIMPL mn_result mn_clip_grad_norm(float *const *grads, const uint64_t *sizes, u
     if (norm_type == 0.0f) norm_type = 2.0f;
     if (!(norm_type > 0.0f)) return MN_ERR_INVALID_ARG;
     for (k = 0; k < count; k++)
-        if (!grads[k] && sizes[k] > 0) return MN_ERR_INVALID_ARG;
+        if ((!grads[k] && sizes[k] > 0) || !mn__floats_fit(sizes[k])) return MN_ERR_INVALID_ARG;
     inf_norm = !mn__opt_finite(norm_type);
     pn = (double)norm_type;
     for (k = 0; k < count; k++) {
@@ -15931,7 +15949,7 @@ MNIMPL mn_result mn_unscale_grads(mn_dtype dtype, void *grad, uint64_t n, float 
     uint64_t i;
     int bad = 0;
     if (dtype == MN_DTYPE_DEFAULT) dtype = MN_FP32;
-    if (!found_inf || (n > 0 && !grad)) return MN_ERR_INVALID_ARG;
+    if (!found_inf || (n > 0 && !grad) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     if (dtype == MN_FP32) {
         float *g = (float *)grad;
         for (i = 0; i < n; i++) {
@@ -17907,7 +17925,7 @@ MNIMPL mn_result mn_gelu_forward(float *out, const float *inp, size_t n) {
     // by the threads.
     size_t part, parts, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
     int big = mn__nt_big(n, 1), nt, pf;
-    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
+    if ((n && (!out || !inp)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     nt = big && mn__nt_want(out), pf = big && mn__pf_ahead();
     parts = mn__nt_parts(n);
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, parts)
@@ -17929,7 +17947,7 @@ MNIMPL mn_result mn_gelu_backward(float *dinp, const float *dout, const float *i
     // a Zen 4 core's was faster alone).
     size_t b, nb = n / MN__GELU_BLOCK + (n % MN__GELU_BLOCK != 0);
     int pf = mn__nt_big(n, 1) && mn__pf_ahead();
-    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
+    if ((n && (!dinp || !dout || !inp)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nb)
     for (b = 0; b < nb; b++) {
         size_t i0 = b * MN__GELU_BLOCK, end = n - i0 < MN__GELU_BLOCK ? n : i0 + MN__GELU_BLOCK;
@@ -17953,7 +17971,7 @@ MNIMPL mn_result mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
     // y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), Hendrycks & Gimpel 2016 (exact GELU); written
     // with erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2), which does not cancel for negative x
     size_t i;
-    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
+    if ((n && (!out || !inp)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) out[i] = 0.5f * inp[i] * erfcf(-inp[i] * 0.70710678118654752f);
     return MN_OK;
@@ -17962,7 +17980,7 @@ MNIMPL mn_result mn_gelu_erf_forward(float *out, const float *inp, size_t n) {
 MNIMPL mn_result mn_gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dy/dx = Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
     size_t i;
-    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
+    if ((n && (!dinp || !dout || !inp)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) {
         float x = inp[i];
@@ -17979,7 +17997,7 @@ MN__INLINE float mn__sigmoid(float x) { return 1.0f / (1.0f + mn__expf(-x)); }
 MNIMPL mn_result mn_silu_forward(float *out, const float *inp, size_t n) {
     // y = x sigmoid(x), Elfwing et al. 2018
     size_t i;
-    if (n && (!out || !inp)) return MN_ERR_INVALID_ARG;
+    if ((n && (!out || !inp)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) out[i] = inp[i] * mn__sigmoid(inp[i]);
     return MN_OK;
@@ -17988,7 +18006,7 @@ MNIMPL mn_result mn_silu_forward(float *out, const float *inp, size_t n) {
 MNIMPL mn_result mn_silu_backward(float *dinp, const float *dout, const float *inp, size_t n) {
     // dy/dx = s (1 + x (1 - s)), s = sigmoid(x), 1 - s = sigmoid(-x)
     size_t i;
-    if (n && (!dinp || !dout || !inp)) return MN_ERR_INVALID_ARG;
+    if ((n && (!dinp || !dout || !inp)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) {
         float x = inp[i], s = mn__sigmoid(x), sm = mn__sigmoid(-x);
@@ -18000,7 +18018,7 @@ MNIMPL mn_result mn_silu_backward(float *dinp, const float *dout, const float *i
 MNIMPL mn_result mn_swiglu_forward(float *out, const float *gate, const float *up, size_t n) {
     // y = silu(g) u, Shazeer 2020 (SwiGLU with the projections done by the caller's matmuls)
     size_t i;
-    if (n && (!out || !gate || !up)) return MN_ERR_INVALID_ARG;
+    if ((n && (!out || !gate || !up)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) out[i] = gate[i] * mn__sigmoid(gate[i]) * up[i];
     return MN_OK;
@@ -18010,7 +18028,7 @@ MNIMPL mn_result mn_swiglu_backward(float *dgate, float *dup, const float *dout,
                                     const float *up, size_t n) {
     // dg += dy u silu'(g); du += dy silu(g)
     size_t i;
-    if (n && (!dout || !gate || !up)) return MN_ERR_INVALID_ARG;
+    if ((n && (!dout || !gate || !up)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) {
         float g = gate[i], s = mn__sigmoid(g), sm = mn__sigmoid(-g);
@@ -18023,7 +18041,7 @@ MNIMPL mn_result mn_swiglu_backward(float *dgate, float *dup, const float *dout,
 MNIMPL mn_result mn_residual_forward(float *out, const float *a, const float *b, size_t n) {
     // y = a + b (llm.c train_gpt2.c residual_forward)
     size_t i;
-    if (n && (!out || !a || !b)) return MN_ERR_INVALID_ARG;
+    if ((n && (!out || !a || !b)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) out[i] = a[i] + b[i];
     return MN_OK;
@@ -18032,7 +18050,7 @@ MNIMPL mn_result mn_residual_forward(float *out, const float *a, const float *b,
 MNIMPL mn_result mn_residual_backward(float *da, float *db, const float *dout, size_t n) {
     // da += dy, db += dy
     size_t i;
-    if (n && (!dout)) return MN_ERR_INVALID_ARG;
+    if ((n && (!dout)) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, n)
     for (i = 0; i < n; i++) {
         if (da) da[i] += dout[i];
@@ -18057,6 +18075,7 @@ MNIMPL mn_result mn_embedding_forward(float *out, const int *tokens, const float
     // y[b,t,:] = wte[tok[b,t],:] + wpe[t,:] (llm.c train_gpt2.c encoder_forward)
     size_t n;
     if (!out || !tokens || !wte || V == 0) return MN_ERR_INVALID_ARG;
+    if (!mn__ops_fits(B, T, C) || !mn__ops_fits(V, C, 1)) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(tokens, B * T, V, 0)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(B * T * C, MN__OMP_MIN_ELEMS, B * T)
     for (n = 0; n < B * T; n++) {
@@ -18077,6 +18096,7 @@ MNIMPL mn_result mn_embedding_backward(float *dwte, float *dwpe, const float *do
     // own column blocks, so repeated tokens never race and the sum order is fixed.
     size_t blk, nblk = (C + 63) / 64;
     if (!dout || !tokens || V == 0) return MN_ERR_INVALID_ARG;
+    if (!mn__ops_fits(B, T, C) || !mn__ops_fits(V, C, 1)) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(tokens, B * T, V, 0)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(B * T * C, MN__OMP_MIN_ELEMS, nblk)
     for (blk = 0; blk < nblk; blk++) {
@@ -18131,7 +18151,8 @@ MNIMPL mn_result mn_crossentropy_forward(float *losses, float *probs, const floa
     float *heap = NULL, *rows = NULL;
     uint64_t bytes;
     int big, nt, team;
-    if (!losses || !logits || !targets || V == 0) return MN_ERR_INVALID_ARG;
+    if (!losses || !logits || !targets || V == 0 || !mn__ops_fits(N, V, 1))
+        return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
     big = (uint64_t)N * V >= MN__NT_MIN_BYTES / sizeof(float);
     nt = probs && big && mn__nt_want(probs);
@@ -18178,7 +18199,7 @@ MNIMPL mn_result mn_crossentropy_backward(float *dlogits, const float *dlosses, 
     // dx_j += (p_j - [j == y]) dloss (llm.c crossentropy_softmax_backward)
     size_t n;
     if (!dlogits || !dlosses || !targets || V == 0) return MN_ERR_INVALID_ARG;
-    if (!probs && !logits) return MN_ERR_INVALID_ARG;
+    if ((!probs && !logits) || !mn__ops_fits(N, V, 1)) return MN_ERR_INVALID_ARG;
     if (!mn__ids_valid(targets, N, V, 1)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(N * V, MN__OMP_MIN_ELEMS, N)
     for (n = 0; n < N; n++) {
@@ -18244,7 +18265,7 @@ MN__PRIVATE void mn__dropout_keep(uint8_t *keep, size_t n, float p, uint64_t see
 
 MNIMPL mn_result mn_dropout_mask(uint8_t *mask, size_t n, float p, uint64_t seed, uint64_t offset) {
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
-    if (!mask || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
+    if (!mask || !mn__dropout_p_valid(p) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nc)
     for (c = 0; c < nc; c++) {
         size_t i0 = c * MN__DROP_CHUNK;
@@ -18259,7 +18280,7 @@ MNIMPL mn_result mn_dropout_forward(float *out, uint8_t *mask, const float *inp,
     // y = x keep / (1 - p): inverted dropout, whose expectation is x (nothing to do at test time)
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
-    if (!out || !inp || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
+    if (!out || !inp || !mn__dropout_p_valid(p) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nc)
     for (c = 0; c < nc; c++) {
         uint8_t keep[MN__DROP_CHUNK];
@@ -18277,7 +18298,7 @@ MNIMPL mn_result mn_dropout_backward(float *dinp, const float *dout, const uint8
     // dx += dy keep / (1 - p)
     size_t c, nc = (n + MN__DROP_CHUNK - 1) / MN__DROP_CHUNK;
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
-    if (!dinp || !dout || !mn__dropout_p_valid(p)) return MN_ERR_INVALID_ARG;
+    if (!dinp || !dout || !mn__dropout_p_valid(p) || !mn__floats_fit(n)) return MN_ERR_INVALID_ARG;
     MN__OMP_FOR_WORK(n, MN__OMP_MIN_ELEMS, nc)
     for (c = 0; c < nc; c++) {
         uint8_t keep[MN__DROP_CHUNK];

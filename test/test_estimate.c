@@ -994,6 +994,9 @@ static void test_bad_model_fields(void) {
     stack[1].out = 64, stack[1].in = 0;
     CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
     CHECK(strstr(lg.last, "no input width") != NULL);
+    stack[1].in = 64, m.stack_len = (1u << 20) + 1;  // refused before the array is read
+    CHECK_ERR(estimate_logged(&m, &lg), MN_ERR_INVALID_ARG);
+    CHECK(strstr(lg.last, "1048576") != NULL);
 }
 
 static void test_presets_and_gpus(void) {

@@ -1695,6 +1695,29 @@ static void test_bad_arguments(void) {
     BAD(mn_fp16_to_fp32_array(NULL, y, N * C));
     BAD(mn_fp32_to_bf16_array(NULL, h, N * C));
     BAD(mn_bf16_to_fp32_array(h, NULL, N * C));
+    {  // shapes whose offsets wrap: refused before any memory is read (ASan), nothing written
+        const size_t q = (size_t)-1 / sizeof(float) + 1;  // elements whose bytes do not fit
+        int tok[4] = {0, 0, 0, 0};
+        uint8_t mk[4];
+        BAD(mn_embedding_forward(y, tok, x, NULL, big, big, 1, 2));    // B*T wraps to 0
+        BAD(mn_embedding_forward(y, tok, x, NULL, 1, 2, huge + 1, 2));  // V*C wraps to 2
+        BAD(mn_embedding_forward(y, tok, x, NULL, huge + 1, 1, 2, 2));  // B*T*C wraps to 2
+        BAD(mn_embedding_backward(y, NULL, x, tok, 1, 2, huge + 1, 2));
+        BAD(mn_embedding_backward(y, NULL, x, tok, huge + 1, 1, 2, 2));
+        BAD(mn_crossentropy_forward(m, NULL, x, tok, big, big));
+        BAD(mn_crossentropy_forward(m, NULL, x, tok, huge + 1, 2));
+        BAD(mn_crossentropy_backward(y, m, x, NULL, tok, 2, huge + 1));
+        BAD(mn_gelu_forward(y, x, q));
+        BAD(mn_gelu_forward(y, x, (size_t)-1));
+        BAD(mn_gelu_backward(y, x, x, q));
+        BAD(mn_gelu_erf_forward(y, x, q));
+        BAD(mn_silu_forward(y, x, q));
+        BAD(mn_swiglu_forward(y, x, x, q));
+        BAD(mn_residual_forward(y, x, x, q));
+        BAD(mn_fp32_to_bf16_array(x, h, q));
+        BAD(mn_dropout_forward(y, NULL, x, q, 0.1f, 1, 0));
+        BAD(mn_dropout_mask(mk, (size_t)-1, 0.1f, 1, 0));
+    }
 #undef BAD
     for (i = 0; i < n && memcmp(&y[i], &keep[i], sizeof *y) == 0; i++) continue;
     CHECK_MSG(i == n, "a refused op wrote its output at [%zu]", i);

@@ -819,6 +819,12 @@ static void test_state_bytes_values(void) {
     CHECK_EQ_U64(v, 2 * 5000 + 8 * 20);  // ceil(5000/256) = 20 blocks
     CHECK_OK(mn_adamw8bit_state_bytes(d1, 1, 0, 5001, &v));
     CHECK_EQ_U64(v, 8 * 5000);
+    CHECK_OK(mn_adamw8bit_state_bytes(d1, 1, 4096, 0, &v));  // the largest block init takes
+    CHECK_EQ_U64(v, 2 * 5000 + 8 * 2);
+    CHECK_ERR(mn_adamw8bit_state_bytes(d1, 1, 4097, 0, &v), MN_ERR_INVALID_ARG);  // as init
+    memset(&d, 0, sizeof d);
+    d.kind = MN_OPTIM_ADAMW_8BIT, d.block_size = 8192;
+    CHECK_ERR(mn_optim_state_bytes(&d, d1, 1, &v), MN_ERR_INVALID_ARG);
     CHECK_OK(mn_adafactor_state_bytes(d2, 2, 0, &v));
     CHECK_EQ_U64(v, 4 * (1000 + 3));
     CHECK_OK(mn_adafactor_state_bytes(d3, 3, 1, &v));

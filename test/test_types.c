@@ -36,11 +36,32 @@ static void test_size_parse(void) {
         {"0", 0}, {"512", 512}, {"4B", 4}, {"2KB", 2000}, {"2KiB", 2048}, {"1343MiB", 1343ull << 20},
         {"16GiB", 16ull << 30}, {"1.5GB", 1500000000ull}, {"80gb", 80000000000ull},
         {"0.5GiB", 1ull << 29}, {"1TiB", 1ull << 40}, {"18446744073709551615", UINT64_MAX},
+        // exact at any size, to the nearest byte (a half up)
+        {"9007199254740993.25", 9007199254740993ull}, {"18446744073.709551615GB", UINT64_MAX},
+        {"1.5", 2}, {"0.5B", 1}, {"0.49999999999999999999999", 0}, {"2.5KiB", 2560},
+        {"1.0000000001KiB", 1024}, {"0.0009765625KiB", 1}, {"0.00048828125KiB", 1},
+        {"0.00048828124KiB", 0}, {"3.", 3}, {"12.345678901234567890123456789TB", 12345678901235ull},
     };
     static const char *const bad[] = {"", "GiB", "-1", "1.5.5", "12 parsecs", "1e3", "0x10",
-                                      "18446744073709551616", "99999999999TiB", "1GiBB"};
+                                      "18446744073709551616", "99999999999TiB", "1GiBB", ".",
+                                      "18446744073.7095516155GB", "16777216TiB"};
     uint64_t v = 0;
     size_t i;
+    int k;
+    for (k = 0; k < 2000; k++) {  // bytes written in TiB, exactly (r / 2^40 has 40 decimals)
+        uint64_t b = mnt_rand_u64() >> (mnt_rand_u64() % 64), r = b & ((1ull << 40) - 1);
+        char txt[80];
+        int n = snprintf(txt, sizeof txt, "%llu.", (unsigned long long)(b >> 40)), d;
+        for (d = 0; d < 40; d++) {
+            r *= 10;
+            txt[n++] = (char)('0' + (r >> 40));
+            r &= (1ull << 40) - 1;
+        }
+        memcpy(txt + n, "TiB", 4);
+        CHECK_OK(mn_size_parse(txt, &v));
+        CHECK_MSG(v == b, "%s parsed as %llu, want %llu", txt, (unsigned long long)v,
+                  (unsigned long long)b);
+    }
     for (i = 0; i < sizeof ok / sizeof ok[0]; i++) {
         CHECK_OK(mn_size_parse(ok[i].s, &v));
         CHECK_EQ_U64(v, ok[i].want);
