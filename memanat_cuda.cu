@@ -702,6 +702,16 @@ static size_t mn__round256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 #define MN__CTX(ctx) do { if (!(ctx) || !(ctx)->p) return MN_ERR_INVALID_ARG; } while (0)
 
+// 1 when a shape's a * b * c elements fit size_t as floats (a factor may be 0), as memanat.h's
+// mn__ops_fits: every entry point checks the products it uses as element counts or offsets on
+// the host, before any launch, so that none wraps. uint64_t: the optimizers' counts are 64-bit.
+static int mn__cu_fits(uint64_t a, uint64_t b, uint64_t c) {
+    uint64_t lim = (uint64_t)(SIZE_MAX / sizeof(float));
+    if (a && b > lim / a) return 0;
+    if (a != 0 && b != 0 && c > lim / (a * b)) return 0;
+    return 1;
+}
+
 // Column partial sums, shared by the LayerNorm parameter gradients and the bias gradient: block
 // (32, 8) covers 32 columns and a chunk of rows; partial[chunk, c] is written; the finish kernel
 // adds sum_chunk partial[chunk, c] (in chunk order: deterministic) into dst[c].
@@ -913,6 +923,7 @@ MNDEF mn_result mn_cuda_layernorm_forward(mn_cuda *ctx, void *out, float *mean, 
     MN__CTX(ctx);
     MN__CHECK(ctx, out && inp && weight);
     MN__CHECK(ctx, C > 0);
+    if (!mn__cu_fits(N, C, 1)) return mn__bad(ctx, "N * C overflows");
     if (N == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__layernorm_forward, ctx, NULL, out, mean, rstd, inp, NULL, weight,
                  bias, N, C, eps);
@@ -926,6 +937,7 @@ MNDEF mn_result mn_cuda_residual_layernorm_forward(mn_cuda *ctx, void *residual,
     MN__CTX(ctx);
     MN__CHECK(ctx, residual && out && inp1 && inp2 && weight);
     MN__CHECK(ctx, C > 0);
+    if (!mn__cu_fits(N, C, 1)) return mn__bad(ctx, "N * C overflows");
     if (N == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__layernorm_forward, ctx, residual, out, mean, rstd, inp1, inp2,
                  weight, bias, N, C, eps);
@@ -1203,6 +1215,7 @@ MNDEF mn_result mn_cuda_layernorm_backward(mn_cuda *ctx, void *dinp, void *dweig
     MN__CHECK(ctx, dout && inp && mean && rstd);
     MN__CHECK(ctx, !dinp || weight);
     MN__CHECK(ctx, C > 0);
+    if (!mn__cu_fits(N, C, 1)) return mn__bad(ctx, "N * C overflows");
     if (N == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__layernorm_backward, ctx, dinp, dweight, dbias, dout, inp, weight,
                  mean, rstd, N, C);
@@ -1616,6 +1629,7 @@ MNDEF mn_result mn_cuda_softmax_forward(mn_cuda *ctx, void *out, const void *inp
     MN__CTX(ctx);
     MN__CHECK(ctx, out && inp);
     MN__CHECK(ctx, L > 0);
+    if (!mn__cu_fits(N, L, 1)) return mn__bad(ctx, "N * L overflows");
     if (N == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__softmax_forward, ctx, out, inp, N, L, scale, causal);
 }
@@ -1626,6 +1640,7 @@ MNDEF mn_result mn_cuda_softmax_backward(mn_cuda *ctx, void *dinp, const void *d
     MN__CTX(ctx);
     MN__CHECK(ctx, dinp && dout && out);
     MN__CHECK(ctx, L > 0);
+    if (!mn__cu_fits(N, L, 1)) return mn__bad(ctx, "N * L overflows");
     if (N == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__softmax_backward, ctx, dinp, dout, out, N, L, scale, causal);
 }
@@ -1702,6 +1717,7 @@ MNDEF mn_result mn_cuda_residual_forward(mn_cuda *ctx, void *out, const void *in
                                          const void *inp2, size_t n, mn_dtype dtype) {
     MN__CTX(ctx);
     MN__CHECK(ctx, out && inp1 && inp2);
+    if (!mn__cu_fits(n, 1, 1)) return mn__bad(ctx, "n overflows");
     if (n == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__residual_forward, ctx, out, inp1, inp2, n);
 }
@@ -1722,6 +1738,7 @@ MNDEF mn_result mn_cuda_gelu_forward(mn_cuda *ctx, void *out, const void *inp, s
                                      mn_dtype dtype) {
     MN__CTX(ctx);
     MN__CHECK(ctx, out && inp);
+    if (!mn__cu_fits(n, 1, 1)) return mn__bad(ctx, "n overflows");
     if (n == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__gelu_forward, ctx, out, inp, n);
 }
@@ -1730,6 +1747,7 @@ MNDEF mn_result mn_cuda_gelu_backward(mn_cuda *ctx, void *dinp, const void *dout
                                       size_t n, mn_dtype dtype) {
     MN__CTX(ctx);
     MN__CHECK(ctx, dinp && dout && inp);
+    if (!mn__cu_fits(n, 1, 1)) return mn__bad(ctx, "n overflows");
     if (n == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__gelu_backward, ctx, dinp, dout, inp, n);
 }
@@ -1884,6 +1902,7 @@ MNDEF mn_result mn_cuda_crossentropy_forward_backward(mn_cuda *ctx, float *losse
     MN__CHECK(ctx, losses && logits && targets);
     MN__CHECK(ctx, V > 0);
     MN__CHECK(ctx, N <= 0x7fffffffu);
+    if (!mn__cu_fits(N, V, 1)) return mn__bad(ctx, "N * V overflows");
     if (N == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__crossentropy, ctx, losses, dlogits, logits, targets, dloss, N, V);
 }
@@ -2005,6 +2024,8 @@ MNDEF mn_result mn_cuda_embedding_forward(mn_cuda *ctx, void *out, const int *to
     MN__CTX(ctx);
     MN__CHECK(ctx, out && tokens && wte);
     MN__CHECK(ctx, C > 0 && V > 0);
+    if (!mn__cu_fits(B, T, C) || !mn__cu_fits(V, C, 1))
+        return mn__bad(ctx, "B * T * C or V * C overflows");
     if (B * T == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__embedding_forward, ctx, out, tokens, wte, wpe, B, T, C, V);
 }
@@ -2015,6 +2036,8 @@ MNDEF mn_result mn_cuda_embedding_backward(mn_cuda *ctx, void *dwte, void *dwpe,
     MN__CTX(ctx);
     MN__CHECK(ctx, dout && tokens);
     MN__CHECK(ctx, C > 0 && V > 0);
+    if (!mn__cu_fits(B, T, C) || !mn__cu_fits(V, C, 1))
+        return mn__bad(ctx, "B * T * C or V * C overflows");
     if (B * T == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__embedding_backward, ctx, dwte, dwpe, dout, tokens, B, T, C, V);
 }
@@ -2103,6 +2126,7 @@ MNDEF mn_result mn_cuda_global_norm(mn_cuda *ctx, float *norm_out, const void *g
                                     mn_dtype dtype) {
     MN__CTX(ctx);
     MN__CHECK(ctx, norm_out && (grad || n == 0));
+    if (!mn__cu_fits(n, 1, 1)) return mn__bad(ctx, "n overflows");
     MN__DISPATCH(ctx, dtype, mn__global_norm, ctx, norm_out, grad, n);
 }
 
@@ -2192,6 +2216,7 @@ static mn_result mn__optim_step(mn_cuda *ctx, const mn_cuda_optim_flat *a, OP op
     MN__CHECK(ctx, a->param && a->grad);
     MN__CHECK(ctx, a->max_norm == 0.0f || a->grad_norm);
     MN__CHECK(ctx, a->max_norm >= 0.0f && a->inv_scale >= 0.0f);
+    if (!mn__cu_fits(a->n, 1, 1)) return mn__bad(ctx, "n overflows");
     if (a->n == 0) return MN_OK;
     switch (a->grad_dtype) {
     case MN_DTYPE_DEFAULT: case MN_FP32: return mn__optim_g<float, OP>(ctx, a, op);
@@ -2564,6 +2589,7 @@ MNDEF mn_result mn_cuda_adamw8bit_step(mn_cuda *ctx, const mn_adamw8bit_params *
     MN__CHECK(ctx, q.lr >= 0.0f && q.eps >= 0.0f && q.weight_decay >= 0.0f);
     MN__CHECK(ctx, q.beta1 >= 0.0f && q.beta1 < 1.0f && q.beta2 >= 0.0f && q.beta2 < 1.0f);
     MN__CHECK(ctx, q.block_size <= 4096);
+    if (!mn__cu_fits(a->flat.n, 1, 1)) return mn__bad(ctx, "n overflows");
     k = mn_hd_adamw8bit_coefs(q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, a->flat.step);
     if (!a->code1) {  // a small tensor: fp32 moments, element by element
         mn__adamw8bit32_op op;
@@ -3059,6 +3085,8 @@ MNDEF mn_result mn_cuda_adafactor_step(mn_cuda *ctx, const mn_adafactor_params *
     if ((a->rows && a->batch > UINT64_MAX / a->rows) ||
         (a->cols && a->batch * a->rows > UINT64_MAX / a->cols))
         return mn__bad(ctx, "batch * rows * cols overflows");
+    if (!mn__cu_fits(a->batch, a->rows, a->cols))
+        return mn__bad(ctx, "batch * rows * cols overflows");
     n = a->batch * a->rows * a->cols;
     MN__CHECK(ctx, a->flat.n == n);
     if (n == 0) return MN_OK;
@@ -3389,6 +3417,8 @@ MNDEF mn_result mn_cuda_matmul_forward(mn_cuda *ctx, void *out, void *pre_gelu, 
     MN__CHECK(ctx, C > 0 && OC > 0);
     MN__CHECK(ctx, dtype == MN_DTYPE_DEFAULT || dtype == MN_FP32 || dtype == MN_FP16 ||
                    dtype == MN_BF16);
+    if (!mn__cu_fits(N, C, 1) || !mn__cu_fits(N, OC, 1) || !mn__cu_fits(OC, C, 1))
+        return mn__bad(ctx, "N * C, N * OC or OC * C overflows");
     if (N == 0) return MN_OK;
     memset(&g, 0, sizeof g);
     g.ta = 1, g.tb = 0, g.m = (int64_t)OC, g.n = (int64_t)N, g.k = (int64_t)C;
@@ -3466,6 +3496,8 @@ MNDEF mn_result mn_cuda_matmul_backward(mn_cuda *ctx, void *dinp, void *dweight,
     MN__CHECK(ctx, C > 0 && OC > 0);
     MN__CHECK(ctx, dtype == MN_DTYPE_DEFAULT || dtype == MN_FP32 || dtype == MN_FP16 ||
                    dtype == MN_BF16);
+    if (!mn__cu_fits(N, C, 1) || !mn__cu_fits(N, OC, 1) || !mn__cu_fits(OC, C, 1))
+        return mn__bad(ctx, "N * C, N * OC or OC * C overflows");
     if (N == 0) return MN_OK;
     if (pre_gelu) {  // dpre over dout, with dbias from the same pass
         switch (dtype) {
@@ -3669,6 +3701,10 @@ MNDEF mn_result mn_cuda_attention_forward(mn_cuda *ctx, void *out, void *att, co
     MN__CHECK(ctx, out && qkv);
     MN__CHECK(ctx, NH > 0 && C > 0 && C % NH == 0);
     MN__CHECK(ctx, T <= 0x7fffffffu && B * NH <= 0x7fffffffu);
+    if (!mn__cu_fits(B, T, C) || !mn__cu_fits(B * T, 3, C))
+        return mn__bad(ctx, "B * T * 3C overflows");
+    if (att && (!mn__cu_fits(B, NH, T) || !mn__cu_fits(B * NH, T, T)))
+        return mn__bad(ctx, "B * NH * T * T overflows");
     if (B * T == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__attention_forward, ctx, out, att, qkv, B, T, C, NH, causal,
                  dtype);
@@ -3681,6 +3717,10 @@ MNDEF mn_result mn_cuda_attention_backward(mn_cuda *ctx, void *dqkv, const void 
     MN__CHECK(ctx, dqkv && dout && qkv);
     MN__CHECK(ctx, NH > 0 && C > 0 && C % NH == 0);
     MN__CHECK(ctx, T <= 0x7fffffffu && B * NH <= 0x7fffffffu);
+    if (!mn__cu_fits(B, T, C) || !mn__cu_fits(B * T, 3, C))
+        return mn__bad(ctx, "B * T * 3C overflows");
+    if (att && (!mn__cu_fits(B, NH, T) || !mn__cu_fits(B * NH, T, T)))
+        return mn__bad(ctx, "B * NH * T * T overflows");
     if (B * T == 0) return MN_OK;
     MN__DISPATCH(ctx, dtype, mn__attention_backward, ctx, dqkv, dout, qkv, att, B, T, C, NH,
                  causal, dtype);
