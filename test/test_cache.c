@@ -2088,6 +2088,9 @@ static void test_policy_model(void) {
     }
 }
 
+// In test/test_fitpaths.c (a white-box copy of the implementation).
+void test_cache_check_detects(void);
+
 const mnt_case test_cache_cases[] = {
     {"policy_model", test_policy_model},
     {"rounding_table", test_rounding_table},
@@ -2113,6 +2116,7 @@ const mnt_case test_cache_cases[] = {
     {"replay_cli", test_replay_cli},
     {"replay_matches_reference", test_replay_matches_reference},
     {"replay_many_live_ids", test_replay_many_live_ids},
+    {"check_detects_damage", test_cache_check_detects},
     {"replay_edges", test_replay_edges},
     {"sim_cache", test_sim_cache},
     {"write_file", test_write_file},

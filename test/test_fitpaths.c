@@ -660,3 +660,61 @@ void test_fit_entry_cut(void) {
     CHECK_MSG(cut && fitting, "outcomes not all seen: %d cut short, %d fitting alone", cut,
               fitting);
 }
+
+// mn_cache_check is the oracle of the allocator's tests, so it must see damage: each kind it
+// looks for, done by hand to a real cache (a large segment of 2 MiB blocks with a free one
+// between two allocated ones), is reported as MN_ERR_STATE with a message naming it, and once
+// undone the cache checks clean again.
+void test_cache_check_detects(void) {
+    mn_sim_cache e;
+    mn_cache_desc cd;
+    char msg[256] = "";
+    void *p[6];
+    mn__c_cache *c;
+    mn__c_block *a, *f = NULL;
+    uint64_t keep;
+    int i;
+    memset(&cd, 0, sizeof cd);
+    cd.logger.log_fn = keep_message, cd.logger.user_data = msg;
+    CHECK_OK(mn_sim_cache_init(&e, NULL, &cd));
+    for (i = 0; i < 6; i++)
+        CHECK_OK(mn_cache_alloc(&e.cache, 2u << 20, 0, MN_CAT_OTHER, NULL, &p[i]));
+    CHECK_OK(mn_cache_release(&e.cache, p[2]));
+    CHECK_OK(mn_cache_check(&e.cache));
+    c = e.cache.p;
+    CHECK(c->segs && !c->segs->next_seg);
+    if (!c->segs) goto done;
+    a = c->segs->head;
+    for (f = a; f && (f->allocated || !f->in_tree); f = f->next) continue;
+    CHECK(a && a->allocated && f && f->next && f->next->allocated);
+    if (!a || !f || !f->next) goto done;
+#define DAMAGED(what)                                                                          \
+    do {                                                                                       \
+        msg[0] = 0;                                                                            \
+        CHECK_ERR(mn_cache_check(&e.cache), MN_ERR_STATE);                                     \
+        CHECK_MSG(strstr(msg, what) != NULL, "want \"%s\", the check said \"%s\"", what, msg); \
+    } while (0)
+    a->size += 512;  // a block longer than its place
+    DAMAGED("does not tile its segment");
+    a->size -= 512;
+    f->next->prev_free = 0;  // the block after a free one says its prev is in no pool
+    DAMAGED("follows a free block");
+    f->next->prev_free = 1;
+    f->in_tree = 0;  // a free block out of its pool
+    DAMAGED("not in its pool");
+    f->in_tree = 1;
+    keep = c->st.allocated_bytes[MN_STAT_LARGE_POOL].current;  // a statistic off the blocks
+    c->st.allocated_bytes[MN_STAT_LARGE_POOL].current += 512;
+    DAMAGED("allocated_bytes[");
+    c->st.allocated_bytes[MN_STAT_LARGE_POOL].current = keep;
+    c->total_allocated_memory += 2u << 20;  // reserved bytes the segments do not hold
+    DAMAGED("total_allocated_memory");
+    c->total_allocated_memory -= 2u << 20;
+    c->segs->head = a->next;  // a segment that starts past its first block
+    DAMAGED("head");
+    c->segs->head = a;
+#undef DAMAGED
+    CHECK_OK(mn_cache_check(&e.cache));
+done:
+    mn_sim_cache_free(&e);
+}
