@@ -1305,6 +1305,35 @@ static void test_cache_oom(void) {
     mn_cache_free(&c);
 }
 
+// Shapes whose element counts or offsets wrap are refused on the host before any launch, and
+// nothing is written (the buffer keeps its poison); B = 0 is still an empty call.
+static void test_shape_overflow(void) {
+    const size_t big = (size_t)1 << 32, q = (size_t)-1 / sizeof(float) + 1;
+    float *buf = (float *)dev_poisoned(MN_FP32, 1024), *h;
+    int *tok = (int *)dev_poisoned(MN_FP32, 16);
+    size_t i;
+#define REFUSED(call) CHECK((call) == MN_ERR_INVALID_ARG)
+    REFUSED(mn_cuda_embedding_forward(&ctx, buf, tok, buf, NULL, big, big, 8, 100, MN_FP32));
+    REFUSED(mn_cuda_embedding_forward(&ctx, buf, tok, buf, NULL, 1, 2, q / 2 + 1, 2, MN_FP32));
+    REFUSED(mn_cuda_embedding_backward(&ctx, buf, NULL, buf, tok, big, big, 8, 100, MN_FP32));
+    REFUSED(mn_cuda_crossentropy_forward_backward(&ctx, buf, buf, buf, tok, 1.0f, 2, q, MN_FP32));
+    REFUSED(mn_cuda_layernorm_forward(&ctx, buf, buf, buf, buf, buf, NULL, big, big, 1e-5f,
+                                      MN_FP32));
+    REFUSED(mn_cuda_softmax_forward(&ctx, buf, buf, big, big, 1.0f, 0, MN_FP32));
+    REFUSED(mn_cuda_gelu_forward(&ctx, buf, buf, q, MN_BF16));
+    REFUSED(mn_cuda_global_norm(&ctx, buf, buf, (uint64_t)q, MN_FP32));
+    REFUSED(mn_cuda_matmul_forward(&ctx, buf, NULL, buf, buf, NULL, big, big, 8, MN_FP32));
+    REFUSED(mn_cuda_attention_forward(&ctx, buf, NULL, buf, big, 2, big, 2, 1, MN_FP32));
+#undef REFUSED
+    OK(mn_cuda_embedding_forward(&ctx, buf, tok, buf, NULL, 0, big, 8, 100, MN_FP32));
+    OK(mn_cuda_sync(&ctx));
+    h = down(MN_FP32, buf, 1024);
+    for (i = 0; i < 1024 && h[i] != h[i]; i++) continue;
+    CHECK(i == 1024);  // every element still the NaN poison
+    free(h);
+    release(buf), release(tok);
+}
+
 typedef struct tcase {
     const char *name;
     void (*fn)(void);
@@ -1312,6 +1341,7 @@ typedef struct tcase {
 
 static const tcase cases[] = {
     {"gelu", test_gelu},
+    {"shape_overflow", test_shape_overflow},
     {"residual", test_residual},
     {"workspace", test_workspace},
     {"scratch", test_scratch},
