@@ -2733,7 +2733,8 @@ MNIMPL mn_result mn_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
 
 // n elements of up to 4 bytes have a byte count that fits size_t: the element count of a host
 // array an op may be given (more would wrap its offsets; the ops refuse it).
-MN__PRIVATE int mn__floats_fit(uint64_t n) { return n <= (uint64_t)((size_t)-1 / sizeof(float)); }
+#define MN__FLOATS_MAX ((size_t)-1 / sizeof(float))
+MN__PRIVATE int mn__floats_fit(uint64_t n) { return n <= (uint64_t)MN__FLOATS_MAX; }
 
 MNIMPL mn_result mn_attention_scratch(uint64_t B, uint64_t T, uint64_t C, uint64_t NH,
                                       uint64_t esz, int backward, int att_kept, uint64_t *out) {
@@ -17039,9 +17040,6 @@ MN__PRIVATE void mn__gemm_acc(float *c, size_t ldc, const float *a, size_t a_rs,
 
 // ---- GELU ---------------------------------------------------------------------------------------
 
-#define MN__GELU_S 0.7978845608028654f  // sqrt(2/pi)
-#define MN__GELU_A 0.044715f
-
 // GELU tanh approximation, Hendrycks & Gimpel 2016 (llm.c train_gpt2.c gelu_forward):
 // 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as x sigmoid(2u) (the same
 // function: 0.5 (1 + tanh u) = sigmoid(2u)), so no tanh is needed and no 1 + tanh cancels for
@@ -17067,7 +17065,7 @@ MN__INLINE float mn__gelu(float x) {
 // e d^2 x (2 sqrt(2/pi) + 6 sqrt(2/pi) a x^2). Its polynomial takes x clamped to [-20, 20]: past
 // |x| ~ 12 its factor e d^2 is exactly 0 (exp of below -104), and the clamp keeps x^2 from
 // overflowing to inf there (0 * inf would make the derivative NaN).
-#define MN__GELU_D0 1.5957691216057308f     // 2 sqrt(2/pi)
+#define MN__GELU_D0 (-MN__GELU_C0)          // 2 sqrt(2/pi)
 #define MN__GELU_D1 0.21406444881780076f    // 6 sqrt(2/pi) 0.044715
 MN__INLINE float mn__gelu_grad(float x) {
     float e = mn__expf(mn__gelu_arg(x)), d = 1.0f / (1.0f + e), ed = e * d;
@@ -17080,7 +17078,7 @@ MN__INLINE float mn__gelu_grad(float x) {
 // MN_ERR_INVALID_ARG before anything is written. Aliasing and array lengths cannot be checked
 // from here: they are the caller's part (the comments at each declaration state them).
 MN__PRIVATE int mn__ops_fits(size_t a, size_t b, size_t c) {
-    size_t lim = (size_t)-1 / sizeof(float);
+    size_t lim = MN__FLOATS_MAX;
     if (a && b > lim / a) return 0;
     if (a != 0 && b != 0 && c > lim / (a * b)) return 0;
     return 1;
@@ -17854,15 +17852,15 @@ MN__INLINE void mn__ov_put(float *p, mn__ovf v, int nt) {
     if (nt) mn__ov_stream(p, v);
     else mn__ov_store(p, v);
 }
+// mn__gelu_arg on MN__OW lanes, the same operations.
+MN__INLINE mn__ovf mn__ov_gelu_arg(mn__ovf v) {
+    return mn__ov_abs(v) * MN__OFMA(v * v, mn__ov_set1(MN__GELU_C1), mn__ov_set1(MN__GELU_C0));
+}
 // The first two stages over x[0..n) (n a multiple of MN__OW, at most MN__STAGE):
 // a = -2|u| (mn__gelu_arg), then e = exp(a), as the scalar form computes them.
 MN__INLINE void mn__gelu_stage_e(float *e, const float *x, size_t n) {
     size_t j;
-    for (j = 0; j < n; j += MN__OW) {
-        mn__ovf v = mn__ov_load(x + j);
-        mn__ov_store(e + j, mn__ov_abs(v) * MN__OFMA(v * v, mn__ov_set1(MN__GELU_C1),
-                                                      mn__ov_set1(MN__GELU_C0)));
-    }
+    for (j = 0; j < n; j += MN__OW) mn__ov_store(e + j, mn__ov_gelu_arg(mn__ov_load(x + j)));
     for (j = 0; j < n; j += MN__OW) mn__ov_store(e + j, mn__ov_expf(mn__ov_load(e + j)));
 }
 #endif
@@ -17886,9 +17884,7 @@ MN__PRIVATE void mn__gelu_span(float *out, const float *inp, size_t n, int nt, s
     }
     for (; n - i >= MN__OW; i += MN__OW) {
         mn__ovf x = mn__ov_load(inp + i), e, d;
-        e = mn__ov_expf(mn__ov_abs(x) * MN__OFMA(x * x, mn__ov_set1(MN__GELU_C1),
-                                                  mn__ov_set1(MN__GELU_C0)));
-        d = 1.0f / (1.0f + e);
+        e = mn__ov_expf(mn__ov_gelu_arg(x)), d = 1.0f / (1.0f + e);
         mn__ov_store(out + i, x * mn__ov_sel(x >= 0.0f, d, e * d));
     }
 #endif
